@@ -1,0 +1,139 @@
+// Store microbenchmarks with their baselines in the same binary: memcpy for pulls and a plain
+// vectorised "a += b" for push-add, so results read as ratios on a noisy machine.
+#include <benchmark/benchmark.h>
+
+#include <Eigen/Core>
+
+#include <cstring>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "store/store.h"
+
+namespace pskv {
+namespace {
+
+constexpr std::int64_t kMinBytes = 64, kMaxBytes = 16 << 20;
+
+// One store per process, big enough for every value size and two threads' keys.
+Store& shared_store(std::uint32_t stripes = 1024) {
+  static std::unique_ptr<Store> stores[2];
+  auto& s = stores[stripes == 1024 ? 0 : 1];
+  if (!s) {
+    StoreOptions o;
+    o.stripes = stripes;
+    o.max_keys = 1 << 21;
+    o.arena_bytes = 512ull << 20;
+    s = Store::create(std::make_unique<HeapMemory>(Store::required_bytes(o)), o);
+  }
+  return *s;
+}
+
+Key key_for(std::int64_t bytes, int thread) { return (static_cast<Key>(bytes) << 8) | static_cast<Key>(thread); }
+
+std::uint32_t floats(std::int64_t bytes) { return static_cast<std::uint32_t>(bytes / 4); }
+
+void ensure(Store& s, Key k, std::uint32_t n) {
+  if (s.init_zero(k, n) != Errc::ok) std::abort();
+}
+
+void BM_Memcpy(benchmark::State& state) {
+  const auto bytes = static_cast<std::size_t>(state.range(0));
+  std::vector<float> src(bytes / 4, 1.0f), dst(bytes / 4);
+  for (auto _ : state) {
+    std::memcpy(dst.data(), src.data(), bytes);
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(state.iterations() * static_cast<std::int64_t>(bytes));
+}
+
+// The same Eigen expression the store's add rule runs, on plain vectors: the ceiling for push-add.
+__attribute__((noinline)) void add_into(float* a, const float* b, std::size_t n) {
+  const auto len = static_cast<Eigen::Index>(n);
+  Eigen::Map<Eigen::ArrayXf>(a, len) += Eigen::Map<const Eigen::ArrayXf>(b, len);
+}
+
+void BM_AddBaseline(benchmark::State& state) {
+  const auto n = floats(state.range(0));
+  std::vector<float> a(n, 0.0f), b(n, 1.0f);
+  for (auto _ : state) {
+    add_into(a.data(), b.data(), n);
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(state.iterations() * state.range(0));
+}
+
+void BM_Pull(benchmark::State& state) {
+  Store& s = shared_store();
+  const auto n = floats(state.range(0));
+  const Key k = key_for(state.range(0), state.thread_index());
+  ensure(s, k, n);
+  std::vector<float> out(n);
+  for (auto _ : state) {
+    if (s.pull(k, out).status != Errc::ok) state.SkipWithError("pull failed");
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(state.iterations() * state.range(0));
+}
+
+void BM_PushAdd(benchmark::State& state) {
+  Store& s = shared_store();
+  const auto n = floats(state.range(0));
+  const Key k = key_for(state.range(0), state.thread_index());
+  ensure(s, k, n);
+  std::vector<float> grad(n, 1.0f);
+  for (auto _ : state) {
+    if (s.push(k, grad) != Errc::ok) state.SkipWithError("push failed");
+  }
+  state.SetBytesProcessed(state.iterations() * state.range(0));
+}
+
+// Small values spread over many keys, as an embedding table is pulled.
+void BM_PullSmallRandomKeys(benchmark::State& state) {
+  Store& s = shared_store();
+  constexpr Key kKeys = 1 << 16;
+  constexpr Key kBase = 1ull << 40;
+  static bool ready = [&] {
+    for (Key k = 0; k < kKeys; ++k) ensure(s, kBase + k, 16);
+    return true;
+  }();
+  (void)ready;
+  std::vector<Key> order(4096);
+  std::mt19937_64 rng(42 + state.thread_index());
+  for (auto& k : order) k = kBase + rng() % kKeys;
+  float out[16];
+  std::size_t i = 0;
+  for (auto _ : state) {
+    s.pull(order[i++ & 4095], out);
+    benchmark::DoNotOptimize(out);
+  }
+  state.SetItemsProcessed(state.iterations());
+}
+
+// Two threads pushing to a small set of shared keys: how much the stripe count matters.
+void BM_PushContendedStripes(benchmark::State& state) {
+  const auto stripes = static_cast<std::uint32_t>(state.range(0));
+  Store& s = shared_store(stripes == 1024 ? 1024 : stripes);
+  constexpr Key kBase = 1ull << 50;
+  constexpr Key kKeys = 64;
+  for (Key k = 0; k < kKeys; ++k) ensure(s, kBase + k, 16);  // idempotent and thread-safe
+  std::vector<float> grad(16, 1.0f);
+  Key k = static_cast<Key>(state.thread_index());
+  for (auto _ : state) {
+    s.push(kBase + (k++ % kKeys), grad);
+  }
+  state.SetItemsProcessed(state.iterations());
+}
+
+BENCHMARK(BM_Memcpy)->RangeMultiplier(4)->Range(kMinBytes, kMaxBytes);
+BENCHMARK(BM_AddBaseline)->RangeMultiplier(4)->Range(kMinBytes, kMaxBytes);
+BENCHMARK(BM_Pull)->RangeMultiplier(4)->Range(kMinBytes, kMaxBytes)->Threads(1)->Threads(2)->UseRealTime();
+BENCHMARK(BM_PushAdd)->RangeMultiplier(4)->Range(kMinBytes, kMaxBytes)->Threads(1)->Threads(2)->UseRealTime();
+BENCHMARK(BM_PullSmallRandomKeys)->Threads(1)->Threads(2)->UseRealTime();
+BENCHMARK(BM_PushContendedStripes)->Arg(1)->Arg(1024)->Threads(2)->UseRealTime();
+
+}  // namespace
+}  // namespace pskv
+
+BENCHMARK_MAIN();

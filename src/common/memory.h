@@ -1,0 +1,39 @@
+// The allocator seam under the store: a store is laid out in one contiguous region of memory
+// that it does not own the mechanics of. The heap backend maps anonymous memory; the
+// shared-memory backend maps a Boost.Interprocess segment; the RDMA backend registers whichever
+// region it is given as one memory region.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+
+namespace pskv {
+
+// Thread-safety: data()/size() are immutable after construction and safe from any thread.
+class MemoryResource {
+ public:
+  virtual ~MemoryResource() = default;
+  // At least 64-byte aligned; stays mapped at this address for the object's lifetime.
+  virtual std::byte* data() noexcept = 0;
+  virtual std::size_t size() const noexcept = 0;
+};
+
+// Anonymous private mapping, page aligned and zero-filled; transparent huge pages requested.
+class HeapMemory final : public MemoryResource {
+ public:
+  explicit HeapMemory(std::size_t bytes);
+  ~HeapMemory() override;
+  HeapMemory(const HeapMemory&) = delete;
+  HeapMemory& operator=(const HeapMemory&) = delete;
+  std::byte* data() noexcept override { return data_; }
+  std::size_t size() const noexcept override { return size_; }
+
+ private:
+  std::byte* data_ = nullptr;
+  std::size_t size_ = 0;
+};
+
+inline constexpr std::size_t kCacheLine = 64;
+constexpr std::size_t align_up(std::size_t n, std::size_t a) noexcept { return (n + a - 1) / a * a; }
+
+}  // namespace pskv

@@ -1,0 +1,289 @@
+#include "store/store.h"
+
+#include <bit>
+#include <cstring>
+#include <new>
+#include <string>
+#include <thread>
+
+#include "store/update_kernels.h"
+
+namespace pskv {
+
+namespace {
+constexpr std::uint64_t kMagic = 0x31565f564b53505bULL;  // "[PSKV_V1"
+constexpr std::uint32_t kLayoutVersion = 1;
+constexpr std::uint64_t kEmpty = 0;
+constexpr std::uint64_t kHeaderBlock = 256;
+}  // namespace
+
+struct alignas(64) Store::Header {
+  std::uint64_t magic;
+  std::uint32_t layout_version;
+  std::uint32_t stripes;
+  std::uint64_t max_keys;
+  std::uint64_t index_capacity;  // power of two
+  std::uint64_t stripes_offset;
+  std::uint64_t index_offset;
+  std::uint64_t values_offset;
+  std::uint64_t values_bytes;
+  std::uint64_t state_offset;
+  std::uint64_t state_bytes;
+  std::uint64_t total_bytes;
+  UpdateRuleConfig rule;
+  alignas(64) SharedMutex create_lock;
+  alignas(64) std::atomic<std::uint64_t> values_used;
+  std::atomic<std::uint64_t> state_used;
+  std::atomic<std::uint64_t> key_count;
+};
+
+// Lookups read `slot` (acquire) and then `key`; an insert writes `key` first and publishes with
+// `slot` (release), so a reader that sees a slot sees its key. Entries are never removed.
+struct Store::IndexEntry {
+  std::atomic<std::uint64_t> key;
+  std::atomic<std::uint64_t> slot;  // offset of the SlotHeader from the region base + 1; 0 = empty
+};
+
+namespace {
+struct Layout {
+  std::uint64_t stripes_offset, index_offset, index_capacity, values_offset, state_offset, state_bytes, total;
+};
+
+Layout layout_for(const StoreOptions& o) {
+  Layout l{};
+  std::uint64_t off = kHeaderBlock;
+  l.stripes_offset = off;
+  off += std::uint64_t{o.stripes} * kCacheLine;
+  l.index_offset = off;
+  l.index_capacity = std::bit_ceil(std::max<std::uint64_t>(16, o.max_keys * 2));
+  off = align_up(off + l.index_capacity * 16, kCacheLine);
+  l.values_offset = off;
+  off = align_up(off + o.arena_bytes, kCacheLine);
+  l.state_offset = off;
+  l.state_bytes = o.arena_bytes * state_floats_per_value(o.rule.rule);
+  off = align_up(off + l.state_bytes, kCacheLine);
+  l.total = off;
+  return l;
+}
+
+void validate(const StoreOptions& o) {
+  if (o.stripes == 0 || !std::has_single_bit(o.stripes))
+    throw Error(Errc::invalid_argument, "stripe count " + std::to_string(o.stripes) + " is not a power of two");
+  if (o.max_keys == 0 || o.max_keys > (1ull << 34))
+    throw Error(Errc::invalid_argument, "max_keys must be in [1, 2^34], got " + std::to_string(o.max_keys));
+  if (o.arena_bytes < kCacheLine * 2 || o.arena_bytes > (1ull << 42))
+    throw Error(Errc::invalid_argument, "arena_bytes must be in [128, 2^42], got " + std::to_string(o.arena_bytes));
+}
+}  // namespace
+
+Store::Store(std::unique_ptr<MemoryResource> memory) : memory_(std::move(memory)) {}
+Store::~Store() = default;
+
+std::size_t Store::required_bytes(const StoreOptions& options) {
+  validate(options);
+  return layout_for(options).total;
+}
+
+std::unique_ptr<Store> Store::create(std::unique_ptr<MemoryResource> memory, const StoreOptions& options) {
+  static_assert(sizeof(Header) <= kHeaderBlock);
+  static_assert(sizeof(IndexEntry) == 16);
+  validate(options);
+  if (!memory) throw Error(Errc::invalid_argument, "Store::create: no memory");
+  const Layout l = layout_for(options);
+  if (memory->size() < l.total)
+    throw Error(Errc::capacity, "store region has " + std::to_string(memory->size()) + " bytes, needs " +
+                                    std::to_string(l.total));
+  if (reinterpret_cast<std::uintptr_t>(memory->data()) % kCacheLine != 0)
+    throw Error(Errc::invalid_argument, "store region is not 64-byte aligned");
+  std::byte* base = memory->data();
+  // The index and locks must start zeroed; the arenas are written before they are published.
+  std::memset(base, 0, l.values_offset);
+  auto* h = new (base) Header{};
+  h->layout_version = kLayoutVersion;
+  h->stripes = options.stripes;
+  h->max_keys = options.max_keys;
+  h->index_capacity = l.index_capacity;
+  h->stripes_offset = l.stripes_offset;
+  h->index_offset = l.index_offset;
+  h->values_offset = l.values_offset;
+  h->values_bytes = options.arena_bytes;
+  h->state_offset = l.state_offset;
+  h->state_bytes = l.state_bytes;
+  h->total_bytes = l.total;
+  h->rule = options.rule;
+  for (std::uint32_t i = 0; i < options.stripes; ++i) new (base + l.stripes_offset + i * kCacheLine) SharedMutex();
+  std::atomic_thread_fence(std::memory_order_release);
+  std::atomic_ref<std::uint64_t>(h->magic).store(kMagic, std::memory_order_release);
+  return std::unique_ptr<Store>(new Store(std::move(memory)));
+}
+
+std::unique_ptr<Store> Store::attach(std::unique_ptr<MemoryResource> memory) {
+  if (!memory || memory->size() < sizeof(Header))
+    throw Error(Errc::invalid_argument, "Store::attach: region too small to hold a store");
+  auto* h = reinterpret_cast<Header*>(memory->data());
+  if (std::atomic_ref<std::uint64_t>(h->magic).load(std::memory_order_acquire) != kMagic)
+    throw Error(Errc::protocol, "region does not hold a pskv store (bad magic); was it created by pskv-server?");
+  if (h->layout_version != kLayoutVersion)
+    throw Error(Errc::protocol, "store layout version " + std::to_string(h->layout_version) + " but this build reads " +
+                                    std::to_string(kLayoutVersion) + "; use matching pskv builds");
+  if (h->total_bytes > memory->size())
+    throw Error(Errc::protocol, "store header claims " + std::to_string(h->total_bytes) + " bytes but the region has " +
+                                    std::to_string(memory->size()));
+  return std::unique_ptr<Store>(new Store(std::move(memory)));
+}
+
+Store::Header& Store::header() const noexcept { return *reinterpret_cast<Header*>(memory_->data()); }
+Store::IndexEntry* Store::index() const noexcept {
+  return reinterpret_cast<IndexEntry*>(memory_->data() + header().index_offset);
+}
+SharedMutex& Store::stripe_lock(Key key) const noexcept {
+  const Header& h = header();
+  const std::uint64_t stripe = (mix64(key) >> 40) & (h.stripes - 1);
+  return *reinterpret_cast<SharedMutex*>(memory_->data() + h.stripes_offset + stripe * kCacheLine);
+}
+std::byte* Store::value_arena() noexcept { return memory_->data() + header().values_offset; }
+std::byte* Store::value_arena_const() const noexcept { return memory_->data() + header().values_offset; }
+std::uint64_t Store::used_bytes_acquire() const noexcept { return header().values_used.load(std::memory_order_acquire); }
+float* Store::state_of(SlotHeader& slot) const noexcept {
+  return reinterpret_cast<float*>(memory_->data() + header().state_offset + slot.state_offset);
+}
+
+const UpdateRuleConfig& Store::rule() const noexcept { return header().rule; }
+std::uint32_t Store::stripes() const noexcept { return header().stripes; }
+std::uint64_t Store::key_count() const noexcept { return header().key_count.load(std::memory_order_relaxed); }
+std::uint64_t Store::max_keys() const noexcept { return header().max_keys; }
+std::uint64_t Store::value_bytes_used() const noexcept { return used_bytes_acquire(); }
+std::uint64_t Store::value_bytes_capacity() const noexcept { return header().values_bytes; }
+
+SlotHeader* Store::find(Key key) const noexcept {
+  const Header& h = header();
+  IndexEntry* idx = index();
+  const std::uint64_t mask = h.index_capacity - 1;
+  for (std::uint64_t i = mix64(key) & mask;; i = (i + 1) & mask) {
+    const std::uint64_t slot = idx[i].slot.load(std::memory_order_acquire);
+    if (slot == kEmpty) return nullptr;
+    if (idx[i].key.load(std::memory_order_relaxed) == key)
+      return reinterpret_cast<SlotHeader*>(memory_->data() + slot - 1);
+  }
+}
+
+Errc Store::create_slot(Key key, std::uint32_t length, const float* initial) {
+  if (length == 0) return Errc::invalid_argument;
+  Header& h = header();
+  std::lock_guard guard(h.create_lock);
+  if (SlotHeader* existing = find(key)) return existing->length == length ? Errc::ok : Errc::length_mismatch;
+  if (h.key_count.load(std::memory_order_relaxed) >= h.max_keys) return Errc::capacity;
+  const std::uint64_t bytes = slot_bytes(length);
+  const std::uint64_t used = h.values_used.load(std::memory_order_relaxed);
+  if (used + bytes > h.values_bytes) return Errc::capacity;
+  const std::uint64_t state_floats = std::uint64_t{state_floats_per_value(h.rule.rule)} * length;
+  const std::uint64_t state_bytes = align_up(state_floats * sizeof(float), kCacheLine);
+  const std::uint64_t state_used = h.state_used.load(std::memory_order_relaxed);
+  if (state_used + state_bytes > h.state_bytes) return Errc::capacity;
+
+  std::byte* base = memory_->data();
+  auto* slot = new (base + h.values_offset + used) SlotHeader{};
+  slot->key = key;
+  slot->length = length;
+  slot->state_offset = state_used;
+  if (initial)
+    std::memcpy(slot->values(), initial, std::size_t{length} * sizeof(float));
+  else
+    std::memset(slot->values(), 0, std::size_t{length} * sizeof(float));
+  if (state_bytes) std::memset(base + h.state_offset + state_used, 0, state_bytes);
+  h.state_used.store(state_used + state_bytes, std::memory_order_relaxed);
+  h.values_used.store(used + bytes, std::memory_order_release);
+
+  IndexEntry* idx = index();
+  const std::uint64_t mask = h.index_capacity - 1;
+  std::uint64_t i = mix64(key) & mask;
+  while (idx[i].slot.load(std::memory_order_relaxed) != kEmpty) i = (i + 1) & mask;
+  idx[i].key.store(key, std::memory_order_relaxed);
+  idx[i].slot.store(h.values_offset + used + 1, std::memory_order_release);
+  h.key_count.fetch_add(1, std::memory_order_relaxed);
+  return Errc::ok;
+}
+
+Errc Store::init(Key key, std::span<const float> initial) {
+  if (initial.size() > UINT32_MAX) return Errc::invalid_argument;
+  return create_slot(key, static_cast<std::uint32_t>(initial.size()), initial.data());
+}
+
+Errc Store::init_zero(Key key, std::uint32_t length) { return create_slot(key, length, nullptr); }
+
+ReadResult Store::read_slot(const SlotHeader& slot, float* out) noexcept {
+  const std::size_t bytes = std::size_t{slot.length} * sizeof(float);
+  for (unsigned attempt = 0;; ++attempt) {
+    const std::uint64_t before = slot.seq.load(std::memory_order_acquire);
+    if ((before & 1) == 0) {
+      seqlock_copy(out, slot.values(), bytes);
+      std::atomic_thread_fence(std::memory_order_acquire);
+      if (slot.seq.load(std::memory_order_relaxed) == before) return {Errc::ok, before};
+    }
+    // A writer is inside; it holds the line for at most one update. Back off politely.
+    if (attempt < 64)
+      cpu_relax();
+    else
+      std::this_thread::yield();
+  }
+}
+
+ReadResult Store::pull(Key key, std::span<float> out) const noexcept {
+  const SlotHeader* slot = find(key);
+  if (!slot) return {Errc::not_found, 0};
+  if (slot->length != out.size()) return {Errc::length_mismatch, 0};
+  return read_slot(*slot, out.data());
+}
+
+Errc Store::apply_slot(SlotHeader& slot, const float* grad, const UpdateRuleConfig& rule, float lr_scale) noexcept {
+  // The state arena was sized for the store's own rule; a rule needing more state cannot run.
+  if (state_floats_per_value(rule.rule) > state_floats_per_value(header().rule.rule)) return Errc::unsupported;
+  float* state = state_floats_per_value(rule.rule) ? state_of(slot) : nullptr;
+  std::lock_guard guard(stripe_lock(slot.key));
+  const std::uint64_t seq = slot.seq.load(std::memory_order_relaxed);
+  slot.seq.store(seq + 1, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_release);
+  const std::uint64_t step = ++slot.update_count;
+  apply_update(rule, slot.values(), state, grad, slot.length, step, lr_scale);
+  slot.seq.store(seq + 2, std::memory_order_release);
+  return Errc::ok;
+}
+
+Errc Store::apply(Key key, std::span<const float> grad, const UpdateRuleConfig& rule, float lr_scale) noexcept {
+  SlotHeader* slot = find(key);
+  if (!slot) return Errc::not_found;
+  if (slot->length != grad.size()) return Errc::length_mismatch;
+  return apply_slot(*slot, grad.data(), rule, lr_scale);
+}
+
+Errc Store::push(Key key, std::span<const float> grad, float lr_scale) noexcept {
+  return apply(key, grad, header().rule, lr_scale);
+}
+
+Errc Store::pull_batch(std::span<const Key> keys, std::span<const std::span<float>> out,
+                       std::size_t* failed_at) const noexcept {
+  if (keys.size() != out.size()) return Errc::invalid_argument;
+  for (std::size_t i = 0; i < keys.size(); ++i) {
+    const ReadResult r = pull(keys[i], out[i]);
+    if (r.status != Errc::ok) {
+      if (failed_at) *failed_at = i;
+      return r.status;
+    }
+  }
+  return Errc::ok;
+}
+
+Errc Store::push_batch(std::span<const Key> keys, std::span<const std::span<const float>> grads, float lr_scale,
+                       std::size_t* failed_at) noexcept {
+  if (keys.size() != grads.size()) return Errc::invalid_argument;
+  for (std::size_t i = 0; i < keys.size(); ++i) {
+    const Errc e = push(keys[i], grads[i], lr_scale);
+    if (e != Errc::ok) {
+      if (failed_at) *failed_at = i;
+      return e;
+    }
+  }
+  return Errc::ok;
+}
+
+}  // namespace pskv

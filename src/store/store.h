@@ -1,0 +1,148 @@
+// The lock-striped parameter store: uint64 keys mapped to fixed-length float32 vectors, laid out
+// in one contiguous region so that the same bytes can live on the heap, in a shared-memory
+// segment, or under one RDMA memory region, and be checkpointed in one pass.
+//
+// Region layout (all offsets from the region base, every part 64-byte aligned):
+//   StoreHeader | stripe locks | key index | value arena | optimizer-state arena
+// A value slot is a 64-byte SlotHeader (seqlock word first) followed by the floats, padded to 64 B.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+
+#include "common/memory.h"
+#include "common/sync.h"
+#include "pskv/error.h"
+#include "pskv/update_rule.h"
+
+namespace pskv {
+
+using Key = std::uint64_t;
+
+struct StoreOptions {
+  std::uint64_t max_keys = 1 << 16;          // key index capacity
+  std::uint64_t arena_bytes = 64ull << 20;   // values incl. 64 B slot headers
+  std::uint32_t stripes = 1024;              // power of two
+  UpdateRuleConfig rule{};
+};
+
+struct alignas(64) SlotHeader {
+  std::atomic<std::uint64_t> seq;  // seqlock: odd while a writer is inside
+  std::uint64_t key;
+  std::uint32_t length;            // floats
+  std::uint32_t flags;
+  std::uint64_t state_offset;      // into the state arena; unused when the rule has no state
+  std::uint64_t update_count;      // updates applied so far (Adam's t)
+  std::uint64_t reserved[3];
+
+  float* values() noexcept { return reinterpret_cast<float*>(this + 1); }
+  const float* values() const noexcept { return reinterpret_cast<const float*>(this + 1); }
+};
+static_assert(sizeof(SlotHeader) == 64);
+
+inline constexpr std::size_t slot_bytes(std::uint32_t length) noexcept {
+  return sizeof(SlotHeader) + align_up(std::size_t{length} * sizeof(float), kCacheLine);
+}
+
+inline std::uint64_t mix64(std::uint64_t x) noexcept {
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdULL;
+  x ^= x >> 33;
+  x *= 0xc4ceb9fe1a85ec53ULL;
+  x ^= x >> 33;
+  return x;
+}
+
+// Result of a read: the seqlock version the copy was validated against.
+struct ReadResult {
+  Errc status = Errc::ok;
+  std::uint64_t version = 0;
+};
+
+// Thread-safety: all member functions may be called concurrently from any thread, and from any
+// process that maps the same region. init/push/assign take the key's stripe lock (so must only be
+// called by processes whose death ends the job); find/pull never lock and never block writers.
+class Store {
+ public:
+  static std::size_t required_bytes(const StoreOptions& options);
+  // Lays out an empty store in `memory` (at least required_bytes). Throws Error on bad options.
+  static std::unique_ptr<Store> create(std::unique_ptr<MemoryResource> memory, const StoreOptions& options);
+  // Opens a store another process laid out; validates magic, version and sizes.
+  static std::unique_ptr<Store> attach(std::unique_ptr<MemoryResource> memory);
+
+  ~Store();
+  Store(const Store&) = delete;
+  Store& operator=(const Store&) = delete;
+
+  // Creates `key` with `initial` as its value. If the key exists with the same length nothing is
+  // changed and ok is returned (first initialiser wins); another length gives length_mismatch.
+  Errc init(Key key, std::span<const float> initial);
+  // Creates `key` with `length` zeros (same first-wins semantics).
+  Errc init_zero(Key key, std::uint32_t length);
+
+  // nullptr when the key does not exist. The pointer stays valid for the store's lifetime.
+  SlotHeader* find(Key key) const noexcept;
+
+  // Copies the key's value into `out` (exact length required), validated by the seqlock.
+  ReadResult pull(Key key, std::span<float> out) const noexcept;
+  static ReadResult read_slot(const SlotHeader& slot, float* out) noexcept;
+
+  // Applies the store's update rule with `grad`; lr is multiplied by lr_scale.
+  Errc push(Key key, std::span<const float> grad, float lr_scale = 1.0f) noexcept;
+  // Applies an explicit rule (assign/add are the useful overrides).
+  Errc apply(Key key, std::span<const float> grad, const UpdateRuleConfig& rule, float lr_scale = 1.0f) noexcept;
+  Errc apply_slot(SlotHeader& slot, const float* grad, const UpdateRuleConfig& rule, float lr_scale) noexcept;
+
+  // Batches: keys[i] <-> values[i]. Stops at the first failure and returns its index in
+  // *failed_at (keys before it are done). One stripe lock acquisition per key.
+  Errc pull_batch(std::span<const Key> keys, std::span<const std::span<float>> out, std::size_t* failed_at = nullptr) const noexcept;
+  Errc push_batch(std::span<const Key> keys, std::span<const std::span<const float>> grads, float lr_scale = 1.0f,
+                  std::size_t* failed_at = nullptr) noexcept;
+
+  const UpdateRuleConfig& rule() const noexcept;
+  std::uint32_t stripes() const noexcept;
+  std::uint64_t key_count() const noexcept;
+  std::uint64_t max_keys() const noexcept;
+  std::uint64_t value_bytes_used() const noexcept;
+  std::uint64_t value_bytes_capacity() const noexcept;
+
+  // The whole region (what an RDMA backend registers) and the value arena within it.
+  std::byte* region() noexcept { return memory_->data(); }
+  std::size_t region_size() const noexcept { return memory_->size(); }
+  std::byte* value_arena() noexcept;
+  std::size_t slot_offset(const SlotHeader& slot) const noexcept {
+    return static_cast<std::size_t>(reinterpret_cast<const std::byte*>(&slot) - memory_->data());
+  }
+
+  // Visits every key in creation order (arena order). The callback gets the slot; values must be
+  // read with read_slot if writers may be active.
+  template <class F>
+  void for_each_slot(F&& visit) const {
+    std::uint64_t used = used_bytes_acquire();
+    std::uint64_t off = 0;
+    while (off < used) {
+      auto* slot = reinterpret_cast<SlotHeader*>(value_arena_const() + off);
+      visit(*slot);
+      off += slot_bytes(slot->length);
+    }
+  }
+
+ private:
+  struct Header;
+  struct IndexEntry;
+  explicit Store(std::unique_ptr<MemoryResource> memory);
+  Header& header() const noexcept;
+  IndexEntry* index() const noexcept;
+  SharedMutex& stripe_lock(Key key) const noexcept;
+  float* state_of(SlotHeader& slot) const noexcept;
+  std::byte* value_arena_const() const noexcept;
+  std::uint64_t used_bytes_acquire() const noexcept;
+  Errc create_slot(Key key, std::uint32_t length, const float* initial);
+
+  std::unique_ptr<MemoryResource> memory_;
+};
+
+}  // namespace pskv

@@ -1,0 +1,100 @@
+#include "store/sync_accumulator.h"
+
+#include <algorithm>
+
+namespace pskv {
+
+SyncAccumulator::SyncAccumulator(Store& store, SyncOptions options) : store_(store), options_(options) {
+  if (options_.num_workers == 0) throw Error(Errc::invalid_argument, "sync aggregation needs at least one worker");
+  if (options_.required == 0) options_.required = options_.num_workers;
+  if (options_.required > options_.num_workers)
+    throw Error(Errc::invalid_argument, "sync aggregation: K=" + std::to_string(options_.required) +
+                                            " exceeds N=" + std::to_string(options_.num_workers) + " workers");
+  if (options_.window == 0) options_.window = 1;
+}
+
+SyncOutcome SyncAccumulator::add(Key key, std::uint32_t worker, std::uint64_t step, std::span<const float> grad,
+                                 Errc* error) {
+  auto reject = [&](Errc e) {
+    if (error) *error = e;
+    return SyncOutcome::rejected;
+  };
+  if (worker >= options_.num_workers) return reject(Errc::invalid_argument);
+  const SlotHeader* slot = store_.find(key);
+  if (!slot) return reject(Errc::not_found);
+  if (slot->length != grad.size()) return reject(Errc::length_mismatch);
+
+  Stripe& s = stripe(key);
+  std::lock_guard guard(s.mu);
+  KeyState& st = s.keys[key];
+  if (step < st.next_step) {
+    ++s.stats.dropped_late;
+    return SyncOutcome::dropped_late;
+  }
+  if (step >= st.next_step + options_.window) return SyncOutcome::too_far_ahead;
+
+  auto it = std::find_if(st.pending.begin(), st.pending.end(), [&](const Pending& p) { return p.step == step; });
+  if (it == st.pending.end()) {
+    Pending p;
+    if (!st.spare.empty()) {
+      p = std::move(st.spare.back());
+      st.spare.pop_back();
+    }
+    p.step = step;
+    p.count = 0;
+    p.contributors.assign((options_.num_workers + 63) / 64, 0);
+    p.sum.assign(grad.begin(), grad.end());
+    st.pending.push_back(std::move(p));
+    it = st.pending.end() - 1;
+  } else {
+    if (it->contributors[worker / 64] & (1ull << (worker % 64))) {
+      ++s.stats.duplicates;
+      return SyncOutcome::duplicate;
+    }
+    float* sum = it->sum.data();
+    for (std::size_t i = 0; i < grad.size(); ++i) sum[i] += grad[i];
+  }
+  it->contributors[worker / 64] |= 1ull << (worker % 64);
+  ++it->count;
+
+  const std::uint64_t before = st.next_step;
+  if (Errc e = apply_ready(key, st, s.stats); e != Errc::ok) return reject(e);
+  return st.next_step > before ? SyncOutcome::applied : SyncOutcome::accumulated;
+}
+
+Errc SyncAccumulator::apply_ready(Key key, KeyState& st, SyncStats& stats) {
+  for (;;) {
+    auto it = std::find_if(st.pending.begin(), st.pending.end(),
+                           [&](const Pending& p) { return p.step == st.next_step; });
+    if (it == st.pending.end() || it->count < options_.required) return Errc::ok;
+    const float inv = 1.0f / static_cast<float>(it->count);
+    for (float& x : it->sum) x *= inv;
+    const float lr_scale = options_.linear_lr_scaling ? static_cast<float>(it->count) : 1.0f;
+    const Errc e = store_.push(key, it->sum, lr_scale);
+    ++st.next_step;
+    ++stats.applied_steps;
+    st.spare.push_back(std::move(*it));
+    st.pending.erase(it);
+    if (e != Errc::ok) return e;
+  }
+}
+
+std::uint64_t SyncAccumulator::next_step(Key key) const {
+  Stripe& s = stripe(key);
+  std::lock_guard guard(s.mu);
+  auto it = s.keys.find(key);
+  return it == s.keys.end() ? 0 : it->second.next_step;
+}
+
+SyncStats SyncAccumulator::stats() const {
+  SyncStats total;
+  for (const Stripe& s : stripes_) {
+    std::lock_guard guard(s.mu);
+    total.applied_steps += s.stats.applied_steps;
+    total.dropped_late += s.stats.dropped_late;
+    total.duplicates += s.stats.duplicates;
+  }
+  return total;
+}
+
+}  // namespace pskv

@@ -1,0 +1,18 @@
+// The update-rule kernels: value and optimizer state updated in place from a gradient, with Eigen
+// maps over the arena and no temporaries. Kept out of store.h so that only one translation unit
+// compiles Eigen for them.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "pskv/update_rule.h"
+
+namespace pskv {
+
+// `state` holds state_floats_per_value(rule) * n floats (first moment, then second moment).
+// `step` is the 1-based count of updates including this one (Adam's bias correction).
+void apply_update(const UpdateRuleConfig& rule, float* value, float* state, const float* grad, std::size_t n,
+                  std::uint64_t step, float lr_scale) noexcept;
+
+}  // namespace pskv

@@ -1,0 +1,118 @@
+#include "store/sync_accumulator.h"
+
+#include <gtest/gtest.h>
+
+#include <thread>
+#include <vector>
+
+namespace pskv {
+namespace {
+
+struct Fixture {
+  StoreOptions o;
+  std::unique_ptr<Store> store;
+  explicit Fixture(UpdateRule rule = UpdateRule::sgd, float lr = 0.1f) {
+    o.rule.rule = rule;
+    o.rule.lr = lr;
+    store = Store::create(std::make_unique<HeapMemory>(Store::required_bytes(o)), o);
+  }
+  float value(Key k) {
+    std::vector<float> out(store->find(k)->length);
+    store->pull(k, out);
+    return out[0];
+  }
+};
+
+TEST(SyncAccumulator, AppliesMeanOnceWithLinearLr) {
+  Fixture f;
+  ASSERT_EQ(f.store->init_zero(1, 2), Errc::ok);
+  SyncAccumulator acc(*f.store, {.num_workers = 4});
+  std::vector<float> g{1, 1};
+  for (std::uint32_t w = 0; w < 3; ++w) {
+    g = {float(w + 1), float(w + 1)};
+    EXPECT_EQ(acc.add(1, w, 0, g), SyncOutcome::accumulated);
+    EXPECT_EQ(f.value(1), 0.0f) << "nothing is applied before all N arrive";
+  }
+  g = {4, 4};
+  EXPECT_EQ(acc.add(1, 3, 0, g), SyncOutcome::applied);
+  // mean = 2.5, lr * N = 0.4  ->  -1.0
+  EXPECT_FLOAT_EQ(f.value(1), -1.0f);
+  EXPECT_EQ(acc.next_step(1), 1u);
+  EXPECT_EQ(f.store->find(1)->update_count, 1u) << "exactly one update per step";
+  EXPECT_EQ(acc.stats().applied_steps, 1u);
+}
+
+TEST(SyncAccumulator, WithoutLinearScalingUsesPlainLr) {
+  Fixture f;
+  ASSERT_EQ(f.store->init_zero(1, 1), Errc::ok);
+  SyncAccumulator acc(*f.store, {.num_workers = 2, .linear_lr_scaling = false});
+  std::vector<float> a{1}, b{3};
+  acc.add(1, 0, 0, a);
+  acc.add(1, 1, 0, b);
+  EXPECT_FLOAT_EQ(f.value(1), -0.2f);
+}
+
+TEST(SyncAccumulator, BackupWorkersDropTheLateGradient) {
+  Fixture f(UpdateRule::add);
+  ASSERT_EQ(f.store->init_zero(1, 1), Errc::ok);
+  SyncAccumulator acc(*f.store, {.num_workers = 3, .required = 2, .linear_lr_scaling = false});
+  std::vector<float> g{10};
+  EXPECT_EQ(acc.add(1, 0, 0, g), SyncOutcome::accumulated);
+  EXPECT_EQ(acc.add(1, 1, 0, g), SyncOutcome::applied);
+  EXPECT_FLOAT_EQ(f.value(1), 10.0f);
+  std::vector<float> straggler{1000};
+  EXPECT_EQ(acc.add(1, 2, 0, straggler), SyncOutcome::dropped_late);
+  // Step 1 must not contain the straggler's step-0 gradient.
+  std::vector<float> h{1};
+  acc.add(1, 0, 1, h);
+  acc.add(1, 2, 1, h);
+  EXPECT_FLOAT_EQ(f.value(1), 11.0f);
+  EXPECT_EQ(acc.stats().dropped_late, 1u);
+}
+
+TEST(SyncAccumulator, DuplicatesWindowAndBadInput) {
+  Fixture f(UpdateRule::add);
+  ASSERT_EQ(f.store->init_zero(1, 1), Errc::ok);
+  SyncAccumulator acc(*f.store, {.num_workers = 2, .window = 2});
+  std::vector<float> g{1};
+  EXPECT_EQ(acc.add(1, 0, 0, g), SyncOutcome::accumulated);
+  EXPECT_EQ(acc.add(1, 0, 0, g), SyncOutcome::duplicate);
+  EXPECT_EQ(acc.add(1, 0, 1, g), SyncOutcome::accumulated) << "one step ahead is buffered";
+  EXPECT_EQ(acc.add(1, 0, 2, g), SyncOutcome::too_far_ahead);
+  Errc e{};
+  EXPECT_EQ(acc.add(1, 5, 0, g, &e), SyncOutcome::rejected);
+  EXPECT_EQ(e, Errc::invalid_argument);
+  EXPECT_EQ(acc.add(2, 0, 0, g, &e), SyncOutcome::rejected);
+  EXPECT_EQ(e, Errc::not_found);
+  std::vector<float> wrong{1, 2};
+  EXPECT_EQ(acc.add(1, 1, 0, wrong, &e), SyncOutcome::rejected);
+  EXPECT_EQ(e, Errc::length_mismatch);
+  // Completing step 0 also completes the buffered step 1 once its second gradient arrives.
+  EXPECT_EQ(acc.add(1, 1, 0, g), SyncOutcome::applied);
+  EXPECT_EQ(acc.add(1, 1, 1, g), SyncOutcome::applied);
+  EXPECT_EQ(acc.next_step(1), 2u);
+  EXPECT_THROW(SyncAccumulator(*f.store, {.num_workers = 2, .required = 3}), Error);
+}
+
+TEST(SyncAccumulator, ConcurrentWorkersApplyEveryStepExactlyOnce) {
+  Fixture f(UpdateRule::add);
+  constexpr std::uint32_t kWorkers = 4, kSteps = 200;
+  for (Key k = 0; k < 8; ++k) ASSERT_EQ(f.store->init_zero(k, 16), Errc::ok);
+  SyncAccumulator acc(*f.store, {.num_workers = kWorkers, .linear_lr_scaling = false, .window = kSteps});
+  std::vector<std::thread> threads;
+  for (std::uint32_t w = 0; w < kWorkers; ++w)
+    threads.emplace_back([&, w] {
+      std::vector<float> g(16, 1.0f);
+      for (std::uint64_t step = 0; step < kSteps; ++step)
+        for (Key k = 0; k < 8; ++k) acc.add(k, w, step, g);
+    });
+  for (auto& t : threads) t.join();
+  for (Key k = 0; k < 8; ++k) {
+    EXPECT_FLOAT_EQ(f.value(k), float(kSteps)) << "mean of ones, once per step";
+    EXPECT_EQ(acc.next_step(k), kSteps);
+    EXPECT_EQ(f.store->find(k)->update_count, kSteps);
+  }
+}
+
+}  // namespace
+}  // namespace pskv

@@ -1,0 +1,103 @@
+// Each rule, run through the store (Eigen kernels), against a plain scalar reference.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "store/store.h"
+
+namespace pskv {
+namespace {
+
+struct Reference {
+  std::vector<double> v, m, s;
+  std::uint64_t t = 0;
+
+  void step(const UpdateRuleConfig& r, const std::vector<float>& grad, double lr_scale) {
+    ++t;
+    const double lr = double{r.lr} * lr_scale;
+    for (std::size_t i = 0; i < v.size(); ++i) {
+      double g = grad[i];
+      if (r.rule != UpdateRule::assign && r.rule != UpdateRule::add) g += double{r.weight_decay} * v[i];
+      switch (r.rule) {
+        case UpdateRule::assign: v[i] = grad[i]; break;
+        case UpdateRule::add: v[i] += grad[i]; break;
+        case UpdateRule::sgd: v[i] -= lr * g; break;
+        case UpdateRule::momentum:
+          m[i] = r.momentum * m[i] + g;
+          v[i] -= lr * m[i];
+          break;
+        case UpdateRule::adam: {
+          m[i] = r.beta1 * m[i] + (1 - double{r.beta1}) * g;
+          s[i] = r.beta2 * s[i] + (1 - double{r.beta2}) * g * g;
+          const double mhat = m[i] / (1 - std::pow(double{r.beta1}, double(t)));
+          const double shat = s[i] / (1 - std::pow(double{r.beta2}, double(t)));
+          v[i] -= lr * mhat / (std::sqrt(shat) + r.eps);
+          break;
+        }
+        case UpdateRule::adagrad:
+          s[i] += g * g;
+          v[i] -= lr * g / (std::sqrt(s[i]) + r.eps);
+          break;
+      }
+    }
+  }
+};
+
+struct Case {
+  UpdateRule rule;
+  float weight_decay;
+};
+
+class UpdateRuleTest : public ::testing::TestWithParam<Case> {};
+
+TEST_P(UpdateRuleTest, MatchesScalarReference) {
+  const Case c = GetParam();
+  UpdateRuleConfig cfg;
+  cfg.rule = c.rule;
+  cfg.lr = 0.05f;
+  cfg.weight_decay = c.weight_decay;
+  StoreOptions o;
+  o.rule = cfg;
+  auto store = Store::create(std::make_unique<HeapMemory>(Store::required_bytes(o)), o);
+
+  constexpr std::size_t n = 1037;  // not a multiple of any SIMD width
+  std::mt19937 rng(1234);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  std::vector<float> init(n);
+  for (auto& x : init) x = dist(rng);
+  ASSERT_EQ(store->init(9, init), Errc::ok);
+  Reference ref{std::vector<double>(init.begin(), init.end()), std::vector<double>(n), std::vector<double>(n)};
+
+  std::vector<float> grad(n), out(n);
+  for (int step = 0; step < 25; ++step) {
+    for (auto& x : grad) x = dist(rng);
+    const float lr_scale = step % 3 == 0 ? 2.0f : 1.0f;
+    ASSERT_EQ(store->push(9, grad, lr_scale), Errc::ok);
+    ref.step(cfg, grad, lr_scale);
+  }
+  ASSERT_EQ(store->pull(9, out).status, Errc::ok);
+  for (std::size_t i = 0; i < n; ++i)
+    ASSERT_NEAR(out[i], ref.v[i], 2e-4 * (1 + std::abs(ref.v[i]))) << "element " << i << " rule " << to_string(c.rule);
+}
+
+INSTANTIATE_TEST_SUITE_P(AllRules, UpdateRuleTest,
+                         ::testing::Values(Case{UpdateRule::assign, 0}, Case{UpdateRule::add, 0}, Case{UpdateRule::sgd, 0},
+                                           Case{UpdateRule::sgd, 0.01f}, Case{UpdateRule::momentum, 0},
+                                           Case{UpdateRule::momentum, 0.01f}, Case{UpdateRule::adam, 0},
+                                           Case{UpdateRule::adam, 0.01f}, Case{UpdateRule::adagrad, 0},
+                                           Case{UpdateRule::adagrad, 0.01f}),
+                         [](const auto& info) {
+                           return std::string(to_string(info.param.rule)) + (info.param.weight_decay != 0 ? "_wd" : "");
+                         });
+
+TEST(UpdateRuleNames, RoundTrip) {
+  for (auto r : {UpdateRule::assign, UpdateRule::add, UpdateRule::sgd, UpdateRule::momentum, UpdateRule::adam,
+                 UpdateRule::adagrad})
+    EXPECT_EQ(parse_update_rule(to_string(r)), r);
+  EXPECT_FALSE(parse_update_rule("rmsprop").has_value());
+}
+
+}  // namespace
+}  // namespace pskv
