@@ -44,41 +44,48 @@ TEST(StoreConcurrency, OverlappingAddsAreExact) {
 TEST(StoreConcurrency, ReadsAreNeverTorn) {
   auto s = make_store(4);
   constexpr std::uint32_t kLen = 4096;  // spans many cache lines
+  constexpr int kReadsPerReader = 4000;
   ASSERT_EQ(s->init_zero(1, kLen), Errc::ok);
   ASSERT_EQ(s->init_zero(2, kLen), Errc::ok);
-  std::atomic<bool> stop{false};
-  std::atomic<std::uint64_t> reads{0}, torn{0};
+  // Writers run from before the first read until after the last one, so every read races them.
+  std::atomic<int> writers_started{0}, readers_done{0};
+  std::atomic<std::uint64_t> torn{0}, writes{0}, versions_seen{0};
   UpdateRuleConfig assign;
   assign.rule = UpdateRule::assign;
   std::vector<std::thread> writers, readers;
   for (int w = 0; w < 2; ++w)
     writers.emplace_back([&, w] {
       std::vector<float> v(kLen);
-      for (int i = 1; i <= 3000; ++i) {
+      writers_started.fetch_add(1);
+      for (int i = 1; readers_done.load() < 2; ++i) {
         std::fill(v.begin(), v.end(), float(i * 2 + w));
         ASSERT_EQ(s->apply(1 + (i % 2), v, assign), Errc::ok);
+        writes.fetch_add(1, std::memory_order_relaxed);
       }
     });
   for (int r = 0; r < 2; ++r)
     readers.emplace_back([&] {
+      while (writers_started.load() < 2) std::this_thread::yield();
       std::vector<float> out(kLen);
-      while (!stop.load(std::memory_order_relaxed)) {
-        for (Key k : {Key{1}, Key{2}}) {
-          ASSERT_EQ(s->pull(k, out).status, Errc::ok);
-          for (float x : out)
-            if (x != out[0]) {
-              torn.fetch_add(1);
-              break;
-            }
-          reads.fetch_add(1, std::memory_order_relaxed);
-        }
+      std::uint64_t last = 0;
+      for (int i = 0; i < kReadsPerReader; ++i) {
+        const ReadResult res = s->pull(Key(1 + i % 2), out);
+        ASSERT_EQ(res.status, Errc::ok);
+        if (res.version != last) versions_seen.fetch_add(1, std::memory_order_relaxed);
+        last = res.version;
+        for (float x : out)
+          if (x != out[0]) {
+            torn.fetch_add(1);
+            break;
+          }
       }
+      readers_done.fetch_add(1);
     });
-  for (auto& t : writers) t.join();
-  stop = true;
   for (auto& t : readers) t.join();
+  for (auto& t : writers) t.join();
   EXPECT_EQ(torn.load(), 0u);
-  EXPECT_GT(reads.load(), 0u);
+  EXPECT_GT(writes.load(), 0u);
+  EXPECT_GT(versions_seen.load(), 1u) << "readers must have observed writes in progress";
 }
 
 TEST(StoreConcurrency, ConcurrentCreationOfTheSameKeys) {

@@ -1,0 +1,82 @@
+// pskv-server: serves one shard on a URI until SIGINT/SIGTERM.
+// Every flag can also come from a PSKV_* environment variable; the flag wins.
+#include <CLI/CLI.hpp>
+#include <csignal>
+#include <cstdio>
+#include <iostream>
+#include <thread>
+
+#include "pskv/error.h"
+#include "pskv/server.h"
+
+int main(int argc, char** argv) {
+  pskv::ServerOptions o;
+  CLI::App app{"pskv-server: one shard of the pskv parameter server.\n"
+               "Flags override PSKV_* environment variables, which override the defaults shown."};
+  app.get_formatter()->column_width(40);
+  std::string mode = "asp", rule = "add", straggler = "fail";
+  std::uint64_t arena_mb = o.arena_bytes >> 20, max_request_mb = o.max_request_bytes >> 20;
+  std::int64_t wait_ms = o.wait_timeout.count();
+  app.add_option("--uri", o.uri, "Endpoint: tcp://HOST:PORT (port 0 picks one), shm://NAME, rdma://HOST:PORT")
+      ->envname("PSKV_URI")->capture_default_str();
+  app.add_option("--server-id", o.server_id, "This shard's index among the servers")->envname("PSKV_SERVER_ID")->capture_default_str();
+  app.add_option("--workers", o.num_workers, "Workers that clock against this server (0: anonymous ASP only)")
+      ->envname("PSKV_WORKERS")->capture_default_str();
+  app.add_option("--mode", mode, "Consistency: asp, bsp, ssp or sync")->envname("PSKV_MODE")->capture_default_str()
+      ->check(CLI::IsMember({"asp", "bsp", "ssp", "sync"}));
+  app.add_option("--staleness", o.staleness, "SSP bound s: a worker at clock c reads once min(clocks) >= c - s")
+      ->envname("PSKV_STALENESS")->capture_default_str();
+  app.add_option("--sync-required", o.sync_required, "Sync mode: apply a step once K of N gradients arrived (0 = N)")
+      ->envname("PSKV_SYNC_REQUIRED")->capture_default_str();
+  app.add_option("--wait-timeout-ms", wait_ms, "How long a bounded read or barrier waits for a stalled worker")
+      ->envname("PSKV_WAIT_TIMEOUT_MS")->capture_default_str();
+  app.add_option("--straggler-policy", straggler, "fail: waiting reads get an error; evict: drop the stalled worker")
+      ->envname("PSKV_STRAGGLER_POLICY")->capture_default_str()->check(CLI::IsMember({"fail", "evict"}));
+  app.add_option("--rule", rule, "Update rule: assign, add, sgd, momentum, adam, adagrad")->envname("PSKV_RULE")
+      ->capture_default_str()->check(CLI::IsMember({"assign", "add", "sgd", "momentum", "adam", "adagrad"}));
+  app.add_option("--lr", o.rule.lr, "Learning rate")->envname("PSKV_LR")->capture_default_str();
+  app.add_option("--momentum", o.rule.momentum, "Momentum coefficient")->envname("PSKV_MOMENTUM")->capture_default_str();
+  app.add_option("--beta1", o.rule.beta1, "Adam beta1")->envname("PSKV_BETA1")->capture_default_str();
+  app.add_option("--beta2", o.rule.beta2, "Adam beta2")->envname("PSKV_BETA2")->capture_default_str();
+  app.add_option("--eps", o.rule.eps, "Adam/Adagrad epsilon")->envname("PSKV_EPS")->capture_default_str();
+  app.add_option("--weight-decay", o.rule.weight_decay, "L2 weight decay")->envname("PSKV_WEIGHT_DECAY")->capture_default_str();
+  app.add_option("--arena-mb", arena_mb, "Value arena size in MiB (optimizer state is sized to match)")
+      ->envname("PSKV_ARENA_MB")->capture_default_str();
+  app.add_option("--max-keys", o.max_keys, "Key index capacity")->envname("PSKV_MAX_KEYS")->capture_default_str();
+  app.add_option("--stripes", o.stripes, "Lock stripes (power of two)")->envname("PSKV_STRIPES")->capture_default_str();
+  app.add_option("--io-threads", o.io_threads, "Request threads (0: one per core)")->envname("PSKV_IO_THREADS")->capture_default_str();
+  app.add_option("--max-connections", o.max_connections, "Connections beyond this are refused with an error")
+      ->envname("PSKV_MAX_CONNECTIONS")->capture_default_str();
+  app.add_option("--max-request-mb", max_request_mb, "Largest request payload accepted, MiB")
+      ->envname("PSKV_MAX_REQUEST_MB")->capture_default_str();
+  app.add_option("--max-keys-per-request", o.max_keys_per_request, "Largest key table accepted")
+      ->envname("PSKV_MAX_KEYS_PER_REQUEST")->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+
+  o.mode = *pskv::parse_consistency_mode(mode);
+  o.rule.rule = *pskv::parse_update_rule(rule);
+  o.straggler = straggler == "evict" ? pskv::StragglerPolicy::evict : pskv::StragglerPolicy::fail;
+  o.arena_bytes = arena_mb << 20;
+  o.max_request_bytes = max_request_mb << 20;
+  o.wait_timeout = std::chrono::milliseconds(wait_ms);
+
+  // Block the stop signals before any thread starts, then wait for them here.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  try {
+    pskv::Server server(o);
+    std::printf("pskv-server listening on %s (mode %s, rule %s, workers %u)\n", server.uri().c_str(), mode.c_str(),
+                rule.c_str(), o.num_workers);
+    std::fflush(stdout);
+    int sig = 0;
+    sigwait(&stop_signals, &sig);
+    std::fprintf(stderr, "pskv-server: stopping on signal %d; stats %s\n", sig, server.stats_json().c_str());
+  } catch (const pskv::Error& e) {
+    std::fprintf(stderr, "pskv-server: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

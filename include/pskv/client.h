@@ -1,0 +1,100 @@
+// The worker-side API: asynchronous push and pull by key against one or more servers.
+//
+//   pskv::ClientOptions o;
+//   o.servers = {"tcp://10.0.0.1:9000", "tcp://10.0.0.2:9000"};
+//   o.worker_id = rank;                     // needed for clock()/barrier() and bounded reads
+//   pskv::Client client(o);
+//   client.wait(client.init(keys, initial));
+//   for (;;) {
+//     client.wait(client.pull(keys, weights));   // waits for the consistency bound
+//     ... compute gradients ...
+//     client.push(keys, grads);                  // ticket may be waited later
+//     client.clock();                             // ends the step
+//   }
+//
+// Nothing is copied on the client: pushes are sent from, and pulls land in, the caller's buffers,
+// which must stay valid until the ticket is waited.
+#pragma once
+
+#include <array>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "pskv/error.h"
+#include "pskv/types.h"
+
+namespace pskv {
+
+struct ClientOptions {
+  std::vector<std::string> servers;       // one URI per server: tcp://, shm://, rdma://
+  std::uint32_t worker_id = kNoWorker;    // this worker's rank among the server's --workers
+  Partition partition = Partition::hash;  // where a key lives
+  std::uint64_t range_keys = 0;           // range partition: keys [0, range_keys) split evenly
+  // Values longer than this are split into one contiguous chunk per server (BytePS-style), so no
+  // single server carries a whole large layer. 0 disables splitting.
+  std::uint64_t chunk_floats = 1u << 18;
+  std::chrono::milliseconds connect_timeout{10000};
+  std::chrono::milliseconds io_timeout{30000};
+  std::uint32_t max_in_flight = 128;      // outstanding requests per server connection
+  bool checksum = false;                  // CRC-32 over every request and reply
+};
+
+// Staleness seen by reads: how many clocks the slowest worker was behind this worker's clock.
+struct StalenessStats {
+  static constexpr std::size_t kBuckets = 17;  // 0..15, and 16 or more
+  std::uint64_t reads = 0;
+  std::uint64_t max = 0;
+  std::array<std::uint64_t, kBuckets> histogram{};
+};
+
+namespace detail {
+class ClientImpl;
+}
+
+// Thread-safety: init/push/pull/wait may be called concurrently from several threads;
+// clock() and barrier() belong to the worker's training loop (one thread).
+class Client {
+ public:
+  // Connects to every server; throws Error naming the server that could not be reached.
+  explicit Client(const ClientOptions& options);
+  // Tells the servers this worker is finished (so it holds nobody back) and disconnects.
+  ~Client();
+  Client(const Client&) = delete;
+  Client& operator=(const Client&) = delete;
+
+  // keys[i] goes with values[i]. The spans' lengths fix each key's length at init.
+  Ticket init(std::span<const Key> keys, std::span<const std::span<const float>> values);
+  Ticket push(std::span<const Key> keys, std::span<const std::span<const float>> values);
+  Ticket pull(std::span<const Key> keys, std::span<const std::span<float>> out);
+  Ticket init(Key key, std::span<const float> value) { return init({&key, 1}, {&value, 1}); }
+  Ticket push(Key key, std::span<const float> value) { return push({&key, 1}, {&value, 1}); }
+  Ticket pull(Key key, std::span<float> out) { return pull({&key, 1}, {&out, 1}); }
+
+  // Blocks until the operation completes; throws Error with the server's explanation on failure.
+  void wait(Ticket ticket);
+  // True when the operation has completed (wait() then returns or throws at once).
+  bool done(Ticket ticket) const;
+
+  // Ends this worker's step: the pushes issued before it are applied on every server before
+  // the new clock is visible to anyone. Synchronous.
+  void clock();
+  std::uint64_t current_clock() const noexcept;
+  // Waits until every live worker reached this barrier.
+  void barrier();
+  // Announces memory later used as push sources or pull destinations (RDMA registers it once).
+  void register_buffer(void* data, std::size_t bytes);
+
+  std::size_t num_servers() const noexcept;
+  StalenessStats staleness() const;
+  // The server's own counters as a JSON object.
+  std::string server_stats(std::size_t server);
+
+ private:
+  std::unique_ptr<detail::ClientImpl> impl_;
+};
+
+}  // namespace pskv

@@ -1,0 +1,55 @@
+// A pskv server shard. Construct it to start serving on its URI; destroy it (or stop()) to stop.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "pskv/types.h"
+#include "pskv/update_rule.h"
+
+namespace pskv {
+
+struct ServerOptions {
+  std::string uri = "tcp://127.0.0.1:9700";  // tcp://host:port (port 0 picks one), shm://name, rdma://host:port
+  std::uint32_t server_id = 0;
+  // Workers that clock against this server; 0 allows only anonymous ASP clients.
+  std::uint32_t num_workers = 0;
+  ConsistencyMode mode = ConsistencyMode::asp;
+  std::uint32_t staleness = 0;      // ssp
+  std::uint32_t sync_required = 0;  // sync: apply once K of N gradients arrived (0 = N)
+  std::chrono::milliseconds wait_timeout{10000};
+  StragglerPolicy straggler = StragglerPolicy::fail;
+  UpdateRuleConfig rule{};
+  std::uint64_t arena_bytes = 256ull << 20;
+  std::uint64_t max_keys = 1u << 20;
+  std::uint32_t stripes = 1024;
+  std::uint32_t io_threads = 0;  // 0: one per core
+  std::uint32_t max_connections = 1024;
+  std::uint64_t max_request_bytes = 256ull << 20;
+  std::uint32_t max_keys_per_request = 1u << 20;
+};
+
+namespace detail {
+class ServerImpl;
+}
+
+// Thread-safety: all members may be called from any thread.
+class Server {
+ public:
+  explicit Server(const ServerOptions& options);  // throws Error when it cannot serve
+  ~Server();
+  Server(const Server&) = delete;
+  Server& operator=(const Server&) = delete;
+
+  // The URI clients should use (with the real port when 0 was asked for).
+  std::string uri() const;
+  std::string stats_json() const;
+  void stop();
+
+ private:
+  std::unique_ptr<detail::ServerImpl> impl_;
+};
+
+}  // namespace pskv

@@ -1,0 +1,265 @@
+#include "pskv/client.h"
+
+#include <algorithm>
+#include <mutex>
+
+#include "client/placement.h"
+#include "consistency/clock_table.h"
+#include "transport/transport.h"
+
+namespace pskv {
+namespace detail {
+
+using transport::KeySlice;
+
+// Thread-safety: the op table is guarded by ops_mu_; each Op is touched by one issuing thread,
+// then by transport threads through its Completion, then by the waiting thread.
+class ClientImpl {
+ public:
+  explicit ClientImpl(const ClientOptions& o) : options_(o) {
+    if (o.servers.empty()) throw Error(Errc::invalid_argument, "ClientOptions.servers is empty: name at least one server URI");
+    placement_.servers = static_cast<std::uint32_t>(o.servers.size());
+    placement_.partition = o.partition;
+    placement_.range_keys = o.range_keys;
+    placement_.chunk_floats = o.chunk_floats;
+    transport::ConnectOptions c;
+    c.worker_id = o.worker_id;
+    c.connect_timeout = o.connect_timeout;
+    c.io_timeout = o.io_timeout;
+    c.max_in_flight = o.max_in_flight;
+    c.checksum = o.checksum;
+    for (const auto& s : o.servers) connections_.push_back(transport::connect(parse_uri(s), c));
+  }
+
+  ~ClientImpl() {
+    if (options_.worker_id == kNoWorker) return;
+    try {
+      send_clock(kClockDone);
+    } catch (const Error&) {
+      // The servers may already be gone; leaving is best effort.
+    }
+  }
+
+  Ticket issue(wire::Op kind, std::span<const Key> keys, std::size_t count, const float* const* data,
+               const std::size_t* sizes, std::uint64_t arg0, int only_server = -1, std::string* text_out = nullptr) {
+    const std::size_t servers = connections_.size();
+    auto [op, ticket] = acquire();
+    for (auto& s : op->slices) s.clear();
+    thread_local std::vector<Part> parts;
+    for (std::size_t i = 0; i < count; ++i) {
+      if (sizes[i] == 0 || sizes[i] > UINT32_MAX) {
+        release(ticket);
+        throw Error(Errc::invalid_argument, "key " + std::to_string(keys[i]) + " has " + std::to_string(sizes[i]) +
+                                                " floats; lengths must be in [1, 2^32)");
+      }
+      parts.clear();
+      place(placement_, keys[i], static_cast<std::uint32_t>(sizes[i]), parts);
+      for (const Part& p : parts)
+        op->slices[p.server].push_back({keys[i], p.length, const_cast<float*>(data[i]) + p.offset});
+    }
+    // Clocks go to every server; stats and barriers to one; data ops to the servers they touch.
+    auto targets_server = [&](std::size_t s) {
+      if (only_server >= 0) return static_cast<int>(s) == only_server;
+      return kind == wire::Op::clock || !op->slices[s].empty();
+    };
+    std::uint32_t targets = 0;
+    for (std::size_t s = 0; s < servers; ++s) targets += targets_server(s);
+    op->kind = kind;
+    op->clock_at_issue = clock_;
+    op->completion.reset(targets);
+    for (std::size_t s = 0; s < servers; ++s) {
+      if (!targets_server(s)) continue;
+      transport::Request& r = op->requests[s];
+      r.op = kind;
+      r.arg0 = arg0;
+      r.arg1 = 0;
+      r.keys = op->slices[s];
+      r.completion = &op->completion;
+      r.text_out = text_out;
+      connections_[s]->submit(r);
+    }
+    return ticket;
+  }
+
+  void wait(Ticket ticket) {
+    Op* op = lookup(ticket);
+    // Transports guarantee every request completes (answer, error, or their own timeout), so
+    // this wait is bounded by them; the deadline only re-checks.
+    while (!op->completion.wait(std::chrono::steady_clock::now() + std::chrono::hours(1))) {
+    }
+    const Errc status = op->completion.status();
+    std::string message = op->completion.message();
+    if (status == Errc::ok && op->kind == wire::Op::pull) record_staleness(op->clock_at_issue, op->completion.bound());
+    const wire::Op kind = op->kind;
+    release(ticket);
+    if (status != Errc::ok) throw Error(status, std::string(wire::op_name(static_cast<std::uint16_t>(kind))) + ": " + message);
+  }
+
+  bool done(Ticket ticket) { return lookup(ticket)->completion.done(); }
+
+  void send_clock(std::uint64_t value) {
+    const Ticket t = issue(wire::Op::clock, {}, 0, nullptr, nullptr, value);
+    wait(t);
+  }
+
+  void clock() {
+    if (options_.worker_id == kNoWorker)
+      throw Error(Errc::invalid_argument, "clock() needs ClientOptions.worker_id (this client is anonymous)");
+    send_clock(clock_ + 1);
+    ++clock_;
+  }
+
+  void barrier() {
+    if (options_.worker_id == kNoWorker)
+      throw Error(Errc::invalid_argument, "barrier() needs ClientOptions.worker_id (this client is anonymous)");
+    ++barrier_generation_;
+    wait(issue(wire::Op::barrier, {}, 0, nullptr, nullptr, barrier_generation_, 0));
+  }
+
+  std::string server_stats(std::size_t server) {
+    if (server >= connections_.size()) throw Error(Errc::invalid_argument, "no server " + std::to_string(server));
+    std::string text;
+    wait(issue(wire::Op::stats, {}, 0, nullptr, nullptr, 0, static_cast<int>(server), &text));
+    return text;
+  }
+
+  void register_buffer(void* data, std::size_t bytes) {
+    for (auto& c : connections_) c->register_memory(data, bytes);
+  }
+
+  StalenessStats staleness() const {
+    std::lock_guard lock(stats_mu_);
+    return staleness_;
+  }
+
+  std::uint64_t current_clock() const noexcept { return clock_; }
+  std::size_t num_servers() const noexcept { return connections_.size(); }
+
+ private:
+  struct Op {
+    transport::Completion completion;
+    std::vector<transport::Request> requests;
+    std::vector<std::vector<KeySlice>> slices;
+    wire::Op kind = wire::Op::pull;
+    std::uint64_t clock_at_issue = 0;
+    std::uint32_t generation = 0;
+    bool in_use = false;
+  };
+  static constexpr unsigned kIndexBits = 20;
+
+  std::pair<Op*, Ticket> acquire() {
+    std::lock_guard lock(ops_mu_);
+    std::uint32_t index;
+    if (!free_.empty()) {
+      index = free_.back();
+      free_.pop_back();
+    } else {
+      if (ops_.size() >= (1u << kIndexBits))
+        throw Error(Errc::capacity, "more than 2^20 operations outstanding: wait() for some tickets");
+      index = static_cast<std::uint32_t>(ops_.size());
+      auto op = std::make_unique<Op>();
+      op->requests.resize(connections_.size());
+      op->slices.resize(connections_.size());
+      ops_.push_back(std::move(op));
+    }
+    Op* op = ops_[index].get();
+    op->in_use = true;
+    ++op->generation;
+    return {op, (Ticket{op->generation} << kIndexBits) | index};
+  }
+
+  Op* lookup(Ticket ticket) {
+    std::lock_guard lock(ops_mu_);
+    const auto index = static_cast<std::uint32_t>(ticket & ((1u << kIndexBits) - 1));
+    if (index >= ops_.size() || !ops_[index]->in_use || ops_[index]->generation != (ticket >> kIndexBits))
+      throw Error(Errc::invalid_argument, "ticket " + std::to_string(ticket) + " is unknown or was already waited");
+    return ops_[index].get();
+  }
+
+  void release(Ticket ticket) {
+    std::lock_guard lock(ops_mu_);
+    const auto index = static_cast<std::uint32_t>(ticket & ((1u << kIndexBits) - 1));
+    ops_[index]->in_use = false;
+    free_.push_back(index);
+  }
+
+  void record_staleness(std::uint64_t clock, std::uint64_t bound) {
+    if (options_.worker_id == kNoWorker || bound == ~0ull || bound == kClockDone) return;
+    const std::uint64_t s = clock > bound ? clock - bound : 0;
+    std::lock_guard lock(stats_mu_);
+    ++staleness_.reads;
+    staleness_.max = std::max(staleness_.max, s);
+    ++staleness_.histogram[std::min<std::uint64_t>(s, StalenessStats::kBuckets - 1)];
+  }
+
+  ClientOptions options_;
+  PlacementOptions placement_;
+  std::vector<std::unique_ptr<transport::Connection>> connections_;
+  std::mutex ops_mu_;
+  std::vector<std::unique_ptr<Op>> ops_;
+  std::vector<std::uint32_t> free_;
+  std::uint64_t clock_ = 0;
+  std::uint64_t barrier_generation_ = 0;
+  mutable std::mutex stats_mu_;
+  StalenessStats staleness_;
+};
+
+}  // namespace detail
+
+namespace {
+template <class Span>
+void check_counts(std::span<const Key> keys, std::span<Span> values) {
+  if (keys.size() != values.size())
+    throw Error(Errc::invalid_argument, std::to_string(keys.size()) + " keys but " + std::to_string(values.size()) +
+                                            " value buffers");
+}
+
+// Flattens spans into pointer/size arrays without allocating in steady state.
+struct Flat {
+  std::vector<const float*> data;
+  std::vector<std::size_t> sizes;
+  template <class Span>
+  void fill(std::span<Span> values) {
+    data.clear();
+    sizes.clear();
+    for (const auto& v : values) {
+      data.push_back(v.data());
+      sizes.push_back(v.size());
+    }
+  }
+};
+thread_local Flat flat;
+}  // namespace
+
+Client::Client(const ClientOptions& options) : impl_(std::make_unique<detail::ClientImpl>(options)) {}
+Client::~Client() = default;
+
+Ticket Client::init(std::span<const Key> keys, std::span<const std::span<const float>> values) {
+  check_counts(keys, values);
+  flat.fill(values);
+  return impl_->issue(wire::Op::init, keys, keys.size(), flat.data.data(), flat.sizes.data(), 0);
+}
+
+Ticket Client::push(std::span<const Key> keys, std::span<const std::span<const float>> values) {
+  check_counts(keys, values);
+  flat.fill(values);
+  return impl_->issue(wire::Op::push, keys, keys.size(), flat.data.data(), flat.sizes.data(), impl_->current_clock());
+}
+
+Ticket Client::pull(std::span<const Key> keys, std::span<const std::span<float>> out) {
+  check_counts(keys, out);
+  flat.fill(out);
+  return impl_->issue(wire::Op::pull, keys, keys.size(), flat.data.data(), flat.sizes.data(), impl_->current_clock());
+}
+
+void Client::wait(Ticket ticket) { impl_->wait(ticket); }
+bool Client::done(Ticket ticket) const { return impl_->done(ticket); }
+void Client::clock() { impl_->clock(); }
+std::uint64_t Client::current_clock() const noexcept { return impl_->current_clock(); }
+void Client::barrier() { impl_->barrier(); }
+void Client::register_buffer(void* data, std::size_t bytes) { impl_->register_buffer(data, bytes); }
+std::size_t Client::num_servers() const noexcept { return impl_->num_servers(); }
+StalenessStats Client::staleness() const { return impl_->staleness(); }
+std::string Client::server_stats(std::size_t server) { return impl_->server_stats(server); }
+
+}  // namespace pskv

@@ -1,0 +1,354 @@
+#include "server/shard_engine.h"
+
+#include <algorithm>
+#include <sstream>
+
+namespace pskv {
+
+namespace {
+std::string key_error(Errc e, std::uint64_t key, std::uint32_t length, const Store& store) {
+  const std::string k = "key " + std::to_string(key);
+  switch (e) {
+    case Errc::not_found: return k + " does not exist on this server: init it before pushing or pulling";
+    case Errc::length_mismatch: {
+      const SlotHeader* s = store.find(key);
+      return k + " has " + std::to_string(s ? s->length : 0) + " floats, the request says " + std::to_string(length);
+    }
+    case Errc::capacity:
+      return k + ": the server is full (" + std::to_string(store.key_count()) + " keys, " +
+             std::to_string(store.value_bytes_used() >> 20) + " MiB used): raise --arena-mb or --max-keys";
+    case Errc::unsupported: return k + ": the update rule needs optimizer state this store was not sized for";
+    default: return k + ": " + std::string(errc_name(e));
+  }
+}
+}  // namespace
+
+ShardEngine::ShardEngine(const EngineOptions& options, std::unique_ptr<MemoryResource> store_memory,
+                         void* clock_memory)
+    : options_(options) {
+  if (!store_memory) store_memory = std::make_unique<HeapMemory>(Store::required_bytes(options.store));
+  store_ = Store::create(std::move(store_memory), options.store);
+  if (options.num_workers > 0) {
+    if (!clock_memory) {
+      clock_storage_.resize(ClockTable::bytes_for(options.num_workers) + 64);
+      auto p = reinterpret_cast<std::uintptr_t>(clock_storage_.data());
+      clock_memory = reinterpret_cast<void*>((p + 63) & ~std::uintptr_t{63});
+    }
+    clocks_ = std::make_unique<ClockTable>(clock_memory, options.num_workers, true);
+    barrier_gen_.assign(options.num_workers, 0);
+  } else if (options.mode != ConsistencyMode::asp) {
+    throw Error(Errc::invalid_argument, std::string("mode ") + std::string(to_string(options.mode)) +
+                                            " needs the number of workers (--workers N)");
+  }
+  if (options.mode == ConsistencyMode::sync)
+    sync_ = std::make_unique<SyncAccumulator>(
+        *store_, SyncOptions{.num_workers = options.num_workers, .required = options.sync_required});
+  watchdog_ = std::thread([this] { watchdog(); });
+}
+
+ShardEngine::~ShardEngine() { shutdown(); }
+
+void ShardEngine::shutdown() {
+  std::vector<Waiter> orphans;
+  {
+    std::lock_guard lock(mu_);
+    if (stopping_ && !watchdog_.joinable()) return;
+    stopping_ = true;
+    orphans.swap(waiters_);
+  }
+  cv_.notify_all();
+  for (auto& w : orphans) w.op->resume(Errc::peer_failure, "the server is shutting down");
+  if (watchdog_.joinable() && watchdog_.get_id() != std::this_thread::get_id()) watchdog_.join();
+}
+
+Errc ShardEngine::check_worker(std::uint32_t worker, std::string* why) const {
+  if (!clocks_) {
+    if (why) *why = "this server runs without worker clocks (--workers 0); clock, barrier and bounded reads need --workers N";
+    return Errc::invalid_argument;
+  }
+  if (worker >= clocks_->workers()) {
+    if (why)
+      *why = "worker id " + std::to_string(worker) + " is out of range: the server was started with --workers " +
+             std::to_string(clocks_->workers());
+    return Errc::invalid_argument;
+  }
+  return Errc::ok;
+}
+
+Errc ShardEngine::init(std::span<const wire::KeyEntry> keys, const float* values, std::string* why) {
+  for (const auto& k : keys) {
+    const Errc e = store_->init(k.key, {values, k.length});
+    if (e != Errc::ok) {
+      if (why) *why = key_error(e, k.key, k.length, *store_);
+      return e;
+    }
+    values += k.length;
+  }
+  return Errc::ok;
+}
+
+Errc ShardEngine::push(std::uint32_t worker, std::uint64_t clock, std::span<const wire::KeyEntry> keys,
+                       const float* values, std::string* why) {
+  // Validate the whole request first, so that a bad key leaves nothing half-applied.
+  for (const auto& k : keys) {
+    const SlotHeader* slot = store_->find(k.key);
+    const Errc e = !slot ? Errc::not_found : slot->length != k.length ? Errc::length_mismatch : Errc::ok;
+    if (e != Errc::ok) {
+      if (why) *why = key_error(e, k.key, k.length, *store_);
+      return e;
+    }
+  }
+  if (sync_) {
+    if (Errc e = check_worker(worker, why); e != Errc::ok) return e;
+    for (const auto& k : keys) {
+      Errc err = Errc::ok;
+      const SyncOutcome out = sync_->add(k.key, worker, clock, {values, k.length}, &err);
+      if (out == SyncOutcome::too_far_ahead) {
+        if (why)
+          *why = "worker " + std::to_string(worker) + " pushed step " + std::to_string(clock) + " of key " +
+                 std::to_string(k.key) + ", too far ahead of step " + std::to_string(sync_->next_step(k.key));
+        return Errc::invalid_argument;
+      }
+      if (out == SyncOutcome::rejected) {
+        if (why) *why = key_error(err, k.key, k.length, *store_);
+        return err;
+      }
+      values += k.length;
+    }
+  } else {
+    for (const auto& k : keys) {
+      store_->push(k.key, {values, k.length});
+      values += k.length;
+    }
+  }
+  pushes_.fetch_add(keys.size(), std::memory_order_relaxed);
+  return Errc::ok;
+}
+
+Errc ShardEngine::pull(std::span<const wire::KeyEntry> keys, float* out, std::string* why) {
+  for (const auto& k : keys) {
+    const SlotHeader* slot = store_->find(k.key);
+    const Errc e = !slot ? Errc::not_found : slot->length != k.length ? Errc::length_mismatch : Errc::ok;
+    if (e != Errc::ok) {
+      if (why) *why = key_error(e, k.key, k.length, *store_);
+      return e;
+    }
+  }
+  for (const auto& k : keys) {
+    Store::read_slot(*store_->find(k.key), out);
+    out += k.length;
+  }
+  pulls_.fetch_add(keys.size(), std::memory_order_relaxed);
+  return Errc::ok;
+}
+
+std::uint32_t ShardEngine::quorum() const noexcept {
+  return options_.mode == ConsistencyMode::sync ? (options_.sync_required ? options_.sync_required : options_.num_workers)
+                                                : 0;
+}
+
+std::uint64_t ShardEngine::read_bound() const noexcept {
+  if (!clocks_ || options_.mode == ConsistencyMode::asp) return kClockDone;
+  return clocks_->bound(quorum());
+}
+
+std::uint64_t ShardEngine::observed_bound() const noexcept {
+  return clocks_ ? clocks_->bound(quorum()) : kClockDone;
+}
+
+bool ShardEngine::pull_allowed(std::uint32_t worker, std::uint64_t clock) const noexcept {
+  if (!clocks_ || options_.mode == ConsistencyMode::asp || worker == kNoWorker) return true;
+  const std::uint64_t s = options_.mode == ConsistencyMode::ssp ? options_.staleness : 0;
+  const std::uint64_t need = clock > s ? clock - s : 0;
+  return need == 0 || read_bound() >= need;
+}
+
+void ShardEngine::park_pull(std::uint32_t worker, std::uint64_t clock, std::unique_ptr<Parked> op) {
+  const std::uint64_t s = options_.mode == ConsistencyMode::ssp ? options_.staleness : 0;
+  {
+    std::lock_guard lock(mu_);
+    if (stopping_) {
+      op->resume(Errc::peer_failure, "the server is shutting down");
+      return;
+    }
+    waiters_.push_back(Waiter{clock > s ? clock - s : 0, worker, false, 0,
+                              std::chrono::steady_clock::now() + options_.wait_timeout, std::move(op)});
+    ++stats_.parked;
+  }
+  cv_.notify_all();
+  release_ready();  // the bound may have moved between the caller's check and the park
+}
+
+std::uint64_t ShardEngine::advance_clock(std::uint32_t worker, std::uint64_t clock) {
+  clocks_->advance_to(worker, clock);
+  clock_ops_.fetch_add(1, std::memory_order_relaxed);
+  release_ready();
+  return observed_bound();
+}
+
+void ShardEngine::worker_left(std::uint32_t worker, bool cleanly) {
+  if (!clocks_ || worker >= clocks_->workers()) return;
+  if (cleanly) {
+    clocks_->finish(worker);
+  } else if (options_.straggler == StragglerPolicy::evict) {
+    clocks_->evict(worker);
+    std::lock_guard lock(mu_);
+    ++stats_.evictions;
+  } else {
+    // Fail fast: anyone waiting on this worker gets told now rather than at the timeout.
+    std::vector<Waiter> failed;
+    {
+      std::lock_guard lock(mu_);
+      const std::uint64_t c = clocks_->clock(worker);
+      for (auto it = waiters_.begin(); it != waiters_.end();) {
+        const bool blocked = it->barrier ? barrier_gen_[worker] < it->generation : c < it->need;
+        if (blocked) {
+          failed.push_back(std::move(*it));
+          it = waiters_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+    }
+    const std::string why = "worker " + std::to_string(worker) + " disconnected at clock " +
+                            std::to_string(clocks_->clock(worker)) +
+                            " and holds the bound; restart the job or run with --straggler-policy evict";
+    for (auto& w : failed) w.op->resume(Errc::peer_failure, why);
+    return;
+  }
+  release_ready();
+}
+
+void ShardEngine::barrier(std::uint32_t worker, std::uint64_t generation, std::unique_ptr<Parked> op) {
+  {
+    std::lock_guard lock(mu_);
+    barrier_gen_[worker] = std::max(barrier_gen_[worker], generation);
+    waiters_.push_back(Waiter{0, worker, true, generation,
+                              std::chrono::steady_clock::now() + options_.wait_timeout, std::move(op)});
+  }
+  cv_.notify_all();
+  release_ready();
+}
+
+std::uint64_t ShardEngine::barrier_arrivals(std::uint64_t generation) const {
+  std::uint64_t missing = 0;
+  for (std::uint32_t w = 0; w < clocks_->workers(); ++w)
+    if (!clocks_->evicted(w) && clocks_->clock(w) != kClockDone && barrier_gen_[w] < generation) ++missing;
+  return missing;
+}
+
+void ShardEngine::release_ready() {
+  std::vector<Waiter> ready;
+  {
+    std::lock_guard lock(mu_);
+    if (waiters_.empty()) return;
+    const std::uint64_t bound = read_bound();
+    for (auto it = waiters_.begin(); it != waiters_.end();) {
+      const bool ok = it->barrier ? barrier_arrivals(it->generation) == 0 : bound >= it->need;
+      if (ok) {
+        ready.push_back(std::move(*it));
+        it = waiters_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (auto& w : ready) w.op->resume(Errc::ok, {});
+}
+
+std::string ShardEngine::describe_laggard(std::uint64_t need) const {
+  std::ostringstream os;
+  bool first = true;
+  for (std::uint32_t w = 0; w < clocks_->workers(); ++w) {
+    const std::uint64_t c = clocks_->clock(w);
+    if (clocks_->evicted(w) || c == kClockDone || c >= need) continue;
+    os << (first ? "" : "; ") << "worker " << w << " is at clock " << c << " (needed " << need << ", last progress "
+       << (ClockTable::now_ns() - clocks_->last_progress_ns(w)) / 1'000'000 << " ms ago)";
+    first = false;
+  }
+  return os.str();
+}
+
+void ShardEngine::watchdog() {
+  std::unique_lock lock(mu_);
+  while (!stopping_) {
+    auto next = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+    for (const auto& w : waiters_) next = std::min(next, w.deadline);
+    cv_.wait_until(lock, next);
+    if (stopping_) break;
+    const auto now = std::chrono::steady_clock::now();
+    std::vector<Waiter> expired;
+    bool evicted_any = false;
+    for (auto it = waiters_.begin(); it != waiters_.end();) {
+      if (it->deadline > now) {
+        ++it;
+        continue;
+      }
+      if (options_.straggler == StragglerPolicy::evict) {
+        // Evict whoever has made no progress for a whole timeout and holds this waiter back.
+        const std::int64_t stale_before = ClockTable::now_ns() - std::chrono::nanoseconds(options_.wait_timeout).count();
+        for (std::uint32_t w = 0; w < clocks_->workers(); ++w) {
+          const std::uint64_t c = clocks_->clock(w);
+          const bool blocks = it->barrier ? barrier_gen_[w] < it->generation : c < it->need;
+          if (blocks && c != kClockDone && !clocks_->evicted(w) && clocks_->last_progress_ns(w) <= stale_before) {
+            clocks_->evict(w);
+            ++stats_.evictions;
+            evicted_any = true;
+          }
+        }
+        it->deadline = now + options_.wait_timeout;
+        ++it;
+        continue;
+      }
+      expired.push_back(std::move(*it));
+      it = waiters_.erase(it);
+    }
+    if (!expired.empty() || evicted_any) {
+      std::vector<std::pair<Waiter, std::string>> fail;
+      for (auto& w : expired) {
+        ++stats_.timeouts;
+        std::string who = w.barrier ? "barrier " + std::to_string(w.generation) + " still waits for other workers"
+                                    : describe_laggard(w.need);
+        fail.emplace_back(std::move(w), "waited " + std::to_string(options_.wait_timeout.count()) + " ms: " + who +
+                                            "; it may have died or stalled (raise --wait-timeout-ms or run with "
+                                            "--straggler-policy evict)");
+      }
+      lock.unlock();
+      for (auto& [w, why] : fail) w.op->resume(Errc::timeout, why);
+      if (evicted_any) release_ready();
+      lock.lock();
+    }
+  }
+}
+
+EngineStats ShardEngine::stats() const {
+  std::lock_guard lock(mu_);
+  EngineStats s = stats_;
+  s.pushes = pushes_.load();
+  s.pulls = pulls_.load();
+  s.clocks = clock_ops_.load();
+  if (sync_) s.sync = sync_->stats();
+  return s;
+}
+
+std::string ShardEngine::stats_json() const {
+  const EngineStats s = stats();
+  std::ostringstream os;
+  os << "{\"server_id\":" << options_.server_id << ",\"keys\":" << store_->key_count()
+     << ",\"value_bytes\":" << store_->value_bytes_used() << ",\"pushes\":" << s.pushes << ",\"pulls\":" << s.pulls
+     << ",\"clocks\":" << s.clocks << ",\"parked\":" << s.parked << ",\"timeouts\":" << s.timeouts
+     << ",\"evictions\":" << s.evictions << ",\"sync_applied_steps\":" << s.sync.applied_steps
+     << ",\"sync_dropped_late\":" << s.sync.dropped_late << ",\"mode\":\"" << to_string(options_.mode) << "\"";
+  if (clocks_) {
+    os << ",\"clocks_by_worker\":[";
+    for (std::uint32_t w = 0; w < clocks_->workers(); ++w) {
+      const std::uint64_t c = clocks_->clock(w);
+      os << (w ? "," : "") << (c == kClockDone ? -1 : static_cast<long long>(c));
+    }
+    os << "]";
+  }
+  os << "}";
+  return os.str();
+}
+
+}  // namespace pskv

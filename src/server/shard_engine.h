@@ -1,0 +1,122 @@
+// One server shard, independent of the transport: the store, the sync accumulator, the clock
+// table, and the operations parked until the consistency bound or a barrier lets them go.
+// Transports decode requests and call in here; they implement Parked to send deferred replies.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "consistency/clock_table.h"
+#include "pskv/types.h"
+#include "store/store.h"
+#include "store/sync_accumulator.h"
+#include "transport/wire.h"
+
+namespace pskv {
+
+struct EngineOptions {
+  StoreOptions store;
+  std::uint32_t num_workers = 0;  // 0: no worker clocks (ASP only, anonymous clients)
+  ConsistencyMode mode = ConsistencyMode::asp;
+  std::uint32_t staleness = 0;     // ssp only
+  std::uint32_t sync_required = 0; // sync only: K of N (0 = N)
+  std::chrono::milliseconds wait_timeout{10000};
+  StragglerPolicy straggler = StragglerPolicy::fail;
+  std::uint32_t server_id = 0;
+};
+
+// A deferred reply. resume() runs exactly once, on an engine or transport thread, never under
+// an engine lock.
+class Parked {
+ public:
+  virtual ~Parked() = default;
+  // status ok: the wait is over and the reply may be produced. Otherwise `why` explains.
+  virtual void resume(Errc status, const std::string& why) = 0;
+};
+
+struct EngineStats {
+  std::uint64_t pushes = 0, pulls = 0, clocks = 0, parked = 0, timeouts = 0, evictions = 0;
+  SyncStats sync;
+};
+
+// Thread-safety: every member may be called concurrently from any thread.
+class ShardEngine {
+ public:
+  // `store_memory` null: anonymous heap memory sized for options.store.
+  ShardEngine(const EngineOptions& options, std::unique_ptr<MemoryResource> store_memory = nullptr,
+              void* clock_memory = nullptr);
+  ~ShardEngine();
+  ShardEngine(const ShardEngine&) = delete;
+  ShardEngine& operator=(const ShardEngine&) = delete;
+
+  Store& store() noexcept { return *store_; }
+  const EngineOptions& options() const noexcept { return options_; }
+  ClockTable* clocks() noexcept { return clocks_.get(); }
+
+  // Each returns ok or an Errc with a message in *why naming the key.
+  Errc init(std::span<const wire::KeyEntry> keys, const float* values, std::string* why);
+  Errc push(std::uint32_t worker, std::uint64_t clock, std::span<const wire::KeyEntry> keys, const float* values,
+            std::string* why);
+  // Copies values under seqlock validation; checks every key before copying any.
+  Errc pull(std::span<const wire::KeyEntry> keys, float* out, std::string* why);
+
+  // The clock a worker's reads are bounded by, and whether a read at `clock` may go ahead.
+  std::uint64_t read_bound() const noexcept;
+  // The same clock, reported in every mode (ASP included) so clients can measure staleness.
+  std::uint64_t observed_bound() const noexcept;
+  bool pull_allowed(std::uint32_t worker, std::uint64_t clock) const noexcept;
+  // Parks a pull until pull_allowed(worker, clock) holds, the timeout passes, or shutdown.
+  void park_pull(std::uint32_t worker, std::uint64_t clock, std::unique_ptr<Parked> op);
+
+  // Sets the worker's clock; resumes whatever it unblocks. Returns the read bound after it.
+  std::uint64_t advance_clock(std::uint32_t worker, std::uint64_t clock);
+  // The worker has gone (disconnected or finished): finish or evict it per policy.
+  void worker_left(std::uint32_t worker, bool cleanly);
+
+  // Completes when all live workers reached generation `generation`.
+  void barrier(std::uint32_t worker, std::uint64_t generation, std::unique_ptr<Parked> op);
+
+  Errc check_worker(std::uint32_t worker, std::string* why) const;
+  EngineStats stats() const;
+  std::string stats_json() const;
+  void shutdown();
+
+ private:
+  struct Waiter {
+    std::uint64_t need;  // read_bound() >= need (pull) / arrivals (barrier)
+    std::uint32_t worker;
+    bool barrier;
+    std::uint64_t generation;
+    std::chrono::steady_clock::time_point deadline;
+    std::unique_ptr<Parked> op;
+  };
+  void release_ready();
+  void watchdog();
+  std::string describe_laggard(std::uint64_t need) const;
+  std::uint32_t quorum() const noexcept;
+  std::uint64_t barrier_arrivals(std::uint64_t generation) const;
+
+  EngineOptions options_;
+  std::unique_ptr<Store> store_;
+  std::vector<std::byte> clock_storage_;
+  std::unique_ptr<ClockTable> clocks_;
+  std::unique_ptr<SyncAccumulator> sync_;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<Waiter> waiters_;
+  std::vector<std::uint64_t> barrier_gen_;  // last barrier generation each worker entered
+  bool stopping_ = false;
+  mutable EngineStats stats_;
+  std::atomic<std::uint64_t> pushes_{0}, pulls_{0}, clock_ops_{0};
+  std::thread watchdog_;
+};
+
+}  // namespace pskv

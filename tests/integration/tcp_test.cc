@@ -1,0 +1,316 @@
+// The TCP path end to end: real pskv-server processes on loopback, clients in forked processes.
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <numeric>
+
+#include "pskv/client.h"
+#include "support/process.h"
+#include "transport/tcp/socket.h"
+#include "transport/uri.h"
+#include "transport/wire.h"
+
+namespace pskv {
+namespace {
+
+using testing::fork_worker;
+using testing::ServerProcess;
+using testing::wait_pid;
+
+std::vector<ServerProcess> start_servers(int n, std::vector<std::string> extra = {}) {
+  std::vector<ServerProcess> servers;
+  for (int i = 0; i < n; ++i) {
+    std::vector<std::string> args{"--uri", "tcp://127.0.0.1:0", "--server-id", std::to_string(i), "--io-threads", "2"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    servers.push_back(ServerProcess::start(args));
+  }
+  return servers;
+}
+
+ClientOptions options_for(const std::vector<ServerProcess>& servers) {
+  ClientOptions o;
+  for (const auto& s : servers) o.servers.push_back(s.uri);
+  o.io_timeout = std::chrono::seconds(20);
+  return o;
+}
+
+TEST(TcpIntegration, PushPullWithTwoServersAndFourClients) {
+  auto servers = start_servers(2);
+  ClientOptions o = options_for(servers);
+  constexpr int kKeys = 64, kClients = 4, kRounds = 50;
+  {
+    Client admin(o);
+    std::vector<Key> keys(kKeys);
+    std::iota(keys.begin(), keys.end(), 1000);
+    std::vector<std::vector<float>> init(kKeys);
+    std::vector<std::span<const float>> spans;
+    for (int i = 0; i < kKeys; ++i) {
+      init[i].assign(1 + i * 17, float(i));
+      spans.emplace_back(init[i]);
+    }
+    admin.wait(admin.init(keys, spans));
+  }
+  std::vector<pid_t> pids;
+  for (int c = 0; c < kClients; ++c)
+    pids.push_back(fork_worker([&, c] {
+      Client client(o);
+      std::vector<float> delta, out;
+      for (int r = 0; r < kRounds; ++r) {
+        const Key k = 1000 + (r * 7 + c) % kKeys;
+        const std::size_t len = 1 + (k - 1000) * 17;
+        delta.assign(len, float(c + 1));
+        out.resize(len);
+        client.wait(client.push(k, delta));
+        client.wait(client.pull(k, out));
+        for (float x : out)
+          if (x != out[0]) return 3;  // every element got the same deltas
+      }
+      return 0;
+    }));
+  for (pid_t p : pids) EXPECT_EQ(wait_pid(p), 0);
+
+  // Every push landed exactly once: value = initial + sum of the deltas aimed at that key.
+  Client check(o);
+  std::vector<double> expect(kKeys);
+  for (int i = 0; i < kKeys; ++i) expect[i] = i;
+  for (int c = 0; c < kClients; ++c)
+    for (int r = 0; r < kRounds; ++r) expect[(r * 7 + c) % kKeys] += c + 1;
+  for (int i = 0; i < kKeys; ++i) {
+    std::vector<float> out(1 + i * 17);
+    check.wait(check.pull(Key(1000 + i), out));
+    for (float x : out) ASSERT_EQ(x, float(expect[i])) << "key " << 1000 + i;
+  }
+}
+
+TEST(TcpIntegration, NothingLostWith32ConcurrentClients) {
+  auto servers = start_servers(2);
+  ClientOptions o = options_for(servers);
+  constexpr int kClients = 32, kPushes = 300, kKeys = 8, kLen = 100;
+  {
+    Client admin(o);
+    std::vector<float> zeros(kLen, 0.0f);
+    for (Key k = 0; k < kKeys; ++k) admin.wait(admin.init(k, zeros));
+  }
+  std::vector<pid_t> pids;
+  for (int c = 0; c < kClients; ++c)
+    pids.push_back(fork_worker([&, c] {
+      Client client(o);
+      std::vector<float> one(kLen, 1.0f);
+      std::vector<Ticket> pending;
+      for (int i = 0; i < kPushes; ++i) {
+        pending.push_back(client.push(Key((i + c) % kKeys), one));  // pipelined, waited in bulk
+        if (pending.size() == 16) {
+          for (Ticket t : pending) client.wait(t);
+          pending.clear();
+        }
+      }
+      for (Ticket t : pending) client.wait(t);
+      return 0;
+    }));
+  for (pid_t p : pids) EXPECT_EQ(wait_pid(p), 0);
+  Client check(o);
+  double total = 0;
+  std::vector<float> out(kLen);
+  for (Key k = 0; k < kKeys; ++k) {
+    check.wait(check.pull(k, out));
+    for (float x : out) ASSERT_EQ(x, out[0]);
+    total += out[0];
+  }
+  EXPECT_EQ(total, double(kClients) * kPushes);
+}
+
+TEST(TcpIntegration, TenMillionFloatKeySpreadsEvenlyOverFourServers) {
+  auto servers = start_servers(4, {"--arena-mb", "64"});
+  ClientOptions o = options_for(servers);
+  Client client(o);
+  constexpr std::size_t n = 10'000'000;
+  std::vector<float> value(n);
+  for (std::size_t i = 0; i < n; ++i) value[i] = float(i % 1000);
+  client.wait(client.init(Key(5), value));
+  std::vector<float> grad(n, 1.0f);
+  client.wait(client.push(Key(5), grad));
+  std::vector<float> out(n);
+  client.wait(client.pull(Key(5), out));
+  for (std::size_t i = 0; i < n; i += 997) ASSERT_EQ(out[i], float(i % 1000) + 1.0f) << i;
+  ASSERT_EQ(out[n - 1], float((n - 1) % 1000) + 1.0f);
+  for (std::size_t s = 0; s < 4; ++s) {
+    const std::string stats = client.server_stats(s);
+    const auto at = stats.find("\"value_bytes\":");
+    ASSERT_NE(at, std::string::npos) << stats;
+    const double bytes = std::stod(stats.substr(at + 14));
+    EXPECT_NEAR(bytes, n * 4.0 / 4, n * 4.0 * 0.01) << "server " << s << ": " << stats;
+  }
+}
+
+// --- bad input -------------------------------------------------------------------------------
+
+class RawPeer {
+ public:
+  explicit RawPeer(const std::string& uri) {
+    Uri u = parse_uri(uri);
+    fd_ = tcp::connect_tcp(u.host, u.port, std::chrono::seconds(5));
+    tcp::set_io_timeouts(fd_.get(), std::chrono::seconds(10), std::chrono::seconds(10));
+  }
+  void send(const void* p, std::size_t n) { ASSERT_EQ(::send(fd_.get(), p, n, MSG_NOSIGNAL), ssize_t(n)); }
+  void hello() {
+    wire::FrameHeader h = wire::make_header(wire::Op::hello, 1, 0, 0, kNoWorker, wire::kVersion);
+    send(&h, sizeof h);
+    wire::FrameHeader r{};
+    ASSERT_EQ(tcp::read_full(fd_.get(), &r, sizeof r), tcp::IoResult::ok);
+    ASSERT_EQ(r.status, 0);
+  }
+  // The next reply's status and error text; closed() if the server hung up instead.
+  std::pair<int, std::string> reply() {
+    wire::FrameHeader r{};
+    if (tcp::read_full(fd_.get(), &r, sizeof r) != tcp::IoResult::ok) return {-1, "closed"};
+    std::string text(r.payload_bytes, '\0');
+    if (!text.empty() && tcp::read_full(fd_.get(), text.data(), text.size()) != tcp::IoResult::ok) return {-1, "closed"};
+    return {r.status, text};
+  }
+  bool closed_by_server() {
+    char c;
+    return ::recv(fd_.get(), &c, 1, 0) <= 0;
+  }
+  int fd() const { return fd_.get(); }
+
+ private:
+  tcp::Fd fd_;
+};
+
+class TcpBadInput : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    servers_ = start_servers(1, {"--max-request-mb", "64"});
+    o_ = options_for(servers_);
+    healthy_ = std::make_unique<Client>(o_);
+    std::vector<float> v(8, 1.0f);
+    healthy_->wait(healthy_->init(Key(1), v));
+  }
+  // The server still serves a well-behaved client after the abuse.
+  void expect_still_serving() {
+    std::vector<float> g(8, 1.0f), out(8);
+    healthy_->wait(healthy_->push(Key(1), g));
+    healthy_->wait(healthy_->pull(Key(1), out));
+    EXPECT_GT(out[0], 1.0f);
+    Client fresh(o_);
+    fresh.wait(fresh.pull(Key(1), out));
+  }
+  std::vector<ServerProcess> servers_;
+  ClientOptions o_;
+  std::unique_ptr<Client> healthy_;
+};
+
+TEST_F(TcpBadInput, WrongMagicClosesThatConnectionOnly) {
+  RawPeer p(servers_[0].uri);
+  wire::FrameHeader h = wire::make_header(wire::Op::hello, 1, 0, 0, kNoWorker, wire::kVersion);
+  h.magic = 0x12345678;
+  p.send(&h, sizeof h);
+  EXPECT_TRUE(p.closed_by_server());
+  expect_still_serving();
+}
+
+TEST_F(TcpBadInput, HugeDeclaredLengthIsRefusedBeforeAllocation) {
+  const long before = testing::peak_rss_kib(servers_[0].process.pid());
+  {
+    RawPeer p(servers_[0].uri);
+    p.hello();
+    std::vector<wire::KeyEntry> keys{{1, 1u << 30, 0}};
+    wire::FrameHeader h = wire::make_header(wire::Op::push, 2, 1, (1ull << 32));
+    p.send(&h, sizeof h);
+    auto [status, text] = p.reply();
+    EXPECT_EQ(status, int(Errc::capacity)) << text;
+    EXPECT_NE(text.find("--max-request-mb"), std::string::npos) << text;
+  }
+  {
+    // Within the limit (48 MiB declared) but never sent: the server must not reserve it all.
+    RawPeer p(servers_[0].uri);
+    p.hello();
+    std::vector<wire::KeyEntry> keys{{1, 12u << 20, 0}};
+    wire::FrameHeader h = wire::make_header(wire::Op::push, 2, 1, 48ull << 20);
+    p.send(&h, sizeof h);
+    p.send(keys.data(), sizeof(wire::KeyEntry));
+    float some[256] = {};
+    p.send(some, sizeof some);
+  }  // closed mid-frame
+  expect_still_serving();
+  const long after = testing::peak_rss_kib(servers_[0].process.pid());
+  EXPECT_LT(after - before, 24 * 1024) << "peak RSS grew by " << (after - before) << " KiB";
+}
+
+TEST_F(TcpBadInput, TruncatedFrameIsDropped) {
+  RawPeer p(servers_[0].uri);
+  p.hello();
+  wire::FrameHeader h = wire::make_header(wire::Op::push, 2, 1, 32);
+  p.send(&h, sizeof h / 2);
+  ::shutdown(p.fd(), SHUT_WR);
+  EXPECT_TRUE(p.closed_by_server());
+  expect_still_serving();
+}
+
+TEST_F(TcpBadInput, UnknownOpGetsAnErrorAndAClose) {
+  RawPeer p(servers_[0].uri);
+  p.hello();
+  wire::FrameHeader h = wire::make_header(wire::Op::pull, 3, 0, 0);
+  h.op = 77;
+  p.send(&h, sizeof h);
+  auto [status, text] = p.reply();
+  EXPECT_EQ(status, int(Errc::protocol));
+  EXPECT_NE(text.find("unknown op"), std::string::npos) << text;
+  EXPECT_TRUE(p.closed_by_server());
+  expect_still_serving();
+}
+
+TEST_F(TcpBadInput, UnknownKeyAndWrongLengthGetErrorsAndTheConnectionLives) {
+  Client c(o_);
+  std::vector<float> v(8), w(5);
+  try {
+    c.wait(c.pull(Key(999), v));
+    ADD_FAILURE() << "pull of an unknown key succeeded";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::not_found);
+    EXPECT_NE(std::string(e.what()).find("init it"), std::string::npos) << e.what();
+  }
+  try {
+    c.wait(c.push(Key(1), w));
+    ADD_FAILURE() << "push of a wrong length succeeded";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::length_mismatch);
+    EXPECT_NE(std::string(e.what()).find("has 8 floats"), std::string::npos) << e.what();
+  }
+  c.wait(c.pull(Key(1), v));  // the same connection still works
+  expect_still_serving();
+}
+
+TEST(TcpFailure, ServerDeathFailsOutstandingRequestsPromptly) {
+  auto servers = start_servers(1);
+  ClientOptions o = options_for(servers);
+  o.io_timeout = std::chrono::seconds(5);
+  Client c(o);
+  std::vector<float> v(4, 0.0f);
+  c.wait(c.init(Key(1), v));
+  servers[0].process.signal(SIGKILL);
+  servers[0].process.wait();
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_THROW(c.wait(c.pull(Key(1), v)), Error);
+  EXPECT_THROW(c.wait(c.push(Key(1), v)), Error) << "later requests fail at once too";
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(7));
+}
+
+TEST(TcpFailure, UnreachableServerIsAClearError) {
+  ClientOptions o;
+  o.servers = {"tcp://127.0.0.1:1"};
+  o.connect_timeout = std::chrono::seconds(2);
+  try {
+    Client c(o);
+    ADD_FAILURE() << "connected to nothing";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::peer_failure);
+    EXPECT_NE(std::string(e.what()).find("is pskv-server running"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace pskv

@@ -1,0 +1,153 @@
+#include "support/process.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <stdexcept>
+#include <thread>
+
+#ifndef PSKV_SERVER_BIN
+#error "PSKV_SERVER_BIN must name the pskv-server binary"
+#endif
+
+namespace pskv::testing {
+
+Process::Process(const std::string& program, const std::vector<std::string>& args) {
+  int pipefd[2];
+  if (pipe2(pipefd, O_CLOEXEC) != 0) throw std::runtime_error("pipe failed");
+  pid_ = fork();
+  if (pid_ < 0) throw std::runtime_error("fork failed");
+  if (pid_ == 0) {
+    dup2(pipefd[1], STDOUT_FILENO);
+    std::vector<char*> argv;
+    argv.push_back(const_cast<char*>(program.c_str()));
+    for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    execv(program.c_str(), argv.data());
+    std::perror("execv");
+    _exit(127);
+  }
+  close(pipefd[1]);
+  out_fd_ = pipefd[0];
+}
+
+Process::~Process() {
+  if (pid_ > 0 && running()) {
+    ::kill(pid_, SIGKILL);
+    wait(std::chrono::seconds(10));
+  }
+  if (out_fd_ >= 0) close(out_fd_);
+}
+
+Process::Process(Process&& o) noexcept : pid_(o.pid_), out_fd_(o.out_fd_), buffer_(std::move(o.buffer_)) {
+  o.pid_ = -1;
+  o.out_fd_ = -1;
+}
+
+Process& Process::operator=(Process&& o) noexcept {
+  std::swap(pid_, o.pid_);
+  std::swap(out_fd_, o.out_fd_);
+  std::swap(buffer_, o.buffer_);
+  return *this;
+}
+
+std::string Process::read_line(std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  for (;;) {
+    if (auto nl = buffer_.find('\n'); nl != std::string::npos) {
+      std::string line = buffer_.substr(0, nl);
+      buffer_.erase(0, nl + 1);
+      return line;
+    }
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0) return {};
+    pollfd p{out_fd_, POLLIN, 0};
+    if (poll(&p, 1, static_cast<int>(left.count())) <= 0) return {};
+    char buf[512];
+    const ssize_t n = ::read(out_fd_, buf, sizeof buf);
+    if (n <= 0) return {};
+    buffer_.append(buf, static_cast<std::size_t>(n));
+  }
+}
+
+void Process::signal(int sig) {
+  if (pid_ > 0) ::kill(pid_, sig);
+}
+
+bool Process::running() {
+  if (pid_ <= 0) return false;
+  int status;
+  const pid_t r = waitpid(pid_, &status, WNOHANG);
+  if (r == pid_) {
+    pid_ = -1;
+    return false;
+  }
+  return r == 0;
+}
+
+int Process::wait(std::chrono::milliseconds timeout) {
+  if (pid_ <= 0) return -1;
+  const int rc = wait_pid(pid_, timeout);
+  if (rc != -1) pid_ = -1;
+  return rc;
+}
+
+pid_t fork_worker(const std::function<int()>& body) {
+  std::fflush(nullptr);
+  const pid_t pid = fork();
+  if (pid == 0) {
+    int rc = 1;
+    try {
+      rc = body();
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "worker %d: %s\n", getpid(), e.what());
+      rc = 1;
+    }
+    std::fflush(nullptr);
+    _exit(rc);
+  }
+  return pid;
+}
+
+int wait_pid(pid_t pid, std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  for (;;) {
+    int status = 0;
+    const pid_t r = waitpid(pid, &status, WNOHANG);
+    if (r == pid) return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    if (r < 0) return -2;
+    if (std::chrono::steady_clock::now() > deadline) return -1;
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+}
+
+ServerProcess ServerProcess::start(const std::vector<std::string>& args) {
+  ServerProcess s{Process(PSKV_SERVER_BIN, args), {}};
+  const std::string line = s.process.read_line();
+  const std::string marker = "listening on ";
+  const auto at = line.find(marker);
+  if (at == std::string::npos) throw std::runtime_error("pskv-server did not start: '" + line + "'");
+  s.uri = line.substr(at + marker.size());
+  s.uri = s.uri.substr(0, s.uri.find(' '));
+  return s;
+}
+
+namespace {
+long status_field(pid_t pid, const char* field) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+  std::string line;
+  while (std::getline(in, line))
+    if (line.rfind(field, 0) == 0) return std::stol(line.substr(std::strlen(field)));
+  return -1;
+}
+}  // namespace
+
+long peak_rss_kib(pid_t pid) { return status_field(pid, "VmHWM:"); }
+long rss_kib(pid_t pid) { return status_field(pid, "VmRSS:"); }
+
+}  // namespace pskv::testing

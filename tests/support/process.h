@@ -1,0 +1,52 @@
+// Child processes for integration tests: pskv-server instances and forked client workers.
+#pragma once
+
+#include <signal.h>
+#include <sys/types.h>
+
+#include <chrono>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace pskv::testing {
+
+// A spawned program. The destructor kills it (SIGKILL) if it is still running.
+class Process {
+ public:
+  Process() = default;
+  Process(const std::string& program, const std::vector<std::string>& args);
+  ~Process();
+  Process(Process&& o) noexcept;
+  Process& operator=(Process&& o) noexcept;
+
+  pid_t pid() const { return pid_; }
+  // Reads one line of the child's stdout, waiting up to `timeout`. Empty on timeout/EOF.
+  std::string read_line(std::chrono::milliseconds timeout = std::chrono::seconds(20));
+  void signal(int sig);
+  // Waits for exit; returns the exit status (128+signal when killed), or -1 on timeout.
+  int wait(std::chrono::milliseconds timeout = std::chrono::seconds(60));
+  bool running();
+
+ private:
+  pid_t pid_ = -1;
+  int out_fd_ = -1;
+  std::string buffer_;
+};
+
+// Runs `body` in a forked child; the child's exit status is body's return value (1 if it threw).
+pid_t fork_worker(const std::function<int()>& body);
+int wait_pid(pid_t pid, std::chrono::milliseconds timeout = std::chrono::seconds(120));
+
+// A pskv-server started with `args`; its URI is read from its first line of output.
+struct ServerProcess {
+  Process process;
+  std::string uri;
+  static ServerProcess start(const std::vector<std::string>& args);
+};
+
+// Peak resident memory (VmHWM) of a process in KiB.
+long peak_rss_kib(pid_t pid);
+long rss_kib(pid_t pid);
+
+}  // namespace pskv::testing

@@ -1,0 +1,12 @@
+// The one place that maps a URI scheme to a backend.
+#include "transport/tcp/tcp_connection.h"
+#include "transport/transport.h"
+
+namespace pskv::transport {
+
+std::unique_ptr<Connection> connect(const Uri& uri, const ConnectOptions& options) {
+  if (uri.scheme == "tcp") return std::make_unique<tcp::TcpConnection>(uri, options);
+  throw Error(Errc::unsupported, "the " + uri.scheme + " transport is not available in this build (" + uri.str() + ")");
+}
+
+}  // namespace pskv::transport

@@ -1,0 +1,182 @@
+#include "transport/tcp/socket.h"
+
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <climits>
+#include <cstring>
+
+namespace pskv::tcp {
+
+void Fd::reset() noexcept {
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = -1;
+}
+
+void set_nodelay(int fd) {
+  int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+}
+
+void set_io_timeouts(int fd, std::chrono::milliseconds recv, std::chrono::milliseconds send) {
+  auto tv = [](std::chrono::milliseconds ms) {
+    timeval t{};
+    t.tv_sec = static_cast<time_t>(ms.count() / 1000);
+    t.tv_usec = static_cast<suseconds_t>((ms.count() % 1000) * 1000);
+    return t;
+  };
+  const timeval r = tv(recv), s = tv(send);
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &r, sizeof r);
+  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &s, sizeof s);
+}
+
+namespace {
+addrinfo* resolve(const std::string& host, std::uint16_t port, bool passive) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  if (passive) hints.ai_flags = AI_PASSIVE;
+  addrinfo* res = nullptr;
+  const std::string service = std::to_string(port);
+  if (int rc = getaddrinfo(host.c_str(), service.c_str(), &hints, &res); rc != 0)
+    throw Error(Errc::invalid_argument, "cannot resolve host '" + host + "': " + gai_strerror(rc));
+  return res;
+}
+}  // namespace
+
+Fd connect_tcp(const std::string& host, std::uint16_t port, std::chrono::milliseconds timeout) {
+  addrinfo* res = resolve(host, port, false);
+  std::string last_error = "no address";
+  for (addrinfo* ai = res; ai; ai = ai->ai_next) {
+    Fd fd(::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, ai->ai_protocol));
+    if (!fd) continue;
+    int rc = ::connect(fd.get(), ai->ai_addr, ai->ai_addrlen);
+    if (rc != 0 && errno == EINPROGRESS) {
+      pollfd p{fd.get(), POLLOUT, 0};
+      rc = ::poll(&p, 1, static_cast<int>(timeout.count()));
+      if (rc == 0) {
+        last_error = "no answer within " + std::to_string(timeout.count()) + " ms";
+        continue;
+      }
+      int err = 0;
+      socklen_t len = sizeof err;
+      getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &len);
+      if (err != 0) {
+        last_error = std::strerror(err);
+        continue;
+      }
+    } else if (rc != 0) {
+      last_error = std::strerror(errno);
+      continue;
+    }
+    const int flags = fcntl(fd.get(), F_GETFL);
+    fcntl(fd.get(), F_SETFL, flags & ~O_NONBLOCK);
+    set_nodelay(fd.get());
+    freeaddrinfo(res);
+    return fd;
+  }
+  freeaddrinfo(res);
+  throw Error(Errc::peer_failure, "cannot connect to " + host + ":" + std::to_string(port) + " (" + last_error +
+                                      "); is pskv-server running there and reachable?");
+}
+
+Fd listen_tcp(const std::string& host, std::uint16_t port, int backlog) {
+  addrinfo* res = resolve(host, port, true);
+  std::string last_error = "no address";
+  for (addrinfo* ai = res; ai; ai = ai->ai_next) {
+    Fd fd(::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol));
+    if (!fd) continue;
+    int one = 1;
+    setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    if (::bind(fd.get(), ai->ai_addr, ai->ai_addrlen) != 0 || ::listen(fd.get(), backlog) != 0) {
+      last_error = std::strerror(errno);
+      continue;
+    }
+    freeaddrinfo(res);
+    return fd;
+  }
+  freeaddrinfo(res);
+  throw Error(Errc::io, "cannot listen on " + host + ":" + std::to_string(port) + " (" + last_error +
+                            "); pick a free port or another address");
+}
+
+std::uint16_t local_port(int fd) {
+  sockaddr_storage ss{};
+  socklen_t len = sizeof ss;
+  getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len);
+  if (ss.ss_family == AF_INET) return ntohs(reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
+  return ntohs(reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port);
+}
+
+namespace {
+IoResult classify(ssize_t n) noexcept {
+  if (n == 0) return IoResult::closed;
+  if (errno == EAGAIN || errno == EWOULDBLOCK) return IoResult::timeout;
+  if (errno == ECONNRESET || errno == EPIPE) return IoResult::closed;
+  return IoResult::error;
+}
+
+void advance(iovec*& iov, int& count, std::size_t n) noexcept {
+  while (count > 0 && n >= iov->iov_len) {
+    n -= iov->iov_len;
+    ++iov;
+    --count;
+  }
+  if (count > 0 && n > 0) {
+    iov->iov_base = static_cast<char*>(iov->iov_base) + n;
+    iov->iov_len -= n;
+  }
+}
+}  // namespace
+
+IoResult read_full(int fd, void* data, std::size_t bytes) noexcept {
+  iovec iov{data, bytes};
+  return readv_full(fd, &iov, 1);
+}
+
+IoResult readv_full(int fd, iovec* iov, int count) noexcept {
+  while (count > 0 && iov->iov_len == 0) ++iov, --count;
+  while (count > 0) {
+    const ssize_t n = ::readv(fd, iov, std::min(count, IOV_MAX));
+    if (n <= 0) {
+      if (n < 0 && errno == EINTR) continue;
+      return classify(n);
+    }
+    advance(iov, count, static_cast<std::size_t>(n));
+  }
+  return IoResult::ok;
+}
+
+IoResult writev_full(int fd, iovec* iov, int count) noexcept {
+  while (count > 0 && iov->iov_len == 0) ++iov, --count;
+  while (count > 0) {
+    msghdr msg{};
+    msg.msg_iov = iov;
+    msg.msg_iovlen = static_cast<std::size_t>(std::min(count, IOV_MAX));
+    const ssize_t n = ::sendmsg(fd, &msg, MSG_NOSIGNAL);
+    if (n <= 0) {
+      if (n < 0 && errno == EINTR) continue;
+      return classify(n);
+    }
+    advance(iov, count, static_cast<std::size_t>(n));
+  }
+  return IoResult::ok;
+}
+
+std::string io_result_text(IoResult r) {
+  switch (r) {
+    case IoResult::ok: return "ok";
+    case IoResult::closed: return "connection closed by peer";
+    case IoResult::timeout: return "timed out";
+    case IoResult::error: return std::strerror(errno);
+  }
+  return "?";
+}
+
+}  // namespace pskv::tcp

@@ -1,0 +1,57 @@
+// Blocking-socket helpers with deadlines, shared by the TCP client and server.
+#pragma once
+
+#include <sys/uio.h>
+
+#include <chrono>
+#include <cstddef>
+#include <string>
+
+#include "pskv/error.h"
+
+namespace pskv::tcp {
+
+// Owns a file descriptor. Thread-safety: none; share by reference only while alive.
+class Fd {
+ public:
+  Fd() = default;
+  explicit Fd(int fd) noexcept : fd_(fd) {}
+  ~Fd() { reset(); }
+  Fd(Fd&& o) noexcept : fd_(o.release()) {}
+  Fd& operator=(Fd&& o) noexcept {
+    if (this != &o) {
+      reset();
+      fd_ = o.release();
+    }
+    return *this;
+  }
+  int get() const noexcept { return fd_; }
+  explicit operator bool() const noexcept { return fd_ >= 0; }
+  int release() noexcept {
+    int f = fd_;
+    fd_ = -1;
+    return f;
+  }
+  void reset() noexcept;
+
+ private:
+  int fd_ = -1;
+};
+
+// Resolves and connects (IPv4/IPv6) within `timeout`; sets TCP_NODELAY. Throws Error.
+Fd connect_tcp(const std::string& host, std::uint16_t port, std::chrono::milliseconds timeout);
+// Binds and listens; port 0 picks a free port (see local_port).
+Fd listen_tcp(const std::string& host, std::uint16_t port, int backlog);
+std::uint16_t local_port(int fd);
+void set_io_timeouts(int fd, std::chrono::milliseconds recv, std::chrono::milliseconds send);
+void set_nodelay(int fd);
+
+// Outcome of a full read/write on a blocking socket with SO_RCVTIMEO/SO_SNDTIMEO set.
+enum class IoResult { ok, closed, timeout, error };
+IoResult read_full(int fd, void* data, std::size_t bytes) noexcept;
+// Reads exactly the bytes the iovecs describe; modifies `iov` while progressing.
+IoResult readv_full(int fd, iovec* iov, int count) noexcept;
+IoResult writev_full(int fd, iovec* iov, int count) noexcept;
+std::string io_result_text(IoResult r);
+
+}  // namespace pskv::tcp

@@ -1,0 +1,244 @@
+#include "transport/tcp/tcp_connection.h"
+
+#include <poll.h>
+#include <sys/socket.h>
+
+#include <cstring>
+
+namespace pskv::tcp {
+
+using transport::KeySlice;
+using transport::Request;
+
+TcpConnection::TcpConnection(const Uri& uri, const transport::ConnectOptions& options)
+    : options_(options), endpoint_(uri.str()) {
+  if (options_.max_in_flight == 0) options_.max_in_flight = 1;
+  fd_ = connect_tcp(uri.host, uri.port, options.connect_timeout);
+  set_io_timeouts(fd_.get(), options.io_timeout, options.io_timeout);
+  handshake();
+  slots_.resize(options_.max_in_flight);
+  for (std::uint32_t i = options_.max_in_flight; i-- > 0;) free_.push_back(i);
+  receiver_ = std::thread([this] { receive_loop(); });
+}
+
+TcpConnection::~TcpConnection() {
+  ::shutdown(fd_.get(), SHUT_RDWR);
+  if (receiver_.joinable()) receiver_.join();
+  fail_all(Errc::peer_failure, "the connection to " + endpoint_ + " was closed by the client");
+}
+
+void TcpConnection::handshake() {
+  wire::FrameHeader h = wire::make_header(wire::Op::hello, 0, 0, 0, options_.worker_id, wire::kVersion);
+  iovec iov{&h, sizeof h};
+  if (writev_full(fd_.get(), &iov, 1) != IoResult::ok)
+    throw Error(Errc::peer_failure, "cannot send the hello to " + endpoint_);
+  wire::FrameHeader r{};
+  const IoResult res = read_full(fd_.get(), &r, sizeof r);
+  if (res != IoResult::ok)
+    throw Error(res == IoResult::timeout ? Errc::timeout : Errc::peer_failure,
+                "no hello reply from " + endpoint_ + " (" + io_result_text(res) + "); is it a pskv server?");
+  std::string why;
+  if (Errc e = wire::validate_header(r, options_.limits, true, &why); e != Errc::ok)
+    throw Error(e, "hello reply from " + endpoint_ + ": " + why);
+  if (r.status != 0) {
+    std::string text(std::min<std::uint64_t>(r.payload_bytes, 4096), '\0');
+    read_full(fd_.get(), text.data(), text.size());
+    throw Error(static_cast<Errc>(r.status), endpoint_ + " refused the connection: " + text);
+  }
+  info_.server_id = static_cast<std::uint32_t>(r.arg0);
+  info_.num_workers = r.arg1;
+}
+
+std::uint32_t TcpConnection::acquire_slot(Request* request) {
+  std::unique_lock lock(slots_mu_);
+  slot_free_.wait(lock, [&] { return !free_.empty() || broken_; });
+  if (broken_) return UINT32_MAX;
+  const std::uint32_t i = free_.back();
+  free_.pop_back();
+  slots_[i].id = next_generation_++ * options_.max_in_flight + i;
+  slots_[i].request = request;
+  return i;
+}
+
+void TcpConnection::release_slot(std::uint32_t index) {
+  {
+    std::lock_guard lock(slots_mu_);
+    slots_[index].request = nullptr;
+    free_.push_back(index);
+  }
+  slot_free_.notify_one();
+}
+
+void TcpConnection::submit(Request& request) {
+  const std::uint32_t index = acquire_slot(&request);
+  if (index == UINT32_MAX) {
+    request.completion->complete_part(Errc::peer_failure, broken_why_);
+    return;
+  }
+  Slot& slot = slots_[index];
+  slot.entries.clear();
+  std::uint64_t payload = 0;
+  for (const KeySlice& k : request.keys) {
+    slot.entries.push_back({k.key, k.length, 0});
+    payload += std::uint64_t{k.length} * sizeof(float);
+  }
+  const bool values = wire::op_carries_values(request.op);
+  wire::FrameHeader h = wire::make_header(request.op, slot.id, static_cast<std::uint32_t>(request.keys.size()),
+                                          values ? payload : 0, request.arg0, request.arg1);
+  if (options_.checksum) {
+    h.flags |= wire::kChecksum;
+    std::uint32_t crc = wire::crc32_update(0, slot.entries.data(), slot.entries.size() * sizeof(wire::KeyEntry));
+    if (values)
+      for (const KeySlice& k : request.keys) crc = wire::crc32_update(crc, k.data, k.length * sizeof(float));
+    h.checksum = crc;
+  }
+
+  IoResult res;
+  {
+    std::lock_guard lock(send_mu_);
+    iov_.clear();
+    iov_.push_back({&h, sizeof h});
+    if (!slot.entries.empty()) iov_.push_back({slot.entries.data(), slot.entries.size() * sizeof(wire::KeyEntry)});
+    if (values)
+      for (const KeySlice& k : request.keys) iov_.push_back({k.data, std::size_t{k.length} * sizeof(float)});
+    res = writev_full(fd_.get(), iov_.data(), static_cast<int>(iov_.size()));
+  }
+  if (res != IoResult::ok) {
+    // The receiver notices the broken stream too; make sure this request is failed exactly once.
+    const std::string why = "sending " + std::string(wire::op_name(h.op)) + " to " + endpoint_ + " failed: " +
+                            io_result_text(res);
+    ::shutdown(fd_.get(), SHUT_RDWR);
+    fail_all(res == IoResult::timeout ? Errc::timeout : Errc::peer_failure, why);
+  }
+}
+
+void TcpConnection::fail_all(Errc status, const std::string& why) {
+  std::vector<Request*> victims;
+  {
+    std::lock_guard lock(slots_mu_);
+    if (!broken_) {
+      broken_ = true;
+      broken_why_ = why;
+    }
+    for (std::uint32_t i = 0; i < slots_.size(); ++i)
+      if (slots_[i].request) {
+        victims.push_back(slots_[i].request);
+        slots_[i].request = nullptr;
+        free_.push_back(i);
+      }
+  }
+  slot_free_.notify_all();
+  for (Request* r : victims) r->completion->complete_part(status, why);
+}
+
+void TcpConnection::receive_loop() {
+  for (;;) {
+    bool outstanding;
+    {
+      std::lock_guard lock(slots_mu_);
+      outstanding = free_.size() < slots_.size();
+      if (broken_) return;
+    }
+    pollfd p{fd_.get(), POLLIN, 0};
+    // Idle connections sleep indefinitely; a server that goes quiet with requests outstanding
+    // is declared gone after io_timeout. Re-check every second for newly submitted requests.
+    const int wait_ms = outstanding ? static_cast<int>(std::min<std::int64_t>(options_.io_timeout.count(), 1000)) : 1000;
+    const auto started = std::chrono::steady_clock::now();
+    int rc = ::poll(&p, 1, wait_ms);
+    if (rc < 0 && errno == EINTR) continue;
+    if (rc == 0) {
+      if (!outstanding) continue;
+      // Keep waiting, but only as long as io_timeout in total.
+      auto waited = std::chrono::steady_clock::now() - started;
+      while (rc == 0 && waited < options_.io_timeout) {
+        rc = ::poll(&p, 1, 1000);
+        waited = std::chrono::steady_clock::now() - started;
+      }
+      if (rc == 0) {
+        fail_all(Errc::timeout, endpoint_ + " sent nothing for " + std::to_string(options_.io_timeout.count()) +
+                                    " ms with requests outstanding; the server is hung or unreachable");
+        return;
+      }
+    }
+    std::string why;
+    if (!receive_one(&why)) {
+      fail_all(Errc::peer_failure, why);
+      return;
+    }
+  }
+}
+
+bool TcpConnection::receive_one(std::string* why) {
+  wire::FrameHeader h{};
+  IoResult res = read_full(fd_.get(), &h, sizeof h);
+  if (res != IoResult::ok) {
+    *why = "lost the connection to " + endpoint_ + " (" + io_result_text(res) + "); did the server die?";
+    return false;
+  }
+  if (Errc e = wire::validate_header(h, options_.limits, true, why); e != Errc::ok) {
+    *why = "bad reply from " + endpoint_ + ": " + *why;
+    return false;
+  }
+  const std::uint32_t index = static_cast<std::uint32_t>(h.request_id % options_.max_in_flight);
+  Request* request;
+  {
+    std::lock_guard lock(slots_mu_);
+    request = slots_[index].id == h.request_id ? slots_[index].request : nullptr;
+  }
+  if (!request) {
+    *why = endpoint_ + " answered request " + std::to_string(h.request_id) + " that is not outstanding";
+    return false;
+  }
+  Errc status = static_cast<Errc>(h.status);
+  std::string message;
+  if (h.flags & wire::kErrorText) {
+    message.resize(h.payload_bytes);
+    if (read_full(fd_.get(), message.data(), message.size()) != IoResult::ok) {
+      *why = "lost the connection to " + endpoint_ + " while reading an error reply";
+      return false;
+    }
+    if (status == Errc::ok) {
+      if (request->text_out)
+        request->text_out->swap(message);
+      else
+        status = Errc::protocol;
+    }
+  } else if (h.payload_bytes > 0) {
+    if (request->op != wire::Op::pull) {
+      *why = endpoint_ + " sent a payload with a " + std::string(wire::op_name(h.op)) + " reply";
+      return false;
+    }
+    std::uint64_t expected = 0;
+    recv_iov_.clear();
+    for (const KeySlice& k : request->keys) {
+      expected += std::uint64_t{k.length} * sizeof(float);
+      recv_iov_.push_back({k.data, std::size_t{k.length} * sizeof(float)});
+    }
+    if (expected != h.payload_bytes) {
+      *why = endpoint_ + " replied with " + std::to_string(h.payload_bytes) + " bytes, expected " +
+             std::to_string(expected);
+      return false;
+    }
+    res = readv_full(fd_.get(), recv_iov_.data(), static_cast<int>(recv_iov_.size()));
+    if (res != IoResult::ok) {
+      *why = "lost the connection to " + endpoint_ + " while reading values (" + io_result_text(res) + ")";
+      return false;
+    }
+    if (h.flags & wire::kChecksum) {
+      std::uint32_t crc = 0;
+      for (const KeySlice& k : request->keys) crc = wire::crc32_update(crc, k.data, k.length * sizeof(float));
+      if (crc != h.checksum) {
+        status = Errc::protocol;
+        message = "checksum mismatch on values from " + endpoint_ + ": data was corrupted in transit";
+      }
+    }
+  }
+  if (h.op == static_cast<std::uint16_t>(wire::Op::pull) || h.op == static_cast<std::uint16_t>(wire::Op::clock))
+    request->completion->note_bound(h.arg0);
+  release_slot(index);
+  if (status != Errc::ok && message.empty()) message = std::string(errc_name(status));
+  request->completion->complete_part(status, status == Errc::ok ? std::string_view{} : std::string_view(message));
+  return true;
+}
+
+}  // namespace pskv::tcp

@@ -1,0 +1,356 @@
+#include "transport/tcp/tcp_server.h"
+
+#include <fcntl.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/ioctl.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <iostream>
+
+namespace pskv::tcp {
+
+// One client connection. The owning I/O thread (EPOLLONESHOT) reads and handles requests;
+// replies may also be sent by a thread resuming a parked pull, so sends take send_mu.
+class Peer : public std::enable_shared_from_this<Peer> {
+ public:
+  explicit Peer(int fd) : fd(fd) {}
+
+  // Sends a reply unless the connection is already closed. Thread-safe.
+  bool send(wire::FrameHeader& h, const void* payload, std::size_t bytes) {
+    std::lock_guard lock(send_mu);
+    if (closed) return false;
+    iovec iov[2] = {{&h, sizeof h}, {const_cast<void*>(payload), bytes}};
+    return writev_full(fd.get(), iov, bytes ? 2 : 1) == IoResult::ok;
+  }
+  bool send_error(const wire::FrameHeader& req, Errc status, const std::string& why) {
+    wire::FrameHeader h = wire::make_header(static_cast<wire::Op>(req.op), req.request_id, 0, why.size());
+    h.flags = wire::kResponse | wire::kErrorText;
+    h.status = static_cast<std::uint16_t>(status);
+    return send(h, why.data(), why.size());
+  }
+  void close() {
+    std::lock_guard lock(send_mu);
+    if (closed) return;
+    closed = true;
+    ::shutdown(fd.get(), SHUT_RDWR);
+    fd.reset();
+  }
+
+  Fd fd;
+  std::mutex send_mu;
+  bool closed = false;
+  bool said_hello = false;
+  bool finished = false;  // the worker announced it is done (clock = kClockDone)
+  std::uint32_t worker = kNoWorker;
+  // Owned by the I/O thread that holds the connection.
+  std::vector<wire::KeyEntry> keys;
+  std::vector<float> payload;
+  std::vector<float> reply;
+};
+
+namespace {
+
+wire::FrameHeader reply_header(const wire::FrameHeader& req, std::uint64_t payload_bytes, std::uint64_t arg0 = 0,
+                               std::uint32_t arg1 = 0) {
+  wire::FrameHeader h =
+      wire::make_header(static_cast<wire::Op>(req.op), req.request_id, 0, payload_bytes, arg0, arg1);
+  h.flags = wire::kResponse;
+  return h;
+}
+
+// A pull waiting for the consistency bound. Holds its own copy of the key table: the connection
+// keeps serving other requests meanwhile.
+class ParkedPull final : public Parked {
+ public:
+  ParkedPull(std::shared_ptr<Peer> peer, ShardEngine& engine, const wire::FrameHeader& req,
+             std::vector<wire::KeyEntry> keys)
+      : peer_(std::move(peer)), engine_(engine), req_(req), keys_(std::move(keys)) {}
+  void resume(Errc status, const std::string& why) override {
+    if (status != Errc::ok) {
+      peer_->send_error(req_, status, why);
+      return;
+    }
+    std::uint64_t floats = 0;
+    for (const auto& k : keys_) floats += k.length;
+    std::vector<float> values(floats);
+    std::string err;
+    if (Errc e = engine_.pull(keys_, values.data(), &err); e != Errc::ok) {
+      peer_->send_error(req_, e, err);
+      return;
+    }
+    wire::FrameHeader h = reply_header(req_, floats * sizeof(float), engine_.observed_bound());
+    if (req_.flags & wire::kChecksum) {
+      h.flags |= wire::kChecksum;
+      h.checksum = wire::crc32_update(0, values.data(), values.size() * sizeof(float));
+    }
+    peer_->send(h, values.data(), values.size() * sizeof(float));
+  }
+
+ private:
+  std::shared_ptr<Peer> peer_;
+  ShardEngine& engine_;
+  wire::FrameHeader req_;
+  std::vector<wire::KeyEntry> keys_;
+};
+
+class ParkedAck final : public Parked {
+ public:
+  ParkedAck(std::shared_ptr<Peer> peer, const wire::FrameHeader& req) : peer_(std::move(peer)), req_(req) {}
+  void resume(Errc status, const std::string& why) override {
+    if (status != Errc::ok) {
+      peer_->send_error(req_, status, why);
+      return;
+    }
+    wire::FrameHeader h = reply_header(req_, 0);
+    peer_->send(h, nullptr, 0);
+  }
+
+ private:
+  std::shared_ptr<Peer> peer_;
+  wire::FrameHeader req_;
+};
+
+// Reads `bytes` into `buf`, growing it only as data actually arrives, so a peer that declares a
+// large frame and sends little cannot make the server allocate the declared size.
+IoResult read_growing(int fd, std::vector<float>& buf, std::uint64_t bytes) {
+  const std::size_t floats = bytes / sizeof(float);
+  constexpr std::size_t kStep = 1u << 20;  // floats
+  std::size_t have = 0;
+  if (buf.size() < std::min(floats, kStep)) buf.resize(std::min(floats, kStep));
+  while (have < floats) {
+    if (buf.size() < floats && buf.size() - have == 0) buf.resize(std::min(floats, buf.size() * 2));
+    const std::size_t n = std::min(floats, buf.size()) - have;
+    if (IoResult r = read_full(fd, buf.data() + have, n * sizeof(float)); r != IoResult::ok) return r;
+    have += n;
+  }
+  return IoResult::ok;
+}
+
+}  // namespace
+
+TcpServer::TcpServer(ShardEngine& engine, const Uri& uri, const TcpServerOptions& options)
+    : engine_(engine), options_(options) {
+  if (options_.io_threads == 0) options_.io_threads = 1;
+  listen_fd_ = listen_tcp(uri.host, uri.port, 512);
+  port_ = local_port(listen_fd_.get());
+  epoll_fd_ = Fd(epoll_create1(EPOLL_CLOEXEC));
+  wake_fd_ = Fd(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (!epoll_fd_ || !wake_fd_) throw Error(Errc::io, std::string("epoll/eventfd: ") + std::strerror(errno));
+  epoll_event ev{};
+  ev.events = EPOLLIN | EPOLLONESHOT;
+  ev.data.ptr = nullptr;  // the listener
+  epoll_ctl(epoll_fd_.get(), EPOLL_CTL_ADD, listen_fd_.get(), &ev);
+  epoll_event wake{};
+  wake.events = EPOLLIN;  // level-triggered: wakes every thread at stop
+  wake.data.ptr = &wake_fd_;
+  epoll_ctl(epoll_fd_.get(), EPOLL_CTL_ADD, wake_fd_.get(), &wake);
+  for (std::uint32_t i = 0; i < options_.io_threads; ++i) threads_.emplace_back([this] { io_loop(); });
+}
+
+TcpServer::~TcpServer() { stop(); }
+
+void TcpServer::stop() {
+  if (stopping_.exchange(true)) return;
+  const std::uint64_t one = 1;
+  [[maybe_unused]] auto n = ::write(wake_fd_.get(), &one, sizeof one);
+  for (auto& t : threads_) t.join();
+  std::lock_guard lock(peers_mu_);
+  for (auto& [fd, peer] : peers_) peer->close();
+  peers_.clear();
+}
+
+void TcpServer::io_loop() {
+  epoll_event ev{};
+  while (!stopping_.load()) {
+    const int n = epoll_wait(epoll_fd_.get(), &ev, 1, -1);
+    if (n <= 0) continue;
+    if (ev.data.ptr == &wake_fd_) return;
+    if (ev.data.ptr == nullptr) {
+      accept_ready();
+      continue;
+    }
+    auto* peer = static_cast<Peer*>(ev.data.ptr);
+    if (ev.events & (EPOLLHUP | EPOLLERR) && !(ev.events & EPOLLIN)) {
+      close_peer(*peer);
+      continue;
+    }
+    // Serve every complete request already buffered, then hand the connection back to epoll.
+    bool keep = true;
+    do {
+      keep = serve_one(*peer);
+      int avail = 0;
+      if (!keep || ioctl(peer->fd.get(), FIONREAD, &avail) != 0 || avail == 0) break;
+    } while (!stopping_.load());
+    if (keep)
+      rearm(*peer);
+    else
+      close_peer(*peer);
+  }
+}
+
+void TcpServer::rearm(Peer& peer) {
+  epoll_event ev{};
+  ev.events = EPOLLIN | EPOLLRDHUP | EPOLLONESHOT;
+  ev.data.ptr = &peer;
+  epoll_ctl(epoll_fd_.get(), EPOLL_CTL_MOD, peer.fd.get(), &ev);
+}
+
+void TcpServer::accept_ready() {
+  for (;;) {
+    const int fd = ::accept4(listen_fd_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    if (fd < 0) break;
+    // Replies and frame bodies use blocking I/O bounded by the socket timeouts.
+    const int flags = fcntl(fd, F_GETFL);
+    fcntl(fd, F_SETFL, flags & ~O_NONBLOCK);
+    set_nodelay(fd);
+    set_io_timeouts(fd, options_.frame_timeout, options_.frame_timeout);
+    auto peer = std::make_shared<Peer>(fd);
+    {
+      std::lock_guard lock(peers_mu_);
+      if (peers_.size() >= options_.max_connections) {
+        refused_.fetch_add(1);
+        wire::FrameHeader req = wire::make_header(wire::Op::hello, 0, 0, 0);
+        peer->send_error(req, Errc::capacity,
+                         "the server already has " + std::to_string(peers_.size()) +
+                             " connections (--max-connections); try again later or raise the limit");
+        peer->close();
+        continue;
+      }
+      peers_[fd] = peer;
+    }
+    epoll_event ev{};
+    ev.events = EPOLLIN | EPOLLRDHUP | EPOLLONESHOT;
+    ev.data.ptr = peer.get();
+    epoll_ctl(epoll_fd_.get(), EPOLL_CTL_ADD, fd, &ev);
+  }
+  epoll_event ev{};
+  ev.events = EPOLLIN | EPOLLONESHOT;
+  ev.data.ptr = nullptr;
+  epoll_ctl(epoll_fd_.get(), EPOLL_CTL_MOD, listen_fd_.get(), &ev);
+}
+
+void TcpServer::close_peer(Peer& peer) {
+  std::shared_ptr<Peer> keep;
+  {
+    std::lock_guard lock(peers_mu_);
+    auto it = peers_.find(peer.fd.get());
+    if (it == peers_.end()) return;
+    keep = it->second;
+    peers_.erase(it);
+  }
+  epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, peer.fd.get(), nullptr);
+  const std::uint32_t worker = peer.worker;
+  const bool cleanly = peer.finished;
+  peer.close();
+  if (worker != kNoWorker) engine_.worker_left(worker, cleanly);
+}
+
+bool TcpServer::serve_one(Peer& peer) {
+  const int fd = peer.fd.get();
+  wire::FrameHeader h{};
+  if (read_full(fd, &h, sizeof h) != IoResult::ok) return false;
+  std::string why;
+  if (Errc e = wire::validate_header(h, options_.limits, false, &why); e != Errc::ok) {
+    // The stream cannot be trusted past a bad header: answer if we can, then close.
+    if (h.magic == wire::kMagic) peer.send_error(h, e, why);
+    return false;
+  }
+  const auto op = static_cast<wire::Op>(h.op);
+  if (!peer.said_hello && op != wire::Op::hello) {
+    peer.send_error(h, Errc::protocol, "the first request on a connection must be hello");
+    return false;
+  }
+  peer.keys.resize(h.num_keys);
+  if (h.num_keys && read_full(fd, peer.keys.data(), h.num_keys * sizeof(wire::KeyEntry)) != IoResult::ok) return false;
+  if (Errc e = wire::validate_keys(h, peer.keys, &why); e != Errc::ok) {
+    peer.send_error(h, e, why);
+    return false;
+  }
+  if (h.payload_bytes && read_growing(fd, peer.payload, h.payload_bytes) != IoResult::ok) return false;
+  if (h.flags & wire::kChecksum) {
+    std::uint32_t crc = wire::crc32_update(0, peer.keys.data(), peer.keys.size() * sizeof(wire::KeyEntry));
+    crc = wire::crc32_update(crc, peer.payload.data(), h.payload_bytes);
+    if (crc != h.checksum) return peer.send_error(h, Errc::protocol, "checksum mismatch: the request was corrupted in transit");
+  }
+
+  Errc status = Errc::ok;
+  switch (op) {
+    case wire::Op::hello: {
+      if (h.arg1 != wire::kVersion) {
+        peer.send_error(h, Errc::protocol, "client speaks protocol " + std::to_string(h.arg1) + ", server " +
+                                               std::to_string(wire::kVersion) + ": use matching pskv builds");
+        return false;
+      }
+      const auto worker = static_cast<std::uint32_t>(h.arg0);
+      if (worker != kNoWorker) {
+        if (Errc e = engine_.check_worker(worker, &why); e != Errc::ok) {
+          peer.send_error(h, e, why);
+          return false;
+        }
+      }
+      peer.worker = worker;
+      peer.said_hello = true;
+      wire::FrameHeader r = reply_header(h, 0, engine_.options().server_id, engine_.options().num_workers);
+      return peer.send(r, nullptr, 0);
+    }
+    case wire::Op::init:
+      status = engine_.init(peer.keys, peer.payload.data(), &why);
+      break;
+    case wire::Op::push:
+      status = engine_.push(peer.worker, h.arg0, peer.keys, peer.payload.data(), &why);
+      break;
+    case wire::Op::pull: {
+      if (!engine_.pull_allowed(peer.worker, h.arg0)) {
+        engine_.park_pull(peer.worker, h.arg0,
+                          std::make_unique<ParkedPull>(peer.shared_from_this(), engine_, h, peer.keys));
+        return true;
+      }
+      std::uint64_t floats = 0;
+      for (const auto& k : peer.keys) floats += k.length;
+      if (peer.reply.size() < floats) peer.reply.resize(floats);
+      status = engine_.pull(peer.keys, peer.reply.data(), &why);
+      if (status != Errc::ok) break;
+      wire::FrameHeader r = reply_header(h, floats * sizeof(float), engine_.observed_bound());
+      if (h.flags & wire::kChecksum) {
+        r.flags |= wire::kChecksum;
+        r.checksum = wire::crc32_update(0, peer.reply.data(), floats * sizeof(float));
+      }
+      return peer.send(r, peer.reply.data(), floats * sizeof(float));
+    }
+    case wire::Op::clock: {
+      if (Errc e = engine_.check_worker(peer.worker, &why); e != Errc::ok) {
+        status = e;
+        break;
+      }
+      if (h.arg0 == kClockDone) peer.finished = true;
+      const std::uint64_t bound = engine_.advance_clock(peer.worker, h.arg0);
+      wire::FrameHeader r = reply_header(h, 0, bound);
+      return peer.send(r, nullptr, 0);
+    }
+    case wire::Op::barrier:
+      if (Errc e = engine_.check_worker(peer.worker, &why); e != Errc::ok) {
+        status = e;
+        break;
+      }
+      engine_.barrier(peer.worker, h.arg0, std::make_unique<ParkedAck>(peer.shared_from_this(), h));
+      return true;
+    case wire::Op::stats: {
+      const std::string json = engine_.stats_json();
+      wire::FrameHeader r = reply_header(h, json.size());
+      r.flags |= wire::kErrorText;  // a text payload
+      return peer.send(r, json.data(), json.size());
+    }
+    case wire::Op::auth:
+      status = Errc::unsupported;
+      why = "authentication is not enabled on this server";
+      break;
+  }
+  if (status != Errc::ok) return peer.send_error(h, status, why);
+  wire::FrameHeader r = reply_header(h, 0);
+  return peer.send(r, nullptr, 0);
+}
+
+}  // namespace pskv::tcp

@@ -1,0 +1,68 @@
+// Server side of the TCP backend. epoll with EPOLLONESHOT hands each readable connection to one
+// of a few I/O threads at a time, so a connection's requests are handled in order (a worker's
+// pushes are applied before its clock moves) while different connections run in parallel, and
+// idle servers sleep in epoll_wait. Pulls that must wait for the consistency bound are parked in
+// the engine and answered later by whichever thread moves the bound, so no I/O thread ever
+// blocks on another worker.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "server/shard_engine.h"
+#include "transport/tcp/socket.h"
+#include "transport/uri.h"
+#include "transport/wire.h"
+
+namespace pskv::tcp {
+
+struct TcpServerOptions {
+  std::uint32_t io_threads = 2;
+  std::uint32_t max_connections = 1024;
+  // A frame whose rest does not arrive within this time is abandoned and its connection closed.
+  std::chrono::milliseconds frame_timeout{5000};
+  wire::Limits limits{};
+};
+
+class Peer;
+
+// Thread-safety: construct, then stop() or destroy from one thread; everything else is internal.
+class TcpServer {
+ public:
+  TcpServer(ShardEngine& engine, const Uri& uri, const TcpServerOptions& options);
+  ~TcpServer();
+  TcpServer(const TcpServer&) = delete;
+  TcpServer& operator=(const TcpServer&) = delete;
+
+  std::uint16_t port() const noexcept { return port_; }
+  void stop();
+  std::uint64_t connections_refused() const noexcept { return refused_.load(); }
+
+ private:
+  void io_loop();
+  void accept_ready();
+  // Returns false when the connection must be closed.
+  bool serve_one(Peer& peer);
+  void close_peer(Peer& peer);
+  void rearm(Peer& peer);
+
+  ShardEngine& engine_;
+  TcpServerOptions options_;
+  Fd listen_fd_;
+  Fd epoll_fd_;
+  Fd wake_fd_;
+  std::uint16_t port_ = 0;
+  std::atomic<bool> stopping_{false};
+  std::atomic<std::uint64_t> refused_{0};
+  std::mutex peers_mu_;
+  std::unordered_map<int, std::shared_ptr<Peer>> peers_;
+  std::vector<std::thread> threads_;
+};
+
+}  // namespace pskv::tcp

@@ -1,0 +1,97 @@
+// The transport interface. A client holds one Connection per server; the client layer splits
+// each user operation into one Request per server and tracks them with one Completion.
+// Control path (connect, register) and hot path (submit) are separate: connect() and
+// register_memory() may block and allocate; submit() must not allocate in steady state.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+
+#include "pskv/error.h"
+#include "pskv/types.h"
+#include "transport/uri.h"
+#include "transport/wire.h"
+
+namespace pskv::transport {
+
+// One key's part on one server: `data` is the caller's buffer (source for push/init,
+// destination for pull); nothing is copied on the client side.
+struct KeySlice {
+  Key key;
+  std::uint32_t length;
+  float* data;
+};
+
+// Completion of one user operation that may span several servers.
+// Thread-safety: complete_part() from any transport thread; wait()/status() from the owner.
+class Completion {
+ public:
+  void reset(std::uint32_t parts) noexcept;
+  // The first failure wins; its message is kept.
+  void complete_part(Errc status, std::string_view message = {}) noexcept;
+  // Records the read bound a server reported (the minimum over parts is kept).
+  void note_bound(std::uint64_t bound) noexcept;
+  bool done() const noexcept { return remaining_.load(std::memory_order_acquire) == 0; }
+  // Spins briefly (a local reply often lands within microseconds), then sleeps on a futex.
+  // Returns false if the deadline passed first.
+  bool wait(std::chrono::steady_clock::time_point deadline) noexcept;
+  Errc status() const noexcept { return status_; }
+  const std::string& message() const noexcept { return message_; }
+  std::uint64_t bound() const noexcept { return bound_.load(std::memory_order_relaxed); }
+
+ private:
+  std::atomic<std::uint32_t> remaining_{0};
+  std::atomic<std::uint32_t> wake_{0};
+  std::atomic<std::uint64_t> bound_{~0ull};
+  std::mutex mu_;
+  Errc status_ = Errc::ok;
+  std::string message_;
+};
+
+struct Request {
+  wire::Op op = wire::Op::pull;
+  std::uint64_t arg0 = 0;
+  std::uint32_t arg1 = 0;
+  std::span<const KeySlice> keys;
+  Completion* completion = nullptr;
+  std::string* text_out = nullptr;  // stats: receives the server's JSON
+};
+
+struct ConnectOptions {
+  std::uint32_t worker_id = kNoWorker;
+  std::chrono::milliseconds connect_timeout{10000};
+  // No byte from a server for this long while requests are outstanding means it is gone.
+  std::chrono::milliseconds io_timeout{30000};
+  std::uint32_t max_in_flight = 128;
+  bool checksum = false;
+  wire::Limits limits{};
+};
+
+// What the server said about itself at connect time.
+struct ServerInfo {
+  std::uint32_t server_id = 0;
+  std::uint32_t num_workers = 0;
+};
+
+// Thread-safety: submit() and register_memory() may be called from any number of threads.
+class Connection {
+ public:
+  virtual ~Connection() = default;
+  // Hands the request to the server. Blocks only while the in-flight window is full. The request
+  // and its slices must stay valid until the completion part is reported.
+  virtual void submit(Request& request) = 0;
+  // Announces a buffer that later requests will use (RDMA registers it); others ignore it.
+  virtual void register_memory(void* data, std::size_t bytes) { (void)data, (void)bytes; }
+  virtual const ServerInfo& info() const noexcept = 0;
+  virtual const std::string& endpoint() const noexcept = 0;
+};
+
+// Connects by scheme. Throws Error with what to do when the server cannot be reached.
+std::unique_ptr<Connection> connect(const Uri& uri, const ConnectOptions& options);
+
+}  // namespace pskv::transport

@@ -1,0 +1,90 @@
+#include "transport/uri.h"
+
+#include <charconv>
+
+#include "pskv/error.h"
+
+namespace pskv {
+
+namespace {
+[[noreturn]] void bad(std::string_view text, const std::string& why) {
+  throw Error(Errc::invalid_argument, "bad endpoint '" + std::string(text) + "': " + why +
+                                          " (expected tcp://host:port, shm://name or rdma://host:port)");
+}
+}  // namespace
+
+Uri parse_uri(std::string_view text) {
+  Uri u;
+  const auto sep = text.find("://");
+  if (sep == std::string_view::npos) bad(text, "no scheme");
+  u.scheme = std::string(text.substr(0, sep));
+  std::string_view rest = text.substr(sep + 3);
+  if (const auto q = rest.find('?'); q != std::string_view::npos) {
+    std::string_view query = rest.substr(q + 1);
+    rest = rest.substr(0, q);
+    while (!query.empty()) {
+      const auto amp = query.find('&');
+      std::string_view kv = query.substr(0, amp);
+      const auto eq = kv.find('=');
+      if (eq == std::string_view::npos || eq == 0) bad(text, "query parameter '" + std::string(kv) + "' is not key=value");
+      u.params[std::string(kv.substr(0, eq))] = std::string(kv.substr(eq + 1));
+      query = amp == std::string_view::npos ? std::string_view{} : query.substr(amp + 1);
+    }
+  }
+  if (u.scheme == "shm") {
+    if (rest.empty() || rest.size() > 200) bad(text, "the shm name must have 1-200 characters");
+    for (char c : rest)
+      if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.'))
+        bad(text, "the shm name may hold only letters, digits, '-', '_' and '.'");
+    u.name = std::string(rest);
+    return u;
+  }
+  if (u.scheme != "tcp" && u.scheme != "rdma") bad(text, "unknown scheme '" + u.scheme + "'");
+  std::string_view host = rest, port;
+  if (!rest.empty() && rest.front() == '[') {  // [v6]:port
+    const auto close = rest.find(']');
+    if (close == std::string_view::npos) bad(text, "unclosed '['");
+    host = rest.substr(1, close - 1);
+    if (close + 1 >= rest.size() || rest[close + 1] != ':') bad(text, "missing port");
+    port = rest.substr(close + 2);
+  } else {
+    const auto colon = rest.rfind(':');
+    if (colon == std::string_view::npos) bad(text, "missing port");
+    host = rest.substr(0, colon);
+    port = rest.substr(colon + 1);
+  }
+  if (host.empty()) bad(text, "missing host");
+  unsigned value = 0;
+  auto [p, ec] = std::from_chars(port.data(), port.data() + port.size(), value);
+  if (ec != std::errc() || p != port.data() + port.size() || value > 65535) bad(text, "port must be 0-65535");
+  u.host = std::string(host);
+  u.port = static_cast<std::uint16_t>(value);
+  return u;
+}
+
+std::string Uri::str() const {
+  // Appends instead of operator+ chains: GCC 12 warns falsely (-Wrestrict) on those.
+  std::string s = scheme;
+  s.append("://");
+  if (scheme == "shm") {
+    s.append(name);
+  } else {
+    const bool v6 = host.find(':') != std::string::npos;
+    if (v6) s.push_back('[');
+    s.append(host);
+    if (v6) s.push_back(']');
+    s.push_back(':');
+    s.append(std::to_string(port));
+  }
+  char sep = '?';
+  for (const auto& [k, v] : params) {
+    s.push_back(sep);
+    s.append(k);
+    s.push_back('=');
+    s.append(v);
+    sep = '&';
+  }
+  return s;
+}
+
+}  // namespace pskv

@@ -1,0 +1,86 @@
+#include "transport/wire.h"
+
+#include <zlib.h>
+
+namespace pskv::wire {
+
+bool op_carries_values(Op op) noexcept { return op == Op::init || op == Op::push; }
+
+std::string_view op_name(std::uint16_t op) noexcept {
+  switch (static_cast<Op>(op)) {
+    case Op::hello: return "hello";
+    case Op::init: return "init";
+    case Op::push: return "push";
+    case Op::pull: return "pull";
+    case Op::clock: return "clock";
+    case Op::barrier: return "barrier";
+    case Op::stats: return "stats";
+    case Op::auth: return "auth";
+  }
+  return "unknown";
+}
+
+Errc validate_header(const FrameHeader& h, const Limits& limits, bool expect_response, std::string* why) {
+  auto fail = [&](Errc e, std::string msg) {
+    if (why) *why = std::move(msg);
+    return e;
+  };
+  if (h.magic != kMagic)
+    return fail(Errc::protocol, "bad magic 0x" + [&] {
+      char buf[16];
+      std::snprintf(buf, sizeof buf, "%08x", h.magic);
+      return std::string(buf);
+    }() + ": the peer does not speak the pskv protocol");
+  if (h.version != kVersion)
+    return fail(Errc::protocol, "protocol version " + std::to_string(h.version) + ", this side speaks " +
+                                    std::to_string(kVersion) + ": run matching pskv builds on clients and servers");
+  if (op_name(h.op) == "unknown") return fail(Errc::protocol, "unknown op " + std::to_string(h.op));
+  if (bool(h.flags & kResponse) != expect_response)
+    return fail(Errc::protocol, expect_response ? "expected a response frame" : "unexpected response frame");
+  if (h.num_keys > limits.max_keys)
+    return fail(Errc::capacity, "frame declares " + std::to_string(h.num_keys) + " keys; the limit is " +
+                                    std::to_string(limits.max_keys) + " (split the batch or raise --max-keys-per-request)");
+  if (h.payload_bytes > limits.max_payload_bytes)
+    return fail(Errc::capacity, "frame declares " + std::to_string(h.payload_bytes) + " payload bytes; the limit is " +
+                                    std::to_string(limits.max_payload_bytes) +
+                                    " (raise --max-request-mb or lower --chunk-floats)");
+  if (!expect_response) {
+    const Op op = static_cast<Op>(h.op);
+    if (!op_carries_values(op) && h.payload_bytes != 0)
+      return fail(Errc::protocol, std::string(op_name(h.op)) + " request must not carry a payload");
+    if (op_carries_values(op) && h.payload_bytes % sizeof(float) != 0)
+      return fail(Errc::protocol, "payload of " + std::to_string(h.payload_bytes) + " bytes is not whole floats");
+  }
+  return Errc::ok;
+}
+
+Errc validate_keys(const FrameHeader& h, std::span<const KeyEntry> keys, std::string* why) {
+  std::uint64_t floats = 0;
+  for (const KeyEntry& k : keys) {
+    if (k.length == 0) {
+      if (why) *why = "key " + std::to_string(k.key) + " has length 0";
+      return Errc::invalid_argument;
+    }
+    floats += k.length;
+  }
+  if (op_carries_values(static_cast<Op>(h.op)) && floats * sizeof(float) != h.payload_bytes) {
+    if (why)
+      *why = "key table sums to " + std::to_string(floats * sizeof(float)) + " bytes but the payload has " +
+             std::to_string(h.payload_bytes);
+    return Errc::protocol;
+  }
+  return Errc::ok;
+}
+
+std::uint32_t crc32_update(std::uint32_t crc, const void* data, std::size_t bytes) noexcept {
+  const auto* p = static_cast<const Bytef*>(data);
+  while (bytes > 0) {
+    const auto n = static_cast<uInt>(std::min<std::size_t>(bytes, 1u << 30));
+    crc = static_cast<std::uint32_t>(::crc32(crc, p, n));
+    p += n;
+    bytes -= n;
+  }
+  return crc;
+}
+
+}  // namespace pskv::wire

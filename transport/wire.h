@@ -1,0 +1,82 @@
+// The pskv wire protocol (docs/protocol.md): a fixed 48-byte frame header, then a table of
+// 16-byte key entries, then the float payload in key order. Little-endian, as every supported
+// host is. Used by the TCP backend for everything and by the RDMA backend for control messages.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+
+#include "pskv/error.h"
+
+namespace pskv::wire {
+
+inline constexpr std::uint32_t kMagic = 0x564b5350;  // "PSKV"
+inline constexpr std::uint16_t kVersion = 1;
+
+enum class Op : std::uint16_t {
+  hello = 1,    // arg0 = worker id (or kNoWorker), arg1 = client's protocol version; reply arg0 = server id, arg1 = num_workers
+  init = 2,     // keys + values: create keys (first initialiser wins)
+  push = 3,     // keys + gradients; arg0 = the worker's clock (the step these gradients belong to)
+  pull = 4,     // keys; arg0 = the worker's clock (bound check), reply carries values; reply arg0 = min clock seen
+  clock = 5,    // arg0 = the clock the worker now enters; reply arg0 = min clock
+  barrier = 6,  // arg0 = barrier generation
+  stats = 7,    // reply payload: a JSON document (bytes)
+  auth = 8,     // reserved for the authentication handshake
+};
+
+enum Flags : std::uint16_t {
+  kResponse = 1u << 0,
+  kChecksum = 1u << 1,  // `checksum` covers the key table and payload (CRC-32)
+  kErrorText = 1u << 2, // response payload is a UTF-8 error message, not floats
+};
+
+struct FrameHeader {
+  std::uint32_t magic;
+  std::uint16_t version;
+  std::uint16_t op;
+  std::uint64_t request_id;
+  std::uint32_t num_keys;
+  std::uint16_t flags;
+  std::uint16_t status;  // Errc on responses
+  std::uint64_t payload_bytes;
+  std::uint64_t arg0;
+  std::uint32_t arg1;
+  std::uint32_t checksum;
+};
+static_assert(sizeof(FrameHeader) == 48);
+
+struct KeyEntry {
+  std::uint64_t key;
+  std::uint32_t length;  // floats
+  std::uint32_t reserved;
+};
+static_assert(sizeof(KeyEntry) == 16);
+
+// Limits every receiver enforces before it allocates anything a frame declares.
+struct Limits {
+  std::uint32_t max_keys = 1u << 20;
+  std::uint64_t max_payload_bytes = 1ull << 30;
+};
+
+// Checks the header alone (magic, version, op, declared sizes against the limits). A request
+// must not carry kResponse; a response must. Returns ok or the Errc and a message in *why.
+Errc validate_header(const FrameHeader& h, const Limits& limits, bool expect_response, std::string* why);
+
+// Checks the key table against the header: each length > 0, and for ops that carry values the
+// payload equals the sum of lengths * 4 (pull requests carry none).
+Errc validate_keys(const FrameHeader& h, std::span<const KeyEntry> keys, std::string* why);
+
+bool op_carries_values(Op op) noexcept;
+std::string_view op_name(std::uint16_t op) noexcept;
+
+// CRC-32 (zlib) over a sequence of buffers, for the optional checksum.
+std::uint32_t crc32_update(std::uint32_t crc, const void* data, std::size_t bytes) noexcept;
+
+inline FrameHeader make_header(Op op, std::uint64_t id, std::uint32_t num_keys, std::uint64_t payload_bytes,
+                               std::uint64_t arg0 = 0, std::uint32_t arg1 = 0) {
+  return FrameHeader{kMagic, kVersion, static_cast<std::uint16_t>(op), id, num_keys, 0, 0, payload_bytes, arg0, arg1, 0};
+}
+
+}  // namespace pskv::wire
