@@ -1,0 +1,388 @@
+// pskv-bench: end-to-end push/pull bandwidth and latency per transport, next to the machine's
+// own limits measured in the same run (single-stream loopback TCP, 64-byte TCP ping-pong,
+// single-thread memcpy), so every figure is read as a ratio on a noisy machine.
+#include <CLI/CLI.hpp>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cinttypes>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <sstream>
+#include <thread>
+#include <vector>
+
+#include "pskv/client.h"
+#include "pskv/error.h"
+#include "pskv/server.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+double percentile(std::vector<double>& v, double p) {
+  if (v.empty()) return 0;
+  const auto k = static_cast<std::size_t>(p * double(v.size() - 1));
+  std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(k), v.end());
+  return v[k];
+}
+
+// A child that dies with us: benchmarks must never leave servers behind.
+template <class F>
+pid_t spawn(F&& body) {
+  std::fflush(nullptr);
+  const pid_t parent = getpid();
+  const pid_t pid = fork();
+  if (pid == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (getppid() != parent) _exit(0);
+    body();
+    _exit(0);
+  }
+  return pid;
+}
+
+// --- machine baselines -----------------------------------------------------------------------
+
+int listen_any(std::uint16_t* port) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  int one = 1;
+  setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+  listen(fd, 4);
+  socklen_t len = sizeof a;
+  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  *port = ntohs(a.sin_port);
+  return fd;
+}
+
+int connect_port(std::uint16_t port) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = htons(port);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) throw std::runtime_error("baseline connect failed");
+  int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  return fd;
+}
+
+// The raw peers: a sink that drains a stream, and an echo for ping-pong.
+struct RawPeers {
+  std::uint16_t sink_port = 0, echo_port = 0;
+  std::vector<pid_t> pids;
+  void start() {
+    int sink = listen_any(&sink_port);
+    int echo = listen_any(&echo_port);
+    pids.push_back(spawn([&] {
+      for (;;) {
+        int c = accept(sink, nullptr, nullptr);
+        if (c < 0) _exit(0);
+        std::vector<char> buf(1 << 20);
+        while (read(c, buf.data(), buf.size()) > 0) {
+        }
+        close(c);
+      }
+    }));
+    pids.push_back(spawn([&] {
+      for (;;) {
+        int c = accept(echo, nullptr, nullptr);
+        if (c < 0) _exit(0);
+        int one = 1;
+        setsockopt(c, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+        char buf[64];
+        for (;;) {
+          std::size_t got = 0;
+          while (got < sizeof buf) {
+            const ssize_t n = read(c, buf + got, sizeof buf - got);
+            if (n <= 0) break;
+            got += static_cast<std::size_t>(n);
+          }
+          if (got < sizeof buf || write(c, buf, sizeof buf) != ssize_t(sizeof buf)) break;
+        }
+        close(c);
+      }
+    }));
+    close(sink);
+    close(echo);
+  }
+};
+
+double tcp_stream_bandwidth(std::uint16_t port, double seconds) {
+  int fd = connect_port(port);
+  std::vector<char> buf(1 << 20, 1);
+  std::uint64_t bytes = 0;
+  const auto t0 = Clock::now();
+  while (seconds_since(t0) < seconds) {
+    const ssize_t n = write(fd, buf.data(), buf.size());
+    if (n <= 0) break;
+    bytes += static_cast<std::uint64_t>(n);
+  }
+  const double bw = double(bytes) / seconds_since(t0);
+  close(fd);
+  return bw;
+}
+
+double tcp_pingpong_p50_us(std::uint16_t port, int rounds) {
+  int fd = connect_port(port);
+  char buf[64] = {};
+  std::vector<double> lat;
+  lat.reserve(rounds);
+  for (int i = 0; i < rounds; ++i) {
+    const auto t0 = Clock::now();
+    if (write(fd, buf, sizeof buf) != ssize_t(sizeof buf)) break;
+    std::size_t got = 0;
+    while (got < sizeof buf) {
+      const ssize_t n = read(fd, buf + got, sizeof buf - got);
+      if (n <= 0) break;
+      got += static_cast<std::size_t>(n);
+    }
+    lat.push_back(seconds_since(t0) * 1e6);
+  }
+  close(fd);
+  return percentile(lat, 0.5);
+}
+
+double memcpy_bandwidth(std::size_t bytes, double seconds) {
+  std::vector<char> a(bytes, 1), b(bytes);
+  std::uint64_t moved = 0;
+  const auto t0 = Clock::now();
+  while (seconds_since(t0) < seconds) {
+    std::memcpy(b.data(), a.data(), bytes);
+    moved += bytes;
+    asm volatile("" ::"r"(b.data()) : "memory");
+  }
+  return double(moved) / seconds_since(t0);
+}
+
+// --- pskv measurements ----------------------------------------------------------------------
+
+struct Point {
+  std::string op;
+  std::size_t value_bytes;
+  int clients;
+  double bytes_per_s, p50_us, p99_us;
+  std::uint64_t ops;
+};
+
+Point measure(const std::vector<std::string>& servers, const std::string& op, std::size_t value_bytes, int clients,
+              double seconds, std::uint64_t max_ops) {
+  const std::size_t floats = std::max<std::size_t>(1, value_bytes / sizeof(float));
+  std::vector<std::vector<double>> lat(clients);
+  std::vector<std::uint64_t> done(clients, 0);
+  std::atomic<int> ready{0};
+  std::atomic<bool> go{false};
+  std::vector<std::thread> threads;
+  std::vector<std::string> errors(clients);
+  Clock::time_point t0;
+  for (int c = 0; c < clients; ++c)
+    threads.emplace_back([&, c] {
+      try {
+        pskv::ClientOptions o;
+        o.servers = servers;
+        pskv::Client client(o);
+        const pskv::Key key = (std::uint64_t{value_bytes} << 16) | static_cast<std::uint64_t>(c);
+        std::vector<float> buf(floats, 0.0f);
+        client.register_buffer(buf.data(), buf.size() * sizeof(float));
+        client.wait(client.init(key, buf));
+        lat[c].reserve(1 << 16);
+        ready.fetch_add(1);
+        while (!go.load()) std::this_thread::yield();
+        const auto start = Clock::now();
+        while (done[c] < max_ops && (done[c] < 3 || seconds_since(start) < seconds)) {
+          const auto s = Clock::now();
+          client.wait(op == "push" ? client.push(key, buf) : client.pull(key, std::span<float>(buf)));
+          lat[c].push_back(seconds_since(s) * 1e6);
+          ++done[c];
+        }
+      } catch (const std::exception& e) {
+        errors[c] = e.what();
+        ready.fetch_add(1);
+      }
+    });
+  while (ready.load() < clients) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  t0 = Clock::now();
+  go = true;
+  for (auto& t : threads) t.join();
+  const double wall = seconds_since(t0);
+  for (const auto& e : errors)
+    if (!e.empty()) throw std::runtime_error(e);
+  std::vector<double> all;
+  std::uint64_t ops = 0;
+  for (int c = 0; c < clients; ++c) {
+    all.insert(all.end(), lat[c].begin(), lat[c].end());
+    ops += done[c];
+  }
+  Point p{op, value_bytes, clients, double(ops) * double(floats * sizeof(float)) / wall, 0, 0, ops};
+  p.p50_us = percentile(all, 0.5);
+  p.p99_us = percentile(all, 0.99);
+  return p;
+}
+
+std::vector<std::size_t> parse_sizes(const std::string& text) {
+  std::vector<std::size_t> out;
+  std::stringstream ss(text);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    std::size_t mult = 1;
+    if (!item.empty() && (item.back() == 'K' || item.back() == 'k')) mult = 1 << 10, item.pop_back();
+    else if (!item.empty() && (item.back() == 'M' || item.back() == 'm')) mult = 1 << 20, item.pop_back();
+    out.push_back(std::stoull(item) * mult);
+  }
+  return out;
+}
+
+std::string human(double bytes) {
+  char buf[32];
+  if (bytes >= 1e9) std::snprintf(buf, sizeof buf, "%.2f GB", bytes / 1e9);
+  else if (bytes >= 1e6) std::snprintf(buf, sizeof buf, "%.1f MB", bytes / 1e6);
+  else std::snprintf(buf, sizeof buf, "%.1f kB", bytes / 1e3);
+  return buf;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"pskv-bench: push/pull bandwidth and latency per transport, as ratios to the machine's own limits "
+               "measured in the same run."};
+  std::string transport = "tcp", sizes_text = "64,1K,4K,64K,1M,4M,16M", clients_text = "1,2", ops_text = "push,pull";
+  std::vector<std::string> targets;
+  int servers = 1;
+  double seconds = 0.5;
+  std::uint64_t max_ops = 200000;
+  bool json = false;
+  app.add_option("--transport", transport, "tcp, shm or rdma")->capture_default_str()
+      ->check(CLI::IsMember({"tcp", "shm", "rdma"}));
+  app.add_option("--sizes", sizes_text, "Value sizes in bytes (K/M suffixes)")->capture_default_str();
+  app.add_option("--clients", clients_text, "Client counts to sweep")->capture_default_str();
+  app.add_option("--ops", ops_text, "Operations to measure: push, pull")->capture_default_str();
+  app.add_option("--servers", servers, "Servers to start (ignored with --server)")->capture_default_str();
+  app.add_option("--server", targets, "Target existing servers instead of starting them (repeat per server)");
+  app.add_option("--seconds", seconds, "Measuring time per point")->capture_default_str();
+  app.add_option("--max-ops", max_ops, "Cap on operations per client per point")->capture_default_str();
+  app.add_flag("--json", json, "One JSON object per line instead of a table");
+  CLI11_PARSE(app, argc, argv);
+
+  const auto sizes = parse_sizes(sizes_text);
+  std::vector<int> client_counts;
+  for (auto n : parse_sizes(clients_text)) client_counts.push_back(static_cast<int>(n));
+  std::vector<std::string> ops;
+  {
+    std::stringstream ss(ops_text);
+    std::string op;
+    while (std::getline(ss, op, ',')) ops.push_back(op);
+  }
+
+  // Every child is forked before this process starts a thread.
+  RawPeers peers;
+  peers.start();
+  std::vector<pid_t> server_pids;
+  if (targets.empty()) {
+    const std::size_t biggest = *std::max_element(sizes.begin(), sizes.end());
+    const int max_clients = *std::max_element(client_counts.begin(), client_counts.end());
+    const std::uint64_t arena_mb = (sizes.size() * max_clients * (biggest + 4096) * 2 >> 20) / servers + 64;
+    for (int s = 0; s < servers; ++s) {
+      int pipefd[2];
+      if (pipe(pipefd) != 0) return 1;
+      server_pids.push_back(spawn([&] {
+        close(pipefd[0]);
+        pskv::ServerOptions so;
+        so.uri = transport == "tcp" ? "tcp://127.0.0.1:0"
+                                    : transport + "://" + (transport == "shm" ? "pskv-bench-" + std::to_string(getppid()) + "-" + std::to_string(s)
+                                                                                : "127.0.0.1:0");
+        so.server_id = static_cast<std::uint32_t>(s);
+        so.arena_bytes = arena_mb << 20;
+        so.max_request_bytes = std::max<std::uint64_t>(so.max_request_bytes, biggest * 2);
+        try {
+          pskv::Server server(so);
+          const std::string uri = server.uri() + "\n";
+          if (write(pipefd[1], uri.data(), uri.size()) < 0) _exit(1);
+          close(pipefd[1]);
+          pause();
+        } catch (const std::exception& e) {
+          std::fprintf(stderr, "pskv-bench server: %s\n", e.what());
+          _exit(1);
+        }
+      }));
+      close(pipefd[1]);
+      char buf[256] = {};
+      std::size_t got = 0;
+      while (got < sizeof buf - 1) {
+        const ssize_t n = read(pipefd[0], buf + got, sizeof buf - 1 - got);
+        if (n <= 0) break;
+        got += static_cast<std::size_t>(n);
+        if (std::memchr(buf, '\n', got)) break;
+      }
+      close(pipefd[0]);
+      std::string uri(buf, got);
+      if (uri.empty() || uri.back() != '\n') {
+        std::fprintf(stderr, "pskv-bench: server %d failed to start\n", s);
+        return 1;
+      }
+      uri.pop_back();
+      targets.push_back(uri);
+    }
+  }
+
+  const double stream_bw = tcp_stream_bandwidth(peers.sink_port, 1.0);
+  const double pingpong_us = tcp_pingpong_p50_us(peers.echo_port, 20000);
+  const double memcpy_bw = memcpy_bandwidth(16 << 20, 0.5);
+  if (json) {
+    std::printf("{\"baseline\":\"tcp_stream\",\"bytes_per_s\":%.0f}\n", stream_bw);
+    std::printf("{\"baseline\":\"tcp_pingpong_64B\",\"p50_us\":%.2f}\n", pingpong_us);
+    std::printf("{\"baseline\":\"memcpy\",\"bytes_per_s\":%.0f}\n", memcpy_bw);
+  } else {
+    std::printf("baselines: loopback TCP stream %s/s, 64 B TCP ping-pong p50 %.1f us, memcpy %s/s\n",
+                human(stream_bw).c_str(), pingpong_us, human(memcpy_bw).c_str());
+    std::printf("%-5s %-5s %10s %7s %12s %9s %9s  %s\n", "tport", "op", "value", "clients", "bandwidth", "p50 us",
+                "p99 us", "ratio to baseline");
+  }
+
+  int rc = 0;
+  try {
+    for (const auto& op : ops)
+      for (std::size_t size : sizes)
+        for (int clients : client_counts) {
+          Point p = measure(targets, op, size, clients, seconds, max_ops);
+          // Large values are judged by bandwidth, small ones by round-trip latency.
+          const bool by_bandwidth = size >= (64u << 10);
+          const char* baseline = by_bandwidth ? (transport == "shm" ? "memcpy" : "tcp_stream") : "tcp_pingpong_64B";
+          const double base = by_bandwidth ? (transport == "shm" ? memcpy_bw : stream_bw) : pingpong_us;
+          const double ratio = by_bandwidth ? p.bytes_per_s / base : p.p50_us / base;
+          if (json)
+            std::printf("{\"transport\":\"%s\",\"workload\":\"dense\",\"op\":\"%s\",\"value_bytes\":%zu,\"clients\":%d,"
+                        "\"servers\":%zu,\"ops\":%" PRIu64 ",\"bytes_per_s\":%.0f,\"p50_us\":%.2f,\"p99_us\":%.2f,"
+                        "\"baseline\":\"%s\",\"baseline_value\":%.2f,\"ratio\":%.3f}\n",
+                        transport.c_str(), op.c_str(), size, clients, targets.size(), p.ops, p.bytes_per_s, p.p50_us,
+                        p.p99_us, baseline, base, ratio);
+          else
+            std::printf("%-5s %-5s %10zu %7d %10s/s %9.1f %9.1f  %.2fx %s%s\n", transport.c_str(), op.c_str(), size,
+                        clients, human(p.bytes_per_s).c_str(), p.p50_us, p.p99_us, ratio, baseline,
+                        by_bandwidth ? " bandwidth" : " p50 latency");
+          std::fflush(stdout);
+        }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "pskv-bench: %s\n", e.what());
+    rc = 1;
+  }
+  for (pid_t pid : server_pids) kill(pid, SIGTERM);
+  for (pid_t pid : peers.pids) kill(pid, SIGKILL);
+  for (pid_t pid : server_pids) waitpid(pid, nullptr, 0);
+  for (pid_t pid : peers.pids) waitpid(pid, nullptr, 0);
+  return rc;
+}
