@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <thread>
 
 #include "common/sync.h"
@@ -5,11 +6,17 @@
 
 namespace pskv::transport {
 
+namespace {
+// wake_ states: the waiter announces that it sleeps, so completers only pay for FUTEX_WAKE when
+// someone is actually asleep.
+constexpr std::uint32_t kPending = 0, kDone = 1, kSleeping = 2;
+}  // namespace
+
 void Completion::reset(std::uint32_t parts) noexcept {
   status_ = Errc::ok;
   message_.clear();
   bound_.store(~0ull, std::memory_order_relaxed);
-  wake_.store(0, std::memory_order_relaxed);
+  wake_.store(parts == 0 ? kDone : kPending, std::memory_order_relaxed);
   remaining_.store(parts, std::memory_order_release);
 }
 
@@ -28,20 +35,45 @@ void Completion::complete_part(Errc status, std::string_view message) noexcept {
     }
   }
   if (remaining_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
-    wake_.store(1, std::memory_order_release);
-    futex_wake_all(&wake_);
+    if (wake_.exchange(kDone, std::memory_order_acq_rel) == kSleeping) futex_wake_all(&wake_);
   }
 }
 
-bool Completion::wait(std::chrono::steady_clock::time_point deadline) noexcept {
-  for (int i = 0; i < 256; ++i) {
-    if (done()) return true;
-    cpu_relax();
+namespace {
+// A reply over loopback or shared memory often lands within tens of microseconds, and spinning
+// that long saves a sleep/wake pair. But a spinner holds a core the server or a receiver thread
+// may need, so: at most one spinner per two cores in this process, and a per-thread budget that
+// grows when spins pay off and halves when they do not.
+std::atomic<int> g_spinners{0};
+const int g_max_spinners = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / 2);
+thread_local int t_spin_budget_us = Completion::kSpinMicros;
+
+bool spin_for(const Completion& c) noexcept {
+  if (t_spin_budget_us <= 0 || g_spinners.fetch_add(1, std::memory_order_relaxed) >= g_max_spinners) {
+    g_spinners.fetch_sub(1, std::memory_order_relaxed);
+    t_spin_budget_us = std::min(Completion::kSpinMicros, t_spin_budget_us + 1);  // probe again slowly
+    return c.done();
   }
+  const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(t_spin_budget_us);
+  bool done = false;
+  for (unsigned i = 0; !(done = c.done()); ++i) {
+    cpu_relax();
+    if ((i & 63) == 63 && std::chrono::steady_clock::now() > until) break;
+  }
+  g_spinners.fetch_sub(1, std::memory_order_relaxed);
+  t_spin_budget_us = done ? std::min(Completion::kSpinMicros * 2, t_spin_budget_us + 4) : t_spin_budget_us / 2;
+  return done;
+}
+}  // namespace
+
+bool Completion::wait(std::chrono::steady_clock::time_point deadline) noexcept {
+  if (spin_for(*this)) return true;
   while (!done()) {
     const auto left = deadline - std::chrono::steady_clock::now();
     if (left <= std::chrono::nanoseconds::zero()) return done();
-    futex_wait(&wake_, 0, std::chrono::duration_cast<std::chrono::nanoseconds>(left));
+    std::uint32_t expected = kPending;
+    if (!wake_.compare_exchange_strong(expected, kSleeping, std::memory_order_acq_rel) && expected == kDone) break;
+    futex_wait(&wake_, kSleeping, std::chrono::duration_cast<std::chrono::nanoseconds>(left));
   }
   return true;
 }

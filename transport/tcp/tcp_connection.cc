@@ -1,6 +1,5 @@
 #include "transport/tcp/tcp_connection.h"
 
-#include <poll.h>
 #include <sys/socket.h>
 
 #include <cstring>
@@ -132,49 +131,48 @@ void TcpConnection::fail_all(Errc status, const std::string& why) {
 }
 
 void TcpConnection::receive_loop() {
+  // Blocks in recv() (no poll: one syscall per reply header). SO_RCVTIMEO ticks every second so
+  // a server that goes quiet with requests outstanding is declared gone after io_timeout.
+  set_io_timeouts(fd_.get(), std::chrono::milliseconds(1000), options_.io_timeout);
+  auto quiet_since = std::chrono::steady_clock::now();
   for (;;) {
-    bool outstanding;
-    {
-      std::lock_guard lock(slots_mu_);
-      outstanding = free_.size() < slots_.size();
-      if (broken_) return;
-    }
-    pollfd p{fd_.get(), POLLIN, 0};
-    // Idle connections sleep indefinitely; a server that goes quiet with requests outstanding
-    // is declared gone after io_timeout. Re-check every second for newly submitted requests.
-    const int wait_ms = outstanding ? static_cast<int>(std::min<std::int64_t>(options_.io_timeout.count(), 1000)) : 1000;
-    const auto started = std::chrono::steady_clock::now();
-    int rc = ::poll(&p, 1, wait_ms);
-    if (rc < 0 && errno == EINTR) continue;
-    if (rc == 0) {
-      if (!outstanding) continue;
-      // Keep waiting, but only as long as io_timeout in total.
-      auto waited = std::chrono::steady_clock::now() - started;
-      while (rc == 0 && waited < options_.io_timeout) {
-        rc = ::poll(&p, 1, 1000);
-        waited = std::chrono::steady_clock::now() - started;
+    wire::FrameHeader h{};
+    const ssize_t n = ::recv(fd_.get(), &h, sizeof h, MSG_WAITALL);
+    if (n == static_cast<ssize_t>(sizeof h)) {
+      std::string why;
+      if (!receive_one(h, &why)) {
+        fail_all(Errc::peer_failure, why);
+        return;
       }
-      if (rc == 0) {
+      quiet_since = std::chrono::steady_clock::now();
+      continue;
+    }
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
+      bool outstanding;
+      {
+        std::lock_guard lock(slots_mu_);
+        if (broken_) return;
+        outstanding = free_.size() < slots_.size();
+      }
+      if (!outstanding) {
+        quiet_since = std::chrono::steady_clock::now();
+      } else if (std::chrono::steady_clock::now() - quiet_since > options_.io_timeout) {
         fail_all(Errc::timeout, endpoint_ + " sent nothing for " + std::to_string(options_.io_timeout.count()) +
                                     " ms with requests outstanding; the server is hung or unreachable");
         return;
       }
+      continue;
     }
-    std::string why;
-    if (!receive_one(&why)) {
-      fail_all(Errc::peer_failure, why);
-      return;
-    }
+    // A partial header with MSG_WAITALL means the stream broke mid-frame.
+    fail_all(Errc::peer_failure, "lost the connection to " + endpoint_ + " (" +
+                                     (n == 0 ? std::string("closed by the server") : std::string(std::strerror(errno))) +
+                                     "); did the server die?");
+    return;
   }
 }
 
-bool TcpConnection::receive_one(std::string* why) {
-  wire::FrameHeader h{};
-  IoResult res = read_full(fd_.get(), &h, sizeof h);
-  if (res != IoResult::ok) {
-    *why = "lost the connection to " + endpoint_ + " (" + io_result_text(res) + "); did the server die?";
-    return false;
-  }
+bool TcpConnection::receive_one(const wire::FrameHeader& h, std::string* why) {
+  IoResult res;
   if (Errc e = wire::validate_header(h, options_.limits, true, why); e != Errc::ok) {
     *why = "bad reply from " + endpoint_ + ": " + *why;
     return false;

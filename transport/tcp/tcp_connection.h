@@ -35,7 +35,7 @@ class TcpConnection final : public transport::Connection {
   };
   void handshake();
   void receive_loop();
-  bool receive_one(std::string* why);
+  bool receive_one(const wire::FrameHeader& h, std::string* why);
   void fail_all(Errc status, const std::string& why);
   std::uint32_t acquire_slot(transport::Request* request);
   void release_slot(std::uint32_t index);

@@ -3,7 +3,6 @@
 #include <fcntl.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
-#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -45,10 +44,15 @@ class Peer : public std::enable_shared_from_this<Peer> {
   bool said_hello = false;
   bool finished = false;  // the worker announced it is done (clock = kClockDone)
   std::uint32_t worker = kNoWorker;
-  // Owned by the I/O thread that holds the connection.
+  // Owned by the I/O thread that holds the connection. Requests are read with one recv into
+  // `in` and parsed from there; only frames larger than `in` are read straight into `payload`.
+  static constexpr std::size_t kInBytes = 256 << 10;
+  std::unique_ptr<float[]> in{new float[kInBytes / sizeof(float)]};  // float-aligned frames
+  std::size_t in_begin = 0, in_end = 0;
   std::vector<wire::KeyEntry> keys;
   std::vector<float> payload;
   std::vector<float> reply;
+  char* in_bytes() { return reinterpret_cast<char*>(in.get()); }
 };
 
 namespace {
@@ -115,15 +119,16 @@ class ParkedAck final : public Parked {
 
 // Reads `bytes` into `buf`, growing it only as data actually arrives, so a peer that declares a
 // large frame and sends little cannot make the server allocate the declared size.
-IoResult read_growing(int fd, std::vector<float>& buf, std::uint64_t bytes) {
-  const std::size_t floats = bytes / sizeof(float);
-  constexpr std::size_t kStep = 1u << 20;  // floats
-  std::size_t have = 0;
-  if (buf.size() < std::min(floats, kStep)) buf.resize(std::min(floats, kStep));
-  while (have < floats) {
-    if (buf.size() < floats && buf.size() - have == 0) buf.resize(std::min(floats, buf.size() * 2));
-    const std::size_t n = std::min(floats, buf.size()) - have;
-    if (IoResult r = read_full(fd, buf.data() + have, n * sizeof(float)); r != IoResult::ok) return r;
+// `have_bytes` are already in place at the front of `buf`.
+IoResult read_growing(int fd, std::vector<float>& buf, std::uint64_t bytes, std::size_t have_bytes) {
+  constexpr std::size_t kStep = 4u << 20;
+  if (buf.size() * sizeof(float) < std::min<std::uint64_t>(bytes, have_bytes + kStep))
+    buf.resize(std::min<std::uint64_t>(bytes, have_bytes + kStep) / sizeof(float) + 1);
+  std::size_t have = have_bytes;
+  while (have < bytes) {
+    if (buf.size() * sizeof(float) <= have) buf.resize(std::min<std::uint64_t>(bytes, have * 2) / sizeof(float) + 1);
+    const std::size_t n = std::min<std::uint64_t>(bytes, buf.size() * sizeof(float)) - have;
+    if (IoResult r = read_full(fd, reinterpret_cast<char*>(buf.data()) + have, n); r != IoResult::ok) return r;
     have += n;
   }
   return IoResult::ok;
@@ -177,13 +182,9 @@ void TcpServer::io_loop() {
       close_peer(*peer);
       continue;
     }
-    // Serve every complete request already buffered, then hand the connection back to epoll.
-    bool keep = true;
-    do {
-      keep = serve_one(*peer);
-      int avail = 0;
-      if (!keep || ioctl(peer->fd.get(), FIONREAD, &avail) != 0 || avail == 0) break;
-    } while (!stopping_.load());
+    // Serve every complete request that one recv brought in, then hand the connection back to
+    // epoll (a oneshot rearm fires at once if more bytes are already waiting).
+    const bool keep = serve_readable(*peer);
     if (keep)
       rearm(*peer);
     else
@@ -248,31 +249,77 @@ void TcpServer::close_peer(Peer& peer) {
   if (worker != kNoWorker) engine_.worker_left(worker, cleanly);
 }
 
-bool TcpServer::serve_one(Peer& peer) {
+bool TcpServer::serve_readable(Peer& peer) {
   const int fd = peer.fd.get();
-  wire::FrameHeader h{};
-  if (read_full(fd, &h, sizeof h) != IoResult::ok) return false;
-  std::string why;
-  if (Errc e = wire::validate_header(h, options_.limits, false, &why); e != Errc::ok) {
-    // The stream cannot be trusted past a bad header: answer if we can, then close.
-    if (h.magic == wire::kMagic) peer.send_error(h, e, why);
-    return false;
+  const ssize_t n = ::recv(fd, peer.in_bytes() + peer.in_end, Peer::kInBytes - peer.in_end, MSG_DONTWAIT);
+  if (n == 0) return false;
+  if (n < 0) return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR;
+  peer.in_end += static_cast<std::size_t>(n);
+  constexpr std::size_t kHeader = sizeof(wire::FrameHeader);
+  while (peer.in_end - peer.in_begin >= kHeader) {
+    char* at = peer.in_bytes() + peer.in_begin;
+    const std::size_t avail = peer.in_end - peer.in_begin;
+    wire::FrameHeader h;
+    std::memcpy(&h, at, kHeader);
+    std::string why;
+    if (Errc e = wire::validate_header(h, options_.limits, false, &why); e != Errc::ok) {
+      // The stream cannot be trusted past a bad header: answer if we can, then close.
+      if (h.magic == wire::kMagic) peer.send_error(h, e, why);
+      return false;
+    }
+    const std::size_t key_bytes = std::size_t{h.num_keys} * sizeof(wire::KeyEntry);
+    const std::uint64_t frame = kHeader + key_bytes + h.payload_bytes;
+    const float* payload = nullptr;
+    if (frame <= avail) {
+      peer.keys.resize(h.num_keys);
+      std::memcpy(peer.keys.data(), at + kHeader, key_bytes);
+      // Every frame is a whole number of 4-byte words, so payloads in `in` stay float-aligned.
+      payload = reinterpret_cast<const float*>(at + kHeader + key_bytes);
+      peer.in_begin += frame;
+    } else if (frame <= Peer::kInBytes) {
+      // Small frame still arriving: keep the prefix and let epoll say when the rest is here.
+      std::memmove(peer.in_bytes(), at, avail);
+      peer.in_begin = 0;
+      peer.in_end = avail;
+      return true;
+    } else {
+      // A large frame: take what is buffered, then read the rest straight into place, bounded
+      // by the frame timeout and growing buffers only as bytes arrive.
+      peer.keys.resize(h.num_keys);
+      std::size_t have = avail - kHeader;
+      const std::size_t key_have = std::min(have, key_bytes);
+      std::memcpy(peer.keys.data(), at + kHeader, key_have);
+      if (key_have < key_bytes &&
+          read_full(fd, reinterpret_cast<char*>(peer.keys.data()) + key_have, key_bytes - key_have) != IoResult::ok)
+        return false;
+      have -= key_have;
+      const std::size_t prefix_floats = have / sizeof(float);
+      if (peer.payload.size() < prefix_floats) peer.payload.resize(prefix_floats);
+      std::memcpy(peer.payload.data(), at + kHeader + key_have, have);
+      peer.in_begin = peer.in_end = 0;
+      if (read_growing(fd, peer.payload, h.payload_bytes, have) != IoResult::ok) return false;
+      payload = peer.payload.data();
+    }
+    if (!handle(peer, h, payload)) return false;
   }
+  if (peer.in_begin == peer.in_end) peer.in_begin = peer.in_end = 0;
+  return true;
+}
+
+bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payload) {
+  std::string why;
   const auto op = static_cast<wire::Op>(h.op);
   if (!peer.said_hello && op != wire::Op::hello) {
     peer.send_error(h, Errc::protocol, "the first request on a connection must be hello");
     return false;
   }
-  peer.keys.resize(h.num_keys);
-  if (h.num_keys && read_full(fd, peer.keys.data(), h.num_keys * sizeof(wire::KeyEntry)) != IoResult::ok) return false;
   if (Errc e = wire::validate_keys(h, peer.keys, &why); e != Errc::ok) {
     peer.send_error(h, e, why);
     return false;
   }
-  if (h.payload_bytes && read_growing(fd, peer.payload, h.payload_bytes) != IoResult::ok) return false;
   if (h.flags & wire::kChecksum) {
     std::uint32_t crc = wire::crc32_update(0, peer.keys.data(), peer.keys.size() * sizeof(wire::KeyEntry));
-    crc = wire::crc32_update(crc, peer.payload.data(), h.payload_bytes);
+    crc = wire::crc32_update(crc, payload, h.payload_bytes);
     if (crc != h.checksum) return peer.send_error(h, Errc::protocol, "checksum mismatch: the request was corrupted in transit");
   }
 
@@ -297,10 +344,10 @@ bool TcpServer::serve_one(Peer& peer) {
       return peer.send(r, nullptr, 0);
     }
     case wire::Op::init:
-      status = engine_.init(peer.keys, peer.payload.data(), &why);
+      status = engine_.init(peer.keys, payload, &why);
       break;
     case wire::Op::push:
-      status = engine_.push(peer.worker, h.arg0, peer.keys, peer.payload.data(), &why);
+      status = engine_.push(peer.worker, h.arg0, peer.keys, payload, &why);
       break;
     case wire::Op::pull: {
       if (!engine_.pull_allowed(peer.worker, h.arg0)) {

@@ -47,8 +47,9 @@ class TcpServer {
  private:
   void io_loop();
   void accept_ready();
-  // Returns false when the connection must be closed.
-  bool serve_one(Peer& peer);
+  // Each returns false when the connection must be closed.
+  bool serve_readable(Peer& peer);
+  bool handle(Peer& peer, const wire::FrameHeader& h, const float* payload);
   void close_peer(Peer& peer);
   void rearm(Peer& peer);
 
