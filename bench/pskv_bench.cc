@@ -302,18 +302,23 @@ int main(int argc, char** argv) {
       server_pids.push_back(spawn([&] {
         close(pipefd[0]);
         pskv::ServerOptions so;
-        so.uri = transport == "tcp" ? "tcp://127.0.0.1:0"
-                                    : transport + "://" + (transport == "shm" ? "pskv-bench-" + std::to_string(getppid()) + "-" + std::to_string(s)
-                                                                                : "127.0.0.1:0");
+        so.uri = transport == "shm" ? "shm://bench-" + std::to_string(getppid()) + "-" + std::to_string(s)
+                                    : transport + "://127.0.0.1:0";
         so.server_id = static_cast<std::uint32_t>(s);
         so.arena_bytes = arena_mb << 20;
         so.max_request_bytes = std::max<std::uint64_t>(so.max_request_bytes, biggest * 2);
+        // SIGTERM must run the destructors (a shm server removes its segment), so wait for it.
+        sigset_t stop;
+        sigemptyset(&stop);
+        sigaddset(&stop, SIGTERM);
+        pthread_sigmask(SIG_BLOCK, &stop, nullptr);
         try {
           pskv::Server server(so);
           const std::string uri = server.uri() + "\n";
           if (write(pipefd[1], uri.data(), uri.size()) < 0) _exit(1);
           close(pipefd[1]);
-          pause();
+          int sig = 0;
+          sigwait(&stop, &sig);
         } catch (const std::exception& e) {
           std::fprintf(stderr, "pskv-bench server: %s\n", e.what());
           _exit(1);
@@ -342,13 +347,20 @@ int main(int argc, char** argv) {
   const double stream_bw = tcp_stream_bandwidth(peers.sink_port, 1.0);
   const double pingpong_us = tcp_pingpong_p50_us(peers.echo_port, 20000);
   const double memcpy_bw = memcpy_bandwidth(16 << 20, 0.5);
+  // memcpy at each value size, since cache residency changes the limit by 3x across the sweep.
+  std::vector<double> memcpy_at;
+  for (std::size_t size : sizes) memcpy_at.push_back(memcpy_bandwidth(std::max<std::size_t>(size, 64), 0.2));
   if (json) {
     std::printf("{\"baseline\":\"tcp_stream\",\"bytes_per_s\":%.0f}\n", stream_bw);
     std::printf("{\"baseline\":\"tcp_pingpong_64B\",\"p50_us\":%.2f}\n", pingpong_us);
     std::printf("{\"baseline\":\"memcpy\",\"bytes_per_s\":%.0f}\n", memcpy_bw);
+    for (std::size_t si = 0; si < sizes.size(); ++si)
+      std::printf("{\"baseline\":\"memcpy\",\"value_bytes\":%zu,\"bytes_per_s\":%.0f}\n", sizes[si], memcpy_at[si]);
   } else {
-    std::printf("baselines: loopback TCP stream %s/s, 64 B TCP ping-pong p50 %.1f us, memcpy %s/s\n",
+    std::printf("baselines: loopback TCP stream %s/s, 64 B TCP ping-pong p50 %.1f us, memcpy 16 MiB %s/s\n",
                 human(stream_bw).c_str(), pingpong_us, human(memcpy_bw).c_str());
+    for (std::size_t si = 0; si < sizes.size(); ++si)
+      std::printf("  memcpy %zu B: %s/s\n", sizes[si], human(memcpy_at[si]).c_str());
     std::printf("%-5s %-5s %10s %7s %12s %9s %9s  %s\n", "tport", "op", "value", "clients", "bandwidth", "p50 us",
                 "p99 us", "ratio to baseline");
   }
@@ -356,13 +368,14 @@ int main(int argc, char** argv) {
   int rc = 0;
   try {
     for (const auto& op : ops)
-      for (std::size_t size : sizes)
+      for (std::size_t si = 0; si < sizes.size(); ++si)
         for (int clients : client_counts) {
+          const std::size_t size = sizes[si];
           Point p = measure(targets, op, size, clients, seconds, max_ops);
           // Large values are judged by bandwidth, small ones by round-trip latency.
-          const bool by_bandwidth = size >= (64u << 10);
+          const bool by_bandwidth = size >= (64u << 10) || transport == "shm";
           const char* baseline = by_bandwidth ? (transport == "shm" ? "memcpy" : "tcp_stream") : "tcp_pingpong_64B";
-          const double base = by_bandwidth ? (transport == "shm" ? memcpy_bw : stream_bw) : pingpong_us;
+          const double base = by_bandwidth ? (transport == "shm" ? memcpy_at[si] : stream_bw) : pingpong_us;
           const double ratio = by_bandwidth ? p.bytes_per_s / base : p.p50_us / base;
           if (json)
             std::printf("{\"transport\":\"%s\",\"workload\":\"dense\",\"op\":\"%s\",\"value_bytes\":%zu,\"clients\":%d,"

@@ -51,7 +51,13 @@ int main(int argc, char** argv) {
       ->envname("PSKV_MAX_REQUEST_MB")->capture_default_str();
   app.add_option("--max-keys-per-request", o.max_keys_per_request, "Largest key table accepted")
       ->envname("PSKV_MAX_KEYS_PER_REQUEST")->capture_default_str();
+  std::uint64_t shm_slot_mb = o.shm_slot_bytes >> 20;
+  app.add_option("--shm-slots", o.shm_slots, "shm: client slots (clients connected at once)")->envname("PSKV_SHM_SLOTS")
+      ->capture_default_str();
+  app.add_option("--shm-slot-mb", shm_slot_mb, "shm: per-client staging area for pushes, MiB (bounds one push)")
+      ->envname("PSKV_SHM_SLOT_MB")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
+  o.shm_slot_bytes = shm_slot_mb << 20;
 
   o.mode = *pskv::parse_consistency_mode(mode);
   o.rule.rule = *pskv::parse_update_rule(rule);

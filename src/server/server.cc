@@ -3,6 +3,7 @@
 #include <thread>
 
 #include "server/shard_engine.h"
+#include "transport/shm/shm_server.h"
 #include "transport/tcp/tcp_server.h"
 #include "transport/uri.h"
 
@@ -36,6 +37,10 @@ class ServerImpl {
       tcp_ = std::make_unique<tcp::TcpServer>(
           *engine_, uri_, tcp::TcpServerOptions{.io_threads = threads, .max_connections = o.max_connections, .limits = limits});
       uri_.port = tcp_->port();
+    } else if (uri_.scheme == "shm") {
+      shm_ = std::make_unique<shm::ShmServer>(
+          uri_.name, e,
+          shm::ShmServerOptions{.threads = threads, .slots = o.shm_slots, .slot_data_bytes = o.shm_slot_bytes});
     } else {
       throw Error(Errc::unsupported, "the " + uri_.scheme + " transport is not available in this build");
     }
@@ -45,16 +50,18 @@ class ServerImpl {
 
   void stop() {
     if (tcp_) tcp_->stop();
+    if (shm_) shm_->stop();
     if (engine_) engine_->shutdown();
   }
 
   std::string uri() const { return uri_.str(); }
-  std::string stats_json() const { return engine_->stats_json(); }
+  std::string stats_json() const { return shm_ ? shm_->engine().stats_json() : engine_->stats_json(); }
 
  private:
   Uri uri_;
   std::unique_ptr<ShardEngine> engine_;
   std::unique_ptr<tcp::TcpServer> tcp_;
+  std::unique_ptr<shm::ShmServer> shm_;
 };
 
 }  // namespace detail

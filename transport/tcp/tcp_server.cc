@@ -140,6 +140,8 @@ TcpServer::TcpServer(ShardEngine& engine, const Uri& uri, const TcpServerOptions
     : engine_(engine), options_(options) {
   if (options_.io_threads == 0) options_.io_threads = 1;
   listen_fd_ = listen_tcp(uri.host, uri.port, 512);
+  // accept_ready() drains the backlog until EAGAIN; a blocking listener would park the thread.
+  fcntl(listen_fd_.get(), F_SETFL, fcntl(listen_fd_.get(), F_GETFL) | O_NONBLOCK);
   port_ = local_port(listen_fd_.get());
   epoll_fd_ = Fd(epoll_create1(EPOLL_CLOEXEC));
   wake_fd_ = Fd(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));

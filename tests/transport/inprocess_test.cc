@@ -1,0 +1,97 @@
+// Both backends with server and clients as threads of one process, so the thread sanitizer sees
+// every handoff: pipelined TCP requests, the shm ring, parked reads and completions.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <thread>
+
+#include "pskv/client.h"
+#include "pskv/server.h"
+
+namespace pskv {
+namespace {
+
+class InProcess : public ::testing::TestWithParam<std::string> {
+ protected:
+  std::string uri() const {
+    return GetParam() == "tcp" ? "tcp://127.0.0.1:0" : "shm://inproc-" + std::to_string(getpid());
+  }
+};
+
+TEST_P(InProcess, ConcurrentClientsLoseNothing) {
+  ServerOptions so;
+  so.uri = uri();
+  so.io_threads = 2;
+  so.arena_bytes = 16 << 20;
+  Server server(so);
+  ClientOptions o;
+  o.servers = {server.uri()};
+  {
+    Client admin(o);
+    std::vector<float> zeros(256, 0.0f);
+    for (Key k = 0; k < 4; ++k) admin.wait(admin.init(k, zeros));
+  }
+  constexpr int kThreads = 4, kPushes = 300;
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t)
+    threads.emplace_back([&, t] {
+      Client c(o);
+      std::vector<float> one(256, 1.0f), out(256);
+      std::vector<Ticket> pending;
+      for (int i = 0; i < kPushes; ++i) {
+        pending.push_back(c.push(Key((i + t) % 4), one));
+        if (i % 8 == 7) {
+          for (Ticket x : pending) c.wait(x);
+          pending.clear();
+          c.wait(c.pull(Key(i % 4), out));
+          for (float x : out) ASSERT_EQ(x, out[0]);
+        }
+      }
+      for (Ticket x : pending) c.wait(x);
+    });
+  for (auto& t : threads) t.join();
+  Client check(o);
+  float total = 0;
+  std::vector<float> out(256);
+  for (Key k = 0; k < 4; ++k) {
+    check.wait(check.pull(k, out));
+    total += out[0];
+  }
+  EXPECT_EQ(total, float(kThreads * kPushes));
+}
+
+TEST_P(InProcess, BspClocksAndBarrier) {
+  ServerOptions so;
+  so.uri = uri();
+  so.num_workers = 2;
+  so.mode = ConsistencyMode::bsp;
+  so.arena_bytes = 16 << 20;
+  Server server(so);
+  std::vector<std::thread> workers;
+  std::atomic<int> violations{0};
+  for (std::uint32_t w = 0; w < 2; ++w)
+    workers.emplace_back([&, w] {
+      ClientOptions o;
+      o.servers = {server.uri()};
+      o.worker_id = w;
+      Client c(o);
+      std::vector<float> zero(1, 0.0f), one(1, 1.0f), out(1);
+      c.wait(c.init(Key(w), zero));
+      c.barrier();
+      for (int step = 0; step < 50; ++step) {
+        for (Key k = 0; k < 2; ++k) {
+          c.wait(c.pull(k, out));
+          if (out[0] < float(step)) violations.fetch_add(1);  // BSP: every earlier step is in
+        }
+        c.wait(c.push(Key(w), one));
+        c.clock();
+      }
+    });
+  for (auto& t : workers) t.join();
+  EXPECT_EQ(violations.load(), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, InProcess, ::testing::Values("tcp", "shm"));
+
+}  // namespace
+}  // namespace pskv

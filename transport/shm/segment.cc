@@ -1,0 +1,193 @@
+#include "transport/shm/segment.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <boost/interprocess/mapped_region.hpp>
+#include <boost/interprocess/shared_memory_object.hpp>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <sstream>
+
+#include "consistency/clock_table.h"
+#include "pskv/error.h"
+
+namespace bip = boost::interprocess;
+
+namespace pskv::shm {
+
+namespace {
+constexpr std::uint64_t kSegmentMagic = 0x474553564b53502eULL;  // ".PSKVSEG"
+constexpr std::uint32_t kLayoutVersion = 1;
+
+class RegionView final : public MemoryResource {
+ public:
+  RegionView(std::byte* p, std::size_t n) : p_(p), n_(n) {}
+  std::byte* data() noexcept override { return p_; }
+  std::size_t size() const noexcept override { return n_; }
+
+ private:
+  std::byte* p_;
+  std::size_t n_;
+};
+
+// Maps the whole object ourselves (not through a mapped_region member) so the mapping outlives
+// nothing it should not and can be MAP_SHARED | MAP_NORESERVE.
+std::byte* map_object(const std::string& object, std::size_t size, bool create) {
+  const std::string path = "/dev/shm/" + object.substr(1);
+  const int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+  if (fd < 0) throw Error(Errc::io, "cannot open " + path + ": " + std::strerror(errno));
+  if (create && ::ftruncate(fd, static_cast<off_t>(size)) != 0) {
+    const int err = errno;
+    ::close(fd);
+    throw Error(Errc::capacity, "cannot size shared memory " + path + " to " + std::to_string(size >> 20) +
+                                    " MiB: " + std::strerror(err) + " (is /dev/shm large enough?)");
+  }
+  void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_NORESERVE, fd, 0);
+  ::close(fd);
+  if (p == MAP_FAILED) throw Error(Errc::io, "cannot map " + path + ": " + std::strerror(errno));
+  return static_cast<std::byte*>(p);
+}
+}  // namespace
+
+std::string segment_object_name(const std::string& name) { return "/pskv-" + name; }
+
+std::uint64_t process_start_time(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  std::string stat;
+  if (!std::getline(in, stat)) return 0;
+  // Field 22 (starttime); skip past the parenthesised command name, which may contain spaces.
+  const auto close = stat.rfind(')');
+  if (close == std::string::npos) return 0;
+  std::istringstream rest(stat.substr(close + 2));
+  std::string field;
+  for (int i = 3; i <= 22 && rest >> field; ++i)
+    if (i == 22) return std::stoull(field);
+  return 0;
+}
+
+bool process_alive(pid_t pid, std::uint64_t start_time) {
+  if (pid <= 0) return false;
+  if (::kill(pid, 0) != 0 && errno != EPERM) return false;
+  return start_time == 0 || process_start_time(pid) == start_time;
+}
+
+std::unique_ptr<Segment> Segment::create(const std::string& name, const SegmentConfig& c) {
+  if (c.server_threads == 0 || c.server_threads > kMaxServerThreads)
+    throw Error(Errc::invalid_argument, "shm server threads must be 1.." + std::to_string(kMaxServerThreads));
+  if (c.slots == 0 || c.slots > 4096) throw Error(Errc::invalid_argument, "shm slots must be 1..4096");
+  const std::string object = segment_object_name(name);
+
+  SegmentHeader layout{};
+  layout.clock_offset = align_up(sizeof(SegmentHeader), 4096);
+  const std::size_t clock_bytes = c.num_workers ? ClockTable::bytes_for(c.num_workers) : 0;
+  layout.slots_offset = align_up(layout.clock_offset + clock_bytes, 4096);
+  layout.slot_stride = align_up(sizeof(ClientSlot) + c.slot_data_bytes, 4096);
+  layout.store_offset = align_up(layout.slots_offset + std::uint64_t{c.slots} * layout.slot_stride, 4096);
+  layout.store_bytes = c.store_bytes;
+  layout.total_bytes = align_up(layout.store_offset + c.store_bytes, 4096);
+
+  for (int attempt = 0;; ++attempt) {
+    try {
+      bip::shared_memory_object shm(bip::create_only, object.c_str(), bip::read_write, bip::permissions(0600));
+      break;
+    } catch (const bip::interprocess_exception&) {
+      if (attempt > 0) throw Error(Errc::io, "cannot create shared memory " + object);
+    }
+    // The name exists. Reclaim it only if it is ours and its server is dead.
+    std::unique_ptr<Segment> old;
+    try {
+      old = open(name);
+    } catch (const Error& e) {
+      // Only a complete pskv segment whose server is dead is reclaimed; anything else (another
+      // program's object, or a server still laying it out) is reported, never deleted.
+      if (e.code() != Errc::stale_resource)
+        throw Error(Errc::stale_resource, "shared memory " + object + " exists but is not a usable pskv segment (" +
+                                              e.what() + "); remove /dev/shm" + object + " if no job uses it");
+    }
+    if (old)
+      throw Error(Errc::stale_resource, "shm://" + name + " is in use by a running pskv-server (pid " +
+                                            std::to_string(old->header().server_pid) +
+                                            "); pick another name for this job");
+    bip::shared_memory_object::remove(object.c_str());
+  }
+
+  auto seg = std::unique_ptr<Segment>(new Segment());
+  seg->name_ = name;
+  seg->owner_ = true;
+  seg->size_ = layout.total_bytes;
+  try {
+    seg->base_ = map_object(object, layout.total_bytes, true);
+  } catch (...) {
+    bip::shared_memory_object::remove(object.c_str());
+    throw;
+  }
+  auto& h = *new (seg->base_) SegmentHeader{};
+  h.layout_version = kLayoutVersion;
+  h.server_pid = ::getpid();
+  h.server_start = process_start_time(h.server_pid);
+  h.job_nonce = std::random_device{}() | (std::uint64_t{std::random_device{}()} << 32);
+  h.num_workers = c.num_workers;
+  h.slots = c.slots;
+  h.server_threads = c.server_threads;
+  h.mode = static_cast<std::uint8_t>(c.mode);
+  h.staleness = c.staleness;
+  h.sync_required = c.sync_required;
+  h.wait_timeout_ms = c.wait_timeout_ms;
+  h.slot_data_bytes = c.slot_data_bytes;
+  h.clock_offset = layout.clock_offset;
+  h.slots_offset = layout.slots_offset;
+  h.slot_stride = layout.slot_stride;
+  h.store_offset = layout.store_offset;
+  h.store_bytes = layout.store_bytes;
+  h.total_bytes = layout.total_bytes;
+  for (std::uint32_t i = 0; i < c.slots; ++i) new (&seg->slot(i)) ClientSlot{};
+  std::atomic_ref<std::uint64_t>(h.magic).store(kSegmentMagic, std::memory_order_release);
+  return seg;
+}
+
+std::unique_ptr<Segment> Segment::open(const std::string& name) {
+  const std::string object = segment_object_name(name);
+  std::size_t size = 0;
+  try {
+    bip::shared_memory_object shm(bip::open_only, object.c_str(), bip::read_write);
+    bip::offset_t n = 0;
+    shm.get_size(n);
+    size = static_cast<std::size_t>(n);
+  } catch (const bip::interprocess_exception&) {
+    throw Error(Errc::peer_failure, "no pskv server at shm://" + name + " (/dev/shm" + object +
+                                        " does not exist); start pskv-server --uri shm://" + name + " first");
+  }
+  if (size < sizeof(SegmentHeader))
+    throw Error(Errc::protocol, "shm://" + name + " is too small to be a pskv segment");
+  auto seg = std::unique_ptr<Segment>(new Segment());
+  seg->name_ = name;
+  seg->size_ = size;
+  seg->base_ = map_object(object, size, false);
+  auto& h = seg->header();
+  if (std::atomic_ref<std::uint64_t>(h.magic).load(std::memory_order_acquire) != kSegmentMagic ||
+      h.layout_version != kLayoutVersion || h.total_bytes > size)
+    throw Error(Errc::protocol, "shm://" + name + " does not hold a pskv segment of this version");
+  if (!process_alive(h.server_pid, h.server_start))
+    throw Error(Errc::stale_resource, "shm://" + name + " was left by pskv-server pid " + std::to_string(h.server_pid) +
+                                          ", which is no longer running; restart the server (it reclaims the name)");
+  return seg;
+}
+
+Segment::~Segment() {
+  if (base_) ::munmap(base_, size_);
+}
+
+std::unique_ptr<MemoryResource> Segment::store_memory() {
+  return std::make_unique<RegionView>(base_ + header().store_offset, header().store_bytes);
+}
+
+bool Segment::server_alive() { return process_alive(header().server_pid, header().server_start); }
+
+void Segment::remove() { bip::shared_memory_object::remove(segment_object_name(name_).c_str()); }
+
+}  // namespace pskv::shm

@@ -1,0 +1,127 @@
+// The shared-memory segment of one shm:// server: header, clock table, one request ring per
+// client, and the store region, all in one Boost.Interprocess shared_memory_object.
+//
+//   SegmentHeader | ClockTable | ClientSlot x slots (ring + data area each) | Store region
+//
+// Clients pull straight from the store region under the seqlock; everything that changes state
+// (push, init, clock, barrier) goes through the client's own ring and is applied by the server
+// in ring order, so a worker's clock never becomes visible before its pushes are applied, and a
+// worker killed at any instant holds no lock and leaves at worst an unpublished ring entry.
+#pragma once
+
+#include <sys/types.h>
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "common/memory.h"
+#include "pskv/types.h"
+
+namespace pskv::shm {
+
+inline constexpr std::uint32_t kRingEntries = 256;
+inline constexpr std::uint32_t kMaxServerThreads = 16;
+inline constexpr std::size_t kEntryText = 160;
+
+// One request in a client's ring. The client fills it and publishes it by advancing `head`;
+// the server answers in place and publishes by advancing `done`.
+struct alignas(64) RingEntry {
+  std::uint64_t seq;
+  std::uint16_t op;
+  std::uint16_t reserved;
+  std::uint32_t num_keys;
+  std::uint64_t arg0;
+  std::uint64_t data_offset;   // into the slot's data area: key table, then payload
+  std::uint64_t payload_bytes;
+  // Response.
+  std::uint32_t status;        // Errc
+  std::uint32_t text_len;      // error text (or stats JSON) at data_offset, up to data_bytes
+  std::uint64_t reply_arg0;
+  std::uint64_t data_bytes;    // bytes reserved at data_offset
+};
+
+struct alignas(64) ClientSlot {
+  std::atomic<std::int32_t> owner_pid;  // 0: free
+  std::uint32_t worker_id;
+  std::uint64_t owner_start;            // owner's start time, so a reused pid is not mistaken
+  alignas(64) std::atomic<std::uint64_t> head;  // last published seq (client)
+  alignas(64) std::atomic<std::uint64_t> done;  // last answered seq (server)
+  std::atomic<std::uint32_t> done_word;         // futex: bumped on every answer and clock change
+  std::atomic<std::uint32_t> client_sleeping;
+  std::atomic<std::uint32_t> waits_on_clock;    // the client has pulls parked on the bound
+  alignas(64) RingEntry ring[kRingEntries];
+};
+
+struct alignas(64) SegmentHeader {
+  std::uint64_t magic;
+  std::uint32_t layout_version;
+  std::int32_t server_pid;
+  std::uint64_t server_start;  // /proc start time of the server process
+  std::uint64_t job_nonce;     // random per server start
+  std::uint32_t num_workers;
+  std::uint32_t slots;
+  std::uint32_t server_threads;
+  std::uint8_t mode;           // ConsistencyMode
+  std::uint8_t reserved8[3];
+  std::uint32_t staleness;
+  std::uint32_t sync_required;
+  std::uint32_t wait_timeout_ms;
+  std::uint64_t slot_data_bytes;
+  std::uint64_t clock_offset, slots_offset, slot_stride, store_offset, store_bytes, total_bytes;
+  alignas(64) std::atomic<std::uint32_t> ready;  // 1 once the server finished laying out
+  alignas(64) std::atomic<std::uint32_t> doorbell[kMaxServerThreads];
+  std::atomic<std::uint32_t> server_sleeping[kMaxServerThreads];
+};
+
+struct SegmentConfig {
+  std::uint32_t num_workers = 0;
+  std::uint32_t slots = 64;
+  std::uint32_t server_threads = 1;
+  std::uint64_t slot_data_bytes = 32ull << 20;
+  std::uint64_t store_bytes = 0;
+  ConsistencyMode mode = ConsistencyMode::asp;
+  std::uint32_t staleness = 0, sync_required = 0, wait_timeout_ms = 10000;
+};
+
+// Process identity that survives pid reuse: pid plus its start time.
+std::uint64_t process_start_time(pid_t pid);
+bool process_alive(pid_t pid, std::uint64_t start_time);
+
+// A mapped segment. Thread-safety: the mapping is immutable; the contents are shared state
+// whose own types (atomics, seqlocks) make them safe.
+class Segment {
+ public:
+  // Server: creates "/pskv-<name>" with mode 0600. A leftover from a dead server is reclaimed;
+  // one owned by a live server is an error naming its pid.
+  static std::unique_ptr<Segment> create(const std::string& name, const SegmentConfig& config);
+  // Client: opens an existing segment and checks that its server is alive.
+  static std::unique_ptr<Segment> open(const std::string& name);
+  ~Segment();
+
+  SegmentHeader& header() noexcept { return *reinterpret_cast<SegmentHeader*>(base_); }
+  void* clock_memory() noexcept { return base_ + header().clock_offset; }
+  ClientSlot& slot(std::uint32_t i) noexcept {
+    return *reinterpret_cast<ClientSlot*>(base_ + header().slots_offset + i * header().slot_stride);
+  }
+  std::byte* slot_data(std::uint32_t i) noexcept { return reinterpret_cast<std::byte*>(&slot(i)) + sizeof(ClientSlot); }
+  // A non-owning view of the store region, valid while this Segment lives.
+  std::unique_ptr<MemoryResource> store_memory();
+  const std::string& name() const noexcept { return name_; }
+  bool server_alive();
+  // Removes the name (server, at exit); existing mappings stay valid until unmapped.
+  void remove();
+
+ private:
+  Segment() = default;
+  std::string name_;
+  std::byte* base_ = nullptr;
+  std::size_t size_ = 0;
+  bool owner_ = false;
+};
+
+std::string segment_object_name(const std::string& name);
+
+}  // namespace pskv::shm

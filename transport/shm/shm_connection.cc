@@ -1,0 +1,304 @@
+#include "transport/shm/shm_connection.h"
+
+#include <unistd.h>
+
+#include <cstring>
+#include <sstream>
+#include <vector>
+
+#include "common/sync.h"
+
+namespace pskv::shm {
+
+using transport::KeySlice;
+using transport::Request;
+
+ShmConnection::ShmConnection(const Uri& uri, const transport::ConnectOptions& options)
+    : options_(options), endpoint_(uri.str()) {
+  segment_ = Segment::open(uri.name);
+  header_ = &segment_->header();
+  const auto deadline = std::chrono::steady_clock::now() + options.connect_timeout;
+  while (header_->ready.load(std::memory_order_acquire) == 0) {
+    if (std::chrono::steady_clock::now() > deadline)
+      throw Error(Errc::timeout, "shm://" + uri.name + " exists but its server never finished starting");
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  store_ = Store::attach(segment_->store_memory());
+  if (header_->num_workers) clocks_ = std::make_unique<ClockTable>(segment_->clock_memory(), header_->num_workers, false);
+  if (options.worker_id != kNoWorker && options.worker_id >= header_->num_workers)
+    throw Error(Errc::invalid_argument, "worker id " + std::to_string(options.worker_id) + " is out of range: " +
+                                            endpoint_ + " was started with --workers " + std::to_string(header_->num_workers));
+  const auto mode = static_cast<ConsistencyMode>(header_->mode);
+  bounded_ = clocks_ && mode != ConsistencyMode::asp;
+  staleness_ = mode == ConsistencyMode::ssp ? header_->staleness : 0;
+  quorum_ = mode == ConsistencyMode::sync ? (header_->sync_required ? header_->sync_required : header_->num_workers) : 0;
+  info_.num_workers = header_->num_workers;
+  data_capacity_ = header_->slot_data_bytes;
+
+  const pid_t me = ::getpid();
+  for (std::uint32_t i = 0; i < header_->slots && !slot_; ++i) {
+    std::int32_t expected = 0;
+    ClientSlot& s = segment_->slot(i);
+    if (s.owner_pid.compare_exchange_strong(expected, me)) {
+      s.owner_start = process_start_time(me);
+      s.worker_id = options.worker_id;
+      s.waits_on_clock.store(0);
+      slot_ = &s;
+      slot_index_ = i;
+    }
+  }
+  if (!slot_)
+    throw Error(Errc::capacity, endpoint_ + " has no free client slot (" + std::to_string(header_->slots) +
+                                    " in use); restart the server with more --shm-slots");
+  data_ = segment_->slot_data(slot_index_);
+  next_seq_ = completed_ = released_ = slot_->done.load(std::memory_order_acquire);
+  slot_->head.store(next_seq_, std::memory_order_release);
+  helper_ = std::thread([this] { helper_loop(); });
+}
+
+ShmConnection::~ShmConnection() {
+  {
+    std::lock_guard lock(mu_);
+    stopping_ = true;
+  }
+  slot_->done_word.fetch_add(1);
+  futex_wake_all(&slot_->done_word);
+  helper_.join();
+  fail_everything(Errc::peer_failure, "the connection to " + endpoint_ + " was closed by the client");
+  // Let the server finish whatever was published, then give the slot back.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+  while (slot_->done.load() < slot_->head.load() && std::chrono::steady_clock::now() < deadline && segment_->server_alive())
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  slot_->owner_pid.store(0, std::memory_order_release);
+}
+
+bool ShmConnection::bound_allows(std::uint64_t clock, std::uint64_t* observed) const {
+  *observed = clocks_ ? clocks_->bound(quorum_) : kClockDone;
+  if (!bounded_ || options_.worker_id == kNoWorker) return true;
+  const std::uint64_t need = clock > staleness_ ? clock - staleness_ : 0;
+  return need == 0 || *observed >= need;
+}
+
+Errc ShmConnection::read_values(const Request& request, std::string* why) const {
+  for (const KeySlice& k : request.keys) {
+    const SlotHeader* slot = store_->find(k.key);
+    if (!slot) {
+      *why = "key " + std::to_string(k.key) + " does not exist on " + endpoint_ + ": init it before pushing or pulling";
+      return Errc::not_found;
+    }
+    if (slot->length != k.length) {
+      *why = "key " + std::to_string(k.key) + " has " + std::to_string(slot->length) + " floats, the request says " +
+             std::to_string(k.length);
+      return Errc::length_mismatch;
+    }
+  }
+  for (const KeySlice& k : request.keys) Store::read_slot(*store_->find(k.key), k.data);
+  return Errc::ok;
+}
+
+void ShmConnection::submit(Request& request) {
+  if (request.op != wire::Op::pull) {
+    enqueue(request);
+    return;
+  }
+  std::uint64_t observed = 0;
+  {
+    std::unique_lock lock(mu_);
+    if (broken_) {
+      lock.unlock();
+      request.completion->complete_part(Errc::peer_failure, broken_why_);
+      return;
+    }
+    // Program order: a pull must see this client's own earlier pushes, so it waits behind them.
+    const bool own_pending = slot_->done.load(std::memory_order_acquire) < next_seq_;
+    if (own_pending || !bound_allows(request.arg0, &observed)) {
+      parked_.push_back({&request, next_seq_, request.arg0,
+                         std::chrono::steady_clock::now() + std::chrono::milliseconds(header_->wait_timeout_ms)});
+      slot_->waits_on_clock.store(1);
+      lock.unlock();
+      slot_->done_word.fetch_add(1);  // let the helper re-evaluate now
+      futex_wake_all(&slot_->done_word);
+      return;
+    }
+  }
+  std::string why;
+  const Errc e = read_values(request, &why);
+  request.completion->note_bound(observed);
+  request.completion->complete_part(e, why);
+}
+
+void ShmConnection::enqueue(Request& request) {
+  const bool values = wire::op_carries_values(request.op);
+  std::uint64_t payload = 0;
+  for (const KeySlice& k : request.keys) payload += std::uint64_t{k.length} * sizeof(float);
+  if (!values) payload = 0;
+  const std::uint64_t key_bytes = request.keys.size() * sizeof(wire::KeyEntry);
+  // Room for the answer's text too (stats JSON, error messages).
+  const std::uint64_t need = align_up(std::max<std::uint64_t>(key_bytes + payload, request.op == wire::Op::stats ? 65536 : 512), 64);
+  if (need > data_capacity_) {
+    request.completion->complete_part(
+        Errc::capacity, "a " + std::string(wire::op_name(static_cast<std::uint16_t>(request.op))) + " of " +
+                            std::to_string(need >> 20) + " MiB does not fit the " + std::to_string(data_capacity_ >> 20) +
+                            " MiB client slot of " + endpoint_ + ": raise the server's --shm-slot-mb or lower --chunk-floats");
+    return;
+  }
+  std::unique_lock lock(mu_);
+  std::uint64_t start = 0;
+  for (;;) {
+    if (broken_) {
+      lock.unlock();
+      request.completion->complete_part(Errc::peer_failure, broken_why_);
+      return;
+    }
+    // Contiguous placement: skip the area's tail if the request does not fit before the wrap.
+    start = data_head_;
+    if (start % data_capacity_ + need > data_capacity_) start += data_capacity_ - start % data_capacity_;
+    const bool ring_room = next_seq_ - released_ < kRingEntries;
+    const bool data_room = start + need - data_tail_ <= data_capacity_;
+    if (ring_room && data_room) break;
+    space_.wait_for(lock, std::chrono::milliseconds(100));
+  }
+  const std::uint64_t seq = next_seq_ + 1;
+  const std::uint64_t offset = start % data_capacity_;
+  std::byte* area = data_ + offset;
+  auto* entries = reinterpret_cast<wire::KeyEntry*>(area);
+  for (std::size_t i = 0; i < request.keys.size(); ++i) entries[i] = {request.keys[i].key, request.keys[i].length, 0};
+  if (values) {
+    std::byte* out = area + key_bytes;
+    for (const KeySlice& k : request.keys) {
+      std::memcpy(out, k.data, std::size_t{k.length} * sizeof(float));
+      out += std::size_t{k.length} * sizeof(float);
+    }
+  }
+  RingEntry& e = slot_->ring[seq % kRingEntries];
+  e.seq = seq;
+  e.op = static_cast<std::uint16_t>(request.op);
+  e.num_keys = static_cast<std::uint32_t>(request.keys.size());
+  e.arg0 = request.arg0;
+  e.data_offset = offset;
+  e.payload_bytes = payload;
+  e.data_bytes = need;
+  e.status = 0;
+  e.text_len = 0;
+  pending_[seq % kRingEntries] = &request;
+  data_end_[seq % kRingEntries] = start + need;
+  data_head_ = start + need;
+  next_seq_ = seq;
+  slot_->head.store(seq, std::memory_order_release);
+  lock.unlock();
+  const std::uint32_t t = slot_index_ % header_->server_threads;
+  header_->doorbell[t].fetch_add(1, std::memory_order_seq_cst);
+  if (header_->server_sleeping[t].load(std::memory_order_seq_cst)) futex_wake(&header_->doorbell[t], 1);
+}
+
+bool ShmConnection::run_parked(std::chrono::steady_clock::time_point now) {
+  // Called with mu_ held. Runs the parked pulls that may go, in order; fails expired ones.
+  const std::uint64_t done = slot_->done.load(std::memory_order_acquire);
+  bool waiting_on_clock = false;
+  for (auto it = parked_.begin(); it != parked_.end();) {
+    std::uint64_t observed = 0;
+    const bool ready = done >= it->after_seq && bound_allows(it->clock, &observed);
+    if (ready) {
+      std::string why;
+      const Errc e = read_values(*it->request, &why);
+      it->request->completion->note_bound(observed);
+      it->request->completion->complete_part(e, why);
+      it = parked_.erase(it);
+      continue;
+    }
+    // The server's policy decides: under "evict" the stalled worker is removed from the bound
+    // (and we wait on), under "fail" the read fails here with the laggard's name.
+    if (now > it->deadline && done >= it->after_seq) {
+      std::uint32_t slowest = 0;
+      const std::uint64_t need = it->clock > staleness_ ? it->clock - staleness_ : 0;
+      const std::uint64_t b = clocks_->bound(quorum_, &slowest);
+      const auto idle_ms = (ClockTable::now_ns() - clocks_->last_progress_ns(slowest)) / 1'000'000;
+      if (idle_ms >= header_->wait_timeout_ms) {
+        std::ostringstream why;
+        why << "waited " << header_->wait_timeout_ms << " ms: worker " << slowest << " is at clock " << b
+            << " (needed " << need << ", last progress " << idle_ms
+            << " ms ago); it may have died or stalled (raise --wait-timeout-ms or run the server with "
+               "--straggler-policy evict)";
+        it->request->completion->complete_part(Errc::timeout, why.str());
+        it = parked_.erase(it);
+        continue;
+      }
+      it->deadline = now + std::chrono::milliseconds(header_->wait_timeout_ms - idle_ms);
+    }
+    waiting_on_clock |= done >= it->after_seq;
+    ++it;
+  }
+  slot_->waits_on_clock.store(waiting_on_clock ? 1 : 0);
+  return !parked_.empty();
+}
+
+void ShmConnection::helper_loop() {
+  auto last_alive_check = std::chrono::steady_clock::now();
+  for (;;) {
+    const std::uint32_t word = slot_->done_word.load(std::memory_order_acquire);
+    std::vector<std::pair<Request*, RingEntry*>> finished;
+    bool parked_left;
+    {
+      std::unique_lock lock(mu_);
+      if (stopping_) return;
+      const std::uint64_t done = slot_->done.load(std::memory_order_acquire);
+      while (completed_ < done) {
+        const std::uint64_t seq = ++completed_;
+        finished.emplace_back(pending_[seq % kRingEntries], &slot_->ring[seq % kRingEntries]);
+        pending_[seq % kRingEntries] = nullptr;
+      }
+      parked_left = run_parked(std::chrono::steady_clock::now());
+    }
+    for (auto [request, e] : finished) {
+      const auto status = static_cast<Errc>(e->status);
+      std::string text(reinterpret_cast<const char*>(data_ + e->data_offset), std::min<std::uint64_t>(e->text_len, e->data_bytes));
+      if (request->op == wire::Op::clock) request->completion->note_bound(e->reply_arg0);
+      if (status == Errc::ok && request->text_out) request->text_out->swap(text);
+      request->completion->complete_part(status, status == Errc::ok ? std::string_view{} : std::string_view(text));
+    }
+    if (!finished.empty()) {
+      // Only now may the ring entries and their data be reused: their answers have been read.
+      std::lock_guard lock(mu_);
+      released_ = finished.back().second->seq;
+      data_tail_ = data_end_[released_ % kRingEntries];
+      space_.notify_all();
+    }
+    const auto now = std::chrono::steady_clock::now();
+    if (now - last_alive_check > std::chrono::milliseconds(500)) {
+      last_alive_check = now;
+      if (!segment_->server_alive()) {
+        fail_everything(Errc::peer_failure, "the pskv server of " + endpoint_ + " (pid " +
+                                                std::to_string(header_->server_pid) + ") is gone; did it die?");
+        return;
+      }
+    }
+    if (!finished.empty()) continue;
+    // Sleep until the server answers or a clock moves; tick to notice deadlines and server death.
+    slot_->client_sleeping.store(1);
+    futex_wait(&slot_->done_word, word, parked_left ? std::chrono::milliseconds(50) : std::chrono::milliseconds(500));
+    slot_->client_sleeping.store(0);
+  }
+}
+
+void ShmConnection::fail_everything(Errc status, const std::string& why) {
+  std::vector<Request*> victims;
+  {
+    std::lock_guard lock(mu_);
+    if (!broken_) {
+      broken_ = true;
+      broken_why_ = why;
+    }
+    for (std::uint64_t seq = completed_ + 1; seq <= next_seq_; ++seq)
+      if (Request* r = pending_[seq % kRingEntries]) {
+        victims.push_back(r);
+        pending_[seq % kRingEntries] = nullptr;
+      }
+    completed_ = released_ = next_seq_;
+    for (auto& p : parked_) victims.push_back(p.request);
+    parked_.clear();
+  }
+  space_.notify_all();
+  for (Request* r : victims) r->completion->complete_part(status, why);
+}
+
+}  // namespace pskv::shm

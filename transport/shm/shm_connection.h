@@ -1,0 +1,77 @@
+// Client side of the shared-memory backend. Pulls copy straight from the server's arena into
+// the caller's buffer under the seqlock (the one unavoidable copy, no round trip). Pushes and
+// control requests are copied once into this client's own slot and published on its ring; a
+// helper thread turns the server's answers into completions and runs pulls that had to wait
+// for the consistency bound or for this client's earlier pushes.
+#pragma once
+
+#include <condition_variable>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <thread>
+
+#include "consistency/clock_table.h"
+#include "store/store.h"
+#include "transport/shm/segment.h"
+#include "transport/transport.h"
+
+namespace pskv::shm {
+
+// Thread-safety: submit() from any number of threads; one internal helper thread.
+class ShmConnection final : public transport::Connection {
+ public:
+  ShmConnection(const Uri& uri, const transport::ConnectOptions& options);
+  ~ShmConnection() override;
+
+  void submit(transport::Request& request) override;
+  const transport::ServerInfo& info() const noexcept override { return info_; }
+  const std::string& endpoint() const noexcept override { return endpoint_; }
+
+ private:
+  struct ParkedPull {
+    transport::Request* request;
+    std::uint64_t after_seq;  // this client's pushes up to here must be applied first
+    std::uint64_t clock;
+    std::chrono::steady_clock::time_point deadline;
+  };
+  void enqueue(transport::Request& request);
+  bool bound_allows(std::uint64_t clock, std::uint64_t* observed) const;
+  // Copies the values; returns the error text on failure (empty on success).
+  Errc read_values(const transport::Request& request, std::string* why) const;
+  void helper_loop();
+  bool run_parked(std::chrono::steady_clock::time_point now);
+  void fail_everything(Errc status, const std::string& why);
+
+  transport::ConnectOptions options_;
+  std::string endpoint_;
+  transport::ServerInfo info_;
+  std::unique_ptr<Segment> segment_;
+  std::unique_ptr<Store> store_;
+  std::unique_ptr<ClockTable> clocks_;
+  SegmentHeader* header_ = nullptr;
+  ClientSlot* slot_ = nullptr;
+  std::uint32_t slot_index_ = 0;
+  std::byte* data_ = nullptr;
+  std::uint64_t data_capacity_ = 0;
+  std::uint32_t quorum_ = 0;
+  std::uint64_t staleness_ = 0;
+  bool bounded_ = false;
+
+  std::mutex mu_;  // guards everything below
+  std::condition_variable space_;
+  std::uint64_t next_seq_ = 0;        // last published seq
+  std::uint64_t completed_ = 0;       // last seq turned into a completion
+  std::uint64_t released_ = 0;        // last seq whose ring entry and data may be reused
+  std::uint64_t data_head_ = 0;       // monotonically increasing byte positions in the area
+  std::uint64_t data_tail_ = 0;
+  transport::Request* pending_[kRingEntries] = {};
+  std::uint64_t data_end_[kRingEntries] = {};
+  std::deque<ParkedPull> parked_;
+  bool broken_ = false;
+  std::string broken_why_;
+  bool stopping_ = false;
+  std::thread helper_;
+};
+
+}  // namespace pskv::shm

@@ -1,0 +1,236 @@
+#include "transport/shm/shm_server.h"
+
+#include <chrono>
+#include <cstring>
+
+#include "common/sync.h"
+#include "transport/wire.h"
+
+namespace pskv::shm {
+
+// A barrier parked in the engine: answering it unblocks its slot.
+class SlotParked final : public Parked {
+ public:
+  SlotParked(ShmServer& server, std::uint32_t slot, std::uint64_t seq) : server_(server), slot_(slot), seq_(seq) {}
+  void resume(Errc status, const std::string& why) override {
+    RingEntry& e = server_.segment_->slot(slot_).ring[seq_ % kRingEntries];
+    server_.answer(slot_, e, status, why);
+    server_.publish(slot_, seq_);
+    server_.blocked_[slot_].store(false, std::memory_order_release);
+    server_.wake_thread(slot_);
+  }
+
+ private:
+  ShmServer& server_;
+  std::uint32_t slot_;
+  std::uint64_t seq_;
+};
+
+ShmServer::ShmServer(const std::string& name, const EngineOptions& engine, const ShmServerOptions& options)
+    : options_(options) {
+  SegmentConfig c;
+  c.num_workers = engine.num_workers;
+  c.slots = options.slots;
+  c.server_threads = std::min(options.threads, kMaxServerThreads);
+  c.slot_data_bytes = options.slot_data_bytes;
+  c.store_bytes = Store::required_bytes(engine.store);
+  c.mode = engine.mode;
+  c.staleness = engine.staleness;
+  c.sync_required = engine.sync_required;
+  c.wait_timeout_ms = static_cast<std::uint32_t>(engine.wait_timeout.count());
+  options_.threads = c.server_threads;
+  segment_ = Segment::create(name, c);
+  try {
+    engine_ = std::make_unique<ShardEngine>(engine, segment_->store_memory(),
+                                            engine.num_workers ? segment_->clock_memory() : nullptr);
+  } catch (...) {
+    segment_->remove();
+    throw;
+  }
+  blocked_ = std::make_unique<std::atomic<bool>[]>(c.slots);
+  segment_->header().ready.store(1, std::memory_order_release);
+  for (std::uint32_t t = 0; t < options_.threads; ++t) threads_.emplace_back([this, t] { serve(t); });
+  watchdog_ = std::thread([this] { watchdog(); });
+}
+
+ShmServer::~ShmServer() { stop(); }
+
+void ShmServer::stop() {
+  if (stopping_.exchange(true)) return;
+  auto& h = segment_->header();
+  for (std::uint32_t t = 0; t < options_.threads; ++t) {
+    h.doorbell[t].fetch_add(1);
+    futex_wake_all(&h.doorbell[t]);
+  }
+  for (auto& t : threads_) t.join();
+  if (watchdog_.joinable()) watchdog_.join();
+  engine_->shutdown();
+  // Wake every client so that it notices the server is gone, then drop the name.
+  for (std::uint32_t i = 0; i < h.slots; ++i) {
+    segment_->slot(i).done_word.fetch_add(1);
+    futex_wake_all(&segment_->slot(i).done_word);
+  }
+  h.server_pid = 0;
+  segment_->remove();
+}
+
+void ShmServer::wake_thread(std::uint32_t i) {
+  auto& h = segment_->header();
+  const std::uint32_t t = i % options_.threads;
+  h.doorbell[t].fetch_add(1);
+  futex_wake_all(&h.doorbell[t]);
+}
+
+void ShmServer::publish(std::uint32_t i, std::uint64_t seq) {
+  ClientSlot& s = segment_->slot(i);
+  s.done.store(seq, std::memory_order_release);
+  s.done_word.fetch_add(1, std::memory_order_release);
+  if (s.client_sleeping.load()) futex_wake_all(&s.done_word);
+}
+
+void ShmServer::wake_clock_waiters() {
+  for (std::uint32_t i = 0; i < segment_->header().slots; ++i) {
+    ClientSlot& s = segment_->slot(i);
+    if (s.owner_pid.load(std::memory_order_relaxed) && s.waits_on_clock.load(std::memory_order_relaxed)) {
+      s.done_word.fetch_add(1, std::memory_order_release);
+      futex_wake_all(&s.done_word);
+    }
+  }
+}
+
+void ShmServer::answer(std::uint32_t i, RingEntry& e, Errc status, const std::string& text) {
+  e.status = static_cast<std::uint32_t>(status);
+  const std::size_t n = std::min<std::size_t>(text.size(), e.data_bytes);
+  if (n) std::memcpy(segment_->slot_data(i) + e.data_offset, text.data(), n);
+  e.text_len = static_cast<std::uint32_t>(n);
+}
+
+bool ShmServer::process(std::uint32_t i, RingEntry& e) {
+  ClientSlot& slot = segment_->slot(i);
+  const std::uint64_t area = segment_->header().slot_data_bytes;
+  e.reply_arg0 = 0;
+  // The client owns this memory and could be hostile or half-dead: check every field first.
+  const std::uint64_t data_offset = e.data_offset, data_bytes = e.data_bytes, payload_bytes = e.payload_bytes;
+  const std::uint32_t num_keys = e.num_keys;
+  const std::uint64_t key_bytes = std::uint64_t{num_keys} * sizeof(wire::KeyEntry);
+  if (data_offset % 64 != 0 || data_offset > area || data_bytes > area - data_offset ||
+      key_bytes > data_bytes || payload_bytes > data_bytes - key_bytes) {
+    e.data_bytes = 0;
+    answer(i, e, Errc::protocol, {});
+    return true;
+  }
+  std::byte* data = segment_->slot_data(i) + data_offset;
+  std::vector<wire::KeyEntry> keys(num_keys);
+  std::memcpy(keys.data(), data, key_bytes);
+  const auto* payload = reinterpret_cast<const float*>(data + key_bytes);
+  wire::FrameHeader h = wire::make_header(static_cast<wire::Op>(e.op), e.seq, num_keys, payload_bytes, e.arg0);
+  std::string why;
+  Errc status = wire::op_name(e.op) == "unknown" ? Errc::protocol : wire::validate_keys(h, keys, &why);
+  const std::uint32_t worker = slot.worker_id;
+  if (status == Errc::ok) {
+    switch (static_cast<wire::Op>(e.op)) {
+      case wire::Op::init:
+        status = engine_->init(keys, payload, &why);
+        break;
+      case wire::Op::push:
+        status = engine_->push(worker, e.arg0, keys, payload, &why);
+        break;
+      case wire::Op::clock:
+        status = engine_->check_worker(worker, &why);
+        if (status == Errc::ok) {
+          e.reply_arg0 = engine_->advance_clock(worker, e.arg0);
+          wake_clock_waiters();
+        }
+        break;
+      case wire::Op::barrier:
+        status = engine_->check_worker(worker, &why);
+        if (status == Errc::ok) {
+          blocked_[i].store(true, std::memory_order_release);
+          engine_->barrier(worker, e.arg0, std::make_unique<SlotParked>(*this, i, e.seq));
+          return false;
+        }
+        break;
+      case wire::Op::stats:
+        why = engine_->stats_json();
+        break;
+      default:
+        status = Errc::protocol;
+        why = "op " + std::string(wire::op_name(e.op)) + " is not carried over shared memory";
+    }
+  }
+  answer(i, e, status, why);
+  return true;
+}
+
+bool ShmServer::drain(std::uint32_t i) {
+  ClientSlot& s = segment_->slot(i);
+  bool progressed = false;
+  while (!blocked_[i].load(std::memory_order_acquire)) {
+    const std::uint64_t done = s.done.load(std::memory_order_relaxed);
+    if (done >= s.head.load(std::memory_order_acquire)) break;
+    const std::uint64_t seq = done + 1;
+    RingEntry& e = s.ring[seq % kRingEntries];
+    progressed = true;
+    if (!process(i, e)) break;  // parked; its resume() publishes
+    publish(i, seq);
+  }
+  return progressed;
+}
+
+void ShmServer::serve(std::uint32_t t) {
+  auto& h = segment_->header();
+  const std::uint32_t slots = h.slots;
+  while (!stopping_.load(std::memory_order_relaxed)) {
+    bool progressed = false;
+    for (std::uint32_t i = t; i < slots; i += options_.threads)
+      if (segment_->slot(i).owner_pid.load(std::memory_order_relaxed) != 0) progressed |= drain(i);
+    if (progressed) continue;
+    // Idle: spin briefly for the next request, then sleep on the doorbell. A client bumps the
+    // doorbell after publishing, so a bump between our read and the wait cancels the sleep.
+    const std::uint32_t word = h.doorbell[t].load(std::memory_order_acquire);
+    bool any = false;
+    for (int spin = 0; spin < 200 && !any; ++spin) {
+      cpu_relax();
+      for (std::uint32_t i = t; i < slots && !any; i += options_.threads) {
+        ClientSlot& s = segment_->slot(i);
+        any = s.owner_pid.load(std::memory_order_relaxed) && !blocked_[i].load(std::memory_order_relaxed) &&
+              s.done.load(std::memory_order_relaxed) < s.head.load(std::memory_order_acquire);
+      }
+    }
+    if (any) continue;
+    h.server_sleeping[t].store(1);
+    futex_wait(&h.doorbell[t], word, std::chrono::milliseconds(500));
+    h.server_sleeping[t].store(0);
+  }
+}
+
+void ShmServer::watchdog() {
+  auto& h = segment_->header();
+  std::uint32_t last_change = engine_->clocks() ? engine_->clocks()->change_count() : 0;
+  while (!stopping_.load()) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    for (std::uint32_t i = 0; i < h.slots; ++i) {
+      ClientSlot& s = segment_->slot(i);
+      const pid_t pid = s.owner_pid.load();
+      if (pid == 0 || process_alive(pid, s.owner_start)) continue;
+      // The owner died. Whatever it published is applied first (it was fully written before
+      // head moved); then the slot is freed for the next client.
+      wake_thread(i);
+      if (s.done.load() < s.head.load() || blocked_[i].load()) continue;
+      const std::uint32_t worker = s.worker_id;
+      if (worker != kNoWorker && engine_->clocks() && worker < engine_->clocks()->workers())
+        engine_->worker_left(worker, engine_->clocks()->clock(worker) == kClockDone);
+      s.owner_pid.store(0);
+    }
+    // Evictions and clock moves made outside a ring request must reach parked pulls too.
+    if (engine_->clocks()) {
+      const std::uint32_t change = engine_->clocks()->change_count();
+      if (change != last_change) {
+        last_change = change;
+        wake_clock_waiters();
+      }
+    }
+  }
+}
+
+}  // namespace pskv::shm

@@ -1,0 +1,57 @@
+// Server side of the shared-memory backend: threads that apply each client's ring in order,
+// sleeping on a futex doorbell when every ring is empty, and a watchdog that notices clients
+// that died and frees their slots.
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "server/shard_engine.h"
+#include "transport/shm/segment.h"
+
+namespace pskv::shm {
+
+struct ShmServerOptions {
+  std::uint32_t threads = 1;
+  std::uint32_t slots = 64;
+  std::uint64_t slot_data_bytes = 32ull << 20;
+};
+
+// Thread-safety: construct and destroy from one thread; stop() is idempotent.
+class ShmServer {
+ public:
+  ShmServer(const std::string& name, const EngineOptions& engine, const ShmServerOptions& options);
+  ~ShmServer();
+  ShmServer(const ShmServer&) = delete;
+  ShmServer& operator=(const ShmServer&) = delete;
+
+  ShardEngine& engine() noexcept { return *engine_; }
+  void stop();
+
+ private:
+  friend class SlotParked;
+  void serve(std::uint32_t thread);
+  // Answers ring entries of slot `i` until it is empty or blocked on a parked request.
+  bool drain(std::uint32_t i);
+  // Returns false when the request was parked (answered later by resume()).
+  bool process(std::uint32_t i, RingEntry& e);
+  void answer(std::uint32_t i, RingEntry& e, Errc status, const std::string& text);
+  void publish(std::uint32_t i, std::uint64_t seq);
+  void wake_thread(std::uint32_t i);
+  void wake_clock_waiters();
+  void watchdog();
+
+  ShmServerOptions options_;
+  std::unique_ptr<Segment> segment_;
+  std::unique_ptr<ShardEngine> engine_;
+  std::unique_ptr<std::atomic<bool>[]> blocked_;  // slot has a parked request
+  std::atomic<bool> stopping_{false};
+  std::vector<std::thread> threads_;
+  std::thread watchdog_;
+};
+
+}  // namespace pskv::shm
