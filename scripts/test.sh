@@ -22,8 +22,8 @@ step "configure + build (Release)"
 cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DPSKV_WERROR=ON >/dev/null
 cmake --build "$BUILD" -j "$JOBS"
 
-step "ctest: unit + concurrency"
-ctest --test-dir "$BUILD" --output-on-failure -j "$JOBS" -L 'unit|concurrency|integration'
+step "ctest: unit, concurrency, integration, consistency"
+ctest --test-dir "$BUILD" --output-on-failure -j "$JOBS" -L 'unit|concurrency|integration|consistency'
 
 if [ "$SANITIZERS" = 1 ]; then
   step "ThreadSanitizer build: concurrency tests"
