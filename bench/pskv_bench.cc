@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cinttypes>
@@ -234,6 +235,74 @@ Point measure(const std::vector<std::string>& servers, const std::string& op, st
   return p;
 }
 
+// Training-shaped loop: each worker pulls every key, pushes a gradient for every key, clocks.
+// Worker 0 optionally sleeps per step (a straggler) so the modes differ.
+struct StepsResult {
+  double steps_per_s;
+  std::uint64_t max_staleness;
+  double p50_step_us;
+  std::array<std::uint64_t, pskv::StalenessStats::kBuckets> histogram{};
+};
+
+StepsResult measure_steps(const std::vector<std::string>& servers, int workers, std::size_t value_bytes, int steps,
+                          int straggler_us) {
+  const std::size_t floats = std::max<std::size_t>(1, value_bytes / sizeof(float));
+  std::vector<std::thread> threads;
+  std::vector<std::string> errors(workers);
+  std::vector<std::vector<double>> step_us(workers);
+  std::vector<pskv::StalenessStats> stale(workers);
+  {
+    pskv::ClientOptions o;
+    o.servers = servers;
+    pskv::Client admin(o);
+    std::vector<float> zeros(floats, 0.0f);
+    for (int w = 0; w < workers; ++w) admin.wait(admin.init(pskv::Key(1u << 30) + w, zeros));
+  }
+  const auto t0 = Clock::now();
+  for (int w = 0; w < workers; ++w)
+    threads.emplace_back([&, w] {
+      try {
+        pskv::ClientOptions o;
+        o.servers = servers;
+        o.worker_id = static_cast<std::uint32_t>(w);
+        pskv::Client client(o);
+        std::vector<pskv::Key> keys;
+        std::vector<std::vector<float>> bufs(workers, std::vector<float>(floats));
+        std::vector<std::span<float>> outs;
+        for (int k = 0; k < workers; ++k) {
+          keys.push_back(pskv::Key(1u << 30) + k);
+          outs.emplace_back(bufs[k]);
+        }
+        std::vector<std::vector<float>> grads(workers, std::vector<float>(floats, 1e-3f));
+        std::vector<std::span<const float>> grad_spans(grads.begin(), grads.end());
+        for (int step = 0; step < steps; ++step) {
+          const auto s0 = Clock::now();
+          client.wait(client.pull(keys, outs));
+          if (w == 0 && straggler_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(straggler_us));
+          client.wait(client.push(keys, grad_spans));  // a gradient for the whole model
+          client.clock();
+          step_us[w].push_back(seconds_since(s0) * 1e6);
+        }
+        stale[w] = client.staleness();
+      } catch (const std::exception& e) {
+        errors[w] = e.what();
+      }
+    });
+  for (auto& t : threads) t.join();
+  const double wall = seconds_since(t0);
+  for (const auto& e : errors)
+    if (!e.empty()) throw std::runtime_error(e);
+  StepsResult r{double(workers) * steps / wall, 0, 0, {}};
+  std::vector<double> all;
+  for (int w = 0; w < workers; ++w) {
+    r.max_staleness = std::max(r.max_staleness, stale[w].max);
+    for (std::size_t b = 0; b < r.histogram.size(); ++b) r.histogram[b] += stale[w].histogram[b];
+    all.insert(all.end(), step_us[w].begin(), step_us[w].end());
+  }
+  r.p50_step_us = percentile(all, 0.5);
+  return r;
+}
+
 std::vector<std::size_t> parse_sizes(const std::string& text) {
   std::vector<std::size_t> out;
   std::stringstream ss(text);
@@ -276,6 +345,18 @@ int main(int argc, char** argv) {
   app.add_option("--seconds", seconds, "Measuring time per point")->capture_default_str();
   app.add_option("--max-ops", max_ops, "Cap on operations per client per point")->capture_default_str();
   app.add_flag("--json", json, "One JSON object per line instead of a table");
+  std::string workload = "dense", mode = "asp";
+  int workers = 4, steps = 300, straggler_us = 0;
+  std::uint32_t staleness = 0, sync_required = 0;
+  app.add_option("--workload", workload, "dense: push/pull sweep; steps: pull-push-clock training loop per mode")
+      ->capture_default_str()->check(CLI::IsMember({"dense", "steps"}));
+  app.add_option("--mode", mode, "steps workload: asp, bsp, ssp or sync")->capture_default_str()
+      ->check(CLI::IsMember({"asp", "bsp", "ssp", "sync"}));
+  app.add_option("--staleness", staleness, "steps workload, ssp: the bound s")->capture_default_str();
+  app.add_option("--sync-required", sync_required, "steps workload, sync: K of N (0 = N)")->capture_default_str();
+  app.add_option("--workers", workers, "steps workload: workers (threads, each with its own client)")->capture_default_str();
+  app.add_option("--steps", steps, "steps workload: steps per worker")->capture_default_str();
+  app.add_option("--straggler-us", straggler_us, "steps workload: worker 0 sleeps this long per step")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
   const auto sizes = parse_sizes(sizes_text);
@@ -305,6 +386,12 @@ int main(int argc, char** argv) {
         so.uri = transport == "shm" ? "shm://bench-" + std::to_string(getppid()) + "-" + std::to_string(s)
                                     : transport + "://127.0.0.1:0";
         so.server_id = static_cast<std::uint32_t>(s);
+        if (workload == "steps") {
+          so.num_workers = static_cast<std::uint32_t>(workers);
+          so.mode = *pskv::parse_consistency_mode(mode);
+          so.staleness = staleness;
+          so.sync_required = sync_required;
+        }
         so.arena_bytes = arena_mb << 20;
         so.max_request_bytes = std::max<std::uint64_t>(so.max_request_bytes, biggest * 2);
         // SIGTERM must run the destructors (a shm server removes its segment), so wait for it.
@@ -366,6 +453,29 @@ int main(int argc, char** argv) {
   }
 
   int rc = 0;
+  if (workload == "steps") {
+    try {
+      const std::size_t size = sizes.front();
+      const StepsResult r = measure_steps(targets, workers, size, steps, straggler_us);
+      std::string hist;
+      for (std::size_t b = 0; b < r.histogram.size(); ++b) hist += (b ? "," : "") + std::to_string(r.histogram[b]);
+      if (json)
+        std::printf("{\"transport\":\"%s\",\"workload\":\"steps\",\"mode\":\"%s\",\"staleness\":%u,\"workers\":%d,"
+                    "\"servers\":%zu,\"value_bytes\":%zu,\"straggler_us\":%d,\"steps_per_s\":%.1f,\"p50_step_us\":%.1f,"
+                    "\"max_staleness\":%llu,\"staleness_histogram\":[%s]}\n",
+                    transport.c_str(), mode.c_str(), staleness, workers, targets.size(), size, straggler_us, r.steps_per_s,
+                    r.p50_step_us, static_cast<unsigned long long>(r.max_staleness), hist.c_str());
+      else
+        std::printf("%s %s s=%u workers=%d value=%zu B straggler=%d us: %.0f steps/s, p50 step %.0f us, max staleness %llu, "
+                    "histogram [%s]\n",
+                    transport.c_str(), mode.c_str(), staleness, workers, size, straggler_us, r.steps_per_s, r.p50_step_us,
+                    static_cast<unsigned long long>(r.max_staleness), hist.c_str());
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "pskv-bench: %s\n", e.what());
+      rc = 1;
+    }
+    ops.clear();
+  }
   try {
     for (const auto& op : ops)
       for (std::size_t si = 0; si < sizes.size(); ++si)

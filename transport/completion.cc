@@ -35,6 +35,8 @@ void Completion::complete_part(Errc status, std::string_view message) noexcept {
     }
   }
   if (remaining_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+    // After this exchange the waiter may free us; the futex wake only passes the address to
+    // the kernel (a stale address at worst wakes nobody, or someone who re-checks).
     if (wake_.exchange(kDone, std::memory_order_acq_rel) == kSleeping) futex_wake_all(&wake_);
   }
 }

@@ -36,7 +36,9 @@ class Completion {
   void complete_part(Errc status, std::string_view message = {}) noexcept;
   // Records the read bound a server reported (the minimum over parts is kept).
   void note_bound(std::uint64_t bound) noexcept;
-  bool done() const noexcept { return remaining_.load(std::memory_order_acquire) == 0; }
+  // Done only once the last part's completer has published through wake_: that exchange is its
+  // final access, so the owner may free this object as soon as done() is true.
+  bool done() const noexcept { return wake_.load(std::memory_order_acquire) == 1; }
   // Spins briefly (a local reply often lands within microseconds), then sleeps on a futex.
   // Returns false if the deadline passed first.
   bool wait(std::chrono::steady_clock::time_point deadline) noexcept;

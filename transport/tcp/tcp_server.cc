@@ -39,6 +39,9 @@ class Peer : public std::enable_shared_from_this<Peer> {
   }
 
   Fd fd;
+  // Ownership passes between I/O threads through epoll (rearm, then another thread's wait);
+  // this release/acquire pair states that handoff in the memory model (and to TSan).
+  std::atomic<std::uint32_t> handoff{0};
   std::mutex send_mu;
   bool closed = false;
   bool said_hello = false;
@@ -180,6 +183,7 @@ void TcpServer::io_loop() {
       continue;
     }
     auto* peer = static_cast<Peer*>(ev.data.ptr);
+    peer->handoff.load(std::memory_order_acquire);
     if (ev.events & (EPOLLHUP | EPOLLERR) && !(ev.events & EPOLLIN)) {
       close_peer(*peer);
       continue;
@@ -195,6 +199,11 @@ void TcpServer::io_loop() {
 }
 
 void TcpServer::rearm(Peer& peer) {
+  // Once rearmed, another thread may take the peer and even close it; holding send_mu across
+  // the epoll_ctl orders our last use of the fd before any close (which takes send_mu too).
+  std::lock_guard lock(peer.send_mu);
+  if (peer.closed) return;
+  peer.handoff.fetch_add(1, std::memory_order_release);
   epoll_event ev{};
   ev.events = EPOLLIN | EPOLLRDHUP | EPOLLONESHOT;
   ev.data.ptr = &peer;
@@ -224,6 +233,7 @@ void TcpServer::accept_ready() {
       }
       peers_[fd] = peer;
     }
+    peer->handoff.fetch_add(1, std::memory_order_release);
     epoll_event ev{};
     ev.events = EPOLLIN | EPOLLRDHUP | EPOLLONESHOT;
     ev.data.ptr = peer.get();
