@@ -56,8 +56,16 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--shm-slot-mb", shm_slot_mb, "shm: per-client staging area for pushes, MiB (bounds one push)")
       ->envname("PSKV_SHM_SLOT_MB")->capture_default_str();
+  std::int64_t checkpoint_s = 0;
+  app.add_option("--checkpoint-dir", o.checkpoint_dir, "Write this shard's checkpoint here (periodically and at exit)")
+      ->envname("PSKV_CHECKPOINT_DIR");
+  app.add_option("--checkpoint-every-s", checkpoint_s, "Seconds between checkpoints (0: only at exit)")
+      ->envname("PSKV_CHECKPOINT_EVERY_S")->capture_default_str();
+  app.add_option("--restore", o.restore_dir, "Load this shard from a checkpoint directory before serving")
+      ->envname("PSKV_RESTORE");
   CLI11_PARSE(app, argc, argv);
   o.shm_slot_bytes = shm_slot_mb << 20;
+  o.checkpoint_interval = std::chrono::seconds(checkpoint_s);
 
   o.mode = *pskv::parse_consistency_mode(mode);
   o.rule.rule = *pskv::parse_update_rule(rule);

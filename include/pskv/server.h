@@ -29,6 +29,11 @@ struct ServerOptions {
   std::uint32_t max_connections = 1024;
   std::uint64_t max_request_bytes = 256ull << 20;
   std::uint32_t max_keys_per_request = 1u << 20;
+  // Checkpoints: the shard is written to checkpoint_dir every checkpoint_interval (0: only at
+  // stop) and at stop; restore_dir loads this server's shard from there before serving.
+  std::string checkpoint_dir;
+  std::chrono::milliseconds checkpoint_interval{0};
+  std::string restore_dir;
   std::uint32_t shm_slots = 64;                 // shm: client slots (one per connected client)
   std::uint64_t shm_slot_bytes = 32ull << 20;   // shm: staging area per client for pushes
 };

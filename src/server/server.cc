@@ -1,6 +1,11 @@
 #include "pskv/server.h"
 
+#include <condition_variable>
+#include <cstdio>
+#include <mutex>
 #include <thread>
+
+#include "server/checkpoint.h"
 
 #include "server/shard_engine.h"
 #include "transport/shm/shm_server.h"
@@ -12,7 +17,8 @@ namespace detail {
 
 class ServerImpl {
  public:
-  explicit ServerImpl(const ServerOptions& o) : uri_(parse_uri(o.uri)) {
+  explicit ServerImpl(const ServerOptions& o) : uri_(parse_uri(o.uri)), options_(o) {
+    ShardEngine* engine = nullptr;
     EngineOptions e;
     e.store.arena_bytes = o.arena_bytes;
     e.store.max_keys = o.max_keys;
@@ -32,33 +38,85 @@ class ServerImpl {
     limits.max_keys = o.max_keys_per_request;
     limits.max_payload_bytes = o.max_request_bytes;
     const std::uint32_t threads = o.io_threads ? o.io_threads : std::max(1u, std::thread::hardware_concurrency());
+    auto prepare = [&](ShardEngine& engine) {
+      if (o.restore_dir.empty()) return;
+      const std::string path = checkpoint_path(o.restore_dir, o.server_id);
+      const CheckpointInfo info = read_checkpoint(engine.store(), path);
+      std::fprintf(stderr, "pskv-server %u: restored %llu keys from %s\n", o.server_id,
+                   static_cast<unsigned long long>(info.keys), path.c_str());
+    };
     if (uri_.scheme == "tcp") {
       engine_ = std::make_unique<ShardEngine>(e);
+      prepare(*engine_);
       tcp_ = std::make_unique<tcp::TcpServer>(
           *engine_, uri_, tcp::TcpServerOptions{.io_threads = threads, .max_connections = o.max_connections, .limits = limits});
       uri_.port = tcp_->port();
+      engine = engine_.get();
     } else if (uri_.scheme == "shm") {
       shm_ = std::make_unique<shm::ShmServer>(
           uri_.name, e,
-          shm::ShmServerOptions{.threads = threads, .slots = o.shm_slots, .slot_data_bytes = o.shm_slot_bytes});
+          shm::ShmServerOptions{.threads = threads, .slots = o.shm_slots, .slot_data_bytes = o.shm_slot_bytes}, prepare);
+      engine = &shm_->engine();
     } else {
       throw Error(Errc::unsupported, "the " + uri_.scheme + " transport is not available in this build");
+    }
+    engine_view_ = engine;
+    if (!o.checkpoint_dir.empty() && o.checkpoint_interval.count() > 0)
+      checkpointer_ = std::thread([this] { checkpoint_loop(); });
+  }
+
+  void checkpoint() {
+    std::lock_guard lock(checkpoint_mu_);
+    write_checkpoint(engine_view_->store(), options_.checkpoint_dir, options_.server_id);
+  }
+
+  void checkpoint_loop() {
+    std::unique_lock lock(stop_mu_);
+    while (!stop_cv_.wait_for(lock, options_.checkpoint_interval, [&] { return stopping_; })) {
+      lock.unlock();
+      try {
+        checkpoint();
+      } catch (const Error& e) {
+        std::fprintf(stderr, "pskv-server %u: checkpoint failed: %s\n", options_.server_id, e.what());
+      }
+      lock.lock();
     }
   }
 
   ~ServerImpl() { stop(); }
 
   void stop() {
+    {
+      std::lock_guard lock(stop_mu_);
+      if (stopping_) return;
+      stopping_ = true;
+    }
+    stop_cv_.notify_all();
+    if (checkpointer_.joinable()) checkpointer_.join();
     if (tcp_) tcp_->stop();
+    // The final checkpoint sees every acknowledged push: the transports are drained first.
+    if (!options_.checkpoint_dir.empty()) {
+      try {
+        checkpoint();
+      } catch (const Error& e) {
+        std::fprintf(stderr, "pskv-server %u: final checkpoint failed: %s\n", options_.server_id, e.what());
+      }
+    }
     if (shm_) shm_->stop();
     if (engine_) engine_->shutdown();
   }
 
   std::string uri() const { return uri_.str(); }
-  std::string stats_json() const { return shm_ ? shm_->engine().stats_json() : engine_->stats_json(); }
+  std::string stats_json() const { return engine_view_->stats_json(); }
 
  private:
   Uri uri_;
+  ServerOptions options_;
+  ShardEngine* engine_view_ = nullptr;
+  std::mutex checkpoint_mu_, stop_mu_;
+  std::condition_variable stop_cv_;
+  bool stopping_ = false;
+  std::thread checkpointer_;
   std::unique_ptr<ShardEngine> engine_;
   std::unique_ptr<tcp::TcpServer> tcp_;
   std::unique_ptr<shm::ShmServer> shm_;

@@ -260,6 +260,32 @@ Errc Store::push(Key key, std::span<const float> grad, float lr_scale) noexcept 
   return apply(key, grad, header().rule, lr_scale);
 }
 
+std::uint32_t Store::state_floats(const SlotHeader& slot) const noexcept {
+  return state_floats_per_value(header().rule.rule) * slot.length;
+}
+
+void Store::snapshot_slot(SlotHeader& slot, float* value, float* state, std::uint64_t* update_count) noexcept {
+  std::lock_guard guard(stripe_lock(slot.key));
+  std::memcpy(value, slot.values(), std::size_t{slot.length} * sizeof(float));
+  if (const std::uint32_t n = state_floats(slot)) std::memcpy(state, state_of(slot), std::size_t{n} * sizeof(float));
+  *update_count = slot.update_count;
+}
+
+Errc Store::restore_slot(Key key, std::span<const float> value, std::span<const float> state, std::uint64_t update_count) {
+  if (Errc e = init(key, value); e != Errc::ok) return e;
+  SlotHeader* slot = find(key);
+  if (state.size() != state_floats(*slot)) return Errc::length_mismatch;
+  std::lock_guard guard(stripe_lock(key));
+  const std::uint64_t seq = slot->seq.load(std::memory_order_relaxed);
+  slot->seq.store(seq + 1, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_release);
+  std::memcpy(slot->values(), value.data(), value.size() * sizeof(float));
+  if (!state.empty()) std::memcpy(state_of(*slot), state.data(), state.size() * sizeof(float));
+  slot->update_count = update_count;
+  slot->seq.store(seq + 2, std::memory_order_release);
+  return Errc::ok;
+}
+
 Errc Store::pull_batch(std::span<const Key> keys, std::span<const std::span<float>> out,
                        std::size_t* failed_at) const noexcept {
   if (keys.size() != out.size()) return Errc::invalid_argument;

@@ -102,6 +102,13 @@ class Store {
   Errc push_batch(std::span<const Key> keys, std::span<const std::span<const float>> grads, float lr_scale = 1.0f,
                   std::size_t* failed_at = nullptr) noexcept;
 
+  // Checkpoint support: a consistent copy of value, optimizer state and update count (taken
+  // under the stripe lock, since optimizer state has no seqlock), and the reverse for restore.
+  // `state` must hold state_floats(slot) floats (may be null when that is 0).
+  std::uint32_t state_floats(const SlotHeader& slot) const noexcept;
+  void snapshot_slot(SlotHeader& slot, float* value, float* state, std::uint64_t* update_count) noexcept;
+  Errc restore_slot(Key key, std::span<const float> value, std::span<const float> state, std::uint64_t update_count);
+
   const UpdateRuleConfig& rule() const noexcept;
   std::uint32_t stripes() const noexcept;
   std::uint64_t key_count() const noexcept;

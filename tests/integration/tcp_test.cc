@@ -5,6 +5,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <filesystem>
 #include <numeric>
 
 #include "pskv/client.h"
@@ -310,6 +311,41 @@ TEST(TcpFailure, UnreachableServerIsAClearError) {
     EXPECT_EQ(e.code(), Errc::peer_failure);
     EXPECT_NE(std::string(e.what()).find("is pskv-server running"), std::string::npos) << e.what();
   }
+}
+
+}  // namespace
+}  // namespace pskv
+
+namespace pskv {
+namespace {
+
+TEST(TcpCheckpoint, ServerRestartsFromItsCheckpoint) {
+  const std::string dir = "/tmp/pskv-restart-" + std::to_string(getpid());
+  std::filesystem::create_directories(dir);
+  std::vector<float> v(1000);
+  for (std::size_t i = 0; i < v.size(); ++i) v[i] = float(i);
+  {
+    auto server = ServerProcess::start({"--uri", "tcp://127.0.0.1:0", "--rule", "momentum", "--lr", "0.5",
+                                        "--checkpoint-dir", dir});
+    ClientOptions o;
+    o.servers = {server.uri};
+    Client c(o);
+    c.wait(c.init(Key(3), v));
+    std::vector<float> g(1000, 1.0f);
+    c.wait(c.push(Key(3), g));
+    c.wait(c.pull(Key(3), v));
+    server.process.signal(SIGTERM);  // writes the final checkpoint
+    ASSERT_EQ(server.process.wait(), 0);
+  }
+  auto server = ServerProcess::start({"--uri", "tcp://127.0.0.1:0", "--rule", "momentum", "--lr", "0.5",
+                                      "--restore", dir});
+  ClientOptions o;
+  o.servers = {server.uri};
+  Client c(o);
+  std::vector<float> out(1000);
+  c.wait(c.pull(Key(3), out));
+  EXPECT_EQ(out, v);
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

@@ -26,7 +26,8 @@ class SlotParked final : public Parked {
   std::uint64_t seq_;
 };
 
-ShmServer::ShmServer(const std::string& name, const EngineOptions& engine, const ShmServerOptions& options)
+ShmServer::ShmServer(const std::string& name, const EngineOptions& engine, const ShmServerOptions& options,
+                     const std::function<void(ShardEngine&)>& prepare)
     : options_(options) {
   SegmentConfig c;
   c.num_workers = engine.num_workers;
@@ -43,6 +44,7 @@ ShmServer::ShmServer(const std::string& name, const EngineOptions& engine, const
   try {
     engine_ = std::make_unique<ShardEngine>(engine, segment_->store_memory(),
                                             engine.num_workers ? segment_->clock_memory() : nullptr);
+    if (prepare) prepare(*engine_);
   } catch (...) {
     segment_->remove();
     throw;

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -24,7 +25,9 @@ struct ShmServerOptions {
 // Thread-safety: construct and destroy from one thread; stop() is idempotent.
 class ShmServer {
  public:
-  ShmServer(const std::string& name, const EngineOptions& engine, const ShmServerOptions& options);
+  // `prepare` runs on the engine before any client can see the segment (e.g. a restore).
+  ShmServer(const std::string& name, const EngineOptions& engine, const ShmServerOptions& options,
+            const std::function<void(ShardEngine&)>& prepare = {});
   ~ShmServer();
   ShmServer(const ShmServer&) = delete;
   ShmServer& operator=(const ShmServer&) = delete;

@@ -1,0 +1,221 @@
+#include "server/checkpoint.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <vector>
+
+#include "transport/wire.h"
+
+namespace pskv {
+
+namespace {
+constexpr char kMagic[8] = {'P', 'S', 'K', 'V', 'C', 'K', 'P', '1'};
+constexpr char kEnd[8] = {'P', 'S', 'K', 'V', 'E', 'N', 'D', '1'};
+constexpr std::uint32_t kVersion = 1;
+
+#pragma pack(push, 1)
+struct FileHeader {
+  char magic[8];
+  std::uint32_t version;
+  std::uint32_t server_id;
+  std::uint32_t rule;
+  std::uint64_t keys;
+  std::uint32_t crc;
+};
+struct KeyHeader {
+  std::uint64_t key;
+  std::uint32_t length;
+  std::uint32_t state_floats;
+  std::uint64_t update_count;
+  std::uint32_t crc;
+};
+struct Footer {
+  char magic[8];
+  std::uint64_t keys;
+  std::uint32_t crc;
+};
+#pragma pack(pop)
+
+[[noreturn]] void io_fail(const std::string& what, const std::string& path) {
+  throw Error(Errc::io, what + " " + path + ": " + std::strerror(errno) + " (check the directory and free space)");
+}
+
+class Writer {
+ public:
+  explicit Writer(const std::string& path) : path_(path) {
+    fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    if (fd_ < 0) io_fail("cannot create", path);
+    buf_.reserve(1 << 20);
+  }
+  ~Writer() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  void put(const void* p, std::size_t n) {
+    const auto* c = static_cast<const char*>(p);
+    bytes_ += n;
+    if (buf_.size() + n > (1u << 20)) flush();
+    if (n > (1u << 20)) {
+      write_all(c, n);
+      return;
+    }
+    buf_.insert(buf_.end(), c, c + n);
+  }
+  void finish() {
+    flush();
+    if (::fsync(fd_) != 0) io_fail("cannot fsync", path_);
+    if (::close(fd_) != 0) io_fail("cannot close", path_);
+    fd_ = -1;
+  }
+  std::uint64_t bytes() const { return bytes_; }
+
+ private:
+  void flush() {
+    write_all(buf_.data(), buf_.size());
+    buf_.clear();
+  }
+  void write_all(const char* p, std::size_t n) {
+    while (n > 0) {
+      const ssize_t w = ::write(fd_, p, n);
+      if (w < 0 && errno == EINTR) continue;
+      if (w <= 0) io_fail("cannot write", path_);
+      p += w;
+      n -= static_cast<std::size_t>(w);
+    }
+  }
+  std::string path_;
+  int fd_ = -1;
+  std::vector<char> buf_;
+  std::uint64_t bytes_ = 0;
+};
+}  // namespace
+
+std::string checkpoint_path(const std::string& dir, std::uint32_t server_id) {
+  return dir + "/shard-" + std::to_string(server_id) + ".ckpt";
+}
+
+CheckpointInfo write_checkpoint(Store& store, const std::string& dir, std::uint32_t server_id) {
+  const std::string final_path = checkpoint_path(dir, server_id);
+  const std::string tmp_path = final_path + ".tmp";
+  CheckpointInfo info;
+  {
+    Writer w(tmp_path);
+    FileHeader h{};
+    std::memcpy(h.magic, kMagic, 8);
+    h.version = kVersion;
+    h.server_id = server_id;
+    h.rule = static_cast<std::uint32_t>(store.rule().rule);
+    h.keys = store.key_count();
+    h.crc = wire::crc32_update(0, &h, offsetof(FileHeader, crc));
+    w.put(&h, sizeof h);
+    std::vector<float> value, state;
+    std::uint32_t crc_of_crcs = 0;
+    std::uint64_t written = 0;
+    store.for_each_slot([&](SlotHeader& slot) {
+      if (written == h.keys) return;  // keys created after the header was written wait for the next one
+      value.resize(slot.length);
+      state.resize(store.state_floats(slot));
+      KeyHeader k{slot.key, slot.length, static_cast<std::uint32_t>(state.size()), 0, 0};
+      store.snapshot_slot(slot, value.data(), state.data(), &k.update_count);
+      k.crc = wire::crc32_update(0, &k, offsetof(KeyHeader, crc));
+      k.crc = wire::crc32_update(k.crc, value.data(), value.size() * sizeof(float));
+      k.crc = wire::crc32_update(k.crc, state.data(), state.size() * sizeof(float));
+      w.put(&k, sizeof k);
+      w.put(value.data(), value.size() * sizeof(float));
+      w.put(state.data(), state.size() * sizeof(float));
+      crc_of_crcs = wire::crc32_update(crc_of_crcs, &k.crc, sizeof k.crc);
+      ++written;
+    });
+    Footer f{};
+    std::memcpy(f.magic, kEnd, 8);
+    f.keys = written;
+    f.crc = crc_of_crcs;
+    w.put(&f, sizeof f);
+    w.finish();
+    info.keys = written;
+    info.bytes = w.bytes();
+  }
+  if (::rename(tmp_path.c_str(), final_path.c_str()) != 0) io_fail("cannot rename checkpoint into place at", final_path);
+  const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd >= 0) {
+    ::fsync(dfd);  // makes the rename itself durable
+    ::close(dfd);
+  }
+  return info;
+}
+
+CheckpointInfo parse_checkpoint(const std::uint8_t* data, std::size_t size, Store* store, const std::string& name) {
+  std::size_t at = 0;
+  auto corrupt = [&](const std::string& why) -> Error {
+    return Error(Errc::protocol, "checkpoint " + name + " is corrupt at byte " + std::to_string(at) + ": " + why +
+                                     "; restore an older checkpoint or start without --restore");
+  };
+  auto take = [&](void* out, std::size_t n, const char* what) {
+    if (size - at < n) throw corrupt(std::string("truncated in ") + what);
+    std::memcpy(out, data + at, n);
+    at += n;
+  };
+  FileHeader h;
+  take(&h, sizeof h, "the header");
+  if (std::memcmp(h.magic, kMagic, 8) != 0) throw corrupt("not a pskv checkpoint (bad magic)");
+  if (h.crc != wire::crc32_update(0, &h, offsetof(FileHeader, crc))) throw corrupt("header checksum mismatch");
+  if (h.version != kVersion) throw corrupt("version " + std::to_string(h.version) + " is not readable by this build");
+  if (store && h.rule != static_cast<std::uint32_t>(store->rule().rule))
+    throw Error(Errc::invalid_argument, "checkpoint " + name + " was written with update rule " +
+                                            std::string(to_string(static_cast<UpdateRule>(h.rule))) +
+                                            "; start the server with the same --rule");
+  std::vector<float> value, state;
+  std::uint32_t crc_of_crcs = 0;
+  for (std::uint64_t i = 0; i < h.keys; ++i) {
+    KeyHeader k;
+    take(&k, sizeof k, "a key header");
+    const std::uint64_t floats = std::uint64_t{k.length} + k.state_floats;
+    if (k.length == 0 || floats * sizeof(float) > size - at) throw corrupt("key " + std::to_string(k.key) + " claims more data than the file holds");
+    std::uint32_t crc = wire::crc32_update(0, &k, offsetof(KeyHeader, crc));
+    crc = wire::crc32_update(crc, data + at, floats * sizeof(float));
+    if (crc != k.crc) throw corrupt("checksum mismatch in key " + std::to_string(k.key));
+    crc_of_crcs = wire::crc32_update(crc_of_crcs, &k.crc, sizeof k.crc);
+    if (store) {
+      value.resize(k.length);
+      state.resize(k.state_floats);
+      take(value.data(), value.size() * sizeof(float), "values");
+      take(state.data(), state.size() * sizeof(float), "state");
+      if (Errc e = store->restore_slot(k.key, value, state, k.update_count); e != Errc::ok)
+        throw Error(e, "cannot restore key " + std::to_string(k.key) + " from " + name + ": " + std::string(errc_name(e)) +
+                           " (is the server's --arena-mb/--max-keys large enough, and the --rule the same?)");
+    } else {
+      at += floats * sizeof(float);
+    }
+  }
+  Footer f;
+  take(&f, sizeof f, "the footer");
+  if (std::memcmp(f.magic, kEnd, 8) != 0 || f.keys != h.keys || f.crc != crc_of_crcs) throw corrupt("bad footer");
+  if (at != size) throw corrupt("trailing bytes after the footer");
+  return {h.keys, size};
+}
+
+CheckpointInfo read_checkpoint(Store& store, const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw Error(Errc::not_found, "cannot open checkpoint " + path + ": " + std::strerror(errno));
+  std::vector<std::uint8_t> bytes;
+  const off_t size = ::lseek(fd, 0, SEEK_END);
+  ::lseek(fd, 0, SEEK_SET);
+  if (size < 0) {
+    ::close(fd);
+    throw Error(Errc::io, "cannot size " + path);
+  }
+  bytes.resize(static_cast<std::size_t>(size));
+  std::size_t got = 0;
+  while (got < bytes.size()) {
+    const ssize_t n = ::read(fd, bytes.data() + got, bytes.size() - got);
+    if (n <= 0) break;
+    got += static_cast<std::size_t>(n);
+  }
+  ::close(fd);
+  if (got != bytes.size()) throw Error(Errc::io, "short read of checkpoint " + path);
+  return parse_checkpoint(bytes.data(), bytes.size(), &store, path);
+}
+
+}  // namespace pskv
