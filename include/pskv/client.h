@@ -41,6 +41,10 @@ struct ClientOptions {
   std::chrono::milliseconds io_timeout{30000};
   std::uint32_t max_in_flight = 128;      // outstanding requests per server connection
   bool checksum = false;                  // CRC-32 over every request and reply
+  // A worker that reconnects mid-job (e.g. after a server restarted from a checkpoint) passes
+  // its clock here; it is announced to every server at connect, so bounded reads of the other
+  // workers do not wait for clocks this worker already passed.
+  std::uint64_t initial_clock = 0;
 };
 
 // Staleness seen by reads: how many clocks the slowest worker was behind this worker's clock.

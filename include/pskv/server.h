@@ -53,6 +53,8 @@ class Server {
   // The URI clients should use (with the real port when 0 was asked for).
   std::string uri() const;
   std::string stats_json() const;
+  // True once every worker has finished (its client closed cleanly) or was evicted.
+  bool workers_finished() const;
   void stop();
 
  private:

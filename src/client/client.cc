@@ -29,6 +29,10 @@ class ClientImpl {
     c.max_in_flight = o.max_in_flight;
     c.checksum = o.checksum;
     for (const auto& s : o.servers) connections_.push_back(transport::connect(parse_uri(s), c));
+    if (o.initial_clock > 0 && o.worker_id != kNoWorker) {
+      send_clock(o.initial_clock);
+      clock_ = o.initial_clock;
+    }
   }
 
   ~ClientImpl() {

@@ -108,6 +108,13 @@ class ServerImpl {
 
   std::string uri() const { return uri_.str(); }
   std::string stats_json() const { return engine_view_->stats_json(); }
+  bool workers_finished() const {
+    ClockTable* clocks = engine_view_->clocks();
+    if (!clocks) return false;
+    for (std::uint32_t w = 0; w < clocks->workers(); ++w)
+      if (!clocks->evicted(w) && clocks->clock(w) != kClockDone) return false;
+    return true;
+  }
 
  private:
   Uri uri_;
@@ -128,6 +135,7 @@ Server::Server(const ServerOptions& options) : impl_(std::make_unique<detail::Se
 Server::~Server() = default;
 std::string Server::uri() const { return impl_->uri(); }
 std::string Server::stats_json() const { return impl_->stats_json(); }
+bool Server::workers_finished() const { return impl_->workers_finished(); }
 void Server::stop() { impl_->stop(); }
 
 }  // namespace pskv

@@ -218,7 +218,7 @@ TEST(ShmIntegration, StaleSegmentIsReclaimedAndLiveOneIsRefused) {
   }
   // A new server reclaims the name and serves.
   auto second = start_shm(name);
-  Client c(shm_client(second.uri));
+  Client c(shm_client(second.uri));  // the second server removes the reclaimed name at exit
   std::vector<float> v(4, 2.0f);
   c.wait(c.init(Key(1), v));
   c.wait(c.pull(Key(1), v));

@@ -37,9 +37,13 @@ Process::Process(const std::string& program, const std::vector<std::string>& arg
 }
 
 Process::~Process() {
+  // Graceful first, so servers clean up (a shm server removes its segment), then forceful.
   if (pid_ > 0 && running()) {
-    ::kill(pid_, SIGKILL);
-    wait(std::chrono::seconds(10));
+    ::kill(pid_, SIGTERM);
+    if (wait(std::chrono::seconds(5)) == -1) {
+      ::kill(pid_, SIGKILL);
+      wait(std::chrono::seconds(10));
+    }
   }
   if (out_fd_ >= 0) close(out_fd_);
 }

@@ -11,7 +11,7 @@
 
 namespace pskv::testing {
 
-// A spawned program. The destructor kills it (SIGKILL) if it is still running.
+// A spawned program. The destructor stops it if it is still running: SIGTERM, then SIGKILL.
 class Process {
  public:
   Process() = default;
