@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <atomic>
 #include <chrono>
 #include <cinttypes>
@@ -303,6 +304,118 @@ StepsResult measure_steps(const std::vector<std::string>& servers, int workers, 
   return r;
 }
 
+// Embedding-style traffic: a table of `keys` x `floats` and batches of `batch_keys` keys drawn
+// uniformly or by a Zipf law (hot keys), as sparse models pull and push.
+class KeyDraw {
+ public:
+  KeyDraw(std::uint64_t keys, const std::string& dist, double s) : keys_(keys), zipf_(dist == "zipf") {
+    if (!zipf_) return;
+    cdf_.resize(keys);
+    double sum = 0;
+    for (std::uint64_t k = 0; k < keys; ++k) cdf_[k] = (sum += 1.0 / std::pow(double(k + 1), s));
+    for (auto& x : cdf_) x /= sum;
+  }
+  template <class Rng>
+  std::uint64_t operator()(Rng& rng) const {
+    if (!zipf_) return rng() % keys_;
+    const double u = std::uniform_real_distribution<double>(0, 1)(rng);
+    const auto rank = static_cast<std::uint64_t>(std::lower_bound(cdf_.begin(), cdf_.end(), u) - cdf_.begin());
+    return pskv_mix(rank) % keys_;  // hot keys scattered over the table, not clustered at 0
+  }
+  static std::uint64_t pskv_mix(std::uint64_t x) {
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdULL;
+    x ^= x >> 33;
+    return x;
+  }
+
+ private:
+  std::uint64_t keys_;
+  bool zipf_;
+  std::vector<double> cdf_;
+};
+
+struct SparsePoint {
+  double keys_per_s, bytes_per_s, p50_us, p99_us;
+  std::uint64_t batches;
+};
+
+void init_sparse_table(const std::vector<std::string>& servers, std::uint64_t keys, std::size_t floats) {
+  pskv::ClientOptions o;
+  o.servers = servers;
+  pskv::Client admin(o);
+  constexpr std::uint64_t kBatch = 8192;
+  std::vector<float> values(kBatch * floats, 0.0f);
+  std::vector<pskv::Key> ks;
+  std::vector<std::span<const float>> spans;
+  std::vector<pskv::Ticket> tickets;
+  for (std::uint64_t base = 0; base < keys; base += kBatch) {
+    ks.clear();
+    spans.clear();
+    for (std::uint64_t k = base; k < std::min(keys, base + kBatch); ++k) {
+      ks.push_back(k);
+      spans.emplace_back(values.data() + (k - base) * floats, floats);
+    }
+    admin.wait(admin.init(ks, spans));
+  }
+}
+
+SparsePoint measure_sparse(const std::vector<std::string>& servers, const std::string& op, const KeyDraw& draw,
+                           std::size_t floats, std::size_t batch_keys, int clients, double seconds) {
+  std::vector<std::vector<double>> lat(clients);
+  std::vector<std::uint64_t> done(clients, 0);
+  std::vector<std::string> errors(clients);
+  std::atomic<int> ready{0};
+  std::atomic<bool> go{false};
+  std::vector<std::thread> threads;
+  for (int c = 0; c < clients; ++c)
+    threads.emplace_back([&, c] {
+      try {
+        pskv::ClientOptions o;
+        o.servers = servers;
+        pskv::Client client(o);
+        std::vector<float> buf(batch_keys * floats, 1e-3f);
+        client.register_buffer(buf.data(), buf.size() * sizeof(float));
+        std::vector<pskv::Key> keys(batch_keys);
+        std::vector<std::span<float>> outs;
+        std::vector<std::span<const float>> ins;
+        for (std::size_t i = 0; i < batch_keys; ++i) {
+          outs.emplace_back(buf.data() + i * floats, floats);
+          ins.emplace_back(buf.data() + i * floats, floats);
+        }
+        std::mt19937_64 rng(1000 + c);
+        ready.fetch_add(1);
+        while (!go.load()) std::this_thread::yield();
+        const auto start = Clock::now();
+        while (done[c] < 3 || seconds_since(start) < seconds) {
+          for (auto& k : keys) k = draw(rng);
+          const auto s = Clock::now();
+          client.wait(op == "push" ? client.push(keys, ins) : client.pull(keys, outs));
+          lat[c].push_back(seconds_since(s) * 1e6);
+          ++done[c];
+        }
+      } catch (const std::exception& e) {
+        errors[c] = e.what();
+        ready.fetch_add(1);
+      }
+    });
+  while (ready.load() < clients) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  const auto t0 = Clock::now();
+  go = true;
+  for (auto& t : threads) t.join();
+  const double wall = seconds_since(t0);
+  for (const auto& e : errors)
+    if (!e.empty()) throw std::runtime_error(e);
+  std::vector<double> all;
+  std::uint64_t batches = 0;
+  for (int c = 0; c < clients; ++c) {
+    all.insert(all.end(), lat[c].begin(), lat[c].end());
+    batches += done[c];
+  }
+  const double keys_per_s = double(batches) * double(batch_keys) / wall;
+  return {keys_per_s, keys_per_s * double(floats * sizeof(float)), percentile(all, 0.5), percentile(all, 0.99), batches};
+}
+
 std::vector<std::size_t> parse_sizes(const std::string& text) {
   std::vector<std::size_t> out;
   std::stringstream ss(text);
@@ -349,7 +462,17 @@ int main(int argc, char** argv) {
   int workers = 4, steps = 300, straggler_us = 0;
   std::uint32_t staleness = 0, sync_required = 0;
   app.add_option("--workload", workload, "dense: push/pull sweep; steps: pull-push-clock training loop per mode")
-      ->capture_default_str()->check(CLI::IsMember({"dense", "steps"}));
+      ->capture_default_str()->check(CLI::IsMember({"dense", "steps", "sparse"}));
+  std::uint64_t table_keys = 1000000;
+  std::size_t key_floats = 16, batch_keys = 1000;
+  std::string dist = "uniform";
+  double zipf_s = 0.99;
+  app.add_option("--table-keys", table_keys, "sparse workload: keys in the table")->capture_default_str();
+  app.add_option("--key-floats", key_floats, "sparse workload: floats per key")->capture_default_str();
+  app.add_option("--batch-keys", batch_keys, "sparse workload: keys per push/pull")->capture_default_str();
+  app.add_option("--dist", dist, "sparse workload: uniform or zipf")->capture_default_str()
+      ->check(CLI::IsMember({"uniform", "zipf"}));
+  app.add_option("--zipf-s", zipf_s, "sparse workload: Zipf exponent")->capture_default_str();
   app.add_option("--mode", mode, "steps workload: asp, bsp, ssp or sync")->capture_default_str()
       ->check(CLI::IsMember({"asp", "bsp", "ssp", "sync"}));
   app.add_option("--staleness", staleness, "steps workload, ssp: the bound s")->capture_default_str();
@@ -376,7 +499,8 @@ int main(int argc, char** argv) {
   if (targets.empty()) {
     const std::size_t biggest = *std::max_element(sizes.begin(), sizes.end());
     const int max_clients = *std::max_element(client_counts.begin(), client_counts.end());
-    const std::uint64_t arena_mb = (sizes.size() * max_clients * (biggest + 4096) * 2 >> 20) / servers + 64;
+    std::uint64_t arena_mb = (sizes.size() * max_clients * (biggest + 4096) * 2 >> 20) / servers + 64;
+    if (workload == "sparse") arena_mb = (table_keys * (64 + ((key_floats * 4 + 63) / 64) * 64) >> 20) / servers + 64;
     for (int s = 0; s < servers; ++s) {
       int pipefd[2];
       if (pipe(pipefd) != 0) return 1;
@@ -394,6 +518,7 @@ int main(int argc, char** argv) {
         }
         so.arena_bytes = arena_mb << 20;
         so.max_request_bytes = std::max<std::uint64_t>(so.max_request_bytes, biggest * 2);
+        if (workload == "sparse") so.max_keys = table_keys / static_cast<std::uint64_t>(servers) * 5 / 4 + 1024;
         // SIGTERM must run the destructors (a shm server removes its segment), so wait for it.
         sigset_t stop;
         sigemptyset(&stop);
@@ -470,6 +595,35 @@ int main(int argc, char** argv) {
                     "histogram [%s]\n",
                     transport.c_str(), mode.c_str(), staleness, workers, size, straggler_us, r.steps_per_s, r.p50_step_us,
                     static_cast<unsigned long long>(r.max_staleness), hist.c_str());
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "pskv-bench: %s\n", e.what());
+      rc = 1;
+    }
+    ops.clear();
+  }
+  if (workload == "sparse") {
+    try {
+      init_sparse_table(targets, table_keys, key_floats);
+      const KeyDraw draw(table_keys, dist, zipf_s);
+      for (const auto& op : ops)
+        for (int clients : client_counts) {
+          const SparsePoint p = measure_sparse(targets, op, draw, key_floats, batch_keys, clients, seconds);
+          const double base = transport == "shm" ? memcpy_bw : stream_bw;
+          if (json)
+            std::printf("{\"transport\":\"%s\",\"workload\":\"sparse\",\"dist\":\"%s\",\"op\":\"%s\",\"value_bytes\":%zu,"
+                        "\"batch_keys\":%zu,\"table_keys\":%llu,\"clients\":%d,\"servers\":%zu,\"ops\":%llu,"
+                        "\"keys_per_s\":%.0f,\"bytes_per_s\":%.0f,\"p50_us\":%.2f,\"p99_us\":%.2f,\"baseline\":\"%s\","
+                        "\"baseline_value\":%.0f,\"ratio\":%.4f}\n",
+                        transport.c_str(), dist.c_str(), op.c_str(), key_floats * 4, batch_keys,
+                        static_cast<unsigned long long>(table_keys), clients, targets.size(),
+                        static_cast<unsigned long long>(p.batches), p.keys_per_s, p.bytes_per_s, p.p50_us, p.p99_us,
+                        transport == "shm" ? "memcpy" : "tcp_stream", base, p.bytes_per_s / base);
+          else
+            std::printf("%-5s sparse %-7s %-5s %zu keys x %zu B, %d clients: %.2f M keys/s, batch p50 %.0f us p99 %.0f us\n",
+                        transport.c_str(), dist.c_str(), op.c_str(), batch_keys, key_floats * 4, clients,
+                        p.keys_per_s / 1e6, p.p50_us, p.p99_us);
+          std::fflush(stdout);
+        }
     } catch (const std::exception& e) {
       std::fprintf(stderr, "pskv-bench: %s\n", e.what());
       rc = 1;

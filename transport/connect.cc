@@ -2,12 +2,18 @@
 #include "transport/shm/shm_connection.h"
 #include "transport/tcp/tcp_connection.h"
 #include "transport/transport.h"
+#if PSKV_WITH_RDMA
+#include "transport/rdma/rdma_connection.h"
+#endif
 
 namespace pskv::transport {
 
 std::unique_ptr<Connection> connect(const Uri& uri, const ConnectOptions& options) {
   if (uri.scheme == "tcp") return std::make_unique<tcp::TcpConnection>(uri, options);
   if (uri.scheme == "shm") return std::make_unique<shm::ShmConnection>(uri, options);
+#if PSKV_WITH_RDMA
+  if (uri.scheme == "rdma") return std::make_unique<rdma::RdmaConnection>(uri, options);
+#endif
   throw Error(Errc::unsupported, "the " + uri.scheme + " transport is not available in this build (" + uri.str() + ")");
 }
 

@@ -16,6 +16,8 @@ std::string_view op_name(std::uint16_t op) noexcept {
     case Op::barrier: return "barrier";
     case Op::stats: return "stats";
     case Op::auth: return "auth";
+    case Op::lookup: return "lookup";
+    case Op::wait: return "wait";
   }
   return "unknown";
 }

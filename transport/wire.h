@@ -24,6 +24,8 @@ enum class Op : std::uint16_t {
   barrier = 6,  // arg0 = barrier generation
   stats = 7,    // reply payload: a JSON document (bytes)
   auth = 8,     // reserved for the authentication handshake
+  lookup = 9,   // rdma: keys; reply payload: one rdma::LookupEntry (slot offset, length) per key
+  wait = 10,    // rdma: arg0 = the worker's clock; answered once a read at that clock may go; reply arg0 = the bound
 };
 
 enum Flags : std::uint16_t {

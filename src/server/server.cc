@@ -11,6 +11,9 @@
 #include "transport/shm/shm_server.h"
 #include "transport/tcp/tcp_server.h"
 #include "transport/uri.h"
+#if PSKV_WITH_RDMA
+#include "transport/rdma/rdma_server.h"
+#endif
 
 namespace pskv {
 namespace detail {
@@ -103,6 +106,9 @@ class ServerImpl {
       }
     }
     if (shm_) shm_->stop();
+#if PSKV_WITH_RDMA
+    if (rdma_) rdma_->stop();
+#endif
     if (engine_) engine_->shutdown();
   }
 
@@ -127,6 +133,9 @@ class ServerImpl {
   std::unique_ptr<ShardEngine> engine_;
   std::unique_ptr<tcp::TcpServer> tcp_;
   std::unique_ptr<shm::ShmServer> shm_;
+#if PSKV_WITH_RDMA
+  std::unique_ptr<rdma::RdmaServer> rdma_;
+#endif
 };
 
 }  // namespace detail

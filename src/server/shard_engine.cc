@@ -89,12 +89,15 @@ Errc ShardEngine::init(std::span<const wire::KeyEntry> keys, const float* values
 
 Errc ShardEngine::push(std::uint32_t worker, std::uint64_t clock, std::span<const wire::KeyEntry> keys,
                        const float* values, std::string* why) {
-  // Validate the whole request first, so that a bad key leaves nothing half-applied.
-  for (const auto& k : keys) {
-    const SlotHeader* slot = store_->find(k.key);
-    const Errc e = !slot ? Errc::not_found : slot->length != k.length ? Errc::length_mismatch : Errc::ok;
+  // Look everything up and validate the whole request first, so a bad key leaves nothing
+  // half-applied; the lookups are pipelined and the slots stay cached for the apply pass.
+  thread_local std::vector<SlotHeader*> slots;
+  slots.resize(keys.size());
+  store_->find_batch(keys.size(), [&](std::size_t i) { return keys[i].key; }, slots.data());
+  for (std::size_t i = 0; i < keys.size(); ++i) {
+    const Errc e = !slots[i] ? Errc::not_found : slots[i]->length != keys[i].length ? Errc::length_mismatch : Errc::ok;
     if (e != Errc::ok) {
-      if (why) *why = key_error(e, k.key, k.length, *store_);
+      if (why) *why = key_error(e, keys[i].key, keys[i].length, *store_);
       return e;
     }
   }
@@ -116,9 +119,10 @@ Errc ShardEngine::push(std::uint32_t worker, std::uint64_t clock, std::span<cons
       values += k.length;
     }
   } else {
-    for (const auto& k : keys) {
-      store_->push(k.key, {values, k.length});
-      values += k.length;
+    const UpdateRuleConfig& rule = store_->rule();
+    for (std::size_t i = 0; i < keys.size(); ++i) {
+      store_->apply_slot(*slots[i], values, rule, 1.0f);
+      values += keys[i].length;
     }
   }
   pushes_.fetch_add(keys.size(), std::memory_order_relaxed);
@@ -126,17 +130,19 @@ Errc ShardEngine::push(std::uint32_t worker, std::uint64_t clock, std::span<cons
 }
 
 Errc ShardEngine::pull(std::span<const wire::KeyEntry> keys, float* out, std::string* why) {
-  for (const auto& k : keys) {
-    const SlotHeader* slot = store_->find(k.key);
-    const Errc e = !slot ? Errc::not_found : slot->length != k.length ? Errc::length_mismatch : Errc::ok;
+  thread_local std::vector<SlotHeader*> slots;
+  slots.resize(keys.size());
+  store_->find_batch(keys.size(), [&](std::size_t i) { return keys[i].key; }, slots.data());
+  for (std::size_t i = 0; i < keys.size(); ++i) {
+    const Errc e = !slots[i] ? Errc::not_found : slots[i]->length != keys[i].length ? Errc::length_mismatch : Errc::ok;
     if (e != Errc::ok) {
-      if (why) *why = key_error(e, k.key, k.length, *store_);
+      if (why) *why = key_error(e, keys[i].key, keys[i].length, *store_);
       return e;
     }
   }
-  for (const auto& k : keys) {
-    Store::read_slot(*store_->find(k.key), out);
-    out += k.length;
+  for (std::size_t i = 0; i < keys.size(); ++i) {
+    Store::read_slot(*slots[i], out);
+    out += keys[i].length;
   }
   pulls_.fetch_add(keys.size(), std::memory_order_relaxed);
   return Errc::ok;

@@ -37,12 +37,6 @@ struct alignas(64) Store::Header {
   std::atomic<std::uint64_t> key_count;
 };
 
-// Lookups read `slot` (acquire) and then `key`; an insert writes `key` first and publishes with
-// `slot` (release), so a reader that sees a slot sees its key. Entries are never removed.
-struct Store::IndexEntry {
-  std::atomic<std::uint64_t> key;
-  std::atomic<std::uint64_t> slot;  // offset of the SlotHeader from the region base + 1; 0 = empty
-};
 
 namespace {
 struct Layout {
@@ -76,7 +70,10 @@ void validate(const StoreOptions& o) {
 }
 }  // namespace
 
-Store::Store(std::unique_ptr<MemoryResource> memory) : memory_(std::move(memory)) {}
+Store::Store(std::unique_ptr<MemoryResource> memory) : memory_(std::move(memory)), base_(memory_->data()) {
+  index_ = reinterpret_cast<IndexEntry*>(base_ + header().index_offset);
+  index_mask_ = header().index_capacity - 1;
+}
 Store::~Store() = default;
 
 std::size_t Store::required_bytes(const StoreOptions& options) {
@@ -132,20 +129,20 @@ std::unique_ptr<Store> Store::attach(std::unique_ptr<MemoryResource> memory) {
   return std::unique_ptr<Store>(new Store(std::move(memory)));
 }
 
-Store::Header& Store::header() const noexcept { return *reinterpret_cast<Header*>(memory_->data()); }
+Store::Header& Store::header() const noexcept { return *reinterpret_cast<Header*>(base_); }
 Store::IndexEntry* Store::index() const noexcept {
-  return reinterpret_cast<IndexEntry*>(memory_->data() + header().index_offset);
+  return reinterpret_cast<IndexEntry*>(base_ + header().index_offset);
 }
 SharedMutex& Store::stripe_lock(Key key) const noexcept {
   const Header& h = header();
   const std::uint64_t stripe = (mix64(key) >> 40) & (h.stripes - 1);
-  return *reinterpret_cast<SharedMutex*>(memory_->data() + h.stripes_offset + stripe * kCacheLine);
+  return *reinterpret_cast<SharedMutex*>(base_ + h.stripes_offset + stripe * kCacheLine);
 }
-std::byte* Store::value_arena() noexcept { return memory_->data() + header().values_offset; }
-std::byte* Store::value_arena_const() const noexcept { return memory_->data() + header().values_offset; }
+std::byte* Store::value_arena() noexcept { return base_ + header().values_offset; }
+std::byte* Store::value_arena_const() const noexcept { return base_ + header().values_offset; }
 std::uint64_t Store::used_bytes_acquire() const noexcept { return header().values_used.load(std::memory_order_acquire); }
 float* Store::state_of(SlotHeader& slot) const noexcept {
-  return reinterpret_cast<float*>(memory_->data() + header().state_offset + slot.state_offset);
+  return reinterpret_cast<float*>(base_ + header().state_offset + slot.state_offset);
 }
 
 const UpdateRuleConfig& Store::rule() const noexcept { return header().rule; }
@@ -154,18 +151,6 @@ std::uint64_t Store::key_count() const noexcept { return header().key_count.load
 std::uint64_t Store::max_keys() const noexcept { return header().max_keys; }
 std::uint64_t Store::value_bytes_used() const noexcept { return used_bytes_acquire(); }
 std::uint64_t Store::value_bytes_capacity() const noexcept { return header().values_bytes; }
-
-SlotHeader* Store::find(Key key) const noexcept {
-  const Header& h = header();
-  IndexEntry* idx = index();
-  const std::uint64_t mask = h.index_capacity - 1;
-  for (std::uint64_t i = mix64(key) & mask;; i = (i + 1) & mask) {
-    const std::uint64_t slot = idx[i].slot.load(std::memory_order_acquire);
-    if (slot == kEmpty) return nullptr;
-    if (idx[i].key.load(std::memory_order_relaxed) == key)
-      return reinterpret_cast<SlotHeader*>(memory_->data() + slot - 1);
-  }
-}
 
 Errc Store::create_slot(Key key, std::uint32_t length, const float* initial) {
   if (length == 0) return Errc::invalid_argument;
@@ -181,7 +166,7 @@ Errc Store::create_slot(Key key, std::uint32_t length, const float* initial) {
   const std::uint64_t state_used = h.state_used.load(std::memory_order_relaxed);
   if (state_used + state_bytes > h.state_bytes) return Errc::capacity;
 
-  std::byte* base = memory_->data();
+  std::byte* base = base_;
   auto* slot = new (base + h.values_offset + used) SlotHeader{};
   slot->key = key;
   slot->length = length;

@@ -84,7 +84,32 @@ class Store {
   Errc init_zero(Key key, std::uint32_t length);
 
   // nullptr when the key does not exist. The pointer stays valid for the store's lifetime.
-  SlotHeader* find(Key key) const noexcept;
+  SlotHeader* find(Key key) const noexcept {
+    for (std::uint64_t i = mix64(key) & index_mask_;; i = (i + 1) & index_mask_) {
+      const std::uint64_t slot = index_[i].slot.load(std::memory_order_acquire);
+      if (slot == 0) return nullptr;
+      if (index_[i].key.load(std::memory_order_relaxed) == key) return reinterpret_cast<SlotHeader*>(base_ + slot - 1);
+    }
+  }
+
+  // Looks up n keys (key_of(i) gives the i-th) into out[0..n). Software-pipelined: the index
+  // bucket of key i+16 is prefetched while key i is resolved, and each found slot's first two
+  // lines are prefetched for the pass that copies or updates them, so the cache misses of a
+  // large random batch overlap instead of adding up.
+  template <class KeyOf>
+  void find_batch(std::size_t n, KeyOf&& key_of, SlotHeader** out) const noexcept {
+    constexpr std::size_t kAhead = 32;
+    for (std::size_t i = 0; i < std::min(n, kAhead); ++i) prefetch_bucket(key_of(i));
+    for (std::size_t i = 0; i < n; ++i) {
+      if (i + kAhead < n) prefetch_bucket(key_of(i + kAhead));
+      out[i] = find(key_of(i));
+      if (out[i]) {
+        __builtin_prefetch(out[i]);
+        __builtin_prefetch(reinterpret_cast<const char*>(out[i]) + 64);
+      }
+    }
+  }
+  void prefetch_bucket(Key key) const noexcept { __builtin_prefetch(&index_[mix64(key) & index_mask_]); }
 
   // Copies the key's value into `out` (exact length required), validated by the seqlock.
   ReadResult pull(Key key, std::span<float> out) const noexcept;
@@ -117,11 +142,11 @@ class Store {
   std::uint64_t value_bytes_capacity() const noexcept;
 
   // The whole region (what an RDMA backend registers) and the value arena within it.
-  std::byte* region() noexcept { return memory_->data(); }
+  std::byte* region() noexcept { return base_; }
   std::size_t region_size() const noexcept { return memory_->size(); }
   std::byte* value_arena() noexcept;
   std::size_t slot_offset(const SlotHeader& slot) const noexcept {
-    return static_cast<std::size_t>(reinterpret_cast<const std::byte*>(&slot) - memory_->data());
+    return static_cast<std::size_t>(reinterpret_cast<const std::byte*>(&slot) - base_);
   }
 
   // Visits every key in creation order (arena order). The callback gets the slot; values must be
@@ -139,7 +164,12 @@ class Store {
 
  private:
   struct Header;
-  struct IndexEntry;
+  // Lookups read `slot` (acquire) and then `key`; an insert writes `key` first and publishes
+  // with `slot` (release), so a reader that sees a slot sees its key. Never removed.
+  struct IndexEntry {
+    std::atomic<std::uint64_t> key;
+    std::atomic<std::uint64_t> slot;  // offset of the SlotHeader from the region base + 1; 0 = empty
+  };
   explicit Store(std::unique_ptr<MemoryResource> memory);
   Header& header() const noexcept;
   IndexEntry* index() const noexcept;
@@ -150,6 +180,10 @@ class Store {
   Errc create_slot(Key key, std::uint32_t length, const float* initial);
 
   std::unique_ptr<MemoryResource> memory_;
+  // Immutable after construction; cached so hot paths make no virtual calls.
+  std::byte* base_;
+  IndexEntry* index_ = nullptr;
+  std::uint64_t index_mask_ = 0;
 };
 
 }  // namespace pskv

@@ -80,19 +80,23 @@ bool ShmConnection::bound_allows(std::uint64_t clock, std::uint64_t* observed) c
 }
 
 Errc ShmConnection::read_values(const Request& request, std::string* why) const {
-  for (const KeySlice& k : request.keys) {
-    const SlotHeader* slot = store_->find(k.key);
-    if (!slot) {
+  thread_local std::vector<SlotHeader*> slots;
+  const std::size_t n = request.keys.size();
+  slots.resize(n);
+  store_->find_batch(n, [&](std::size_t i) { return request.keys[i].key; }, slots.data());
+  for (std::size_t i = 0; i < n; ++i) {
+    const KeySlice& k = request.keys[i];
+    if (!slots[i]) {
       *why = "key " + std::to_string(k.key) + " does not exist on " + endpoint_ + ": init it before pushing or pulling";
       return Errc::not_found;
     }
-    if (slot->length != k.length) {
-      *why = "key " + std::to_string(k.key) + " has " + std::to_string(slot->length) + " floats, the request says " +
+    if (slots[i]->length != k.length) {
+      *why = "key " + std::to_string(k.key) + " has " + std::to_string(slots[i]->length) + " floats, the request says " +
              std::to_string(k.length);
       return Errc::length_mismatch;
     }
+    Store::read_slot(*slots[i], k.data);
   }
-  for (const KeySlice& k : request.keys) Store::read_slot(*store_->find(k.key), k.data);
   return Errc::ok;
 }
 

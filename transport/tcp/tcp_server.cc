@@ -406,6 +406,11 @@ bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payl
       status = Errc::unsupported;
       why = "authentication is not enabled on this server";
       break;
+    case wire::Op::lookup:
+    case wire::Op::wait:
+      status = Errc::unsupported;
+      why = std::string(wire::op_name(h.op)) + " is an rdma:// operation; TCP clients pull values directly";
+      break;
   }
   if (status != Errc::ok) return peer.send_error(h, status, why);
   wire::FrameHeader r = reply_header(h, 0);

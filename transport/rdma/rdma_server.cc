@@ -1,0 +1,304 @@
+// Control path of the RDMA server: listening through rdma_cm, registering the store and the
+// clock table, accepting (or refusing, with the reason in the REJ private data) connections,
+// and tearing everything down in reverse order of creation.
+#include <arpa/inet.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "transport/rdma/rdma_server_internal.h"
+
+namespace pskv::rdma {
+
+namespace {
+constexpr std::uint8_t kAckTimeout = 16, kRetryCount = 7, kRnrRetry = 7;
+constexpr int kBacklog = 256;
+
+bool wildcard(const sockaddr_storage& a) {
+  if (a.ss_family == AF_INET) return reinterpret_cast<const sockaddr_in&>(a).sin_addr.s_addr == htonl(INADDR_ANY);
+  if (a.ss_family == AF_INET6) return IN6_IS_ADDR_UNSPECIFIED(&reinterpret_cast<const sockaddr_in6&>(a).sin6_addr);
+  return false;
+}
+}  // namespace
+
+void ServerConn::release() {
+  if (qp) rdma_destroy_qp(id);
+  qp = false;
+  if (send_cq) ibv_destroy_cq(send_cq);
+  if (recv_cq) ibv_destroy_cq(recv_cq);
+  send_cq = recv_cq = nullptr;
+  region = RegisteredBuffer();
+  send = RegisteredBuffer();
+  recv = RegisteredBuffer();
+}
+
+RdmaServer::RdmaServer(const Uri& uri, const EngineOptions& engine, const RdmaServerOptions& options)
+    : options_(options) {
+  Uri shown = uri;
+  shown.params.clear();
+  endpoint_ = shown.str();
+  EndpointParams want = parse_params(uri);
+  if (!options.device.empty()) want.device = options.device;
+  if (options.ib_port >= 0) want.port = options.ib_port;
+  if (options.gid_index >= 0) want.gid_index = options.gid_index;
+  want.busy_poll = want.busy_poll || options.busy_poll;
+  options_.busy_poll = want.busy_poll;
+  options_.threads = std::max(1u, options_.threads);
+  options_.queue_depth = std::clamp(options_.queue_depth, 1u, 4096u);
+  if (options_.region_bytes < 4096 || options_.region_bytes / kDescriptorAlign > UINT32_MAX)
+    throw Error(Errc::invalid_argument, "--rdma-recv-mb must be between 1 and 262143");
+  prepare_process();
+  require_device(endpoint_);
+
+  if (engine.num_workers > 0) clock_memory_ = PinnedBuffer(align_up(ClockTable::bytes_for(engine.num_workers), 4096));
+  engine_ = std::make_unique<ShardEngine>(engine, nullptr, engine.num_workers ? clock_memory_.data() : nullptr);
+  try {
+    if (!(events_ = rdma_create_event_channel())) {
+      if (errno == ENODEV || errno == ENOENT) require_device(endpoint_);
+      throw Error(Errc::io, "rdma_create_event_channel: " + errno_text(errno) + " (is the rdma_ucm module loaded?)");
+    }
+    set_nonblocking(events_->fd);
+    if (rdma_create_id(events_, &listen_id_, nullptr, RDMA_PS_TCP) != 0)
+      throw Error(Errc::io, "rdma_create_id: " + errno_text(errno));
+    sockaddr_storage addr = resolve_host(uri.host, uri.port, true);
+    if (rdma_bind_addr(listen_id_, reinterpret_cast<sockaddr*>(&addr)) != 0) {
+      const int err = errno;
+      if (err == EADDRINUSE)
+        throw Error(Errc::io, "cannot serve " + endpoint_ + ": the port is in use (pick another, or port 0 for any)");
+      throw Error(Errc::no_device, "cannot serve " + endpoint_ + ": no RDMA device has the address " + uri.host + " (" +
+                                       errno_text(err) +
+                                       "); use the IP address of an RDMA interface (`rdma link` lists them; in the "
+                                       "Soft-RoCE VM: $RXE_IP, not 127.0.0.1)");
+    }
+    ctx_ = listen_id_->verbs;
+    if (ctx_) {
+      check_and_log_device(listen_id_, want, "server", endpoint_);
+    } else if (wildcard(addr)) {
+      // Listening on every address: serve the named device (or the first) and refuse others.
+      int n = 0;
+      ibv_context** list = rdma_get_devices(&n);
+      for (int i = 0; i < n && !ctx_; ++i)
+        if (want.device.empty() || want.device == ibv_get_device_name(list[i]->device)) ctx_ = list[i];
+      if (list) rdma_free_devices(list);
+      if (!ctx_)
+        throw Error(Errc::no_device, "cannot serve " + endpoint_ + ": no RDMA device named '" + want.device + "'");
+      std::fprintf(stderr, "pskv rdma: device %s (all addresses) for server %s\n", ibv_get_device_name(ctx_->device),
+                   endpoint_.c_str());
+    }
+    if (ibv_query_device(ctx_, &device_) != 0) throw Error(Errc::io, "ibv_query_device: " + errno_text(errno));
+    if (!(pd_ = ibv_alloc_pd(ctx_))) throw Error(Errc::io, "ibv_alloc_pd: " + errno_text(errno));
+    Store& store = engine_->store();
+    store_mr_ = MemoryRegion(pd_, store.region(), store.region_size(), IBV_ACCESS_REMOTE_READ,
+                             "the store region, sized by --arena-mb and --max-keys");
+    if (engine.num_workers > 0)
+      clock_mr_ = MemoryRegion(pd_, clock_memory_.data(), clock_memory_.size(), IBV_ACCESS_REMOTE_READ, "the clock table");
+    for (std::uint32_t t = 0; t < options_.threads; ++t) io_.push_back(std::make_unique<IoThread>(*this, ctx_));
+    if (rdma_listen(listen_id_, kBacklog) != 0) throw Error(Errc::io, "rdma_listen on " + endpoint_ + ": " + errno_text(errno));
+    port_ = ntohs(rdma_get_src_port(listen_id_));
+    if ((wake_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) < 0) throw Error(Errc::io, "eventfd: " + errno_text(errno));
+  } catch (...) {
+    stop();
+    throw;
+  }
+  for (auto& io : io_) io->start();
+  cm_thread_ = std::thread([this] { cm_loop(); });
+}
+
+RdmaServer::~RdmaServer() { stop(); }
+
+void RdmaServer::stop() {
+  if (stopping_.exchange(true)) return;
+  if (cm_thread_.joinable()) {
+    const std::uint64_t one = 1;
+    [[maybe_unused]] auto n = ::write(wake_fd_, &one, sizeof one);
+    cm_thread_.join();
+  }
+  for (auto& io : io_) io->stop_and_join();
+  engine_->shutdown();
+  // Single-threaded from here: every connection's verbs objects, then their ids (no event is
+  // outstanding: the cm thread acked all it took), then the listener and the shared objects.
+  for (auto& io : io_) io->close_all();
+  for (auto& [id, conn] : conns_) rdma_destroy_id(id);
+  conns_.clear();
+  retired_.clear();
+  io_.clear();
+  if (listen_id_) rdma_destroy_id(listen_id_);
+  listen_id_ = nullptr;
+  clock_mr_ = MemoryRegion();
+  store_mr_ = MemoryRegion();
+  if (pd_) ibv_dealloc_pd(pd_);
+  pd_ = nullptr;
+  if (events_) rdma_destroy_event_channel(events_);
+  events_ = nullptr;
+  if (wake_fd_ >= 0) ::close(wake_fd_);
+  wake_fd_ = -1;
+}
+
+void RdmaServer::retire(const std::shared_ptr<ServerConn>& conn) {
+  {
+    std::lock_guard lock(retire_mu_);
+    retired_.push_back(conn);
+  }
+  const std::uint64_t one = 1;
+  [[maybe_unused]] auto n = ::write(wake_fd_, &one, sizeof one);
+}
+
+void RdmaServer::cm_loop() {
+  while (!stopping_.load()) {
+    pollfd fds[2] = {{events_->fd, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
+    ::poll(fds, 2, -1);
+    if (fds[1].revents & POLLIN) {
+      std::uint64_t value;
+      [[maybe_unused]] auto n = ::read(wake_fd_, &value, sizeof value);
+    }
+    rdma_cm_event* ev = nullptr;
+    while (rdma_get_cm_event(events_, &ev) == 0) {
+      rdma_cm_id* refused = nullptr;
+      switch (ev->event) {
+        case RDMA_CM_EVENT_CONNECT_REQUEST:
+          on_connect_request(ev);
+          if (!conns_.count(ev->id)) refused = ev->id;
+          break;
+        case RDMA_CM_EVENT_DISCONNECTED:
+        case RDMA_CM_EVENT_REJECTED:
+        case RDMA_CM_EVENT_CONNECT_ERROR:
+        case RDMA_CM_EVENT_UNREACHABLE:
+        case RDMA_CM_EVENT_DEVICE_REMOVAL:
+          if (auto it = conns_.find(ev->id); it != conns_.end()) it->second->owner->request_close(it->second);
+          break;
+        default:
+          break;
+      }
+      rdma_ack_cm_event(ev);
+      if (refused) rdma_destroy_id(refused);  // only once its event is acked
+    }
+    std::vector<std::shared_ptr<ServerConn>> retired;
+    {
+      std::lock_guard lock(retire_mu_);
+      retired.swap(retired_);
+    }
+    for (auto& conn : retired) {
+      conns_.erase(conn->id);
+      rdma_destroy_id(conn->id);
+    }
+  }
+}
+
+void RdmaServer::refuse(rdma_cm_id* id, Errc status, const std::string& why) {
+  RejectInfo r{};
+  r.magic = kCmMagic;
+  r.status = static_cast<std::uint16_t>(status);
+  r.length = static_cast<std::uint16_t>(std::min(why.size(), sizeof r.text));
+  std::memcpy(r.text, why.data(), r.length);
+  rdma_reject(id, &r, sizeof r);
+}
+
+void RdmaServer::on_connect_request(rdma_cm_event* ev) {
+  rdma_cm_id* id = ev->id;
+  ConnectRequest req{};
+  if (!ev->param.conn.private_data || ev->param.conn.private_data_len < sizeof req)
+    return refuse(id, Errc::protocol, "not a pskv client: no connection data");
+  std::memcpy(&req, ev->param.conn.private_data, sizeof req);
+  if (req.magic != kCmMagic) return refuse(id, Errc::protocol, "not a pskv client: bad magic in its connection data");
+  if (req.wire_version != wire::kVersion || req.rdma_version != kRdmaVersion)
+    return refuse(id, Errc::protocol, "client speaks protocol " + std::to_string(req.wire_version) + "/rdma " +
+                                          std::to_string(req.rdma_version) + ", server " + std::to_string(wire::kVersion) +
+                                          "/rdma " + std::to_string(kRdmaVersion) + ": use matching pskv builds");
+  std::string why;
+  if (req.worker_id != kNoWorker && engine_->check_worker(req.worker_id, &why) != Errc::ok)
+    return refuse(id, Errc::invalid_argument, why);
+  if (conns_.size() >= options_.max_connections)
+    return refuse(id, Errc::capacity, "the server already has " + std::to_string(conns_.size()) +
+                                          " connections (--max-connections); try again later or raise the limit");
+  if (id->verbs != ctx_)
+    return refuse(id, Errc::unsupported, std::string("this server serves device ") + ibv_get_device_name(ctx_->device) +
+                                             " only; connect to an address on that device");
+
+  auto conn = std::make_shared<ServerConn>();
+  conn->id = id;
+  conn->owner = io_[next_io_++ % io_.size()].get();
+  conn->worker = req.worker_id;
+  conn->depth = std::clamp(std::min(options_.queue_depth, req.max_in_flight), 1u, options_.queue_depth);
+  try {
+    const std::uint32_t depth = conn->depth;
+    if (!(conn->send_cq = ibv_create_cq(ctx_, static_cast<int>(2 * depth), conn.get(), conn->owner->channel(), 0)) ||
+        !(conn->recv_cq = ibv_create_cq(ctx_, static_cast<int>(depth), conn.get(), conn->owner->channel(), 0)))
+      throw Error(Errc::io, "ibv_create_cq: " + errno_text(errno));
+    ibv_qp_init_attr qa{};
+    qa.send_cq = conn->send_cq;
+    qa.recv_cq = conn->recv_cq;
+    qa.qp_type = IBV_QPT_RC;
+    qa.cap.max_send_wr = 2 * depth;
+    qa.cap.max_recv_wr = depth;
+    qa.cap.max_send_sge = 1;
+    qa.cap.max_recv_sge = 1;
+    if (rdma_create_qp(id, pd_, &qa) != 0) throw Error(Errc::io, "rdma_create_qp: " + errno_text(errno));
+    conn->qp = true;
+    conn->recv = RegisteredBuffer(pd_, std::size_t{depth} * kControlBytes, IBV_ACCESS_LOCAL_WRITE, "receive buffers");
+    conn->send = RegisteredBuffer(pd_, std::size_t{2 * depth} * kControlBytes, IBV_ACCESS_LOCAL_WRITE, "reply buffers");
+    conn->region = RegisteredBuffer(pd_, options_.region_bytes, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE,
+                                    "a client's receive region (--rdma-recv-mb)");
+    for (std::uint32_t i = 2 * depth; i-- > 0;) conn->free_send.push_back(i);
+    for (std::uint32_t i = 0; i < depth; ++i) {
+      ibv_sge sge{reinterpret_cast<std::uint64_t>(conn->recv.data() + std::size_t{i} * kControlBytes),
+                  static_cast<std::uint32_t>(kControlBytes), conn->recv.mr.lkey()};
+      ibv_recv_wr wr{}, *bad = nullptr;
+      wr.wr_id = i;
+      wr.sg_list = &sge;
+      wr.num_sge = 1;
+      if (ibv_post_recv(id->qp, &wr, &bad) != 0) throw Error(Errc::io, "ibv_post_recv: " + errno_text(errno));
+    }
+    if (!options_.busy_poll && (ibv_req_notify_cq(conn->send_cq, 0) != 0 || ibv_req_notify_cq(conn->recv_cq, 0) != 0))
+      throw Error(Errc::io, "ibv_req_notify_cq: " + errno_text(errno));
+  } catch (const Error& e) {
+    conn->release();
+    return refuse(id, e.code(), e.what());
+  }
+  conn->owner->adopt(conn);
+  conns_[id] = conn;
+
+  const EngineOptions& eo = engine_->options();
+  AcceptInfo a{};
+  a.magic = kCmMagic;
+  a.wire_version = wire::kVersion;
+  a.rdma_version = kRdmaVersion;
+  a.server_id = eo.server_id;
+  a.num_workers = eo.num_workers;
+  a.mode = static_cast<std::uint8_t>(eo.mode);
+  a.staleness = eo.staleness;
+  a.quorum = eo.mode == ConsistencyMode::sync ? (eo.sync_required ? eo.sync_required : eo.num_workers) : 0;
+  a.wait_timeout_ms = static_cast<std::uint32_t>(eo.wait_timeout.count());
+  a.credits = conn->depth;
+  a.control_bytes = static_cast<std::uint32_t>(kControlBytes);
+  a.store_addr = reinterpret_cast<std::uint64_t>(engine_->store().region());
+  a.store_bytes = engine_->store().region_size();
+  a.store_rkey = store_mr_.rkey();
+  if (eo.num_workers > 0) {
+    a.clock_addr = reinterpret_cast<std::uint64_t>(clock_memory_.data());
+    a.clock_bytes = ClockTable::bytes_for(eo.num_workers);
+    a.clock_rkey = clock_mr_.rkey();
+  }
+  a.region_addr = reinterpret_cast<std::uint64_t>(conn->region.data());
+  a.region_bytes = conn->region.size();
+  a.region_rkey = conn->region.mr.rkey();
+  a.max_keys = options_.limits.max_keys;
+  a.max_payload_bytes = options_.limits.max_payload_bytes;
+
+  rdma_conn_param param{};
+  param.private_data = &a;
+  param.private_data_len = sizeof a;
+  param.responder_resources =
+      static_cast<std::uint8_t>(std::min<int>(ev->param.conn.initiator_depth, device_.max_qp_rd_atom));
+  param.initiator_depth =
+      static_cast<std::uint8_t>(std::min<int>(ev->param.conn.responder_resources, device_.max_qp_init_rd_atom));
+  param.retry_count = kRetryCount;
+  param.rnr_retry_count = kRnrRetry;
+  const std::uint8_t ack_timeout = kAckTimeout;
+  rdma_set_option(id, RDMA_OPTION_ID, RDMA_OPTION_ID_ACK_TIMEOUT, const_cast<std::uint8_t*>(&ack_timeout), sizeof ack_timeout);
+  if (rdma_accept(id, &param) != 0) conn->owner->request_close(conn);
+}
+
+}  // namespace pskv::rdma

@@ -1,0 +1,88 @@
+// Server side of the RDMA backend. The store region and the clock table are registered once for
+// remote READ, so pulls never involve this CPU; each client gets a receive region it WRITEs its
+// pushes into, receive buffers for its control SENDs, and its own pair of completion queues.
+//
+// Threads: one rdma_cm thread accepts, refuses and notices disconnects; a few completion threads
+// each own a share of the connections (their CQs share that thread's completion channel) and
+// handle a connection's messages strictly in queue-pair order, so a worker's pushes are applied
+// before its clock moves. Replies to parked operations (WAIT, barrier), which the engine resumes
+// on whatever thread moves the bound, are handed to the owning thread, so only one thread ever
+// posts to a queue pair. Idle threads sleep in poll() (or spin with busy polling).
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "server/shard_engine.h"
+#include "transport/rdma/verbs.h"
+#include "transport/uri.h"
+#include "transport/wire.h"
+
+namespace pskv::rdma {
+
+struct RdmaServerOptions {
+  std::uint32_t threads = 1;           // completion threads
+  std::uint32_t max_connections = 1024;
+  std::uint32_t queue_depth = 64;      // receive buffers per client: its messages in flight
+  std::uint64_t region_bytes = 32ull << 20;  // per-client receive region: bounds one push
+  // Checked against the device rdma_cm routes the URI's address to (URI dev=/port=/gid= too).
+  std::string device;
+  int ib_port = -1;
+  int gid_index = -1;
+  bool busy_poll = false;
+  wire::Limits limits{};
+};
+
+class ServerConn;
+class IoThread;
+
+// Thread-safety: construct, then stop() or destroy from one thread; everything else is internal.
+class RdmaServer {
+ public:
+  RdmaServer(const Uri& uri, const EngineOptions& engine, const RdmaServerOptions& options);
+  ~RdmaServer();
+  RdmaServer(const RdmaServer&) = delete;
+  RdmaServer& operator=(const RdmaServer&) = delete;
+
+  std::uint16_t port() const noexcept { return port_; }
+  ShardEngine& engine() noexcept { return *engine_; }
+  void stop();
+
+ private:
+  friend class IoThread;
+  void cm_loop();
+  void on_connect_request(rdma_cm_event* ev);
+  void refuse(rdma_cm_id* id, Errc status, const std::string& why);
+  // From a completion thread: the connection's verbs objects are gone; destroy its cm id.
+  void retire(const std::shared_ptr<ServerConn>& conn);
+
+  RdmaServerOptions options_;
+  std::string endpoint_;
+  // Declared first, destroyed last: every registration below points into this memory.
+  PinnedBuffer clock_memory_;
+  std::unique_ptr<ShardEngine> engine_;
+  rdma_event_channel* events_ = nullptr;
+  rdma_cm_id* listen_id_ = nullptr;
+  ibv_context* ctx_ = nullptr;
+  ibv_pd* pd_ = nullptr;
+  ibv_device_attr device_{};
+  MemoryRegion store_mr_;
+  MemoryRegion clock_mr_;
+  std::uint16_t port_ = 0;
+  int wake_fd_ = -1;
+  std::atomic<bool> stopping_{false};
+
+  std::vector<std::unique_ptr<IoThread>> io_;
+  std::uint32_t next_io_ = 0;
+  std::unordered_map<rdma_cm_id*, std::shared_ptr<ServerConn>> conns_;  // the cm thread's
+  std::mutex retire_mu_;
+  std::vector<std::shared_ptr<ServerConn>> retired_;
+  std::thread cm_thread_;
+};
+
+}  // namespace pskv::rdma

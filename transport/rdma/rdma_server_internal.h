@@ -1,0 +1,95 @@
+// Internals shared by the RDMA server's control path (rdma_server.cc: listening, accepting,
+// teardown) and its hot path (rdma_server_io.cc: completions, message handling, replies).
+#pragma once
+
+#include <deque>
+
+#include "transport/rdma/rdma_protocol.h"
+#include "transport/rdma/rdma_server.h"
+
+namespace pskv::rdma {
+
+// One client connection. Created by the rdma_cm thread before it accepts; from then on its
+// verbs objects and buffers belong to its owning completion thread, which alone posts to the
+// queue pair and releases everything (release()) when the connection ends. Parked replies and
+// the rdma_cm thread keep it alive through shared_ptr, but only look at `closed`.
+class ServerConn : public std::enable_shared_from_this<ServerConn> {
+ public:
+  ~ServerConn() { release(); }
+  // Queue pair, completion queues, then the memory they used. Idempotent; owner thread.
+  void release();
+
+  rdma_cm_id* id = nullptr;
+  IoThread* owner = nullptr;
+  std::uint32_t depth = 0;  // receive buffers = the client's credits; twice as many reply buffers
+  std::uint32_t worker = kNoWorker;
+  bool finished = false;  // the worker announced clock = done, so leaving is clean
+  std::atomic<bool> closed{false};
+  ibv_cq* send_cq = nullptr;
+  ibv_cq* recv_cq = nullptr;
+  bool qp = false;
+  RegisteredBuffer recv;    // depth x kControlBytes
+  RegisteredBuffer send;    // 2 x depth x kControlBytes
+  RegisteredBuffer region;  // the client WRITEs its pushes here
+  std::vector<std::uint32_t> free_send;
+  std::vector<wire::KeyEntry> keys;  // scratch: a request's key table, copied out of client memory
+  std::vector<LookupEntry> lookups;
+};
+
+// A completion thread and the connections it owns.
+// Thread-safety: adopt/request_close/defer/wake from any thread; the rest on the thread itself
+// (or, after stop_and_join(), on the stopping thread).
+class IoThread {
+ public:
+  IoThread(RdmaServer& server, ibv_context* ctx);
+  ~IoThread();
+  ibv_comp_channel* channel() const noexcept { return channel_; }
+  void start();
+  void adopt(const std::shared_ptr<ServerConn>& conn);
+  void request_close(const std::shared_ptr<ServerConn>& conn);
+  // A reply for a parked request; sent by this thread unless the connection closed meanwhile.
+  void defer(const std::shared_ptr<ServerConn>& conn, const wire::FrameHeader& request, Errc status, std::string why);
+  void stop_and_join();
+  void close_all();
+
+ private:
+  struct Deferred {
+    std::shared_ptr<ServerConn> conn;
+    wire::FrameHeader request;
+    Errc status;
+    std::string why;
+  };
+  void wake();
+  void loop();
+  // Drains a connection's CQs up to a budget; true if completions may remain.
+  bool process(ServerConn& c);
+  int drain(ServerConn& c);
+  void on_recv(ServerConn& c, const ibv_wc& wc);
+  bool handle_control(ServerConn& c, std::uint32_t buffer, std::uint32_t bytes);
+  bool handle_push(ServerConn& c, std::uint32_t imm);
+  bool dispatch(ServerConn& c, const wire::FrameHeader& h);
+  bool post_recv(ServerConn& c, std::uint32_t buffer);
+  bool reply(ServerConn& c, const wire::FrameHeader& req, Errc status, const void* payload, std::size_t bytes,
+             std::uint16_t flags = 0, std::uint64_t arg0 = 0, std::uint32_t arg1 = 0);
+  bool send_error(ServerConn& c, const wire::FrameHeader& req, Errc status, const std::string& why);
+  std::uint32_t take_send_buffer(ServerConn& c, std::chrono::milliseconds patience);
+  void reap_sends(ServerConn& c);
+  void close(ServerConn& c);
+
+  RdmaServer& server_;
+  ShardEngine& engine_;
+  ibv_comp_channel* channel_ = nullptr;
+  int wake_fd_ = -1;
+  std::thread thread_;
+  std::mutex mu_;  // guards the four below
+  std::vector<std::shared_ptr<ServerConn>> conns_;
+  std::vector<std::shared_ptr<ServerConn>> closing_;
+  std::vector<Deferred> deferred_;
+  bool stop_ = false;
+  // The thread's own: connections with completions to drain, and those closed during this
+  // round, kept alive until no raw pointer to them is left in active_.
+  std::vector<ServerConn*> active_;
+  std::vector<std::shared_ptr<ServerConn>> graveyard_;
+};
+
+}  // namespace pskv::rdma

@@ -1,0 +1,435 @@
+// Hot path of the RDMA server: each completion thread drains its connections' completion
+// queues, applies pushes straight from the client's receive region, answers control messages,
+// and sends the replies of parked requests. Every length a client declares is checked against
+// the memory it claims to be in before anything is read or allocated.
+#include <arpa/inet.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "common/sync.h"
+#include "transport/rdma/rdma_server_internal.h"
+
+namespace pskv::rdma {
+
+namespace {
+
+constexpr std::size_t kHeader = sizeof(wire::FrameHeader);
+// Completions handled for one connection before the thread looks at the others.
+constexpr int kBudget = 256;
+
+// A request parked in the engine (WAIT until the bound allows a read, or a barrier); its reply
+// goes through the owning thread.
+class ParkedReply final : public Parked {
+ public:
+  ParkedReply(std::shared_ptr<ServerConn> conn, const wire::FrameHeader& request)
+      : conn_(std::move(conn)), request_(request) {}
+  void resume(Errc status, const std::string& why) override { conn_->owner->defer(conn_, request_, status, why); }
+
+ private:
+  std::shared_ptr<ServerConn> conn_;
+  wire::FrameHeader request_;
+};
+
+}  // namespace
+
+IoThread::IoThread(RdmaServer& server, ibv_context* ctx) : server_(server), engine_(*server.engine_) {
+  if (!(channel_ = ibv_create_comp_channel(ctx))) throw Error(Errc::io, "ibv_create_comp_channel: " + errno_text(errno));
+  wake_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (wake_fd_ < 0) {
+    ibv_destroy_comp_channel(channel_);
+    throw Error(Errc::io, "eventfd: " + errno_text(errno));
+  }
+  set_nonblocking(channel_->fd);
+}
+
+IoThread::~IoThread() {
+  stop_and_join();
+  ibv_destroy_comp_channel(channel_);
+  ::close(wake_fd_);
+}
+
+void IoThread::start() {
+  thread_ = std::thread([this] { loop(); });
+}
+
+void IoThread::wake() {
+  const std::uint64_t one = 1;
+  [[maybe_unused]] auto n = ::write(wake_fd_, &one, sizeof one);
+}
+
+void IoThread::adopt(const std::shared_ptr<ServerConn>& conn) {
+  std::lock_guard lock(mu_);
+  conns_.push_back(conn);
+}
+
+void IoThread::request_close(const std::shared_ptr<ServerConn>& conn) {
+  {
+    std::lock_guard lock(mu_);
+    closing_.push_back(conn);
+  }
+  wake();
+}
+
+void IoThread::defer(const std::shared_ptr<ServerConn>& conn, const wire::FrameHeader& request, Errc status,
+                     std::string why) {
+  if (conn->closed.load()) return;
+  {
+    std::lock_guard lock(mu_);
+    if (stop_) return;
+    deferred_.push_back({conn, request, status, std::move(why)});
+  }
+  wake();
+}
+
+void IoThread::stop_and_join() {
+  {
+    std::lock_guard lock(mu_);
+    stop_ = true;
+  }
+  wake();
+  if (thread_.joinable()) thread_.join();
+}
+
+void IoThread::close_all() {
+  std::vector<std::shared_ptr<ServerConn>> conns;
+  {
+    std::lock_guard lock(mu_);
+    conns = conns_;
+    deferred_.clear();
+    closing_.clear();
+  }
+  for (auto& c : conns) close(*c);
+}
+
+void IoThread::loop() {
+  const bool busy = server_.options_.busy_poll;
+  std::vector<std::shared_ptr<ServerConn>> closing, polled;
+  std::vector<Deferred> deferred;
+  unsigned spins = 0;
+  for (;;) {
+    bool channel_ready = false;
+    if (!busy || ++spins % 1024 == 0) {
+      pollfd fds[2] = {{channel_->fd, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
+      ::poll(fds, 2, busy || !active_.empty() ? 0 : -1);
+      channel_ready = fds[0].revents & POLLIN;
+      if (fds[1].revents & POLLIN) {
+        std::uint64_t value;
+        [[maybe_unused]] auto n = ::read(wake_fd_, &value, sizeof value);
+      }
+    }
+    {
+      // Taking the lock also orders this thread after the rdma_cm thread's setup of any
+      // connection adopted meanwhile.
+      std::lock_guard lock(mu_);
+      if (stop_) return;
+      closing.swap(closing_);
+      deferred.swap(deferred_);
+      if (busy) polled = conns_;
+    }
+    if (channel_ready) {
+      ibv_cq* cq = nullptr;
+      void* context = nullptr;
+      while (ibv_get_cq_event(channel_, &cq, &context) == 0) {
+        ibv_ack_cq_events(cq, 1);
+        auto* c = static_cast<ServerConn*>(context);
+        if (std::find(active_.begin(), active_.end(), c) == active_.end()) active_.push_back(c);
+      }
+    }
+    if (busy)
+      for (auto& c : polled)
+        if (!c->closed.load() && std::find(active_.begin(), active_.end(), c.get()) == active_.end()) active_.push_back(c.get());
+    // Round-robin over connections with work, a budget each, so one busy client cannot starve others.
+    for (std::size_t i = 0; i < active_.size();) {
+      ServerConn* c = active_[i];
+      if (!c->closed.load() && process(*c)) {
+        ++i;
+      } else {
+        active_[i] = active_.back();
+        active_.pop_back();
+      }
+    }
+    for (Deferred& d : deferred) {
+      ServerConn& c = *d.conn;
+      if (c.closed.load()) continue;
+      bool ok;
+      if (d.status != Errc::ok)
+        ok = send_error(c, d.request, d.status, d.why);
+      else if (d.request.op == static_cast<std::uint16_t>(wire::Op::wait))
+        ok = reply(c, d.request, Errc::ok, nullptr, 0, 0, engine_.observed_bound());
+      else
+        ok = reply(c, d.request, Errc::ok, nullptr, 0);
+      if (!ok) close(c);
+    }
+    deferred.clear();
+    for (auto& c : closing) close(*c);
+    closing.clear();
+    polled.clear();
+    active_.erase(std::remove_if(active_.begin(), active_.end(), [](ServerConn* c) { return c->closed.load(); }),
+                  active_.end());
+    graveyard_.clear();
+    if (busy && active_.empty()) cpu_relax();
+  }
+}
+
+bool IoThread::process(ServerConn& c) {
+  const bool busy = server_.options_.busy_poll;
+  for (int handled = 0; handled < kBudget;) {
+    const int n = drain(c);
+    if (c.closed.load()) return false;
+    handled += n;
+    if (n > 0) continue;
+    if (busy) return false;
+    // Re-arm, then poll again: a completion that arrived before the arm raised no event.
+    if (ibv_req_notify_cq(c.recv_cq, 0) != 0 || ibv_req_notify_cq(c.send_cq, 0) != 0) {
+      close(c);
+      return false;
+    }
+    const int m = drain(c);
+    if (c.closed.load() || m == 0) return false;
+    handled += m;
+  }
+  return true;
+}
+
+int IoThread::drain(ServerConn& c) {
+  ibv_wc wc[16];
+  int total = 0;
+  const int n = ibv_poll_cq(c.recv_cq, 16, wc);
+  for (int i = 0; i < n && !c.closed.load(); ++i) on_recv(c, wc[i]);
+  total += std::max(n, 0);
+  if (c.closed.load()) return total;
+  const int m = ibv_poll_cq(c.send_cq, 16, wc);
+  for (int i = 0; i < m; ++i) {
+    if (wc[i].status != IBV_WC_SUCCESS) {
+      close(c);
+      return total;
+    }
+    c.free_send.push_back(static_cast<std::uint32_t>(wc[i].wr_id));
+  }
+  if (n < 0 || m < 0) close(c);
+  return total + std::max(m, 0);
+}
+
+void IoThread::reap_sends(ServerConn& c) {
+  ibv_wc wc[16];
+  const int m = ibv_poll_cq(c.send_cq, 16, wc);
+  for (int i = 0; i < m; ++i)
+    if (wc[i].status == IBV_WC_SUCCESS) c.free_send.push_back(static_cast<std::uint32_t>(wc[i].wr_id));
+}
+
+bool IoThread::post_recv(ServerConn& c, std::uint32_t buffer) {
+  ibv_sge sge{reinterpret_cast<std::uint64_t>(c.recv.data() + std::size_t{buffer} * kControlBytes),
+              static_cast<std::uint32_t>(kControlBytes), c.recv.mr.lkey()};
+  ibv_recv_wr wr{}, *bad = nullptr;
+  wr.wr_id = buffer;
+  wr.sg_list = &sge;
+  wr.num_sge = 1;
+  return ibv_post_recv(c.id->qp, &wr, &bad) == 0;
+}
+
+void IoThread::on_recv(ServerConn& c, const ibv_wc& wc) {
+  const auto buffer = static_cast<std::uint32_t>(wc.wr_id);
+  bool keep = false;
+  if (wc.status != IBV_WC_SUCCESS || buffer >= c.depth) {
+    keep = false;  // the client died or broke its queue pair
+  } else if (wc.opcode == IBV_WC_RECV) {
+    keep = handle_control(c, buffer, wc.byte_len);
+  } else if (wc.opcode == IBV_WC_RECV_RDMA_WITH_IMM) {
+    // The push itself is in the receive region; the buffer can take the next message at once.
+    keep = post_recv(c, buffer) && handle_push(c, ntohl(wc.imm_data));
+  }
+  if (!keep) close(c);
+}
+
+bool IoThread::handle_control(ServerConn& c, std::uint32_t buffer, std::uint32_t bytes) {
+  const std::byte* p = c.recv.data() + std::size_t{buffer} * kControlBytes;
+  wire::FrameHeader h{};
+  std::string why;
+  if (bytes < kHeader) return false;
+  std::memcpy(&h, p, kHeader);
+  if (Errc e = wire::validate_header(h, server_.options_.limits, false, &why); e != Errc::ok) {
+    if (h.magic == wire::kMagic) send_error(c, h, e, why);
+    return false;
+  }
+  const std::uint64_t key_bytes = std::uint64_t{h.num_keys} * sizeof(wire::KeyEntry);
+  if (kHeader + key_bytes + h.payload_bytes != bytes) {
+    send_error(c, h, Errc::protocol, "the frame declares " + std::to_string(key_bytes + h.payload_bytes) +
+                                         " bytes after its header, the message has " + std::to_string(bytes - kHeader));
+    return false;
+  }
+  c.keys.resize(h.num_keys);
+  std::memcpy(c.keys.data(), p + kHeader, key_bytes);
+  // Everything needed is copied out: the buffer can take the next message before we answer.
+  if (!post_recv(c, buffer)) return false;
+  if (Errc e = wire::validate_keys(h, c.keys, &why); e != Errc::ok) {
+    send_error(c, h, e, why);
+    return false;
+  }
+  return dispatch(c, h);
+}
+
+bool IoThread::dispatch(ServerConn& c, const wire::FrameHeader& h) {
+  std::string why;
+  switch (static_cast<wire::Op>(h.op)) {
+    case wire::Op::lookup: {
+      if (h.num_keys > kLookupBatch)
+        return send_error(c, h, Errc::capacity, "a lookup of " + std::to_string(h.num_keys) + " keys; at most " +
+                                                    std::to_string(kLookupBatch) + " fit one reply");
+      Store& store = engine_.store();
+      c.lookups.resize(h.num_keys);
+      for (std::size_t i = 0; i < c.keys.size(); ++i) {
+        const SlotHeader* slot = store.find(c.keys[i].key);
+        c.lookups[i] = slot ? LookupEntry{store.slot_offset(*slot), slot->length, 0} : LookupEntry{0, 0, 0};
+      }
+      return reply(c, h, Errc::ok, c.lookups.data(), c.lookups.size() * sizeof(LookupEntry));
+    }
+    case wire::Op::wait:
+      if (engine_.pull_allowed(c.worker, h.arg0))
+        return reply(c, h, Errc::ok, nullptr, 0, 0, engine_.observed_bound());
+      engine_.park_pull(c.worker, h.arg0, std::make_unique<ParkedReply>(c.shared_from_this(), h));
+      return true;
+    case wire::Op::clock: {
+      if (Errc e = engine_.check_worker(c.worker, &why); e != Errc::ok) return send_error(c, h, e, why);
+      if (h.arg0 == kClockDone) c.finished = true;
+      // This message was taken in queue-pair order: every push WRITE the worker posted before
+      // it has already been applied by this thread, so the new clock covers them.
+      const std::uint64_t bound = engine_.advance_clock(c.worker, h.arg0);
+      return reply(c, h, Errc::ok, nullptr, 0, 0, bound);
+    }
+    case wire::Op::barrier:
+      if (Errc e = engine_.check_worker(c.worker, &why); e != Errc::ok) return send_error(c, h, e, why);
+      engine_.barrier(c.worker, h.arg0, std::make_unique<ParkedReply>(c.shared_from_this(), h));
+      return true;
+    case wire::Op::stats: {
+      const std::string json = engine_.stats_json();
+      return reply(c, h, Errc::ok, json.data(), json.size(), wire::kErrorText);
+    }
+    case wire::Op::push:
+    case wire::Op::init:
+      return send_error(c, h, Errc::protocol, std::string(wire::op_name(h.op)) +
+                                                  " values travel by RDMA WRITE into the receive region, not in a SEND");
+    case wire::Op::hello:
+    case wire::Op::pull:
+    case wire::Op::auth:
+      return send_error(c, h, Errc::unsupported, std::string(wire::op_name(h.op)) + " is not an rdma:// control message");
+  }
+  return send_error(c, h, Errc::protocol, "unknown op " + std::to_string(h.op));
+}
+
+bool IoThread::handle_push(ServerConn& c, std::uint32_t imm) {
+  const std::uint64_t region = c.region.size();
+  const std::uint64_t offset = std::uint64_t{imm} * kDescriptorAlign;
+  if (offset > region || region - offset < kHeader) return false;  // no header to answer to
+  const std::byte* at = c.region.data() + offset;
+  wire::FrameHeader h{};
+  std::memcpy(&h, at, kHeader);
+  std::string why;
+  if (Errc e = wire::validate_header(h, server_.options_.limits, false, &why); e != Errc::ok) {
+    if (h.magic == wire::kMagic) send_error(c, h, e, why);
+    return false;
+  }
+  const auto op = static_cast<wire::Op>(h.op);
+  if (op != wire::Op::push && op != wire::Op::init) {
+    send_error(c, h, Errc::protocol, std::string(wire::op_name(h.op)) + " cannot arrive by RDMA WRITE");
+    return false;
+  }
+  const std::uint64_t key_bytes = std::uint64_t{h.num_keys} * sizeof(wire::KeyEntry);
+  if (key_bytes + h.payload_bytes > region - offset - kHeader) {
+    send_error(c, h, Errc::protocol, "the push declares " + std::to_string(key_bytes + h.payload_bytes) +
+                                         " bytes past the end of the receive region");
+    return false;
+  }
+  // The key table is copied: the client can still write its region, and lengths must not
+  // change between their check and their use. Values are applied in place.
+  c.keys.resize(h.num_keys);
+  std::memcpy(c.keys.data(), at + kHeader, key_bytes);
+  if (Errc e = wire::validate_keys(h, c.keys, &why); e != Errc::ok) {
+    send_error(c, h, e, why);
+    return false;
+  }
+  const auto* values = reinterpret_cast<const float*>(at + kHeader + key_bytes);
+  if (h.flags & wire::kChecksum) {
+    std::uint32_t crc = wire::crc32_update(0, c.keys.data(), key_bytes);
+    crc = wire::crc32_update(crc, values, h.payload_bytes);
+    if (crc != h.checksum) return send_error(c, h, Errc::protocol, "checksum mismatch: the push was corrupted in transit");
+  }
+  const Errc status = op == wire::Op::init ? engine_.init(c.keys, values, &why)
+                                           : engine_.push(c.worker, h.arg0, c.keys, values, &why);
+  if (status != Errc::ok) return send_error(c, h, status, why);
+  return reply(c, h, Errc::ok, nullptr, 0);
+}
+
+std::uint32_t IoThread::take_send_buffer(ServerConn& c, std::chrono::milliseconds patience) {
+  // The client holds at most `depth` requests unanswered and there are twice as many reply
+  // buffers, so running out means completions are merely not reaped yet.
+  const auto deadline = std::chrono::steady_clock::now() + patience;
+  while (c.free_send.empty() && std::chrono::steady_clock::now() < deadline) {
+    reap_sends(c);
+    if (c.free_send.empty()) std::this_thread::yield();
+  }
+  if (c.free_send.empty()) return UINT32_MAX;
+  const std::uint32_t b = c.free_send.back();
+  c.free_send.pop_back();
+  return b;
+}
+
+bool IoThread::reply(ServerConn& c, const wire::FrameHeader& req, Errc status, const void* payload, std::size_t bytes,
+                     std::uint16_t flags, std::uint64_t arg0, std::uint32_t arg1) {
+  if (bytes > kControlBytes - kHeader)
+    return send_error(c, req, Errc::capacity, "the reply of " + std::to_string(bytes) + " bytes exceeds the " +
+                                                  std::to_string(kControlBytes) + "-byte control buffer");
+  const std::uint32_t b = take_send_buffer(c, std::chrono::seconds(1));
+  if (b == UINT32_MAX) return false;
+  std::byte* out = c.send.data() + std::size_t{b} * kControlBytes;
+  wire::FrameHeader h = wire::make_header(static_cast<wire::Op>(req.op), req.request_id, 0, bytes, arg0, arg1);
+  h.flags = static_cast<std::uint16_t>(wire::kResponse | flags);
+  h.status = static_cast<std::uint16_t>(status);
+  std::memcpy(out, &h, kHeader);
+  if (bytes) std::memcpy(out + kHeader, payload, bytes);
+  ibv_sge sge{reinterpret_cast<std::uint64_t>(out), static_cast<std::uint32_t>(kHeader + bytes), c.send.mr.lkey()};
+  ibv_send_wr wr{}, *bad = nullptr;
+  wr.wr_id = b;
+  wr.sg_list = &sge;
+  wr.num_sge = 1;
+  wr.opcode = IBV_WR_SEND;
+  wr.send_flags = IBV_SEND_SIGNALED;
+  if (ibv_post_send(c.id->qp, &wr, &bad) != 0) {
+    c.free_send.push_back(b);
+    return false;
+  }
+  return true;
+}
+
+bool IoThread::send_error(ServerConn& c, const wire::FrameHeader& req, Errc status, const std::string& why) {
+  const std::size_t n = std::min(why.size(), kControlBytes - kHeader);
+  return reply(c, req, status, why.data(), n, wire::kErrorText);
+}
+
+void IoThread::close(ServerConn& c) {
+  if (c.closed.exchange(true)) return;
+  // Give an error reply already posted a moment to leave before the disconnect flushes it.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(200);
+  while (c.send_cq && c.free_send.size() < 2 * std::size_t{c.depth} && std::chrono::steady_clock::now() < deadline) {
+    reap_sends(c);
+    std::this_thread::yield();
+  }
+  if (c.worker != kNoWorker) engine_.worker_left(c.worker, c.finished);
+  rdma_disconnect(c.id);
+  c.release();
+  std::shared_ptr<ServerConn> self = c.shared_from_this();
+  graveyard_.push_back(self);
+  bool stopping;
+  {
+    std::lock_guard lock(mu_);
+    conns_.erase(std::remove(conns_.begin(), conns_.end(), self), conns_.end());
+    stopping = stop_;
+  }
+  // When the server stops, it destroys every id itself once all threads are gone.
+  if (!stopping) server_.retire(self);
+}
+
+}  // namespace pskv::rdma
