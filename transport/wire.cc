@@ -2,6 +2,8 @@
 
 #include <zlib.h>
 
+#include <cstring>
+
 namespace pskv::wire {
 
 bool op_carries_values(Op op) noexcept { return op == Op::init || op == Op::push; }
@@ -72,6 +74,28 @@ Errc validate_keys(const FrameHeader& h, std::span<const KeyEntry> keys, std::st
     return Errc::protocol;
   }
   return Errc::ok;
+}
+
+ParseResult parse_request(const std::byte* data, std::size_t avail, const Limits& limits, ParsedFrame* out,
+                          std::vector<KeyEntry>* keys, Errc* status, std::string* why) {
+  if (avail < sizeof(FrameHeader)) return ParseResult::need_more;
+  std::memcpy(&out->header, data, sizeof(FrameHeader));
+  const FrameHeader& h = out->header;
+  if (Errc e = validate_header(h, limits, false, why); e != Errc::ok) {
+    *status = e;
+    return ParseResult::bad;
+  }
+  const std::uint64_t key_bytes = std::uint64_t{h.num_keys} * sizeof(KeyEntry);
+  out->frame_bytes = sizeof(FrameHeader) + key_bytes + h.payload_bytes;
+  if (avail < out->frame_bytes) return ParseResult::need_more;
+  keys->resize(h.num_keys);
+  if (key_bytes) std::memcpy(keys->data(), data + sizeof(FrameHeader), key_bytes);
+  if (Errc e = validate_keys(h, *keys, why); e != Errc::ok) {
+    *status = e;
+    return ParseResult::bad;
+  }
+  out->payload = data + sizeof(FrameHeader) + key_bytes;
+  return ParseResult::complete;
 }
 
 std::uint32_t crc32_update(std::uint32_t crc, const void* data, std::size_t bytes) noexcept {

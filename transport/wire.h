@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "pskv/error.h"
 
@@ -69,6 +70,20 @@ Errc validate_header(const FrameHeader& h, const Limits& limits, bool expect_res
 // Checks the key table against the header: each length > 0, and for ops that carry values the
 // payload equals the sum of lengths * 4 (pull requests carry none).
 Errc validate_keys(const FrameHeader& h, std::span<const KeyEntry> keys, std::string* why);
+
+// Parses one request frame from the front of `data` (what a receiver has buffered so far).
+// need_more: not all of it is here yet (`frame_bytes` says how much it needs once the header
+// is known); complete: header, keys (copied to `keys`) and payload (pointed into `data`) are
+// valid; bad: the stream cannot be trusted, *status and *why say why. The TCP server and the
+// fuzzer share this code.
+enum class ParseResult { need_more, complete, bad };
+struct ParsedFrame {
+  FrameHeader header{};
+  std::uint64_t frame_bytes = 0;   // header + key table + payload, once the header was read
+  const std::byte* payload = nullptr;
+};
+ParseResult parse_request(const std::byte* data, std::size_t avail, const Limits& limits, ParsedFrame* out,
+                          std::vector<KeyEntry>* keys, Errc* status, std::string* why);
 
 bool op_carries_values(Op op) noexcept;
 std::string_view op_name(std::uint16_t op) noexcept;

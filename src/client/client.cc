@@ -47,7 +47,9 @@ class ClientImpl {
   Ticket issue(wire::Op kind, std::span<const Key> keys, std::size_t count, const float* const* data,
                const std::size_t* sizes, std::uint64_t arg0, int only_server = -1, std::string* text_out = nullptr) {
     const std::size_t servers = connections_.size();
-    auto [op, ticket] = acquire();
+    const auto acquired = acquire();  // not a structured binding: clang 14 cannot capture those
+    Op* const op = acquired.first;
+    const Ticket ticket = acquired.second;
     for (auto& s : op->slices) s.clear();
     thread_local std::vector<Part> parts;
     for (std::size_t i = 0; i < count; ++i) {

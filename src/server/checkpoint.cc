@@ -154,7 +154,7 @@ CheckpointInfo parse_checkpoint(const std::uint8_t* data, std::size_t size, Stor
   };
   auto take = [&](void* out, std::size_t n, const char* what) {
     if (size - at < n) throw corrupt(std::string("truncated in ") + what);
-    std::memcpy(out, data + at, n);
+    if (n) std::memcpy(out, data + at, n);
     at += n;
   };
   FileHeader h;

@@ -56,6 +56,35 @@ std::byte* map_object(const std::string& object, std::size_t size, bool create) 
 
 std::string segment_object_name(const std::string& name) { return "/pskv-" + name; }
 
+Errc decode_entry(const RingEntry& e, const std::byte* area, std::uint64_t area_bytes, std::vector<wire::KeyEntry>* keys,
+                  const float** payload, wire::Op* op_out, std::string* why) {
+  // Read each field once: the client can change them under us.
+  const std::uint64_t data_offset = e.data_offset, data_bytes = e.data_bytes, payload_bytes = e.payload_bytes;
+  const std::uint32_t num_keys = e.num_keys;
+  const std::uint16_t op = e.op;
+  const std::uint64_t key_bytes = std::uint64_t{num_keys} * sizeof(wire::KeyEntry);
+  if (data_offset % 64 != 0 || data_offset > area_bytes || data_bytes > area_bytes - data_offset ||
+      key_bytes > data_bytes || payload_bytes > data_bytes - key_bytes) {
+    *why = "ring entry points outside the client's data area";
+    return Errc::protocol;
+  }
+  if (wire::op_name(op) == "unknown") {
+    *why = "unknown op " + std::to_string(op);
+    return Errc::protocol;
+  }
+  const std::byte* data = area + data_offset;
+  keys->resize(num_keys);
+  if (key_bytes) std::memcpy(keys->data(), data, key_bytes);
+  *payload = reinterpret_cast<const float*>(data + key_bytes);
+  *op_out = static_cast<wire::Op>(op);
+  const wire::FrameHeader h = wire::make_header(*op_out, e.seq, num_keys, payload_bytes, e.arg0);
+  if (!wire::op_carries_values(*op_out) && payload_bytes != 0) {
+    *why = std::string(wire::op_name(op)) + " carries no payload";
+    return Errc::protocol;
+  }
+  return wire::validate_keys(h, *keys, why);
+}
+
 std::uint64_t process_start_time(pid_t pid) {
   std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
   std::string stat;

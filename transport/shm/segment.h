@@ -16,9 +16,12 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "common/memory.h"
+#include "pskv/error.h"
 #include "pskv/types.h"
+#include "transport/wire.h"
 
 namespace pskv::shm {
 
@@ -85,6 +88,13 @@ struct SegmentConfig {
   ConsistencyMode mode = ConsistencyMode::asp;
   std::uint32_t staleness = 0, sync_required = 0, wait_timeout_ms = 10000;
 };
+
+// Decodes a ring entry the client wrote (the client may be hostile or half-dead, so every
+// field is checked against the slot's data area before use). On success fills `keys` and
+// `payload` (pointing into `area`) and `op`, the op that was validated: callers must use it, not
+// re-read e.op, which the client could change in between. Shared by the server and the fuzzer.
+Errc decode_entry(const RingEntry& e, const std::byte* area, std::uint64_t area_bytes, std::vector<wire::KeyEntry>* keys,
+                  const float** payload, wire::Op* op, std::string* why);
 
 // Process identity that survives pid reuse: pid plus its start time.
 std::uint64_t process_start_time(pid_t pid);

@@ -102,45 +102,35 @@ void ShmServer::wake_clock_waiters() {
 
 void ShmServer::answer(std::uint32_t i, RingEntry& e, Errc status, const std::string& text) {
   e.status = static_cast<std::uint32_t>(status);
-  const std::size_t n = std::min<std::size_t>(text.size(), e.data_bytes);
-  if (n) std::memcpy(segment_->slot_data(i) + e.data_offset, text.data(), n);
+  // The entry's offsets come from the client: write the text only inside its own data area.
+  const std::uint64_t area = segment_->header().slot_data_bytes, offset = e.data_offset, room = e.data_bytes;
+  const std::size_t n = offset <= area && room <= area - offset ? std::min<std::size_t>(text.size(), room) : 0;
+  if (n) std::memcpy(segment_->slot_data(i) + offset, text.data(), n);
   e.text_len = static_cast<std::uint32_t>(n);
 }
 
-bool ShmServer::process(std::uint32_t i, RingEntry& e) {
+bool ShmServer::process(std::uint32_t i, RingEntry& e, std::uint64_t seq) {
   ClientSlot& slot = segment_->slot(i);
-  const std::uint64_t area = segment_->header().slot_data_bytes;
   e.reply_arg0 = 0;
-  // The client owns this memory and could be hostile or half-dead: check every field first.
-  const std::uint64_t data_offset = e.data_offset, data_bytes = e.data_bytes, payload_bytes = e.payload_bytes;
-  const std::uint32_t num_keys = e.num_keys;
-  const std::uint64_t key_bytes = std::uint64_t{num_keys} * sizeof(wire::KeyEntry);
-  if (data_offset % 64 != 0 || data_offset > area || data_bytes > area - data_offset ||
-      key_bytes > data_bytes || payload_bytes > data_bytes - key_bytes) {
-    e.data_bytes = 0;
-    answer(i, e, Errc::protocol, {});
-    return true;
-  }
-  std::byte* data = segment_->slot_data(i) + data_offset;
-  std::vector<wire::KeyEntry> keys(num_keys);
-  std::memcpy(keys.data(), data, key_bytes);
-  const auto* payload = reinterpret_cast<const float*>(data + key_bytes);
-  wire::FrameHeader h = wire::make_header(static_cast<wire::Op>(e.op), e.seq, num_keys, payload_bytes, e.arg0);
+  thread_local std::vector<wire::KeyEntry> keys;
+  const float* payload = nullptr;
   std::string why;
-  Errc status = wire::op_name(e.op) == "unknown" ? Errc::protocol : wire::validate_keys(h, keys, &why);
+  wire::Op op = wire::Op::hello;
+  Errc status = decode_entry(e, segment_->slot_data(i), segment_->header().slot_data_bytes, &keys, &payload, &op, &why);
   const std::uint32_t worker = slot.worker_id;
+  const std::uint64_t arg0 = e.arg0;
   if (status == Errc::ok) {
-    switch (static_cast<wire::Op>(e.op)) {
+    switch (op) {
       case wire::Op::init:
         status = engine_->init(keys, payload, &why);
         break;
       case wire::Op::push:
-        status = engine_->push(worker, e.arg0, keys, payload, &why);
+        status = engine_->push(worker, arg0, keys, payload, &why);
         break;
       case wire::Op::clock:
         status = engine_->check_worker(worker, &why);
         if (status == Errc::ok) {
-          e.reply_arg0 = engine_->advance_clock(worker, e.arg0);
+          e.reply_arg0 = engine_->advance_clock(worker, arg0);
           wake_clock_waiters();
         }
         break;
@@ -148,7 +138,7 @@ bool ShmServer::process(std::uint32_t i, RingEntry& e) {
         status = engine_->check_worker(worker, &why);
         if (status == Errc::ok) {
           blocked_[i].store(true, std::memory_order_release);
-          engine_->barrier(worker, e.arg0, std::make_unique<SlotParked>(*this, i, e.seq));
+          engine_->barrier(worker, arg0, std::make_unique<SlotParked>(*this, i, seq));
           return false;
         }
         break;
@@ -157,7 +147,7 @@ bool ShmServer::process(std::uint32_t i, RingEntry& e) {
         break;
       default:
         status = Errc::protocol;
-        why = "op " + std::string(wire::op_name(e.op)) + " is not carried over shared memory";
+        why = "op " + std::string(wire::op_name(static_cast<std::uint16_t>(op))) + " is not carried over shared memory";
     }
   }
   answer(i, e, status, why);
@@ -173,7 +163,7 @@ bool ShmServer::drain(std::uint32_t i) {
     const std::uint64_t seq = done + 1;
     RingEntry& e = s.ring[seq % kRingEntries];
     progressed = true;
-    if (!process(i, e)) break;  // parked; its resume() publishes
+    if (!process(i, e, seq)) break;  // parked; its resume() publishes
     publish(i, seq);
   }
   return progressed;

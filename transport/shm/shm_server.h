@@ -41,7 +41,7 @@ class ShmServer {
   // Answers ring entries of slot `i` until it is empty or blocked on a parked request.
   bool drain(std::uint32_t i);
   // Returns false when the request was parked (answered later by resume()).
-  bool process(std::uint32_t i, RingEntry& e);
+  bool process(std::uint32_t i, RingEntry& e, std::uint64_t seq);
   void answer(std::uint32_t i, RingEntry& e, Errc status, const std::string& text);
   void publish(std::uint32_t i, std::uint64_t seq);
   void wake_thread(std::uint32_t i);

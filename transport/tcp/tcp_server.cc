@@ -269,26 +269,24 @@ bool TcpServer::serve_readable(Peer& peer) {
   peer.in_end += static_cast<std::size_t>(n);
   constexpr std::size_t kHeader = sizeof(wire::FrameHeader);
   while (peer.in_end - peer.in_begin >= kHeader) {
-    char* at = peer.in_bytes() + peer.in_begin;
+    const auto* at = reinterpret_cast<const std::byte*>(peer.in_bytes() + peer.in_begin);
     const std::size_t avail = peer.in_end - peer.in_begin;
-    wire::FrameHeader h;
-    std::memcpy(&h, at, kHeader);
+    wire::ParsedFrame f;
+    Errc status = Errc::ok;
     std::string why;
-    if (Errc e = wire::validate_header(h, options_.limits, false, &why); e != Errc::ok) {
-      // The stream cannot be trusted past a bad header: answer if we can, then close.
-      if (h.magic == wire::kMagic) peer.send_error(h, e, why);
+    const wire::ParseResult r = wire::parse_request(at, avail, options_.limits, &f, &peer.keys, &status, &why);
+    const wire::FrameHeader& h = f.header;
+    if (r == wire::ParseResult::bad) {
+      // The stream cannot be trusted past a bad frame: answer if we can, then close.
+      if (h.magic == wire::kMagic) peer.send_error(h, status, why);
       return false;
     }
-    const std::size_t key_bytes = std::size_t{h.num_keys} * sizeof(wire::KeyEntry);
-    const std::uint64_t frame = kHeader + key_bytes + h.payload_bytes;
     const float* payload = nullptr;
-    if (frame <= avail) {
-      peer.keys.resize(h.num_keys);
-      std::memcpy(peer.keys.data(), at + kHeader, key_bytes);
+    if (r == wire::ParseResult::complete) {
       // Every frame is a whole number of 4-byte words, so payloads in `in` stay float-aligned.
-      payload = reinterpret_cast<const float*>(at + kHeader + key_bytes);
-      peer.in_begin += frame;
-    } else if (frame <= Peer::kInBytes) {
+      payload = reinterpret_cast<const float*>(f.payload);
+      peer.in_begin += f.frame_bytes;
+    } else if (f.frame_bytes <= Peer::kInBytes) {
       // Small frame still arriving: keep the prefix and let epoll say when the rest is here.
       std::memmove(peer.in_bytes(), at, avail);
       peer.in_begin = 0;
@@ -297,17 +295,22 @@ bool TcpServer::serve_readable(Peer& peer) {
     } else {
       // A large frame: take what is buffered, then read the rest straight into place, bounded
       // by the frame timeout and growing buffers only as bytes arrive.
+      const std::size_t key_bytes = std::size_t{h.num_keys} * sizeof(wire::KeyEntry);
       peer.keys.resize(h.num_keys);
       std::size_t have = avail - kHeader;
       const std::size_t key_have = std::min(have, key_bytes);
-      std::memcpy(peer.keys.data(), at + kHeader, key_have);
+      if (key_have) std::memcpy(peer.keys.data(), at + kHeader, key_have);
       if (key_have < key_bytes &&
           read_full(fd, reinterpret_cast<char*>(peer.keys.data()) + key_have, key_bytes - key_have) != IoResult::ok)
         return false;
+      if (Errc e = wire::validate_keys(h, peer.keys, &why); e != Errc::ok) {
+        peer.send_error(h, e, why);
+        return false;
+      }
       have -= key_have;
       const std::size_t prefix_floats = have / sizeof(float);
       if (peer.payload.size() < prefix_floats) peer.payload.resize(prefix_floats);
-      std::memcpy(peer.payload.data(), at + kHeader + key_have, have);
+      if (have) std::memcpy(peer.payload.data(), at + kHeader + key_have, have);
       peer.in_begin = peer.in_end = 0;
       if (read_growing(fd, peer.payload, h.payload_bytes, have) != IoResult::ok) return false;
       payload = peer.payload.data();
@@ -323,10 +326,6 @@ bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payl
   const auto op = static_cast<wire::Op>(h.op);
   if (!peer.said_hello && op != wire::Op::hello) {
     peer.send_error(h, Errc::protocol, "the first request on a connection must be hello");
-    return false;
-  }
-  if (Errc e = wire::validate_keys(h, peer.keys, &why); e != Errc::ok) {
-    peer.send_error(h, e, why);
     return false;
   }
   if (h.flags & wire::kChecksum) {

@@ -1,0 +1,24 @@
+// The checkpoint reader: first as a validator, then restoring into a small real store.
+#include <cstddef>
+#include <cstdint>
+
+#include "server/checkpoint.h"
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  using namespace pskv;
+  try {
+    parse_checkpoint(data, size, nullptr, "fuzz");
+  } catch (const Error&) {
+    return 0;
+  }
+  StoreOptions o;
+  o.max_keys = 256;
+  o.arena_bytes = 1 << 20;
+  o.rule.rule = UpdateRule::momentum;
+  auto store = Store::create(std::make_unique<HeapMemory>(Store::required_bytes(o)), o);
+  try {
+    parse_checkpoint(data, size, store.get(), "fuzz");
+  } catch (const Error&) {
+  }
+  return 0;
+}
