@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <vector>
 
@@ -23,6 +24,7 @@ struct FileHeader {
   std::uint32_t server_id;
   std::uint32_t rule;
   std::uint64_t keys;
+  std::uint64_t started_unix_ns;
   std::uint32_t crc;
 };
 struct KeyHeader {
@@ -108,6 +110,9 @@ CheckpointInfo write_checkpoint(Store& store, const std::string& dir, std::uint3
     h.server_id = server_id;
     h.rule = static_cast<std::uint32_t>(store.rule().rule);
     h.keys = store.key_count();
+    h.started_unix_ns = static_cast<std::uint64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch()).count());
+    info.started_unix_ns = h.started_unix_ns;
     h.crc = wire::crc32_update(0, &h, offsetof(FileHeader, crc));
     w.put(&h, sizeof h);
     std::vector<float> value, state;
@@ -193,7 +198,7 @@ CheckpointInfo parse_checkpoint(const std::uint8_t* data, std::size_t size, Stor
   take(&f, sizeof f, "the footer");
   if (std::memcmp(f.magic, kEnd, 8) != 0 || f.keys != h.keys || f.crc != crc_of_crcs) throw corrupt("bad footer");
   if (at != size) throw corrupt("trailing bytes after the footer");
-  return {h.keys, size};
+  return {h.keys, size, h.started_unix_ns};
 }
 
 CheckpointInfo read_checkpoint(Store& store, const std::string& path) {

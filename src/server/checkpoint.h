@@ -2,7 +2,8 @@
 // written atomically (temp file, fsync, rename, fsync of the directory) so that a crash at any
 // instant leaves the previous checkpoint intact.
 //
-// File: "PSKVCKP1" | version u32 | server_id u32 | rule u32 | keys u64 | header crc u32
+// File: "PSKVCKP1" | version u32 | server_id u32 | rule u32 | keys u64 | started_unix_ns u64 |
+//       header crc u32
 //       then per key: key u64 | length u32 | state_floats u32 | update_count u64 | crc u32 |
 //                     values[length] | state[state_floats]
 //       then "PSKVEND1" | keys u64 | crc over the per-key crcs u32
@@ -18,6 +19,9 @@ namespace pskv {
 struct CheckpointInfo {
   std::uint64_t keys = 0;
   std::uint64_t bytes = 0;
+  // Wall-clock time (CLOCK_REALTIME) before the first key was snapshotted: every push
+  // acknowledged before it is in the checkpoint.
+  std::uint64_t started_unix_ns = 0;
 };
 
 std::string checkpoint_path(const std::string& dir, std::uint32_t server_id);
