@@ -168,6 +168,7 @@ TrainResult run_worker(const TrainConfig& c, int rank, const std::vector<std::st
     const auto deadline = Clock::now() + std::chrono::seconds(60);
     for (;;) {
       try {
+        if (client) client->disconnect();  // not "finished": this worker is coming back
         client.reset();
         o.initial_clock = clock;
         client = std::make_unique<Client>(o);

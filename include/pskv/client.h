@@ -65,8 +65,12 @@ class Client {
  public:
   // Connects to every server; throws Error naming the server that could not be reached.
   explicit Client(const ClientOptions& options);
-  // Tells the servers this worker is finished (so it holds nobody back) and disconnects.
+  // Tells the servers this worker is finished (so it holds nobody back) and disconnects,
+  // unless disconnect() was called first.
   ~Client();
+  // Disconnects without announcing that this worker finished: for a worker that will come back
+  // (reconnect after a server restart). Outstanding tickets fail; the object is unusable after.
+  void disconnect();
   Client(const Client&) = delete;
   Client& operator=(const Client&) = delete;
 

@@ -35,8 +35,13 @@ class ClientImpl {
     }
   }
 
+  void disconnect() {
+    finished_on_close_ = false;
+    connections_.clear();
+  }
+
   ~ClientImpl() {
-    if (options_.worker_id == kNoWorker) return;
+    if (options_.worker_id == kNoWorker || !finished_on_close_) return;
     try {
       send_clock(kClockDone);
     } catch (const Error&) {
@@ -47,6 +52,7 @@ class ClientImpl {
   Ticket issue(wire::Op kind, std::span<const Key> keys, std::size_t count, const float* const* data,
                const std::size_t* sizes, std::uint64_t arg0, int only_server = -1, std::string* text_out = nullptr) {
     const std::size_t servers = connections_.size();
+    if (servers == 0) throw Error(Errc::invalid_argument, "this client was disconnected; create a new one");
     const auto acquired = acquire();  // not a structured binding: clang 14 cannot capture those
     Op* const op = acquired.first;
     const Ticket ticket = acquired.second;
@@ -206,6 +212,7 @@ class ClientImpl {
   std::vector<std::uint32_t> free_;
   std::uint64_t clock_ = 0;
   std::uint64_t barrier_generation_ = 0;
+  bool finished_on_close_ = true;
   mutable std::mutex stats_mu_;
   StalenessStats staleness_;
 };
@@ -258,6 +265,7 @@ Ticket Client::pull(std::span<const Key> keys, std::span<const std::span<float>>
   return impl_->issue(wire::Op::pull, keys, keys.size(), flat.data.data(), flat.sizes.data(), impl_->current_clock());
 }
 
+void Client::disconnect() { impl_->disconnect(); }
 void Client::wait(Ticket ticket) { impl_->wait(ticket); }
 bool Client::done(Ticket ticket) const { return impl_->done(ticket); }
 void Client::clock() { impl_->clock(); }

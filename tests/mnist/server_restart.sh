@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# kill -9 a server mid-training: the launcher restarts it from its last checkpoint (--restore),
+# the workers reconnect, and training still reaches the accuracy floor (ctest label `mnist`).
+#   server_restart.sh PSKV_MNIST_BINARY DATA_DIR TRANSPORT
+set -euo pipefail
+bin=$1 data=$2 transport=$3
+floor=0.90
+dir=$(mktemp -d /tmp/pskv-mnist-ckpt.XXXXXX)
+log=$dir/log
+trap 'rm -rf "$dir"' EXIT
+"$bin" --launch --servers 2 --workers 2 --transport "$transport" --mode ssp --staleness 2 --data "$data" \
+  --train-limit 12000 --test-limit 5000 --epochs 3 --checkpoint-dir "$dir" --checkpoint-every-s 1 --json \
+  >"$log" 2>&1 &
+job=$!
+# The launcher prints each server's pid; kill server 1 once it has written a checkpoint.
+for _ in $(seq 1 300); do
+  pid=$(sed -n 's/^  server 1: pid \([0-9]*\) .*/\1/p' "$log" | head -1)
+  [ -n "$pid" ] && [ -f "$dir/shard-1.ckpt" ] && break
+  sleep 0.1
+done
+[ -n "${pid:-}" ] && [ -f "$dir/shard-1.ckpt" ] || { cat "$log"; echo "server 1 never checkpointed" >&2; exit 1; }
+kill -9 "$pid"
+echo "killed server 1 (pid $pid) mid-training"
+wait "$job" || { cat "$log"; echo "the job failed after the server kill" >&2; exit 1; }
+cat "$log"
+grep -q "restarting it from" "$log" || { echo "the launcher did not restart the server" >&2; exit 1; }
+acc=$(grep '^{' "$log" | tail -1 | sed -n 's/.*"test_accuracy":\([0-9.]*\).*/\1/p')
+restarts=$(grep '^{' "$log" | tail -1 | sed -n 's/.*"server_restarts":\([0-9]*\).*/\1/p')
+[ "$restarts" -ge 1 ] || { echo "no restart recorded" >&2; exit 1; }
+awk -v a="$acc" -v f="$floor" 'BEGIN { exit !(a >= f) }' || { echo "accuracy $acc below $floor after the restart" >&2; exit 1; }
+echo "accuracy $acc >= $floor after $restarts server restart(s)"
