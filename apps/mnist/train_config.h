@@ -34,7 +34,7 @@ struct TrainConfig {
   std::string rule = "sgd";
   float momentum = 0.9f;
   std::uint64_t chunk_floats = 1u << 16;
-  int wait_timeout_ms = 20000;
+  int wait_timeout_ms = 60000;  // generous: a loaded machine can starve a healthy worker for seconds
   bool evict_stragglers = false;
 
   // Where things run.
