@@ -129,8 +129,7 @@ int main(int argc, char** argv) {
       const auto uris = cluster_servers(c);
       if (rank < c.servers) {
         std::fprintf(stderr, "pskv-mnist: rank %d serves %s\n", rank, uris[static_cast<std::size_t>(rank)].c_str());
-        run_server(c, rank, uris[static_cast<std::size_t>(rank)], c.restore);
-        return 0;
+        return run_server(c, rank, uris[static_cast<std::size_t>(rank)], c.restore);
       }
       const int worker = rank - c.servers;
       if (worker != 0) c.quiet = true;

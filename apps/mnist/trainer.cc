@@ -269,7 +269,7 @@ ServerOptions server_options(const TrainConfig& c, int server_id, const std::str
 }
 }  // namespace
 
-void run_server(const TrainConfig& c, int server_id, const std::string& uri, bool restore) {
+int run_server(const TrainConfig& c, int server_id, const std::string& uri, bool restore) {
   sigset_t stop;
   sigemptyset(&stop);
   sigaddset(&stop, SIGTERM);
@@ -278,9 +278,20 @@ void run_server(const TrainConfig& c, int server_id, const std::string& uri, boo
   Server server(server_options(c, server_id, uri, restore));
   if (!c.quiet) std::fprintf(stderr, "server %d serving %s\n", server_id, server.uri().c_str());
   const timespec tick{0, 200'000'000};
+  std::chrono::steady_clock::time_point failed_at{};
   for (;;) {
-    if (sigtimedwait(&stop, nullptr, &tick) > 0) break;
-    if (server.workers_finished()) break;
+    if (sigtimedwait(&stop, nullptr, &tick) > 0) return 0;
+    if (server.workers_finished()) return 0;
+    // A failed job must not leave servers behind (srun without kill-on-bad-exit would hang).
+    // Linger a few seconds so the surviving workers get their own, more specific errors.
+    const std::string failure = server.failure();
+    if (!failure.empty()) {
+      if (failed_at == std::chrono::steady_clock::time_point{}) failed_at = std::chrono::steady_clock::now();
+      if (std::chrono::steady_clock::now() - failed_at > std::chrono::seconds(5)) {
+        std::fprintf(stderr, "server %d stops: the job failed: %s\n", server_id, failure.c_str());
+        return 3;
+      }
+    }
   }
 }
 
@@ -331,10 +342,7 @@ TrainResult launch(const TrainConfig& c) {
   }
   std::vector<pid_t> servers(static_cast<std::size_t>(c.servers));
   auto start_server = [&](int s, bool restore) {
-    servers[static_cast<std::size_t>(s)] = fork_child([&, s] {
-      run_server(c, s, uris[static_cast<std::size_t>(s)], restore);
-      return 0;
-    });
+    servers[static_cast<std::size_t>(s)] = fork_child([&, s] { return run_server(c, s, uris[static_cast<std::size_t>(s)], restore); });
   };
   for (int s = 0; s < c.servers; ++s) start_server(s, c.restore);
   if (!c.quiet)
@@ -389,14 +397,18 @@ TrainResult launch(const TrainConfig& c) {
     auto s = std::find(servers.begin(), servers.end(), pid);
     if (s == servers.end()) continue;
     const int id = static_cast<int>(s - servers.begin());
-    if (!c.checkpoint_dir.empty() && workers_left > 0) {
+    // Only a server that was killed is restarted; one that stopped on its own (the job failed)
+    // is not.
+    if (!c.checkpoint_dir.empty() && workers_left > 0 && WIFSIGNALED(status)) {
       std::fprintf(stderr, "pskv-mnist: server %d died (%s %d); restarting it from %s\n", id,
                    WIFEXITED(status) ? "exit" : "signal", WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status),
                    c.checkpoint_dir.c_str());
       ++restarts;
       start_server(id, true);
     } else if (workers_left > 0) {
-      std::fprintf(stderr, "pskv-mnist: server %d died and there are no checkpoints (--checkpoint-dir) to restart it from\n", id);
+      std::fprintf(stderr, "pskv-mnist: server %d ended (%s %d)%s\n", id, WIFEXITED(status) ? "exit" : "signal",
+                   WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status),
+                   c.checkpoint_dir.empty() && WIFSIGNALED(status) ? "; no --checkpoint-dir to restart it from" : "");
       *s = -1;
     }
   }

@@ -15,8 +15,9 @@ TrainResult run_local(const TrainConfig& c);
 // One data-parallel worker against `servers`. Worker 0 evaluates and reports progress.
 TrainResult run_worker(const TrainConfig& c, int rank, const std::vector<std::string>& servers);
 
-// One server shard; returns when every worker finished or on SIGTERM/SIGINT.
-void run_server(const TrainConfig& c, int server_id, const std::string& uri, bool restore);
+// One server shard; returns 0 when every worker finished or on SIGTERM/SIGINT, non-zero when
+// the job failed (a worker died or stalled under the fail policy).
+int run_server(const TrainConfig& c, int server_id, const std::string& uri, bool restore);
 
 // Forks servers and workers on this node, supervises them (a dead server is restarted from
 // its checkpoint when checkpoints are on) and returns the job's summary.

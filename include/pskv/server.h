@@ -55,6 +55,9 @@ class Server {
   std::string stats_json() const;
   // True once every worker has finished (its client closed cleanly) or was evicted.
   bool workers_finished() const;
+  // Non-empty once the job cannot go on under --straggler-policy fail: which worker died or
+  // stalled. A launcher should stop the job (the workers get their own errors).
+  std::string failure() const;
   void stop();
 
  private:

@@ -41,12 +41,16 @@ class ClientImpl {
   }
 
   ~ClientImpl() {
-    if (options_.worker_id == kNoWorker || !finished_on_close_) return;
+    if (options_.worker_id == kNoWorker || !finished_on_close_ || connections_.empty()) return;
+    // Best effort and bounded: on a dead link this must not cost a whole I/O timeout. If the
+    // wait gives up, destroying the connections (before ops_, see the member order) fails the
+    // request, so nothing touches the op afterwards.
     try {
-      send_clock(kClockDone);
+      const Ticket t = issue(wire::Op::clock, {}, 0, nullptr, nullptr, kClockDone);
+      lookup(t)->completion.wait(std::chrono::steady_clock::now() + std::chrono::seconds(2));
     } catch (const Error&) {
-      // The servers may already be gone; leaving is best effort.
     }
+    connections_.clear();
   }
 
   Ticket issue(wire::Op kind, std::span<const Key> keys, std::size_t count, const float* const* data,
@@ -206,9 +210,11 @@ class ClientImpl {
 
   ClientOptions options_;
   PlacementOptions placement_;
-  std::vector<std::unique_ptr<transport::Connection>> connections_;
+  // Declared before connections_ so that it is destroyed after them: a connection's teardown
+  // completes its outstanding requests, which live in these ops.
   std::mutex ops_mu_;
   std::vector<std::unique_ptr<Op>> ops_;
+  std::vector<std::unique_ptr<transport::Connection>> connections_;
   std::vector<std::uint32_t> free_;
   std::uint64_t clock_ = 0;
   std::uint64_t barrier_generation_ = 0;

@@ -114,6 +114,7 @@ class ServerImpl {
 
   std::string uri() const { return uri_.str(); }
   std::string stats_json() const { return engine_view_->stats_json(); }
+  std::string failure() const { return engine_view_->failure(); }
   bool workers_finished() const {
     ClockTable* clocks = engine_view_->clocks();
     if (!clocks) return false;
@@ -145,6 +146,7 @@ Server::~Server() = default;
 std::string Server::uri() const { return impl_->uri(); }
 std::string Server::stats_json() const { return impl_->stats_json(); }
 bool Server::workers_finished() const { return impl_->workers_finished(); }
+std::string Server::failure() const { return impl_->failure(); }
 void Server::stop() { impl_->stop(); }
 
 }  // namespace pskv

@@ -219,6 +219,10 @@ void ShardEngine::worker_left(std::uint32_t worker, bool cleanly) {
     const std::string why = "worker " + std::to_string(worker) + " disconnected at clock " +
                             std::to_string(clocks_->clock(worker)) +
                             " and holds the bound; restart the job or run with --straggler-policy evict";
+    {
+      std::lock_guard lock(mu_);
+      if (failure_.empty()) failure_ = why;
+    }
     for (auto& w : failed) w.op->resume(Errc::peer_failure, why);
     return;
   }
@@ -313,6 +317,7 @@ void ShardEngine::watchdog() {
       std::vector<std::pair<Waiter, std::string>> fail;
       for (auto& w : expired) {
         ++stats_.timeouts;
+        if (failure_.empty() && !w.barrier) failure_ = describe_laggard(w.need) + " (timed out)";
         std::string who = w.barrier ? "barrier " + std::to_string(w.generation) + " still waits for other workers"
                                     : describe_laggard(w.need);
         fail.emplace_back(std::move(w), "waited " + std::to_string(options_.wait_timeout.count()) + " ms: " + who +
@@ -325,6 +330,11 @@ void ShardEngine::watchdog() {
       lock.lock();
     }
   }
+}
+
+std::string ShardEngine::failure() const {
+  std::lock_guard lock(mu_);
+  return failure_;
 }
 
 EngineStats ShardEngine::stats() const {

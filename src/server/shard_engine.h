@@ -84,6 +84,9 @@ class ShardEngine {
   void barrier(std::uint32_t worker, std::uint64_t generation, std::unique_ptr<Parked> op);
 
   Errc check_worker(std::uint32_t worker, std::string* why) const;
+  // Under the fail policy, why the job can no longer make progress (a worker died or stalled
+  // past the timeout); empty while it can.
+  std::string failure() const;
   EngineStats stats() const;
   std::string stats_json() const;
   void shutdown();
@@ -114,6 +117,7 @@ class ShardEngine {
   std::vector<Waiter> waiters_;
   std::vector<std::uint64_t> barrier_gen_;  // last barrier generation each worker entered
   bool stopping_ = false;
+  std::string failure_;
   mutable EngineStats stats_;
   std::atomic<std::uint64_t> pushes_{0}, pulls_{0}, clock_ops_{0};
   std::thread watchdog_;

@@ -24,6 +24,14 @@ void set_nodelay(int fd) {
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
 }
 
+void set_keepalive(int fd, std::chrono::seconds idle) {
+  int one = 1, secs = static_cast<int>(idle.count()), interval = 1, probes = 3;
+  setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof one);
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &secs, sizeof secs);
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval, sizeof interval);
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &probes, sizeof probes);
+}
+
 void set_io_timeouts(int fd, std::chrono::milliseconds recv, std::chrono::milliseconds send) {
   auto tv = [](std::chrono::milliseconds ms) {
     timeval t{};

@@ -50,8 +50,8 @@ void TcpConnection::handshake() {
 
 std::uint32_t TcpConnection::acquire_slot(Request* request) {
   std::unique_lock lock(slots_mu_);
-  slot_free_.wait(lock, [&] { return !free_.empty() || broken_; });
-  if (broken_) return UINT32_MAX;
+  slot_free_.wait(lock, [&] { return !free_.empty() || broken_ || send_broken_; });
+  if (broken_ || send_broken_) return UINT32_MAX;
   const std::uint32_t i = free_.back();
   free_.pop_back();
   slots_[i].id = next_generation_++ * options_.max_in_flight + i;
@@ -103,11 +103,23 @@ void TcpConnection::submit(Request& request) {
     res = writev_full(fd_.get(), iov_.data(), static_cast<int>(iov_.size()));
   }
   if (res != IoResult::ok) {
-    // The receiver notices the broken stream too; make sure this request is failed exactly once.
     const std::string why = "sending " + std::string(wire::op_name(h.op)) + " to " + endpoint_ + " failed: " +
                             io_result_text(res);
-    ::shutdown(fd_.get(), SHUT_RDWR);
-    fail_all(res == IoResult::timeout ? Errc::timeout : Errc::peer_failure, why);
+    if (res == IoResult::timeout) {
+      // Half a frame went out: the stream is unusable both ways.
+      ::shutdown(fd_.get(), SHUT_RDWR);
+      fail_all(Errc::timeout, why);
+      return;
+    }
+    // The server closed while we were sending, typically after answering this very request
+    // with an error (say, a request over its size limit). Stop sending but keep reading: the
+    // receiver delivers the replies already in the socket, then fails the rest at end of stream.
+    {
+      std::lock_guard lock(slots_mu_);
+      send_broken_ = true;
+      if (broken_why_.empty()) broken_why_ = why;
+    }
+    ::shutdown(fd_.get(), SHUT_WR);
   }
 }
 
@@ -117,7 +129,7 @@ void TcpConnection::fail_all(Errc status, const std::string& why) {
     std::lock_guard lock(slots_mu_);
     if (!broken_) {
       broken_ = true;
-      broken_why_ = why;
+      if (!send_broken_) broken_why_ = why;
     }
     for (std::uint32_t i = 0; i < slots_.size(); ++i)
       if (slots_[i].request) {

@@ -54,6 +54,7 @@ class TcpConnection final : public transport::Connection {
   std::vector<std::uint32_t> free_;
   std::uint64_t next_generation_ = 1;
   bool broken_ = false;
+  bool send_broken_ = false;  // the server closed while we sent; replies may still be read
   std::string broken_why_;
 
   std::vector<iovec> recv_iov_;

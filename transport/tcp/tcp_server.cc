@@ -218,6 +218,7 @@ void TcpServer::accept_ready() {
     const int flags = fcntl(fd, F_GETFL);
     fcntl(fd, F_SETFL, flags & ~O_NONBLOCK);
     set_nodelay(fd);
+    set_keepalive(fd, std::chrono::seconds(5));
     set_io_timeouts(fd, options_.frame_timeout, options_.frame_timeout);
     auto peer = std::make_shared<Peer>(fd);
     {
