@@ -1,0 +1,133 @@
+"""Turns pskv-bench JSON lines into docs/BENCHMARKS.md tables and gnuplot PNGs."""
+import json, os, subprocess, sys, datetime, platform
+
+out_dir, report = sys.argv[1], sys.argv[2]
+
+def load(name):
+    path = os.path.join(out_dir, name + ".jsonl")
+    if not os.path.exists(path):
+        return []
+    return [json.loads(l) for l in open(path) if l.startswith("{")]
+
+def human(b):
+    return f"{b/1e9:.2f} GB/s" if b >= 1e9 else f"{b/1e6:.1f} MB/s"
+
+def size(n):
+    return f"{n>>20} MiB" if n >= 1 << 20 else (f"{n>>10} KiB" if n >= 1024 else f"{n} B")
+
+lines = ["# pskv benchmarks", "",
+         f"Produced by `scripts/bench.sh` on {datetime.date.today()} ({platform.machine()}, {os.cpu_count()} cores, "
+         "a shared and noisy VM). Every result is next to a limit of this machine measured in the same run: "
+         "single-stream loopback TCP (`tcp_stream`), a 64-byte TCP ping-pong (`tcp_pingpong_64B`) and single-thread "
+         "memcpy at the same size (`memcpy`). Read the ratios; absolute figures drift from run to run.", ""]
+
+for t in ("tcp", "shm"):
+    rows = load("dense-" + t)
+    base = [r for r in rows if "baseline" in r and "transport" not in r]
+    pts = [r for r in rows if r.get("workload") == "dense"]
+    if not pts:
+        continue
+    lines += [f"## {t}: push and pull by value size", ""]
+    for b in base:
+        if "value_bytes" not in b:
+            lines.append(f"- baseline {b['baseline']}: " + (f"{human(b['bytes_per_s'])}" if 'bytes_per_s' in b else f"p50 {b['p50_us']:.1f} us"))
+    lines += ["", "| op | value | clients | bandwidth | p50 us | p99 us | ratio | baseline | allocs/op |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in pts:
+        lines.append(f"| {r['op']} | {size(r['value_bytes'])} | {r['clients']} | {human(r['bytes_per_s'])} | {r['p50_us']:.1f} | "
+                     f"{r['p99_us']:.1f} | {r['ratio']:.2f}x | {r['baseline']} | {r.get('allocs_per_op', 0):.2f} |")
+    lines.append("")
+
+def table(name, title, key="bytes_per_s"):
+    pts = [r for r in load(name) if r.get("transport")]
+    if not pts:
+        return
+    lines.extend([f"## {title}", "", "| transport | op | value | clients | servers | throughput | p50 us | p99 us | ratio | baseline |",
+                  "|---|---|---|---|---|---|---|---|---|---|"])
+    for r in pts:
+        thr = f"{r['keys_per_s']/1e6:.2f} M keys/s" if "keys_per_s" in r else human(r["bytes_per_s"])
+        lines.append(f"| {r['transport']} | {r['op']} | {size(r['value_bytes'])} | {r['clients']} | {r['servers']} | {thr} | "
+                     f"{r['p50_us']:.0f} | {r['p99_us']:.0f} | {r['ratio']:.3f}x | {r['baseline']} |")
+    lines.append("")
+
+table("clients-tcp", "tcp: 1 MiB values against clients")
+table("clients-shm", "shm: 1 MiB pulls against clients")
+for s in ("servers-tcp", "servers2-tcp", "servers4-tcp"):
+    table(s, f"tcp: 16 MiB values over {s[7] if s[7].isdigit() else '1'} server(s), chunked over all of them")
+table("sparse-shm", "Sparse: 1,000 keys x 16 floats per batch from 1M keys, uniform, shm")
+table("sparse-tcp", "Sparse: 1,000 keys x 16 floats per batch from 1M keys, uniform, tcp")
+table("sparse-zipf-shm", "Sparse: Zipf(0.99) keys, shm")
+
+steps = load("steps")
+if steps:
+    lines += ["## Consistency modes (4 workers, 64 KiB per key, worker 0 sleeps 1 ms per step)", "",
+              "| mode | staleness bound | K of N | steps/s | p50 step us | max observed staleness | histogram 0..15,16+ |",
+              "|---|---|---|---|---|---|---|"]
+    for r in steps:
+        lines.append(f"| {r['mode']} | {r['staleness'] if r['mode']=='ssp' else '-'} | - | {r['steps_per_s']:.0f} | "
+                     f"{r['p50_step_us']:.0f} | {r['max_staleness']} | {r['staleness_histogram']} |")
+    lines.append("")
+
+rdma = [r for r in load("dense-rdma-emulated") if r.get("transport")]
+if rdma:
+    lines += ["## rdma (Soft-RoCE emulation inside a TCG VM: correctness only, NOT performance)", "",
+              "| op | value | p50 us | throughput |", "|---|---|---|---|"]
+    for r in rdma:
+        lines.append(f"| {r['op']} | {size(r['value_bytes'])} | {r['p50_us']:.0f} | {human(r['bytes_per_s'])} |")
+    lines.append("")
+
+# Plots: bandwidth against size per transport with the limits drawn; keys/s against clients.
+def dat(name, rows, cols):
+    path = os.path.join(out_dir, name + ".dat")
+    with open(path, "w") as f:
+        for r in rows:
+            f.write(" ".join(str(c(r)) for c in cols) + "\n")
+    return path
+
+gp = []
+series = []
+for t in ("tcp", "shm"):
+    for op in ("push", "pull"):
+        rows = [r for r in load("dense-" + t) if r.get("op") == op and r.get("clients") == 1 and r["value_bytes"] >= 4096]
+        if rows:
+            series.append((dat(f"bw-{t}-{op}", rows, [lambda r: r["value_bytes"], lambda r: r["bytes_per_s"] / 1e9]), f"{t} {op}"))
+stream = [b for b in load("dense-tcp") if b.get("baseline") == "tcp_stream" and "transport" not in b]
+memcpy = [b for b in load("dense-shm") if b.get("baseline") == "memcpy" and "value_bytes" in b and b["value_bytes"] >= 4096]
+if series:
+    plots = [f'"{p}" using 1:2 with linespoints title "{t}"' for p, t in series]
+    if memcpy:
+        plots.append(f'"{dat("memcpy", memcpy, [lambda r: r["value_bytes"], lambda r: r["bytes_per_s"]/1e9])}" using 1:2 with lines dashtype 2 lw 2 title "memcpy (same size)"')
+    if stream:
+        plots.append(f'{stream[0]["bytes_per_s"]/1e9} with lines dashtype 3 lw 2 title "raw loopback TCP"')
+    gp.append(f"""set terminal pngcairo size 900,560 noenhanced font "DejaVu Sans,11"
+set output "{out_dir}/bandwidth.png"
+set title "pskv push/pull bandwidth, 1 client, 1 server"
+set logscale x 2
+set xlabel "value size (bytes)"
+set ylabel "GB/s"
+set key top left
+set grid
+plot {", ".join(plots)}
+""")
+ks = []
+for t in ("shm", "tcp"):
+    rows = [r for r in load("sparse-" + t) if r.get("op") == "pull"]
+    if rows:
+        ks.append((dat(f"keys-{t}", rows, [lambda r: r["clients"], lambda r: r["keys_per_s"] / 1e6]), f"{t} pull"))
+    rows = [r for r in load("sparse-" + t) if r.get("op") == "push"]
+    if rows:
+        ks.append((dat(f"keys-{t}-push", rows, [lambda r: r["clients"], lambda r: r["keys_per_s"] / 1e6]), f"{t} push"))
+if ks:
+    gp.append(f"""set terminal pngcairo size 900,560 noenhanced font "DejaVu Sans,11"
+set output "{out_dir}/sparse-keys.png"
+set title "Sparse batches of 1,000 x 16-float keys from 1M keys"
+set logscale x 2
+set xlabel "clients"
+set ylabel "M keys/s"
+set key top left
+set grid
+plot {", ".join(f'"{p}" using 1:2 with linespoints title "{t}"' for p, t in ks)}
+""")
+for script in gp:
+    subprocess.run(["gnuplot"], input=script.encode(), check=True)
+lines += ["## Plots", "", "![bandwidth](bench/bandwidth.png)", "", "![sparse](bench/sparse-keys.png)", ""]
+open(report, "w").write("\n".join(lines) + "\n")
