@@ -36,8 +36,8 @@ for m in "bsp" "ssp --staleness 3" "asp" "sync" "sync --sync-required 3"; do
 done
 # RDMA inside the Soft-RoCE VM: emulation, reported apart and never as performance.
 if [ -f "$BUILD/tests/rdma/CTestTestfile.cmake" ] && [ "${PSKV_BENCH_RDMA:-1}" != 0 ]; then
-  scripts/rdma-vm.sh "$BENCH --json --transport rdma --sizes 64,4K,1M --clients 1 --seconds $SECONDS_PER_POINT" \
-    > "$OUT/dense-rdma-emulated.jsonl" || echo "rdma run failed; see above" >&2
+  scripts/rdma-vm.sh sh tests/rdma/bench-in-vm.sh "$BUILD" --json --sizes 64,4K,1M --clients 1 \
+    --seconds "$SECONDS_PER_POINT" > "$OUT/dense-rdma-emulated.jsonl" || echo "rdma run failed; see above" >&2
 fi
 python3 scripts/lib/bench_report.py "$OUT" docs/BENCHMARKS.md
 echo "wrote docs/BENCHMARKS.md and $OUT/*.png"

@@ -63,8 +63,22 @@ int main(int argc, char** argv) {
       ->envname("PSKV_CHECKPOINT_EVERY_S")->capture_default_str();
   app.add_option("--restore", o.restore_dir, "Load this shard from a checkpoint directory before serving")
       ->envname("PSKV_RESTORE");
+  std::uint64_t rdma_recv_mb = o.rdma_recv_bytes >> 20;
+  app.add_option("--rdma-device", o.rdma_device, "rdma: expected device (the URI's address picks it; a mismatch is an error)")
+      ->envname("PSKV_RDMA_DEVICE")->capture_default_str();
+  app.add_option("--rdma-ib-port", o.rdma_ib_port, "rdma: expected device port (-1: any)")->envname("PSKV_RDMA_IB_PORT")
+      ->capture_default_str();
+  app.add_option("--rdma-gid", o.rdma_gid_index, "rdma: expected GID index (-1: any)")->envname("PSKV_RDMA_GID")
+      ->capture_default_str();
+  app.add_option("--rdma-queue-depth", o.rdma_queue_depth, "rdma: requests in flight per client")
+      ->envname("PSKV_RDMA_QUEUE_DEPTH")->capture_default_str();
+  app.add_option("--rdma-recv-mb", rdma_recv_mb, "rdma: per-client receive region for pushes, MiB (bounds one push)")
+      ->envname("PSKV_RDMA_RECV_MB")->capture_default_str();
+  app.add_flag("--rdma-busy-poll", o.rdma_busy_poll, "rdma: spin on completion queues (lower latency, burns cores)")
+      ->envname("PSKV_RDMA_BUSY_POLL");
   CLI11_PARSE(app, argc, argv);
   o.shm_slot_bytes = shm_slot_mb << 20;
+  o.rdma_recv_bytes = rdma_recv_mb << 20;
   o.checkpoint_interval = std::chrono::seconds(checkpoint_s);
 
   o.mode = *pskv::parse_consistency_mode(mode);

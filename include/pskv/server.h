@@ -36,6 +36,14 @@ struct ServerOptions {
   std::string restore_dir;
   std::uint32_t shm_slots = 64;                 // shm: client slots (one per connected client)
   std::uint64_t shm_slot_bytes = 32ull << 20;   // shm: staging area per client for pushes
+  // rdma: rdma_cm picks the device and port by the URI's IP address; these (like the URI's
+  // ?dev=NAME&port=N&gid=INDEX) only check that choice, and fail naming it if it differs.
+  std::string rdma_device;                      // e.g. mlx5_0, rxe0; empty: whichever owns the address
+  int rdma_ib_port = -1;                        // -1: any
+  int rdma_gid_index = -1;                      // -1: any
+  std::uint32_t rdma_queue_depth = 64;          // rdma: requests in flight per client (receive buffers)
+  std::uint64_t rdma_recv_bytes = 32ull << 20;  // rdma: per-client receive region; bounds one push
+  bool rdma_busy_poll = false;                  // rdma: spin on completion queues instead of sleeping
 };
 
 namespace detail {

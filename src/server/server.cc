@@ -60,6 +60,23 @@ class ServerImpl {
           uri_.name, e,
           shm::ShmServerOptions{.threads = threads, .slots = o.shm_slots, .slot_data_bytes = o.shm_slot_bytes}, prepare);
       engine = &shm_->engine();
+#if PSKV_WITH_RDMA
+    } else if (uri_.scheme == "rdma") {
+      rdma_ = std::make_unique<rdma::RdmaServer>(uri_, e,
+                                                 rdma::RdmaServerOptions{.threads = threads,
+                                                                         .max_connections = o.max_connections,
+                                                                         .queue_depth = o.rdma_queue_depth,
+                                                                         .region_bytes = o.rdma_recv_bytes,
+                                                                         .device = o.rdma_device,
+                                                                         .ib_port = o.rdma_ib_port,
+                                                                         .gid_index = o.rdma_gid_index,
+                                                                         .busy_poll = o.rdma_busy_poll,
+                                                                         .limits = limits},
+                                                 prepare);
+      uri_.port = rdma_->port();
+      uri_.params.clear();  // the device choice is the server's; clients name their own
+      engine = &rdma_->engine();
+#endif
     } else {
       throw Error(Errc::unsupported, "the " + uri_.scheme + " transport is not available in this build");
     }

@@ -48,13 +48,14 @@ RdmaConnection::Verbs::~Verbs() {
   }
   if (channel) ibv_destroy_comp_channel(channel);
   if (pd) ibv_dealloc_pd(pd);
+  if (ctx) ibv_close_device(ctx);
   if (id) rdma_destroy_id(id);
   if (events) rdma_destroy_event_channel(events);
 }
 
 void RdmaConnection::Verbs::destroy_qp() {
-  if (qp) rdma_destroy_qp(id);
-  qp = false;
+  if (qp) ibv_destroy_qp(qp);
+  qp = nullptr;
 }
 
 RdmaConnection::RdmaConnection(const Uri& uri, const transport::ConnectOptions& options)
@@ -167,9 +168,9 @@ bool RdmaConnection::connect_once(const Uri& uri, Deadline deadline, std::string
     throw Error(Errc::peer_failure, endpoint_ + ": rdma_resolve_addr: " + errno_text(errno) +
                                         " (use the address of an RDMA interface; in the Soft-RoCE VM: $RXE_IP)");
   wait_event(RDMA_CM_EVENT_ADDR_RESOLVED, "address resolution");
-  check_and_log_device(v->id, params_, "client of", endpoint_);
+  ibv_context* ctx = v->ctx = open_own_context(v->id->verbs);
+  check_and_log_device(v->id, ctx, params_, "client of", endpoint_);
 
-  ibv_context* ctx = v->id->verbs;
   ibv_device_attr dev{};
   if (ibv_query_device(ctx, &dev) != 0) throw Error(Errc::io, "ibv_query_device: " + errno_text(errno));
   recv_depth_ = std::min<std::uint32_t>(options_.max_in_flight, static_cast<std::uint32_t>(dev.max_qp_wr));
@@ -196,13 +197,16 @@ bool RdmaConnection::connect_once(const Uri& uri, Deadline deadline, std::string
   qa.cap.max_recv_wr = recv_depth_;
   qa.cap.max_send_sge = max_sge_;
   qa.cap.max_recv_sge = 1;
-  if (rdma_create_qp(v->id, v->pd, &qa) != 0)
-    throw Error(Errc::io, "rdma_create_qp (send depth " + std::to_string(send_depth_) + ", receive depth " +
+  if (!(v->qp = ibv_create_qp(v->pd, &qa)))
+    throw Error(Errc::io, "ibv_create_qp (send depth " + std::to_string(send_depth_) + ", receive depth " +
                               std::to_string(recv_depth_) + "): " + errno_text(errno));
-  v->qp = true;
   const std::uint8_t ack_timeout = kAckTimeout;
   rdma_set_option(v->id, RDMA_OPTION_ID, RDMA_OPTION_ID_ACK_TIMEOUT, const_cast<std::uint8_t*>(&ack_timeout),
                   sizeof ack_timeout);  // best effort: older kernels keep their default
+  if (rdma_resolve_route(v->id, static_cast<int>(std::min<long long>(ms_left(deadline), 5000))) != 0)
+    throw Error(Errc::peer_failure, endpoint_ + ": rdma_resolve_route: " + errno_text(errno));
+  wait_event(RDMA_CM_EVENT_ROUTE_RESOLVED, "route resolution");
+  move_qp(v->id, v->qp, IBV_QPS_INIT, endpoint_);
 
   RegisteredBuffer recv(v->pd, std::size_t{recv_depth_} * kControlBytes, IBV_ACCESS_LOCAL_WRITE, "reply buffers");
   for (std::uint32_t i = 0; i < recv_depth_; ++i) {
@@ -212,12 +216,8 @@ bool RdmaConnection::connect_once(const Uri& uri, Deadline deadline, std::string
     wr.wr_id = make_wr_id(WrKind::recv, i);
     wr.sg_list = &sge;
     wr.num_sge = 1;
-    if (ibv_post_recv(v->id->qp, &wr, &bad) != 0) throw Error(Errc::io, "ibv_post_recv: " + errno_text(errno));
+    if (const int rc = ibv_post_recv(v->qp, &wr, &bad); rc != 0) throw Error(Errc::io, "ibv_post_recv: " + errno_text(rc));
   }
-
-  if (rdma_resolve_route(v->id, static_cast<int>(std::min<long long>(ms_left(deadline), 5000))) != 0)
-    throw Error(Errc::peer_failure, endpoint_ + ": rdma_resolve_route: " + errno_text(errno));
-  wait_event(RDMA_CM_EVENT_ROUTE_RESOLVED, "route resolution");
 
   ConnectRequest req{kCmMagic, wire::kVersion, kRdmaVersion, options_.worker_id, recv_depth_};
   rdma_conn_param param{};
@@ -227,6 +227,7 @@ bool RdmaConnection::connect_once(const Uri& uri, Deadline deadline, std::string
   param.responder_resources = static_cast<std::uint8_t>(std::min<int>(dev.max_qp_rd_atom, kMaxReadsInFlight));
   param.retry_count = kRetryCount;
   param.rnr_retry_count = kRnrRetry;
+  param.qp_num = v->qp->qp_num;
   if (rdma_connect(v->id, &param) != 0) throw Error(Errc::peer_failure, "rdma_connect to " + endpoint_ + ": " + errno_text(errno));
 
   rdma_cm_event* raw = next_cm_event(v->events, deadline);
@@ -247,7 +248,9 @@ bool RdmaConnection::connect_once(const Uri& uri, Deadline deadline, std::string
                                                         : "rejected with IB CM reason " + std::to_string(raw->status);
     return false;
   }
-  if (raw->event != RDMA_CM_EVENT_ESTABLISHED) {
+  // With a queue pair of our own, rdma_cm reports the server's answer as CONNECT_RESPONSE and
+  // leaves the state changes (and the final RTU, rdma_establish) to us.
+  if (raw->event != RDMA_CM_EVENT_CONNECT_RESPONSE) {
     if (raw->event == RDMA_CM_EVENT_UNREACHABLE)
       throw Error(Errc::peer_failure, endpoint_ + " is unreachable over RDMA (the connection request timed out)");
     throw Error(Errc::peer_failure, "connecting to " + endpoint_ + ": " + rdma_event_str(raw->event) + " (" +
@@ -267,6 +270,9 @@ bool RdmaConnection::connect_once(const Uri& uri, Deadline deadline, std::string
     throw Error(Errc::protocol, endpoint_ + " sent inconsistent connection data (credits " +
                                     std::to_string(server_.credits) + ", control buffers " +
                                     std::to_string(server_.control_bytes) + " bytes)");
+  move_qp(v->id, v->qp, IBV_QPS_RTR, endpoint_);
+  move_qp(v->id, v->qp, IBV_QPS_RTS, endpoint_);
+  if (rdma_establish(v->id) != 0) throw Error(Errc::peer_failure, "rdma_establish with " + endpoint_ + ": " + errno_text(errno));
   verbs_ = std::move(v);
   recv_ = std::move(recv);
   return true;

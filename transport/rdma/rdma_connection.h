@@ -50,10 +50,11 @@ class RdmaConnection final : public transport::Connection {
   struct Verbs {
     rdma_event_channel* events = nullptr;
     rdma_cm_id* id = nullptr;
+    ibv_context* ctx = nullptr;  // our own (see open_own_context)
     ibv_pd* pd = nullptr;
     ibv_comp_channel* channel = nullptr;
     ibv_cq* cq = nullptr;
-    bool qp = false;
+    ibv_qp* qp = nullptr;
     unsigned unacked_events = 0;
     ~Verbs();
     void destroy_qp();
@@ -61,6 +62,7 @@ class RdmaConnection final : public transport::Connection {
 
   enum class Phase : std::uint8_t {
     idle,
+    preparing,     // the submitting thread fills it in, unlocked; nobody else touches it
     send_queued,   // a SEND or WRITE chain waits for a credit, send queue room or region space
     sent,          // posted; waiting for the server's reply
     own_pushes,    // a pull waits until this client's earlier pushes are applied
@@ -147,6 +149,8 @@ class RdmaConnection final : public transport::Connection {
   void next_round(Slot& slot);
   void assign_bounce(Slot& slot);
   std::size_t clock_area() const noexcept;
+  std::size_t max_piece() const noexcept;
+  std::uint32_t reads_for(std::uint32_t length) const noexcept;
   std::size_t bounce_base() const noexcept;
   void round_done(std::uint32_t index);
   void on_reply(std::uint32_t buffer, std::uint32_t bytes);

@@ -46,8 +46,8 @@ namespace {
 constexpr std::size_t kHeader = sizeof(wire::FrameHeader);
 constexpr std::size_t kSlotHeader = sizeof(SlotHeader);
 constexpr std::uint32_t kImmediateRetries = 8;
-// One gather entry and one WRITE stay below the 32-bit SGE length and the 2 GiB message limit
-// of most ports.
+// One gather entry, one WRITE and one READ stay below the 32-bit SGE length and the port's
+// largest message (2 GiB on most NICs, 8 MiB on Soft-RoCE).
 constexpr std::size_t kMaxPiece = 1u << 30;
 constexpr auto kFlushGrace = std::chrono::seconds(2);
 constexpr int kTickMs = 500;
@@ -69,6 +69,17 @@ std::size_t RdmaConnection::clock_area() const noexcept { return align_up(server
 
 std::size_t RdmaConnection::bounce_base() const noexcept {
   return align_up(clock_area() + std::size_t{kMaxRoundKeys} * (kSlotHeader + sizeof(std::uint64_t)), kCacheLine);
+}
+
+std::size_t RdmaConnection::max_piece() const noexcept {
+  return std::max<std::size_t>(4096, std::min<std::size_t>(kMaxPiece, max_message_) / kCacheLine * kCacheLine);
+}
+
+// READ #1 carries the header and as many values as one message holds; values beyond that take
+// more READs in between; READ #2 re-reads the seqlock word last.
+std::uint32_t RdmaConnection::reads_for(std::uint32_t length) const noexcept {
+  const std::size_t bytes = std::size_t{length} * sizeof(float), first = max_piece() - kSlotHeader;
+  return 2 + static_cast<std::uint32_t>(bytes > first ? (bytes - first + max_piece() - 1) / max_piece() : 0);
 }
 
 std::string RdmaConnection::key_text(const Slot& slot, std::uint32_t k) const {
@@ -107,7 +118,7 @@ void RdmaConnection::submit(Request& request) {
     prepare(slots_[index]);
   } catch (const Error& e) {
     status = e.code();
-    why = e.what();
+    why = message_of(e);
   }
   {
     std::lock_guard lock(mu_);
@@ -128,7 +139,7 @@ std::uint32_t RdmaConnection::acquire_slot(Request* request) {
   Slot& s = slots_[i];
   s.request = request;
   s.id = next_generation_++ * options_.max_in_flight + i;
-  s.phase = Phase::idle;
+  s.phase = Phase::preparing;
   s.status = Errc::ok;
   s.why.clear();
   s.have_bound = s.snapshot = s.tried_clock_read = false;
@@ -152,10 +163,10 @@ void RdmaConnection::prepare(Slot& s) {
     std::size_t bounce = 0;
     for (const KeySlice& k : keys) {
       const std::size_t bytes = std::size_t{k.length} * sizeof(float);
-      if (bytes + kSlotHeader > std::min<std::uint64_t>(max_message_, kMaxPiece * 2))
+      if (reads_for(k.length) >= send_depth_ / 2)
         throw Error(Errc::capacity, key_text(s, static_cast<std::uint32_t>(&k - keys.data())) + " has " +
                                         std::to_string(bytes >> 20) + " MiB on " + endpoint_ +
-                                        ", more than one RDMA READ carries: lower --chunk-floats");
+                                        ", more than one pull's RDMA READs can carry: lower --chunk-floats");
       const std::uint32_t lkey = local_key(s, k.data, bytes);
       s.lkeys.push_back(lkey);
       if (lkey == 0) bounce += align_up(bytes, kCacheLine);
@@ -178,16 +189,18 @@ void RdmaConnection::prepare(Slot& s) {
   for (const KeySlice& k : keys) payload += std::uint64_t{k.length} * sizeof(float);
   const std::uint64_t table = kHeader + n * sizeof(wire::KeyEntry);
   s.message_total = table + payload;
-  const std::string what = "a " + std::string(wire::op_name(static_cast<std::uint16_t>(r.op))) + " of " +
-                           std::to_string(n) + " keys and " + std::to_string(payload >> 20) + " MiB";
+  auto what = [&] {
+    return "a " + std::string(wire::op_name(static_cast<std::uint16_t>(r.op))) + " of " + std::to_string(n) +
+           " keys and " + std::to_string(payload >> 20) + " MiB";
+  };
   if (n > server_.max_keys)
-    throw Error(Errc::capacity, what + " exceeds the " + std::to_string(server_.max_keys) + "-key limit of " + endpoint_ +
+    throw Error(Errc::capacity, what() + " exceeds the " + std::to_string(server_.max_keys) + "-key limit of " + endpoint_ +
                                     " (split the batch or raise --max-keys-per-request)");
   if (payload > server_.max_payload_bytes)
-    throw Error(Errc::capacity, what + " exceeds the request limit of " + endpoint_ +
+    throw Error(Errc::capacity, what() + " exceeds the request limit of " + endpoint_ +
                                     " (raise --max-request-mb or lower --chunk-floats)");
   if (align_up(s.message_total, kDescriptorAlign) > server_.region_bytes)
-    throw Error(Errc::capacity, what + " does not fit the " + std::to_string(server_.region_bytes >> 20) +
+    throw Error(Errc::capacity, what() + " does not fit the " + std::to_string(server_.region_bytes >> 20) +
                                     " MiB receive region of " + endpoint_ + ": raise the server's --rdma-recv-mb or lower --chunk-floats");
   // Registered slices are gathered in place (zero copy); small unannounced ones are copied next
   // to the descriptor. A push of very many registered slices would need more gather entries
@@ -219,10 +232,10 @@ void RdmaConnection::prepare(Slot& s) {
   const std::uint32_t staging_key = s.staging.mr.lkey();
   auto add = [&](const std::byte* p, std::uint64_t bytes, std::uint32_t lkey) {
     while (bytes > 0) {
-      const std::uint64_t len = std::min<std::uint64_t>(bytes, kMaxPiece);
+      const std::uint64_t len = std::min<std::uint64_t>(bytes, max_piece());
       ibv_sge* last = s.gather.empty() ? nullptr : &s.gather.back();
       if (last && last->lkey == lkey && last->addr + last->length == reinterpret_cast<std::uint64_t>(p) &&
-          last->length + len <= kMaxPiece)
+          last->length + len <= max_piece())
         last->length += static_cast<std::uint32_t>(len);
       else
         s.gather.push_back({reinterpret_cast<std::uint64_t>(p), static_cast<std::uint32_t>(len), lkey});
@@ -242,11 +255,11 @@ void RdmaConnection::prepare(Slot& s) {
       add(reinterpret_cast<const std::byte*>(keys[i].data), bytes, s.lkeys[i]);
     }
   }
-  // Each WRITE takes up to max_sge entries and at most kMaxPiece bytes.
+  // Each WRITE takes up to max_sge entries and at most one message's worth of bytes.
   std::uint32_t count = 0;
   std::uint64_t bytes = 0;
   for (const ibv_sge& g : s.gather) {
-    if (count == max_sge_ || (count > 0 && bytes + g.length > kMaxPiece)) {
+    if (count == max_sge_ || (count > 0 && bytes + g.length > max_piece())) {
       s.wr_groups.push_back(count);
       count = 0;
       bytes = 0;
@@ -255,6 +268,9 @@ void RdmaConnection::prepare(Slot& s) {
     bytes += g.length;
   }
   s.wr_groups.push_back(count);
+  if (s.wr_groups.size() > send_depth_ / 2)
+    throw Error(Errc::capacity, what() + " needs " + std::to_string(s.wr_groups.size()) + " RDMA WRITEs, more than the send queue of " +
+                                    endpoint_ + " holds (lower --chunk-floats or split the batch)");
   s.sent_op = r.op;
 }
 
@@ -282,15 +298,23 @@ void RdmaConnection::start(std::uint32_t index) {
 // --- posting ----------------------------------------------------------------------------------
 
 void RdmaConnection::pump() {
+  // Popped before posting: a failed post breaks the connection, which empties the queues.
   while (!send_queue_.empty() && !broken_) {
-    if (!post_message(send_queue_.front())) break;
+    const std::uint32_t i = send_queue_.front();
     send_queue_.pop_front();
+    if (!post_message(i)) {
+      send_queue_.push_front(i);
+      break;
+    }
   }
   while (!read_queue_.empty() && !broken_) {
     const std::uint32_t i = read_queue_.front();
-    const bool posted = slots_[i].phase == Phase::clock_queued ? post_clock_read(i) : post_round(i);
-    if (!posted) break;
     read_queue_.pop_front();
+    const bool posted = slots_[i].phase == Phase::clock_queued ? post_clock_read(i) : post_round(i);
+    if (!posted) {
+      read_queue_.push_front(i);
+      break;
+    }
   }
 }
 
@@ -308,8 +332,8 @@ bool RdmaConnection::post_message(std::uint32_t index) {
     wr.num_sge = 1;
     wr.opcode = IBV_WR_SEND;
     wr.send_flags = IBV_SEND_SIGNALED;
-    if (ibv_post_send(verbs_->id->qp, &wr, &bad) != 0) {
-      fail_all(Errc::io, "posting a SEND to " + endpoint_ + " failed: " + errno_text(errno));
+    if (const int rc = ibv_post_send(verbs_->qp, &wr, &bad); rc != 0) {
+      fail_all(Errc::io, "posting a SEND to " + endpoint_ + " failed: " + errno_text(rc));
       return true;
     }
   } else {
@@ -341,8 +365,8 @@ bool RdmaConnection::post_message(std::uint32_t index) {
     last.imm_data = htonl(static_cast<std::uint32_t>(offset / kDescriptorAlign));
     last.send_flags = IBV_SEND_SIGNALED;
     last.wr_id = make_wr_id(WrKind::send_end, index, chain);
-    if (ibv_post_send(verbs_->id->qp, wrs_.data(), &bad) != 0) {
-      fail_all(Errc::io, "posting RDMA WRITEs to " + endpoint_ + " failed: " + errno_text(errno));
+    if (const int rc = ibv_post_send(verbs_->qp, wrs_.data(), &bad); rc != 0) {
+      fail_all(Errc::io, "posting RDMA WRITEs to " + endpoint_ + " failed: " + errno_text(rc));
       return true;
     }
     region_head_ = at + need;
@@ -370,8 +394,8 @@ bool RdmaConnection::post_clock_read(std::uint32_t index) {
   wr.send_flags = IBV_SEND_SIGNALED;
   wr.wr.rdma.remote_addr = server_.clock_addr;
   wr.wr.rdma.rkey = server_.clock_rkey;
-  if (ibv_post_send(verbs_->id->qp, &wr, &bad) != 0) {
-    fail_all(Errc::io, "posting an RDMA READ to " + endpoint_ + " failed: " + errno_text(errno));
+  if (const int rc = ibv_post_send(verbs_->qp, &wr, &bad); rc != 0) {
+    fail_all(Errc::io, "posting an RDMA READ to " + endpoint_ + " failed: " + errno_text(rc));
     return true;
   }
   sq_used_ += 1;
@@ -385,8 +409,11 @@ void RdmaConnection::next_round(Slot& s) {
   const auto keys = s.request->keys;
   s.round.clear();
   std::size_t bounced = 0;
-  std::uint32_t k = s.round_end;
+  std::uint32_t wrs = 1, k = s.round_end;
   while (k < keys.size() && s.round.size() < kMaxRoundKeys) {
+    const std::uint32_t reads = reads_for(keys[k].length);
+    if (!s.round.empty() && wrs + reads > send_depth_ / 2) break;
+    wrs += reads;
     if (s.lkeys[k] == 0) {
       const std::size_t bytes = align_up(std::size_t{keys[k].length} * sizeof(float), kCacheLine);
       if (!s.round.empty() && bounced + bytes > kRoundBounce) break;
@@ -411,13 +438,14 @@ void RdmaConnection::assign_bounce(Slot& s) {
 bool RdmaConnection::post_round(std::uint32_t index) {
   Slot& s = slots_[index];
   const auto keys = s.request->keys;
-  const std::uint32_t chain = (s.snapshot ? 1 : 0) + 2 * static_cast<std::uint32_t>(s.round.size());
+  std::uint32_t chain = s.snapshot ? 1 : 0;
+  for (std::uint32_t k : s.round) chain += reads_for(keys[k].length);
   if (sq_free() < chain) return false;
   std::byte* staging = s.staging.data();
   const std::uint32_t skey = s.staging.mr.lkey();
   const std::size_t headers = clock_area(), seqs = headers + kMaxRoundKeys * kSlotHeader;
   wrs_.assign(chain, ibv_send_wr{});
-  sges_.assign(chain + s.round.size() + 1, ibv_sge{});
+  sges_.assign(chain + s.round.size(), ibv_sge{});
   std::uint32_t w = 0, g = 0;
   auto read = [&](std::uint64_t remote, std::uint32_t rkey, std::uint32_t num_sge) {
     ibv_send_wr& wr = wrs_[w];
@@ -437,13 +465,19 @@ bool RdmaConnection::post_round(std::uint32_t index) {
   for (std::size_t j = 0; j < s.round.size(); ++j) {
     const std::uint32_t k = s.round[j];
     const std::uint64_t remote = server_.store_addr + s.remote[k].offset;
-    const auto bytes = static_cast<std::uint32_t>(std::size_t{keys[k].length} * sizeof(float));
+    const std::size_t bytes = std::size_t{keys[k].length} * sizeof(float);
+    auto* dest = s.lkeys[k] != 0 ? reinterpret_cast<std::byte*>(keys[k].data) : staging + bounce_base() + s.bounce_at[j];
+    const std::uint32_t dkey = s.lkeys[k] != 0 ? s.lkeys[k] : skey;
+    std::size_t done = std::min(bytes, max_piece() - kSlotHeader);
     sges_[g++] = {reinterpret_cast<std::uint64_t>(staging + headers + j * kSlotHeader), kSlotHeader, skey};
-    if (s.lkeys[k] != 0)
-      sges_[g++] = {reinterpret_cast<std::uint64_t>(keys[k].data), bytes, s.lkeys[k]};
-    else
-      sges_[g++] = {reinterpret_cast<std::uint64_t>(staging + bounce_base() + s.bounce_at[j]), bytes, skey};
+    sges_[g++] = {reinterpret_cast<std::uint64_t>(dest), static_cast<std::uint32_t>(done), dkey};
     read(remote, server_.store_rkey, 2);
+    while (done < bytes) {
+      const std::size_t len = std::min(bytes - done, max_piece());
+      sges_[g++] = {reinterpret_cast<std::uint64_t>(dest + done), static_cast<std::uint32_t>(len), dkey};
+      read(remote + kSlotHeader + done, server_.store_rkey, 1);
+      done += len;
+    }
     sges_[g++] = {reinterpret_cast<std::uint64_t>(staging + seqs + j * sizeof(std::uint64_t)), sizeof(std::uint64_t), skey};
     read(remote, server_.store_rkey, 1);
   }
@@ -451,8 +485,8 @@ bool RdmaConnection::post_round(std::uint32_t index) {
   last.send_flags = IBV_SEND_SIGNALED;
   last.wr_id = make_wr_id(WrKind::round_end, index, chain);
   ibv_send_wr* bad = nullptr;
-  if (ibv_post_send(verbs_->id->qp, wrs_.data(), &bad) != 0) {
-    fail_all(Errc::io, "posting RDMA READs to " + endpoint_ + " failed: " + errno_text(errno));
+  if (const int rc = ibv_post_send(verbs_->qp, wrs_.data(), &bad); rc != 0) {
+    fail_all(Errc::io, "posting RDMA READs to " + endpoint_ + " failed: " + errno_text(rc));
     return true;
   }
   sq_used_ += chain;
@@ -469,8 +503,8 @@ void RdmaConnection::post_recv(std::uint32_t buffer) {
   wr.wr_id = make_wr_id(WrKind::recv, buffer);
   wr.sg_list = &sge;
   wr.num_sge = 1;
-  if (ibv_post_recv(verbs_->id->qp, &wr, &bad) != 0)
-    fail_all(Errc::io, "re-posting a receive buffer for " + endpoint_ + " failed: " + errno_text(errno));
+  if (const int rc = ibv_post_recv(verbs_->qp, &wr, &bad); rc != 0)
+    fail_all(Errc::io, "re-posting a receive buffer for " + endpoint_ + " failed: " + errno_text(rc));
 }
 
 // --- the pull state machine --------------------------------------------------------------------
@@ -556,7 +590,7 @@ void RdmaConnection::on_clock_read(std::uint32_t index) {
     const ClockTable table(s.staging.data(), server_.num_workers, false);
     s.bound = table.bound(server_.quorum);
   } catch (const Error& e) {
-    finish(index, Errc::protocol, endpoint_ + "'s clock table: " + e.what());
+    finish(index, Errc::protocol, endpoint_ + "'s clock table: " + message_of(e));
     return;
   }
   s.have_bound = true;
@@ -807,11 +841,13 @@ void RdmaConnection::fail_all(Errc status, const std::string& why) {
   broken_at_ = Clock::now();
   // The error state stops the NIC and flushes every posted work request; a slot whose buffers
   // the NIC might still touch is released only when its flush completion arrives.
+  // Should even that fail, the flush grace in on_tick still bounds the wait.
   ibv_qp_attr attr{};
   attr.qp_state = IBV_QPS_ERR;
-  ibv_modify_qp(verbs_->id->qp, &attr, IBV_QP_STATE);
+  if (ibv_modify_qp(verbs_->qp, &attr, IBV_QP_STATE) != 0) broken_why_ += " (and the queue pair could not be stopped)";
   for (std::uint32_t i = 0; i < slots_.size(); ++i) {
-    if (!slots_[i].request) continue;
+    // A slot still being prepared is its submitter's: start() sees broken_ and finishes it.
+    if (!slots_[i].request || slots_[i].phase == Phase::preparing) continue;
     slots_[i].awaiting_reply = false;
     finish(i, status, why);
   }

@@ -25,8 +25,8 @@ bool wildcard(const sockaddr_storage& a) {
 }  // namespace
 
 void ServerConn::release() {
-  if (qp) rdma_destroy_qp(id);
-  qp = false;
+  if (qp) ibv_destroy_qp(qp);
+  qp = nullptr;
   if (send_cq) ibv_destroy_cq(send_cq);
   if (recv_cq) ibv_destroy_cq(recv_cq);
   send_cq = recv_cq = nullptr;
@@ -35,7 +35,8 @@ void ServerConn::release() {
   recv = RegisteredBuffer();
 }
 
-RdmaServer::RdmaServer(const Uri& uri, const EngineOptions& engine, const RdmaServerOptions& options)
+RdmaServer::RdmaServer(const Uri& uri, const EngineOptions& engine, const RdmaServerOptions& options,
+                       const std::function<void(ShardEngine&)>& prepare)
     : options_(options) {
   Uri shown = uri;
   shown.params.clear();
@@ -55,6 +56,7 @@ RdmaServer::RdmaServer(const Uri& uri, const EngineOptions& engine, const RdmaSe
 
   if (engine.num_workers > 0) clock_memory_ = PinnedBuffer(align_up(ClockTable::bytes_for(engine.num_workers), 4096));
   engine_ = std::make_unique<ShardEngine>(engine, nullptr, engine.num_workers ? clock_memory_.data() : nullptr);
+  if (prepare) prepare(*engine_);
   try {
     if (!(events_ = rdma_create_event_channel())) {
       if (errno == ENODEV || errno == ENOENT) require_device(endpoint_);
@@ -73,21 +75,27 @@ RdmaServer::RdmaServer(const Uri& uri, const EngineOptions& engine, const RdmaSe
                                        "); use the IP address of an RDMA interface (`rdma link` lists them; in the "
                                        "Soft-RoCE VM: $RXE_IP, not 127.0.0.1)");
     }
-    ctx_ = listen_id_->verbs;
-    if (ctx_) {
-      check_and_log_device(listen_id_, want, "server", endpoint_);
+    port_ = ntohs(rdma_get_src_port(listen_id_));  // port 0 asked for one; it is chosen at bind
+    shown.port = port_;
+    endpoint_ = shown.str();
+    if (listen_id_->verbs) {
+      ctx_ = open_own_context(listen_id_->verbs);
+      check_and_log_device(listen_id_, ctx_, want, "server", endpoint_);
     } else if (wildcard(addr)) {
       // Listening on every address: serve the named device (or the first) and refuse others.
       int n = 0;
       ibv_context** list = rdma_get_devices(&n);
-      for (int i = 0; i < n && !ctx_; ++i)
-        if (want.device.empty() || want.device == ibv_get_device_name(list[i]->device)) ctx_ = list[i];
+      ibv_context* chosen = nullptr;
+      for (int i = 0; i < n && !chosen; ++i)
+        if (want.device.empty() || want.device == ibv_get_device_name(list[i]->device)) chosen = list[i];
+      if (chosen) ctx_ = open_own_context(chosen);
       if (list) rdma_free_devices(list);
       if (!ctx_)
         throw Error(Errc::no_device, "cannot serve " + endpoint_ + ": no RDMA device named '" + want.device + "'");
       std::fprintf(stderr, "pskv rdma: device %s (all addresses) for server %s\n", ibv_get_device_name(ctx_->device),
                    endpoint_.c_str());
     }
+    device_name_ = ibv_get_device_name(ctx_->device);
     if (ibv_query_device(ctx_, &device_) != 0) throw Error(Errc::io, "ibv_query_device: " + errno_text(errno));
     if (!(pd_ = ibv_alloc_pd(ctx_))) throw Error(Errc::io, "ibv_alloc_pd: " + errno_text(errno));
     Store& store = engine_->store();
@@ -97,7 +105,6 @@ RdmaServer::RdmaServer(const Uri& uri, const EngineOptions& engine, const RdmaSe
       clock_mr_ = MemoryRegion(pd_, clock_memory_.data(), clock_memory_.size(), IBV_ACCESS_REMOTE_READ, "the clock table");
     for (std::uint32_t t = 0; t < options_.threads; ++t) io_.push_back(std::make_unique<IoThread>(*this, ctx_));
     if (rdma_listen(listen_id_, kBacklog) != 0) throw Error(Errc::io, "rdma_listen on " + endpoint_ + ": " + errno_text(errno));
-    port_ = ntohs(rdma_get_src_port(listen_id_));
     if ((wake_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) < 0) throw Error(Errc::io, "eventfd: " + errno_text(errno));
   } catch (...) {
     stop();
@@ -131,6 +138,8 @@ void RdmaServer::stop() {
   store_mr_ = MemoryRegion();
   if (pd_) ibv_dealloc_pd(pd_);
   pd_ = nullptr;
+  if (ctx_) ibv_close_device(ctx_);
+  ctx_ = nullptr;
   if (events_) rdma_destroy_event_channel(events_);
   events_ = nullptr;
   if (wake_fd_ >= 0) ::close(wake_fd_);
@@ -213,8 +222,8 @@ void RdmaServer::on_connect_request(rdma_cm_event* ev) {
   if (conns_.size() >= options_.max_connections)
     return refuse(id, Errc::capacity, "the server already has " + std::to_string(conns_.size()) +
                                           " connections (--max-connections); try again later or raise the limit");
-  if (id->verbs != ctx_)
-    return refuse(id, Errc::unsupported, std::string("this server serves device ") + ibv_get_device_name(ctx_->device) +
+  if (!id->verbs || device_name_ != ibv_get_device_name(id->verbs->device))
+    return refuse(id, Errc::unsupported, "this server serves device " + device_name_ +
                                              " only; connect to an address on that device");
 
   auto conn = std::make_shared<ServerConn>();
@@ -235,8 +244,11 @@ void RdmaServer::on_connect_request(rdma_cm_event* ev) {
     qa.cap.max_recv_wr = depth;
     qa.cap.max_send_sge = 1;
     qa.cap.max_recv_sge = 1;
-    if (rdma_create_qp(id, pd_, &qa) != 0) throw Error(Errc::io, "rdma_create_qp: " + errno_text(errno));
-    conn->qp = true;
+    if (!(conn->qp = ibv_create_qp(pd_, &qa))) throw Error(Errc::io, "ibv_create_qp: " + errno_text(errno));
+    const std::uint8_t ack_timeout = kAckTimeout;
+    rdma_set_option(id, RDMA_OPTION_ID, RDMA_OPTION_ID_ACK_TIMEOUT, const_cast<std::uint8_t*>(&ack_timeout),
+                    sizeof ack_timeout);
+    move_qp(id, conn->qp, IBV_QPS_INIT, endpoint_);
     conn->recv = RegisteredBuffer(pd_, std::size_t{depth} * kControlBytes, IBV_ACCESS_LOCAL_WRITE, "receive buffers");
     conn->send = RegisteredBuffer(pd_, std::size_t{2 * depth} * kControlBytes, IBV_ACCESS_LOCAL_WRITE, "reply buffers");
     conn->region = RegisteredBuffer(pd_, options_.region_bytes, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE,
@@ -249,13 +261,18 @@ void RdmaServer::on_connect_request(rdma_cm_event* ev) {
       wr.wr_id = i;
       wr.sg_list = &sge;
       wr.num_sge = 1;
-      if (ibv_post_recv(id->qp, &wr, &bad) != 0) throw Error(Errc::io, "ibv_post_recv: " + errno_text(errno));
+      if (const int rc = ibv_post_recv(conn->qp, &wr, &bad); rc != 0)
+        throw Error(Errc::io, "ibv_post_recv: " + errno_text(rc));
     }
-    if (!options_.busy_poll && (ibv_req_notify_cq(conn->send_cq, 0) != 0 || ibv_req_notify_cq(conn->recv_cq, 0) != 0))
-      throw Error(Errc::io, "ibv_req_notify_cq: " + errno_text(errno));
+    // Ready to receive and to answer before the REP leaves, as the kernel does for its own QPs.
+    move_qp(id, conn->qp, IBV_QPS_RTR, endpoint_);
+    move_qp(id, conn->qp, IBV_QPS_RTS, endpoint_);
+    if (!options_.busy_poll)
+      for (ibv_cq* cq : {conn->send_cq, conn->recv_cq})
+        if (const int rc = ibv_req_notify_cq(cq, 0); rc != 0) throw Error(Errc::io, "ibv_req_notify_cq: " + errno_text(rc));
   } catch (const Error& e) {
     conn->release();
-    return refuse(id, e.code(), e.what());
+    return refuse(id, e.code(), message_of(e));
   }
   conn->owner->adopt(conn);
   conns_[id] = conn;
@@ -296,8 +313,7 @@ void RdmaServer::on_connect_request(rdma_cm_event* ev) {
       static_cast<std::uint8_t>(std::min<int>(ev->param.conn.responder_resources, device_.max_qp_init_rd_atom));
   param.retry_count = kRetryCount;
   param.rnr_retry_count = kRnrRetry;
-  const std::uint8_t ack_timeout = kAckTimeout;
-  rdma_set_option(id, RDMA_OPTION_ID, RDMA_OPTION_ID_ACK_TIMEOUT, const_cast<std::uint8_t*>(&ack_timeout), sizeof ack_timeout);
+  param.qp_num = conn->qp->qp_num;
   if (rdma_accept(id, &param) != 0) conn->owner->request_close(conn);
 }
 

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -44,7 +45,9 @@ class IoThread;
 // Thread-safety: construct, then stop() or destroy from one thread; everything else is internal.
 class RdmaServer {
  public:
-  RdmaServer(const Uri& uri, const EngineOptions& engine, const RdmaServerOptions& options);
+  // `prepare` runs on the engine before any client can connect (e.g. a restore).
+  RdmaServer(const Uri& uri, const EngineOptions& engine, const RdmaServerOptions& options,
+             const std::function<void(ShardEngine&)>& prepare = {});
   ~RdmaServer();
   RdmaServer(const RdmaServer&) = delete;
   RdmaServer& operator=(const RdmaServer&) = delete;
@@ -68,7 +71,8 @@ class RdmaServer {
   std::unique_ptr<ShardEngine> engine_;
   rdma_event_channel* events_ = nullptr;
   rdma_cm_id* listen_id_ = nullptr;
-  ibv_context* ctx_ = nullptr;
+  ibv_context* ctx_ = nullptr;  // our own (see open_own_context)
+  std::string device_name_;
   ibv_pd* pd_ = nullptr;
   ibv_device_attr device_{};
   MemoryRegion store_mr_;

@@ -27,7 +27,7 @@ class ServerConn : public std::enable_shared_from_this<ServerConn> {
   std::atomic<bool> closed{false};
   ibv_cq* send_cq = nullptr;
   ibv_cq* recv_cq = nullptr;
-  bool qp = false;
+  ibv_qp* qp = nullptr;
   RegisteredBuffer recv;    // depth x kControlBytes
   RegisteredBuffer send;    // 2 x depth x kControlBytes
   RegisteredBuffer region;  // the client WRITEs its pushes here
@@ -81,8 +81,9 @@ class IoThread {
   ibv_comp_channel* channel_ = nullptr;
   int wake_fd_ = -1;
   std::thread thread_;
-  std::mutex mu_;  // guards the four below
+  std::mutex mu_;  // guards the five below
   std::vector<std::shared_ptr<ServerConn>> conns_;
+  std::uint64_t conns_version_ = 0;  // bumped when conns_ changes (busy polling re-reads it then)
   std::vector<std::shared_ptr<ServerConn>> closing_;
   std::vector<Deferred> deferred_;
   bool stop_ = false;

@@ -64,6 +64,7 @@ void IoThread::wake() {
 void IoThread::adopt(const std::shared_ptr<ServerConn>& conn) {
   std::lock_guard lock(mu_);
   conns_.push_back(conn);
+  ++conns_version_;
 }
 
 void IoThread::request_close(const std::shared_ptr<ServerConn>& conn) {
@@ -109,6 +110,7 @@ void IoThread::loop() {
   const bool busy = server_.options_.busy_poll;
   std::vector<std::shared_ptr<ServerConn>> closing, polled;
   std::vector<Deferred> deferred;
+  std::uint64_t polled_version = ~0ull;
   unsigned spins = 0;
   for (;;) {
     bool channel_ready = false;
@@ -128,7 +130,10 @@ void IoThread::loop() {
       if (stop_) return;
       closing.swap(closing_);
       deferred.swap(deferred_);
-      if (busy) polled = conns_;
+      if (busy && polled_version != conns_version_) {
+        polled = conns_;
+        polled_version = conns_version_;
+      }
     }
     if (channel_ready) {
       ibv_cq* cq = nullptr;
@@ -167,7 +172,6 @@ void IoThread::loop() {
     deferred.clear();
     for (auto& c : closing) close(*c);
     closing.clear();
-    polled.clear();
     active_.erase(std::remove_if(active_.begin(), active_.end(), [](ServerConn* c) { return c->closed.load(); }),
                   active_.end());
     graveyard_.clear();
@@ -228,7 +232,7 @@ bool IoThread::post_recv(ServerConn& c, std::uint32_t buffer) {
   wr.wr_id = buffer;
   wr.sg_list = &sge;
   wr.num_sge = 1;
-  return ibv_post_recv(c.id->qp, &wr, &bad) == 0;
+  return ibv_post_recv(c.qp, &wr, &bad) == 0;
 }
 
 void IoThread::on_recv(ServerConn& c, const ibv_wc& wc) {
@@ -397,7 +401,7 @@ bool IoThread::reply(ServerConn& c, const wire::FrameHeader& req, Errc status, c
   wr.num_sge = 1;
   wr.opcode = IBV_WR_SEND;
   wr.send_flags = IBV_SEND_SIGNALED;
-  if (ibv_post_send(c.id->qp, &wr, &bad) != 0) {
+  if (ibv_post_send(c.qp, &wr, &bad) != 0) {
     c.free_send.push_back(b);
     return false;
   }
@@ -426,6 +430,7 @@ void IoThread::close(ServerConn& c) {
   {
     std::lock_guard lock(mu_);
     conns_.erase(std::remove(conns_.begin(), conns_.end(), self), conns_.end());
+    ++conns_version_;
     stopping = stop_;
   }
   // When the server stops, it destroys every id itself once all threads are gone.

@@ -94,9 +94,8 @@ ibv_gid gid_of(const sockaddr* addr) {
 
 }  // namespace
 
-void check_and_log_device(rdma_cm_id* id, const EndpointParams& want, const std::string& role,
+void check_and_log_device(rdma_cm_id* id, ibv_context* ctx, const EndpointParams& want, const std::string& role,
                           const std::string& endpoint) {
-  ibv_context* ctx = id->verbs;
   const std::string device = ibv_get_device_name(ctx->device);
   const int port = id->port_num;
   ibv_gid sgid = id->route.addr.addr.ibaddr.sgid;
@@ -135,6 +134,33 @@ void check_and_log_device(rdma_cm_id* id, const EndpointParams& want, const std:
   static std::set<std::string> logged;
   std::lock_guard lock(mu);
   if (logged.insert(role + chosen).second) std::fprintf(stderr, "%s\n", line.c_str());
+}
+
+ibv_context* open_own_context(ibv_context* cm_context) {
+  const std::string name = ibv_get_device_name(cm_context->device);
+  int n = 0;
+  ibv_device** list = ibv_get_device_list(&n);
+  ibv_context* ctx = nullptr;
+  int err = ENODEV;
+  for (int i = 0; i < n && !ctx; ++i)
+    if (name == ibv_get_device_name(list[i])) {
+      ctx = ibv_open_device(list[i]);
+      err = errno;
+    }
+  if (list) ibv_free_device_list(list);
+  if (!ctx) throw Error(Errc::io, "cannot open RDMA device " + name + ": " + errno_text(err));
+  return ctx;
+}
+
+void move_qp(rdma_cm_id* id, ibv_qp* qp, ibv_qp_state state, const std::string& endpoint) {
+  ibv_qp_attr attr{};
+  int mask = 0;
+  attr.qp_state = state;
+  if (rdma_init_qp_attr(id, &attr, &mask) != 0)
+    throw Error(Errc::peer_failure, endpoint + ": rdma_init_qp_attr(" + std::to_string(state) + "): " + errno_text(errno));
+  if (state == IBV_QPS_INIT) attr.qp_access_flags |= IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_WRITE;
+  if (const int rc = ibv_modify_qp(qp, &attr, mask); rc != 0)
+    throw Error(Errc::io, endpoint + ": ibv_modify_qp to state " + std::to_string(state) + ": " + errno_text(rc));
 }
 
 sockaddr_storage resolve_host(const std::string& host, std::uint16_t port, bool passive) {
@@ -208,6 +234,12 @@ rdma_cm_event* next_cm_event(rdma_event_channel* channel, Deadline deadline) {
     pollfd p{channel->fd, POLLIN, 0};
     ::poll(&p, 1, static_cast<int>(std::min<long long>(left.count() + 1, 1000)));
   }
+}
+
+std::string message_of(const Error& e) {
+  const std::string what = e.what();
+  const std::string prefix = "pskv " + std::string(errc_name(e.code())) + ": ";
+  return what.rfind(prefix, 0) == 0 ? what.substr(prefix.size()) : what;
 }
 
 void set_nonblocking(int fd) {

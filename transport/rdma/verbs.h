@@ -42,8 +42,18 @@ EndpointParams parse_params(const Uri& uri);
 // rdma_cm routes by IP address, so the address picks the device and port. This checks the
 // requested dev/port/gid against that choice (an explicit mismatch is an error naming both) and
 // logs the choice to stderr once per process and device/port/GID.
-void check_and_log_device(rdma_cm_id* id, const EndpointParams& want, const std::string& role,
+// `ctx` is the caller's own context on that device (queries go through it).
+void check_and_log_device(rdma_cm_id* id, ibv_context* ctx, const EndpointParams& want, const std::string& role,
                           const std::string& endpoint);
+
+// Opens this process's own context on the device rdma_cm routed an id to. rdma_cm opens its
+// contexts once per process and a forked child inherits them, but the kernel refuses a context
+// to any process but its opener (every write()-based verbs command fails with EACCES), so each
+// connection opens its own, creates its queue pair there, and drives it with move_qp().
+ibv_context* open_own_context(ibv_context* cm_context);
+// Moves `qp` to `state` with the attributes rdma_cm computed for `id` (path, remote QPN, PSN,
+// timeouts, read depths). INIT also grants remote READ and WRITE (the MRs still decide).
+void move_qp(rdma_cm_id* id, ibv_qp* qp, ibv_qp_state state, const std::string& endpoint);
 
 // Resolves host:port for rdma_cm (numeric or by name). Throws invalid_argument.
 sockaddr_storage resolve_host(const std::string& host, std::uint16_t port, bool passive);
@@ -99,6 +109,9 @@ struct RegisteredBuffer {
 // Waits for the next rdma_cm event until `deadline`: nullptr on timeout. The caller acks it.
 // The channel's fd must be non-blocking.
 rdma_cm_event* next_cm_event(rdma_event_channel* channel, Deadline deadline);
+
+// An Error's message without the "pskv <code>: " prefix, for passing it on inside another error.
+std::string message_of(const Error& e);
 
 void set_nonblocking(int fd);
 std::string errno_text(int err);

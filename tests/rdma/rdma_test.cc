@@ -1,0 +1,589 @@
+// The RDMA backend end to end, on a real (Soft-RoCE) device: pskv-server processes serving
+// rdma://$RXE_IP:0, clients in forked processes, values through real RDMA READs and WRITEs.
+#include <gtest/gtest.h>
+#include <rdma/rdma_cma.h>
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <fstream>
+#include <numeric>
+#include <sstream>
+#include <stdexcept>
+#include <thread>
+
+#include "rdma_support.h"
+#include "transport/rdma/rdma_protocol.h"
+#include "transport/uri.h"
+
+namespace pskv {
+namespace {
+
+using testing::fork_worker;
+using testing::rdma_client;
+using testing::rdma_ip;
+using testing::ServerProcess;
+using testing::start_rdma_server;
+using testing::wait_pid;
+
+template <class T>
+T* shared_array(std::size_t n) {
+  void* p = mmap(nullptr, sizeof(T) * n, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  return new (p) T[n]();
+}
+
+std::vector<float> pattern(std::size_t n, float base) {
+  std::vector<float> v(n);
+  for (std::size_t i = 0; i < n; ++i) v[i] = base + float(i % 1009);
+  return v;
+}
+
+TEST(Rdma, PushAndPullValuesFromOneFloatTo16MiB) {
+  PSKV_REQUIRE_RDMA();
+  auto server = start_rdma_server({"--arena-mb", "80"});
+  ClientOptions o = rdma_client({server.uri});
+  o.chunk_floats = 0;  // one server, whole values: a 16 MiB value is one READ and one WRITE chain
+  Client c(o);
+  // 1 float; 300 floats (more than one 1024-byte MTU); 64 KiB; 1 MiB; 16 MiB.
+  const std::vector<std::size_t> sizes{1, 300, 16384, 262144, 4u << 20};
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    SCOPED_TRACE("value of " + std::to_string(sizes[i]) + " floats");
+    const Key key = 100 + i;
+    const auto init = pattern(sizes[i], float(i));
+    c.wait(c.init(key, init));
+    // Unregistered destination: bounced through staging (small) or registered for this pull.
+    std::vector<float> out(sizes[i], -1.0f);
+    c.wait(c.pull(key, out));
+    ASSERT_EQ(out, init);
+    // Registered buffers: straight from and into the caller's memory.
+    std::vector<float> grad(sizes[i], 2.0f), out2(sizes[i], -1.0f);
+    c.register_buffer(grad.data(), grad.size() * sizeof(float));
+    c.register_buffer(out2.data(), out2.size() * sizeof(float));
+    c.wait(c.push(key, grad));
+    c.wait(c.pull(key, out2));
+    for (std::size_t j = 0; j < sizes[i]; ++j) ASSERT_EQ(out2[j], init[j] + 2.0f) << j;
+  }
+}
+
+TEST(Rdma, ManyKeysInOneRequestAndReadYourWrites) {
+  PSKV_REQUIRE_RDMA();
+  auto server = start_rdma_server();
+  Client c(rdma_client({server.uri}));
+  // More keys than one LOOKUP (about 1000) and one READ round (64) take.
+  constexpr std::size_t kKeys = 2500;
+  std::vector<Key> keys(kKeys);
+  std::iota(keys.begin(), keys.end(), 5000);
+  std::vector<std::vector<float>> values(kKeys), grads(kKeys), outs(kKeys);
+  std::vector<std::span<const float>> in, g;
+  std::vector<std::span<float>> out;
+  for (std::size_t i = 0; i < kKeys; ++i) {
+    values[i].assign(1 + i % 37, float(i));
+    grads[i].assign(values[i].size(), 1.0f);
+    outs[i].assign(values[i].size(), -1.0f);
+    in.emplace_back(values[i]);
+    g.emplace_back(grads[i]);
+    out.emplace_back(outs[i]);
+  }
+  c.wait(c.init(keys, in));
+  // Issued back to back without waiting: the pull must still see the push before it.
+  const Ticket push = c.push(keys, g);
+  const Ticket pull = c.pull(keys, out);
+  c.wait(push);
+  c.wait(pull);
+  for (std::size_t i = 0; i < kKeys; ++i)
+    for (float x : outs[i]) ASSERT_EQ(x, float(i) + 1.0f) << "key " << keys[i];
+}
+
+TEST(Rdma, NothingLostWithFourClientProcesses) {
+  PSKV_REQUIRE_RDMA();
+  std::vector<ServerProcess> servers;
+  servers.push_back(start_rdma_server());
+  servers.push_back(start_rdma_server({"--server-id", "1"}));
+  ClientOptions o = rdma_client({servers[0].uri, servers[1].uri});
+  constexpr int kClients = 4, kPushes = 200, kKeys = 8, kLen = 100;
+  {
+    Client admin(o);
+    std::vector<float> zeros(kLen, 0.0f);
+    for (Key k = 0; k < kKeys; ++k) admin.wait(admin.init(k, zeros));
+  }
+  std::vector<pid_t> pids;
+  for (int c = 0; c < kClients; ++c)
+    pids.push_back(fork_worker([&, c] {
+      Client client(o);
+      std::vector<float> one(kLen, 1.0f), out(kLen);
+      if (c % 2) client.register_buffer(one.data(), one.size() * sizeof(float));
+      std::vector<Ticket> pending;
+      for (int i = 0; i < kPushes; ++i) {
+        pending.push_back(client.push(Key((i + c) % kKeys), one));  // pipelined, waited in bulk
+        if (pending.size() == 16) {
+          for (Ticket t : pending) client.wait(t);
+          pending.clear();
+          client.wait(client.pull(Key(i % kKeys), out));
+          for (float x : out)
+            if (x != out[0]) return 3;
+        }
+      }
+      for (Ticket t : pending) client.wait(t);
+      return 0;
+    }));
+  for (pid_t p : pids) EXPECT_EQ(wait_pid(p, std::chrono::seconds(300)), 0);
+  Client check(o);
+  double total = 0;
+  std::vector<float> out(kLen);
+  for (Key k = 0; k < kKeys; ++k) {
+    check.wait(check.pull(k, out));
+    for (float x : out) ASSERT_EQ(x, out[0]);
+    total += out[0];
+  }
+  EXPECT_EQ(total, double(kClients) * kPushes);
+}
+
+// Writers assign all-equal vectors while readers pull the same keys with real RDMA READs: a
+// value mixing two writes would show two different elements. One key is read into registered
+// memory (zero copy), one is small and bounced through staging.
+TEST(Rdma, ConcurrentPullsDuringPushesAreNeverTorn) {
+  PSKV_REQUIRE_RDMA();
+  auto server = start_rdma_server({"--rule", "assign"});
+  ClientOptions o = rdma_client({server.uri});
+  o.chunk_floats = 0;
+  constexpr std::size_t kBig = 1u << 16, kSmall = 3000;  // 256 KiB (256 MTUs) and 12 KB
+  {
+    Client admin(o);
+    admin.wait(admin.init(Key(1), std::vector<float>(kBig, 0.0f)));
+    admin.wait(admin.init(Key(2), std::vector<float>(kSmall, 0.0f)));
+  }
+  auto* stop = shared_array<std::atomic<int>>(1);
+  auto* reads = shared_array<std::atomic<long>>(2);     // [0] reads, [1] distinct values seen changing
+  auto* torn = shared_array<std::atomic<long>>(1);
+  std::vector<pid_t> writers, readers;
+  for (int w = 0; w < 2; ++w)
+    writers.push_back(fork_worker([&, w] {
+      Client c(o);
+      std::vector<float> big(kBig), small(kSmall);
+      c.register_buffer(big.data(), big.size() * sizeof(float));
+      for (int i = 1; !stop->load(); ++i) {
+        std::fill(big.begin(), big.end(), float(i * 2 + w));
+        std::fill(small.begin(), small.end(), float(i * 2 + w));
+        const Ticket a = c.push(Key(1), big);
+        const Ticket b = c.push(Key(2), small);
+        c.wait(a);
+        c.wait(b);
+        // Leave readers gaps too: under emulation a READ takes as long as several writes.
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      }
+      return 0;
+    }));
+  for (int r = 0; r < 2; ++r)
+    readers.push_back(fork_worker([&] {
+      Client c(o);
+      std::vector<float> big(kBig), small(kSmall);
+      c.register_buffer(big.data(), big.size() * sizeof(float));
+      float last = -1;
+      for (int i = 0; i < 60; ++i) {
+        const Ticket a = c.pull(Key(1), big);
+        const Ticket b = c.pull(Key(2), small);
+        c.wait(a);
+        c.wait(b);
+        for (const auto* v : {&big, &small})
+          if (std::any_of(v->begin(), v->end(), [&](float x) { return x != (*v)[0]; })) torn->fetch_add(1);
+        if (big[0] != last) reads[1].fetch_add(1);
+        last = big[0];
+        reads[0].fetch_add(1);
+      }
+      return 0;
+    }));
+  for (pid_t p : readers) EXPECT_EQ(wait_pid(p, std::chrono::seconds(300)), 0);
+  stop->store(1);
+  for (pid_t p : writers) EXPECT_EQ(wait_pid(p, std::chrono::seconds(60)), 0);
+  EXPECT_EQ(torn->load(), 0) << "a pull returned a value mixing two writes";
+  EXPECT_EQ(reads[0].load(), 120);
+  EXPECT_GT(reads[1].load(), 10) << "the writers hardly ran while the readers read: the test proved little";
+  munmap(stop, sizeof(std::atomic<int>));
+  munmap(reads, 2 * sizeof(std::atomic<long>));
+  munmap(torn, sizeof(std::atomic<long>));
+}
+
+TEST(Rdma, UnknownKeyWrongLengthAndOversizedPushAreClearErrors) {
+  PSKV_REQUIRE_RDMA();
+  auto server = start_rdma_server({"--rdma-recv-mb", "1"});
+  ClientOptions o = rdma_client({server.uri});
+  o.chunk_floats = 0;
+  Client c(o);
+  std::vector<float> v(8, 1.0f), w(5);
+  c.wait(c.init(Key(1), v));
+  auto expect_error = [&](Ticket t, Errc code, const std::string& text) {
+    try {
+      c.wait(t);
+      ADD_FAILURE() << "expected " << errc_name(code);
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), code) << e.what();
+      EXPECT_NE(std::string(e.what()).find(text), std::string::npos) << e.what();
+    }
+  };
+  expect_error(c.pull(Key(999), v), Errc::not_found, "init it");
+  expect_error(c.pull(Key(1), w), Errc::length_mismatch, "has 8 floats");
+  expect_error(c.push(Key(1), w), Errc::length_mismatch, "has 8 floats");
+  std::vector<float> huge(1u << 19);  // 2 MiB: more than the 1 MiB receive region
+  expect_error(c.push(Key(1), huge), Errc::capacity, "--rdma-recv-mb");
+  c.wait(c.pull(Key(1), v));  // the connection still works
+  EXPECT_EQ(v[0], 1.0f);
+  const std::string stats = c.server_stats(0);
+  EXPECT_NE(stats.find("\"keys\":1"), std::string::npos) << stats;
+}
+
+TEST(Rdma, ServerKilledFailsRequestsWithinTheTimeout) {
+  PSKV_REQUIRE_RDMA();
+  auto server = start_rdma_server();
+  ClientOptions o = rdma_client({server.uri});
+  o.io_timeout = std::chrono::seconds(5);
+  Client c(o);
+  std::vector<float> v(1000, 0.0f);
+  c.wait(c.init(Key(1), v));
+  c.wait(c.pull(Key(1), v));
+  server.process.signal(SIGKILL);
+  server.process.wait();
+  const auto start = std::chrono::steady_clock::now();
+  for (int i = 0; i < 2; ++i) {
+    try {
+      c.wait(i == 0 ? c.pull(Key(1), v) : c.push(Key(1), v));
+      ADD_FAILURE() << "request " << i << " to a dead server succeeded";
+    } catch (const Error& e) {
+      EXPECT_TRUE(e.code() == Errc::peer_failure || e.code() == Errc::timeout) << e.what();
+      EXPECT_NE(std::string(e.what()).find(server.uri), std::string::npos) << "names the server: " << e.what();
+    }
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(7));
+}
+
+TEST(Rdma, NoListenerAndWrongAddressAreClearErrors) {
+  PSKV_REQUIRE_RDMA();
+  ClientOptions o;
+  o.connect_timeout = std::chrono::seconds(2);
+  o.servers = {"rdma://" + rdma_ip() + ":1"};
+  try {
+    Client c(o);
+    ADD_FAILURE() << "connected to nothing";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::peer_failure) << e.what();
+    EXPECT_NE(std::string(e.what()).find("is pskv-server running"), std::string::npos) << e.what();
+  }
+  auto server = start_rdma_server();
+  o.servers = {server.uri + "?dev=mlx5_9"};
+  try {
+    Client c(o);
+    ADD_FAILURE() << "connected although the device does not match";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::invalid_argument) << e.what();
+    EXPECT_NE(std::string(e.what()).find("dev=mlx5_9"), std::string::npos) << e.what();
+  }
+}
+
+// A client of another protocol version is refused with the reason in the REJ private data,
+// and the server goes on serving others.
+TEST(Rdma, VersionMismatchIsRefusedWithAClearMessage) {
+  PSKV_REQUIRE_RDMA();
+  auto server = start_rdma_server();
+  const Uri u = parse_uri(server.uri);
+  rdma_event_channel* ch = rdma_create_event_channel();
+  ASSERT_NE(ch, nullptr);
+  rdma_cm_id* id = nullptr;
+  ASSERT_EQ(rdma_create_id(ch, &id, nullptr, RDMA_PS_TCP), 0);
+  addrinfo* ai = nullptr;
+  ASSERT_EQ(getaddrinfo(u.host.c_str(), std::to_string(u.port).c_str(), nullptr, &ai), 0);
+  auto next = [&](rdma_cm_event_type want) {
+    rdma_cm_event* ev = nullptr;
+    EXPECT_EQ(rdma_get_cm_event(ch, &ev), 0);
+    EXPECT_EQ(ev->event, want) << rdma_event_str(ev->event);
+    return ev;
+  };
+  ASSERT_EQ(rdma_resolve_addr(id, nullptr, ai->ai_addr, 5000), 0);
+  freeaddrinfo(ai);
+  rdma_ack_cm_event(next(RDMA_CM_EVENT_ADDR_RESOLVED));
+  ASSERT_EQ(rdma_resolve_route(id, 5000), 0);
+  rdma_ack_cm_event(next(RDMA_CM_EVENT_ROUTE_RESOLVED));
+  rdma::ConnectRequest req{rdma::kCmMagic, wire::kVersion, rdma::kRdmaVersion + 1, kNoWorker, 8};
+  rdma_conn_param p{};
+  p.private_data = &req;
+  p.private_data_len = sizeof req;
+  p.qp_num = 1;  // no queue pair: the server must refuse before it needs one
+  ASSERT_EQ(rdma_connect(id, &p), 0);
+  rdma_cm_event* ev = next(RDMA_CM_EVENT_REJECTED);
+  rdma::RejectInfo r{};
+  ASSERT_GE(ev->param.conn.private_data_len, sizeof r);
+  std::memcpy(&r, ev->param.conn.private_data, sizeof r);
+  rdma_ack_cm_event(ev);
+  rdma_destroy_id(id);
+  rdma_destroy_event_channel(ch);
+  EXPECT_EQ(r.magic, rdma::kCmMagic);
+  EXPECT_EQ(r.status, std::uint16_t(Errc::protocol));
+  const std::string text(r.text, r.length);
+  EXPECT_NE(text.find("use matching pskv builds"), std::string::npos) << text;
+
+  Client c(rdma_client({server.uri}));
+  std::vector<float> v(4, 1.0f);
+  c.wait(c.init(Key(1), v));
+}
+
+// Just enough of a client to misbehave: a queue pair connected with valid connection data,
+// then frames no pskv client would send.
+class RawPeer {
+ public:
+  explicit RawPeer(const std::string& uri) {
+    const Uri u = parse_uri(uri);
+    ch_ = rdma_create_event_channel();
+    if (!ch_ || rdma_create_id(ch_, &id_, nullptr, RDMA_PS_TCP) != 0) throw std::runtime_error("rdma_cm");
+    addrinfo* ai = nullptr;
+    if (getaddrinfo(u.host.c_str(), std::to_string(u.port).c_str(), nullptr, &ai) != 0) throw std::runtime_error("addr");
+    const int rc = rdma_resolve_addr(id_, nullptr, ai->ai_addr, 5000);
+    freeaddrinfo(ai);
+    if (rc != 0) throw std::runtime_error("resolve");
+    expect_event(RDMA_CM_EVENT_ADDR_RESOLVED);
+    pd_ = ibv_alloc_pd(id_->verbs);
+    cq_ = ibv_create_cq(id_->verbs, 64, nullptr, nullptr, 0);
+    ibv_qp_init_attr qa{};
+    qa.send_cq = qa.recv_cq = cq_;
+    qa.qp_type = IBV_QPT_RC;
+    qa.cap = {16, 16, 1, 1, 0};
+    if (!pd_ || !cq_ || rdma_create_qp(id_, pd_, &qa) != 0) throw std::runtime_error("qp");
+    buf_.resize(kBuf * 16);
+    mr_ = ibv_reg_mr(pd_, buf_.data(), buf_.size(), IBV_ACCESS_LOCAL_WRITE);
+    for (std::uint32_t i = 8; i < 16; ++i) post_recv(i);
+    if (rdma_resolve_route(id_, 5000) != 0) throw std::runtime_error("route");
+    expect_event(RDMA_CM_EVENT_ROUTE_RESOLVED);
+    rdma::ConnectRequest req{rdma::kCmMagic, wire::kVersion, rdma::kRdmaVersion, kNoWorker, 8};
+    rdma_conn_param p{};
+    p.private_data = &req;
+    p.private_data_len = sizeof req;
+    p.initiator_depth = p.responder_resources = 1;
+    p.retry_count = 7;
+    p.rnr_retry_count = 7;
+    if (rdma_connect(id_, &p) != 0) throw std::runtime_error("connect");
+    rdma_cm_event* ev = expect_event(RDMA_CM_EVENT_ESTABLISHED, false);
+    std::memcpy(&info_, ev->param.conn.private_data, sizeof info_);
+    rdma_ack_cm_event(ev);
+    fcntl(ch_->fd, F_SETFL, fcntl(ch_->fd, F_GETFL) | O_NONBLOCK);
+  }
+  ~RawPeer() {
+    rdma_disconnect(id_);
+    rdma_destroy_qp(id_);
+    ibv_dereg_mr(mr_);
+    ibv_destroy_cq(cq_);
+    ibv_dealloc_pd(pd_);
+    rdma_destroy_id(id_);
+    rdma_destroy_event_channel(ch_);
+  }
+  const rdma::AcceptInfo& info() const { return info_; }
+
+  void send(const void* data, std::size_t n) { post(IBV_WR_SEND, data, n, 0, 0); }
+  void write_imm(const void* data, std::size_t n, std::uint64_t offset, std::uint32_t imm) {
+    post(IBV_WR_RDMA_WRITE_WITH_IMM, data, n, offset, imm);
+  }
+  // The next reply's status and text; {-1, ""} if none came (or the connection broke).
+  std::pair<int, std::string> reply() {
+    ibv_wc wc{};
+    if (!next_completion(IBV_WC_RECV, &wc)) return {-1, ""};
+    wire::FrameHeader h;
+    const std::byte* p = buf_.data() + wr_index(wc) * kBuf;
+    std::memcpy(&h, p, sizeof h);
+    return {h.status, std::string(reinterpret_cast<const char*>(p + sizeof h), h.payload_bytes)};
+  }
+  // True once the server disconnects this peer.
+  bool disconnected() {
+    rdma_cm_event* ev = nullptr;
+    if (rdma_get_cm_event(ch_, &ev) != 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      return false;
+    }
+    const bool gone = ev->event == RDMA_CM_EVENT_DISCONNECTED;
+    rdma_ack_cm_event(ev);
+    return gone;
+  }
+
+ private:
+  static constexpr std::size_t kBuf = 4096;
+  static std::uint32_t wr_index(const ibv_wc& wc) { return static_cast<std::uint32_t>(wc.wr_id); }
+  rdma_cm_event* expect_event(rdma_cm_event_type want, bool ack = true) {
+    rdma_cm_event* ev = nullptr;
+    if (rdma_get_cm_event(ch_, &ev) != 0 || ev->event != want) throw std::runtime_error("unexpected rdma_cm event");
+    if (ack) rdma_ack_cm_event(ev);
+    return ack ? nullptr : ev;
+  }
+  void post_recv(std::uint32_t i) {
+    ibv_sge sge{reinterpret_cast<std::uint64_t>(buf_.data() + i * kBuf), kBuf, mr_->lkey};
+    ibv_recv_wr wr{}, *bad = nullptr;
+    wr.wr_id = i;
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    ibv_post_recv(id_->qp, &wr, &bad);
+  }
+  void post(ibv_wr_opcode op, const void* data, std::size_t n, std::uint64_t offset, std::uint32_t imm) {
+    std::memcpy(buf_.data(), data, n);
+    ibv_sge sge{reinterpret_cast<std::uint64_t>(buf_.data()), static_cast<std::uint32_t>(n), mr_->lkey};
+    ibv_send_wr wr{}, *bad = nullptr;
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    wr.opcode = op;
+    wr.send_flags = IBV_SEND_SIGNALED;
+    wr.imm_data = htonl(imm);
+    wr.wr.rdma.remote_addr = info_.region_addr + offset;
+    wr.wr.rdma.rkey = info_.region_rkey;
+    if (ibv_post_send(id_->qp, &wr, &bad) != 0) throw std::runtime_error("post");
+    ibv_wc wc{};
+    next_completion(op == IBV_WR_SEND ? IBV_WC_SEND : IBV_WC_RDMA_WRITE, &wc);
+  }
+  bool next_completion(ibv_wc_opcode want, ibv_wc* out) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (std::chrono::steady_clock::now() < deadline) {
+      ibv_wc wc{};
+      if (ibv_poll_cq(cq_, 1, &wc) == 1) {
+        if (wc.status != IBV_WC_SUCCESS) return false;
+        if (wc.opcode == want) {
+          *out = wc;
+          return true;
+        }
+        continue;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    return false;
+  }
+  rdma_event_channel* ch_ = nullptr;
+  rdma_cm_id* id_ = nullptr;
+  ibv_pd* pd_ = nullptr;
+  ibv_cq* cq_ = nullptr;
+  ibv_mr* mr_ = nullptr;
+  std::vector<std::byte> buf_;
+  rdma::AcceptInfo info_{};
+};
+
+// Each kind of malformed message gets an error (when there is a frame to answer) and closes
+// that one connection; a well-behaved client is served throughout.
+TEST(Rdma, MalformedMessagesCloseOnlyTheirConnection) {
+  PSKV_REQUIRE_RDMA();
+  auto server = start_rdma_server({"--rdma-recv-mb", "2"});
+  Client healthy(rdma_client({server.uri}));
+  std::vector<float> v(8, 1.0f);
+  healthy.wait(healthy.init(Key(1), v));
+  std::vector<float> scratch(8);
+  auto still_serving = [&] {
+    healthy.wait(healthy.push(Key(1), v));
+    healthy.wait(healthy.pull(Key(1), scratch));
+  };
+  auto closes = [](RawPeer& p) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (std::chrono::steady_clock::now() < deadline)
+      if (p.disconnected()) return true;
+    return false;
+  };
+  {
+    SCOPED_TRACE("bad magic");
+    RawPeer p(server.uri);
+    wire::FrameHeader h = wire::make_header(wire::Op::stats, 1, 0, 0);
+    h.magic = 0x12345678;
+    p.send(&h, sizeof h);
+    EXPECT_TRUE(closes(p));
+    still_serving();
+  }
+  {
+    SCOPED_TRACE("declared key table longer than the message");
+    RawPeer p(server.uri);
+    const wire::FrameHeader h = wire::make_header(wire::Op::lookup, 2, 3, 0);
+    p.send(&h, sizeof h);
+    auto [status, text] = p.reply();
+    EXPECT_EQ(status, int(Errc::protocol)) << text;
+    EXPECT_NE(text.find("the message has 0"), std::string::npos) << text;
+    EXPECT_TRUE(closes(p));
+    still_serving();
+  }
+  {
+    SCOPED_TRACE("push values in a SEND");
+    RawPeer p(server.uri);
+    struct {
+      wire::FrameHeader h;
+      wire::KeyEntry k;
+      float x;
+    } m{wire::make_header(wire::Op::push, 3, 1, 4), {1, 1, 0}, 1.0f};
+    p.send(&m, sizeof m.h + sizeof m.k + sizeof m.x);  // without the struct's tail padding
+    auto [status, text] = p.reply();
+    EXPECT_EQ(status, int(Errc::protocol)) << text;
+    EXPECT_NE(text.find("RDMA WRITE"), std::string::npos) << text;
+    still_serving();
+  }
+  {
+    SCOPED_TRACE("immediate pointing outside the receive region");
+    RawPeer p(server.uri);
+    const wire::FrameHeader h = wire::make_header(wire::Op::push, 4, 0, 0);
+    p.write_imm(&h, sizeof h, 0, 0xffffffffu);
+    EXPECT_TRUE(closes(p));
+    still_serving();
+  }
+  {
+    SCOPED_TRACE("push declaring more than the receive region holds");
+    RawPeer p(server.uri);
+    struct {
+      wire::FrameHeader h;
+      wire::KeyEntry k;
+    } m{wire::make_header(wire::Op::push, 5, 1, 64u << 20), {1, 16u << 20, 0}};
+    const std::uint64_t at = p.info().region_bytes - 128;
+    p.write_imm(&m, sizeof m, at, static_cast<std::uint32_t>(at / 64));
+    auto [status, text] = p.reply();
+    EXPECT_EQ(status, int(Errc::protocol)) << text;
+    EXPECT_NE(text.find("past the end of the receive region"), std::string::npos) << text;
+    EXPECT_TRUE(closes(p));
+    still_serving();
+  }
+  std::vector<float> out(8);
+  healthy.wait(healthy.pull(Key(1), out));
+  EXPECT_EQ(out[0], 6.0f);
+}
+
+long cpu_ticks(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  std::getline(in, line);
+  std::istringstream rest(line.substr(line.rfind(')') + 2));
+  std::string field;
+  long utime = 0, stime = 0;
+  for (int i = 3; rest >> field; ++i) {
+    if (i == 14) utime = std::stol(field);
+    if (i == 15) {
+      stime = std::stol(field);
+      break;
+    }
+  }
+  return utime + stime;
+}
+
+// Event-driven completions: an idle server with a connected idle client burns no CPU. Busy
+// polling, when asked for, still serves correctly.
+TEST(Rdma, IdleProcessesSleepAndBusyPollingWorks) {
+  PSKV_REQUIRE_RDMA();
+  auto server = start_rdma_server();
+  {
+    Client c(rdma_client({server.uri}));
+    std::vector<float> v(16, 1.0f);
+    c.wait(c.init(Key(1), v));
+    c.wait(c.pull(Key(1), v));
+    const long server_before = cpu_ticks(server.process.pid()), me_before = cpu_ticks(getpid());
+    std::this_thread::sleep_for(std::chrono::seconds(2));
+    const long server_used = cpu_ticks(server.process.pid()) - server_before, me_used = cpu_ticks(getpid()) - me_before;
+    EXPECT_LE(server_used, 10) << "the idle server used " << server_used << " ticks in 2 s";
+    EXPECT_LE(me_used, 10) << "the idle client used " << me_used << " ticks in 2 s";
+  }
+  auto busy = start_rdma_server({"--rdma-busy-poll"});
+  Client c(rdma_client({busy.uri + "?poll=busy"}));
+  std::vector<float> v(300, 1.0f), out(300);
+  c.wait(c.init(Key(7), v));
+  for (int i = 0; i < 20; ++i) c.wait(c.push(Key(7), v));
+  c.wait(c.pull(Key(7), out));
+  EXPECT_EQ(out[299], 21.0f);
+}
+
+}  // namespace
+}  // namespace pskv
