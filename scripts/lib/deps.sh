@@ -4,7 +4,7 @@ PSKV_DEB_PACKAGES=(
   libeigen3-dev libtbb-dev libboost-dev libcli11-dev libssl-dev zlib1g-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   libibverbs-dev librdmacm-dev ibverbs-providers
-  clang libclang-rt-14-dev gnuplot-nox openmpi-bin iproute2 iputils-ping npm
+  clang libclang-rt-14-dev gnuplot-nox openmpi-bin iproute2 iputils-ping
 )
 
 pskv_install_deps() {
