@@ -221,7 +221,10 @@ void ShardEngine::worker_left(std::uint32_t worker, bool cleanly) {
                             " and holds the bound; restart the job or run with --straggler-policy evict";
     {
       std::lock_guard lock(mu_);
-      if (failure_.empty()) failure_ = why;
+      if (failure_.empty()) {
+        failure_ = why;
+        failure_worker_ = worker;
+      }
     }
     for (auto& w : failed) w.op->resume(Errc::peer_failure, why);
     return;
@@ -329,6 +332,14 @@ void ShardEngine::watchdog() {
       if (evicted_any) release_ready();
       lock.lock();
     }
+  }
+}
+
+void ShardEngine::worker_joined(std::uint32_t worker) {
+  std::lock_guard lock(mu_);
+  if (!failure_.empty() && failure_worker_ == worker) {
+    failure_.clear();
+    failure_worker_ = kNoWorker;
   }
 }
 

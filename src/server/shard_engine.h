@@ -79,6 +79,9 @@ class ShardEngine {
   std::uint64_t advance_clock(std::uint32_t worker, std::uint64_t clock);
   // The worker has gone (disconnected or finished): finish or evict it per policy.
   void worker_left(std::uint32_t worker, bool cleanly);
+  // The worker connected (again): a failure recorded because it disconnected is withdrawn,
+  // since a worker that reconnects (e.g. after a server restart) has not died.
+  void worker_joined(std::uint32_t worker);
 
   // Completes when all live workers reached generation `generation`.
   void barrier(std::uint32_t worker, std::uint64_t generation, std::unique_ptr<Parked> op);
@@ -118,6 +121,7 @@ class ShardEngine {
   std::vector<std::uint64_t> barrier_gen_;  // last barrier generation each worker entered
   bool stopping_ = false;
   std::string failure_;
+  std::uint32_t failure_worker_ = kNoWorker;  // the worker whose disconnect caused failure_
   mutable EngineStats stats_;
   std::atomic<std::uint64_t> pushes_{0}, pulls_{0}, clock_ops_{0};
   std::thread watchdog_;

@@ -230,6 +230,7 @@ void RdmaServer::on_connect_request(rdma_cm_event* ev) {
   conn->id = id;
   conn->owner = io_[next_io_++ % io_.size()].get();
   conn->worker = req.worker_id;
+  if (req.worker_id != kNoWorker) engine_->worker_joined(req.worker_id);
   conn->depth = std::clamp(std::min(options_.queue_depth, req.max_in_flight), 1u, options_.queue_depth);
   try {
     const std::uint32_t depth = conn->depth;

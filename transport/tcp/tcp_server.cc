@@ -352,6 +352,7 @@ bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payl
       }
       peer.worker = worker;
       peer.said_hello = true;
+      if (worker != kNoWorker) engine_.worker_joined(worker);
       wire::FrameHeader r = reply_header(h, 0, engine_.options().server_id, engine_.options().num_workers);
       return peer.send(r, nullptr, 0);
     }
