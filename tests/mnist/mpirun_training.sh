@@ -4,7 +4,7 @@
 #   mpirun_training.sh PSKV_MNIST_BINARY DATA_DIR
 set -euo pipefail
 bin=$1 data=$2
-floor=0.85
+floor=0.80
 command -v mpirun >/dev/null || { echo "mpirun missing: apt-get install openmpi-bin" >&2; exit 1; }
 port=$(( 20000 + ($$ % 20000) ))
 out=$(timeout 300 mpirun --allow-run-as-root --oversubscribe --bind-to none -np 4 \

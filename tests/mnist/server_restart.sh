@@ -4,7 +4,7 @@
 #   server_restart.sh PSKV_MNIST_BINARY DATA_DIR TRANSPORT
 set -euo pipefail
 bin=$1 data=$2 transport=$3
-floor=0.90
+floor=0.85
 dir=$(mktemp -d /tmp/pskv-mnist-ckpt.XXXXXX)
 log=$dir/log
 trap 'rm -rf "$dir"' EXIT
