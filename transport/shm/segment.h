@@ -46,8 +46,10 @@ struct alignas(64) RingEntry {
   std::uint64_t data_bytes;    // bytes reserved at data_offset
 };
 
+inline constexpr std::int32_t kClaimingSlot = -1;  // owner_pid while a client fills in its identity
+
 struct alignas(64) ClientSlot {
-  std::atomic<std::int32_t> owner_pid;  // 0: free
+  std::atomic<std::int32_t> owner_pid;  // 0: free; kClaimingSlot: being claimed
   std::uint32_t worker_id;
   std::uint64_t owner_start;            // owner's start time, so a reused pid is not mistaken
   alignas(64) std::atomic<std::uint64_t> head;  // last published seq (client)

@@ -36,13 +36,17 @@ ShmConnection::ShmConnection(const Uri& uri, const transport::ConnectOptions& op
   data_capacity_ = header_->slot_data_bytes;
 
   const pid_t me = ::getpid();
+  const std::uint64_t start = process_start_time(me);
   for (std::uint32_t i = 0; i < header_->slots && !slot_; ++i) {
     std::int32_t expected = 0;
     ClientSlot& s = segment_->slot(i);
-    if (s.owner_pid.compare_exchange_strong(expected, me)) {
-      s.owner_start = process_start_time(me);
+    // Claim through a sentinel: the server's watchdog must never see our pid with the previous
+    // owner's start time (it would think we died and hand the slot to someone else).
+    if (s.owner_pid.compare_exchange_strong(expected, kClaimingSlot)) {
+      s.owner_start = start;
       s.worker_id = options.worker_id;
       s.waits_on_clock.store(0);
+      s.owner_pid.store(me, std::memory_order_release);
       slot_ = &s;
       slot_index_ = i;
     }

@@ -203,8 +203,8 @@ void ShmServer::watchdog() {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
     for (std::uint32_t i = 0; i < h.slots; ++i) {
       ClientSlot& s = segment_->slot(i);
-      const pid_t pid = s.owner_pid.load();
-      if (pid == 0 || process_alive(pid, s.owner_start)) continue;
+      const pid_t pid = s.owner_pid.load(std::memory_order_acquire);
+      if (pid == 0 || pid == kClaimingSlot || process_alive(pid, s.owner_start)) continue;
       // The owner died. Whatever it published is applied first (it was fully written before
       // head moved); then the slot is freed for the next client.
       wake_thread(i);
