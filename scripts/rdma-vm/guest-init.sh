@@ -52,6 +52,8 @@ mount -t tmpfs tmpfs $R/dev/shm
 mount -t tmpfs tmpfs $R/tmp
 mount -t tmpfs tmpfs $R/run
 mkdir -p $R/run/rdma-vm && mount -o bind /ctl $R/run/rdma-vm
+# A repository under /tmp or /run lives on the guest's own tmpfs: make its mount point there.
+mkdir -p "$R$RDMA_VM_WORKDIR" 2>/dev/null
 mount -t 9p -o "$P9" work "$R$RDMA_VM_WORKDIR" || die "cannot mount the work share at $RDMA_VM_WORKDIR"
 log "$(up)" "9p shares mounted"
 
