@@ -16,6 +16,8 @@ int main(int argc, char** argv) {
   CLI::App app{"pskv-mnist: data-parallel MNIST training with BSP, SSP or ASP through pskv servers.\n"
                "Flags override PSKV_* environment variables, which override the defaults shown."};
   app.get_formatter()->column_width(44);
+  // A flag given twice takes the last value, so wrappers can pass defaults that users override.
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   std::string dataset = "mnist", mode = "ssp", straggler;
   app.add_flag("--launch", c.launch, "Fork --servers servers and --workers workers on this node");
   app.add_flag("--local", c.local, "Train in this process without a parameter server (baseline)");

@@ -14,6 +14,8 @@ int main(int argc, char** argv) {
   CLI::App app{"pskv-server: one shard of the pskv parameter server.\n"
                "Flags override PSKV_* environment variables, which override the defaults shown."};
   app.get_formatter()->column_width(40);
+  // A flag given twice takes the last value, so wrappers can pass defaults that users override.
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   std::string mode = "asp", rule = "add", straggler = "fail";
   std::uint64_t arena_mb = o.arena_bytes >> 20, max_request_mb = o.max_request_bytes >> 20;
   std::int64_t wait_ms = o.wait_timeout.count();
