@@ -87,11 +87,7 @@ Errc ShardEngine::init(std::span<const wire::KeyEntry> keys, const float* values
   return Errc::ok;
 }
 
-Errc ShardEngine::push(std::uint32_t worker, std::uint64_t clock, std::span<const wire::KeyEntry> keys,
-                       const float* values, std::string* why) {
-  // Look everything up and validate the whole request first, so a bad key leaves nothing
-  // half-applied; the lookups are pipelined and the slots stay cached for the apply pass.
-  thread_local std::vector<SlotHeader*> slots;
+Errc ShardEngine::lookup(std::span<const wire::KeyEntry> keys, std::vector<SlotHeader*>& slots, std::string* why) const {
   slots.resize(keys.size());
   store_->find_batch(keys.size(), [&](std::size_t i) { return keys[i].key; }, slots.data());
   for (std::size_t i = 0; i < keys.size(); ++i) {
@@ -101,6 +97,15 @@ Errc ShardEngine::push(std::uint32_t worker, std::uint64_t clock, std::span<cons
       return e;
     }
   }
+  return Errc::ok;
+}
+
+Errc ShardEngine::push(std::uint32_t worker, std::uint64_t clock, std::span<const wire::KeyEntry> keys,
+                       const float* values, std::string* why) {
+  // Look everything up and validate the whole request first, so a bad key leaves nothing
+  // half-applied; the lookups are pipelined and the slots stay cached for the apply pass.
+  thread_local std::vector<SlotHeader*> slots;
+  if (Errc e = lookup(keys, slots, why); e != Errc::ok) return e;
   if (sync_) {
     if (Errc e = check_worker(worker, why); e != Errc::ok) return e;
     for (const auto& k : keys) {
@@ -131,15 +136,7 @@ Errc ShardEngine::push(std::uint32_t worker, std::uint64_t clock, std::span<cons
 
 Errc ShardEngine::pull(std::span<const wire::KeyEntry> keys, float* out, std::string* why) {
   thread_local std::vector<SlotHeader*> slots;
-  slots.resize(keys.size());
-  store_->find_batch(keys.size(), [&](std::size_t i) { return keys[i].key; }, slots.data());
-  for (std::size_t i = 0; i < keys.size(); ++i) {
-    const Errc e = !slots[i] ? Errc::not_found : slots[i]->length != keys[i].length ? Errc::length_mismatch : Errc::ok;
-    if (e != Errc::ok) {
-      if (why) *why = key_error(e, keys[i].key, keys[i].length, *store_);
-      return e;
-    }
-  }
+  if (Errc e = lookup(keys, slots, why); e != Errc::ok) return e;
   for (std::size_t i = 0; i < keys.size(); ++i) {
     Store::read_slot(*slots[i], out);
     out += keys[i].length;

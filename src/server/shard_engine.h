@@ -103,6 +103,8 @@ class ShardEngine {
     std::chrono::steady_clock::time_point deadline;
     std::unique_ptr<Parked> op;
   };
+  // Finds every key's slot (pipelined) and checks each exists with the requested length.
+  Errc lookup(std::span<const wire::KeyEntry> keys, std::vector<SlotHeader*>& slots, std::string* why) const;
   void release_ready();
   void watchdog();
   std::string describe_laggard(std::uint64_t need) const;
