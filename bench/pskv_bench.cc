@@ -49,6 +49,16 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// --auth-token-file: proves the token to --server targets that demand one.
+std::string g_auth_token_file;
+
+pskv::ClientOptions client_options(const std::vector<std::string>& servers) {
+  pskv::ClientOptions o;
+  o.servers = servers;
+  o.auth_token_file = g_auth_token_file;
+  return o;
+}
+
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 double percentile(std::vector<double>& v, double p) {
@@ -214,8 +224,7 @@ Point measure(const std::vector<std::string>& servers, const std::string& op, st
   for (int c = 0; c < clients; ++c)
     threads.emplace_back([&, c] {
       try {
-        pskv::ClientOptions o;
-        o.servers = servers;
+        pskv::ClientOptions o = client_options(servers);
         pskv::Client client(o);
         const pskv::Key key = (std::uint64_t{value_bytes} << 16) | static_cast<std::uint64_t>(c);
         std::vector<float> buf(floats, 0.0f);
@@ -276,8 +285,7 @@ StepsResult measure_steps(const std::vector<std::string>& servers, int workers, 
   std::vector<std::vector<double>> step_us(workers);
   std::vector<pskv::StalenessStats> stale(workers);
   {
-    pskv::ClientOptions o;
-    o.servers = servers;
+    pskv::ClientOptions o = client_options(servers);
     pskv::Client admin(o);
     std::vector<float> zeros(floats, 0.0f);
     for (int w = 0; w < workers; ++w) admin.wait(admin.init(pskv::Key(1u << 30) + w, zeros));
@@ -286,8 +294,7 @@ StepsResult measure_steps(const std::vector<std::string>& servers, int workers, 
   for (int w = 0; w < workers; ++w)
     threads.emplace_back([&, w] {
       try {
-        pskv::ClientOptions o;
-        o.servers = servers;
+        pskv::ClientOptions o = client_options(servers);
         o.worker_id = static_cast<std::uint32_t>(w);
         pskv::Client client(o);
         std::vector<pskv::Key> keys;
@@ -364,8 +371,7 @@ struct SparsePoint {
 };
 
 void init_sparse_table(const std::vector<std::string>& servers, std::uint64_t keys, std::size_t floats) {
-  pskv::ClientOptions o;
-  o.servers = servers;
+  pskv::ClientOptions o = client_options(servers);
   pskv::Client admin(o);
   constexpr std::uint64_t kBatch = 8192;
   std::vector<float> values(kBatch * floats, 0.0f);
@@ -394,8 +400,7 @@ SparsePoint measure_sparse(const std::vector<std::string>& servers, const std::s
   for (int c = 0; c < clients; ++c)
     threads.emplace_back([&, c] {
       try {
-        pskv::ClientOptions o;
-        o.servers = servers;
+        pskv::ClientOptions o = client_options(servers);
         pskv::Client client(o);
         std::vector<float> buf(batch_keys * floats, 1e-3f);
         client.register_buffer(buf.data(), buf.size() * sizeof(float));
@@ -478,6 +483,8 @@ int main(int argc, char** argv) {
   app.add_option("--ops", ops_text, "Operations to measure: push, pull")->capture_default_str();
   app.add_option("--servers", servers, "Servers to start (ignored with --server)")->capture_default_str();
   app.add_option("--server", targets, "Target existing servers instead of starting them (repeat per server)");
+  app.add_option("--auth-token-file", g_auth_token_file, "Token file for --server targets that demand authentication")
+      ->envname("PSKV_AUTH_TOKEN_FILE");
   app.add_option("--seconds", seconds, "Measuring time per point")->capture_default_str();
   app.add_option("--max-ops", max_ops, "Cap on operations per client per point")->capture_default_str();
   app.add_flag("--json", json, "One JSON object per line instead of a table");

@@ -15,6 +15,7 @@
 #include "pskv/error.h"
 #include "pskv/types.h"
 #include "transport/uri.h"
+#include "transport/auth.h"
 #include "transport/wire.h"
 
 namespace pskv::transport {
@@ -73,6 +74,8 @@ struct ConnectOptions {
   std::uint32_t max_in_flight = 128;
   bool checksum = false;
   wire::Limits limits{};
+  // tcp/rdma: prove this token to the server and require the server to prove it back.
+  std::shared_ptr<const auth::Token> token;
 };
 
 // What the server said about itself at connect time.

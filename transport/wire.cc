@@ -50,8 +50,17 @@ Errc validate_header(const FrameHeader& h, const Limits& limits, bool expect_res
                                     " (raise --max-request-mb or lower --chunk-floats)");
   if (!expect_response) {
     const Op op = static_cast<Op>(h.op);
-    if (!op_carries_values(op) && h.payload_bytes != 0)
+    if (op == Op::hello) {
+      if (h.payload_bytes != 0 && h.payload_bytes != kAuthNonceBytes)
+        return fail(Errc::protocol, "hello carries nothing or a " + std::to_string(kAuthNonceBytes) + "-byte nonce, not " +
+                                        std::to_string(h.payload_bytes) + " bytes");
+    } else if (op == Op::auth) {
+      if (h.payload_bytes != kAuthProofBytes)
+        return fail(Errc::protocol, "auth carries a " + std::to_string(kAuthProofBytes) + "-byte proof, not " +
+                                        std::to_string(h.payload_bytes) + " bytes");
+    } else if (!op_carries_values(op) && h.payload_bytes != 0) {
       return fail(Errc::protocol, std::string(op_name(h.op)) + " request must not carry a payload");
+    }
     if (op_carries_values(op) && h.payload_bytes % sizeof(float) != 0)
       return fail(Errc::protocol, "payload of " + std::to_string(h.payload_bytes) + " bytes is not whole floats");
   }

@@ -17,14 +17,15 @@ inline constexpr std::uint32_t kMagic = 0x564b5350;  // "PSKV"
 inline constexpr std::uint16_t kVersion = 1;
 
 enum class Op : std::uint16_t {
-  hello = 1,    // arg0 = worker id (or kNoWorker), arg1 = client's protocol version; reply arg0 = server id, arg1 = num_workers
+  hello = 1,    // arg0 = worker id (or kNoWorker), arg1 = client's protocol version, payload: none or the client's
+                // auth nonce; reply arg0 = server id, arg1 = num_workers, or kAuthChallenge (server nonce | proof)
   init = 2,     // keys + values: create keys (first initialiser wins)
   push = 3,     // keys + gradients; arg0 = the worker's clock (the step these gradients belong to)
   pull = 4,     // keys; arg0 = the worker's clock (bound check), reply carries values; reply arg0 = min clock seen
   clock = 5,    // arg0 = the clock the worker now enters; reply arg0 = min clock
   barrier = 6,  // arg0 = barrier generation
   stats = 7,    // reply payload: a JSON document (bytes)
-  auth = 8,     // reserved for the authentication handshake
+  auth = 8,     // payload: the client's proof; reply as hello's (tcp) or the rdma::Grant (rdma)
   lookup = 9,   // rdma: keys; reply payload: one rdma::LookupEntry (slot offset, length) per key
   wait = 10,    // rdma: arg0 = the worker's clock; answered once a read at that clock may go; reply arg0 = the bound
 };
@@ -33,6 +34,7 @@ enum Flags : std::uint16_t {
   kResponse = 1u << 0,
   kChecksum = 1u << 1,  // `checksum` covers the key table and payload (CRC-32)
   kErrorText = 1u << 2, // response payload is a UTF-8 error message, not floats
+  kAuthChallenge = 1u << 3,  // hello response: authenticate first; payload = server nonce | server proof
 };
 
 struct FrameHeader {
@@ -62,6 +64,9 @@ struct Limits {
   std::uint32_t max_keys = 1u << 20;
   std::uint64_t max_payload_bytes = 1ull << 30;
 };
+
+// Fixed payload sizes of the authentication handshake (transport/auth.h).
+inline constexpr std::size_t kAuthNonceBytes = 32, kAuthProofBytes = 32;
 
 // Checks the header alone (magic, version, op, declared sizes against the limits). A request
 // must not carry kResponse; a response must. Returns ok or the Errc and a message in *why.

@@ -68,6 +68,9 @@ int main(int argc, char** argv) {
   app.add_option("--checkpoint-every-s", c.checkpoint_every_s, "Seconds between checkpoints")
       ->envname("PSKV_CHECKPOINT_EVERY_S")->capture_default_str();
   app.add_flag("--restore", c.restore, "Servers start from the checkpoints in --checkpoint-dir");
+  app.add_option("--auth-token-file", c.auth_token_file,
+                 "tcp/rdma: shared secret (chmod 600) servers demand and workers prove (HMAC-SHA256)")
+      ->envname("PSKV_AUTH_TOKEN_FILE");
   app.add_option("--csv", c.csv, "Write accuracy against time to this CSV file")->envname("PSKV_CSV");
   app.add_flag("--json", c.json, "End with a one-line JSON summary");
   app.add_option("--straggler", straggler, "W:FACTOR makes worker W take FACTOR times as long per step");

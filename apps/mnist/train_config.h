@@ -48,6 +48,7 @@ struct TrainConfig {
 
   // Checkpoints.
   std::string checkpoint_dir;
+  std::string auth_token_file;
   int checkpoint_every_s = 10;
   bool restore = false;
 

@@ -160,6 +160,7 @@ TrainResult run_worker(const TrainConfig& c, int rank, const std::vector<std::st
   o.servers = servers;
   o.worker_id = static_cast<std::uint32_t>(rank);
   o.chunk_floats = c.chunk_floats;
+  o.auth_token_file = c.auth_token_file;
   o.io_timeout = std::chrono::milliseconds(c.wait_timeout_ms + 10000);
   std::unique_ptr<Client> client;
   // Connects (servers may still be starting, or restarting from a checkpoint) and makes sure
@@ -263,6 +264,7 @@ ServerOptions server_options(const TrainConfig& c, int server_id, const std::str
   so.shm_slots = static_cast<std::uint32_t>(c.workers) + 4;
   so.shm_slot_bytes = 16ull << 20;
   so.checkpoint_dir = c.checkpoint_dir;
+  so.auth_token_file = c.auth_token_file;
   so.checkpoint_interval = std::chrono::seconds(c.checkpoint_dir.empty() ? 0 : c.checkpoint_every_s);
   if (restore) so.restore_dir = c.checkpoint_dir;
   return so;

@@ -65,6 +65,9 @@ int main(int argc, char** argv) {
       ->envname("PSKV_CHECKPOINT_EVERY_S")->capture_default_str();
   app.add_option("--restore", o.restore_dir, "Load this shard from a checkpoint directory before serving")
       ->envname("PSKV_RESTORE");
+  app.add_option("--auth-token-file", o.auth_token_file,
+                 "tcp/rdma: shared secret (a chmod 600 file); every client must pass an HMAC-SHA256 challenge with it")
+      ->envname("PSKV_AUTH_TOKEN_FILE");
   std::uint64_t rdma_recv_mb = o.rdma_recv_bytes >> 20;
   app.add_option("--rdma-device", o.rdma_device, "rdma: expected device (the URI's address picks it; a mismatch is an error)")
       ->envname("PSKV_RDMA_DEVICE")->capture_default_str();

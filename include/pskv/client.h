@@ -45,6 +45,10 @@ struct ClientOptions {
   // its clock here; it is announced to every server at connect, so bounded reads of the other
   // workers do not wait for clocks this worker already passed.
   std::uint64_t initial_clock = 0;
+  // tcp/rdma: a file holding the servers' shared secret (mode 0600). With it, the client proves
+  // the token to every server and refuses a server that cannot prove it back. Unused by shm://,
+  // whose segments are protected by their file mode.
+  std::string auth_token_file;
 };
 
 // Staleness seen by reads: how many clocks the slowest worker was behind this worker's clock.

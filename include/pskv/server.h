@@ -34,6 +34,9 @@ struct ServerOptions {
   std::string checkpoint_dir;
   std::chrono::milliseconds checkpoint_interval{0};
   std::string restore_dir;
+  // tcp/rdma: a file holding a shared secret (mode 0600). Every connection must then pass an
+  // HMAC-SHA256 challenge before it is served; refused peers are logged. shm:// ignores it.
+  std::string auth_token_file;
   std::uint32_t shm_slots = 64;                 // shm: client slots (one per connected client)
   std::uint64_t shm_slot_bytes = 32ull << 20;   // shm: staging area per client for pushes
   // rdma: rdma_cm picks the device and port by the URI's IP address; these (like the URI's

@@ -28,6 +28,7 @@ class ClientImpl {
     c.io_timeout = o.io_timeout;
     c.max_in_flight = o.max_in_flight;
     c.checksum = o.checksum;
+    if (!o.auth_token_file.empty()) c.token = auth::Token::load_file(o.auth_token_file);
     for (const auto& s : o.servers) connections_.push_back(transport::connect(parse_uri(s), c));
     if (o.initial_clock > 0 && o.worker_id != kNoWorker) {
       send_clock(o.initial_clock);

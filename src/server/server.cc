@@ -40,6 +40,8 @@ class ServerImpl {
     wire::Limits limits;
     limits.max_keys = o.max_keys_per_request;
     limits.max_payload_bytes = o.max_request_bytes;
+    const std::shared_ptr<const auth::Token> token =
+        o.auth_token_file.empty() ? nullptr : auth::Token::load_file(o.auth_token_file);
     const std::uint32_t threads = o.io_threads ? o.io_threads : std::max(1u, std::thread::hardware_concurrency());
     auto prepare = [&](ShardEngine& engine) {
       if (o.restore_dir.empty()) return;
@@ -52,7 +54,8 @@ class ServerImpl {
       engine_ = std::make_unique<ShardEngine>(e);
       prepare(*engine_);
       tcp_ = std::make_unique<tcp::TcpServer>(
-          *engine_, uri_, tcp::TcpServerOptions{.io_threads = threads, .max_connections = o.max_connections, .limits = limits});
+          *engine_, uri_, tcp::TcpServerOptions{
+                         .io_threads = threads, .max_connections = o.max_connections, .limits = limits, .token = token});
       uri_.port = tcp_->port();
       engine = engine_.get();
     } else if (uri_.scheme == "shm") {
@@ -71,7 +74,8 @@ class ServerImpl {
                                                                          .ib_port = o.rdma_ib_port,
                                                                          .gid_index = o.rdma_gid_index,
                                                                          .busy_poll = o.rdma_busy_poll,
-                                                                         .limits = limits},
+                                                                         .limits = limits,
+                                                                         .token = token},
                                                  prepare);
       uri_.port = rdma_->port();
       uri_.params.clear();  // the device choice is the server's; clients name their own

@@ -5,7 +5,10 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <sys/stat.h>
+
 #include <filesystem>
+#include <fstream>
 #include <numeric>
 
 #include "pskv/client.h"
@@ -283,6 +286,152 @@ TEST_F(TcpBadInput, UnknownKeyAndWrongLengthGetErrorsAndTheConnectionLives) {
   }
   c.wait(c.pull(Key(1), v));  // the same connection still works
   expect_still_serving();
+}
+
+// A chmod-600 token file for the authentication tests, removed at the end.
+class TokenFile {
+ public:
+  explicit TokenFile(const std::string& secret, mode_t mode = 0600) {
+    char tmpl[] = "/tmp/pskv-token-XXXXXX";
+    const int fd = mkstemp(tmpl);
+    path = tmpl;
+    EXPECT_EQ(::write(fd, secret.data(), secret.size()), ssize_t(secret.size()));
+    ::close(fd);
+    ::chmod(path.c_str(), mode);
+  }
+  ~TokenFile() { ::unlink(path.c_str()); }
+  std::string path;
+};
+
+std::string slurp(const std::string& path) {
+  std::ifstream in(path);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+void expect_permission_error(const ClientOptions& o, const std::string& hint) {
+  try {
+    Client c(o);
+    ADD_FAILURE() << "connected without passing authentication";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::permission) << e.what();
+    EXPECT_NE(std::string(e.what()).find(hint), std::string::npos) << e.what();
+  }
+}
+
+class TcpAuth : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    log_ = "/tmp/pskv-auth-log-" + std::to_string(::getpid());
+    servers_.push_back(ServerProcess::start(
+        {"--uri", "tcp://127.0.0.1:0", "--workers", "1", "--mode", "asp", "--auth-token-file", token_.path}, log_));
+    o_ = options_for(servers_);
+    o_.auth_token_file = token_.path;
+  }
+  void TearDown() override { std::filesystem::remove(log_); }
+  // A peer that says hello with a nonce, as a client holding some token would.
+  std::pair<RawPeer, wire::FrameHeader> challenged_peer() {
+    RawPeer p(servers_[0].uri);
+    std::uint8_t nonce[wire::kAuthNonceBytes] = {7};
+    wire::FrameHeader h = wire::make_header(wire::Op::hello, 1, 0, sizeof nonce, kNoWorker, wire::kVersion);
+    p.send(&h, sizeof h);
+    p.send(nonce, sizeof nonce);
+    wire::FrameHeader r{};
+    EXPECT_EQ(tcp::read_full(p.fd(), &r, sizeof r), tcp::IoResult::ok);
+    std::uint8_t challenge[wire::kAuthNonceBytes + wire::kAuthProofBytes];
+    EXPECT_EQ(r.payload_bytes, sizeof challenge);
+    EXPECT_EQ(tcp::read_full(p.fd(), challenge, sizeof challenge), tcp::IoResult::ok);
+    return {std::move(p), r};
+  }
+  TokenFile token_{"correct horse battery staple 42"};
+  std::string log_;
+  std::vector<ServerProcess> servers_;
+  ClientOptions o_;
+};
+
+TEST_F(TcpAuth, ClientWithTheTokenIsServed) {
+  Client c(o_);
+  std::vector<float> v(64, 1.0f), out(64);
+  c.wait(c.init(Key(5), v));
+  c.wait(c.push(Key(5), v));
+  c.wait(c.pull(Key(5), out));
+  EXPECT_EQ(out[63], 2.0f);
+}
+
+TEST_F(TcpAuth, ClientWithoutOrWithAnotherTokenIsRefused) {
+  ClientOptions none = o_;
+  none.auth_token_file.clear();
+  expect_permission_error(none, "requires a matching token");
+  // A worker without the token must not have joined: the server still counts nobody.
+  TokenFile other("another secret, also long enough");
+  ClientOptions wrong = o_;
+  wrong.auth_token_file = other.path;
+  expect_permission_error(wrong, "failed to prove it holds the token");
+  EXPECT_NE(slurp(log_).find("refused unauthenticated peer 127.0.0.1:"), std::string::npos) << slurp(log_);
+  Client good(o_);  // still serving
+}
+
+TEST_F(TcpAuth, UnauthenticatedPeersAreServedNothingAndLogged) {
+  {
+    ClientOptions admin = o_;
+    Client c(admin);
+    std::vector<float> v(4, 3.0f);
+    c.wait(c.init(Key(9), v));
+  }
+  {  // skips the challenge and asks for a value
+    auto [p, r] = challenged_peer();
+    EXPECT_TRUE(r.flags & wire::kAuthChallenge);
+    wire::KeyEntry k{9, 4, 0};
+    wire::FrameHeader h = wire::make_header(wire::Op::pull, 2, 1, 0);
+    p.send(&h, sizeof h);
+    p.send(&k, sizeof k);
+    auto [status, text] = p.reply();
+    EXPECT_EQ(status, int(Errc::permission)) << text;
+    EXPECT_TRUE(p.closed_by_server());
+  }
+  {  // answers the challenge with a forged proof
+    auto [p, r] = challenged_peer();
+    std::uint8_t forged[wire::kAuthProofBytes] = {1, 2, 3};
+    wire::FrameHeader h = wire::make_header(wire::Op::auth, 3, 0, sizeof forged);
+    p.send(&h, sizeof h);
+    p.send(forged, sizeof forged);
+    auto [status, text] = p.reply();
+    EXPECT_EQ(status, int(Errc::permission)) << text;
+    EXPECT_TRUE(p.closed_by_server());
+  }
+  {  // an old-style hello without a nonce
+    RawPeer p(servers_[0].uri);
+    wire::FrameHeader h = wire::make_header(wire::Op::hello, 1, 0, 0, kNoWorker, wire::kVersion);
+    p.send(&h, sizeof h);
+    auto [status, text] = p.reply();
+    EXPECT_EQ(status, int(Errc::permission)) << text;
+    EXPECT_NE(text.find("--auth-token-file"), std::string::npos) << text;
+    EXPECT_TRUE(p.closed_by_server());
+  }
+  const std::string log = slurp(log_);
+  EXPECT_NE(log.find("sent pull before authenticating"), std::string::npos) << log;
+  EXPECT_NE(log.find("failed the challenge"), std::string::npos) << log;
+  EXPECT_NE(log.find("has no token"), std::string::npos) << log;
+  Client c(o_);
+  std::vector<float> out(4);
+  c.wait(c.pull(Key(9), out));
+  EXPECT_EQ(out[0], 3.0f);
+}
+
+TEST(TcpAuthSetup, ClientWithATokenRefusesAServerThatCannotProveIt) {
+  auto servers = start_servers(1);
+  TokenFile token("correct horse battery staple 42");
+  ClientOptions o = options_for(servers);
+  o.auth_token_file = token.path;
+  expect_permission_error(o, "did not ask for authentication");
+}
+
+TEST(TcpAuthSetup, ServerRefusesATokenFileOthersCanRead) {
+  TokenFile token("correct horse battery staple 42", 0644);
+  const std::string log = "/tmp/pskv-auth-setup-" + std::to_string(::getpid());
+  testing::Process server(PSKV_SERVER_BIN, {"--uri", "tcp://127.0.0.1:0", "--auth-token-file", token.path}, log);
+  EXPECT_NE(server.wait(std::chrono::seconds(20)), 0);
+  EXPECT_NE(slurp(log).find("chmod 600"), std::string::npos) << slurp(log);
+  std::filesystem::remove(log);
 }
 
 TEST(TcpFailure, ServerDeathFailsOutstandingRequestsPromptly) {

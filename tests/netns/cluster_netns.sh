@@ -154,6 +154,8 @@ else
 fi
 
 printf '%s\n' "${ips[@]}" >"$work/hostfile"
+# The job authenticates every connection, as a multi-host deployment should.
+(umask 077 && head -c 32 /dev/urandom | base64 >"$work/token")
 
 # --- the job ---------------------------------------------------------------------------------
 rank_pid=()
@@ -165,7 +167,7 @@ start_job() {  # extra pskv-mnist flags...
   for r in 0 1 2 3; do
     ip netns exec "${hosts[$r]}" env OMPI_COMM_WORLD_RANK=$r OMPI_COMM_WORLD_SIZE=4 \
       "$mnist" --servers 2 --workers 2 --transport tcp --hostfile "$work/hostfile" --port-base $PORT_BASE \
-      --data "$data" "$@" >"$work/rank$r.out" 2>"$work/rank$r.err" &
+      --data "$data" --auth-token-file "$work/token" "$@" >"$work/rank$r.out" 2>"$work/rank$r.err" &
     rank_pid[$r]=$!
     pids+=($!)
   done

@@ -6,11 +6,13 @@
 #include <fcntl.h>
 #include <netdb.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <numeric>
@@ -307,7 +309,7 @@ TEST(Rdma, VersionMismatchIsRefusedWithAClearMessage) {
   rdma_ack_cm_event(next(RDMA_CM_EVENT_ADDR_RESOLVED));
   ASSERT_EQ(rdma_resolve_route(id, 5000), 0);
   rdma_ack_cm_event(next(RDMA_CM_EVENT_ROUTE_RESOLVED));
-  rdma::ConnectRequest req{rdma::kCmMagic, wire::kVersion, rdma::kRdmaVersion + 1, kNoWorker, 8};
+  rdma::ConnectRequest req{rdma::kCmMagic, wire::kVersion, rdma::kRdmaVersion + 1, kNoWorker, 8, 0, {}};
   rdma_conn_param p{};
   p.private_data = &req;
   p.private_data_len = sizeof req;
@@ -334,7 +336,8 @@ TEST(Rdma, VersionMismatchIsRefusedWithAClearMessage) {
 // then frames no pskv client would send.
 class RawPeer {
  public:
-  explicit RawPeer(const std::string& uri) {
+  // claims_token: asks as a client holding a token would (with an all-zero nonce).
+  explicit RawPeer(const std::string& uri, bool claims_token = false) {
     const Uri u = parse_uri(uri);
     ch_ = rdma_create_event_channel();
     if (!ch_ || rdma_create_id(ch_, &id_, nullptr, RDMA_PS_TCP) != 0) throw std::runtime_error("rdma_cm");
@@ -356,7 +359,8 @@ class RawPeer {
     for (std::uint32_t i = 8; i < 16; ++i) post_recv(i);
     if (rdma_resolve_route(id_, 5000) != 0) throw std::runtime_error("route");
     expect_event(RDMA_CM_EVENT_ROUTE_RESOLVED);
-    rdma::ConnectRequest req{rdma::kCmMagic, wire::kVersion, rdma::kRdmaVersion, kNoWorker, 8};
+    rdma::ConnectRequest req{rdma::kCmMagic, wire::kVersion, rdma::kRdmaVersion, kNoWorker, 8,
+                             claims_token ? rdma::kHasToken : 0u, {}};
     rdma_conn_param p{};
     p.private_data = &req;
     p.private_data_len = sizeof req;
@@ -431,8 +435,8 @@ class RawPeer {
     wr.opcode = op;
     wr.send_flags = IBV_SEND_SIGNALED;
     wr.imm_data = htonl(imm);
-    wr.wr.rdma.remote_addr = info_.region_addr + offset;
-    wr.wr.rdma.rkey = info_.region_rkey;
+    wr.wr.rdma.remote_addr = info_.grant.region_addr + offset;
+    wr.wr.rdma.rkey = info_.grant.region_rkey;
     if (ibv_post_send(id_->qp, &wr, &bad) != 0) throw std::runtime_error("post");
     ibv_wc wc{};
     next_completion(op == IBV_WR_SEND ? IBV_WC_SEND : IBV_WC_RDMA_WRITE, &wc);
@@ -530,7 +534,7 @@ TEST(Rdma, MalformedMessagesCloseOnlyTheirConnection) {
       wire::FrameHeader h;
       wire::KeyEntry k;
     } m{wire::make_header(wire::Op::push, 5, 1, 64u << 20), {1, 16u << 20, 0}};
-    const std::uint64_t at = p.info().region_bytes - 128;
+    const std::uint64_t at = p.info().grant.region_bytes - 128;
     p.write_imm(&m, sizeof m, at, static_cast<std::uint32_t>(at / 64));
     auto [status, text] = p.reply();
     EXPECT_EQ(status, int(Errc::protocol)) << text;
@@ -541,6 +545,91 @@ TEST(Rdma, MalformedMessagesCloseOnlyTheirConnection) {
   std::vector<float> out(8);
   healthy.wait(healthy.pull(Key(1), out));
   EXPECT_EQ(out[0], 6.0f);
+}
+
+// With --auth-token-file, only a client proving the token gets remote keys or any answer; the
+// others are refused with a clear error, logged, and the server keeps serving.
+TEST(Rdma, AuthTokenGatesEveryConnection) {
+  PSKV_REQUIRE_RDMA();
+  auto write_token = [](const std::string& path, const std::string& secret) {
+    std::ofstream(path) << secret << "\n";
+    ::chmod(path.c_str(), 0600);
+  };
+  const std::string token = "/tmp/pskv-rdma-token-" + std::to_string(::getpid()), other = token + "-other";
+  const std::string log = token + ".log";
+  write_token(token, "correct horse battery staple 42");
+  write_token(other, "another secret, also long enough");
+  auto server = ServerProcess::start({"--uri", "rdma://" + rdma_ip() + ":0", "--io-threads", "2", "--arena-mb", "48",
+                                      "--max-keys", "4096", "--rdma-recv-mb", "24", "--auth-token-file", token},
+                                     log);
+  ClientOptions good = rdma_client({server.uri});
+  good.auth_token_file = token;
+  Client healthy(good);
+  std::vector<float> v(1000, 1.0f), out(1000);
+  healthy.wait(healthy.init(Key(1), v));
+  healthy.wait(healthy.push(Key(1), v));
+  healthy.wait(healthy.pull(Key(1), out));
+  EXPECT_EQ(out[999], 2.0f);
+
+  auto expect_refused = [&](const ClientOptions& o, const std::string& hint) {
+    try {
+      Client c(o);
+      ADD_FAILURE() << "connected without passing authentication";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), Errc::permission) << e.what();
+      EXPECT_NE(std::string(e.what()).find(hint), std::string::npos) << e.what();
+    }
+  };
+  ClientOptions none = good;
+  none.auth_token_file.clear();
+  expect_refused(none, "requires a token");
+  ClientOptions wrong = good;
+  wrong.auth_token_file = other;
+  expect_refused(wrong, "failed to prove it holds the token");
+
+  auto closes = [](RawPeer& p) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (std::chrono::steady_clock::now() < deadline)
+      if (p.disconnected()) return true;
+    return false;
+  };
+  {
+    SCOPED_TRACE("asks before authenticating");
+    RawPeer p(server.uri, true);
+    EXPECT_TRUE(p.info().flags & rdma::kAuthRequired);
+    EXPECT_EQ(p.info().grant.store_rkey, 0u);  // no remote key before the proof
+    EXPECT_EQ(p.info().grant.store_addr, 0u);
+    EXPECT_EQ(p.info().grant.region_rkey, 0u);
+    struct {
+      wire::FrameHeader h;
+      wire::KeyEntry k;
+    } m{wire::make_header(wire::Op::lookup, 1, 1, 0), {1, 1000, 0}};
+    p.send(&m, sizeof m);
+    auto [status, text] = p.reply();
+    EXPECT_EQ(status, int(Errc::permission)) << text;
+    EXPECT_TRUE(closes(p));
+  }
+  {
+    SCOPED_TRACE("forged proof");
+    RawPeer p(server.uri, true);
+    struct {
+      wire::FrameHeader h;
+      std::uint8_t proof[wire::kAuthProofBytes];
+    } m{wire::make_header(wire::Op::auth, 2, 0, wire::kAuthProofBytes), {9}};
+    p.send(&m, sizeof m);
+    auto [status, text] = p.reply();
+    EXPECT_EQ(status, int(Errc::permission)) << text;
+    EXPECT_TRUE(closes(p));
+  }
+  healthy.wait(healthy.pull(Key(1), out));
+  EXPECT_EQ(out[0], 2.0f);
+  std::ifstream in(log);
+  const std::string logged((std::istreambuf_iterator<char>(in)), {});
+  EXPECT_NE(logged.find("refused unauthenticated peer"), std::string::npos) << logged;
+  EXPECT_NE(logged.find("it has no token"), std::string::npos) << logged;
+  EXPECT_NE(logged.find("sent lookup before authenticating"), std::string::npos) << logged;
+  EXPECT_NE(logged.find("failed the challenge"), std::string::npos) << logged;
+  for (const auto& f : {token, other, log}) std::remove(f.c_str());
 }
 
 long cpu_ticks(pid_t pid) {

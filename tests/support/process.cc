@@ -17,13 +17,17 @@
 
 namespace pskv::testing {
 
-Process::Process(const std::string& program, const std::vector<std::string>& args) {
+Process::Process(const std::string& program, const std::vector<std::string>& args, const std::string& stderr_path) {
   int pipefd[2];
   if (pipe2(pipefd, O_CLOEXEC) != 0) throw std::runtime_error("pipe failed");
   pid_ = fork();
   if (pid_ < 0) throw std::runtime_error("fork failed");
   if (pid_ == 0) {
     dup2(pipefd[1], STDOUT_FILENO);
+    if (!stderr_path.empty()) {
+      const int err = ::open(stderr_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+      if (err >= 0) dup2(err, STDERR_FILENO);
+    }
     std::vector<char*> argv;
     argv.push_back(const_cast<char*>(program.c_str()));
     for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
@@ -130,8 +134,8 @@ int wait_pid(pid_t pid, std::chrono::milliseconds timeout) {
   }
 }
 
-ServerProcess ServerProcess::start(const std::vector<std::string>& args) {
-  ServerProcess s{Process(PSKV_SERVER_BIN, args), {}};
+ServerProcess ServerProcess::start(const std::vector<std::string>& args, const std::string& stderr_path) {
+  ServerProcess s{Process(PSKV_SERVER_BIN, args, stderr_path), {}};
   const std::string line = s.process.read_line();
   const std::string marker = "listening on ";
   const auto at = line.find(marker);

@@ -15,7 +15,8 @@ namespace pskv::testing {
 class Process {
  public:
   Process() = default;
-  Process(const std::string& program, const std::vector<std::string>& args);
+  // stderr_path: where the child's stderr goes (default: inherited).
+  Process(const std::string& program, const std::vector<std::string>& args, const std::string& stderr_path = {});
   ~Process();
   Process(Process&& o) noexcept;
   Process& operator=(Process&& o) noexcept;
@@ -42,7 +43,7 @@ int wait_pid(pid_t pid, std::chrono::milliseconds timeout = std::chrono::seconds
 struct ServerProcess {
   Process process;
   std::string uri;
-  static ServerProcess start(const std::vector<std::string>& args);
+  static ServerProcess start(const std::vector<std::string>& args, const std::string& stderr_path = {});
 };
 
 // Peak resident memory (VmHWM) of a process in KiB.

@@ -78,6 +78,16 @@ RdmaConnection::RdmaConnection(const Uri& uri, const transport::ConnectOptions& 
     std::this_thread::sleep_for(pause);
     pause = std::min(pause * 2, std::chrono::milliseconds(500));
   }
+  if (server_.flags & kAuthRequired) {
+    authenticate(deadline);
+  } else if (options_.token) {
+    throw Error(Errc::permission, endpoint_ + " did not ask for authentication, but this client has a token: refusing "
+                                              "a server that cannot prove it (start it with the same --auth-token-file)");
+  }
+  if (server_.grant.region_bytes < kDescriptorAlign ||
+      (server_.num_workers && server_.grant.clock_bytes != ClockTable::bytes_for(server_.num_workers)))
+    throw Error(Errc::protocol, endpoint_ + " sent inconsistent connection data (receive region of " +
+                                    std::to_string(server_.grant.region_bytes) + " bytes)");
 
   info_.server_id = server_.server_id;
   info_.num_workers = server_.num_workers;
@@ -219,7 +229,12 @@ bool RdmaConnection::connect_once(const Uri& uri, Deadline deadline, std::string
     if (const int rc = ibv_post_recv(v->qp, &wr, &bad); rc != 0) throw Error(Errc::io, "ibv_post_recv: " + errno_text(rc));
   }
 
-  ConnectRequest req{kCmMagic, wire::kVersion, kRdmaVersion, options_.worker_id, recv_depth_};
+  ConnectRequest req{kCmMagic, wire::kVersion, kRdmaVersion, options_.worker_id, recv_depth_, 0, {}};
+  if (options_.token) {
+    client_nonce_ = auth::random_nonce();
+    req.flags = kHasToken;
+    std::memcpy(req.nonce, client_nonce_.data(), auth::kNonceBytes);
+  }
   rdma_conn_param param{};
   param.private_data = &req;
   param.private_data_len = sizeof req;
@@ -265,8 +280,7 @@ bool RdmaConnection::connect_once(const Uri& uri, Deadline deadline, std::string
     throw Error(Errc::protocol, endpoint_ + " speaks protocol " + std::to_string(server_.wire_version) + "/rdma " +
                                     std::to_string(server_.rdma_version) + ", this client " + std::to_string(wire::kVersion) +
                                     "/rdma " + std::to_string(kRdmaVersion) + ": run matching pskv builds");
-  if (server_.credits == 0 || server_.control_bytes != kControlBytes || server_.region_bytes < kDescriptorAlign ||
-      (server_.num_workers && server_.clock_bytes != ClockTable::bytes_for(server_.num_workers)))
+  if (server_.credits == 0 || server_.control_bytes != kControlBytes)
     throw Error(Errc::protocol, endpoint_ + " sent inconsistent connection data (credits " +
                                     std::to_string(server_.credits) + ", control buffers " +
                                     std::to_string(server_.control_bytes) + " bytes)");
@@ -276,6 +290,79 @@ bool RdmaConnection::connect_once(const Uri& uri, Deadline deadline, std::string
   verbs_ = std::move(v);
   recv_ = std::move(recv);
   return true;
+}
+
+void RdmaConnection::authenticate(Deadline deadline) {
+  if (!options_.token)
+    throw Error(Errc::permission, endpoint_ + " requires authentication: give this client the server's token "
+                                              "(--auth-token-file or PSKV_AUTH_TOKEN_FILE)");
+  auth::Nonce server_nonce;
+  auth::Proof server_proof;
+  std::memcpy(server_nonce.data(), server_.nonce, auth::kNonceBytes);
+  std::memcpy(server_proof.data(), server_.proof, auth::kProofBytes);
+  if (!auth::proofs_equal(server_proof, options_.token->server_proof(client_nonce_, server_nonce)))
+    throw Error(Errc::permission, endpoint_ + " failed to prove it holds the token: it is not the server this "
+                                              "client's --auth-token-file belongs to");
+  constexpr std::size_t kHeader = sizeof(wire::FrameHeader);
+  const auth::Proof proof = options_.token->client_proof(server_nonce, client_nonce_);
+  RegisteredBuffer out(verbs_->pd, kHeader + auth::kProofBytes, IBV_ACCESS_LOCAL_WRITE, "the authentication message");
+  const wire::FrameHeader h = wire::make_header(wire::Op::auth, 0, 0, auth::kProofBytes);
+  std::memcpy(out.data(), &h, kHeader);
+  std::memcpy(out.data() + kHeader, proof.data(), auth::kProofBytes);
+  ibv_sge sge{reinterpret_cast<std::uint64_t>(out.data()), static_cast<std::uint32_t>(out.size()), out.mr.lkey()};
+  ibv_send_wr wr{}, *bad = nullptr;
+  wr.wr_id = make_wr_id(WrKind::send_end, 0, 1);
+  wr.sg_list = &sge;
+  wr.num_sge = 1;
+  wr.opcode = IBV_WR_SEND;
+  wr.send_flags = IBV_SEND_SIGNALED;
+  if (const int rc = ibv_post_send(verbs_->qp, &wr, &bad); rc != 0)
+    throw Error(Errc::io, "ibv_post_send (authentication): " + errno_text(rc));
+  // The one exchange before the completion thread exists: poll for the send and the reply.
+  bool sent = false;
+  std::uint32_t reply = UINT32_MAX, reply_bytes = 0;
+  while (!sent || reply == UINT32_MAX) {
+    ibv_wc wc[4];
+    const int n = ibv_poll_cq(verbs_->cq, 4, wc);
+    if (n < 0) throw Error(Errc::io, "ibv_poll_cq during authentication with " + endpoint_);
+    for (int i = 0; i < n; ++i) {
+      if (wc[i].status != IBV_WC_SUCCESS)
+        throw Error(Errc::permission, endpoint_ + " closed the connection during authentication (" +
+                                          ibv_wc_status_str(wc[i].status) + "); does its token match this client's?");
+      if (wr_kind(wc[i].wr_id) == WrKind::recv) {
+        reply = wr_index(wc[i].wr_id);
+        reply_bytes = wc[i].byte_len;
+      } else {
+        sent = true;
+      }
+    }
+    if (n == 0) {
+      if (Clock::now() >= deadline)
+        throw Error(Errc::timeout, endpoint_ + " did not answer the authentication within " +
+                                       std::to_string(options_.connect_timeout.count()) + " ms");
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+  const std::byte* p = recv_.data() + std::size_t{reply} * kControlBytes;
+  wire::FrameHeader r{};
+  std::string why;
+  if (reply_bytes < kHeader) throw Error(Errc::protocol, endpoint_ + " sent a truncated authentication reply");
+  std::memcpy(&r, p, kHeader);
+  if (Errc e = wire::validate_header(r, options_.limits, true, &why); e != Errc::ok)
+    throw Error(e, "authentication reply from " + endpoint_ + ": " + why);
+  if (r.payload_bytes > reply_bytes - kHeader) throw Error(Errc::protocol, endpoint_ + " sent a truncated authentication reply");
+  if (r.status != 0)
+    throw Error(static_cast<Errc>(r.status),
+                endpoint_ + " refused the connection: " +
+                    std::string(reinterpret_cast<const char*>(p + kHeader), std::min<std::uint64_t>(r.payload_bytes, 4096)));
+  if (r.payload_bytes != sizeof(Grant)) throw Error(Errc::protocol, endpoint_ + " sent a malformed authentication reply");
+  std::memcpy(&server_.grant, p + kHeader, sizeof(Grant));
+  ibv_sge rsge{reinterpret_cast<std::uint64_t>(p), static_cast<std::uint32_t>(kControlBytes), recv_.mr.lkey()};
+  ibv_recv_wr rwr{}, *rbad = nullptr;
+  rwr.wr_id = make_wr_id(WrKind::recv, reply);
+  rwr.sg_list = &rsge;
+  rwr.num_sge = 1;
+  if (const int rc = ibv_post_recv(verbs_->qp, &rwr, &rbad); rc != 0) throw Error(Errc::io, "ibv_post_recv: " + errno_text(rc));
 }
 
 void RdmaConnection::register_memory(void* data, std::size_t bytes) { cache_->add(data, bytes); }

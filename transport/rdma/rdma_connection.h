@@ -131,6 +131,8 @@ class RdmaConnection final : public transport::Connection {
   // --- control path (rdma_connection.cc) ---
   // False when nothing listened (worth retrying until the deadline); throws on other failures.
   bool connect_once(const Uri& uri, Deadline deadline, std::string* refusal);
+  // The server asked for the token: check its proof, send ours, and receive the Grant.
+  void authenticate(Deadline deadline);
   void ensure_staging(Slot& slot, std::size_t bytes);
   // Finds the lkey of a caller buffer: cached registration, bounce (0), or a registration for
   // this request only.
@@ -177,6 +179,7 @@ class RdmaConnection final : public transport::Connection {
   transport::ServerInfo info_;
   EndpointParams params_;
   AcceptInfo server_{};
+  auth::Nonce client_nonce_{};
   std::uint64_t staleness_ = 0;
   bool bounded_ = false;
   std::uint32_t send_depth_ = 0, recv_depth_ = 0, max_sge_ = 0;

@@ -65,7 +65,7 @@ bool carries_values(wire::Op op) { return op == wire::Op::push || op == wire::Op
 
 }  // namespace
 
-std::size_t RdmaConnection::clock_area() const noexcept { return align_up(server_.clock_bytes, kCacheLine); }
+std::size_t RdmaConnection::clock_area() const noexcept { return align_up(server_.grant.clock_bytes, kCacheLine); }
 
 std::size_t RdmaConnection::bounce_base() const noexcept {
   return align_up(clock_area() + std::size_t{kMaxRoundKeys} * (kSlotHeader + sizeof(std::uint64_t)), kCacheLine);
@@ -199,8 +199,8 @@ void RdmaConnection::prepare(Slot& s) {
   if (payload > server_.max_payload_bytes)
     throw Error(Errc::capacity, what() + " exceeds the request limit of " + endpoint_ +
                                     " (raise --max-request-mb or lower --chunk-floats)");
-  if (align_up(s.message_total, kDescriptorAlign) > server_.region_bytes)
-    throw Error(Errc::capacity, what() + " does not fit the " + std::to_string(server_.region_bytes >> 20) +
+  if (align_up(s.message_total, kDescriptorAlign) > server_.grant.region_bytes)
+    throw Error(Errc::capacity, what() + " does not fit the " + std::to_string(server_.grant.region_bytes >> 20) +
                                     " MiB receive region of " + endpoint_ + ": raise the server's --rdma-recv-mb or lower --chunk-floats");
   // Registered slices are gathered in place (zero copy); small unannounced ones are copied next
   // to the descriptor. A push of very many registered slices would need more gather entries
@@ -340,14 +340,14 @@ bool RdmaConnection::post_message(std::uint32_t index) {
     chain = static_cast<std::uint32_t>(s.wr_groups.size());
     if (sq_free() < chain) return false;
     // The ring: a message is contiguous, so one that would straddle the end starts over at 0.
-    const std::uint64_t ring = server_.region_bytes;
+    const std::uint64_t ring = server_.grant.region_bytes;
     const std::uint64_t need = align_up(s.message_total, kDescriptorAlign);
     std::uint64_t at = region_head_;
     if (at % ring + need > ring) at += ring - at % ring;
     if (at + need - region_tail_ > ring) return false;
     const std::uint64_t offset = at % ring;
     wrs_.assign(chain, ibv_send_wr{});
-    std::uint64_t remote = server_.region_addr + offset;
+    std::uint64_t remote = server_.grant.region_addr + offset;
     std::size_t g = 0;
     for (std::uint32_t w = 0; w < chain; ++w) {
       ibv_send_wr& wr = wrs_[w];
@@ -356,7 +356,7 @@ bool RdmaConnection::post_message(std::uint32_t index) {
       wr.num_sge = static_cast<int>(s.wr_groups[w]);
       wr.opcode = IBV_WR_RDMA_WRITE;
       wr.wr.rdma.remote_addr = remote;
-      wr.wr.rdma.rkey = server_.region_rkey;
+      wr.wr.rdma.rkey = server_.grant.region_rkey;
       for (std::uint32_t e = 0; e < s.wr_groups[w]; ++e) remote += s.gather[g++].length;
       wr.next = w + 1 < chain ? &wrs_[w + 1] : nullptr;
     }
@@ -384,7 +384,7 @@ bool RdmaConnection::post_message(std::uint32_t index) {
 bool RdmaConnection::post_clock_read(std::uint32_t index) {
   Slot& s = slots_[index];
   if (sq_free() < 1) return false;
-  ibv_sge sge{reinterpret_cast<std::uint64_t>(s.staging.data()), static_cast<std::uint32_t>(server_.clock_bytes),
+  ibv_sge sge{reinterpret_cast<std::uint64_t>(s.staging.data()), static_cast<std::uint32_t>(server_.grant.clock_bytes),
               s.staging.mr.lkey()};
   ibv_send_wr wr{}, *bad = nullptr;
   wr.wr_id = make_wr_id(WrKind::clock_end, index, 1);
@@ -392,8 +392,8 @@ bool RdmaConnection::post_clock_read(std::uint32_t index) {
   wr.num_sge = 1;
   wr.opcode = IBV_WR_RDMA_READ;
   wr.send_flags = IBV_SEND_SIGNALED;
-  wr.wr.rdma.remote_addr = server_.clock_addr;
-  wr.wr.rdma.rkey = server_.clock_rkey;
+  wr.wr.rdma.remote_addr = server_.grant.clock_addr;
+  wr.wr.rdma.rkey = server_.grant.clock_rkey;
   if (const int rc = ibv_post_send(verbs_->qp, &wr, &bad); rc != 0) {
     fail_all(Errc::io, "posting an RDMA READ to " + endpoint_ + " failed: " + errno_text(rc));
     return true;
@@ -459,27 +459,27 @@ bool RdmaConnection::post_round(std::uint32_t index) {
     ++w;
   };
   if (s.snapshot) {
-    sges_[g++] = {reinterpret_cast<std::uint64_t>(staging), static_cast<std::uint32_t>(server_.clock_bytes), skey};
-    read(server_.clock_addr, server_.clock_rkey, 1);
+    sges_[g++] = {reinterpret_cast<std::uint64_t>(staging), static_cast<std::uint32_t>(server_.grant.clock_bytes), skey};
+    read(server_.grant.clock_addr, server_.grant.clock_rkey, 1);
   }
   for (std::size_t j = 0; j < s.round.size(); ++j) {
     const std::uint32_t k = s.round[j];
-    const std::uint64_t remote = server_.store_addr + s.remote[k].offset;
+    const std::uint64_t remote = server_.grant.store_addr + s.remote[k].offset;
     const std::size_t bytes = std::size_t{keys[k].length} * sizeof(float);
     auto* dest = s.lkeys[k] != 0 ? reinterpret_cast<std::byte*>(keys[k].data) : staging + bounce_base() + s.bounce_at[j];
     const std::uint32_t dkey = s.lkeys[k] != 0 ? s.lkeys[k] : skey;
     std::size_t done = std::min(bytes, max_piece() - kSlotHeader);
     sges_[g++] = {reinterpret_cast<std::uint64_t>(staging + headers + j * kSlotHeader), kSlotHeader, skey};
     sges_[g++] = {reinterpret_cast<std::uint64_t>(dest), static_cast<std::uint32_t>(done), dkey};
-    read(remote, server_.store_rkey, 2);
+    read(remote, server_.grant.store_rkey, 2);
     while (done < bytes) {
       const std::size_t len = std::min(bytes - done, max_piece());
       sges_[g++] = {reinterpret_cast<std::uint64_t>(dest + done), static_cast<std::uint32_t>(len), dkey};
-      read(remote + kSlotHeader + done, server_.store_rkey, 1);
+      read(remote + kSlotHeader + done, server_.grant.store_rkey, 1);
       done += len;
     }
     sges_[g++] = {reinterpret_cast<std::uint64_t>(staging + seqs + j * sizeof(std::uint64_t)), sizeof(std::uint64_t), skey};
-    read(remote, server_.store_rkey, 1);
+    read(remote, server_.grant.store_rkey, 1);
   }
   ibv_send_wr& last = wrs_[chain - 1];
   last.send_flags = IBV_SEND_SIGNALED;
@@ -554,7 +554,7 @@ void RdmaConnection::continue_pull(std::uint32_t index) {
     }
   std::uint64_t need = 0;
   if (bound_needed(s, &need) && known_bound_ < need && !(s.have_bound && s.bound >= need)) {
-    if (server_.clock_addr != 0 && !s.tried_clock_read) {
+    if (server_.grant.clock_addr != 0 && !s.tried_clock_read) {
       s.tried_clock_read = true;
       s.phase = Phase::clock_queued;
       read_queue_.push_back(index);
@@ -575,7 +575,7 @@ void RdmaConnection::begin_reads(std::uint32_t index) {
   Slot& s = slots_[index];
   // With a clock table, the first round also reads it (before the values), so the bound the
   // pull reports for staleness statistics is the one in force when it read.
-  s.snapshot = server_.clock_addr != 0 && options_.worker_id != kNoWorker && !s.have_bound;
+  s.snapshot = server_.grant.clock_addr != 0 && options_.worker_id != kNoWorker && !s.have_bound;
   s.round_end = 0;
   next_round(s);
   s.phase = Phase::read_queued;
@@ -785,7 +785,7 @@ void RdmaConnection::on_reply(std::uint32_t buffer, std::uint32_t bytes) {
       finish(index, Errc::not_found, key_text(s, k) + " does not exist on " + endpoint_ + ": init it before pushing or pulling");
       return;
     }
-    if (e.offset % kCacheLine != 0 || e.length == 0 || e.offset + slot_bytes(e.length) > server_.store_bytes) {
+    if (e.offset % kCacheLine != 0 || e.length == 0 || e.offset + slot_bytes(e.length) > server_.grant.store_bytes) {
       fail_all(Errc::protocol, endpoint_ + " placed " + key_text(s, k) + " outside its store region");
       return;
     }

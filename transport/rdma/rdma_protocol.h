@@ -12,7 +12,7 @@
 namespace pskv::rdma {
 
 // Bumped whenever anything in this file changes meaning; checked in both directions at connect.
-inline constexpr std::uint16_t kRdmaVersion = 1;
+inline constexpr std::uint16_t kRdmaVersion = 2;
 inline constexpr std::uint32_t kCmMagic = 0x41444d52;  // "RMDA" in memory: a pskv rdma peer
 
 // Every control message (SEND) and every reply fits one receive buffer of this size.
@@ -34,8 +34,28 @@ struct ConnectRequest {
   std::uint16_t rdma_version;
   std::uint32_t worker_id;      // kNoWorker for anonymous clients
   std::uint32_t max_in_flight;  // the client's receive queue depth: replies it can take at once
+  std::uint32_t flags;          // kHasToken: `nonce` is the client's authentication nonce
+  std::uint8_t nonce[wire::kAuthNonceBytes];
 };
 static_assert(sizeof(ConnectRequest) <= kReqPrivateBytes);
+inline constexpr std::uint32_t kHasToken = 1;
+
+// Where the data path reads and writes. With authentication it is withheld from the accept data
+// and sent only in the reply to a passed AUTH message, so an unauthenticated peer never learns a
+// remote key.
+struct Grant {
+  std::uint64_t store_addr;  // the whole store region, REMOTE_READ
+  std::uint64_t store_bytes;
+  std::uint64_t clock_addr;  // the clock table, REMOTE_READ; 0 when the server has no workers
+  std::uint64_t clock_bytes;
+  std::uint64_t region_addr;  // this client's receive region, REMOTE_WRITE
+  std::uint64_t region_bytes;
+  std::uint32_t store_rkey;
+  std::uint32_t clock_rkey;
+  std::uint32_t region_rkey;
+  std::uint32_t reserved;
+};
+static_assert(sizeof(Grant) == 64);
 
 // Server -> client, in rdma_accept's private data: all a client needs to read and write.
 struct AcceptInfo {
@@ -44,26 +64,23 @@ struct AcceptInfo {
   std::uint16_t rdma_version;
   std::uint32_t server_id;
   std::uint32_t num_workers;
-  std::uint8_t mode;  // ConsistencyMode
-  std::uint8_t reserved[3];
+  std::uint8_t mode;   // ConsistencyMode
+  std::uint8_t flags;  // kAuthRequired: `grant` is empty; send AUTH with the client's proof first
+  std::uint8_t reserved[2];
   std::uint32_t staleness;
   std::uint32_t quorum;  // sync: K of N for the bound (0 = all live workers)
   std::uint32_t wait_timeout_ms;
   std::uint32_t credits;  // messages (SEND or WRITE_WITH_IMM) the client may have unanswered
   std::uint32_t control_bytes;
-  std::uint64_t store_addr;  // the whole store region, REMOTE_READ
-  std::uint64_t store_bytes;
-  std::uint32_t store_rkey;
-  std::uint32_t clock_rkey;
-  std::uint64_t clock_addr;  // the clock table, REMOTE_READ; 0 when the server has no workers
-  std::uint64_t clock_bytes;
-  std::uint64_t region_addr;  // this client's receive region, REMOTE_WRITE
-  std::uint64_t region_bytes;
-  std::uint32_t region_rkey;
   std::uint32_t max_keys;  // the server's wire::Limits
+  std::uint32_t reserved2;
   std::uint64_t max_payload_bytes;
+  Grant grant;
+  std::uint8_t nonce[wire::kAuthNonceBytes];  // with kAuthRequired: the server's nonce
+  std::uint8_t proof[wire::kAuthProofBytes];  // and its proof of the token over both nonces
 };
 static_assert(sizeof(AcceptInfo) <= kRepPrivateBytes);
+inline constexpr std::uint8_t kAuthRequired = 1;
 
 // Server -> client, in rdma_reject's private data: why the connection was refused.
 struct RejectInfo {

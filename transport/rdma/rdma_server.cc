@@ -2,6 +2,7 @@
 // clock table, accepting (or refusing, with the reason in the REJ private data) connections,
 // and tearing everything down in reverse order of creation.
 #include <arpa/inet.h>
+#include <netdb.h>
 #include <poll.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
@@ -22,6 +23,15 @@ bool wildcard(const sockaddr_storage& a) {
   if (a.ss_family == AF_INET6) return IN6_IS_ADDR_UNSPECIFIED(&reinterpret_cast<const sockaddr_in6&>(a).sin6_addr);
   return false;
 }
+std::string peer_address(rdma_cm_id* id) {
+  const sockaddr* a = rdma_get_peer_addr(id);
+  char host[NI_MAXHOST] = "?", port[NI_MAXSERV] = "?";
+  if (a)
+    getnameinfo(a, a->sa_family == AF_INET6 ? sizeof(sockaddr_in6) : sizeof(sockaddr_in), host, sizeof host, port,
+                sizeof port, NI_NUMERICHOST | NI_NUMERICSERV);
+  return std::string(host) + ":" + port;
+}
+
 }  // namespace
 
 void ServerConn::release() {
@@ -216,6 +226,14 @@ void RdmaServer::on_connect_request(rdma_cm_event* ev) {
     return refuse(id, Errc::protocol, "client speaks protocol " + std::to_string(req.wire_version) + "/rdma " +
                                           std::to_string(req.rdma_version) + ", server " + std::to_string(wire::kVersion) +
                                           "/rdma " + std::to_string(kRdmaVersion) + ": use matching pskv builds");
+  const std::string address = peer_address(id);
+  if (options_.token && !(req.flags & kHasToken)) {
+    auth_refused_.fetch_add(1);
+    std::fprintf(stderr, "pskv-server %u: refused unauthenticated peer %s: it has no token\n",
+                 engine_->options().server_id, address.c_str());
+    return refuse(id, Errc::permission,
+                  "authentication failed: this server requires a token (--auth-token-file or PSKV_AUTH_TOKEN_FILE)");
+  }
   std::string why;
   if (req.worker_id != kNoWorker && engine_->check_worker(req.worker_id, &why) != Errc::ok)
     return refuse(id, Errc::invalid_argument, why);
@@ -229,8 +247,13 @@ void RdmaServer::on_connect_request(rdma_cm_event* ev) {
   auto conn = std::make_shared<ServerConn>();
   conn->id = id;
   conn->owner = io_[next_io_++ % io_.size()].get();
-  conn->worker = req.worker_id;
-  if (req.worker_id != kNoWorker) engine_->worker_joined(req.worker_id);
+  conn->hello_worker = req.worker_id;
+  conn->address = address;
+  conn->authenticated = !options_.token;
+  if (conn->authenticated) {
+    conn->worker = req.worker_id;
+    if (req.worker_id != kNoWorker) engine_->worker_joined(req.worker_id);
+  }
   conn->depth = std::clamp(std::min(options_.queue_depth, req.max_in_flight), 1u, options_.queue_depth);
   try {
     const std::uint32_t depth = conn->depth;
@@ -275,8 +298,6 @@ void RdmaServer::on_connect_request(rdma_cm_event* ev) {
     conn->release();
     return refuse(id, e.code(), message_of(e));
   }
-  conn->owner->adopt(conn);
-  conns_[id] = conn;
 
   const EngineOptions& eo = engine_->options();
   AcceptInfo a{};
@@ -291,19 +312,34 @@ void RdmaServer::on_connect_request(rdma_cm_event* ev) {
   a.wait_timeout_ms = static_cast<std::uint32_t>(eo.wait_timeout.count());
   a.credits = conn->depth;
   a.control_bytes = static_cast<std::uint32_t>(kControlBytes);
-  a.store_addr = reinterpret_cast<std::uint64_t>(engine_->store().region());
-  a.store_bytes = engine_->store().region_size();
-  a.store_rkey = store_mr_.rkey();
+  Grant& g = conn->grant;
+  g.store_addr = reinterpret_cast<std::uint64_t>(engine_->store().region());
+  g.store_bytes = engine_->store().region_size();
+  g.store_rkey = store_mr_.rkey();
   if (eo.num_workers > 0) {
-    a.clock_addr = reinterpret_cast<std::uint64_t>(clock_memory_.data());
-    a.clock_bytes = ClockTable::bytes_for(eo.num_workers);
-    a.clock_rkey = clock_mr_.rkey();
+    g.clock_addr = reinterpret_cast<std::uint64_t>(clock_memory_.data());
+    g.clock_bytes = ClockTable::bytes_for(eo.num_workers);
+    g.clock_rkey = clock_mr_.rkey();
   }
-  a.region_addr = reinterpret_cast<std::uint64_t>(conn->region.data());
-  a.region_bytes = conn->region.size();
-  a.region_rkey = conn->region.mr.rkey();
+  g.region_addr = reinterpret_cast<std::uint64_t>(conn->region.data());
+  g.region_bytes = conn->region.size();
+  g.region_rkey = conn->region.mr.rkey();
+  if (options_.token) {
+    a.flags = kAuthRequired;
+    std::memcpy(conn->client_nonce.data(), req.nonce, auth::kNonceBytes);
+    conn->server_nonce = auth::random_nonce();
+    const auth::Proof proof = options_.token->server_proof(conn->client_nonce, conn->server_nonce);
+    std::memcpy(a.nonce, conn->server_nonce.data(), auth::kNonceBytes);
+    std::memcpy(a.proof, proof.data(), auth::kProofBytes);
+  } else {
+    a.grant = g;
+  }
   a.max_keys = options_.limits.max_keys;
   a.max_payload_bytes = options_.limits.max_payload_bytes;
+
+  // Adopted only now, so the completion thread sees the connection's grant and nonces complete.
+  conn->owner->adopt(conn);
+  conns_[id] = conn;
 
   rdma_conn_param param{};
   param.private_data = &a;

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "server/shard_engine.h"
+#include "transport/auth.h"
 #include "transport/rdma/verbs.h"
 #include "transport/uri.h"
 #include "transport/wire.h"
@@ -37,6 +38,8 @@ struct RdmaServerOptions {
   int gid_index = -1;
   bool busy_poll = false;
   wire::Limits limits{};
+  // When set, a connection gets its remote keys only after passing the HMAC challenge.
+  std::shared_ptr<const auth::Token> token;
 };
 
 class ServerConn;
@@ -55,6 +58,7 @@ class RdmaServer {
   std::uint16_t port() const noexcept { return port_; }
   ShardEngine& engine() noexcept { return *engine_; }
   void stop();
+  std::uint64_t auth_refused() const noexcept { return auth_refused_.load(); }
 
  private:
   friend class IoThread;
@@ -80,6 +84,7 @@ class RdmaServer {
   std::uint16_t port_ = 0;
   int wake_fd_ = -1;
   std::atomic<bool> stopping_{false};
+  std::atomic<std::uint64_t> auth_refused_{0};
 
   std::vector<std::unique_ptr<IoThread>> io_;
   std::uint32_t next_io_ = 0;

@@ -22,7 +22,13 @@ class ServerConn : public std::enable_shared_from_this<ServerConn> {
   rdma_cm_id* id = nullptr;
   IoThread* owner = nullptr;
   std::uint32_t depth = 0;  // receive buffers = the client's credits; twice as many reply buffers
-  std::uint32_t worker = kNoWorker;
+  std::uint32_t worker = kNoWorker;  // set once admitted (at accept, or after the challenge)
+  std::uint32_t hello_worker = kNoWorker;
+  // With a token: nothing but AUTH is served until the client's proof matched.
+  bool authenticated = false;
+  auth::Nonce client_nonce{}, server_nonce{};
+  Grant grant{};        // the remote keys, withheld until authenticated
+  std::string address;  // the peer's host:port, for the log
   bool finished = false;  // the worker announced clock = done, so leaving is clean
   std::atomic<bool> closed{false};
   ibv_cq* send_cq = nullptr;
@@ -68,6 +74,9 @@ class IoThread {
   bool handle_control(ServerConn& c, std::uint32_t buffer, std::uint32_t bytes);
   bool handle_push(ServerConn& c, std::uint32_t imm);
   bool dispatch(ServerConn& c, const wire::FrameHeader& h);
+  // Checks the client's proof; on success admits the worker and replies with the Grant.
+  bool authenticate(ServerConn& c, const wire::FrameHeader& h, const auth::Proof& proof);
+  bool refuse_unauthenticated(ServerConn& c, const wire::FrameHeader* h, const std::string& what);
   bool post_recv(ServerConn& c, std::uint32_t buffer);
   bool reply(ServerConn& c, const wire::FrameHeader& req, Errc status, const void* payload, std::size_t bytes,
              std::uint16_t flags = 0, std::uint64_t arg0 = 0, std::uint32_t arg1 = 0);

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 
 #include "common/sync.h"
@@ -244,7 +245,10 @@ void IoThread::on_recv(ServerConn& c, const ibv_wc& wc) {
     keep = handle_control(c, buffer, wc.byte_len);
   } else if (wc.opcode == IBV_WC_RECV_RDMA_WITH_IMM) {
     // The push itself is in the receive region; the buffer can take the next message at once.
-    keep = post_recv(c, buffer) && handle_push(c, ntohl(wc.imm_data));
+    if (!c.authenticated)
+      keep = refuse_unauthenticated(c, nullptr, "wrote to its receive region before authenticating");
+    else
+      keep = post_recv(c, buffer) && handle_push(c, ntohl(wc.imm_data));
   }
   if (!keep) close(c);
 }
@@ -267,8 +271,15 @@ bool IoThread::handle_control(ServerConn& c, std::uint32_t buffer, std::uint32_t
   }
   c.keys.resize(h.num_keys);
   std::memcpy(c.keys.data(), p + kHeader, key_bytes);
+  auth::Proof proof{};
+  const bool is_auth = h.op == static_cast<std::uint16_t>(wire::Op::auth);
+  if (is_auth) std::memcpy(proof.data(), p + kHeader + key_bytes, auth::kProofBytes);  // size checked above
   // Everything needed is copied out: the buffer can take the next message before we answer.
   if (!post_recv(c, buffer)) return false;
+  if (!c.authenticated)
+    return is_auth ? authenticate(c, h, proof)
+                   : refuse_unauthenticated(c, &h, "sent " + std::string(wire::op_name(h.op)) + " before authenticating");
+  if (is_auth) return refuse_unauthenticated(c, &h, "authenticated twice");
   if (Errc e = wire::validate_keys(h, c.keys, &why); e != Errc::ok) {
     send_error(c, h, e, why);
     return false;
@@ -318,10 +329,31 @@ bool IoThread::dispatch(ServerConn& c, const wire::FrameHeader& h) {
                                                   " values travel by RDMA WRITE into the receive region, not in a SEND");
     case wire::Op::hello:
     case wire::Op::pull:
-    case wire::Op::auth:
+    case wire::Op::auth:  // handled before dispatch
       return send_error(c, h, Errc::unsupported, std::string(wire::op_name(h.op)) + " is not an rdma:// control message");
   }
   return send_error(c, h, Errc::protocol, "unknown op " + std::to_string(h.op));
+}
+
+bool IoThread::authenticate(ServerConn& c, const wire::FrameHeader& h, const auth::Proof& proof) {
+  const auto& token = server_.options_.token;
+  if (!token || !auth::proofs_equal(proof, token->client_proof(c.server_nonce, c.client_nonce)))
+    return refuse_unauthenticated(c, &h, "failed the challenge: its token differs from this server's");
+  c.authenticated = true;
+  c.worker = c.hello_worker;
+  if (c.worker != kNoWorker) engine_.worker_joined(c.worker);
+  return reply(c, h, Errc::ok, &c.grant, sizeof c.grant);
+}
+
+bool IoThread::refuse_unauthenticated(ServerConn& c, const wire::FrameHeader* h, const std::string& what) {
+  server_.auth_refused_.fetch_add(1);
+  std::fprintf(stderr, "pskv-server %u: refused unauthenticated peer %s: it %s\n", engine_.options().server_id,
+               c.address.c_str(), what.c_str());
+  if (h)
+    send_error(c, *h, Errc::permission,
+               "authentication failed: the server requires a matching token (--auth-token-file or "
+               "PSKV_AUTH_TOKEN_FILE) and this connection " + what);
+  return false;
 }
 
 bool IoThread::handle_push(ServerConn& c, std::uint32_t imm) {

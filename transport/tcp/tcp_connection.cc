@@ -27,25 +27,58 @@ TcpConnection::~TcpConnection() {
 }
 
 void TcpConnection::handshake() {
-  wire::FrameHeader h = wire::make_header(wire::Op::hello, 0, 0, 0, options_.worker_id, wire::kVersion);
-  iovec iov{&h, sizeof h};
-  if (writev_full(fd_.get(), &iov, 1) != IoResult::ok)
+  const auth::Nonce client_nonce = options_.token ? auth::random_nonce() : auth::Nonce{};
+  wire::FrameHeader h = wire::make_header(wire::Op::hello, 0, 0, options_.token ? auth::kNonceBytes : 0,
+                                          options_.worker_id, wire::kVersion);
+  iovec iov[2] = {{&h, sizeof h}, {const_cast<std::uint8_t*>(client_nonce.data()), auth::kNonceBytes}};
+  if (writev_full(fd_.get(), iov, options_.token ? 2 : 1) != IoResult::ok)
     throw Error(Errc::peer_failure, "cannot send the hello to " + endpoint_);
+  wire::FrameHeader r = read_handshake_reply("hello");
+  if (r.flags & wire::kAuthChallenge) {
+    if (!options_.token)
+      throw Error(Errc::permission, endpoint_ + " requires authentication: give this client the server's token "
+                                                "(--auth-token-file or PSKV_AUTH_TOKEN_FILE)");
+    std::uint8_t challenge[auth::kNonceBytes + auth::kProofBytes];
+    if (r.payload_bytes != sizeof challenge || read_full(fd_.get(), challenge, sizeof challenge) != IoResult::ok)
+      throw Error(Errc::protocol, endpoint_ + " sent a malformed authentication challenge");
+    auth::Nonce server_nonce;
+    auth::Proof server_proof;
+    std::memcpy(server_nonce.data(), challenge, auth::kNonceBytes);
+    std::memcpy(server_proof.data(), challenge + auth::kNonceBytes, auth::kProofBytes);
+    if (!auth::proofs_equal(server_proof, options_.token->server_proof(client_nonce, server_nonce)))
+      throw Error(Errc::permission, endpoint_ + " failed to prove it holds the token: it is not the server this "
+                                                "client's --auth-token-file belongs to");
+    const auth::Proof proof = options_.token->client_proof(server_nonce, client_nonce);
+    wire::FrameHeader a = wire::make_header(wire::Op::auth, 0, 0, auth::kProofBytes);
+    iovec aiov[2] = {{&a, sizeof a}, {const_cast<std::uint8_t*>(proof.data()), auth::kProofBytes}};
+    if (writev_full(fd_.get(), aiov, 2) != IoResult::ok)
+      throw Error(Errc::peer_failure, "cannot send the authentication proof to " + endpoint_);
+    r = read_handshake_reply("auth");
+  } else if (options_.token) {
+    throw Error(Errc::permission, endpoint_ + " did not ask for authentication, but this client has a token: refusing "
+                                              "a server that cannot prove it (start it with the same --auth-token-file)");
+  }
+  if (r.payload_bytes != 0) throw Error(Errc::protocol, endpoint_ + " sent an unexpected payload in its hello reply");
+  info_.server_id = static_cast<std::uint32_t>(r.arg0);
+  info_.num_workers = r.arg1;
+}
+
+wire::FrameHeader TcpConnection::read_handshake_reply(const char* step) {
   wire::FrameHeader r{};
   const IoResult res = read_full(fd_.get(), &r, sizeof r);
   if (res != IoResult::ok)
     throw Error(res == IoResult::timeout ? Errc::timeout : Errc::peer_failure,
-                "no hello reply from " + endpoint_ + " (" + io_result_text(res) + "); is it a pskv server?");
+                std::string("no ") + step + " reply from " + endpoint_ + " (" + io_result_text(res) +
+                    "); is it a pskv server?");
   std::string why;
   if (Errc e = wire::validate_header(r, options_.limits, true, &why); e != Errc::ok)
-    throw Error(e, "hello reply from " + endpoint_ + ": " + why);
+    throw Error(e, std::string(step) + " reply from " + endpoint_ + ": " + why);
   if (r.status != 0) {
     std::string text(std::min<std::uint64_t>(r.payload_bytes, 4096), '\0');
     read_full(fd_.get(), text.data(), text.size());
     throw Error(static_cast<Errc>(r.status), endpoint_ + " refused the connection: " + text);
   }
-  info_.server_id = static_cast<std::uint32_t>(r.arg0);
-  info_.num_workers = r.arg1;
+  return r;
 }
 
 std::uint32_t TcpConnection::acquire_slot(Request* request) {

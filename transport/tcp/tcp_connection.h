@@ -34,6 +34,7 @@ class TcpConnection final : public transport::Connection {
     std::vector<wire::KeyEntry> entries;  // reused: capacity persists across requests
   };
   void handshake();
+  wire::FrameHeader read_handshake_reply(const char* step);
   void receive_loop();
   bool receive_one(const wire::FrameHeader& h, std::string* why);
   void fail_all(Errc status, const std::string& why);

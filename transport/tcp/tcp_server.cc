@@ -6,6 +6,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstring>
 #include <iostream>
 
@@ -15,7 +16,7 @@ namespace pskv::tcp {
 // replies may also be sent by a thread resuming a parked pull, so sends take send_mu.
 class Peer : public std::enable_shared_from_this<Peer> {
  public:
-  explicit Peer(int fd) : fd(fd) {}
+  Peer(int fd, std::string address) : fd(fd), address(std::move(address)) {}
 
   // Sends a reply unless the connection is already closed. Thread-safe.
   bool send(wire::FrameHeader& h, const void* payload, std::size_t bytes) {
@@ -39,12 +40,16 @@ class Peer : public std::enable_shared_from_this<Peer> {
   }
 
   Fd fd;
+  const std::string address;  // host:port, for the log
   // Ownership passes between I/O threads through epoll (rearm, then another thread's wait);
   // this release/acquire pair states that handoff in the memory model (and to TSan).
   std::atomic<std::uint32_t> handoff{0};
   std::mutex send_mu;
   bool closed = false;
   bool said_hello = false;
+  bool authenticated = false;  // passed the token challenge (or the server has no token)
+  std::uint32_t hello_worker = kNoWorker;  // admitted once authenticated
+  auth::Nonce client_nonce{}, server_nonce{};
   bool finished = false;  // the worker announced it is done (clock = kClockDone)
   std::uint32_t worker = kNoWorker;
   // Owned by the I/O thread that holds the connection. Requests are read with one recv into
@@ -212,7 +217,9 @@ void TcpServer::rearm(Peer& peer) {
 
 void TcpServer::accept_ready() {
   for (;;) {
-    const int fd = ::accept4(listen_fd_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    sockaddr_storage from{};
+    socklen_t from_len = sizeof from;
+    const int fd = ::accept4(listen_fd_.get(), reinterpret_cast<sockaddr*>(&from), &from_len, SOCK_CLOEXEC | SOCK_NONBLOCK);
     if (fd < 0) break;
     // Replies and frame bodies use blocking I/O bounded by the socket timeouts.
     const int flags = fcntl(fd, F_GETFL);
@@ -220,7 +227,7 @@ void TcpServer::accept_ready() {
     set_nodelay(fd);
     set_keepalive(fd, std::chrono::seconds(5));
     set_io_timeouts(fd, options_.frame_timeout, options_.frame_timeout);
-    auto peer = std::make_shared<Peer>(fd);
+    auto peer = std::make_shared<Peer>(fd, address_text(from));
     {
       std::lock_guard lock(peers_mu_);
       if (peers_.size() >= options_.max_connections) {
@@ -329,6 +336,8 @@ bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payl
     peer.send_error(h, Errc::protocol, "the first request on a connection must be hello");
     return false;
   }
+  if (peer.said_hello && !peer.authenticated && op != wire::Op::auth)
+    return refuse(peer, h, "sent " + std::string(wire::op_name(h.op)) + " before authenticating");
   if (h.flags & wire::kChecksum) {
     std::uint32_t crc = wire::crc32_update(0, peer.keys.data(), peer.keys.size() * sizeof(wire::KeyEntry));
     crc = wire::crc32_update(crc, payload, h.payload_bytes);
@@ -343,18 +352,37 @@ bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payl
                                                std::to_string(wire::kVersion) + ": use matching pskv builds");
         return false;
       }
-      const auto worker = static_cast<std::uint32_t>(h.arg0);
-      if (worker != kNoWorker) {
-        if (Errc e = engine_.check_worker(worker, &why); e != Errc::ok) {
-          peer.send_error(h, e, why);
-          return false;
-        }
-      }
-      peer.worker = worker;
       peer.said_hello = true;
-      if (worker != kNoWorker) engine_.worker_joined(worker);
-      wire::FrameHeader r = reply_header(h, 0, engine_.options().server_id, engine_.options().num_workers);
-      return peer.send(r, nullptr, 0);
+      peer.hello_worker = static_cast<std::uint32_t>(h.arg0);
+      if (!options_.token) {
+        peer.authenticated = true;
+        return admit(peer, h);
+      }
+      if (h.payload_bytes != auth::kNonceBytes)
+        return refuse(peer, h, "has no token (this server requires --auth-token-file on its clients too)");
+      std::memcpy(peer.client_nonce.data(), payload, auth::kNonceBytes);
+      peer.server_nonce = auth::random_nonce();
+      const auth::Proof proof = options_.token->server_proof(peer.client_nonce, peer.server_nonce);
+      std::uint8_t challenge[auth::kNonceBytes + auth::kProofBytes];
+      std::memcpy(challenge, peer.server_nonce.data(), auth::kNonceBytes);
+      std::memcpy(challenge + auth::kNonceBytes, proof.data(), auth::kProofBytes);
+      wire::FrameHeader r = reply_header(h, sizeof challenge);
+      r.flags |= wire::kAuthChallenge;
+      return peer.send(r, challenge, sizeof challenge);
+    }
+    case wire::Op::auth: {
+      if (!options_.token) {
+        status = Errc::unsupported;
+        why = "authentication is not enabled on this server";
+        break;
+      }
+      if (peer.authenticated) return refuse(peer, h, "authenticated twice");
+      auth::Proof got{};
+      std::memcpy(got.data(), payload, auth::kProofBytes);
+      if (!auth::proofs_equal(got, options_.token->client_proof(peer.server_nonce, peer.client_nonce)))
+        return refuse(peer, h, "failed the challenge: its token differs from this server's");
+      peer.authenticated = true;
+      return admit(peer, h);
     }
     case wire::Op::init:
       status = engine_.init(peer.keys, payload, &why);
@@ -403,10 +431,6 @@ bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payl
       r.flags |= wire::kErrorText;  // a text payload
       return peer.send(r, json.data(), json.size());
     }
-    case wire::Op::auth:
-      status = Errc::unsupported;
-      why = "authentication is not enabled on this server";
-      break;
     case wire::Op::lookup:
     case wire::Op::wait:
       status = Errc::unsupported;
@@ -416,6 +440,31 @@ bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payl
   if (status != Errc::ok) return peer.send_error(h, status, why);
   wire::FrameHeader r = reply_header(h, 0);
   return peer.send(r, nullptr, 0);
+}
+
+bool TcpServer::admit(Peer& peer, const wire::FrameHeader& h) {
+  std::string why;
+  const std::uint32_t worker = peer.hello_worker;
+  if (worker != kNoWorker) {
+    if (Errc e = engine_.check_worker(worker, &why); e != Errc::ok) {
+      peer.send_error(h, e, why);
+      return false;
+    }
+  }
+  peer.worker = worker;
+  if (worker != kNoWorker) engine_.worker_joined(worker);
+  wire::FrameHeader r = reply_header(h, 0, engine_.options().server_id, engine_.options().num_workers);
+  return peer.send(r, nullptr, 0);
+}
+
+bool TcpServer::refuse(Peer& peer, const wire::FrameHeader& h, const std::string& what) {
+  auth_refused_.fetch_add(1);
+  std::fprintf(stderr, "pskv-server %u: refused unauthenticated peer %s: it %s\n", engine_.options().server_id,
+               peer.address.c_str(), what.c_str());
+  peer.send_error(h, Errc::permission,
+                  "authentication failed: the server requires a matching token (--auth-token-file or "
+                  "PSKV_AUTH_TOKEN_FILE) and this connection " + what);
+  return false;
 }
 
 }  // namespace pskv::tcp

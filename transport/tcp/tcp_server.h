@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "server/shard_engine.h"
+#include "transport/auth.h"
 #include "transport/tcp/socket.h"
 #include "transport/uri.h"
 #include "transport/wire.h"
@@ -28,6 +29,8 @@ struct TcpServerOptions {
   // A frame whose rest does not arrive within this time is abandoned and its connection closed.
   std::chrono::milliseconds frame_timeout{5000};
   wire::Limits limits{};
+  // When set, every connection must pass the HMAC challenge before anything else is served.
+  std::shared_ptr<const auth::Token> token;
 };
 
 class Peer;
@@ -43,6 +46,7 @@ class TcpServer {
   std::uint16_t port() const noexcept { return port_; }
   void stop();
   std::uint64_t connections_refused() const noexcept { return refused_.load(); }
+  std::uint64_t auth_refused() const noexcept { return auth_refused_.load(); }
 
  private:
   void io_loop();
@@ -50,6 +54,10 @@ class TcpServer {
   // Each returns false when the connection must be closed.
   bool serve_readable(Peer& peer);
   bool handle(Peer& peer, const wire::FrameHeader& h, const float* payload);
+  // Answers a hello (or a passed challenge): registers the worker and says who this server is.
+  bool admit(Peer& peer, const wire::FrameHeader& h);
+  // Logs and refuses a peer that did not authenticate; always false (close the connection).
+  bool refuse(Peer& peer, const wire::FrameHeader& h, const std::string& what);
   void close_peer(Peer& peer);
   void rearm(Peer& peer);
 
@@ -61,6 +69,7 @@ class TcpServer {
   std::uint16_t port_ = 0;
   std::atomic<bool> stopping_{false};
   std::atomic<std::uint64_t> refused_{0};
+  std::atomic<std::uint64_t> auth_refused_{0};
   std::mutex peers_mu_;
   std::unordered_map<int, std::shared_ptr<Peer>> peers_;
   std::vector<std::thread> threads_;
