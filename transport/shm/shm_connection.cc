@@ -242,9 +242,12 @@ bool ShmConnection::run_parked(std::chrono::steady_clock::time_point now) {
 
 void ShmConnection::helper_loop() {
   auto last_alive_check = std::chrono::steady_clock::now();
+  // Reused across rounds, so completing a push allocates nothing.
+  std::vector<std::pair<Request*, RingEntry*>> finished;
+  finished.reserve(kRingEntries);
   for (;;) {
     const std::uint32_t word = slot_->done_word.load(std::memory_order_acquire);
-    std::vector<std::pair<Request*, RingEntry*>> finished;
+    finished.clear();
     bool parked_left;
     {
       std::unique_lock lock(mu_);
