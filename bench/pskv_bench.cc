@@ -49,13 +49,12 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// --auth-token-file: proves the token to --server targets that demand one.
-std::string g_auth_token_file;
+// Client settings every workload shares (--chunk-floats, --auth-token-file).
+pskv::ClientOptions g_client_defaults;
 
 pskv::ClientOptions client_options(const std::vector<std::string>& servers) {
-  pskv::ClientOptions o;
+  pskv::ClientOptions o = g_client_defaults;
   o.servers = servers;
-  o.auth_token_file = g_auth_token_file;
   return o;
 }
 
@@ -483,8 +482,12 @@ int main(int argc, char** argv) {
   app.add_option("--ops", ops_text, "Operations to measure: push, pull")->capture_default_str();
   app.add_option("--servers", servers, "Servers to start (ignored with --server)")->capture_default_str();
   app.add_option("--server", targets, "Target existing servers instead of starting them (repeat per server)");
-  app.add_option("--auth-token-file", g_auth_token_file, "Token file for --server targets that demand authentication")
+  app.add_option("--auth-token-file", g_client_defaults.auth_token_file,
+                 "Token file for --server targets that demand authentication")
       ->envname("PSKV_AUTH_TOKEN_FILE");
+  app.add_option("--chunk-floats", g_client_defaults.chunk_floats,
+                 "Split values longer than this over all servers (0: never split)")
+      ->capture_default_str();
   app.add_option("--seconds", seconds, "Measuring time per point")->capture_default_str();
   app.add_option("--max-ops", max_ops, "Cap on operations per client per point")->capture_default_str();
   app.add_flag("--json", json, "One JSON object per line instead of a table");
@@ -615,11 +618,11 @@ int main(int argc, char** argv) {
       std::string hist;
       for (std::size_t b = 0; b < r.histogram.size(); ++b) hist += (b ? "," : "") + std::to_string(r.histogram[b]);
       if (json)
-        std::printf("{\"transport\":\"%s\",\"workload\":\"steps\",\"mode\":\"%s\",\"staleness\":%u,\"workers\":%d,"
-                    "\"servers\":%zu,\"value_bytes\":%zu,\"straggler_us\":%d,\"steps_per_s\":%.1f,\"p50_step_us\":%.1f,"
-                    "\"max_staleness\":%llu,\"staleness_histogram\":[%s]}\n",
-                    transport.c_str(), mode.c_str(), staleness, workers, targets.size(), size, straggler_us, r.steps_per_s,
-                    r.p50_step_us, static_cast<unsigned long long>(r.max_staleness), hist.c_str());
+        std::printf("{\"transport\":\"%s\",\"workload\":\"steps\",\"mode\":\"%s\",\"staleness\":%u,"
+                    "\"sync_required\":%u,\"workers\":%d,\"servers\":%zu,\"value_bytes\":%zu,\"straggler_us\":%d,"
+                    "\"steps_per_s\":%.1f,\"p50_step_us\":%.1f,\"max_staleness\":%llu,\"staleness_histogram\":[%s]}\n",
+                    transport.c_str(), mode.c_str(), staleness, sync_required, workers, targets.size(), size, straggler_us,
+                    r.steps_per_s, r.p50_step_us, static_cast<unsigned long long>(r.max_staleness), hist.c_str());
       else
         std::printf("%s %s s=%u workers=%d value=%zu B straggler=%d us: %.0f steps/s, p50 step %.0f us, max staleness %llu, "
                     "histogram [%s]\n",
@@ -673,10 +676,11 @@ int main(int argc, char** argv) {
           const double ratio = by_bandwidth ? p.bytes_per_s / base : p.p50_us / base;
           if (json)
             std::printf("{\"transport\":\"%s\",\"workload\":\"dense\",\"op\":\"%s\",\"value_bytes\":%zu,\"clients\":%d,"
-                        "\"servers\":%zu,\"ops\":%" PRIu64 ",\"bytes_per_s\":%.0f,\"p50_us\":%.2f,\"p99_us\":%.2f,"
-                        "\"baseline\":\"%s\",\"baseline_value\":%.2f,\"ratio\":%.3f,\"allocs_per_op\":%.3f}\n",
-                        transport.c_str(), op.c_str(), size, clients, targets.size(), p.ops, p.bytes_per_s, p.p50_us,
-                        p.p99_us, baseline, base, ratio, p.allocs_per_op);
+                        "\"servers\":%zu,\"chunk_floats\":%" PRIu64 ",\"ops\":%" PRIu64 ",\"bytes_per_s\":%.0f,"
+                        "\"p50_us\":%.2f,\"p99_us\":%.2f,\"baseline\":\"%s\",\"baseline_value\":%.2f,\"ratio\":%.3f,"
+                        "\"allocs_per_op\":%.3f}\n",
+                        transport.c_str(), op.c_str(), size, clients, targets.size(), g_client_defaults.chunk_floats,
+                        p.ops, p.bytes_per_s, p.p50_us, p.p99_us, baseline, base, ratio, p.allocs_per_op);
           else
             std::printf("%-5s %-5s %10zu %7d %10s/s %9.1f %9.1f  %.2fx %s%s  (%.2f allocs/op)\n", transport.c_str(),
                         op.c_str(), size, clients, human(p.bytes_per_s).c_str(), p.p50_us, p.p99_us, ratio, baseline,

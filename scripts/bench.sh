@@ -20,10 +20,12 @@ run dense-shm --transport shm --clients 1,2
 # Clients sweep at 1 MB.
 run clients-tcp --transport tcp --sizes 1M --clients 1,2,4,8,16
 run clients-shm --transport shm --sizes 1M --clients 1,2,4,8,16 --ops pull
-# Servers sweep for a 16 MB value, with chunking (default) and without it (--chunk is client-side).
+# Servers sweep for a 16 MB value, chunked over all servers (the default) and whole on one.
 run servers-tcp --transport tcp --sizes 16M --clients 2 --servers 1
-run servers2-tcp --transport tcp --sizes 16M --clients 2 --servers 2
-run servers4-tcp --transport tcp --sizes 16M --clients 2 --servers 4
+for n in 2 4; do
+  run servers$n-tcp --transport tcp --sizes 16M --clients 2 --servers $n
+  run servers$n-tcp-whole --transport tcp --sizes 16M --clients 2 --servers $n --chunk-floats 0
+done
 # Sparse: 1M keys x 16 floats, batches of 1,000, uniform and Zipf, 1..16 clients.
 run sparse-shm --transport shm --workload sparse --clients 1,2,4,8,16
 run sparse-tcp --transport tcp --workload sparse --clients 1,2,4,8,16
