@@ -103,13 +103,15 @@ class Store {
     for (std::size_t i = 0; i < n; ++i) {
       if (i + kAhead < n) prefetch_bucket(key_of(i + kAhead));
       out[i] = find(key_of(i));
-      if (out[i]) {
-        __builtin_prefetch(out[i]);
-        __builtin_prefetch(reinterpret_cast<const char*>(out[i]) + 64);
-      }
+      if (out[i]) prefetch_slot(*out[i]);
     }
   }
   void prefetch_bucket(Key key) const noexcept { __builtin_prefetch(&index_[mix64(key) & index_mask_]); }
+  // The header line and the first value line of a slot.
+  static void prefetch_slot(const SlotHeader& slot) noexcept {
+    __builtin_prefetch(&slot);
+    __builtin_prefetch(reinterpret_cast<const char*>(&slot) + 64);
+  }
 
   // Copies the key's value into `out` (exact length required), validated by the seqlock.
   ReadResult pull(Key key, std::span<float> out) const noexcept;

@@ -88,7 +88,10 @@ Errc ShmConnection::read_values(const Request& request, std::string* why) const 
   const std::size_t n = request.keys.size();
   slots.resize(n);
   store_->find_batch(n, [&](std::size_t i) { return request.keys[i].key; }, slots.data());
+  // Copying is the first touch of each slot: keep its misses in flight ahead of the copy.
+  constexpr std::size_t kAhead = 16;
   for (std::size_t i = 0; i < n; ++i) {
+    if (i + kAhead < n && slots[i + kAhead]) Store::prefetch_slot(*slots[i + kAhead]);
     const KeySlice& k = request.keys[i];
     if (!slots[i]) {
       *why = "key " + std::to_string(k.key) + " does not exist on " + endpoint_ + ": init it before pushing or pulling";
