@@ -18,4 +18,4 @@ scripts/fetch-data.sh
 
 echo "=== training: 2 servers, 2 workers, shm, SSP s=2, MLP"
 exec "$BUILD/apps/mnist/pskv-mnist" --launch --servers 2 --workers 2 --transport shm --mode ssp --staleness 2 \
-  --model mlp --epochs 5 --lr 0.05 --data data/mnist "$@"
+  --model mlp --epochs 8 --lr 0.05 --data data/mnist "$@"

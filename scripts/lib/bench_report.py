@@ -118,7 +118,8 @@ for t in ("tcp", "shm"):
         if rows:
             series.append((dat(f"bw-{t}-{op}", rows, [lambda r: r["value_bytes"], lambda r: r["bytes_per_s"] / 1e9]), f"{t} {op}"))
 stream = [b for b in load("dense-tcp") if b.get("baseline") == "tcp_stream" and "transport" not in b]
-memcpy = [b for b in load("dense-shm") if b.get("baseline") == "memcpy" and "value_bytes" in b and b["value_bytes"] >= 4096]
+memcpy = [b for b in load("dense-shm")
+          if b.get("baseline") == "memcpy" and "transport" not in b and b.get("value_bytes", 0) >= 4096]
 if series:
     plots = [f'"{p}" using 1:2 with linespoints title "{t}"' for p, t in series]
     if memcpy:
@@ -129,9 +130,11 @@ if series:
 set output "{out_dir}/bandwidth.png"
 set title "pskv push/pull bandwidth, 1 client, 1 server"
 set logscale x 2
-set xlabel "value size (bytes)"
-set ylabel "GB/s"
-set key top left
+set format x "%.0b %BB"
+set logscale y 10
+set xlabel "value size"
+set ylabel "GB/s (log scale)"
+set key bottom right
 set grid
 plot {", ".join(plots)}
 """)
