@@ -35,6 +35,9 @@ enum Flags : std::uint16_t {
   kChecksum = 1u << 1,  // `checksum` covers the key table and payload (CRC-32)
   kErrorText = 1u << 2, // response payload is a UTF-8 error message, not floats
   kAuthChallenge = 1u << 3,  // hello response: authenticate first; payload = server nonce | server proof
+  // Pull request: the client takes values sent straight from the store. Pull reply: they were,
+  // and a u32 follows the payload: 0 if the values were consistent, else ask again.
+  kFromStore = 1u << 4,
 };
 
 struct FrameHeader {

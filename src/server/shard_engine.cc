@@ -134,6 +134,12 @@ Errc ShardEngine::push(std::uint32_t worker, std::uint64_t clock, std::span<cons
   return Errc::ok;
 }
 
+Errc ShardEngine::pull_slots(std::span<const wire::KeyEntry> keys, std::vector<SlotHeader*>& slots, std::string* why) {
+  if (Errc e = lookup(keys, slots, why); e != Errc::ok) return e;
+  pulls_.fetch_add(keys.size(), std::memory_order_relaxed);
+  return Errc::ok;
+}
+
 Errc ShardEngine::pull(std::span<const wire::KeyEntry> keys, float* out, std::string* why) {
   thread_local std::vector<SlotHeader*> slots;
   if (Errc e = lookup(keys, slots, why); e != Errc::ok) return e;

@@ -66,6 +66,9 @@ class ShardEngine {
             std::string* why);
   // Copies values under seqlock validation; checks every key before copying any.
   Errc pull(std::span<const wire::KeyEntry> keys, float* out, std::string* why);
+  // A pull whose caller sends the values straight out of the store (tcp, large values): finds
+  // and checks every key and counts the pull; the caller validates each slot's seqlock itself.
+  Errc pull_slots(std::span<const wire::KeyEntry> keys, std::vector<SlotHeader*>& slots, std::string* why);
 
   // The clock a worker's reads are bounded by, and whether a read at `clock` may go ahead.
   std::uint64_t read_bound() const noexcept;

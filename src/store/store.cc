@@ -213,6 +213,17 @@ ReadResult Store::read_slot(const SlotHeader& slot, float* out) noexcept {
   }
 }
 
+std::uint64_t Store::stable_version(const SlotHeader& slot) noexcept {
+  for (unsigned attempt = 0;; ++attempt) {
+    const std::uint64_t v = slot.seq.load(std::memory_order_acquire);
+    if ((v & 1) == 0) return v;
+    if (attempt < 64)
+      cpu_relax();
+    else
+      std::this_thread::yield();
+  }
+}
+
 ReadResult Store::pull(Key key, std::span<float> out) const noexcept {
   const SlotHeader* slot = find(key);
   if (!slot) return {Errc::not_found, 0};

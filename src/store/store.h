@@ -116,6 +116,9 @@ class Store {
   // Copies the key's value into `out` (exact length required), validated by the seqlock.
   ReadResult pull(Key key, std::span<float> out) const noexcept;
   static ReadResult read_slot(const SlotHeader& slot, float* out) noexcept;
+  // The slot's seqlock version once no writer is inside (even). Readers that copy the values
+  // some other way compare it with seq afterwards (after an acquire fence) to detect a write.
+  static std::uint64_t stable_version(const SlotHeader& slot) noexcept;
 
   // Applies the store's update rule with `grad`; lr is multiplied by lr_scale.
   Errc push(Key key, std::span<const float> grad, float lr_scale = 1.0f) noexcept;

@@ -7,6 +7,7 @@
 
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <numeric>
@@ -87,6 +88,49 @@ TEST(TcpIntegration, PushPullWithTwoServersAndFourClients) {
     check.wait(check.pull(Key(1000 + i), out));
     for (float x : out) ASSERT_EQ(x, float(expect[i])) << "key " << 1000 + i;
   }
+}
+
+// Large pulls are sent straight from the store and validated after the send; one that a push
+// overlapped must be detected and asked again, never handed over torn. Two keys, so both the
+// single-slot and the multi-slot reply are exercised.
+TEST(TcpIntegration, LargePullsDuringPushesAreNeverTorn) {
+  auto servers = start_servers(1);
+  ClientOptions o = options_for(servers);
+  o.chunk_floats = 0;  // whole values: the server sends one slot of 4 MiB
+  constexpr std::size_t kFloats = 1u << 20;
+  {
+    Client admin(o);
+    std::vector<float> zeros(kFloats, 0.0f), small(1u << 15, 0.0f);
+    admin.wait(admin.init(Key(1), zeros));
+    admin.wait(admin.init(Key(2), small));
+  }
+  const pid_t pusher = fork_worker([&] {
+    Client c(o);
+    std::vector<float> ones(kFloats, 1.0f), small(1u << 15, 1.0f);
+    for (int i = 0; i < 400; ++i) {
+      c.wait(c.push(Key(1), ones));
+      c.wait(c.push(Key(2), small));
+    }
+    return 0;
+  });
+  Client c(o);
+  std::vector<float> big(kFloats), small(1u << 15);
+  int moving = 0;
+  float last = -1;
+  for (int reads = 0; reads < 20000; ++reads) {
+    std::vector<Key> keys{Key(1), Key(2)};
+    std::vector<std::span<float>> outs{big, small};
+    c.wait(c.pull(std::span<const Key>(keys), std::span<const std::span<float>>(outs)));
+    const auto bad = std::find_if(big.begin(), big.end(), [&](float x) { return x != big[0]; });
+    ASSERT_EQ(bad, big.end()) << "torn read: element " << (bad - big.begin()) << " is " << *bad << ", element 0 is "
+                              << big[0];
+    for (float x : small) ASSERT_EQ(x, small[0]) << "torn read of the small key";
+    if (big[0] != last) ++moving;
+    last = big[0];
+    if (big[0] >= 400) break;  // the pusher is done
+  }
+  EXPECT_GT(moving, 1) << "the pulls never overlapped the pushes";
+  EXPECT_EQ(wait_pid(pusher), 0);
 }
 
 TEST(TcpIntegration, NothingLostWith32ConcurrentClients) {

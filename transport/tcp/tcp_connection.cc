@@ -109,34 +109,13 @@ void TcpConnection::submit(Request& request) {
   }
   Slot& slot = slots_[index];
   slot.entries.clear();
-  std::uint64_t payload = 0;
-  for (const KeySlice& k : request.keys) {
-    slot.entries.push_back({k.key, k.length, 0});
-    payload += std::uint64_t{k.length} * sizeof(float);
-  }
-  const bool values = wire::op_carries_values(request.op);
-  wire::FrameHeader h = wire::make_header(request.op, slot.id, static_cast<std::uint32_t>(request.keys.size()),
-                                          values ? payload : 0, request.arg0, request.arg1);
-  if (options_.checksum) {
-    h.flags |= wire::kChecksum;
-    std::uint32_t crc = wire::crc32_update(0, slot.entries.data(), slot.entries.size() * sizeof(wire::KeyEntry));
-    if (values)
-      for (const KeySlice& k : request.keys) crc = wire::crc32_update(crc, k.data, k.length * sizeof(float));
-    h.checksum = crc;
-  }
-
-  IoResult res;
-  {
-    std::lock_guard lock(send_mu_);
-    iov_.clear();
-    iov_.push_back({&h, sizeof h});
-    if (!slot.entries.empty()) iov_.push_back({slot.entries.data(), slot.entries.size() * sizeof(wire::KeyEntry)});
-    if (values)
-      for (const KeySlice& k : request.keys) iov_.push_back({k.data, std::size_t{k.length} * sizeof(float)});
-    res = writev_full(fd_.get(), iov_.data(), static_cast<int>(iov_.size()));
-  }
+  for (const KeySlice& k : request.keys) slot.entries.push_back({k.key, k.length, 0});
+  // Without checksums, large pull replies may come straight from the server's store.
+  const IoResult res =
+      send_request(slot, request, request.op == wire::Op::pull && !options_.checksum ? std::uint16_t{wire::kFromStore} : std::uint16_t{0});
   if (res != IoResult::ok) {
-    const std::string why = "sending " + std::string(wire::op_name(h.op)) + " to " + endpoint_ + " failed: " +
+    const std::string why = "sending " + std::string(wire::op_name(static_cast<std::uint16_t>(request.op))) + " to " + endpoint_ +
+                            " failed: " +
                             io_result_text(res);
     if (res == IoResult::timeout) {
       // Half a frame went out: the stream is unusable both ways.
@@ -154,6 +133,30 @@ void TcpConnection::submit(Request& request) {
     }
     ::shutdown(fd_.get(), SHUT_WR);
   }
+}
+
+IoResult TcpConnection::send_request(const Slot& slot, const Request& request, std::uint16_t flags) {
+  std::uint64_t payload = 0;
+  for (const KeySlice& k : request.keys) payload += std::uint64_t{k.length} * sizeof(float);
+  const bool values = wire::op_carries_values(request.op);
+  wire::FrameHeader h = wire::make_header(request.op, slot.id, static_cast<std::uint32_t>(request.keys.size()),
+                                          values ? payload : 0, request.arg0, request.arg1);
+  h.flags = flags;
+  if (options_.checksum) {
+    h.flags |= wire::kChecksum;
+    std::uint32_t crc = wire::crc32_update(0, slot.entries.data(), slot.entries.size() * sizeof(wire::KeyEntry));
+    if (values)
+      for (const KeySlice& k : request.keys) crc = wire::crc32_update(crc, k.data, k.length * sizeof(float));
+    h.checksum = crc;
+  }
+  std::lock_guard lock(send_mu_);
+  iov_.clear();
+  iov_.push_back({&h, sizeof h});
+  if (!slot.entries.empty())
+    iov_.push_back({const_cast<wire::KeyEntry*>(slot.entries.data()), slot.entries.size() * sizeof(wire::KeyEntry)});
+  if (values)
+    for (const KeySlice& k : request.keys) iov_.push_back({k.data, std::size_t{k.length} * sizeof(float)});
+  return writev_full(fd_.get(), iov_.data(), static_cast<int>(iov_.size()));
 }
 
 void TcpConnection::fail_all(Errc status, const std::string& why) {
@@ -266,6 +269,22 @@ bool TcpConnection::receive_one(const wire::FrameHeader& h, std::string* why) {
     if (res != IoResult::ok) {
       *why = "lost the connection to " + endpoint_ + " while reading values (" + io_result_text(res) + ")";
       return false;
+    }
+    if (h.flags & wire::kFromStore) {
+      std::uint32_t torn = 1;
+      if (read_full(fd_.get(), &torn, sizeof torn) != IoResult::ok) {
+        *why = "lost the connection to " + endpoint_ + " while reading values";
+        return false;
+      }
+      if (torn != 0) {
+        // A push landed on a key while the server was sending it: ask again for a copy, which
+        // the server takes under the seqlock. The request stays outstanding meanwhile.
+        if (send_request(slots_[index], *request, 0) != IoResult::ok) {
+          *why = "lost the connection to " + endpoint_ + " while asking again for values torn by a push";
+          return false;
+        }
+        return true;
+      }
     }
     if (h.flags & wire::kChecksum) {
       std::uint32_t crc = 0;

@@ -35,6 +35,8 @@ class TcpConnection final : public transport::Connection {
   };
   void handshake();
   wire::FrameHeader read_handshake_reply(const char* step);
+  // Writes the request's frame (header, key table, values) under send_mu_.
+  IoResult send_request(const Slot& slot, const transport::Request& request, std::uint16_t flags);
   void receive_loop();
   bool receive_one(const wire::FrameHeader& h, std::string* why);
   void fail_all(Errc status, const std::string& why);

@@ -25,6 +25,23 @@ class Peer : public std::enable_shared_from_this<Peer> {
     iovec iov[2] = {{&h, sizeof h}, {const_cast<void*>(payload), bytes}};
     return writev_full(fd.get(), iov, bytes ? 2 : 1) == IoResult::ok;
   }
+  // Sends `iov` (a reply header, then each slot's values straight out of the store) and then a
+  // u32: 0 if no slot's seqlock moved across the send, 1 if a push got in and the client must
+  // ask again. Saves the copy into a reply buffer; the kernel's copy is the only one.
+  bool send_from_store(std::vector<iovec>& iov, std::span<SlotHeader* const> slots) {
+    thread_local std::vector<std::uint64_t> versions;
+    std::lock_guard lock(send_mu);
+    if (closed) return false;
+    versions.clear();
+    for (const SlotHeader* s : slots) versions.push_back(Store::stable_version(*s));
+    if (writev_full(fd.get(), iov.data(), static_cast<int>(iov.size())) != IoResult::ok) return false;
+    std::atomic_thread_fence(std::memory_order_acquire);
+    std::uint32_t torn = 0;
+    for (std::size_t i = 0; i < slots.size(); ++i)
+      if (slots[i]->seq.load(std::memory_order_relaxed) != versions[i]) torn = 1;
+    iovec t{&torn, sizeof torn};
+    return writev_full(fd.get(), &t, 1) == IoResult::ok;
+  }
   bool send_error(const wire::FrameHeader& req, Errc status, const std::string& why) {
     wire::FrameHeader h = wire::make_header(static_cast<wire::Op>(req.op), req.request_id, 0, why.size());
     h.flags = wire::kResponse | wire::kErrorText;
@@ -398,6 +415,8 @@ bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payl
       }
       std::uint64_t floats = 0;
       for (const auto& k : peer.keys) floats += k.length;
+      if ((h.flags & wire::kFromStore) && !(h.flags & wire::kChecksum) && floats * sizeof(float) >= kFromStoreBytes)
+        return send_from_store(peer, h, floats);
       if (peer.reply.size() < floats) peer.reply.resize(floats);
       status = engine_.pull(peer.keys, peer.reply.data(), &why);
       if (status != Errc::ok) break;
@@ -440,6 +459,19 @@ bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payl
   if (status != Errc::ok) return peer.send_error(h, status, why);
   wire::FrameHeader r = reply_header(h, 0);
   return peer.send(r, nullptr, 0);
+}
+
+bool TcpServer::send_from_store(Peer& peer, const wire::FrameHeader& h, std::uint64_t floats) {
+  thread_local std::vector<SlotHeader*> slots;
+  thread_local std::vector<iovec> iov;
+  std::string why;
+  if (Errc e = engine_.pull_slots(peer.keys, slots, &why); e != Errc::ok) return peer.send_error(h, e, why);
+  wire::FrameHeader r = reply_header(h, floats * sizeof(float), engine_.observed_bound());
+  r.flags |= wire::kFromStore;
+  iov.clear();
+  iov.push_back({&r, sizeof r});
+  for (SlotHeader* s : slots) iov.push_back({s->values(), std::size_t{s->length} * sizeof(float)});
+  return peer.send_from_store(iov, slots);
 }
 
 bool TcpServer::admit(Peer& peer, const wire::FrameHeader& h) {

@@ -56,6 +56,10 @@ class TcpServer {
   bool handle(Peer& peer, const wire::FrameHeader& h, const float* payload);
   // Answers a hello (or a passed challenge): registers the worker and says who this server is.
   bool admit(Peer& peer, const wire::FrameHeader& h);
+  // A large pull sent straight from the store's slots, validated by their seqlocks afterwards.
+  bool send_from_store(Peer& peer, const wire::FrameHeader& h, std::uint64_t floats);
+  // Below this a pull reply is copied: the copy is cheap and the extra trailer write is not.
+  static constexpr std::uint64_t kFromStoreBytes = 64u << 10;
   // Logs and refuses a peer that did not authenticate; always false (close the connection).
   bool refuse(Peer& peer, const wire::FrameHeader& h, const std::string& what);
   void close_peer(Peer& peer);
