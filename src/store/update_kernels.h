@@ -10,6 +10,9 @@
 
 namespace pskv {
 
+// Values of at least this many floats are updated by several threads (oneTBB) at once.
+inline constexpr std::size_t kParallelApplyFloats = 256u << 10;  // 1 MiB
+
 // `state` holds state_floats_per_value(rule) * n floats (first moment, then second moment).
 // `step` is the 1-based count of updates including this one (Adam's bias correction).
 void apply_update(const UpdateRuleConfig& rule, float* value, float* state, const float* grad, std::size_t n,
