@@ -211,7 +211,7 @@ struct Point {
 };
 
 Point measure(const std::vector<std::string>& servers, const std::string& op, std::size_t value_bytes, int clients,
-              double seconds, std::uint64_t max_ops) {
+              double seconds, std::uint64_t max_ops, int depth) {
   const std::size_t floats = std::max<std::size_t>(1, value_bytes / sizeof(float));
   std::vector<std::vector<double>> lat(clients);
   std::vector<std::uint64_t> done(clients, 0);
@@ -225,20 +225,34 @@ Point measure(const std::vector<std::string>& servers, const std::string& op, st
       try {
         pskv::ClientOptions o = client_options(servers);
         pskv::Client client(o);
-        const pskv::Key key = (std::uint64_t{value_bytes} << 16) | static_cast<std::uint64_t>(c);
-        std::vector<float> buf(floats, 0.0f);
-        client.register_buffer(buf.data(), buf.size() * sizeof(float));
-        client.wait(client.init(key, buf));
+        // One key and buffer per operation in flight; the oldest is waited for before its key
+        // is used again, so with depth 1 this is one operation at a time.
+        std::vector<pskv::Key> keys(depth);
+        std::vector<std::vector<float>> bufs(depth, std::vector<float>(floats, 0.0f));
+        for (int d = 0; d < depth; ++d) {
+          keys[d] = (std::uint64_t{value_bytes} << 16) | (static_cast<std::uint64_t>(c) << 8) | static_cast<std::uint64_t>(d);
+          client.register_buffer(bufs[d].data(), bufs[d].size() * sizeof(float));
+          client.wait(client.init(keys[d], bufs[d]));
+        }
         lat[c].reserve(std::min<std::uint64_t>(max_ops, 1 << 22));
         ready.fetch_add(1);
         while (!go.load()) std::this_thread::yield();
         const auto start = Clock::now();
+        // A ring of the operations in flight (no allocation per operation, unlike a deque).
+        std::vector<std::pair<pskv::Ticket, Clock::time_point>> ring(depth);
+        std::uint64_t issued = 0;
         while (done[c] < max_ops && (done[c] < 3 || seconds_since(start) < seconds)) {
-          const auto s = Clock::now();
-          client.wait(op == "push" ? client.push(key, buf) : client.pull(key, std::span<float>(buf)));
-          lat[c].push_back(seconds_since(s) * 1e6);
+          for (; issued < done[c] + static_cast<std::uint64_t>(depth); ++issued) {
+            const auto d = static_cast<std::size_t>(issued % static_cast<std::uint64_t>(depth));
+            ring[d].second = Clock::now();  // before issuing: a push sends its values inside push()
+            ring[d].first = op == "push" ? client.push(keys[d], bufs[d]) : client.pull(keys[d], std::span<float>(bufs[d]));
+          }
+          const auto& oldest = ring[static_cast<std::size_t>(done[c] % static_cast<std::uint64_t>(depth))];
+          client.wait(oldest.first);
+          lat[c].push_back(seconds_since(oldest.second) * 1e6);
           ++done[c];
         }
+        for (; done[c] < issued; ++done[c]) client.wait(ring[static_cast<std::size_t>(done[c] % static_cast<std::uint64_t>(depth))].first);
       } catch (const std::exception& e) {
         errors[c] = e.what();
         ready.fetch_add(1);
@@ -485,6 +499,9 @@ int main(int argc, char** argv) {
   app.add_option("--auth-token-file", g_client_defaults.auth_token_file,
                  "Token file for --server targets that demand authentication")
       ->envname("PSKV_AUTH_TOKEN_FILE");
+  int depth = 1;
+  app.add_option("--depth", depth, "dense workload: operations each client keeps in flight (1: one at a time)")
+      ->capture_default_str()->check(CLI::Range(1, 64));
   app.add_option("--chunk-floats", g_client_defaults.chunk_floats,
                  "Split values longer than this over all servers (0: never split)")
       ->capture_default_str();
@@ -668,7 +685,7 @@ int main(int argc, char** argv) {
       for (std::size_t si = 0; si < sizes.size(); ++si)
         for (int clients : client_counts) {
           const std::size_t size = sizes[si];
-          Point p = measure(targets, op, size, clients, seconds, max_ops);
+          Point p = measure(targets, op, size, clients, seconds, max_ops, depth);
           // Large values are judged by bandwidth, small ones by round-trip latency.
           const bool by_bandwidth = size >= (64u << 10) || transport == "shm";
           const char* baseline = by_bandwidth ? (transport == "shm" ? "memcpy" : "tcp_stream") : "tcp_pingpong_64B";
@@ -676,10 +693,10 @@ int main(int argc, char** argv) {
           const double ratio = by_bandwidth ? p.bytes_per_s / base : p.p50_us / base;
           if (json)
             std::printf("{\"transport\":\"%s\",\"workload\":\"dense\",\"op\":\"%s\",\"value_bytes\":%zu,\"clients\":%d,"
-                        "\"servers\":%zu,\"chunk_floats\":%" PRIu64 ",\"ops\":%" PRIu64 ",\"bytes_per_s\":%.0f,"
+                        "\"servers\":%zu,\"depth\":%d,\"chunk_floats\":%" PRIu64 ",\"ops\":%" PRIu64 ",\"bytes_per_s\":%.0f,"
                         "\"p50_us\":%.2f,\"p99_us\":%.2f,\"baseline\":\"%s\",\"baseline_value\":%.2f,\"ratio\":%.3f,"
                         "\"allocs_per_op\":%.3f}\n",
-                        transport.c_str(), op.c_str(), size, clients, targets.size(), g_client_defaults.chunk_floats,
+                        transport.c_str(), op.c_str(), size, clients, targets.size(), depth, g_client_defaults.chunk_floats,
                         p.ops, p.bytes_per_s, p.p50_us, p.p99_us, baseline, base, ratio, p.allocs_per_op);
           else
             std::printf("%-5s %-5s %10zu %7d %10s/s %9.1f %9.1f  %.2fx %s%s  (%.2f allocs/op)\n", transport.c_str(),

@@ -17,6 +17,10 @@ run() { local name=$1; shift; echo "--- $name: pskv-bench $*" >&2; "$BENCH" --js
 # Value size sweep, 1 and 2 clients, one server.
 run dense-tcp --transport tcp --clients 1,2
 run dense-shm --transport shm --clients 1,2
+# Large values streamed: 4 operations in flight per client, as a training step issues its layers
+# (the raw TCP baseline is a continuous stream too).
+run depth4-tcp --transport tcp --sizes 1M,4M,16M --clients 1 --depth 4
+run depth4-shm --transport shm --sizes 1M,4M,16M --clients 1 --depth 4
 # Clients sweep at 1 MB.
 run clients-tcp --transport tcp --sizes 1M --clients 1,2,4,8,16
 run clients-shm --transport shm --sizes 1M --clients 1,2,4,8,16 --ops pull

@@ -49,6 +49,8 @@ def table(name, title, key="bytes_per_s"):
                      f"{r['p50_us']:.0f} | {r['p99_us']:.0f} | {r['ratio']:.3f}x | {r['baseline']} |")
     lines.append("")
 
+table("depth4-tcp", "tcp: large values with 4 operations in flight per client (--depth 4)")
+table("depth4-shm", "shm: large values with 4 operations in flight per client (--depth 4)")
 table("clients-tcp", "tcp: 1 MiB values against clients")
 table("clients-shm", "shm: 1 MiB pulls against clients")
 table("servers-tcp", "tcp: 16 MiB values, 2 clients, 1 server")
