@@ -68,13 +68,26 @@ RdmaConnection::RdmaConnection(const Uri& uri, const transport::ConnectOptions& 
   // The server may still be starting (the first run of a binary can take seconds to load), so
   // a connection nobody accepted is retried until the deadline, with growing pauses.
   auto pause = std::chrono::milliseconds(20);
+  std::string refusal;  // why the last attempt was rejected
+  auto nothing_accepts = [&] {
+    return Error(Errc::peer_failure, "nothing accepts connections at " + endpoint_ + " (" + refusal + ", retried for " +
+                                         std::to_string(options.connect_timeout.count()) +
+                                         " ms); is pskv-server running with that --uri?");
+  };
   for (;;) {
-    std::string refusal;
-    if (connect_once(uri, deadline, &refusal)) break;
-    if (Clock::now() + pause >= deadline)
-      throw Error(Errc::peer_failure, "nothing accepts connections at " + endpoint_ + " (" + refusal + ", retried for " +
-                                          std::to_string(options.connect_timeout.count()) +
-                                          " ms); is pskv-server running with that --uri?");
+    std::string this_refusal;
+    bool connected = false;
+    try {
+      connected = connect_once(uri, deadline, &this_refusal);
+    } catch (const Error& e) {
+      // The deadline passed while a retry still waited for its answer: the earlier rejections,
+      // not that last wait, say what is wrong.
+      if (e.code() == Errc::timeout && !refusal.empty()) throw nothing_accepts();
+      throw;
+    }
+    if (connected) break;
+    refusal = this_refusal;
+    if (Clock::now() + pause >= deadline) throw nothing_accepts();
     std::this_thread::sleep_for(pause);
     pause = std::min(pause * 2, std::chrono::milliseconds(500));
   }
