@@ -14,6 +14,7 @@
 
 #include "pskv/client.h"
 #include "support/process.h"
+#include "support/token_file.h"
 #include "transport/tcp/socket.h"
 #include "transport/uri.h"
 #include "transport/wire.h"
@@ -24,6 +25,8 @@ namespace {
 using testing::fork_worker;
 using testing::ServerProcess;
 using testing::wait_pid;
+using testing::expect_permission_error;
+using testing::TokenFile;
 
 std::vector<ServerProcess> start_servers(int n, std::vector<std::string> extra = {}) {
   std::vector<ServerProcess> servers;
@@ -332,34 +335,9 @@ TEST_F(TcpBadInput, UnknownKeyAndWrongLengthGetErrorsAndTheConnectionLives) {
   expect_still_serving();
 }
 
-// A chmod-600 token file for the authentication tests, removed at the end.
-class TokenFile {
- public:
-  explicit TokenFile(const std::string& secret, mode_t mode = 0600) {
-    char tmpl[] = "/tmp/pskv-token-XXXXXX";
-    const int fd = mkstemp(tmpl);
-    path = tmpl;
-    EXPECT_EQ(::write(fd, secret.data(), secret.size()), ssize_t(secret.size()));
-    ::close(fd);
-    ::chmod(path.c_str(), mode);
-  }
-  ~TokenFile() { ::unlink(path.c_str()); }
-  std::string path;
-};
-
 std::string slurp(const std::string& path) {
   std::ifstream in(path);
   return std::string(std::istreambuf_iterator<char>(in), {});
-}
-
-void expect_permission_error(const ClientOptions& o, const std::string& hint) {
-  try {
-    Client c(o);
-    ADD_FAILURE() << "connected without passing authentication";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), Errc::permission) << e.what();
-    EXPECT_NE(std::string(e.what()).find(hint), std::string::npos) << e.what();
-  }
 }
 
 class TcpAuth : public ::testing::Test {

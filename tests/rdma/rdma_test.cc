@@ -21,6 +21,7 @@
 #include <thread>
 
 #include "rdma_support.h"
+#include "support/token_file.h"
 #include "transport/rdma/rdma_protocol.h"
 #include "transport/uri.h"
 
@@ -408,6 +409,13 @@ class RawPeer {
     rdma_ack_cm_event(ev);
     return gone;
   }
+  // True if the server disconnects this peer within 10 s.
+  bool closed_by_server() {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (std::chrono::steady_clock::now() < deadline)
+      if (disconnected()) return true;
+    return false;
+  }
 
  private:
   static constexpr std::size_t kBuf = 4096;
@@ -479,19 +487,13 @@ TEST(Rdma, MalformedMessagesCloseOnlyTheirConnection) {
     healthy.wait(healthy.push(Key(1), v));
     healthy.wait(healthy.pull(Key(1), scratch));
   };
-  auto closes = [](RawPeer& p) {
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-    while (std::chrono::steady_clock::now() < deadline)
-      if (p.disconnected()) return true;
-    return false;
-  };
   {
     SCOPED_TRACE("bad magic");
     RawPeer p(server.uri);
     wire::FrameHeader h = wire::make_header(wire::Op::stats, 1, 0, 0);
     h.magic = 0x12345678;
     p.send(&h, sizeof h);
-    EXPECT_TRUE(closes(p));
+    EXPECT_TRUE(p.closed_by_server());
     still_serving();
   }
   {
@@ -502,7 +504,7 @@ TEST(Rdma, MalformedMessagesCloseOnlyTheirConnection) {
     auto [status, text] = p.reply();
     EXPECT_EQ(status, int(Errc::protocol)) << text;
     EXPECT_NE(text.find("the message has 0"), std::string::npos) << text;
-    EXPECT_TRUE(closes(p));
+    EXPECT_TRUE(p.closed_by_server());
     still_serving();
   }
   {
@@ -524,7 +526,7 @@ TEST(Rdma, MalformedMessagesCloseOnlyTheirConnection) {
     RawPeer p(server.uri);
     const wire::FrameHeader h = wire::make_header(wire::Op::push, 4, 0, 0);
     p.write_imm(&h, sizeof h, 0, 0xffffffffu);
-    EXPECT_TRUE(closes(p));
+    EXPECT_TRUE(p.closed_by_server());
     still_serving();
   }
   {
@@ -539,7 +541,7 @@ TEST(Rdma, MalformedMessagesCloseOnlyTheirConnection) {
     auto [status, text] = p.reply();
     EXPECT_EQ(status, int(Errc::protocol)) << text;
     EXPECT_NE(text.find("past the end of the receive region"), std::string::npos) << text;
-    EXPECT_TRUE(closes(p));
+    EXPECT_TRUE(p.closed_by_server());
     still_serving();
   }
   std::vector<float> out(8);
@@ -551,19 +553,13 @@ TEST(Rdma, MalformedMessagesCloseOnlyTheirConnection) {
 // others are refused with a clear error, logged, and the server keeps serving.
 TEST(Rdma, AuthTokenGatesEveryConnection) {
   PSKV_REQUIRE_RDMA();
-  auto write_token = [](const std::string& path, const std::string& secret) {
-    std::ofstream(path) << secret << "\n";
-    ::chmod(path.c_str(), 0600);
-  };
-  const std::string token = "/tmp/pskv-rdma-token-" + std::to_string(::getpid()), other = token + "-other";
-  const std::string log = token + ".log";
-  write_token(token, "correct horse battery staple 42");
-  write_token(other, "another secret, also long enough");
+  const testing::TokenFile token("correct horse battery staple 42\n"), other("another secret, also long enough\n");
+  const std::string log = "/tmp/pskv-rdma-auth-" + std::to_string(::getpid()) + ".log";
   auto server = ServerProcess::start({"--uri", "rdma://" + rdma_ip() + ":0", "--io-threads", "2", "--arena-mb", "48",
-                                      "--max-keys", "4096", "--rdma-recv-mb", "24", "--auth-token-file", token},
+                                      "--max-keys", "4096", "--rdma-recv-mb", "24", "--auth-token-file", token.path},
                                      log);
   ClientOptions good = rdma_client({server.uri});
-  good.auth_token_file = token;
+  good.auth_token_file = token.path;
   Client healthy(good);
   std::vector<float> v(1000, 1.0f), out(1000);
   healthy.wait(healthy.init(Key(1), v));
@@ -571,28 +567,13 @@ TEST(Rdma, AuthTokenGatesEveryConnection) {
   healthy.wait(healthy.pull(Key(1), out));
   EXPECT_EQ(out[999], 2.0f);
 
-  auto expect_refused = [&](const ClientOptions& o, const std::string& hint) {
-    try {
-      Client c(o);
-      ADD_FAILURE() << "connected without passing authentication";
-    } catch (const Error& e) {
-      EXPECT_EQ(e.code(), Errc::permission) << e.what();
-      EXPECT_NE(std::string(e.what()).find(hint), std::string::npos) << e.what();
-    }
-  };
   ClientOptions none = good;
   none.auth_token_file.clear();
-  expect_refused(none, "requires a token");
+  testing::expect_permission_error(none, "requires a token");
   ClientOptions wrong = good;
-  wrong.auth_token_file = other;
-  expect_refused(wrong, "failed to prove it holds the token");
+  wrong.auth_token_file = other.path;
+  testing::expect_permission_error(wrong, "failed to prove it holds the token");
 
-  auto closes = [](RawPeer& p) {
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-    while (std::chrono::steady_clock::now() < deadline)
-      if (p.disconnected()) return true;
-    return false;
-  };
   {
     SCOPED_TRACE("asks before authenticating");
     RawPeer p(server.uri, true);
@@ -607,7 +588,7 @@ TEST(Rdma, AuthTokenGatesEveryConnection) {
     p.send(&m, sizeof m);
     auto [status, text] = p.reply();
     EXPECT_EQ(status, int(Errc::permission)) << text;
-    EXPECT_TRUE(closes(p));
+    EXPECT_TRUE(p.closed_by_server());
   }
   {
     SCOPED_TRACE("forged proof");
@@ -619,7 +600,7 @@ TEST(Rdma, AuthTokenGatesEveryConnection) {
     p.send(&m, sizeof m);
     auto [status, text] = p.reply();
     EXPECT_EQ(status, int(Errc::permission)) << text;
-    EXPECT_TRUE(closes(p));
+    EXPECT_TRUE(p.closed_by_server());
   }
   healthy.wait(healthy.pull(Key(1), out));
   EXPECT_EQ(out[0], 2.0f);
@@ -629,7 +610,7 @@ TEST(Rdma, AuthTokenGatesEveryConnection) {
   EXPECT_NE(logged.find("it has no token"), std::string::npos) << logged;
   EXPECT_NE(logged.find("sent lookup before authenticating"), std::string::npos) << logged;
   EXPECT_NE(logged.find("failed the challenge"), std::string::npos) << logged;
-  for (const auto& f : {token, other, log}) std::remove(f.c_str());
+  std::remove(log.c_str());
 }
 
 long cpu_ticks(pid_t pid) {

@@ -3,13 +3,10 @@
 #include "transport/auth.h"
 
 #include <gtest/gtest.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <cstdio>
-#include <fstream>
 
 #include "pskv/error.h"
+#include "support/token_file.h"
 
 namespace pskv::auth {
 namespace {
@@ -30,19 +27,7 @@ Nonce counting_nonce(std::uint8_t first) {
   return n;
 }
 
-class TokenFile {
- public:
-  TokenFile(const std::string& contents, mode_t mode) {
-    char tmpl[] = "/tmp/pskv-token-XXXXXX";
-    const int fd = mkstemp(tmpl);
-    path = tmpl;
-    EXPECT_EQ(::write(fd, contents.data(), contents.size()), ssize_t(contents.size()));
-    ::close(fd);
-    ::chmod(path.c_str(), mode);
-  }
-  ~TokenFile() { ::unlink(path.c_str()); }
-  std::string path;
-};
+using testing::TokenFile;
 
 TEST(AuthProof, MatchesHmacSha256OverTheLabelledNonces) {
   // Expected values: Python's hmac.new(key, b"pskv-auth-1 server" + client + server, sha256).
