@@ -142,12 +142,11 @@ Errc ShardEngine::pull_slots(std::span<const wire::KeyEntry> keys, std::vector<S
 
 Errc ShardEngine::pull(std::span<const wire::KeyEntry> keys, float* out, std::string* why) {
   thread_local std::vector<SlotHeader*> slots;
-  if (Errc e = lookup(keys, slots, why); e != Errc::ok) return e;
+  if (Errc e = pull_slots(keys, slots, why); e != Errc::ok) return e;
   for (std::size_t i = 0; i < keys.size(); ++i) {
     Store::read_slot(*slots[i], out);
     out += keys[i].length;
   }
-  pulls_.fetch_add(keys.size(), std::memory_order_relaxed);
   return Errc::ok;
 }
 

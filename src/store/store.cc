@@ -198,22 +198,16 @@ Errc Store::init_zero(Key key, std::uint32_t length) { return create_slot(key, l
 
 ReadResult Store::read_slot(const SlotHeader& slot, float* out) noexcept {
   const std::size_t bytes = std::size_t{slot.length} * sizeof(float);
-  for (unsigned attempt = 0;; ++attempt) {
-    const std::uint64_t before = slot.seq.load(std::memory_order_acquire);
-    if ((before & 1) == 0) {
-      seqlock_copy(out, slot.values(), bytes);
-      std::atomic_thread_fence(std::memory_order_acquire);
-      if (slot.seq.load(std::memory_order_relaxed) == before) return {Errc::ok, before};
-    }
-    // A writer is inside; it holds the line for at most one update. Back off politely.
-    if (attempt < 64)
-      cpu_relax();
-    else
-      std::this_thread::yield();
+  for (;;) {
+    const std::uint64_t before = stable_version(slot);
+    seqlock_copy(out, slot.values(), bytes);
+    std::atomic_thread_fence(std::memory_order_acquire);
+    if (slot.seq.load(std::memory_order_relaxed) == before) return {Errc::ok, before};
   }
 }
 
 std::uint64_t Store::stable_version(const SlotHeader& slot) noexcept {
+  // A writer inside holds the slot for at most one update: spin briefly, then yield.
   for (unsigned attempt = 0;; ++attempt) {
     const std::uint64_t v = slot.seq.load(std::memory_order_acquire);
     if ((v & 1) == 0) return v;
