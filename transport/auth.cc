@@ -7,6 +7,7 @@
 #include <sys/stat.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <sstream>
@@ -77,5 +78,34 @@ Proof Token::server_proof(const Nonce& client, const Nonce& server) const { retu
 Proof Token::client_proof(const Nonce& server, const Nonce& client) const { return mac("client", server, client); }
 
 bool proofs_equal(const Proof& a, const Proof& b) noexcept { return CRYPTO_memcmp(a.data(), b.data(), a.size()) == 0; }
+
+std::optional<Proof> answer(const Token* token, const Nonce& client_nonce, const std::uint8_t* server_nonce,
+                            const std::uint8_t* server_proof, const std::string& endpoint) {
+  if (!server_nonce) {
+    if (token)
+      throw Error(Errc::permission, endpoint + " did not ask for authentication, but this client has a token: refusing "
+                                               "a server that cannot prove it (start it with the same --auth-token-file)");
+    return std::nullopt;
+  }
+  if (!token)
+    throw Error(Errc::permission, endpoint + " requires authentication: give this client the server's token "
+                                             "(--auth-token-file or PSKV_AUTH_TOKEN_FILE)");
+  Nonce nonce;
+  Proof proof;
+  std::memcpy(nonce.data(), server_nonce, kNonceBytes);
+  std::memcpy(proof.data(), server_proof, kProofBytes);
+  if (!proofs_equal(proof, token->server_proof(client_nonce, nonce)))
+    throw Error(Errc::permission, endpoint + " failed to prove it holds the token: it is not the server this "
+                                             "client's --auth-token-file belongs to");
+  return token->client_proof(nonce, client_nonce);
+}
+
+std::string refuse(std::uint32_t server_id, const std::string& address, const std::string& what) {
+  std::fprintf(stderr, "pskv-server %u: refused unauthenticated peer %s: it %s\n", server_id, address.c_str(),
+               what.c_str());
+  // Short enough for an rdma_cm REJ (132 bytes of text) with the reasons used.
+  return "authentication failed: this server requires a token (--auth-token-file or PSKV_AUTH_TOKEN_FILE); "
+         "this connection " + what;
+}
 
 }  // namespace pskv::auth

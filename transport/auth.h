@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
 namespace pskv::auth {
@@ -44,5 +45,16 @@ class Token {
 
 // Constant-time comparison (CRYPTO_memcmp), so a forger learns nothing from the reply's timing.
 bool proofs_equal(const Proof& a, const Proof& b) noexcept;
+
+// The client's side, shared by every backend. With the server's challenge (its nonce and proof
+// over both nonces): checks that proof and returns the client's. Without one (nullptr): returns
+// nothing, or refuses when the client has a token (a server that cannot prove it is not trusted).
+// Throws Error(permission) naming `endpoint` when the client has no token or the proof is wrong.
+std::optional<Proof> answer(const Token* token, const Nonce& client_nonce, const std::uint8_t* server_nonce,
+                            const std::uint8_t* server_proof, const std::string& endpoint);
+
+// The server's side of a refusal: logs it ("pskv-server N: refused unauthenticated peer ADDRESS:
+// it WHAT") and returns the error text the peer is sent.
+std::string refuse(std::uint32_t server_id, const std::string& address, const std::string& what);
 
 }  // namespace pskv::auth

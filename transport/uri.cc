@@ -1,5 +1,8 @@
 #include "transport/uri.h"
 
+#include <netdb.h>
+#include <netinet/in.h>
+
 #include <charconv>
 
 #include "pskv/error.h"
@@ -12,6 +15,19 @@ namespace {
                                           " (expected tcp://host:port, shm://name or rdma://host:port)");
 }
 }  // namespace
+
+std::string address_text(const sockaddr* address) {
+  if (!address) return "?";
+  char host[NI_MAXHOST] = "?", port[NI_MAXSERV] = "?";
+  const bool v6 = address->sa_family == AF_INET6;
+  getnameinfo(address, v6 ? sizeof(sockaddr_in6) : sizeof(sockaddr_in), host, sizeof host, port, sizeof port,
+              NI_NUMERICHOST | NI_NUMERICSERV);
+  std::string text = host;
+  if (v6) text.insert(0, 1, '[').push_back(']');
+  text.push_back(':');
+  text.append(port);
+  return text;
+}
 
 Uri parse_uri(std::string_view text) {
   Uri u;

@@ -1,6 +1,8 @@
 // Endpoint URIs: tcp://host:port, shm://name, rdma://host:port[?dev=mlx5_0&port=1&gid=3].
 #pragma once
 
+#include <sys/socket.h>
+
 #include <cstdint>
 #include <map>
 #include <string>
@@ -20,5 +22,8 @@ struct Uri {
 
 // Throws Error(invalid_argument) with the accepted forms on anything malformed.
 Uri parse_uri(std::string_view text);
+
+// "host:port" ("[host]:port" for IPv6) of a peer's socket address, for log lines; "?" if null.
+std::string address_text(const sockaddr* address);
 
 }  // namespace pskv

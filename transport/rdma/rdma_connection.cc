@@ -91,12 +91,9 @@ RdmaConnection::RdmaConnection(const Uri& uri, const transport::ConnectOptions& 
     std::this_thread::sleep_for(pause);
     pause = std::min(pause * 2, std::chrono::milliseconds(500));
   }
-  if (server_.flags & kAuthRequired) {
-    authenticate(deadline);
-  } else if (options_.token) {
-    throw Error(Errc::permission, endpoint_ + " did not ask for authentication, but this client has a token: refusing "
-                                              "a server that cannot prove it (start it with the same --auth-token-file)");
-  }
+  if (const auto proof = auth::answer(options_.token.get(), client_nonce_,
+                                      server_.flags & kAuthRequired ? server_.nonce : nullptr, server_.proof, endpoint_))
+    authenticate(*proof, deadline);
   if (server_.grant.region_bytes < kDescriptorAlign ||
       (server_.num_workers && server_.grant.clock_bytes != ClockTable::bytes_for(server_.num_workers)))
     throw Error(Errc::protocol, endpoint_ + " sent inconsistent connection data (receive region of " +
@@ -305,19 +302,8 @@ bool RdmaConnection::connect_once(const Uri& uri, Deadline deadline, std::string
   return true;
 }
 
-void RdmaConnection::authenticate(Deadline deadline) {
-  if (!options_.token)
-    throw Error(Errc::permission, endpoint_ + " requires authentication: give this client the server's token "
-                                              "(--auth-token-file or PSKV_AUTH_TOKEN_FILE)");
-  auth::Nonce server_nonce;
-  auth::Proof server_proof;
-  std::memcpy(server_nonce.data(), server_.nonce, auth::kNonceBytes);
-  std::memcpy(server_proof.data(), server_.proof, auth::kProofBytes);
-  if (!auth::proofs_equal(server_proof, options_.token->server_proof(client_nonce_, server_nonce)))
-    throw Error(Errc::permission, endpoint_ + " failed to prove it holds the token: it is not the server this "
-                                              "client's --auth-token-file belongs to");
+void RdmaConnection::authenticate(const auth::Proof& proof, Deadline deadline) {
   constexpr std::size_t kHeader = sizeof(wire::FrameHeader);
-  const auth::Proof proof = options_.token->client_proof(server_nonce, client_nonce_);
   RegisteredBuffer out(verbs_->pd, kHeader + auth::kProofBytes, IBV_ACCESS_LOCAL_WRITE, "the authentication message");
   const wire::FrameHeader h = wire::make_header(wire::Op::auth, 0, 0, auth::kProofBytes);
   std::memcpy(out.data(), &h, kHeader);

@@ -131,8 +131,8 @@ class RdmaConnection final : public transport::Connection {
   // --- control path (rdma_connection.cc) ---
   // False when nothing listened (worth retrying until the deadline); throws on other failures.
   bool connect_once(const Uri& uri, Deadline deadline, std::string* refusal);
-  // The server asked for the token: check its proof, send ours, and receive the Grant.
-  void authenticate(Deadline deadline);
+  // The server asked for the token and proved it: send our proof and receive the Grant.
+  void authenticate(const auth::Proof& proof, Deadline deadline);
   void ensure_staging(Slot& slot, std::size_t bytes);
   // Finds the lkey of a caller buffer: cached registration, bounce (0), or a registration for
   // this request only.

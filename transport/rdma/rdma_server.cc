@@ -2,7 +2,6 @@
 // clock table, accepting (or refusing, with the reason in the REJ private data) connections,
 // and tearing everything down in reverse order of creation.
 #include <arpa/inet.h>
-#include <netdb.h>
 #include <poll.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
@@ -23,15 +22,6 @@ bool wildcard(const sockaddr_storage& a) {
   if (a.ss_family == AF_INET6) return IN6_IS_ADDR_UNSPECIFIED(&reinterpret_cast<const sockaddr_in6&>(a).sin6_addr);
   return false;
 }
-std::string peer_address(rdma_cm_id* id) {
-  const sockaddr* a = rdma_get_peer_addr(id);
-  char host[NI_MAXHOST] = "?", port[NI_MAXSERV] = "?";
-  if (a)
-    getnameinfo(a, a->sa_family == AF_INET6 ? sizeof(sockaddr_in6) : sizeof(sockaddr_in), host, sizeof host, port,
-                sizeof port, NI_NUMERICHOST | NI_NUMERICSERV);
-  return std::string(host) + ":" + port;
-}
-
 }  // namespace
 
 void ServerConn::release() {
@@ -226,14 +216,9 @@ void RdmaServer::on_connect_request(rdma_cm_event* ev) {
     return refuse(id, Errc::protocol, "client speaks protocol " + std::to_string(req.wire_version) + "/rdma " +
                                           std::to_string(req.rdma_version) + ", server " + std::to_string(wire::kVersion) +
                                           "/rdma " + std::to_string(kRdmaVersion) + ": use matching pskv builds");
-  const std::string address = peer_address(id);
-  if (options_.token && !(req.flags & kHasToken)) {
-    auth_refused_.fetch_add(1);
-    std::fprintf(stderr, "pskv-server %u: refused unauthenticated peer %s: it has no token\n",
-                 engine_->options().server_id, address.c_str());
-    return refuse(id, Errc::permission,
-                  "authentication failed: this server requires a token (--auth-token-file or PSKV_AUTH_TOKEN_FILE)");
-  }
+  const std::string address = address_text(rdma_get_peer_addr(id));
+  if (options_.token && !(req.flags & kHasToken))
+    return refuse(id, Errc::permission, auth::refuse(engine_->options().server_id, address, "has no token"));
   std::string why;
   if (req.worker_id != kNoWorker && engine_->check_worker(req.worker_id, &why) != Errc::ok)
     return refuse(id, Errc::invalid_argument, why);

@@ -58,7 +58,6 @@ class RdmaServer {
   std::uint16_t port() const noexcept { return port_; }
   ShardEngine& engine() noexcept { return *engine_; }
   void stop();
-  std::uint64_t auth_refused() const noexcept { return auth_refused_.load(); }
 
  private:
   friend class IoThread;
@@ -84,7 +83,6 @@ class RdmaServer {
   std::uint16_t port_ = 0;
   int wake_fd_ = -1;
   std::atomic<bool> stopping_{false};
-  std::atomic<std::uint64_t> auth_refused_{0};
 
   std::vector<std::unique_ptr<IoThread>> io_;
   std::uint32_t next_io_ = 0;

@@ -8,7 +8,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cstdio>
 #include <cstring>
 
 #include "common/sync.h"
@@ -346,13 +345,8 @@ bool IoThread::authenticate(ServerConn& c, const wire::FrameHeader& h, const aut
 }
 
 bool IoThread::refuse_unauthenticated(ServerConn& c, const wire::FrameHeader* h, const std::string& what) {
-  server_.auth_refused_.fetch_add(1);
-  std::fprintf(stderr, "pskv-server %u: refused unauthenticated peer %s: it %s\n", engine_.options().server_id,
-               c.address.c_str(), what.c_str());
-  if (h)
-    send_error(c, *h, Errc::permission,
-               "authentication failed: the server requires a matching token (--auth-token-file or "
-               "PSKV_AUTH_TOKEN_FILE) and this connection " + what);
+  const std::string text = auth::refuse(engine_.options().server_id, c.address, what);
+  if (h) send_error(c, *h, Errc::permission, text);
   return false;
 }
 

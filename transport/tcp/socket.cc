@@ -187,15 +187,4 @@ std::string io_result_text(IoResult r) {
   return "?";
 }
 
-std::string address_text(const sockaddr_storage& address) {
-  char host[NI_MAXHOST] = "?", port[NI_MAXSERV] = "?";
-  getnameinfo(reinterpret_cast<const sockaddr*>(&address), sizeof address, host, sizeof host, port, sizeof port,
-              NI_NUMERICHOST | NI_NUMERICSERV);
-  std::string text = host;
-  if (address.ss_family == AF_INET6) text.insert(0, 1, '[').push_back(']');
-  text.push_back(':');
-  text.append(port);
-  return text;
-}
-
 }  // namespace pskv::tcp

@@ -1,7 +1,6 @@
 // Blocking-socket helpers with deadlines, shared by the TCP client and server.
 #pragma once
 
-#include <sys/socket.h>
 #include <sys/uio.h>
 
 #include <chrono>
@@ -49,8 +48,6 @@ void set_nodelay(int fd);
 // TCP keepalive probing after `idle` of silence, so a peer whose link went away without a FIN
 // or RST is noticed (its connection errors out) instead of being waited on forever.
 void set_keepalive(int fd, std::chrono::seconds idle);
-// "host:port" of an accepted peer, for log lines.
-std::string address_text(const sockaddr_storage& address);
 
 // Outcome of a full read/write on a blocking socket with SO_RCVTIMEO/SO_SNDTIMEO set.
 enum class IoResult { ok, closed, timeout, error };

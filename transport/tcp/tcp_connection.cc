@@ -34,29 +34,17 @@ void TcpConnection::handshake() {
   if (writev_full(fd_.get(), iov, options_.token ? 2 : 1) != IoResult::ok)
     throw Error(Errc::peer_failure, "cannot send the hello to " + endpoint_);
   wire::FrameHeader r = read_handshake_reply("hello");
-  if (r.flags & wire::kAuthChallenge) {
-    if (!options_.token)
-      throw Error(Errc::permission, endpoint_ + " requires authentication: give this client the server's token "
-                                                "(--auth-token-file or PSKV_AUTH_TOKEN_FILE)");
-    std::uint8_t challenge[auth::kNonceBytes + auth::kProofBytes];
-    if (r.payload_bytes != sizeof challenge || read_full(fd_.get(), challenge, sizeof challenge) != IoResult::ok)
-      throw Error(Errc::protocol, endpoint_ + " sent a malformed authentication challenge");
-    auth::Nonce server_nonce;
-    auth::Proof server_proof;
-    std::memcpy(server_nonce.data(), challenge, auth::kNonceBytes);
-    std::memcpy(server_proof.data(), challenge + auth::kNonceBytes, auth::kProofBytes);
-    if (!auth::proofs_equal(server_proof, options_.token->server_proof(client_nonce, server_nonce)))
-      throw Error(Errc::permission, endpoint_ + " failed to prove it holds the token: it is not the server this "
-                                                "client's --auth-token-file belongs to");
-    const auth::Proof proof = options_.token->client_proof(server_nonce, client_nonce);
+  std::uint8_t challenge[auth::kNonceBytes + auth::kProofBytes];
+  const bool challenged = r.flags & wire::kAuthChallenge;
+  if (challenged && (r.payload_bytes != sizeof challenge || read_full(fd_.get(), challenge, sizeof challenge) != IoResult::ok))
+    throw Error(Errc::protocol, endpoint_ + " sent a malformed authentication challenge");
+  if (const auto proof = auth::answer(options_.token.get(), client_nonce, challenged ? challenge : nullptr,
+                                      challenge + auth::kNonceBytes, endpoint_)) {
     wire::FrameHeader a = wire::make_header(wire::Op::auth, 0, 0, auth::kProofBytes);
-    iovec aiov[2] = {{&a, sizeof a}, {const_cast<std::uint8_t*>(proof.data()), auth::kProofBytes}};
+    iovec aiov[2] = {{&a, sizeof a}, {const_cast<std::uint8_t*>(proof->data()), auth::kProofBytes}};
     if (writev_full(fd_.get(), aiov, 2) != IoResult::ok)
       throw Error(Errc::peer_failure, "cannot send the authentication proof to " + endpoint_);
     r = read_handshake_reply("auth");
-  } else if (options_.token) {
-    throw Error(Errc::permission, endpoint_ + " did not ask for authentication, but this client has a token: refusing "
-                                              "a server that cannot prove it (start it with the same --auth-token-file)");
   }
   if (r.payload_bytes != 0) throw Error(Errc::protocol, endpoint_ + " sent an unexpected payload in its hello reply");
   info_.server_id = static_cast<std::uint32_t>(r.arg0);
@@ -111,12 +99,11 @@ void TcpConnection::submit(Request& request) {
   slot.entries.clear();
   for (const KeySlice& k : request.keys) slot.entries.push_back({k.key, k.length, 0});
   // Without checksums, large pull replies may come straight from the server's store.
-  const IoResult res =
-      send_request(slot, request, request.op == wire::Op::pull && !options_.checksum ? std::uint16_t{wire::kFromStore} : std::uint16_t{0});
+  const bool from_store = request.op == wire::Op::pull && !options_.checksum;
+  const IoResult res = send_request(slot, request, from_store ? std::uint16_t{wire::kFromStore} : std::uint16_t{0});
   if (res != IoResult::ok) {
-    const std::string why = "sending " + std::string(wire::op_name(static_cast<std::uint16_t>(request.op))) + " to " + endpoint_ +
-                            " failed: " +
-                            io_result_text(res);
+    const std::string why = "sending " + std::string(wire::op_name(static_cast<std::uint16_t>(request.op))) + " to " +
+                            endpoint_ + " failed: " + io_result_text(res);
     if (res == IoResult::timeout) {
       // Half a frame went out: the stream is unusable both ways.
       ::shutdown(fd_.get(), SHUT_RDWR);

@@ -6,7 +6,6 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include <cstdio>
 #include <cstring>
 #include <iostream>
 
@@ -244,7 +243,7 @@ void TcpServer::accept_ready() {
     set_nodelay(fd);
     set_keepalive(fd, std::chrono::seconds(5));
     set_io_timeouts(fd, options_.frame_timeout, options_.frame_timeout);
-    auto peer = std::make_shared<Peer>(fd, address_text(from));
+    auto peer = std::make_shared<Peer>(fd, address_text(reinterpret_cast<const sockaddr*>(&from)));
     {
       std::lock_guard lock(peers_mu_);
       if (peers_.size() >= options_.max_connections) {
@@ -490,12 +489,7 @@ bool TcpServer::admit(Peer& peer, const wire::FrameHeader& h) {
 }
 
 bool TcpServer::refuse(Peer& peer, const wire::FrameHeader& h, const std::string& what) {
-  auth_refused_.fetch_add(1);
-  std::fprintf(stderr, "pskv-server %u: refused unauthenticated peer %s: it %s\n", engine_.options().server_id,
-               peer.address.c_str(), what.c_str());
-  peer.send_error(h, Errc::permission,
-                  "authentication failed: the server requires a matching token (--auth-token-file or "
-                  "PSKV_AUTH_TOKEN_FILE) and this connection " + what);
+  peer.send_error(h, Errc::permission, auth::refuse(engine_.options().server_id, peer.address, what));
   return false;
 }
 

@@ -46,7 +46,6 @@ class TcpServer {
   std::uint16_t port() const noexcept { return port_; }
   void stop();
   std::uint64_t connections_refused() const noexcept { return refused_.load(); }
-  std::uint64_t auth_refused() const noexcept { return auth_refused_.load(); }
 
  private:
   void io_loop();
@@ -73,7 +72,6 @@ class TcpServer {
   std::uint16_t port_ = 0;
   std::atomic<bool> stopping_{false};
   std::atomic<std::uint64_t> refused_{0};
-  std::atomic<std::uint64_t> auth_refused_{0};
   std::mutex peers_mu_;
   std::unordered_map<int, std::shared_ptr<Peer>> peers_;
   std::vector<std::thread> threads_;
