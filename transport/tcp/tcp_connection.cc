@@ -69,7 +69,7 @@ wire::FrameHeader TcpConnection::read_handshake_reply(const char* step) {
   return r;
 }
 
-std::uint32_t TcpConnection::acquire_slot(Request* request) {
+std::uint32_t TcpConnection::acquire_slot(Request* request, std::uint64_t* id) {
   std::unique_lock lock(slots_mu_);
   slot_free_.wait(lock, [&] { return !free_.empty() || broken_ || send_broken_; });
   if (broken_ || send_broken_) return UINT32_MAX;
@@ -77,6 +77,7 @@ std::uint32_t TcpConnection::acquire_slot(Request* request) {
   free_.pop_back();
   slots_[i].id = next_generation_++ * options_.max_in_flight + i;
   slots_[i].request = request;
+  *id = slots_[i].id;
   return i;
 }
 
@@ -90,17 +91,15 @@ void TcpConnection::release_slot(std::uint32_t index) {
 }
 
 void TcpConnection::submit(Request& request) {
-  const std::uint32_t index = acquire_slot(&request);
+  std::uint64_t id = 0;
+  const std::uint32_t index = acquire_slot(&request, &id);
   if (index == UINT32_MAX) {
     request.completion->complete_part(Errc::peer_failure, broken_why_);
     return;
   }
-  Slot& slot = slots_[index];
-  slot.entries.clear();
-  for (const KeySlice& k : request.keys) slot.entries.push_back({k.key, k.length, 0});
   // Without checksums, large pull replies may come straight from the server's store.
   const bool from_store = request.op == wire::Op::pull && !options_.checksum;
-  const IoResult res = send_request(slot, request, from_store ? std::uint16_t{wire::kFromStore} : std::uint16_t{0});
+  const IoResult res = send_request(id, request, from_store ? std::uint16_t{wire::kFromStore} : std::uint16_t{0});
   if (res != IoResult::ok) {
     const std::string why = "sending " + std::string(wire::op_name(static_cast<std::uint16_t>(request.op))) + " to " +
                             endpoint_ + " failed: " + io_result_text(res);
@@ -122,16 +121,21 @@ void TcpConnection::submit(Request& request) {
   }
 }
 
-IoResult TcpConnection::send_request(const Slot& slot, const Request& request, std::uint16_t flags) {
+IoResult TcpConnection::send_request(std::uint64_t id, const Request& request, std::uint16_t flags) {
+  // The key table belongs to the sending thread, not to the request's slot: the reply can arrive
+  // and the slot pass to another sender before this thread has even returned from writev.
+  thread_local std::vector<wire::KeyEntry> entries;  // capacity persists across requests
+  entries.clear();
+  for (const KeySlice& k : request.keys) entries.push_back({k.key, k.length, 0});
   std::uint64_t payload = 0;
   for (const KeySlice& k : request.keys) payload += std::uint64_t{k.length} * sizeof(float);
   const bool values = wire::op_carries_values(request.op);
-  wire::FrameHeader h = wire::make_header(request.op, slot.id, static_cast<std::uint32_t>(request.keys.size()),
+  wire::FrameHeader h = wire::make_header(request.op, id, static_cast<std::uint32_t>(request.keys.size()),
                                           values ? payload : 0, request.arg0, request.arg1);
   h.flags = flags;
   if (options_.checksum) {
     h.flags |= wire::kChecksum;
-    std::uint32_t crc = wire::crc32_update(0, slot.entries.data(), slot.entries.size() * sizeof(wire::KeyEntry));
+    std::uint32_t crc = wire::crc32_update(0, entries.data(), entries.size() * sizeof(wire::KeyEntry));
     if (values)
       for (const KeySlice& k : request.keys) crc = wire::crc32_update(crc, k.data, k.length * sizeof(float));
     h.checksum = crc;
@@ -139,8 +143,8 @@ IoResult TcpConnection::send_request(const Slot& slot, const Request& request, s
   std::lock_guard lock(send_mu_);
   iov_.clear();
   iov_.push_back({&h, sizeof h});
-  if (!slot.entries.empty())
-    iov_.push_back({const_cast<wire::KeyEntry*>(slot.entries.data()), slot.entries.size() * sizeof(wire::KeyEntry)});
+  if (!entries.empty())
+    iov_.push_back({const_cast<wire::KeyEntry*>(entries.data()), entries.size() * sizeof(wire::KeyEntry)});
   if (values)
     for (const KeySlice& k : request.keys) iov_.push_back({k.data, std::size_t{k.length} * sizeof(float)});
   return writev_full(fd_.get(), iov_.data(), static_cast<int>(iov_.size()));
@@ -266,7 +270,7 @@ bool TcpConnection::receive_one(const wire::FrameHeader& h, std::string* why) {
       if (torn != 0) {
         // A push landed on a key while the server was sending it: ask again for a copy, which
         // the server takes under the seqlock. The request stays outstanding meanwhile.
-        if (send_request(slots_[index], *request, 0) != IoResult::ok) {
+        if (send_request(h.request_id, *request, 0) != IoResult::ok) {
           *why = "lost the connection to " + endpoint_ + " while asking again for values torn by a push";
           return false;
         }

@@ -31,16 +31,16 @@ class TcpConnection final : public transport::Connection {
   struct Slot {
     transport::Request* request = nullptr;
     std::uint64_t id = 0;
-    std::vector<wire::KeyEntry> entries;  // reused: capacity persists across requests
   };
   void handshake();
   wire::FrameHeader read_handshake_reply(const char* step);
   // Writes the request's frame (header, key table, values) under send_mu_.
-  IoResult send_request(const Slot& slot, const transport::Request& request, std::uint16_t flags);
+  IoResult send_request(std::uint64_t id, const transport::Request& request, std::uint16_t flags);
   void receive_loop();
   bool receive_one(const wire::FrameHeader& h, std::string* why);
   void fail_all(Errc status, const std::string& why);
-  std::uint32_t acquire_slot(transport::Request* request);
+  // Returns the slot's index (UINT32_MAX once broken) and its request id in *id.
+  std::uint32_t acquire_slot(transport::Request* request, std::uint64_t* id);
   void release_slot(std::uint32_t index);
 
   transport::ConnectOptions options_;
