@@ -50,7 +50,7 @@ std::atomic<int> g_spinners{0};
 const int g_max_spinners = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / 2);
 thread_local int t_spin_budget_us = Completion::kSpinMicros;
 
-bool spin_for(const Completion& c) noexcept {
+bool spin_for(const Completion& c, Poller* poller) noexcept {
   if (t_spin_budget_us <= 0 || g_spinners.fetch_add(1, std::memory_order_relaxed) >= g_max_spinners) {
     g_spinners.fetch_sub(1, std::memory_order_relaxed);
     t_spin_budget_us = std::min(Completion::kSpinMicros, t_spin_budget_us + 1);  // probe again slowly
@@ -58,9 +58,17 @@ bool spin_for(const Completion& c) noexcept {
   }
   const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(t_spin_budget_us);
   bool done = false;
+  if (poller) poller->begin_polling();
   for (unsigned i = 0; !(done = c.done()); ++i) {
-    cpu_relax();
+    if (poller)
+      poller->poll();
+    else
+      cpu_relax();
     if ((i & 63) == 63 && std::chrono::steady_clock::now() > until) break;
+  }
+  if (poller) {
+    poller->end_polling();
+    done = c.done();
   }
   g_spinners.fetch_sub(1, std::memory_order_relaxed);
   t_spin_budget_us = done ? std::min(Completion::kSpinMicros * 2, t_spin_budget_us + 4) : t_spin_budget_us / 2;
@@ -68,8 +76,8 @@ bool spin_for(const Completion& c) noexcept {
 }
 }  // namespace
 
-bool Completion::wait(std::chrono::steady_clock::time_point deadline) noexcept {
-  if (spin_for(*this)) return true;
+bool Completion::wait(std::chrono::steady_clock::time_point deadline, Poller* poller) noexcept {
+  if (spin_for(*this, poller)) return true;
   while (!done()) {
     const auto left = deadline - std::chrono::steady_clock::now();
     if (left <= std::chrono::nanoseconds::zero()) return done();

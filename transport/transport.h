@@ -28,6 +28,23 @@ struct KeySlice {
   float* data;
 };
 
+// Something a waiter drives while it spins: it completes requests whose answers have already
+// landed, on the waiting thread, so a local reply does not wait for a transport thread to be
+// woken and scheduled (on two cores that hand-off cost more than a small shm push itself).
+// Thread-safety: any number of threads may poll at once.
+class Poller {
+ public:
+  // Cheap when nothing has landed; never blocks.
+  virtual void poll() noexcept = 0;
+  // Bracket a spell of polling, so the far side may skip waking the transport thread meanwhile.
+  // end_polling() completes whatever landed before it returns: nothing is left unannounced.
+  virtual void begin_polling() noexcept {}
+  virtual void end_polling() noexcept {}
+
+ protected:
+  ~Poller() = default;
+};
+
 // Completion of one user operation that may span several servers.
 // Thread-safety: complete_part() from any transport thread; wait()/status() from the owner.
 class Completion {
@@ -40,9 +57,9 @@ class Completion {
   // Done only once the last part's completer has published through wake_: that exchange is its
   // final access, so the owner may free this object as soon as done() is true.
   bool done() const noexcept { return wake_.load(std::memory_order_acquire) == 1; }
-  // Spins briefly (a local reply often lands within microseconds), then sleeps on a futex.
-  // Returns false if the deadline passed first.
-  bool wait(std::chrono::steady_clock::time_point deadline) noexcept;
+  // Spins briefly (a local reply often lands within microseconds), driving `poller` if given,
+  // then sleeps on a futex. Returns false if the deadline passed first.
+  bool wait(std::chrono::steady_clock::time_point deadline, Poller* poller = nullptr) noexcept;
   Errc status() const noexcept { return status_; }
   const std::string& message() const noexcept { return message_; }
   std::uint64_t bound() const noexcept { return bound_.load(std::memory_order_relaxed); }
@@ -95,6 +112,9 @@ class Connection {
   virtual void register_memory(void* data, std::size_t bytes) { (void)data, (void)bytes; }
   virtual const ServerInfo& info() const noexcept = 0;
   virtual const std::string& endpoint() const noexcept = 0;
+  // Backends whose answers a waiting thread can pick up itself return their Poller; the others
+  // complete requests on their own threads.
+  virtual Poller* poller() noexcept { return nullptr; }
 };
 
 // Connects by scheme. Throws Error with what to do when the server cannot be reached.

@@ -12,6 +12,28 @@ namespace detail {
 
 using transport::KeySlice;
 
+// Drives every connection that a waiting thread can poll (see transport::Poller).
+class ConnectionsPoller final : public transport::Poller {
+ public:
+  void add(transport::Poller* p) {
+    if (p) parts_.push_back(p);
+  }
+  void clear() noexcept { parts_.clear(); }
+  transport::Poller* get() noexcept { return parts_.empty() ? nullptr : this; }
+  void poll() noexcept override {
+    for (auto* p : parts_) p->poll();
+  }
+  void begin_polling() noexcept override {
+    for (auto* p : parts_) p->begin_polling();
+  }
+  void end_polling() noexcept override {
+    for (auto* p : parts_) p->end_polling();
+  }
+
+ private:
+  std::vector<transport::Poller*> parts_;
+};
+
 // Thread-safety: the op table is guarded by ops_mu_; each Op is touched by one issuing thread,
 // then by transport threads through its Completion, then by the waiting thread.
 class ClientImpl {
@@ -29,7 +51,10 @@ class ClientImpl {
     c.max_in_flight = o.max_in_flight;
     c.checksum = o.checksum;
     if (!o.auth_token_file.empty()) c.token = auth::Token::load_file(o.auth_token_file);
-    for (const auto& s : o.servers) connections_.push_back(transport::connect(parse_uri(s), c));
+    for (const auto& s : o.servers) {
+      connections_.push_back(transport::connect(parse_uri(s), c));
+      poller_.add(connections_.back()->poller());
+    }
     if (o.initial_clock > 0 && o.worker_id != kNoWorker) {
       send_clock(o.initial_clock);
       clock_ = o.initial_clock;
@@ -38,6 +63,7 @@ class ClientImpl {
 
   void disconnect() {
     finished_on_close_ = false;
+    poller_.clear();
     connections_.clear();
   }
 
@@ -48,9 +74,10 @@ class ClientImpl {
     // request, so nothing touches the op afterwards.
     try {
       const Ticket t = issue(wire::Op::clock, {}, 0, nullptr, nullptr, kClockDone);
-      lookup(t)->completion.wait(std::chrono::steady_clock::now() + std::chrono::seconds(2));
+      lookup(t)->completion.wait(std::chrono::steady_clock::now() + std::chrono::seconds(2), poller_.get());
     } catch (const Error&) {
     }
+    poller_.clear();
     connections_.clear();
   }
 
@@ -102,7 +129,7 @@ class ClientImpl {
     Op* op = lookup(ticket);
     // Transports guarantee every request completes (answer, error, or their own timeout), so
     // this wait is bounded by them; the deadline only re-checks.
-    while (!op->completion.wait(std::chrono::steady_clock::now() + std::chrono::hours(1))) {
+    while (!op->completion.wait(std::chrono::steady_clock::now() + std::chrono::hours(1), poller_.get())) {
     }
     const Errc status = op->completion.status();
     std::string message = op->completion.message();
@@ -216,6 +243,7 @@ class ClientImpl {
   std::mutex ops_mu_;
   std::vector<std::unique_ptr<Op>> ops_;
   std::vector<std::unique_ptr<transport::Connection>> connections_;
+  ConnectionsPoller poller_;  // points into connections_: cleared with them
   std::vector<std::uint32_t> free_;
   std::uint64_t clock_ = 0;
   std::uint64_t barrier_generation_ = 0;

@@ -60,6 +60,40 @@ TEST_P(InProcess, ConcurrentClientsLoseNothing) {
   EXPECT_EQ(total, float(kThreads * kPushes));
 }
 
+// Threads of one client share its connections: one waiter at a time may spin and pick up
+// answers for all of them (shm polls the ring itself), the others sleep and are woken by
+// whoever completed their request.
+TEST_P(InProcess, ThreadsSharingOneClientAllComplete) {
+  ServerOptions so;
+  so.uri = uri();
+  so.arena_bytes = 16 << 20;
+  Server server(so);
+  ClientOptions o;
+  o.servers = {server.uri()};
+  Client c(o);
+  constexpr int kThreads = 4, kOps = 400;
+  std::vector<float> zeros(64, 0.0f);
+  for (Key k = 0; k < kThreads; ++k) c.wait(c.init(k, zeros));
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t)
+    threads.emplace_back([&, t] {
+      std::vector<float> one(64, 1.0f), out(64);
+      for (int i = 0; i < kOps; ++i) {
+        c.wait(c.push(Key(t), one));
+        if (i % 16 == 15) {
+          c.wait(c.pull(Key(t), out));
+          ASSERT_EQ(out[0], float(i + 1));  // own pushes are all in, in order
+        }
+      }
+    });
+  for (auto& t : threads) t.join();
+  std::vector<float> out(64);
+  for (Key k = 0; k < kThreads; ++k) {
+    c.wait(c.pull(k, out));
+    EXPECT_EQ(out[63], float(kOps));
+  }
+}
+
 TEST_P(InProcess, BspClocksAndBarrier) {
   ServerOptions so;
   so.uri = uri();

@@ -56,6 +56,7 @@ struct alignas(64) ClientSlot {
   alignas(64) std::atomic<std::uint64_t> done;  // last answered seq (server)
   std::atomic<std::uint32_t> done_word;         // futex: bumped on every answer and clock change
   std::atomic<std::uint32_t> client_sleeping;
+  std::atomic<std::uint32_t> client_polling;    // waiters reading `done` themselves: no wake needed
   std::atomic<std::uint32_t> waits_on_clock;    // the client has pulls parked on the bound
   alignas(64) RingEntry ring[kRingEntries];
 };

@@ -55,7 +55,9 @@ ShmConnection::ShmConnection(const Uri& uri, const transport::ConnectOptions& op
     throw Error(Errc::capacity, endpoint_ + " has no free client slot (" + std::to_string(header_->slots) +
                                     " in use); restart the server with more --shm-slots");
   data_ = segment_->slot_data(slot_index_);
-  next_seq_ = completed_ = released_ = slot_->done.load(std::memory_order_acquire);
+  next_seq_ = slot_->done.load(std::memory_order_acquire);
+  completed_.store(next_seq_);
+  slot_->client_polling.store(0);
   slot_->head.store(next_seq_, std::memory_order_release);
   helper_ = std::thread([this] { helper_loop(); });
 }
@@ -161,10 +163,14 @@ void ShmConnection::enqueue(Request& request) {
       request.completion->complete_part(Errc::peer_failure, broken_why_);
       return;
     }
+    // Nothing in flight: start again at the area's front, which the last request left in cache.
+    // Walking the whole 32 MiB ring instead made every push copy into cold memory.
+    if (completed_.load(std::memory_order_relaxed) == next_seq_ && data_head_ % data_capacity_ != 0)
+      data_head_ = data_tail_ = data_head_ + data_capacity_ - data_head_ % data_capacity_;
     // Contiguous placement: skip the area's tail if the request does not fit before the wrap.
     start = data_head_;
     if (start % data_capacity_ + need > data_capacity_) start += data_capacity_ - start % data_capacity_;
-    const bool ring_room = next_seq_ - released_ < kRingEntries;
+    const bool ring_room = next_seq_ - completed_.load(std::memory_order_relaxed) < kRingEntries;
     const bool data_room = start + need - data_tail_ <= data_capacity_;
     if (ring_room && data_room) break;
     space_.wait_for(lock, std::chrono::milliseconds(100));
@@ -243,39 +249,57 @@ bool ShmConnection::run_parked(std::chrono::steady_clock::time_point now) {
   return !parked_.empty();
 }
 
+bool ShmConnection::complete_answered() {
+  // The server's word is not trusted past what was published.
+  const std::uint64_t done = std::min(slot_->done.load(std::memory_order_acquire), next_seq_);
+  std::uint64_t seq = completed_.load(std::memory_order_relaxed);
+  if (seq >= done) return false;
+  // Completing under mu_ means no entry's space is handed out again before its answer was read.
+  while (seq < done) {
+    ++seq;
+    Request* request = pending_[seq % kRingEntries];
+    pending_[seq % kRingEntries] = nullptr;
+    const RingEntry& e = slot_->ring[seq % kRingEntries];
+    const auto status = static_cast<Errc>(e.status);
+    const std::string_view text(reinterpret_cast<const char*>(data_ + e.data_offset),
+                                std::min<std::uint64_t>(e.text_len, e.data_bytes));
+    if (request->op == wire::Op::clock) request->completion->note_bound(e.reply_arg0);
+    if (status == Errc::ok && request->text_out) request->text_out->assign(text);
+    request->completion->complete_part(status, status == Errc::ok ? std::string_view{} : text);
+  }
+  completed_.store(done, std::memory_order_relaxed);
+  data_tail_ = data_end_[done % kRingEntries];
+  space_.notify_all();
+  return true;
+}
+
+void ShmConnection::poll() noexcept {
+  if (slot_->done.load(std::memory_order_acquire) <= completed_.load(std::memory_order_relaxed)) return;
+  std::unique_lock lock(mu_, std::try_to_lock);
+  if (lock.owns_lock() && !broken_) complete_answered();
+}
+
+void ShmConnection::begin_polling() noexcept { slot_->client_polling.fetch_add(1, std::memory_order_seq_cst); }
+
+void ShmConnection::end_polling() noexcept {
+  slot_->client_polling.fetch_sub(1, std::memory_order_seq_cst);
+  // Pairs with the fence in ShmServer::publish: either the server saw no poller and woke the
+  // helper, or this load sees its answer.
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  std::lock_guard lock(mu_);
+  if (!broken_) complete_answered();
+}
+
 void ShmConnection::helper_loop() {
   auto last_alive_check = std::chrono::steady_clock::now();
-  // Reused across rounds, so completing a push allocates nothing.
-  std::vector<std::pair<Request*, RingEntry*>> finished;
-  finished.reserve(kRingEntries);
   for (;;) {
     const std::uint32_t word = slot_->done_word.load(std::memory_order_acquire);
-    finished.clear();
-    bool parked_left;
+    bool progressed, parked_left;
     {
       std::unique_lock lock(mu_);
       if (stopping_) return;
-      const std::uint64_t done = slot_->done.load(std::memory_order_acquire);
-      while (completed_ < done) {
-        const std::uint64_t seq = ++completed_;
-        finished.emplace_back(pending_[seq % kRingEntries], &slot_->ring[seq % kRingEntries]);
-        pending_[seq % kRingEntries] = nullptr;
-      }
+      progressed = complete_answered();
       parked_left = run_parked(std::chrono::steady_clock::now());
-    }
-    for (auto [request, e] : finished) {
-      const auto status = static_cast<Errc>(e->status);
-      std::string text(reinterpret_cast<const char*>(data_ + e->data_offset), std::min<std::uint64_t>(e->text_len, e->data_bytes));
-      if (request->op == wire::Op::clock) request->completion->note_bound(e->reply_arg0);
-      if (status == Errc::ok && request->text_out) request->text_out->swap(text);
-      request->completion->complete_part(status, status == Errc::ok ? std::string_view{} : std::string_view(text));
-    }
-    if (!finished.empty()) {
-      // Only now may the ring entries and their data be reused: their answers have been read.
-      std::lock_guard lock(mu_);
-      released_ = finished.back().second->seq;
-      data_tail_ = data_end_[released_ % kRingEntries];
-      space_.notify_all();
     }
     const auto now = std::chrono::steady_clock::now();
     if (now - last_alive_check > std::chrono::milliseconds(500)) {
@@ -286,7 +310,7 @@ void ShmConnection::helper_loop() {
         return;
       }
     }
-    if (!finished.empty()) continue;
+    if (progressed) continue;
     // Sleep until the server answers or a clock moves; tick to notice deadlines and server death.
     slot_->client_sleeping.store(1);
     futex_wait(&slot_->done_word, word, parked_left ? std::chrono::milliseconds(50) : std::chrono::milliseconds(500));
@@ -302,12 +326,12 @@ void ShmConnection::fail_everything(Errc status, const std::string& why) {
       broken_ = true;
       broken_why_ = why;
     }
-    for (std::uint64_t seq = completed_ + 1; seq <= next_seq_; ++seq)
+    for (std::uint64_t seq = completed_.load() + 1; seq <= next_seq_; ++seq)
       if (Request* r = pending_[seq % kRingEntries]) {
         victims.push_back(r);
         pending_[seq % kRingEntries] = nullptr;
       }
-    completed_ = released_ = next_seq_;
+    completed_.store(next_seq_);
     for (auto& p : parked_) victims.push_back(p.request);
     parked_.clear();
   }

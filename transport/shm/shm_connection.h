@@ -1,8 +1,9 @@
 // Client side of the shared-memory backend. Pulls copy straight from the server's arena into
 // the caller's buffer under the seqlock (the one unavoidable copy, no round trip). Pushes and
-// control requests are copied once into this client's own slot and published on its ring; a
-// helper thread turns the server's answers into completions and runs pulls that had to wait
-// for the consistency bound or for this client's earlier pushes.
+// control requests are copied once into this client's own slot and published on its ring. A
+// waiting thread picks up the server's answers itself while it spins (Poller); otherwise a
+// helper thread turns them into completions. The helper also runs pulls that had to wait for
+// the consistency bound or for this client's earlier pushes.
 #pragma once
 
 #include <condition_variable>
@@ -18,8 +19,9 @@
 
 namespace pskv::shm {
 
-// Thread-safety: submit() from any number of threads; one internal helper thread.
-class ShmConnection final : public transport::Connection {
+// Thread-safety: submit() and the Poller calls from any number of threads; one internal helper
+// thread.
+class ShmConnection final : public transport::Connection, private transport::Poller {
  public:
   ShmConnection(const Uri& uri, const transport::ConnectOptions& options);
   ~ShmConnection() override;
@@ -27,6 +29,7 @@ class ShmConnection final : public transport::Connection {
   void submit(transport::Request& request) override;
   const transport::ServerInfo& info() const noexcept override { return info_; }
   const std::string& endpoint() const noexcept override { return endpoint_; }
+  transport::Poller* poller() noexcept override { return this; }
 
  private:
   struct ParkedPull {
@@ -39,6 +42,11 @@ class ShmConnection final : public transport::Connection {
   bool bound_allows(std::uint64_t clock, std::uint64_t* observed) const;
   // Copies the values; returns the error text on failure (empty on success).
   Errc read_values(const transport::Request& request, std::string* why) const;
+  void poll() noexcept override;
+  void begin_polling() noexcept override;
+  void end_polling() noexcept override;
+  // Turns answered ring entries into completions and frees their ring space; with mu_ held.
+  bool complete_answered();
   void helper_loop();
   bool run_parked(std::chrono::steady_clock::time_point now);
   void fail_everything(Errc status, const std::string& why);
@@ -61,8 +69,9 @@ class ShmConnection final : public transport::Connection {
   std::mutex mu_;  // guards everything below
   std::condition_variable space_;
   std::uint64_t next_seq_ = 0;        // last published seq
-  std::uint64_t completed_ = 0;       // last seq turned into a completion
-  std::uint64_t released_ = 0;        // last seq whose ring entry and data may be reused
+  // Last seq turned into a completion; its ring entry and data may be reused. Written under
+  // mu_, read without it by poll() to skip the lock when nothing new was answered.
+  std::atomic<std::uint64_t> completed_{0};
   std::uint64_t data_head_ = 0;       // monotonically increasing byte positions in the area
   std::uint64_t data_tail_ = 0;
   transport::Request* pending_[kRingEntries] = {};

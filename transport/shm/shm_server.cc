@@ -87,7 +87,10 @@ void ShmServer::publish(std::uint32_t i, std::uint64_t seq) {
   ClientSlot& s = segment_->slot(i);
   s.done.store(seq, std::memory_order_release);
   s.done_word.fetch_add(1, std::memory_order_release);
-  if (s.client_sleeping.load()) futex_wake_all(&s.done_word);
+  // Pairs with ShmConnection::end_polling: a waiter that is polling picks the answer up itself,
+  // and one that stops polling re-reads `done` after its fence, so skipping the wake loses nothing.
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  if (s.client_sleeping.load() && s.client_polling.load() == 0) futex_wake_all(&s.done_word);
 }
 
 void ShmServer::wake_clock_waiters() {
