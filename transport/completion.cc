@@ -42,21 +42,24 @@ void Completion::complete_part(Errc status, std::string_view message) noexcept {
 }
 
 namespace {
-// A reply over loopback or shared memory often lands within tens of microseconds, and spinning
-// that long saves a sleep/wake pair. But a spinner holds a core the server or a receiver thread
-// may need, so: at most one spinner per two cores in this process, and a per-thread budget that
-// grows when spins pay off and halves when they do not.
+// A reply over loopback or shared memory often lands within microseconds, and spinning that long
+// saves a sleep/wake pair. But a spinner holds a core the server or a receiver thread may need,
+// so: at most one spinner per two cores in this process, and only while this thread's recent
+// waits were short. Each thread keeps a moving average of how long its waits took (slept ones
+// included), so a thread whose waits turn short again resumes spinning on its own.
 std::atomic<int> g_spinners{0};
 const int g_max_spinners = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / 2);
-thread_local int t_spin_budget_us = Completion::kSpinMicros;
+thread_local double t_typical_wait_us = 0;  // 0: no wait seen yet
 
 bool spin_for(const Completion& c, Poller* poller) noexcept {
-  if (t_spin_budget_us <= 0 || g_spinners.fetch_add(1, std::memory_order_relaxed) >= g_max_spinners) {
+  constexpr double kMax = Completion::kMaxSpinMicros;
+  if (t_typical_wait_us > kMax) return c.done();
+  if (g_spinners.fetch_add(1, std::memory_order_relaxed) >= g_max_spinners) {
     g_spinners.fetch_sub(1, std::memory_order_relaxed);
-    t_spin_budget_us = std::min(Completion::kSpinMicros, t_spin_budget_us + 1);  // probe again slowly
     return c.done();
   }
-  const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(t_spin_budget_us);
+  const double budget_us = t_typical_wait_us == 0 ? kMax : std::min(kMax, 2 * t_typical_wait_us + 5);
+  const auto until = std::chrono::steady_clock::now() + std::chrono::nanoseconds(static_cast<std::int64_t>(budget_us * 1000));
   bool done = false;
   if (poller) poller->begin_polling();
   for (unsigned i = 0; !(done = c.done()); ++i) {
@@ -71,13 +74,21 @@ bool spin_for(const Completion& c, Poller* poller) noexcept {
     done = c.done();
   }
   g_spinners.fetch_sub(1, std::memory_order_relaxed);
-  t_spin_budget_us = done ? std::min(Completion::kSpinMicros * 2, t_spin_budget_us + 4) : t_spin_budget_us / 2;
   return done;
+}
+
+void note_wait(std::chrono::steady_clock::duration took) noexcept {
+  const double us = std::chrono::duration<double, std::micro>(took).count();
+  t_typical_wait_us = t_typical_wait_us == 0 ? us + 1e-3 : 0.875 * t_typical_wait_us + 0.125 * us;
 }
 }  // namespace
 
 bool Completion::wait(std::chrono::steady_clock::time_point deadline, Poller* poller) noexcept {
-  if (spin_for(*this, poller)) return true;
+  const auto start = std::chrono::steady_clock::now();
+  if (spin_for(*this, poller)) {
+    note_wait(std::chrono::steady_clock::now() - start);
+    return true;
+  }
   while (!done()) {
     const auto left = deadline - std::chrono::steady_clock::now();
     if (left <= std::chrono::nanoseconds::zero()) return done();
@@ -85,6 +96,7 @@ bool Completion::wait(std::chrono::steady_clock::time_point deadline, Poller* po
     if (!wake_.compare_exchange_strong(expected, kSleeping, std::memory_order_acq_rel) && expected == kDone) break;
     futex_wait(&wake_, kSleeping, std::chrono::duration_cast<std::chrono::nanoseconds>(left));
   }
+  note_wait(std::chrono::steady_clock::now() - start);
   return true;
 }
 

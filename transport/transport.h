@@ -63,7 +63,7 @@ class Completion {
   Errc status() const noexcept { return status_; }
   const std::string& message() const noexcept { return message_; }
   std::uint64_t bound() const noexcept { return bound_.load(std::memory_order_relaxed); }
-  static constexpr int kSpinMicros = 50;
+  static constexpr int kMaxSpinMicros = 100;
 
  private:
   std::atomic<std::uint32_t> remaining_{0};
