@@ -1,5 +1,8 @@
 // BSP/SSP/ASP and sync aggregation, checked rather than assumed, on every backend with real
 // processes: the server is a pskv-server process, workers are forked processes.
+// Built twice: consistency_test runs tcp and shm; rdma_consistency_test (label rdma, with
+// PSKV_CONSISTENCY_OVER_RDMA) runs the same workloads over rdma:// in the Soft-RoCE VM, where
+// reads are one-sided RDMA READs gated by the bound and clocks are SENDs behind the pushes.
 #include <gtest/gtest.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -11,6 +14,9 @@
 
 #include "pskv/client.h"
 #include "support/process.h"
+#ifdef PSKV_CONSISTENCY_OVER_RDMA
+#include "rdma/rdma_support.h"
+#endif
 
 namespace pskv {
 namespace {
@@ -31,25 +37,50 @@ std::int64_t now_us() {
   return std::chrono::duration_cast<std::chrono::microseconds>(Clock::now().time_since_epoch()).count();
 }
 
+// Soft-RoCE runs inside an emulated (TCG) VM, several times slower than the host, so rdma
+// gets wider margins; what is checked stays the same.
+struct Margins {
+  int stall_ms;         // how long a worker stalls before its first clock
+  int wait_timeout_ms;  // the server's --wait-timeout-ms in the kill tests
+  int slack_ms;         // how far past that timeout the survivors may notice
+};
+
 class Consistency : public ::testing::TestWithParam<std::string> {
  public:
+  void SetUp() override {
+#ifdef PSKV_CONSISTENCY_OVER_RDMA
+    PSKV_REQUIRE_RDMA();
+#endif
+  }
+  bool rdma() const { return GetParam() == "rdma"; }
+  Margins margins() const { return rdma() ? Margins{1500, 3000, 3000} : Margins{800, 1500, 2000}; }
   ServerProcess start(std::vector<std::string> args) {
+#ifdef PSKV_CONSISTENCY_OVER_RDMA
+    return testing::start_rdma_server(args);
+#else
     const std::string uri = GetParam() == "tcp" ? "tcp://127.0.0.1:0"
                                                 : "shm://cons-" + std::to_string(getpid()) + "-" + std::to_string(++n_);
     args.insert(args.begin(), {"--uri", uri, "--io-threads", "2"});
     return ServerProcess::start(args);
+#endif
   }
-  ClientOptions worker(const ServerProcess& s, std::uint32_t id) {
+  ClientOptions client(const ServerProcess& s) const {
+#ifdef PSKV_CONSISTENCY_OVER_RDMA
+    return testing::rdma_client({s.uri});
+#else
     ClientOptions o;
     o.servers = {s.uri};
-    o.worker_id = id;
     o.io_timeout = std::chrono::seconds(20);
+    return o;
+#endif
+  }
+  ClientOptions worker(const ServerProcess& s, std::uint32_t id) const {
+    ClientOptions o = client(s);
+    o.worker_id = id;
     return o;
   }
   void init_keys(const ServerProcess& s, std::uint32_t n, std::uint32_t len = 1) {
-    ClientOptions o;
-    o.servers = {s.uri};
-    Client admin(o);
+    Client admin(client(s));
     std::vector<float> zeros(len, 0.0f);
     for (Key k = 0; k < n; ++k) admin.wait(admin.init(k, zeros));
   }
@@ -87,9 +118,9 @@ void checker_workload(Consistency* t, const std::string& mode, int s) {
       const std::uint64_t mine = c.staleness().max;
       while (mine > cur && !max_staleness->compare_exchange_weak(cur, mine)) {
       }
-      return 0;
+      return c.staleness().reads == std::uint64_t(kSteps) * kWorkers ? 0 : 4;  // every read was recorded
     }));
-  for (pid_t p : pids) EXPECT_EQ(wait_pid(p), 0);
+  for (pid_t p : pids) EXPECT_EQ(wait_pid(p, std::chrono::seconds(600)), 0);
   EXPECT_EQ(violations->load(), 0) << mode << " s=" << s;
   if (s >= 0) {
     EXPECT_LE(max_staleness->load(), std::uint64_t(s)) << "observed staleness exceeds the bound";
@@ -116,7 +147,7 @@ void runner_test(Consistency* t, const std::string& mode, int s) {
     Client c(t->worker(server, 0));
     std::vector<float> out(1);
     c.wait(c.pull(Key(0), out));
-    std::this_thread::sleep_for(std::chrono::milliseconds(800));
+    std::this_thread::sleep_for(std::chrono::milliseconds(t->margins().stall_ms));
     times[0].store(now_us());
     c.clock();
     for (int i = 1; i < kSteps + 4; ++i) c.clock();
@@ -154,6 +185,7 @@ TEST_P(Consistency, AspLetsAWorkerRunAhead) { runner_test(this, "asp", 0); }
 // late and are dropped, never folded into a later step.
 TEST_P(Consistency, SyncAggregationAppliesOneMeanPerStepAndDropsLateGradients) {
   auto server = start({"--workers", "3", "--mode", "sync", "--sync-required", "2", "--rule", "sgd", "--lr", "1"});
+  const int laggard_ms = rdma() ? 100 : 20;
   init_keys(server, 2, 8);
   constexpr int kSteps = 20;
   std::vector<pid_t> pids;
@@ -162,17 +194,15 @@ TEST_P(Consistency, SyncAggregationAppliesOneMeanPerStepAndDropsLateGradients) {
       Client c(worker(server, w));
       std::vector<float> grad(8, w == 2 ? 1000.0f : float(w + 1)), out(8);
       for (int step = 0; step < kSteps; ++step) {
-        if (w == 2) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        if (w == 2) std::this_thread::sleep_for(std::chrono::milliseconds(laggard_ms));
         for (Key k = 0; k < 2; ++k) c.wait(c.pull(k, out));
         for (Key k = 0; k < 2; ++k) c.wait(c.push(k, grad));
         c.clock();
       }
       return 0;
     }));
-  for (pid_t p : pids) EXPECT_EQ(wait_pid(p), 0);
-  ClientOptions o;
-  o.servers = {server.uri};
-  Client check(o);
+  for (pid_t p : pids) EXPECT_EQ(wait_pid(p, std::chrono::seconds(600)), 0);
+  Client check(client(server));
   std::vector<float> out(8);
   for (Key k = 0; k < 2; ++k) {
     check.wait(check.pull(k, out));
@@ -185,9 +215,9 @@ TEST_P(Consistency, SyncAggregationAppliesOneMeanPerStepAndDropsLateGradients) {
 }
 
 // A worker killed mid-run: under --straggler-policy fail the survivors' bounded reads fail with
-// an error naming it; under evict they finish without it. Either within the timeout + 2 s.
+// an error naming it; under evict they finish without it. Either within the timeout + slack.
 void kill_test(Consistency* t, const std::string& policy) {
-  constexpr int kTimeoutMs = 1500;
+  const int kTimeoutMs = t->margins().wait_timeout_ms;
   auto server = t->start({"--workers", "3", "--mode", "bsp", "--wait-timeout-ms", std::to_string(kTimeoutMs),
                           "--straggler-policy", policy});
   t->init_keys(server, 3);
@@ -232,7 +262,8 @@ void kill_test(Consistency* t, const std::string& policy) {
   for (int w = 0; w < 2; ++w) {
     EXPECT_EQ(outcome[w].load(), policy == "evict" ? 1 : 2) << "survivor " << w;
     if (policy == "fail") {
-      EXPECT_LT(outcome[4 + w].load() - killed_at, (kTimeoutMs + 2000) * 1000) << "survivor " << w;
+      EXPECT_LT(outcome[4 + w].load() - killed_at, std::int64_t{kTimeoutMs + t->margins().slack_ms} * 1000)
+          << "survivor " << w;
     }
   }
   munmap(outcome, 8 * sizeof(std::atomic<std::int64_t>));
@@ -242,7 +273,11 @@ void kill_test(Consistency* t, const std::string& policy) {
 TEST_P(Consistency, KilledWorkerFailsSurvivorsWithItsName) { kill_test(this, "fail"); }
 TEST_P(Consistency, KilledWorkerIsEvictedAndTheJobGoesOn) { kill_test(this, "evict"); }
 
+#ifdef PSKV_CONSISTENCY_OVER_RDMA
+INSTANTIATE_TEST_SUITE_P(Backends, Consistency, ::testing::Values("rdma"));
+#else
 INSTANTIATE_TEST_SUITE_P(Backends, Consistency, ::testing::Values("tcp", "shm"));
+#endif
 
 }  // namespace
 }  // namespace pskv
