@@ -14,6 +14,7 @@
 
 #include "pskv/client.h"
 #include "support/process.h"
+#include "support/workloads.h"
 
 namespace pskv {
 namespace {
@@ -21,6 +22,7 @@ namespace {
 using testing::fork_worker;
 using testing::ServerProcess;
 using testing::wait_pid;
+using testing::expect_nothing_lost;
 
 std::string unique_name(const char* tag) { return std::string(tag) + "-" + std::to_string(getpid()); }
 
@@ -91,39 +93,7 @@ TEST(ShmIntegration, MultiProcessPushPull) {
 TEST(ShmIntegration, NothingLostWith16Processes) {
   const std::string name = unique_name("lost");
   auto server = start_shm(name);
-  ClientOptions o = shm_client(server.uri);
-  constexpr int kProcs = 16, kPushes = 500, kKeys = 4, kLen = 64;
-  {
-    Client admin(o);
-    std::vector<float> zeros(kLen, 0.0f);
-    for (Key k = 0; k < kKeys; ++k) admin.wait(admin.init(k, zeros));
-  }
-  std::vector<pid_t> pids;
-  for (int c = 0; c < kProcs; ++c)
-    pids.push_back(fork_worker([&, c] {
-      Client client(o);
-      std::vector<float> one(kLen, 1.0f);
-      std::vector<Ticket> t;
-      for (int i = 0; i < kPushes; ++i) {
-        t.push_back(client.push(Key((i + c) % kKeys), one));
-        if (t.size() == 32) {
-          for (Ticket x : t) client.wait(x);
-          t.clear();
-        }
-      }
-      for (Ticket x : t) client.wait(x);
-      return 0;
-    }));
-  for (pid_t p : pids) EXPECT_EQ(wait_pid(p), 0);
-  Client check(o);
-  double total = 0;
-  std::vector<float> out(kLen);
-  for (Key k = 0; k < kKeys; ++k) {
-    check.wait(check.pull(k, out));
-    for (float x : out) ASSERT_EQ(x, out[0]);
-    total += out[0];
-  }
-  EXPECT_EQ(total, double(kProcs) * kPushes);
+  expect_nothing_lost(shm_client(server.uri), {.clients = 16, .pushes = 500, .keys = 4, .length = 64, .batch = 32});
 }
 
 // Kill a pushing worker at a random instant, 50 times. After each kill, the survivors keep

@@ -14,6 +14,7 @@
 
 #include "pskv/client.h"
 #include "support/process.h"
+#include "support/workloads.h"
 #include "support/token_file.h"
 #include "transport/tcp/socket.h"
 #include "transport/uri.h"
@@ -25,6 +26,7 @@ namespace {
 using testing::fork_worker;
 using testing::ServerProcess;
 using testing::wait_pid;
+using testing::expect_nothing_lost;
 using testing::expect_permission_error;
 using testing::TokenFile;
 
@@ -138,39 +140,7 @@ TEST(TcpIntegration, LargePullsDuringPushesAreNeverTorn) {
 
 TEST(TcpIntegration, NothingLostWith32ConcurrentClients) {
   auto servers = start_servers(2);
-  ClientOptions o = options_for(servers);
-  constexpr int kClients = 32, kPushes = 300, kKeys = 8, kLen = 100;
-  {
-    Client admin(o);
-    std::vector<float> zeros(kLen, 0.0f);
-    for (Key k = 0; k < kKeys; ++k) admin.wait(admin.init(k, zeros));
-  }
-  std::vector<pid_t> pids;
-  for (int c = 0; c < kClients; ++c)
-    pids.push_back(fork_worker([&, c] {
-      Client client(o);
-      std::vector<float> one(kLen, 1.0f);
-      std::vector<Ticket> pending;
-      for (int i = 0; i < kPushes; ++i) {
-        pending.push_back(client.push(Key((i + c) % kKeys), one));  // pipelined, waited in bulk
-        if (pending.size() == 16) {
-          for (Ticket t : pending) client.wait(t);
-          pending.clear();
-        }
-      }
-      for (Ticket t : pending) client.wait(t);
-      return 0;
-    }));
-  for (pid_t p : pids) EXPECT_EQ(wait_pid(p), 0);
-  Client check(o);
-  double total = 0;
-  std::vector<float> out(kLen);
-  for (Key k = 0; k < kKeys; ++k) {
-    check.wait(check.pull(k, out));
-    for (float x : out) ASSERT_EQ(x, out[0]);
-    total += out[0];
-  }
-  EXPECT_EQ(total, double(kClients) * kPushes);
+  expect_nothing_lost(options_for(servers), {.clients = 32, .pushes = 300, .keys = 8, .length = 100, .batch = 16});
 }
 
 TEST(TcpIntegration, TenMillionFloatKeySpreadsEvenlyOverFourServers) {

@@ -22,12 +22,14 @@
 
 #include "rdma_support.h"
 #include "support/token_file.h"
+#include "support/workloads.h"
 #include "transport/rdma/rdma_protocol.h"
 #include "transport/uri.h"
 
 namespace pskv {
 namespace {
 
+using testing::expect_nothing_lost;
 using testing::fork_worker;
 using testing::rdma_client;
 using testing::rdma_ip;
@@ -108,43 +110,9 @@ TEST(Rdma, NothingLostWithFourClientProcesses) {
   std::vector<ServerProcess> servers;
   servers.push_back(start_rdma_server());
   servers.push_back(start_rdma_server({"--server-id", "1"}));
-  ClientOptions o = rdma_client({servers[0].uri, servers[1].uri});
-  constexpr int kClients = 4, kPushes = 200, kKeys = 8, kLen = 100;
-  {
-    Client admin(o);
-    std::vector<float> zeros(kLen, 0.0f);
-    for (Key k = 0; k < kKeys; ++k) admin.wait(admin.init(k, zeros));
-  }
-  std::vector<pid_t> pids;
-  for (int c = 0; c < kClients; ++c)
-    pids.push_back(fork_worker([&, c] {
-      Client client(o);
-      std::vector<float> one(kLen, 1.0f), out(kLen);
-      if (c % 2) client.register_buffer(one.data(), one.size() * sizeof(float));
-      std::vector<Ticket> pending;
-      for (int i = 0; i < kPushes; ++i) {
-        pending.push_back(client.push(Key((i + c) % kKeys), one));  // pipelined, waited in bulk
-        if (pending.size() == 16) {
-          for (Ticket t : pending) client.wait(t);
-          pending.clear();
-          client.wait(client.pull(Key(i % kKeys), out));
-          for (float x : out)
-            if (x != out[0]) return 3;
-        }
-      }
-      for (Ticket t : pending) client.wait(t);
-      return 0;
-    }));
-  for (pid_t p : pids) EXPECT_EQ(wait_pid(p, std::chrono::seconds(300)), 0);
-  Client check(o);
-  double total = 0;
-  std::vector<float> out(kLen);
-  for (Key k = 0; k < kKeys; ++k) {
-    check.wait(check.pull(k, out));
-    for (float x : out) ASSERT_EQ(x, out[0]);
-    total += out[0];
-  }
-  EXPECT_EQ(total, double(kClients) * kPushes);
+  expect_nothing_lost(rdma_client({servers[0].uri, servers[1].uri}),
+                      {.clients = 4, .pushes = 200, .keys = 8, .length = 100, .batch = 16, .pull_between_batches = true,
+                       .register_every_other = true, .worker_limit = std::chrono::seconds(300)});
 }
 
 // Writers assign all-equal vectors while readers pull the same keys with real RDMA READs: a
