@@ -1,5 +1,6 @@
 // The update-rule kernels: value and optimizer state updated in place from a gradient, with Eigen
-// maps over the arena and no temporaries. Kept out of store.h so that only one translation unit
+// maps over the arena and no temporaries; the pure streaming rules (add, plain SGD) use
+// hand-unrolled SSE2/AVX2 loops instead. Kept out of store.h so that only one translation unit
 // compiles Eigen for them.
 #pragma once
 
@@ -17,5 +18,9 @@ inline constexpr std::size_t kParallelApplyFloats = 256u << 10;  // 1 MiB
 // `step` is the 1-based count of updates including this one (Adam's bias correction).
 void apply_update(const UpdateRuleConfig& rule, float* value, float* state, const float* grad, std::size_t n,
                   std::uint64_t step, float lr_scale) noexcept;
+
+// The streaming kernels pick AVX2 at run time where the CPU has it. Tests switch to the SSE2
+// ones with this to cover both on one machine. Not for concurrent use with apply_update.
+void use_baseline_kernels(bool baseline) noexcept;
 
 }  // namespace pskv

@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <random>
+#include <tuple>
 #include <vector>
 
 #include "store/store.h"
@@ -51,10 +52,15 @@ struct Case {
   float weight_decay;
 };
 
-class UpdateRuleTest : public ::testing::TestWithParam<Case> {};
+// The streaming rules have two kernels (SSE2 and, where the CPU has it, AVX2): run both.
+class UpdateRuleTest : public ::testing::TestWithParam<std::tuple<Case, bool>> {
+ protected:
+  void TearDown() override { use_baseline_kernels(false); }
+};
 
 TEST_P(UpdateRuleTest, MatchesScalarReference) {
-  const Case c = GetParam();
+  const Case c = std::get<0>(GetParam());
+  use_baseline_kernels(std::get<1>(GetParam()));
   UpdateRuleConfig cfg;
   cfg.rule = c.rule;
   cfg.lr = 0.05f;
@@ -88,13 +94,16 @@ TEST_P(UpdateRuleTest, MatchesScalarReference) {
 }
 
 INSTANTIATE_TEST_SUITE_P(AllRules, UpdateRuleTest,
-                         ::testing::Values(Case{UpdateRule::assign, 0}, Case{UpdateRule::add, 0}, Case{UpdateRule::sgd, 0},
-                                           Case{UpdateRule::sgd, 0.01f}, Case{UpdateRule::momentum, 0},
-                                           Case{UpdateRule::momentum, 0.01f}, Case{UpdateRule::adam, 0},
-                                           Case{UpdateRule::adam, 0.01f}, Case{UpdateRule::adagrad, 0},
-                                           Case{UpdateRule::adagrad, 0.01f}),
+                         ::testing::Combine(::testing::Values(Case{UpdateRule::assign, 0}, Case{UpdateRule::add, 0},
+                                                              Case{UpdateRule::sgd, 0}, Case{UpdateRule::sgd, 0.01f},
+                                                              Case{UpdateRule::momentum, 0}, Case{UpdateRule::momentum, 0.01f},
+                                                              Case{UpdateRule::adam, 0}, Case{UpdateRule::adam, 0.01f},
+                                                              Case{UpdateRule::adagrad, 0}, Case{UpdateRule::adagrad, 0.01f}),
+                                            ::testing::Bool()),
                          [](const auto& info) {
-                           return std::string(to_string(info.param.rule)) + (info.param.weight_decay != 0 ? "_wd" : "");
+                           const Case c = std::get<0>(info.param);
+                           return std::string(to_string(c.rule)) + (c.weight_decay != 0 ? "_wd" : "") +
+                                  (std::get<1>(info.param) ? "_baseline" : "");
                          });
 
 TEST(UpdateRuleNames, RoundTrip) {
