@@ -61,7 +61,10 @@ bool spin_for(const Completion& c, Poller* poller) noexcept {
   const double budget_us = t_typical_wait_us == 0 ? kMax : std::min(kMax, 2 * t_typical_wait_us + 5);
   const auto until = std::chrono::steady_clock::now() + std::chrono::nanoseconds(static_cast<std::int64_t>(budget_us * 1000));
   bool done = false;
-  if (poller) poller->begin_polling();
+  if (poller && !poller->begin_polling()) {
+    g_spinners.fetch_sub(1, std::memory_order_relaxed);
+    return c.done();
+  }
   for (unsigned i = 0; !(done = c.done()); ++i) {
     if (poller)
       poller->poll();

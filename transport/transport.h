@@ -37,8 +37,10 @@ class Poller {
   // Cheap when nothing has landed; never blocks.
   virtual void poll() noexcept = 0;
   // Bracket a spell of polling, so the far side may skip waking the transport thread meanwhile.
-  // end_polling() completes whatever landed before it returns: nothing is left unannounced.
-  virtual void begin_polling() noexcept {}
+  // begin_polling() may refuse (false: the machine already has as many spinners as it has
+  // cores to spare), and then the waiter sleeps instead. After a true, end_polling() completes
+  // whatever landed before it returns: nothing is left unannounced.
+  virtual bool begin_polling() noexcept { return true; }
   virtual void end_polling() noexcept {}
 
  protected:

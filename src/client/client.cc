@@ -23,8 +23,13 @@ class ConnectionsPoller final : public transport::Poller {
   void poll() noexcept override {
     for (auto* p : parts_) p->poll();
   }
-  void begin_polling() noexcept override {
-    for (auto* p : parts_) p->begin_polling();
+  bool begin_polling() noexcept override {
+    for (std::size_t i = 0; i < parts_.size(); ++i)
+      if (!parts_[i]->begin_polling()) {
+        while (i-- > 0) parts_[i]->end_polling();
+        return false;
+      }
+    return true;
   }
   void end_polling() noexcept override {
     for (auto* p : parts_) p->end_polling();

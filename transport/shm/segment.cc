@@ -22,7 +22,7 @@ namespace pskv::shm {
 
 namespace {
 constexpr std::uint64_t kSegmentMagic = 0x474553564b53502eULL;  // ".PSKVSEG"
-constexpr std::uint32_t kLayoutVersion = 2;  // 2: ClientSlot::client_polling
+constexpr std::uint32_t kLayoutVersion = 3;  // 2: ClientSlot::client_polling, 3: SegmentHeader::spinners
 
 class RegionView final : public MemoryResource {
  public:

@@ -80,6 +80,9 @@ struct alignas(64) SegmentHeader {
   alignas(64) std::atomic<std::uint32_t> ready;  // 1 once the server finished laying out
   alignas(64) std::atomic<std::uint32_t> doorbell[kMaxServerThreads];
   std::atomic<std::uint32_t> server_sleeping[kMaxServerThreads];
+  // Client threads spinning on their slots, over all client processes: spinning is only worth
+  // it while a core is left for the server (ShmConnection::begin_polling).
+  alignas(64) std::atomic<std::uint32_t> spinners;
 };
 
 struct SegmentConfig {

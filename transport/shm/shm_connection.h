@@ -43,7 +43,7 @@ class ShmConnection final : public transport::Connection, private transport::Pol
   // Copies the values; returns the error text on failure (empty on success).
   Errc read_values(const transport::Request& request, std::string* why) const;
   void poll() noexcept override;
-  void begin_polling() noexcept override;
+  bool begin_polling() noexcept override;
   void end_polling() noexcept override;
   // Turns answered ring entries into completions and frees their ring space; with mu_ held.
   bool complete_answered();
@@ -62,6 +62,7 @@ class ShmConnection final : public transport::Connection, private transport::Pol
   std::uint32_t slot_index_ = 0;
   std::byte* data_ = nullptr;
   std::uint64_t data_capacity_ = 0;
+  std::uint32_t max_spinners_ = 1;  // spinning client threads this machine can afford
   std::uint32_t quorum_ = 0;
   std::uint64_t staleness_ = 0;
   bool bounded_ = false;

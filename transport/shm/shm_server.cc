@@ -212,6 +212,8 @@ void ShmServer::watchdog() {
       // head moved); then the slot is freed for the next client.
       wake_thread(i);
       if (s.done.load() < s.head.load() || blocked_[i].load()) continue;
+      // A client killed while it spun never said so: return its share of the spinner count.
+      h.spinners.fetch_sub(s.client_polling.exchange(0));
       const std::uint32_t worker = s.worker_id;
       if (worker != kNoWorker && engine_->clocks() && worker < engine_->clocks()->workers())
         engine_->worker_left(worker, engine_->clocks()->clock(worker) == kClockDone);
