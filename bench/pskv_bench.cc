@@ -606,12 +606,22 @@ int main(int argc, char** argv) {
     }
   }
 
-  const double stream_bw = tcp_stream_bandwidth(peers.sink_port, 1.0);
-  const double pingpong_us = tcp_pingpong_p50_us(peers.echo_port, 20000);
-  const double memcpy_bw = memcpy_bandwidth(16 << 20, 0.5);
+  // Each baseline is the best of three short windows: a neighbour's burst on this shared host
+  // would otherwise lower a baseline and flatter every ratio measured against it.
+  auto best_of_3 = [](auto&& measure, auto better) {
+    double best = measure();
+    for (int i = 0; i < 2; ++i) best = better(best, measure());
+    return best;
+  };
+  const auto max = [](double a, double b) { return std::max(a, b); };
+  const auto min = [](double a, double b) { return std::min(a, b); };
+  const double stream_bw = best_of_3([&] { return tcp_stream_bandwidth(peers.sink_port, 0.4); }, max);
+  const double pingpong_us = best_of_3([&] { return tcp_pingpong_p50_us(peers.echo_port, 7000); }, min);
+  const double memcpy_bw = best_of_3([] { return memcpy_bandwidth(16 << 20, 0.2); }, max);
   // memcpy at each value size, since cache residency changes the limit by 3x across the sweep.
   std::vector<double> memcpy_at;
-  for (std::size_t size : sizes) memcpy_at.push_back(memcpy_bandwidth(std::max<std::size_t>(size, 64), 0.2));
+  for (std::size_t size : sizes)
+    memcpy_at.push_back(best_of_3([&] { return memcpy_bandwidth(std::max<std::size_t>(size, 64), 0.1); }, max));
   if (json) {
     std::printf("{\"baseline\":\"tcp_stream\",\"bytes_per_s\":%.0f}\n", stream_bw);
     std::printf("{\"baseline\":\"tcp_pingpong_64B\",\"p50_us\":%.2f}\n", pingpong_us);
