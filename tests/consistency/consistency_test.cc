@@ -188,11 +188,17 @@ TEST_P(Consistency, SyncAggregationAppliesOneMeanPerStepAndDropsLateGradients) {
   const int laggard_ms = rdma() ? 100 : 20;
   init_keys(server, 2, 8);
   constexpr int kSteps = 20;
+  // Connecting takes longer than a step in the Soft-RoCE VM: a fast worker that connected late
+  // once let the laggard into the first steps. So all start together, the laggard a bit later.
+  auto* connected = shared_array<std::atomic<int>>(1);
   std::vector<pid_t> pids;
   for (std::uint32_t w = 0; w < 3; ++w)
     pids.push_back(fork_worker([&, w] {
       Client c(worker(server, w));
       std::vector<float> grad(8, w == 2 ? 1000.0f : float(w + 1)), out(8);
+      connected->fetch_add(1);
+      while (connected->load() < 3) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      if (w == 2) std::this_thread::sleep_for(std::chrono::milliseconds(4 * laggard_ms));
       for (int step = 0; step < kSteps; ++step) {
         if (w == 2) std::this_thread::sleep_for(std::chrono::milliseconds(laggard_ms));
         for (Key k = 0; k < 2; ++k) c.wait(c.pull(k, out));
@@ -202,6 +208,7 @@ TEST_P(Consistency, SyncAggregationAppliesOneMeanPerStepAndDropsLateGradients) {
       return 0;
     }));
   for (pid_t p : pids) EXPECT_EQ(wait_pid(p, std::chrono::seconds(600)), 0);
+  munmap(connected, sizeof(std::atomic<int>));
   Client check(client(server));
   std::vector<float> out(8);
   for (Key k = 0; k < 2; ++k) {
