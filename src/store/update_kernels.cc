@@ -19,39 +19,14 @@ using ConstArr = Eigen::Map<const Eigen::ArrayXf>;
 constexpr std::size_t kAlign = 16;                 // floats per cache line
 constexpr std::size_t kGrainFloats = 64u << 10;    // 256 KiB per task
 
-// Streaming kernels for the rules that are one pass of loads and stores. Eigen's `v += g` ran
-// at 15-20 GB/s on a hot 1 MiB value where these run at 26-29 GB/s (memcpy: 25-28), and the
-// apply is half the cost of every push. Four independent vectors per iteration keep enough
-// loads in flight. Multiply then subtract, never fused: results are identical on both paths.
-// AVX2 is chosen at run time: binaries must also run on CPUs without it (the Soft-RoCE VM's).
+// The streaming kernel behind `add` and plain `sgd`: v -= lr * g (add is lr = -1, which gives
+// exactly v + g). Eigen's `v += g` ran at 15-20 GB/s on a hot 1 MiB value where this runs at
+// 26-29 GB/s (memcpy: 25-28), and the apply is half the cost of every push. Four independent
+// vectors per iteration keep enough loads in flight. Multiply then subtract, never fused:
+// results are identical on both paths. AVX2 is chosen at run time: binaries must also run on
+// CPUs without it (the Soft-RoCE VM's).
 #if defined(__x86_64__)
-void add_sse2(float* v, const float* g, std::size_t n) noexcept {
-  std::size_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m128 a = _mm_add_ps(_mm_loadu_ps(v + i), _mm_loadu_ps(g + i));
-    const __m128 b = _mm_add_ps(_mm_loadu_ps(v + i + 4), _mm_loadu_ps(g + i + 4));
-    const __m128 c = _mm_add_ps(_mm_loadu_ps(v + i + 8), _mm_loadu_ps(g + i + 8));
-    const __m128 d = _mm_add_ps(_mm_loadu_ps(v + i + 12), _mm_loadu_ps(g + i + 12));
-    _mm_storeu_ps(v + i, a), _mm_storeu_ps(v + i + 4, b), _mm_storeu_ps(v + i + 8, c), _mm_storeu_ps(v + i + 12, d);
-  }
-  for (; i < n; ++i) v[i] += g[i];
-}
-
-__attribute__((target("avx2"))) void add_avx2(float* v, const float* g, std::size_t n) noexcept {
-  std::size_t i = 0;
-  for (; i + 32 <= n; i += 32) {
-    const __m256 a = _mm256_add_ps(_mm256_loadu_ps(v + i), _mm256_loadu_ps(g + i));
-    const __m256 b = _mm256_add_ps(_mm256_loadu_ps(v + i + 8), _mm256_loadu_ps(g + i + 8));
-    const __m256 c = _mm256_add_ps(_mm256_loadu_ps(v + i + 16), _mm256_loadu_ps(g + i + 16));
-    const __m256 d = _mm256_add_ps(_mm256_loadu_ps(v + i + 24), _mm256_loadu_ps(g + i + 24));
-    _mm256_storeu_ps(v + i, a), _mm256_storeu_ps(v + i + 8, b), _mm256_storeu_ps(v + i + 16, c),
-        _mm256_storeu_ps(v + i + 24, d);
-  }
-  for (; i < n; ++i) v[i] += g[i];
-}
-
-// v -= lr * g
-void sgd_sse2(float* v, const float* g, float lr, std::size_t n) noexcept {
+void subtract_scaled_sse2(float* v, const float* g, float lr, std::size_t n) noexcept {
   const __m128 l = _mm_set1_ps(lr);
   std::size_t i = 0;
   for (; i + 16 <= n; i += 16) {
@@ -64,7 +39,7 @@ void sgd_sse2(float* v, const float* g, float lr, std::size_t n) noexcept {
   for (; i < n; ++i) v[i] -= lr * g[i];
 }
 
-__attribute__((target("avx2"))) void sgd_avx2(float* v, const float* g, float lr, std::size_t n) noexcept {
+__attribute__((target("avx2"))) void subtract_scaled_avx2(float* v, const float* g, float lr, std::size_t n) noexcept {
   const __m256 l = _mm256_set1_ps(lr);
   std::size_t i = 0;
   for (; i + 32 <= n; i += 32) {
@@ -80,18 +55,23 @@ __attribute__((target("avx2"))) void sgd_avx2(float* v, const float* g, float lr
 
 const bool g_cpu_has_avx2 = __builtin_cpu_supports("avx2");
 #else
-// Elsewhere the compiler vectorizes these for the target's own SIMD.
-void add_sse2(float* v, const float* g, std::size_t n) noexcept {
-  for (std::size_t i = 0; i < n; ++i) v[i] += g[i];
-}
-void sgd_sse2(float* v, const float* g, float lr, std::size_t n) noexcept {
+// Elsewhere the compiler vectorizes this for the target's own SIMD.
+void subtract_scaled_sse2(float* v, const float* g, float lr, std::size_t n) noexcept {
   for (std::size_t i = 0; i < n; ++i) v[i] -= lr * g[i];
 }
-void add_avx2(float* v, const float* g, std::size_t n) noexcept { add_sse2(v, g, n); }
-void sgd_avx2(float* v, const float* g, float lr, std::size_t n) noexcept { sgd_sse2(v, g, lr, n); }
+void subtract_scaled_avx2(float* v, const float* g, float lr, std::size_t n) noexcept {
+  subtract_scaled_sse2(v, g, lr, n);
+}
 const bool g_cpu_has_avx2 = false;
 #endif
 std::atomic<bool> g_use_avx2{g_cpu_has_avx2};
+
+void subtract_scaled(float* v, const float* g, float lr, std::size_t n) noexcept {
+  if (g_use_avx2.load(std::memory_order_relaxed))
+    subtract_scaled_avx2(v, g, lr, n);
+  else
+    subtract_scaled_sse2(v, g, lr, n);
+}
 
 // The rule over one range: `m` and `s` are the first and second state arrays for that range.
 void apply_range(const UpdateRuleConfig& r, float* value, float* m_state, float* s_state, const float* grad,
@@ -106,18 +86,13 @@ void apply_range(const UpdateRuleConfig& r, float* value, float* m_state, float*
       std::memcpy(value, grad, n * sizeof(float));
       return;
     case UpdateRule::add:
-      if (g_use_avx2.load(std::memory_order_relaxed))
-        add_avx2(value, grad, n);
-      else
-        add_sse2(value, grad, n);
+      subtract_scaled(value, grad, -1.0f, n);
       return;
     case UpdateRule::sgd:
       if (wd != 0.0f)
         v -= lr * (g + wd * v);
-      else if (g_use_avx2.load(std::memory_order_relaxed))
-        sgd_avx2(value, grad, lr, n);
       else
-        sgd_sse2(value, grad, lr, n);
+        subtract_scaled(value, grad, lr, n);
       return;
     case UpdateRule::momentum: {
       Arr m(m_state, len);

@@ -1,6 +1,6 @@
 // The update-rule kernels: value and optimizer state updated in place from a gradient, with Eigen
 // maps over the arena and no temporaries; the pure streaming rules (add, plain SGD) use
-// hand-unrolled SSE2/AVX2 loops instead. Kept out of store.h so that only one translation unit
+// one hand-unrolled SSE2/AVX2 loop instead. Kept out of store.h so that only one translation unit
 // compiles Eigen for them.
 #pragma once
 
