@@ -126,9 +126,11 @@ IoResult TcpConnection::send_request(std::uint64_t id, const Request& request, s
   // and the slot pass to another sender before this thread has even returned from writev.
   thread_local std::vector<wire::KeyEntry> entries;  // capacity persists across requests
   entries.clear();
-  for (const KeySlice& k : request.keys) entries.push_back({k.key, k.length, 0});
   std::uint64_t payload = 0;
-  for (const KeySlice& k : request.keys) payload += std::uint64_t{k.length} * sizeof(float);
+  for (const KeySlice& k : request.keys) {
+    entries.push_back({k.key, k.length, 0});
+    payload += std::uint64_t{k.length} * sizeof(float);
+  }
   const bool values = wire::op_carries_values(request.op);
   wire::FrameHeader h = wire::make_header(request.op, id, static_cast<std::uint32_t>(request.keys.size()),
                                           values ? payload : 0, request.arg0, request.arg1);
