@@ -49,22 +49,18 @@ namespace {
 // included), so a thread whose waits turn short again resumes spinning on its own.
 std::atomic<int> g_spinners{0};
 const int g_max_spinners = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / 2);
-thread_local double t_typical_wait_us = 0;  // 0: no wait seen yet
+thread_local double t_typical_wait_us = -1;  // negative: no wait seen yet
 
 bool spin_for(const Completion& c, Poller* poller) noexcept {
   constexpr double kMax = Completion::kMaxSpinMicros;
   if (t_typical_wait_us > kMax) return c.done();
-  if (g_spinners.fetch_add(1, std::memory_order_relaxed) >= g_max_spinners) {
+  if (g_spinners.fetch_add(1, std::memory_order_relaxed) >= g_max_spinners || (poller && !poller->begin_polling())) {
     g_spinners.fetch_sub(1, std::memory_order_relaxed);
     return c.done();
   }
-  const double budget_us = t_typical_wait_us == 0 ? kMax : std::min(kMax, 2 * t_typical_wait_us + 5);
+  const double budget_us = t_typical_wait_us < 0 ? kMax : std::min(kMax, 2 * t_typical_wait_us + 5);
   const auto until = std::chrono::steady_clock::now() + std::chrono::nanoseconds(static_cast<std::int64_t>(budget_us * 1000));
   bool done = false;
-  if (poller && !poller->begin_polling()) {
-    g_spinners.fetch_sub(1, std::memory_order_relaxed);
-    return c.done();
-  }
   for (unsigned i = 0; !(done = c.done()); ++i) {
     if (poller)
       poller->poll();
@@ -82,7 +78,7 @@ bool spin_for(const Completion& c, Poller* poller) noexcept {
 
 void note_wait(std::chrono::steady_clock::duration took) noexcept {
   const double us = std::chrono::duration<double, std::micro>(took).count();
-  t_typical_wait_us = t_typical_wait_us == 0 ? us + 1e-3 : 0.875 * t_typical_wait_us + 0.125 * us;
+  t_typical_wait_us = t_typical_wait_us < 0 ? us : 0.875 * t_typical_wait_us + 0.125 * us;
 }
 }  // namespace
 

@@ -275,8 +275,12 @@ bool ShmConnection::complete_answered() {
   return true;
 }
 
+bool ShmConnection::answers_waiting() const noexcept {
+  return slot_->done.load(std::memory_order_acquire) > completed_.load(std::memory_order_relaxed);
+}
+
 void ShmConnection::poll() noexcept {
-  if (slot_->done.load(std::memory_order_acquire) <= completed_.load(std::memory_order_relaxed)) return;
+  if (!answers_waiting()) return;
   std::unique_lock lock(mu_, std::try_to_lock);
   if (lock.owns_lock() && !broken_) complete_answered();
 }
@@ -297,8 +301,9 @@ void ShmConnection::end_polling() noexcept {
   slot_->client_polling.fetch_sub(1, std::memory_order_seq_cst);
   header_->spinners.fetch_sub(1, std::memory_order_relaxed);
   // Pairs with the fence in ShmServer::publish: either the server saw no poller and woke the
-  // helper, or this load sees its answer.
+  // helper, or this load sees its answer. Usually the spin already took everything: no lock.
   std::atomic_thread_fence(std::memory_order_seq_cst);
+  if (!answers_waiting()) return;
   std::lock_guard lock(mu_);
   if (!broken_) complete_answered();
 }

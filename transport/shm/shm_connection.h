@@ -42,6 +42,8 @@ class ShmConnection final : public transport::Connection, private transport::Pol
   bool bound_allows(std::uint64_t clock, std::uint64_t* observed) const;
   // Copies the values; returns the error text on failure (empty on success).
   Errc read_values(const transport::Request& request, std::string* why) const;
+  // The server published answers not yet turned into completions (read without mu_).
+  bool answers_waiting() const noexcept;
   void poll() noexcept override;
   bool begin_polling() noexcept override;
   void end_polling() noexcept override;
