@@ -43,6 +43,7 @@ struct Margins {
   int stall_ms;         // how long a worker stalls before its first clock
   int wait_timeout_ms;  // the server's --wait-timeout-ms in the kill tests
   int slack_ms;         // how far past that timeout the survivors may notice
+  int laggard_ms;       // the sync laggard's extra delay per step
 };
 
 class Consistency : public ::testing::TestWithParam<std::string> {
@@ -53,7 +54,7 @@ class Consistency : public ::testing::TestWithParam<std::string> {
 #endif
   }
   bool rdma() const { return GetParam() == "rdma"; }
-  Margins margins() const { return rdma() ? Margins{1500, 3000, 3000} : Margins{800, 1500, 2000}; }
+  Margins margins() const { return rdma() ? Margins{1500, 3000, 3000, 100} : Margins{800, 1500, 2000, 20}; }
   ServerProcess start(std::vector<std::string> args) {
 #ifdef PSKV_CONSISTENCY_OVER_RDMA
     return testing::start_rdma_server(args);
@@ -185,7 +186,7 @@ TEST_P(Consistency, AspLetsAWorkerRunAhead) { runner_test(this, "asp", 0); }
 // late and are dropped, never folded into a later step.
 TEST_P(Consistency, SyncAggregationAppliesOneMeanPerStepAndDropsLateGradients) {
   auto server = start({"--workers", "3", "--mode", "sync", "--sync-required", "2", "--rule", "sgd", "--lr", "1"});
-  const int laggard_ms = rdma() ? 100 : 20;
+  const int laggard_ms = margins().laggard_ms;
   init_keys(server, 2, 8);
   constexpr int kSteps = 20;
   // Connecting takes longer than a step in the Soft-RoCE VM: a fast worker that connected late

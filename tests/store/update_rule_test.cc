@@ -72,24 +72,24 @@ TEST_P(UpdateRuleTest, MatchesScalarReference) {
   // Small: not a multiple of any SIMD width. Large: past kParallelApplyFloats, so oneTBB splits
   // it, with a tail that is not a whole cache line.
   for (const std::size_t n : {std::size_t{1037}, kParallelApplyFloats + 1037}) {
-  SCOPED_TRACE("n = " + std::to_string(n));
-  std::mt19937 rng(1234);
-  std::normal_distribution<float> dist(0.0f, 1.0f);
-  std::vector<float> init(n);
-  for (auto& x : init) x = dist(rng);
-  ASSERT_EQ(store->init(Key(n), init), Errc::ok);
-  Reference ref{std::vector<double>(init.begin(), init.end()), std::vector<double>(n), std::vector<double>(n)};
+    SCOPED_TRACE("n = " + std::to_string(n));
+    std::mt19937 rng(1234);
+    std::normal_distribution<float> dist(0.0f, 1.0f);
+    std::vector<float> init(n);
+    for (auto& x : init) x = dist(rng);
+    ASSERT_EQ(store->init(Key(n), init), Errc::ok);
+    Reference ref{std::vector<double>(init.begin(), init.end()), std::vector<double>(n), std::vector<double>(n)};
 
-  std::vector<float> grad(n), out(n);
-  for (int step = 0; step < 25; ++step) {
-    for (auto& x : grad) x = dist(rng);
-    const float lr_scale = step % 3 == 0 ? 2.0f : 1.0f;
-    ASSERT_EQ(store->push(Key(n), grad, lr_scale), Errc::ok);
-    ref.step(cfg, grad, lr_scale);
-  }
-  ASSERT_EQ(store->pull(Key(n), out).status, Errc::ok);
-  for (std::size_t i = 0; i < n; ++i)
-    ASSERT_NEAR(out[i], ref.v[i], 2e-4 * (1 + std::abs(ref.v[i]))) << "element " << i << " rule " << to_string(c.rule);
+    std::vector<float> grad(n), out(n);
+    for (int step = 0; step < 25; ++step) {
+      for (auto& x : grad) x = dist(rng);
+      const float lr_scale = step % 3 == 0 ? 2.0f : 1.0f;
+      ASSERT_EQ(store->push(Key(n), grad, lr_scale), Errc::ok);
+      ref.step(cfg, grad, lr_scale);
+    }
+    ASSERT_EQ(store->pull(Key(n), out).status, Errc::ok);
+    for (std::size_t i = 0; i < n; ++i)
+      ASSERT_NEAR(out[i], ref.v[i], 2e-4 * (1 + std::abs(ref.v[i]))) << "element " << i << " rule " << to_string(c.rule);
   }
 }
 
