@@ -12,6 +12,8 @@ namespace detail {
 
 using transport::KeySlice;
 
+constexpr std::span<const std::span<const float>> kNoValues{};
+
 // Drives every connection that a waiting thread can poll (see transport::Poller).
 class ConnectionsPoller final : public transport::Poller {
  public:
@@ -78,7 +80,7 @@ class ClientImpl {
     // wait gives up, destroying the connections (before ops_, see the member order) fails the
     // request, so nothing touches the op afterwards.
     try {
-      const Ticket t = issue(wire::Op::clock, {}, 0, nullptr, nullptr, kClockDone);
+      const Ticket t = issue(wire::Op::clock, {}, kNoValues, kClockDone);
       lookup(t)->completion.wait(std::chrono::steady_clock::now() + std::chrono::seconds(2), poller_.get());
     } catch (const Error&) {
     }
@@ -86,8 +88,13 @@ class ClientImpl {
     connections_.clear();
   }
 
-  Ticket issue(wire::Op kind, std::span<const Key> keys, std::size_t count, const float* const* data,
-               const std::size_t* sizes, std::uint64_t arg0, int only_server = -1, std::string* text_out = nullptr) {
+  // `values` holds std::span<const float> (init, push) or std::span<float> (pull), one per key.
+  template <class Span>
+  Ticket issue(wire::Op kind, std::span<const Key> keys, std::span<Span> values, std::uint64_t arg0,
+               int only_server = -1, std::string* text_out = nullptr) {
+    if (keys.size() != values.size())
+      throw Error(Errc::invalid_argument, std::to_string(keys.size()) + " keys but " + std::to_string(values.size()) +
+                                              " value buffers");
     const std::size_t servers = connections_.size();
     if (servers == 0) throw Error(Errc::invalid_argument, "this client was disconnected; create a new one");
     const auto acquired = acquire();  // not a structured binding: clang 14 cannot capture those
@@ -95,16 +102,24 @@ class ClientImpl {
     const Ticket ticket = acquired.second;
     for (auto& s : op->slices) s.clear();
     thread_local std::vector<Part> parts;
-    for (std::size_t i = 0; i < count; ++i) {
-      if (sizes[i] == 0 || sizes[i] > UINT32_MAX) {
+    for (std::size_t i = 0; i < keys.size(); ++i) {
+      const std::size_t size = values[i].size();
+      if (size == 0 || size > UINT32_MAX) {
         release(ticket);
-        throw Error(Errc::invalid_argument, "key " + std::to_string(keys[i]) + " has " + std::to_string(sizes[i]) +
+        throw Error(Errc::invalid_argument, "key " + std::to_string(keys[i]) + " has " + std::to_string(size) +
                                                 " floats; lengths must be in [1, 2^32)");
       }
+      const auto length = static_cast<std::uint32_t>(size);
+      // Transports only read from push sources; the one KeySlice type serves both directions.
+      float* const data = const_cast<float*>(values[i].data());
+      // Sparse batches are thousands of small keys: most never split, so skip the parts list.
+      if (!splits(placement_, length)) {
+        op->slices[home_server(placement_, keys[i])].push_back({keys[i], length, data});
+        continue;
+      }
       parts.clear();
-      place(placement_, keys[i], static_cast<std::uint32_t>(sizes[i]), parts);
-      for (const Part& p : parts)
-        op->slices[p.server].push_back({keys[i], p.length, const_cast<float*>(data[i]) + p.offset});
+      place(placement_, keys[i], length, parts);
+      for (const Part& p : parts) op->slices[p.server].push_back({keys[i], p.length, data + p.offset});
     }
     // Clocks go to every server; stats and barriers to one; data ops to the servers they touch.
     auto targets_server = [&](std::size_t s) {
@@ -147,7 +162,7 @@ class ClientImpl {
   bool done(Ticket ticket) { return lookup(ticket)->completion.done(); }
 
   void send_clock(std::uint64_t value) {
-    const Ticket t = issue(wire::Op::clock, {}, 0, nullptr, nullptr, value);
+    const Ticket t = issue(wire::Op::clock, {}, kNoValues, value);
     wait(t);
   }
 
@@ -162,13 +177,13 @@ class ClientImpl {
     if (options_.worker_id == kNoWorker)
       throw Error(Errc::invalid_argument, "barrier() needs ClientOptions.worker_id (this client is anonymous)");
     ++barrier_generation_;
-    wait(issue(wire::Op::barrier, {}, 0, nullptr, nullptr, barrier_generation_, 0));
+    wait(issue(wire::Op::barrier, {}, kNoValues, barrier_generation_, 0));
   }
 
   std::string server_stats(std::size_t server) {
     if (server >= connections_.size()) throw Error(Errc::invalid_argument, "no server " + std::to_string(server));
     std::string text;
-    wait(issue(wire::Op::stats, {}, 0, nullptr, nullptr, 0, static_cast<int>(server), &text));
+    wait(issue(wire::Op::stats, {}, kNoValues, 0, static_cast<int>(server), &text));
     return text;
   }
 
@@ -259,50 +274,20 @@ class ClientImpl {
 
 }  // namespace detail
 
-namespace {
-template <class Span>
-void check_counts(std::span<const Key> keys, std::span<Span> values) {
-  if (keys.size() != values.size())
-    throw Error(Errc::invalid_argument, std::to_string(keys.size()) + " keys but " + std::to_string(values.size()) +
-                                            " value buffers");
-}
-
-// Flattens spans into pointer/size arrays without allocating in steady state.
-struct Flat {
-  std::vector<const float*> data;
-  std::vector<std::size_t> sizes;
-  template <class Span>
-  void fill(std::span<Span> values) {
-    data.clear();
-    sizes.clear();
-    for (const auto& v : values) {
-      data.push_back(v.data());
-      sizes.push_back(v.size());
-    }
-  }
-};
-thread_local Flat flat;
-}  // namespace
 
 Client::Client(const ClientOptions& options) : impl_(std::make_unique<detail::ClientImpl>(options)) {}
 Client::~Client() = default;
 
 Ticket Client::init(std::span<const Key> keys, std::span<const std::span<const float>> values) {
-  check_counts(keys, values);
-  flat.fill(values);
-  return impl_->issue(wire::Op::init, keys, keys.size(), flat.data.data(), flat.sizes.data(), 0);
+  return impl_->issue(wire::Op::init, keys, values, 0);
 }
 
 Ticket Client::push(std::span<const Key> keys, std::span<const std::span<const float>> values) {
-  check_counts(keys, values);
-  flat.fill(values);
-  return impl_->issue(wire::Op::push, keys, keys.size(), flat.data.data(), flat.sizes.data(), impl_->current_clock());
+  return impl_->issue(wire::Op::push, keys, values, impl_->current_clock());
 }
 
 Ticket Client::pull(std::span<const Key> keys, std::span<const std::span<float>> out) {
-  check_counts(keys, out);
-  flat.fill(out);
-  return impl_->issue(wire::Op::pull, keys, keys.size(), flat.data.data(), flat.sizes.data(), impl_->current_clock());
+  return impl_->issue(wire::Op::pull, keys, out, impl_->current_clock());
 }
 
 void Client::disconnect() { impl_->disconnect(); }

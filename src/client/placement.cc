@@ -17,7 +17,7 @@ std::uint32_t home_server(const PlacementOptions& o, Key key) noexcept {
 
 void place(const PlacementOptions& o, Key key, std::uint32_t length, std::vector<Part>& out) {
   const std::uint32_t home = home_server(o, key);
-  if (o.servers <= 1 || o.chunk_floats == 0 || length <= o.chunk_floats) {
+  if (!splits(o, length)) {
     out.push_back({home, 0, length});
     return;
   }

@@ -22,6 +22,11 @@ struct Part {
   std::uint32_t length;
 };
 
+// Whether a value of `length` floats is cut into chunks over the servers.
+inline bool splits(const PlacementOptions& o, std::uint32_t length) noexcept {
+  return o.servers > 1 && o.chunk_floats != 0 && length > o.chunk_floats;
+}
+
 // Server that owns a whole (unsplit) key.
 std::uint32_t home_server(const PlacementOptions& o, Key key) noexcept;
 // Appends the parts of `key` to `out`, in offset order. Chunks are 16-float aligned and go to
