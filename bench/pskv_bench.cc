@@ -28,6 +28,8 @@
 #include "pskv/client.h"
 #include "pskv/error.h"
 #include "pskv/server.h"
+#include "pskv/update_rule.h"
+#include "store/update_kernels.h"
 
 // Counts heap allocations in this (client) process, so the report can state allocations per
 // operation on the hot path. Servers run in forked children and are not counted here.
@@ -48,6 +50,9 @@ void operator delete(void* p, std::size_t) noexcept { std::free(p); }
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// TCP values from this size up are judged by bandwidth; smaller ones by round-trip latency.
+constexpr std::size_t kBandwidthBytes = 64u << 10;
 
 // Client settings every workload shares (--chunk-floats, --auth-token-file).
 pskv::ClientOptions g_client_defaults;
@@ -111,13 +116,45 @@ int connect_port(std::uint16_t port) {
   return fd;
 }
 
-// The raw peers: a sink that drains a stream, and an echo for ping-pong.
+// What any server must do with a pushed value besides receiving it: apply it to the stored one.
+// pskv's own streaming kernel with the servers' default rule (add), so a push bound is as fast
+// as pskv's apply and no faster.
+void apply_pushed(float* value, const float* grad, std::size_t floats) {
+  static const pskv::UpdateRuleConfig add{};
+  pskv::apply_update(add, value, nullptr, grad, floats, 1, 1.0f);
+}
+
+// The raw peers: a sink that drains a stream, an echo for ping-pong, and an applying sink that
+// reads whole messages of a size the client announces and applies each to a value of that size.
 struct RawPeers {
-  std::uint16_t sink_port = 0, echo_port = 0;
+  std::uint16_t sink_port = 0, echo_port = 0, apply_port = 0;
   std::vector<pid_t> pids;
   void start() {
     int sink = listen_any(&sink_port);
     int echo = listen_any(&echo_port);
+    int apply = listen_any(&apply_port);
+    pids.push_back(spawn([&] {
+      for (;;) {
+        int c = accept(apply, nullptr, nullptr);
+        if (c < 0) _exit(0);
+        std::uint64_t bytes = 0;
+        if (read(c, &bytes, sizeof bytes) == ssize_t(sizeof bytes) && bytes >= sizeof(float) && bytes <= (1ull << 30)) {
+          const std::size_t floats = bytes / sizeof(float);
+          std::vector<float> grad(floats), value(floats, 1.0f);
+          for (;;) {
+            std::size_t got = 0;
+            while (got < floats * sizeof(float)) {
+              const ssize_t n = read(c, reinterpret_cast<char*>(grad.data()) + got, floats * sizeof(float) - got);
+              if (n <= 0) break;
+              got += static_cast<std::size_t>(n);
+            }
+            if (got < floats * sizeof(float)) break;
+            apply_pushed(value.data(), grad.data(), floats);
+          }
+        }
+        close(c);
+      }
+    }));
     pids.push_back(spawn([&] {
       for (;;) {
         int c = accept(sink, nullptr, nullptr);
@@ -149,11 +186,18 @@ struct RawPeers {
     }));
     close(sink);
     close(echo);
+    close(apply);
   }
 };
 
-double tcp_stream_bandwidth(std::uint16_t port, double seconds) {
+// A single stream of 1 MiB writes. With `message_bytes`, the peer is the applying sink and is
+// first told the size of the messages it applies.
+double tcp_stream_bandwidth(std::uint16_t port, double seconds, std::uint64_t message_bytes = 0) {
   int fd = connect_port(port);
+  if (message_bytes && write(fd, &message_bytes, sizeof message_bytes) != ssize_t(sizeof message_bytes)) {
+    close(fd);
+    return 0;
+  }
   std::vector<char> buf(1 << 20, 1);
   std::uint64_t bytes = 0;
   const auto t0 = Clock::now();
@@ -185,6 +229,22 @@ double tcp_pingpong_p50_us(std::uint16_t port, int rounds) {
   }
   close(fd);
   return percentile(lat, 0.5);
+}
+
+// The least work a crash-safe shared-memory push does, on one core and with no hand-off: copy
+// the value into a slot (the copy a dying worker may leave half-done), then apply the slot.
+double copy_apply_bandwidth(std::size_t bytes, double seconds) {
+  const std::size_t floats = std::max<std::size_t>(1, bytes / sizeof(float));
+  std::vector<float> grad(floats, 1e-3f), slot(floats), value(floats, 1.0f);
+  std::uint64_t moved = 0;
+  const auto t0 = Clock::now();
+  while (seconds_since(t0) < seconds) {
+    std::memcpy(slot.data(), grad.data(), floats * sizeof(float));
+    apply_pushed(value.data(), slot.data(), floats);
+    moved += floats * sizeof(float);
+    asm volatile("" ::"r"(value.data()) : "memory");
+  }
+  return double(moved) / seconds_since(t0);
 }
 
 double memcpy_bandwidth(std::size_t bytes, double seconds) {
@@ -622,17 +682,36 @@ int main(int argc, char** argv) {
   std::vector<double> memcpy_at;
   for (std::size_t size : sizes)
     memcpy_at.push_back(best_of_3([&] { return memcpy_bandwidth(std::max<std::size_t>(size, 64), 0.1); }, max));
+  // The push bound at each size: the raw path plus the apply every push needs, so a push ratio
+  // can be read against what this machine could do at best, not only against the raw path.
+  const bool dense_push = workload == "dense" && std::find(ops.begin(), ops.end(), "push") != ops.end();
+  const char* bound_name = transport == "shm" ? "memcpy_apply" : "tcp_stream_apply";
+  std::vector<double> bound_at(sizes.size(), 0.0);
+  for (std::size_t si = 0; dense_push && si < sizes.size(); ++si) {
+    if (transport == "shm")
+      bound_at[si] = best_of_3([&] { return copy_apply_bandwidth(sizes[si], 0.1); }, max);
+    else if (sizes[si] >= kBandwidthBytes)
+      bound_at[si] = best_of_3([&] { return tcp_stream_bandwidth(peers.apply_port, 0.4, sizes[si]); }, max);
+  }
   if (json) {
     std::printf("{\"baseline\":\"tcp_stream\",\"bytes_per_s\":%.0f}\n", stream_bw);
     std::printf("{\"baseline\":\"tcp_pingpong_64B\",\"p50_us\":%.2f}\n", pingpong_us);
     std::printf("{\"baseline\":\"memcpy\",\"bytes_per_s\":%.0f}\n", memcpy_bw);
     for (std::size_t si = 0; si < sizes.size(); ++si)
       std::printf("{\"baseline\":\"memcpy\",\"value_bytes\":%zu,\"bytes_per_s\":%.0f}\n", sizes[si], memcpy_at[si]);
+    for (std::size_t si = 0; si < sizes.size(); ++si)
+      if (bound_at[si] > 0)
+        std::printf("{\"baseline\":\"%s\",\"value_bytes\":%zu,\"bytes_per_s\":%.0f}\n", bound_name, sizes[si], bound_at[si]);
   } else {
     std::printf("baselines: loopback TCP stream %s/s, 64 B TCP ping-pong p50 %.1f us, memcpy 16 MiB %s/s\n",
                 human(stream_bw).c_str(), pingpong_us, human(memcpy_bw).c_str());
     for (std::size_t si = 0; si < sizes.size(); ++si)
       std::printf("  memcpy %zu B: %s/s\n", sizes[si], human(memcpy_at[si]).c_str());
+    for (std::size_t si = 0; si < sizes.size(); ++si)
+      if (bound_at[si] > 0)
+        std::printf("  push bound (%s) %zu B: %s/s\n",
+                    transport == "shm" ? "memcpy into a slot, then apply" : "TCP stream into an applying sink", sizes[si],
+                    human(bound_at[si]).c_str());
     std::printf("%-5s %-5s %10s %7s %12s %9s %9s  %s\n", "tport", "op", "value", "clients", "bandwidth", "p50 us",
                 "p99 us", "ratio to baseline");
   }
@@ -697,21 +776,28 @@ int main(int argc, char** argv) {
           const std::size_t size = sizes[si];
           Point p = measure(targets, op, size, clients, seconds, max_ops, depth);
           // Large values are judged by bandwidth, small ones by round-trip latency.
-          const bool by_bandwidth = size >= (64u << 10) || transport == "shm";
+          const bool by_bandwidth = size >= kBandwidthBytes || transport == "shm";
           const char* baseline = by_bandwidth ? (transport == "shm" ? "memcpy" : "tcp_stream") : "tcp_pingpong_64B";
           const double base = by_bandwidth ? (transport == "shm" ? memcpy_at[si] : stream_bw) : pingpong_us;
           const double ratio = by_bandwidth ? p.bytes_per_s / base : p.p50_us / base;
+          const double bound = op == "push" ? bound_at[si] : 0.0;
+          char bound_json[160] = "", bound_text[64] = "";
+          if (bound > 0) {
+            std::snprintf(bound_json, sizeof bound_json, ",\"bound\":\"%s\",\"bound_value\":%.0f,\"ratio_to_bound\":%.3f",
+                          bound_name, bound, p.bytes_per_s / bound);
+            std::snprintf(bound_text, sizeof bound_text, "  [%.2fx of push bound]", p.bytes_per_s / bound);
+          }
           if (json)
             std::printf("{\"transport\":\"%s\",\"workload\":\"dense\",\"op\":\"%s\",\"value_bytes\":%zu,\"clients\":%d,"
                         "\"servers\":%zu,\"depth\":%d,\"chunk_floats\":%" PRIu64 ",\"ops\":%" PRIu64 ",\"bytes_per_s\":%.0f,"
                         "\"p50_us\":%.2f,\"p99_us\":%.2f,\"baseline\":\"%s\",\"baseline_value\":%.2f,\"ratio\":%.3f,"
-                        "\"allocs_per_op\":%.3f}\n",
+                        "\"allocs_per_op\":%.3f%s}\n",
                         transport.c_str(), op.c_str(), size, clients, targets.size(), depth, g_client_defaults.chunk_floats,
-                        p.ops, p.bytes_per_s, p.p50_us, p.p99_us, baseline, base, ratio, p.allocs_per_op);
+                        p.ops, p.bytes_per_s, p.p50_us, p.p99_us, baseline, base, ratio, p.allocs_per_op, bound_json);
           else
-            std::printf("%-5s %-5s %10zu %7d %10s/s %9.1f %9.1f  %.2fx %s%s  (%.2f allocs/op)\n", transport.c_str(),
+            std::printf("%-5s %-5s %10zu %7d %10s/s %9.1f %9.1f  %.2fx %s%s%s  (%.2f allocs/op)\n", transport.c_str(),
                         op.c_str(), size, clients, human(p.bytes_per_s).c_str(), p.p50_us, p.p99_us, ratio, baseline,
-                        by_bandwidth ? " bandwidth" : " p50 latency", p.allocs_per_op);
+                        by_bandwidth ? " bandwidth" : " p50 latency", bound_text, p.allocs_per_op);
           std::fflush(stdout);
         }
   } catch (const std::exception& e) {

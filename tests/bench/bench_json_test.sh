@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# pskv-bench's --json lines are a contract (scripts/bench.sh and later steps read them): each
+# result carries the fields the report needs, every ratio is a finite positive number, and a
+# push at a bandwidth size carries its ratio to the push bound measured in the same run.
+#   bench_json_test.sh PSKV_BENCH
+set -euo pipefail
+BENCH=${1:?usage: bench_json_test.sh PSKV_BENCH}
+fail() { echo "FAIL: $*" >&2; exit 1; }
+
+for transport in tcp shm; do
+  out=$("$BENCH" --transport "$transport" --json --sizes 64,64K --clients 1 --seconds 0.05 --max-ops 300)
+  echo "$out"
+  results=$(grep '"workload":"dense"' <<<"$out") || fail "$transport: no results"
+  [ "$(wc -l <<<"$results")" -eq 4 ] || fail "$transport: expected push and pull at 2 sizes"
+  while read -r line; do
+    for field in transport op value_bytes clients bytes_per_s p50_us p99_us baseline ratio allocs_per_op; do
+      grep -q "\"$field\":" <<<"$line" || fail "$transport: no $field in $line"
+    done
+    grep -Eq '"ratio":[0-9]*\.?[0-9]+[,}]' <<<"$line" || fail "$transport: ratio is not a number in $line"
+    grep -Eq '"ratio":0(\.0+)?[,}]' <<<"$line" && fail "$transport: zero ratio in $line"
+  done <<<"$results"
+  bound=$([ "$transport" = shm ] && echo memcpy_apply || echo tcp_stream_apply)
+  grep -q "{\"baseline\":\"$bound\",\"value_bytes\":65536,\"bytes_per_s\":[1-9]" <<<"$out" ||
+    fail "$transport: no $bound baseline at 64 KiB"
+  push64k=$(grep '"op":"push","value_bytes":65536,' <<<"$results")
+  grep -Eq "\"bound\":\"$bound\",\"bound_value\":[1-9][0-9]*,\"ratio_to_bound\":[0-9]*\.[0-9]*[1-9]" <<<"$push64k" ||
+    fail "$transport: 64 KiB push has no ratio to its bound: $push64k"
+  grep -q ratio_to_bound <<<"$(grep '"op":"pull"' <<<"$results")" && fail "$transport: a pull claims a push bound"
+  for b in tcp_stream tcp_pingpong_64B memcpy; do
+    grep -q "{\"baseline\":\"$b\"" <<<"$out" || fail "$transport: no $b baseline"
+  done
+done
+echo "pskv-bench JSON: ok"
