@@ -783,14 +783,14 @@ int main(int argc, char** argv) {
           const double bound = op == "push" ? bound_at[si] : 0.0;
           char bound_json[160] = "", bound_text[64] = "";
           if (bound > 0) {
-            std::snprintf(bound_json, sizeof bound_json, ",\"bound\":\"%s\",\"bound_value\":%.0f,\"ratio_to_bound\":%.3f",
+            std::snprintf(bound_json, sizeof bound_json, ",\"bound\":\"%s\",\"bound_value\":%.0f,\"ratio_to_bound\":%.4g",
                           bound_name, bound, p.bytes_per_s / bound);
             std::snprintf(bound_text, sizeof bound_text, "  [%.2fx of push bound]", p.bytes_per_s / bound);
           }
           if (json)
             std::printf("{\"transport\":\"%s\",\"workload\":\"dense\",\"op\":\"%s\",\"value_bytes\":%zu,\"clients\":%d,"
                         "\"servers\":%zu,\"depth\":%d,\"chunk_floats\":%" PRIu64 ",\"ops\":%" PRIu64 ",\"bytes_per_s\":%.0f,"
-                        "\"p50_us\":%.2f,\"p99_us\":%.2f,\"baseline\":\"%s\",\"baseline_value\":%.2f,\"ratio\":%.3f,"
+                        "\"p50_us\":%.2f,\"p99_us\":%.2f,\"baseline\":\"%s\",\"baseline_value\":%.2f,\"ratio\":%.4g,"
                         "\"allocs_per_op\":%.3f%s}\n",
                         transport.c_str(), op.c_str(), size, clients, targets.size(), depth, g_client_defaults.chunk_floats,
                         p.ops, p.bytes_per_s, p.p50_us, p.p99_us, baseline, base, ratio, p.allocs_per_op, bound_json);

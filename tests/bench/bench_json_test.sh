@@ -16,14 +16,15 @@ for transport in tcp shm; do
     for field in transport op value_bytes clients bytes_per_s p50_us p99_us baseline ratio allocs_per_op; do
       grep -q "\"$field\":" <<<"$line" || fail "$transport: no $field in $line"
     done
-    grep -Eq '"ratio":[0-9]*\.?[0-9]+[,}]' <<<"$line" || fail "$transport: ratio is not a number in $line"
+    # %.4g keeps a tiny ratio (a 64-byte push against memcpy) from printing as 0.000.
+    grep -Eq '"ratio":[0-9]*\.?[0-9]+(e-?[0-9]+)?[,}]' <<<"$line" || fail "$transport: ratio is not a number in $line"
     grep -Eq '"ratio":0(\.0+)?[,}]' <<<"$line" && fail "$transport: zero ratio in $line"
   done <<<"$results"
   bound=$([ "$transport" = shm ] && echo memcpy_apply || echo tcp_stream_apply)
   grep -q "{\"baseline\":\"$bound\",\"value_bytes\":65536,\"bytes_per_s\":[1-9]" <<<"$out" ||
     fail "$transport: no $bound baseline at 64 KiB"
   push64k=$(grep '"op":"push","value_bytes":65536,' <<<"$results")
-  grep -Eq "\"bound\":\"$bound\",\"bound_value\":[1-9][0-9]*,\"ratio_to_bound\":[0-9]*\.[0-9]*[1-9]" <<<"$push64k" ||
+  grep -Eq "\"bound\":\"$bound\",\"bound_value\":[1-9][0-9]*,\"ratio_to_bound\":[0-9]*\.?[0-9]*[1-9][0-9]*(e-?[0-9]+)?[,}]" <<<"$push64k" ||
     fail "$transport: 64 KiB push has no ratio to its bound: $push64k"
   grep -q ratio_to_bound <<<"$(grep '"op":"pull"' <<<"$results")" && fail "$transport: a pull claims a push bound"
   for b in tcp_stream tcp_pingpong_64B memcpy; do
