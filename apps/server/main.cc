@@ -46,7 +46,7 @@ int main(int argc, char** argv) {
       ->envname("PSKV_ARENA_MB")->capture_default_str();
   app.add_option("--max-keys", o.max_keys, "Key index capacity")->envname("PSKV_MAX_KEYS")->capture_default_str();
   app.add_option("--stripes", o.stripes, "Lock stripes (power of two)")->envname("PSKV_STRIPES")->capture_default_str();
-  app.add_option("--io-threads", o.io_threads, "Request threads (0: one per core)")->envname("PSKV_IO_THREADS")->capture_default_str();
+  app.add_option("--io-threads", o.io_threads, "Request threads (0: one per core; shm: one per two cores, leaving the rest to its local clients)")->envname("PSKV_IO_THREADS")->capture_default_str();
   app.add_option("--max-connections", o.max_connections, "Connections beyond this are refused with an error")
       ->envname("PSKV_MAX_CONNECTIONS")->capture_default_str();
   app.add_option("--max-request-mb", max_request_mb, "Largest request payload accepted, MiB")
