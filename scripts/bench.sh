@@ -24,6 +24,8 @@ run depth4-shm --transport shm --sizes 1M,4M,16M --clients 1 --depth 4
 # Clients sweep at 1 MB.
 run clients-tcp --transport tcp --sizes 1M --clients 1,2,4,8,16
 run clients-shm --transport shm --sizes 1M --clients 1,2,4,8,16 --ops pull
+# Small pushes against clients: every one a round trip through the server's threads.
+run clients-shm-small --transport shm --sizes 64 --clients 1,2,4,8,16 --ops push
 # Servers sweep for a 16 MB value, chunked over all servers (the default) and whole on one.
 run servers-tcp --transport tcp --sizes 16M --clients 2 --servers 1
 for n in 2 4; do

@@ -63,6 +63,7 @@ table("depth4-tcp", "tcp: large values with 4 operations in flight per client (-
 table("depth4-shm", "shm: large values with 4 operations in flight per client (--depth 4)")
 table("clients-tcp", "tcp: 1 MiB values against clients")
 table("clients-shm", "shm: 1 MiB pulls against clients")
+table("clients-shm-small", "shm: 64-byte pushes against clients")
 table("servers-tcp", "tcp: 16 MiB values, 2 clients, 1 server")
 for n in (2, 4):
     table(f"servers{n}-tcp", f"tcp: 16 MiB values, 2 clients, {n} servers, each value chunked over all of them")
@@ -73,7 +74,8 @@ table("sparse-zipf-shm", "Sparse: Zipf(0.99) keys, shm")
 
 # Where throughput stops growing with clients, computed from the sweeps above.
 scaling = []
-for name, label in (("clients-tcp", "tcp 1 MiB"), ("clients-shm", "shm 1 MiB"), ("sparse-shm", "shm sparse"),
+for name, label in (("clients-tcp", "tcp 1 MiB"), ("clients-shm", "shm 1 MiB"), ("clients-shm-small", "shm 64 B"),
+                    ("sparse-shm", "shm sparse"),
                     ("sparse-tcp", "tcp sparse")):
     for op in ("push", "pull"):
         pts = sorted((r for r in load(name) if r.get("transport") and r.get("op") == op), key=lambda r: r["clients"])
