@@ -274,7 +274,6 @@ class ClientImpl {
 
 }  // namespace detail
 
-
 Client::Client(const ClientOptions& options) : impl_(std::make_unique<detail::ClientImpl>(options)) {}
 Client::~Client() = default;
 
