@@ -88,6 +88,13 @@ bool Completion::wait(std::chrono::steady_clock::time_point deadline, Poller* po
     note_wait(std::chrono::steady_clock::now() - start);
     return true;
   }
+  // Sleep where the far side can wake this thread directly. Answers completed by a transport
+  // thread instead (errors, parked pulls) bump that word too; the slices are a safety net.
+  while (poller && !done()) {
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= deadline) return done();
+    if (!poller->sleep_for_answers(std::min(deadline, now + std::chrono::milliseconds(20)))) break;
+  }
   while (!done()) {
     const auto left = deadline - std::chrono::steady_clock::now();
     if (left <= std::chrono::nanoseconds::zero()) return done();

@@ -42,6 +42,10 @@ class Poller {
   // whatever landed before it returns: nothing is left unannounced.
   virtual bool begin_polling() noexcept { return true; }
   virtual void end_polling() noexcept {}
+  // Sleeps until an answer may have landed (or `until`), then completes what landed. A waiter
+  // that cannot spin sleeps here rather than on its completion, so the far side wakes it
+  // directly instead of through the transport's thread. False: not supported, nothing done.
+  virtual bool sleep_for_answers(std::chrono::steady_clock::time_point /*until*/) noexcept { return false; }
 
  protected:
   ~Poller() = default;

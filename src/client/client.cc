@@ -17,10 +17,15 @@ constexpr std::span<const std::span<const float>> kNoValues{};
 // Drives every connection that a waiting thread can poll (see transport::Poller).
 class ConnectionsPoller final : public transport::Poller {
  public:
+  // One call per connection, with its poller or nullptr.
   void add(transport::Poller* p) {
+    ++connections_;
     if (p) parts_.push_back(p);
   }
-  void clear() noexcept { parts_.clear(); }
+  void clear() noexcept {
+    parts_.clear();
+    connections_ = 0;
+  }
   transport::Poller* get() noexcept { return parts_.empty() ? nullptr : this; }
   void poll() noexcept override {
     for (auto* p : parts_) p->poll();
@@ -36,9 +41,15 @@ class ConnectionsPoller final : public transport::Poller {
   void end_polling() noexcept override {
     for (auto* p : parts_) p->end_polling();
   }
+  // One thread cannot sleep on several servers' words at once (nor on one while another
+  // connection answers); with more, the waiter sleeps on its completion instead.
+  bool sleep_for_answers(std::chrono::steady_clock::time_point until) noexcept override {
+    return connections_ == 1 && parts_.size() == 1 && parts_[0]->sleep_for_answers(until);
+  }
 
  private:
   std::vector<transport::Poller*> parts_;
+  std::size_t connections_ = 0;
 };
 
 // Thread-safety: the op table is guarded by ops_mu_; each Op is touched by one issuing thread,

@@ -22,7 +22,8 @@ namespace pskv::shm {
 
 namespace {
 constexpr std::uint64_t kSegmentMagic = 0x474553564b53502eULL;  // ".PSKVSEG"
-constexpr std::uint32_t kLayoutVersion = 3;  // 2: ClientSlot::client_polling, 3: SegmentHeader::spinners
+// 2: ClientSlot::client_polling, 3: SegmentHeader::spinners, 4: ClientSlot::waiters_sleeping, waiter_word
+constexpr std::uint32_t kLayoutVersion = 4;
 
 class RegionView final : public MemoryResource {
  public:

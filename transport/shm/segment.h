@@ -58,6 +58,10 @@ struct alignas(64) ClientSlot {
   std::atomic<std::uint32_t> client_sleeping;
   std::atomic<std::uint32_t> client_polling;    // waiters reading `done` themselves: no wake needed
   std::atomic<std::uint32_t> waits_on_clock;    // the client has pulls parked on the bound
+  // Client threads asleep on waiter_word, waiting for an answer themselves rather than through
+  // the helper: the server then wakes them directly, one hand-off instead of two.
+  std::atomic<std::uint32_t> waiters_sleeping;
+  std::atomic<std::uint32_t> waiter_word;       // futex: bumped on an answer while waiters sleep
   alignas(64) RingEntry ring[kRingEntries];
 };
 

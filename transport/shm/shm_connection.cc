@@ -308,6 +308,32 @@ void ShmConnection::end_polling() noexcept {
   if (!broken_) complete_answered();
 }
 
+bool ShmConnection::sleep_for_answers(std::chrono::steady_clock::time_point until) noexcept {
+  // Pairs with the fence in ShmServer::publish: either the server sees this sleeper and bumps
+  // waiter_word, or the load after our fence sees its answer and we do not sleep.
+  slot_->waiters_sleeping.fetch_add(1, std::memory_order_seq_cst);
+  const std::uint32_t word = slot_->waiter_word.load(std::memory_order_acquire);
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  if (!answers_waiting()) {
+    const auto left = until - std::chrono::steady_clock::now();
+    if (left > std::chrono::nanoseconds::zero()) futex_wait(&slot_->waiter_word, word, left);
+  }
+  slot_->waiters_sleeping.fetch_sub(1, std::memory_order_seq_cst);
+  if (!answers_waiting()) return true;
+  std::lock_guard lock(mu_);
+  if (broken_) return true;
+  // The helper was not woken for this answer: do its part, including pulls parked behind it.
+  complete_answered();
+  if (!parked_.empty()) run_parked(std::chrono::steady_clock::now());
+  return true;
+}
+
+void ShmConnection::wake_sleeping_waiters() noexcept {
+  if (slot_->waiters_sleeping.load(std::memory_order_seq_cst) == 0) return;
+  slot_->waiter_word.fetch_add(1, std::memory_order_release);
+  futex_wake_all(&slot_->waiter_word);
+}
+
 void ShmConnection::helper_loop() {
   auto last_alive_check = std::chrono::steady_clock::now();
   for (;;) {
@@ -319,6 +345,9 @@ void ShmConnection::helper_loop() {
       progressed = complete_answered();
       parked_left = run_parked(std::chrono::steady_clock::now());
     }
+    // Whatever the helper completed (answers, parked pulls, expiries) may belong to a thread
+    // asleep on waiter_word rather than on its completion.
+    wake_sleeping_waiters();
     const auto now = std::chrono::steady_clock::now();
     if (now - last_alive_check > std::chrono::milliseconds(500)) {
       last_alive_check = now;
@@ -355,6 +384,7 @@ void ShmConnection::fail_everything(Errc status, const std::string& why) {
   }
   space_.notify_all();
   for (Request* r : victims) r->completion->complete_part(status, why);
+  wake_sleeping_waiters();
 }
 
 }  // namespace pskv::shm

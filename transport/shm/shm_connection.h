@@ -47,11 +47,13 @@ class ShmConnection final : public transport::Connection, private transport::Pol
   void poll() noexcept override;
   bool begin_polling() noexcept override;
   void end_polling() noexcept override;
+  bool sleep_for_answers(std::chrono::steady_clock::time_point until) noexcept override;
   // Turns answered ring entries into completions and frees their ring space; with mu_ held.
   bool complete_answered();
   void helper_loop();
   bool run_parked(std::chrono::steady_clock::time_point now);
   void fail_everything(Errc status, const std::string& why);
+  void wake_sleeping_waiters() noexcept;
 
   transport::ConnectOptions options_;
   std::string endpoint_;
