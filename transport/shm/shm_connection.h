@@ -1,9 +1,10 @@
 // Client side of the shared-memory backend. Pulls copy straight from the server's arena into
 // the caller's buffer under the seqlock (the one unavoidable copy, no round trip). Pushes and
 // control requests are copied once into this client's own slot and published on its ring. A
-// waiting thread picks up the server's answers itself while it spins (Poller); otherwise a
-// helper thread turns them into completions. The helper also runs pulls that had to wait for
-// the consistency bound or for this client's earlier pushes.
+// waiting thread picks up the server's answers itself, while it spins or after the server woke
+// it from the slot's waiter_word (Poller); otherwise a helper thread turns them into
+// completions. The helper also runs pulls that had to wait for the consistency bound or for
+// this client's earlier pushes, and notices a dead server.
 #pragma once
 
 #include <condition_variable>
@@ -53,6 +54,7 @@ class ShmConnection final : public transport::Connection, private transport::Pol
   void helper_loop();
   bool run_parked(std::chrono::steady_clock::time_point now);
   void fail_everything(Errc status, const std::string& why);
+  // After completing anything outside sleep_for_answers: its sleepers may own those requests.
   void wake_sleeping_waiters() noexcept;
 
   transport::ConnectOptions options_;
