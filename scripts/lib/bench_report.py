@@ -95,7 +95,9 @@ if scaling:
               "and the extra load shows up as queueing (the p99 column) rather than throughput. shm pulls involve "
               "no server at all (a seqlock-validated copy straight out of the shared arena), so they stop at the "
               "cores' memory bandwidth; tcp adds the kernel's loopback copies and the server's threads on the same "
-              "cores, which is why it flattens earlier.", ""]
+              "cores, which is why it flattens earlier. Small shm pushes are the opposite case: each needs a turn of "
+              "the server's one thread (one per two cores), and clients beyond the spinner budget (the cores the "
+              "server leaves free) sleep and must be woken for every answer, so on 2 cores they peak at 1 client.", ""]
 
 steps = [r for r in load("steps") if "mode" in r]
 if steps:
