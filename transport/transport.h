@@ -32,6 +32,8 @@ struct KeySlice {
 // landed, on the waiting thread, so a local reply does not wait for a transport thread to be
 // woken and scheduled (on two cores that hand-off cost more than a small shm push itself).
 // Thread-safety: any number of threads may poll at once.
+class Completion;
+
 class Poller {
  public:
   // Cheap when nothing has landed; never blocks.
@@ -42,10 +44,13 @@ class Poller {
   // whatever landed before it returns: nothing is left unannounced.
   virtual bool begin_polling() noexcept { return true; }
   virtual void end_polling() noexcept {}
-  // Sleeps until an answer may have landed (or `until`), then completes what landed. A waiter
-  // that cannot spin sleeps here rather than on its completion, so the far side wakes it
-  // directly instead of through the transport's thread. False: not supported, nothing done.
-  virtual bool sleep_for_answers(std::chrono::steady_clock::time_point /*until*/) noexcept { return false; }
+  // Sleeps until `c` is done or an answer may have landed (or `until`), then completes what
+  // landed. A waiter that cannot spin sleeps here rather than on its completion, so the far side
+  // wakes it directly instead of through the transport's thread. Whoever completes a request
+  // must wake these sleepers. False: not supported, nothing done.
+  virtual bool sleep_for_answers(const Completion& /*c*/, std::chrono::steady_clock::time_point /*until*/) noexcept {
+    return false;
+  }
 
  protected:
   ~Poller() = default;

@@ -43,8 +43,8 @@ class ConnectionsPoller final : public transport::Poller {
   }
   // One thread cannot sleep on several servers' words at once (nor on one while another
   // connection answers); with more, the waiter sleeps on its completion instead.
-  bool sleep_for_answers(std::chrono::steady_clock::time_point until) noexcept override {
-    return connections_ == 1 && parts_.size() == 1 && parts_[0]->sleep_for_answers(until);
+  bool sleep_for_answers(const transport::Completion& c, std::chrono::steady_clock::time_point until) noexcept override {
+    return connections_ == 1 && parts_.size() == 1 && parts_[0]->sleep_for_answers(c, until);
   }
 
  private:

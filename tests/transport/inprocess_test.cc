@@ -94,6 +94,26 @@ TEST_P(InProcess, ThreadsSharingOneClientAllComplete) {
   }
 }
 
+// A pull issued while the same client's push is still unanswered waits behind it (shm parks it)
+// and then sees it; the waiting thread, not only the helper, lets it go.
+TEST_P(InProcess, PullSeesOwnUnwaitedPush) {
+  ServerOptions so;
+  so.uri = uri();
+  so.arena_bytes = 16 << 20;
+  Server server(so);
+  ClientOptions o;
+  o.servers = {server.uri()};
+  Client c(o);
+  std::vector<float> v(64, 0.0f), one(64, 1.0f), out(64);
+  c.wait(c.init(7, v));
+  for (int i = 0; i < 200; ++i) {
+    const Ticket push = c.push(7, one);
+    c.wait(c.pull(7, out));
+    ASSERT_EQ(out[0], float(i + 1));
+    c.wait(push);
+  }
+}
+
 TEST_P(InProcess, BspClocksAndBarrier) {
   ServerOptions so;
   so.uri = uri();

@@ -279,10 +279,18 @@ bool ShmConnection::answers_waiting() const noexcept {
   return slot_->done.load(std::memory_order_acquire) > completed_.load(std::memory_order_relaxed);
 }
 
+void ShmConnection::settle() {
+  if (!complete_answered()) return;
+  // A pull parked behind this client's own push can go now. Left to the helper, it waited for
+  // the helper's 50 ms tick: the server does not wake the helper while a waiter polls.
+  if (!parked_.empty()) run_parked(std::chrono::steady_clock::now());
+  wake_sleeping_waiters();
+}
+
 void ShmConnection::poll() noexcept {
   if (!answers_waiting()) return;
   std::unique_lock lock(mu_, std::try_to_lock);
-  if (lock.owns_lock() && !broken_) complete_answered();
+  if (lock.owns_lock() && !broken_) settle();
 }
 
 bool ShmConnection::begin_polling() noexcept {
@@ -305,30 +313,32 @@ void ShmConnection::end_polling() noexcept {
   std::atomic_thread_fence(std::memory_order_seq_cst);
   if (!answers_waiting()) return;
   std::lock_guard lock(mu_);
-  if (!broken_) complete_answered();
+  if (!broken_) settle();
 }
 
-bool ShmConnection::sleep_for_answers(std::chrono::steady_clock::time_point until) noexcept {
-  // Pairs with the fence in ShmServer::publish: either the server sees this sleeper and bumps
-  // waiter_word, or the load after our fence sees its answer and we do not sleep.
+bool ShmConnection::sleep_for_answers(const transport::Completion& c,
+                                      std::chrono::steady_clock::time_point until) noexcept {
+  // Pairs with the fences in ShmServer::publish and wake_sleeping_waiters: either the server or
+  // the completer sees this sleeper and bumps waiter_word, or the loads after our fence see the
+  // answer or the completion, and we do not sleep.
   slot_->waiters_sleeping.fetch_add(1, std::memory_order_seq_cst);
   const std::uint32_t word = slot_->waiter_word.load(std::memory_order_acquire);
   std::atomic_thread_fence(std::memory_order_seq_cst);
-  if (!answers_waiting()) {
+  if (!c.done() && !answers_waiting()) {
     const auto left = until - std::chrono::steady_clock::now();
     if (left > std::chrono::nanoseconds::zero()) futex_wait(&slot_->waiter_word, word, left);
   }
   slot_->waiters_sleeping.fetch_sub(1, std::memory_order_seq_cst);
   if (!answers_waiting()) return true;
+  // The helper was not woken for this answer: do its part.
   std::lock_guard lock(mu_);
-  if (broken_) return true;
-  // The helper was not woken for this answer: do its part, including pulls parked behind it.
-  complete_answered();
-  if (!parked_.empty()) run_parked(std::chrono::steady_clock::now());
+  if (!broken_) settle();
   return true;
 }
 
 void ShmConnection::wake_sleeping_waiters() noexcept {
+  // Orders the completions just made before the load, against the sleeper's fence.
+  std::atomic_thread_fence(std::memory_order_seq_cst);
   if (slot_->waiters_sleeping.load(std::memory_order_seq_cst) == 0) return;
   slot_->waiter_word.fetch_add(1, std::memory_order_release);
   futex_wake_all(&slot_->waiter_word);
@@ -345,8 +355,6 @@ void ShmConnection::helper_loop() {
       progressed = complete_answered();
       parked_left = run_parked(std::chrono::steady_clock::now());
     }
-    // Whatever the helper completed (answers, parked pulls, expiries) may belong to a thread
-    // asleep on waiter_word rather than on its completion.
     wake_sleeping_waiters();
     const auto now = std::chrono::steady_clock::now();
     if (now - last_alive_check > std::chrono::milliseconds(500)) {

@@ -48,13 +48,16 @@ class ShmConnection final : public transport::Connection, private transport::Pol
   void poll() noexcept override;
   bool begin_polling() noexcept override;
   void end_polling() noexcept override;
-  bool sleep_for_answers(std::chrono::steady_clock::time_point until) noexcept override;
+  bool sleep_for_answers(const transport::Completion& c, std::chrono::steady_clock::time_point until) noexcept override;
   // Turns answered ring entries into completions and frees their ring space; with mu_ held.
   bool complete_answered();
+  // With mu_ held, on a waiting thread: complete_answered(), then the pulls parked behind those
+  // answers, then wake the threads asleep on waiter_word (they may own any of them).
+  void settle();
   void helper_loop();
   bool run_parked(std::chrono::steady_clock::time_point now);
   void fail_everything(Errc status, const std::string& why);
-  // After completing anything outside sleep_for_answers: its sleepers may own those requests.
+  // After completing anything: the threads asleep in sleep_for_answers may own those requests.
   void wake_sleeping_waiters() noexcept;
 
   transport::ConnectOptions options_;
