@@ -30,6 +30,7 @@
 #include "pskv/server.h"
 #include "pskv/update_rule.h"
 #include "store/update_kernels.h"
+#include "transport/tcp/socket.h"
 
 // Counts heap allocations in this (client) process, so the report can state allocations per
 // operation on the hot path. Servers run in forked children and are not counted here.
@@ -50,6 +51,8 @@ void operator delete(void* p, std::size_t) noexcept { std::free(p); }
 namespace {
 
 using Clock = std::chrono::steady_clock;
+using pskv::tcp::IoResult;
+using pskv::tcp::read_full;
 
 // TCP values from this size up are judged by bandwidth; smaller ones by round-trip latency.
 constexpr std::size_t kBandwidthBytes = 64u << 10;
@@ -141,16 +144,8 @@ struct RawPeers {
         if (read(c, &bytes, sizeof bytes) == ssize_t(sizeof bytes) && bytes >= sizeof(float) && bytes <= (1ull << 30)) {
           const std::size_t floats = bytes / sizeof(float);
           std::vector<float> grad(floats), value(floats, 1.0f);
-          for (;;) {
-            std::size_t got = 0;
-            while (got < floats * sizeof(float)) {
-              const ssize_t n = read(c, reinterpret_cast<char*>(grad.data()) + got, floats * sizeof(float) - got);
-              if (n <= 0) break;
-              got += static_cast<std::size_t>(n);
-            }
-            if (got < floats * sizeof(float)) break;
+          while (read_full(c, grad.data(), floats * sizeof(float)) == IoResult::ok)
             apply_pushed(value.data(), grad.data(), floats);
-          }
         }
         close(c);
       }
@@ -172,14 +167,7 @@ struct RawPeers {
         int one = 1;
         setsockopt(c, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
         char buf[64];
-        for (;;) {
-          std::size_t got = 0;
-          while (got < sizeof buf) {
-            const ssize_t n = read(c, buf + got, sizeof buf - got);
-            if (n <= 0) break;
-            got += static_cast<std::size_t>(n);
-          }
-          if (got < sizeof buf || write(c, buf, sizeof buf) != ssize_t(sizeof buf)) break;
+        while (read_full(c, buf, sizeof buf) == IoResult::ok && write(c, buf, sizeof buf) == ssize_t(sizeof buf)) {
         }
         close(c);
       }
@@ -218,13 +206,7 @@ double tcp_pingpong_p50_us(std::uint16_t port, int rounds) {
   lat.reserve(rounds);
   for (int i = 0; i < rounds; ++i) {
     const auto t0 = Clock::now();
-    if (write(fd, buf, sizeof buf) != ssize_t(sizeof buf)) break;
-    std::size_t got = 0;
-    while (got < sizeof buf) {
-      const ssize_t n = read(fd, buf + got, sizeof buf - got);
-      if (n <= 0) break;
-      got += static_cast<std::size_t>(n);
-    }
+    if (write(fd, buf, sizeof buf) != ssize_t(sizeof buf) || read_full(fd, buf, sizeof buf) != IoResult::ok) break;
     lat.push_back(seconds_since(t0) * 1e6);
   }
   close(fd);
