@@ -16,16 +16,24 @@ class InProcess : public ::testing::TestWithParam<std::string> {
   std::string uri() const {
     return GetParam() == "tcp" ? "tcp://127.0.0.1:0" : "shm://inproc-" + std::to_string(getpid());
   }
+  ServerOptions server_options() const {
+    ServerOptions so;
+    so.uri = uri();
+    so.arena_bytes = 16 << 20;
+    return so;
+  }
+  static ClientOptions client_options(const Server& server) {
+    ClientOptions o;
+    o.servers = {server.uri()};
+    return o;
+  }
 };
 
 TEST_P(InProcess, ConcurrentClientsLoseNothing) {
-  ServerOptions so;
-  so.uri = uri();
+  ServerOptions so = server_options();
   so.io_threads = 2;
-  so.arena_bytes = 16 << 20;
   Server server(so);
-  ClientOptions o;
-  o.servers = {server.uri()};
+  const ClientOptions o = client_options(server);
   {
     Client admin(o);
     std::vector<float> zeros(256, 0.0f);
@@ -64,13 +72,8 @@ TEST_P(InProcess, ConcurrentClientsLoseNothing) {
 // answers for all of them (shm polls the ring itself), the others sleep and are woken by
 // whoever completed their request.
 TEST_P(InProcess, ThreadsSharingOneClientAllComplete) {
-  ServerOptions so;
-  so.uri = uri();
-  so.arena_bytes = 16 << 20;
-  Server server(so);
-  ClientOptions o;
-  o.servers = {server.uri()};
-  Client c(o);
+  Server server(server_options());
+  Client c(client_options(server));
   constexpr int kThreads = 4, kOps = 400;
   std::vector<float> zeros(64, 0.0f);
   for (Key k = 0; k < kThreads; ++k) c.wait(c.init(k, zeros));
@@ -97,13 +100,8 @@ TEST_P(InProcess, ThreadsSharingOneClientAllComplete) {
 // A pull issued while the same client's push is still unanswered waits behind it (shm parks it)
 // and then sees it; the waiting thread, not only the helper, lets it go.
 TEST_P(InProcess, PullSeesOwnUnwaitedPush) {
-  ServerOptions so;
-  so.uri = uri();
-  so.arena_bytes = 16 << 20;
-  Server server(so);
-  ClientOptions o;
-  o.servers = {server.uri()};
-  Client c(o);
+  Server server(server_options());
+  Client c(client_options(server));
   std::vector<float> v(64, 0.0f), one(64, 1.0f), out(64);
   c.wait(c.init(7, v));
   for (int i = 0; i < 200; ++i) {
@@ -115,18 +113,15 @@ TEST_P(InProcess, PullSeesOwnUnwaitedPush) {
 }
 
 TEST_P(InProcess, BspClocksAndBarrier) {
-  ServerOptions so;
-  so.uri = uri();
+  ServerOptions so = server_options();
   so.num_workers = 2;
   so.mode = ConsistencyMode::bsp;
-  so.arena_bytes = 16 << 20;
   Server server(so);
   std::vector<std::thread> workers;
   std::atomic<int> violations{0};
   for (std::uint32_t w = 0; w < 2; ++w)
     workers.emplace_back([&, w] {
-      ClientOptions o;
-      o.servers = {server.uri()};
+      ClientOptions o = client_options(server);
       o.worker_id = w;
       Client c(o);
       std::vector<float> zero(1, 0.0f), one(1, 1.0f), out(1);
