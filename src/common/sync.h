@@ -58,39 +58,79 @@ PSKV_NO_TSAN inline void seqlock_copy(void* dst, const void* src, std::size_t n)
 
 // A mutex that lives in (possibly shared) memory: 4 bytes, zero-initialised means unlocked.
 // Uncontended lock/unlock is one atomic each; contended waiters spin briefly, then sleep on a
-// shared futex (Drepper, "Futexes Are Tricky", mutex #3). Not robust against its holder dying:
-// only processes whose death ends the job (the server) may take it.
+// shared futex (Drepper, "Futexes Are Tricky", mutex #3).
+//
+// The word holds the holder's owner tag (<< 1) and a waiters bit, so that a holder that may die
+// (a shm worker, killed at any instant) can be recognised afterwards: whoever knows it is dead
+// repairs what it guarded and calls release_for(its tag). Tags other than kAnonymousOwner must be
+// unique among the processes that share the lock; kAnonymousOwner is for holders whose death ends
+// the job anyway (the server, in-process users).
 // Thread-safety: fully thread- and process-safe.
 class SharedMutex {
  public:
-  void lock() noexcept {
-    std::uint32_t c = 0;
-    if (state_.compare_exchange_strong(c, 1, std::memory_order_acquire)) return;
-    for (int i = 0; i < 128; ++i) {
-      cpu_relax();
-      c = 0;
-      if (state_.load(std::memory_order_relaxed) == 0 &&
-          state_.compare_exchange_strong(c, 1, std::memory_order_acquire))
-        return;
-    }
-    if (c != 2) c = state_.exchange(2, std::memory_order_acquire);
-    while (c != 0) {
-      futex_wait(&state_, 2);
-      c = state_.exchange(2, std::memory_order_acquire);
-    }
+  static constexpr std::uint32_t kAnonymousOwner = 1;
+  static constexpr std::uint32_t kMaxOwner = (1u << 31) - 1;
+
+  void lock(std::uint32_t owner = kAnonymousOwner) noexcept {
+    if (try_lock_spinning(owner)) return;
+    lock_slow(owner << 1, std::chrono::steady_clock::time_point::max());
   }
-  bool try_lock() noexcept {
+  // False if the lock was still held at `deadline` (the caller may check that the holder lives).
+  bool lock_until(std::uint32_t owner, std::chrono::steady_clock::time_point deadline) noexcept {
+    return try_lock_spinning(owner) || lock_slow(owner << 1, deadline);
+  }
+  bool try_lock(std::uint32_t owner = kAnonymousOwner) noexcept {
     std::uint32_t c = 0;
-    return state_.compare_exchange_strong(c, 1, std::memory_order_acquire);
+    return state_.compare_exchange_strong(c, owner << 1, std::memory_order_acquire);
   }
   void unlock() noexcept {
-    if (state_.fetch_sub(1, std::memory_order_release) != 1) {
-      state_.store(0, std::memory_order_release);
-      futex_wake(&state_, 1);
+    if (state_.exchange(0, std::memory_order_release) & kWaiters) futex_wake(&state_, 1);
+  }
+  // The holder's owner tag, 0 when free.
+  std::uint32_t holder() const noexcept { return state_.load(std::memory_order_acquire) >> 1; }
+  // Unlocks on behalf of `owner`, which is known to be dead, if it still holds the lock.
+  bool release_for(std::uint32_t owner) noexcept {
+    std::uint32_t c = state_.load(std::memory_order_acquire);
+    while ((c >> 1) == owner) {
+      if (state_.compare_exchange_weak(c, 0, std::memory_order_release)) {
+        if (c & kWaiters) futex_wake_all(&state_);
+        return true;
+      }
     }
+    return false;
   }
 
  private:
+  static constexpr std::uint32_t kWaiters = 1;
+
+  bool try_lock_spinning(std::uint32_t owner) noexcept {
+    if (try_lock(owner)) return true;
+    for (int i = 0; i < 128; ++i) {
+      cpu_relax();
+      if (state_.load(std::memory_order_relaxed) == 0 && try_lock(owner)) return true;
+    }
+    return false;
+  }
+  bool lock_slow(std::uint32_t mine, std::chrono::steady_clock::time_point deadline) noexcept {
+    std::uint32_t c = state_.load(std::memory_order_relaxed);
+    for (;;) {
+      // Taken after sleeping, the lock keeps the waiters bit: others may still sleep on it.
+      if (c == 0) {
+        if (state_.compare_exchange_weak(c, mine | kWaiters, std::memory_order_acquire)) return true;
+        continue;
+      }
+      if (!(c & kWaiters) && !state_.compare_exchange_weak(c, c | kWaiters, std::memory_order_relaxed)) continue;
+      if (deadline == std::chrono::steady_clock::time_point::max()) {
+        futex_wait(&state_, c | kWaiters);
+      } else {
+        const auto left = deadline - std::chrono::steady_clock::now();
+        if (left <= std::chrono::nanoseconds::zero()) return false;
+        futex_wait(&state_, c | kWaiters, left);
+      }
+      c = state_.load(std::memory_order_relaxed);
+    }
+  }
+
   std::atomic<std::uint32_t> state_{0};
 };
 
