@@ -133,11 +133,13 @@ Store::Header& Store::header() const noexcept { return *reinterpret_cast<Header*
 Store::IndexEntry* Store::index() const noexcept {
   return reinterpret_cast<IndexEntry*>(base_ + header().index_offset);
 }
-SharedMutex& Store::stripe_lock(Key key) const noexcept {
-  const Header& h = header();
-  const std::uint64_t stripe = (mix64(key) >> 40) & (h.stripes - 1);
-  return *reinterpret_cast<SharedMutex*>(base_ + h.stripes_offset + stripe * kCacheLine);
+std::uint32_t Store::stripe_of(Key key) const noexcept {
+  return static_cast<std::uint32_t>((mix64(key) >> 40) & (header().stripes - 1));
 }
+SharedMutex& Store::stripe_at(std::uint32_t stripe) const noexcept {
+  return *reinterpret_cast<SharedMutex*>(base_ + header().stripes_offset + std::uint64_t{stripe} * kCacheLine);
+}
+SharedMutex& Store::stripe_lock(Key key) const noexcept { return stripe_at(stripe_of(key)); }
 std::byte* Store::value_arena() noexcept { return base_ + header().values_offset; }
 std::byte* Store::value_arena_const() const noexcept { return base_ + header().values_offset; }
 std::uint64_t Store::used_bytes_acquire() const noexcept { return header().values_used.load(std::memory_order_acquire); }
@@ -237,6 +239,84 @@ Errc Store::apply_slot(SlotHeader& slot, const float* grad, const UpdateRuleConf
   apply_update(rule, slot.values(), state, grad, slot.length, step, lr_scale);
   slot.seq.store(seq + 2, std::memory_order_release);
   return Errc::ok;
+}
+
+Errc Store::apply_logged(SlotHeader& slot, const float* grad, float lr_scale, std::uint32_t owner, UndoRecord& log,
+                         float* undo, std::chrono::steady_clock::time_point deadline) noexcept {
+  const UpdateRuleConfig& rule = header().rule;
+  const std::size_t length = slot.length;
+  const std::size_t state_count = state_floats(slot);
+  float* state = state_count ? state_of(slot) : nullptr;
+  const std::uint32_t stripe = stripe_of(slot.key);
+  log.stripe = stripe;
+  log.slot_offset = slot_offset(slot);
+  // Announced before the lock is taken, so that a recoverer knows which lock to look at.
+  log.phase.store(UndoPhase::locking, std::memory_order_seq_cst);
+  SharedMutex& lock = stripe_at(stripe);
+  if (!lock.lock_until(owner, deadline)) {
+    log.phase.store(UndoPhase::idle, std::memory_order_release);
+    return Errc::timeout;
+  }
+  const std::uint64_t seq = slot.seq.load(std::memory_order_relaxed);
+  log.seq = seq;
+  log.update_count = slot.update_count;
+  std::memcpy(undo, slot.values(), length * sizeof(float));
+  if (state_count) std::memcpy(undo + length, state, state_count * sizeof(float));
+  log.phase.store(UndoPhase::saved, std::memory_order_release);
+  slot.seq.store(seq + 1, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_release);
+  const std::uint64_t step = ++slot.update_count;
+  apply_update(rule, slot.values(), state, grad, length, step, lr_scale);
+  slot.seq.store(seq + 2, std::memory_order_release);
+  log.phase.store(UndoPhase::applied, std::memory_order_release);
+  lock.unlock();
+  log.phase.store(UndoPhase::idle, std::memory_order_release);
+  return Errc::ok;
+}
+
+Store::Recovery Store::recover(UndoRecord& log, std::uint32_t owner, const float* undo,
+                               std::size_t undo_capacity) noexcept {
+  const UndoPhase phase = log.phase.load(std::memory_order_acquire);
+  if (phase == UndoPhase::idle || log.stripe >= header().stripes) {
+    log.phase.store(UndoPhase::idle, std::memory_order_relaxed);
+    return Recovery::nothing;
+  }
+  SharedMutex& lock = stripe_at(log.stripe);
+  // In phase locking the owner may have died before its compare-and-swap: then it holds nothing.
+  if (lock.holder() != owner) {
+    log.phase.store(UndoPhase::idle, std::memory_order_relaxed);
+    return Recovery::nothing;
+  }
+  Recovery done = Recovery::released;
+  if (phase == UndoPhase::saved) {
+    // Only a slot the index knows, on this stripe, is touched.
+    const Header& h = header();
+    const std::uint64_t off = log.slot_offset;
+    SlotHeader* slot = nullptr;
+    if (off >= h.values_offset && off < h.values_offset + used_bytes_acquire() && off % kCacheLine == 0) {
+      auto* candidate = reinterpret_cast<SlotHeader*>(base_ + off);
+      if (find(candidate->key) == candidate && stripe_of(candidate->key) == log.stripe) slot = candidate;
+    }
+    if (slot && undo_floats(*slot) <= undo_capacity) {
+      // The writer stopped anywhere between saving and publishing: readers must retry across
+      // the restore, and must not see a version they already validated against.
+      std::uint64_t seq = slot->seq.load(std::memory_order_relaxed);
+      if ((seq & 1) == 0) {
+        ++seq;
+        slot->seq.store(seq, std::memory_order_relaxed);
+        std::atomic_thread_fence(std::memory_order_release);
+      }
+      const std::size_t length = slot->length;
+      std::memcpy(slot->values(), undo, length * sizeof(float));
+      if (const std::size_t n = state_floats(*slot)) std::memcpy(state_of(*slot), undo + length, n * sizeof(float));
+      slot->update_count = log.update_count;
+      slot->seq.store(seq + 1, std::memory_order_release);
+      done = Recovery::rolled_back;
+    }
+  }
+  log.phase.store(UndoPhase::idle, std::memory_order_release);
+  lock.release_for(owner);
+  return done;
 }
 
 Errc Store::apply(Key key, std::span<const float> grad, const UpdateRuleConfig& rule, float lr_scale) noexcept {

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -62,9 +63,22 @@ struct ReadResult {
   std::uint64_t version = 0;
 };
 
+// Undo record of one update made by a process that may be killed mid-way (a shm worker applying
+// its own push). It lives in memory that outlives the process, next to an undo buffer of
+// value + optimizer-state floats; Store::recover uses both to roll the update back.
+enum class UndoPhase : std::uint32_t { idle = 0, locking = 1, saved = 2, applied = 3 };
+struct UndoRecord {
+  std::atomic<UndoPhase> phase;
+  std::uint32_t stripe;        // the lock the writer takes or holds (phase != idle)
+  std::uint64_t slot_offset;   // SlotHeader, from the region base (phase saved)
+  std::uint64_t seq;           // the slot's seqlock before the update
+  std::uint64_t update_count;  // and its update count
+};
+
 // Thread-safety: all member functions may be called concurrently from any thread, and from any
 // process that maps the same region. init/push/assign take the key's stripe lock (so must only be
-// called by processes whose death ends the job); find/pull never lock and never block writers.
+// called by processes whose death ends the job); apply_logged is for processes that may die, and
+// recover repairs after them. find/pull never lock and never block writers.
 class Store {
  public:
   static std::size_t required_bytes(const StoreOptions& options);
@@ -126,6 +140,21 @@ class Store {
   Errc apply(Key key, std::span<const float> grad, const UpdateRuleConfig& rule, float lr_scale = 1.0f) noexcept;
   Errc apply_slot(SlotHeader& slot, const float* grad, const UpdateRuleConfig& rule, float lr_scale) noexcept;
 
+  // The store's rule applied by `owner` (a SharedMutex owner tag unique to that process), which
+  // may die at any instant: the old value, state and count go to `undo` (room for
+  // undo_floats(slot)) and `log` says how far it got. Errc::timeout if the stripe lock was still
+  // held at `deadline`, with nothing changed.
+  Errc apply_logged(SlotHeader& slot, const float* grad, float lr_scale, std::uint32_t owner, UndoRecord& log,
+                    float* undo, std::chrono::steady_clock::time_point deadline) noexcept;
+  std::size_t undo_floats(const SlotHeader& slot) const noexcept { return std::size_t{slot.length} + state_floats(slot); }
+  // After `owner` died: if it held a stripe lock per `log`, rolls a half-made update back from
+  // `undo` (undo_capacity floats) and releases the lock. The record is untrusted (its writer may
+  // have been hostile) and is checked against the store. Call from one thread at a time per log.
+  enum class Recovery { nothing, released, rolled_back };
+  // The owner tag holding key's stripe lock (0: free), for diagnostics.
+  std::uint32_t stripe_holder(Key key) const noexcept { return stripe_lock(key).holder(); }
+  Recovery recover(UndoRecord& log, std::uint32_t owner, const float* undo, std::size_t undo_capacity) noexcept;
+
   // Batches: keys[i] <-> values[i]. Stops at the first failure and returns its index in
   // *failed_at (keys before it are done). One stripe lock acquisition per key.
   Errc pull_batch(std::span<const Key> keys, std::span<const std::span<float>> out, std::size_t* failed_at = nullptr) const noexcept;
@@ -178,7 +207,9 @@ class Store {
   explicit Store(std::unique_ptr<MemoryResource> memory);
   Header& header() const noexcept;
   IndexEntry* index() const noexcept;
+  std::uint32_t stripe_of(Key key) const noexcept;
   SharedMutex& stripe_lock(Key key) const noexcept;
+  SharedMutex& stripe_at(std::uint32_t stripe) const noexcept;
   float* state_of(SlotHeader& slot) const noexcept;
   std::byte* value_arena_const() const noexcept;
   std::uint64_t used_bytes_acquire() const noexcept;

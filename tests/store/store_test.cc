@@ -1,7 +1,14 @@
 #include "store/store.h"
 
 #include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
+#include <chrono>
+#include <random>
+#include <thread>
 #include <vector>
 
 namespace pskv {
@@ -144,6 +151,128 @@ TEST(Store, StatefulOverrideOnStatelessStoreIsRefused) {
   UpdateRuleConfig assign;
   assign.rule = UpdateRule::assign;
   EXPECT_EQ(s->apply(1, g, assign), Errc::ok);
+}
+
+// apply_logged must give exactly what apply gives, optimizer state and update count included,
+// and leave its record idle with the old value in the undo buffer.
+TEST(Store, ApplyLoggedMatchesApply) {
+  StoreOptions o;
+  o.rule.rule = UpdateRule::adam;
+  o.rule.lr = 0.01f;
+  auto a = make_store(o), b = make_store(o);
+  std::vector<float> init{1, -2, 3, 0.5f, 7}, g{0.1f, 0.2f, -0.3f, 0.4f, -0.5f};
+  ASSERT_EQ(a->init(3, init), Errc::ok);
+  ASSERT_EQ(b->init(3, init), Errc::ok);
+  SlotHeader* slot = b->find(3);
+  UndoRecord log{};
+  std::vector<float> undo(b->undo_floats(*slot));
+  ASSERT_EQ(undo.size(), 15u);  // value + Adam's m and s
+  for (int step = 0; step < 3; ++step) {
+    ASSERT_EQ(a->push(3, g), Errc::ok);
+    ASSERT_EQ(b->apply_logged(*slot, g.data(), 1.0f, 9, log, undo.data(), std::chrono::steady_clock::now()), Errc::ok);
+  }
+  EXPECT_EQ(log.phase.load(), UndoPhase::idle);
+  EXPECT_EQ(b->stripe_holder(3), 0u);
+  std::vector<float> va(5), vb(5);
+  a->pull(3, va);
+  b->pull(3, vb);
+  EXPECT_EQ(va, vb);
+  EXPECT_EQ(a->find(3)->update_count, 3u);
+  EXPECT_EQ(slot->update_count, 3u);
+  std::vector<float> sa(10), sb(10), ignored(5);
+  std::uint64_t ca = 0, cb = 0;
+  a->snapshot_slot(*a->find(3), ignored.data(), sa.data(), &ca);
+  b->snapshot_slot(*slot, ignored.data(), sb.data(), &cb);
+  EXPECT_EQ(sa, sb);
+  // The undo buffer holds the value before the last update.
+  EXPECT_EQ(log.update_count, 2u);
+  EXPECT_NE(std::vector<float>(undo.begin(), undo.begin() + 5), vb);
+}
+
+// Memory shared with forked children, like a shm segment.
+class SharedMemory final : public MemoryResource {
+ public:
+  explicit SharedMemory(std::size_t bytes) : size_(bytes) {
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) throw std::bad_alloc();
+    data_ = static_cast<std::byte*>(p);
+  }
+  ~SharedMemory() override { munmap(data_, size_); }
+  std::byte* data() noexcept override { return data_; }
+  std::size_t size() const noexcept override { return size_; }
+
+ private:
+  std::byte* data_;
+  std::size_t size_;
+};
+
+// A process applying its own updates is SIGKILLed at random instants. recover() must then
+// leave the value as some whole number of updates (every float equal to the update count),
+// the seqlock even and the stripe lock free, and a waiter on that lock must get it.
+TEST(Store, RecoverRollsBackAnUpdateCutShortBySigkill) {
+  // 512 KiB: below the size that apply_update spreads over oneTBB threads, which a forked child
+  // must not use. The child still spends nearly all its time inside updates.
+  constexpr std::uint32_t kLen = 1u << 17;
+  StoreOptions o;
+  o.rule.rule = UpdateRule::add;
+  o.arena_bytes = 4ull << 20;
+  o.max_keys = 16;
+  auto store = Store::create(std::make_unique<SharedMemory>(Store::required_bytes(o)), o);
+  ASSERT_EQ(store->init_zero(5, kLen), Errc::ok);
+  SlotHeader* slot = store->find(5);
+  SharedMemory scratch(sizeof(UndoRecord) + 64 + std::size_t{kLen} * sizeof(float));
+  auto* log = new (scratch.data()) UndoRecord{};
+  auto* undo = reinterpret_cast<float*>(scratch.data() + 64);
+  const std::vector<float> ones(kLen, 1.0f);
+  std::mt19937 rng(7);
+  int rolled_back = 0;
+  std::vector<float> out(kLen);
+  for (int trial = 0; trial < 20; ++trial) {
+    const std::uint32_t owner = 100 + static_cast<std::uint32_t>(trial);
+    const pid_t child = fork();
+    ASSERT_GE(child, 0);
+    if (child == 0) {
+      for (;;) store->apply_logged(*slot, ones.data(), 1.0f, owner, *log, undo, std::chrono::steady_clock::time_point::max());
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(3000 + rng() % 20000));
+    kill(child, SIGKILL);
+    int status = 0;
+    ASSERT_EQ(waitpid(child, &status, 0), child);
+    // Another writer already waiting on the dead owner's lock is let in by the recovery.
+    std::thread waiter([&] { EXPECT_EQ(store->push(5, ones), Errc::ok); });
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    const Store::Recovery r = store->recover(*log, owner, undo, kLen);
+    waiter.join();
+    rolled_back += r == Store::Recovery::rolled_back;
+    EXPECT_EQ(log->phase.load(), UndoPhase::idle);
+    EXPECT_EQ(store->stripe_holder(5), 0u);
+    EXPECT_EQ(slot->seq.load() % 2, 0u);
+    ASSERT_EQ(store->pull(5, out).status, Errc::ok);
+    for (std::uint32_t i = 0; i < kLen; ++i)
+      ASSERT_EQ(out[i], float(slot->update_count)) << "element " << i << " after trial " << trial;
+  }
+  // The child spends nearly all its time holding the lock: most kills need a roll-back.
+  EXPECT_GE(rolled_back, 3);
+  // Recovering again, or for an owner that holds nothing, changes nothing.
+  EXPECT_EQ(store->recover(*log, 100, undo, kLen), Store::Recovery::nothing);
+}
+
+// The record comes from a process that may have been hostile: nonsense is refused, not followed.
+TEST(Store, RecoverIgnoresAForgedRecord) {
+  auto s = make_store();
+  std::vector<float> v(8, 2.0f), undo(8, 9.0f);
+  ASSERT_EQ(s->init(1, v), Errc::ok);
+  UndoRecord log{};
+  log.phase.store(UndoPhase::saved);
+  log.stripe = 1u << 30;  // no such stripe
+  EXPECT_EQ(s->recover(log, 5, undo.data(), undo.size()), Store::Recovery::nothing);
+  log.phase.store(UndoPhase::saved);
+  log.stripe = 0;
+  log.slot_offset = 12345;  // not a slot; and owner 5 holds no lock anyway
+  EXPECT_EQ(s->recover(log, 5, undo.data(), undo.size()), Store::Recovery::nothing);
+  std::vector<float> out(8);
+  s->pull(1, out);
+  EXPECT_EQ(out, v);
 }
 
 }  // namespace
