@@ -58,6 +58,10 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--shm-slot-mb", shm_slot_mb, "shm: per-client staging area for pushes, MiB (bounds one push)")
       ->envname("PSKV_SHM_SLOT_MB")->capture_default_str();
+  app.add_option("--shm-push", o.shm_push,
+                 "shm: who applies a push: worker (the client, under the stripe lock, rolled back by the server if it "
+                 "dies mid-way) or server (a server thread, from the client's slot)")
+      ->envname("PSKV_SHM_PUSH")->check(CLI::IsMember({"worker", "server"}))->capture_default_str();
   std::int64_t checkpoint_s = 0;
   app.add_option("--checkpoint-dir", o.checkpoint_dir, "Write this shard's checkpoint here (periodically and at exit)")
       ->envname("PSKV_CHECKPOINT_DIR");

@@ -39,6 +39,10 @@ struct ServerOptions {
   std::string auth_token_file;
   std::uint32_t shm_slots = 64;                 // shm: client slots (one per connected client)
   std::uint64_t shm_slot_bytes = 32ull << 20;   // shm: staging area per client for pushes
+  // shm: who applies a push. "worker": the client itself, under the stripe lock with an undo
+  // record the server rolls back if the client dies mid-way (no hand-off between cores);
+  // "server": a server thread, from the client's slot.
+  std::string shm_push = "worker";
   // rdma: rdma_cm picks the device and port by the URI's IP address; these (like the URI's
   // ?dev=NAME&port=N&gid=INDEX) only check that choice, and fail naming it if it differs.
   std::string rdma_device;                      // e.g. mlx5_0, rxe0; empty: whichever owns the address

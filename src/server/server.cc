@@ -64,9 +64,15 @@ class ServerImpl {
       uri_.port = tcp_->port();
       engine = engine_.get();
     } else if (uri_.scheme == "shm") {
+      if (o.shm_push != "worker" && o.shm_push != "server")
+        throw Error(Errc::invalid_argument, "shm_push must be \"worker\" or \"server\", got \"" + o.shm_push + "\"");
       shm_ = std::make_unique<shm::ShmServer>(
           uri_.name, e,
-          shm::ShmServerOptions{.threads = shm_threads, .slots = o.shm_slots, .slot_data_bytes = o.shm_slot_bytes}, prepare);
+          shm::ShmServerOptions{.threads = shm_threads,
+                                .slots = o.shm_slots,
+                                .slot_data_bytes = o.shm_slot_bytes,
+                                .worker_push = o.shm_push != "server"},
+          prepare);
       engine = &shm_->engine();
 #if PSKV_WITH_RDMA
     } else if (uri_.scheme == "rdma") {
@@ -139,7 +145,7 @@ class ServerImpl {
   }
 
   std::string uri() const { return uri_.str(); }
-  std::string stats_json() const { return engine_view_->stats_json(); }
+  std::string stats_json() const { return shm_ ? shm_->stats_json() : engine_view_->stats_json(); }
   std::string failure() const { return engine_view_->failure(); }
   bool workers_finished() const {
     ClockTable* clocks = engine_view_->clocks();

@@ -360,8 +360,9 @@ EngineStats ShardEngine::stats() const {
   return s;
 }
 
-std::string ShardEngine::stats_json() const {
-  const EngineStats s = stats();
+std::string ShardEngine::stats_json(std::uint64_t external_pushes, std::string_view extra_fields) const {
+  EngineStats s = stats();
+  s.pushes += external_pushes;
   std::ostringstream os;
   os << "{\"server_id\":" << options_.server_id << ",\"keys\":" << store_->key_count()
      << ",\"value_bytes\":" << store_->value_bytes_used() << ",\"pushes\":" << s.pushes << ",\"pulls\":" << s.pulls
@@ -376,7 +377,7 @@ std::string ShardEngine::stats_json() const {
     }
     os << "]";
   }
-  os << "}";
+  os << extra_fields << "}";
   return os.str();
 }
 

@@ -10,6 +10,7 @@
 #include <mutex>
 #include <span>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -94,7 +95,9 @@ class ShardEngine {
   // past the timeout); empty while it can.
   std::string failure() const;
   EngineStats stats() const;
-  std::string stats_json() const;
+  // `external_pushes`: keys applied without the engine (shm clients applying their own pushes);
+  // `extra_fields`: more ,"name":value pairs from the transport.
+  std::string stats_json(std::uint64_t external_pushes = 0, std::string_view extra_fields = {}) const;
   void shutdown();
 
  private:

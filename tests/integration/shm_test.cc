@@ -53,9 +53,27 @@ long cpu_ticks(pid_t pid) {
   return utime + stime;
 }
 
-TEST(ShmIntegration, MultiProcessPushPull) {
-  const std::string name = unique_name("mp");
-  auto server = start_shm(name);
+// A JSON counter of the server's stats, e.g. "recovered_pushes".
+std::uint64_t stat(const std::string& json, const std::string& field) {
+  const auto at = json.find("\"" + field + "\":");
+  if (at == std::string::npos) throw std::runtime_error("no " + field + " in " + json);
+  return std::stoull(json.substr(at + field.size() + 3));
+}
+
+// The tests that push run with both appliers: the client itself (the default) and the server.
+class ShmPush : public ::testing::TestWithParam<std::string> {
+ protected:
+  ServerProcess start(const char* tag, std::vector<std::string> extra = {}) {
+    extra.insert(extra.end(), {"--shm-push", GetParam()});
+    return start_shm(unique_name(tag), extra);
+  }
+  bool workers_apply() const { return GetParam() == "worker"; }
+};
+INSTANTIATE_TEST_SUITE_P(Applier, ShmPush, ::testing::Values("worker", "server"),
+                         [](const auto& info) { return info.param; });
+
+TEST_P(ShmPush, MultiProcessPushPull) {
+  auto server = start("mp");
   ClientOptions o = shm_client(server.uri);
   {
     Client admin(o);
@@ -88,36 +106,45 @@ TEST(ShmIntegration, MultiProcessPushPull) {
     total += out[0] - float(k);
   }
   EXPECT_EQ(total, 4.0 * 200);
+  const std::string stats = check.server_stats(0);
+  EXPECT_EQ(stat(stats, "pushes"), 800u) << stats;
+  EXPECT_EQ(stat(stats, "worker_pushes"), workers_apply() ? 800u : 0u) << stats;
 }
 
-TEST(ShmIntegration, NothingLostWith16Processes) {
-  const std::string name = unique_name("lost");
-  auto server = start_shm(name);
+TEST_P(ShmPush, NothingLostWith16Processes) {
+  auto server = start("lost");
   expect_nothing_lost(shm_client(server.uri), {.clients = 16, .pushes = 500, .keys = 4, .length = 64, .batch = 32});
 }
 
-// Kill a pushing worker at a random instant, 50 times. After each kill, the survivors keep
-// making progress, every read is untorn, and no lock is left held (pushes still complete).
-TEST(ShmIntegration, SigkillOfPushingWorkersLeavesTheStoreUsable) {
-  const std::string name = unique_name("kill");
-  auto server = start_shm(name);
-  ClientOptions o = shm_client(server.uri);
-  constexpr std::uint32_t kLen = 16384;  // 64 KiB values: a kill lands mid-copy often
+struct KillTrials {
+  int trials;
+  Key keys;
+  std::uint32_t length;       // floats per key
+  std::uint32_t max_delay_us;  // a victim is killed up to this long after it starts
+  bool after_first_push;       // ... after its first push rather than after its fork
+  unsigned seed;
+};
+
+// Victims that push forever are SIGKILLed one after another at random instants, while a
+// survivor pushes to the same keys and checks every read it makes for tearing. After each kill
+// the survivor must make progress within 10 s (so no lock was left held), and at the end a
+// fresh client still gets a slot and untorn values.
+void run_kill_trials(const ClientOptions& o, const KillTrials& t) {
   {
     Client admin(o);
-    std::vector<float> zeros(kLen, 0.0f);
-    for (Key k = 0; k < 4; ++k) admin.wait(admin.init(k, zeros));
+    std::vector<float> zeros(t.length, 0.0f);
+    for (Key k = 0; k < t.keys; ++k) admin.wait(admin.init(k, zeros));
   }
-  // A survivor that pushes and checks for torn reads until told to stop, reporting progress.
-  auto* progress = static_cast<std::atomic<std::uint64_t>*>(
+  auto* shared = static_cast<std::atomic<std::uint64_t>*>(
       mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0));
-  new (progress) std::atomic<std::uint64_t>(0);
-  auto* stop = new (progress + 1) std::atomic<std::uint64_t>(0);
+  auto* progress = new (shared) std::atomic<std::uint64_t>(0);
+  auto* stop = new (shared + 1) std::atomic<std::uint64_t>(0);
+  auto* victim_pushes = new (shared + 2) std::atomic<std::uint64_t>(0);
   const pid_t survivor = fork_worker([&] {
     Client client(o);
-    std::vector<float> one(kLen, 1.0f), out(kLen);
+    std::vector<float> one(t.length, 1.0f), out(t.length);
     while (stop->load() == 0) {
-      for (Key k = 0; k < 4; ++k) {
+      for (Key k = 0; k < t.keys; ++k) {
         client.wait(client.push(k, one));
         client.wait(client.pull(k, out));
         for (float x : out)
@@ -127,14 +154,19 @@ TEST(ShmIntegration, SigkillOfPushingWorkersLeavesTheStoreUsable) {
     }
     return 0;
   });
-  std::mt19937 rng(12345);
-  for (int trial = 0; trial < 50; ++trial) {
+  std::mt19937 rng(t.seed);
+  for (int trial = 0; trial < t.trials; ++trial) {
+    victim_pushes->store(0);
     const pid_t victim = fork_worker([&]() -> int {
       Client client(o);
-      std::vector<float> one(kLen, 1.0f);
-      for (int i = 0;; ++i) client.wait(client.push(Key(i % 4), one));
+      std::vector<float> one(t.length, 1.0f);
+      for (Key i = 0;; ++i) {
+        client.wait(client.push(i % t.keys, one));
+        victim_pushes->fetch_add(1);
+      }
     });
-    std::this_thread::sleep_for(std::chrono::microseconds(200 + rng() % 20000));
+    while (t.after_first_push && victim_pushes->load() == 0) std::this_thread::sleep_for(std::chrono::microseconds(100));
+    std::this_thread::sleep_for(std::chrono::microseconds(200 + rng() % t.max_delay_us));
     kill(victim, SIGKILL);
     EXPECT_EQ(wait_pid(victim), 128 + SIGKILL);
     const std::uint64_t before = progress->load();
@@ -145,14 +177,32 @@ TEST(ShmIntegration, SigkillOfPushingWorkersLeavesTheStoreUsable) {
   }
   stop->store(1);
   EXPECT_EQ(wait_pid(survivor), 0);
-  // A fresh client still gets a slot and an untorn, consistent value after all the kills.
   Client check(o);
-  std::vector<float> out(kLen);
-  for (Key k = 0; k < 4; ++k) {
+  std::vector<float> out(t.length);
+  for (Key k = 0; k < t.keys; ++k) {
     check.wait(check.pull(k, out));
     for (float x : out) ASSERT_EQ(x, out[0]);
   }
-  munmap(progress, 4096);
+  munmap(shared, 4096);
+}
+
+// 64 KiB values, killed from 0.2 ms after the fork: kills land while the victim claims its slot,
+// in its copy into the ring, in its undo copy or apply, and between pushes.
+TEST_P(ShmPush, SigkillOfPushingWorkersLeavesTheStoreUsable) {
+  auto server = start("kill");
+  run_kill_trials(shm_client(server.uri), {.trials = 50, .keys = 4, .length = 16384, .max_delay_us = 20000, .after_first_push = false, .seed = 12345});
+}
+
+// Workers that apply their own pushes are killed while they hold a stripe lock with a value
+// half-updated (2 MiB values, so most kills land there). The server must roll each back and
+// release the lock.
+TEST(ShmIntegration, SigkillInsideAWorkerAppliedPushIsRolledBack) {
+  auto server = start_shm(unique_name("rollback"), {"--shm-push", "worker"});
+  const ClientOptions o = shm_client(server.uri);
+  run_kill_trials(o, {.trials = 20, .keys = 2, .length = 1u << 19, .max_delay_us = 3000, .after_first_push = true, .seed = 99});
+  Client check(o);
+  const std::string stats = check.server_stats(0);
+  EXPECT_GE(stat(stats, "recovered_pushes"), 3u) << stats;
 }
 
 TEST(ShmIntegration, SegmentIsPrivateAndRemovedAtExit) {

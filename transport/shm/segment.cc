@@ -23,7 +23,7 @@ namespace pskv::shm {
 namespace {
 constexpr std::uint64_t kSegmentMagic = 0x474553564b53502eULL;  // ".PSKVSEG"
 // 2: ClientSlot::client_polling, 3: SegmentHeader::spinners, 4: ClientSlot::waiters_sleeping, waiter_word
-constexpr std::uint32_t kLayoutVersion = 4;
+constexpr std::uint32_t kLayoutVersion = 5;
 
 class RegionView final : public MemoryResource {
  public:
@@ -90,24 +90,40 @@ Errc decode_entry(const RingEntry& e, const std::byte* area, std::uint64_t area_
   return wire::validate_keys(h, *keys, why);
 }
 
-std::uint64_t process_start_time(pid_t pid) {
+namespace {
+struct ProcessStat {
+  char state = 0;  // 0: no such process
+  std::uint64_t start_time = 0;
+};
+
+ProcessStat read_process_stat(pid_t pid) {
   std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
   std::string stat;
-  if (!std::getline(in, stat)) return 0;
-  // Field 22 (starttime); skip past the parenthesised command name, which may contain spaces.
+  if (!std::getline(in, stat)) return {};
+  // Fields 3 (state) and 22 (starttime); skip past the parenthesised command name, which may
+  // contain spaces.
   const auto close = stat.rfind(')');
-  if (close == std::string::npos) return 0;
+  if (close == std::string::npos || close + 2 >= stat.size()) return {};
+  ProcessStat out;
+  out.state = stat[close + 2];
   std::istringstream rest(stat.substr(close + 2));
   std::string field;
   for (int i = 3; i <= 22 && rest >> field; ++i)
-    if (i == 22) return std::stoull(field);
-  return 0;
+    if (i == 22) out.start_time = std::stoull(field);
+  return out;
 }
+}  // namespace
+
+std::uint64_t process_start_time(pid_t pid) { return read_process_stat(pid).start_time; }
 
 bool process_alive(pid_t pid, std::uint64_t start_time) {
   if (pid <= 0) return false;
   if (::kill(pid, 0) != 0 && errno != EPERM) return false;
-  return start_time == 0 || process_start_time(pid) == start_time;
+  // A killed process that its parent has not reaped yet is a zombie: it holds nothing and will
+  // never run again, so what it left must be repaired now, not when the parent gets round to it.
+  const ProcessStat st = read_process_stat(pid);
+  if (st.state == 'Z' || st.state == 'X') return false;
+  return start_time == 0 || st.start_time == start_time;
 }
 
 std::unique_ptr<Segment> Segment::create(const std::string& name, const SegmentConfig& c) {
@@ -169,6 +185,7 @@ std::unique_ptr<Segment> Segment::create(const std::string& name, const SegmentC
   h.slots = c.slots;
   h.server_threads = c.server_threads;
   h.mode = static_cast<std::uint8_t>(c.mode);
+  h.worker_push = c.worker_push ? 1 : 0;
   h.staleness = c.staleness;
   h.sync_required = c.sync_required;
   h.wait_timeout_ms = c.wait_timeout_ms;

@@ -3,10 +3,13 @@
 //
 //   SegmentHeader | ClockTable | ClientSlot x slots (ring + data area each) | Store region
 //
-// Clients pull straight from the store region under the seqlock; everything that changes state
-// (push, init, clock, barrier) goes through the client's own ring and is applied by the server
-// in ring order, so a worker's clock never becomes visible before its pushes are applied, and a
-// worker killed at any instant holds no lock and leaves at worst an unpublished ring entry.
+// Clients pull straight from the store region under the seqlock. Pushes are applied by the
+// client itself under the stripe lock, with an undo record in its slot that the server's
+// watchdog rolls back if the client is killed mid-way (or, with worker_push off, they go through
+// the ring like everything else). Everything else that changes state (init, clock, barrier)
+// goes through the client's own ring and is applied by the server in ring order; a client
+// applies a push itself only once its earlier ring requests are answered, so a worker's clock
+// never becomes visible before its pushes are applied.
 #pragma once
 
 #include <sys/types.h>
@@ -21,6 +24,7 @@
 #include "common/memory.h"
 #include "pskv/error.h"
 #include "pskv/types.h"
+#include "store/store.h"
 #include "transport/wire.h"
 
 namespace pskv::shm {
@@ -62,6 +66,11 @@ struct alignas(64) ClientSlot {
   // the helper: the server then wakes them directly, one hand-off instead of two.
   std::atomic<std::uint32_t> waiters_sleeping;
   std::atomic<std::uint32_t> waiter_word;       // futex: bumped on an answer while waiters sleep
+  // A push the client applies itself (SegmentHeader::worker_push): how far it got, for the
+  // watchdog to roll back if the client dies holding a stripe lock. Its undo buffer is the
+  // front of the slot's data area, which the ring does not use meanwhile.
+  alignas(64) UndoRecord undo;
+  std::atomic<std::uint64_t> worker_pushes;     // keys this slot's clients applied themselves
   alignas(64) RingEntry ring[kRingEntries];
 };
 
@@ -75,7 +84,8 @@ struct alignas(64) SegmentHeader {
   std::uint32_t slots;
   std::uint32_t server_threads;
   std::uint8_t mode;           // ConsistencyMode
-  std::uint8_t reserved8[3];
+  std::uint8_t worker_push;    // 1: clients apply their own pushes under the stripe locks
+  std::uint8_t reserved8[2];
   std::uint32_t staleness;
   std::uint32_t sync_required;
   std::uint32_t wait_timeout_ms;
@@ -87,7 +97,11 @@ struct alignas(64) SegmentHeader {
   // Client threads spinning on their slots, over all client processes: spinning is only worth
   // it while a core is left for the server (ShmConnection::begin_polling).
   alignas(64) std::atomic<std::uint32_t> spinners;
+  alignas(64) std::atomic<std::uint64_t> recovered_pushes;  // rolled back after their client died
 };
+
+// The stripe-lock owner tag of the clients of slot i (SharedMutex::kAnonymousOwner is the server).
+inline std::uint32_t slot_owner_tag(std::uint32_t slot) noexcept { return slot + 2; }
 
 struct SegmentConfig {
   std::uint32_t num_workers = 0;
@@ -96,6 +110,7 @@ struct SegmentConfig {
   std::uint64_t slot_data_bytes = 32ull << 20;
   std::uint64_t store_bytes = 0;
   ConsistencyMode mode = ConsistencyMode::asp;
+  bool worker_push = true;
   std::uint32_t staleness = 0, sync_required = 0, wait_timeout_ms = 10000;
 };
 

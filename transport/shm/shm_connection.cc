@@ -32,6 +32,8 @@ ShmConnection::ShmConnection(const Uri& uri, const transport::ConnectOptions& op
   bounded_ = clocks_ && mode != ConsistencyMode::asp;
   staleness_ = mode == ConsistencyMode::ssp ? header_->staleness : 0;
   quorum_ = mode == ConsistencyMode::sync ? (header_->sync_required ? header_->sync_required : header_->num_workers) : 0;
+  // Sync mode sums the workers' pushes on the server before applying them once.
+  worker_push_ = header_->worker_push != 0 && mode != ConsistencyMode::sync;
   info_.num_workers = header_->num_workers;
   data_capacity_ = header_->slot_data_bytes;
   const auto cores = std::max(1u, std::thread::hardware_concurrency());
@@ -48,6 +50,7 @@ ShmConnection::ShmConnection(const Uri& uri, const transport::ConnectOptions& op
       s.owner_start = start;
       s.worker_id = options.worker_id;
       s.waits_on_clock.store(0);
+      s.undo.phase.store(UndoPhase::idle);
       s.owner_pid.store(me, std::memory_order_release);
       slot_ = &s;
       slot_index_ = i;
@@ -87,15 +90,11 @@ bool ShmConnection::bound_allows(std::uint64_t clock, std::uint64_t* observed) c
   return need == 0 || *observed >= need;
 }
 
-Errc ShmConnection::read_values(const Request& request, std::string* why) const {
-  thread_local std::vector<SlotHeader*> slots;
+Errc ShmConnection::lookup(const Request& request, std::vector<SlotHeader*>& slots, std::string* why) const {
   const std::size_t n = request.keys.size();
   slots.resize(n);
   store_->find_batch(n, [&](std::size_t i) { return request.keys[i].key; }, slots.data());
-  // Copying is the first touch of each slot: keep its misses in flight ahead of the copy.
-  constexpr std::size_t kAhead = 16;
   for (std::size_t i = 0; i < n; ++i) {
-    if (i + kAhead < n && slots[i + kAhead]) Store::prefetch_slot(*slots[i + kAhead]);
     const KeySlice& k = request.keys[i];
     if (!slots[i]) {
       *why = "key " + std::to_string(k.key) + " does not exist on " + endpoint_ + ": init it before pushing or pulling";
@@ -106,13 +105,110 @@ Errc ShmConnection::read_values(const Request& request, std::string* why) const 
              std::to_string(k.length);
       return Errc::length_mismatch;
     }
-    Store::read_slot(*slots[i], k.data);
   }
   return Errc::ok;
 }
 
+Errc ShmConnection::read_values(const Request& request, std::string* why) const {
+  thread_local std::vector<SlotHeader*> slots;
+  if (Errc e = lookup(request, slots, why); e != Errc::ok) return e;
+  // Copying is the first touch of each slot's values: keep its misses in flight ahead of the copy.
+  constexpr std::size_t kAhead = 16;
+  const std::size_t n = request.keys.size();
+  for (std::size_t i = 0; i < n; ++i) {
+    if (i + kAhead < n) Store::prefetch_slot(*slots[i + kAhead]);
+    Store::read_slot(*slots[i], request.keys[i].data);
+  }
+  return Errc::ok;
+}
+
+bool ShmConnection::push_directly(Request& request) {
+  // A push applied into the segment of a dead server would be acknowledged and then lost, so
+  // the server's liveness is checked here too (the helper only looks every 500 ms); at most
+  // every 10 ms, since it reads /proc.
+  const std::int64_t now_ns = std::chrono::steady_clock::now().time_since_epoch().count();
+  if (now_ns - last_alive_check_ns_.load(std::memory_order_relaxed) > 10'000'000) {
+    last_alive_check_ns_.store(now_ns, std::memory_order_relaxed);
+    if (!segment_->server_alive()) fail_everything(Errc::peer_failure, server_gone());
+  }
+  {
+    std::lock_guard lock(mu_);
+    if (broken_ || direct_active_) return false;
+    if (answers_waiting()) settle();
+    // Program order: this client's earlier ring requests (an init of the key, a clock) first.
+    if (completed_.load(std::memory_order_relaxed) != next_seq_) return false;
+    direct_active_ = true;
+  }
+  auto finish = [&] {
+    {
+      std::lock_guard lock(mu_);
+      direct_active_ = false;
+    }
+    space_.notify_all();
+  };
+  thread_local std::vector<SlotHeader*> slots;
+  std::string why;
+  // Every key is checked before any is applied, as the server does: a bad key changes nothing.
+  if (Errc e = lookup(request, slots, &why); e != Errc::ok) {
+    finish();
+    request.completion->complete_part(e, why);
+    return true;
+  }
+  std::size_t undo_room = 0;
+  for (const SlotHeader* s : slots) undo_room = std::max(undo_room, store_->undo_floats(*s));
+  if (undo_room * sizeof(float) > data_capacity_) {
+    finish();
+    return false;  // the ring path says whether the push itself fits
+  }
+  auto* undo = reinterpret_cast<float*>(data_);
+  const std::uint32_t owner = slot_owner_tag(slot_index_);
+  const auto patience = std::chrono::milliseconds(header_->wait_timeout_ms);
+  Errc status = Errc::ok;
+  for (std::size_t i = 0; i < slots.size() && status == Errc::ok; ++i) {
+    const KeySlice& k = request.keys[i];
+    const auto start = std::chrono::steady_clock::now();
+    // A holder that died is repaired by the server's watchdog within about 100 ms; meanwhile
+    // make sure there still is a server to do it.
+    while ((status = store_->apply_logged(*slots[i], k.data, 1.0f, owner, slot_->undo, undo,
+                                          std::chrono::steady_clock::now() + std::chrono::milliseconds(100))) ==
+           Errc::timeout) {
+      const std::uint32_t holder = store_->stripe_holder(slots[i]->key);
+      if (!segment_->server_alive()) {
+        why = "the pskv server of " + endpoint_ + " is gone while key " + std::to_string(k.key) +
+              "'s stripe lock is held (by " + describe_owner(holder) + "); " + std::to_string(i) + " of " +
+              std::to_string(slots.size()) + " keys of this push were applied";
+        status = Errc::peer_failure;
+        break;
+      }
+      if (std::chrono::steady_clock::now() - start > patience) {
+        why = "waited " + std::to_string(patience.count()) + " ms for the stripe lock of key " + std::to_string(k.key) +
+              ", held by " + describe_owner(holder) + "; " + std::to_string(i) + " of " + std::to_string(slots.size()) +
+              " keys of this push were applied";
+        break;
+      }
+    }
+  }
+  slot_->worker_pushes.store(slot_->worker_pushes.load(std::memory_order_relaxed) + request.keys.size(),
+                             std::memory_order_relaxed);
+  finish();
+  request.completion->complete_part(status, why);
+  return true;
+}
+
+std::string ShmConnection::server_gone() const {
+  return "the pskv server of " + endpoint_ + " (pid " + std::to_string(header_->server_pid) + ") is gone; did it die?";
+}
+
+std::string ShmConnection::describe_owner(std::uint32_t owner) const {
+  if (owner == 0) return "nobody now";
+  if (owner == SharedMutex::kAnonymousOwner || owner - 2 >= header_->slots) return "the server";
+  ClientSlot& s = segment_->slot(owner - 2);
+  return "the client in slot " + std::to_string(owner - 2) + ", pid " + std::to_string(s.owner_pid.load());
+}
+
 void ShmConnection::submit(Request& request) {
   if (request.op != wire::Op::pull) {
+    if (request.op == wire::Op::push && worker_push_ && push_directly(request)) return;
     enqueue(request);
     return;
   }
@@ -174,7 +270,7 @@ void ShmConnection::enqueue(Request& request) {
     if (start % data_capacity_ + need > data_capacity_) start += data_capacity_ - start % data_capacity_;
     const bool ring_room = next_seq_ - completed_.load(std::memory_order_relaxed) < kRingEntries;
     const bool data_room = start + need - data_tail_ <= data_capacity_;
-    if (ring_room && data_room) break;
+    if (ring_room && data_room && !direct_active_) break;
     space_.wait_for(lock, std::chrono::milliseconds(100));
   }
   const std::uint64_t seq = next_seq_ + 1;
@@ -360,8 +456,7 @@ void ShmConnection::helper_loop() {
     if (now - last_alive_check > std::chrono::milliseconds(500)) {
       last_alive_check = now;
       if (!segment_->server_alive()) {
-        fail_everything(Errc::peer_failure, "the pskv server of " + endpoint_ + " (pid " +
-                                                std::to_string(header_->server_pid) + ") is gone; did it die?");
+        fail_everything(Errc::peer_failure, server_gone());
         return;
       }
     }

@@ -1,6 +1,10 @@
 // Client side of the shared-memory backend. Pulls copy straight from the server's arena into
-// the caller's buffer under the seqlock (the one unavoidable copy, no round trip). Pushes and
-// control requests are copied once into this client's own slot and published on its ring. A
+// the caller's buffer under the seqlock (the one unavoidable copy, no round trip). Pushes are
+// applied by the calling thread itself under the stripe lock, the old value saved in this
+// client's own slot first so that the server can roll the push back if we die mid-way (when the
+// server allows it, outside sync mode, and once this client's earlier ring requests are
+// answered). Other pushes and control requests are copied once into this client's own slot and
+// published on its ring. A
 // waiting thread picks up the server's answers itself, while it spins or after the server woke
 // it from the slot's waiter_word (Poller); otherwise a helper thread turns them into
 // completions. The helper also runs pulls that had to wait for the consistency bound or for
@@ -12,6 +16,7 @@
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <vector>
 
 #include "consistency/clock_table.h"
 #include "store/store.h"
@@ -40,6 +45,13 @@ class ShmConnection final : public transport::Connection, private transport::Pol
     std::chrono::steady_clock::time_point deadline;
   };
   void enqueue(transport::Request& request);
+  // Applies a push on this thread; false if it must go through the ring instead.
+  bool push_directly(transport::Request& request);
+  // Finds and checks every key of the request; returns the error text on failure.
+  Errc lookup(const transport::Request& request, std::vector<SlotHeader*>& slots, std::string* why) const;
+  // Who holds a stripe lock, for error messages.
+  std::string describe_owner(std::uint32_t owner) const;
+  std::string server_gone() const;
   bool bound_allows(std::uint64_t clock, std::uint64_t* observed) const;
   // Copies the values; returns the error text on failure (empty on success).
   Errc read_values(const transport::Request& request, std::string* why) const;
@@ -75,6 +87,8 @@ class ShmConnection final : public transport::Connection, private transport::Pol
   std::uint32_t quorum_ = 0;
   std::uint64_t staleness_ = 0;
   bool bounded_ = false;
+  bool worker_push_ = false;
+  std::atomic<std::int64_t> last_alive_check_ns_{0};  // steady_clock, by push_directly
 
   std::mutex mu_;  // guards everything below
   std::condition_variable space_;
@@ -87,6 +101,9 @@ class ShmConnection final : public transport::Connection, private transport::Pol
   transport::Request* pending_[kRingEntries] = {};
   std::uint64_t data_end_[kRingEntries] = {};
   std::deque<ParkedPull> parked_;
+  // A thread is applying a push itself: the data area's front holds its undo copy, so the ring
+  // takes no new request until it is done.
+  bool direct_active_ = false;
   bool broken_ = false;
   std::string broken_why_;
   bool stopping_ = false;

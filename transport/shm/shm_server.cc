@@ -34,6 +34,7 @@ ShmServer::ShmServer(const std::string& name, const EngineOptions& engine, const
   c.slots = options.slots;
   c.server_threads = std::min(options.threads, kMaxServerThreads);
   c.slot_data_bytes = options.slot_data_bytes;
+  c.worker_push = options.worker_push;
   c.store_bytes = Store::required_bytes(engine.store);
   c.mode = engine.mode;
   c.staleness = engine.staleness;
@@ -74,6 +75,15 @@ void ShmServer::stop() {
   }
   h.server_pid = 0;
   segment_->remove();
+}
+
+std::string ShmServer::stats_json() const {
+  std::uint64_t worker_pushes = 0;
+  for (std::uint32_t i = 0; i < segment_->header().slots; ++i)
+    worker_pushes += segment_->slot(i).worker_pushes.load(std::memory_order_relaxed);
+  return engine_->stats_json(worker_pushes, ",\"worker_pushes\":" + std::to_string(worker_pushes) +
+                                                ",\"recovered_pushes\":" +
+                                                std::to_string(segment_->header().recovered_pushes.load()));
 }
 
 void ShmServer::wake_thread(std::uint32_t i) {
@@ -154,7 +164,7 @@ bool ShmServer::process(std::uint32_t i, RingEntry& e, std::uint64_t seq) {
         }
         break;
       case wire::Op::stats:
-        why = engine_->stats_json();
+        why = stats_json();
         break;
       default:
         status = Errc::protocol;
@@ -216,8 +226,13 @@ void ShmServer::watchdog() {
       ClientSlot& s = segment_->slot(i);
       const pid_t pid = s.owner_pid.load(std::memory_order_acquire);
       if (pid == 0 || pid == kClaimingSlot || process_alive(pid, s.owner_start)) continue;
-      // The owner died. Whatever it published is applied first (it was fully written before
-      // head moved); then the slot is freed for the next client.
+      // The owner died. A push it was applying itself is rolled back and its stripe lock
+      // released first: server threads and other clients may be waiting on that lock.
+      const Store::Recovery r = engine_->store().recover(
+          s.undo, slot_owner_tag(i), reinterpret_cast<const float*>(segment_->slot_data(i)), h.slot_data_bytes / sizeof(float));
+      if (r == Store::Recovery::rolled_back) h.recovered_pushes.fetch_add(1);
+      // Whatever it published is applied next (it was fully written before head moved); then
+      // the slot is freed for the next client.
       wake_thread(i);
       if (s.done.load() < s.head.load() || blocked_[i].load()) continue;
       // A client killed while it spun never said so: return its share of the spinner count.

@@ -1,6 +1,6 @@
 // Server side of the shared-memory backend: threads that apply each client's ring in order,
 // sleeping on a futex doorbell when every ring is empty, and a watchdog that notices clients
-// that died and frees their slots.
+// that died, rolls back a push one left half-applied, releases its stripe lock and frees its slot.
 #pragma once
 
 #include <atomic>
@@ -20,6 +20,8 @@ struct ShmServerOptions {
   std::uint32_t threads = 1;
   std::uint32_t slots = 64;
   std::uint64_t slot_data_bytes = 32ull << 20;
+  // Clients apply their own pushes (no hand-off to a server thread); false: through the ring.
+  bool worker_push = true;
 };
 
 // Thread-safety: construct and destroy from one thread; stop() is idempotent.
@@ -33,6 +35,8 @@ class ShmServer {
   ShmServer& operator=(const ShmServer&) = delete;
 
   ShardEngine& engine() noexcept { return *engine_; }
+  // The engine's stats plus the pushes clients applied themselves and those rolled back.
+  std::string stats_json() const;
   void stop();
 
  private:
