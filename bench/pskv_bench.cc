@@ -215,13 +215,16 @@ double tcp_pingpong_p50_us(std::uint16_t port, int rounds) {
 
 // The least work a crash-safe shared-memory push does, on one core and with no hand-off: copy
 // the value into a slot (the copy a dying worker may leave half-done), then apply the slot.
+// The shm push floor: one value-sized copy (a worker's undo copy, or its copy into the slot)
+// and the apply, with pskv's own kernels (both spread over the cores from 1 MiB), one after the
+// other on the calling thread, no hand-off.
 double copy_apply_bandwidth(std::size_t bytes, double seconds) {
   const std::size_t floats = std::max<std::size_t>(1, bytes / sizeof(float));
   std::vector<float> grad(floats, 1e-3f), slot(floats), value(floats, 1.0f);
   std::uint64_t moved = 0;
   const auto t0 = Clock::now();
   while (seconds_since(t0) < seconds) {
-    std::memcpy(slot.data(), grad.data(), floats * sizeof(float));
+    pskv::copy_floats(slot.data(), grad.data(), floats);
     apply_pushed(value.data(), slot.data(), floats);
     moved += floats * sizeof(float);
     asm volatile("" ::"r"(value.data()) : "memory");
@@ -533,6 +536,9 @@ int main(int argc, char** argv) {
   bool json = false;
   app.add_option("--transport", transport, "tcp, shm or rdma")->capture_default_str()
       ->check(CLI::IsMember({"tcp", "shm", "rdma"}));
+  std::string shm_push = "worker";
+  app.add_option("--shm-push", shm_push, "shm servers it starts: who applies a push (worker or server, as pskv-server)")
+      ->capture_default_str()->check(CLI::IsMember({"worker", "server"}));
   app.add_option("--sizes", sizes_text, "Value sizes in bytes (K/M suffixes)")->capture_default_str();
   app.add_option("--clients", clients_text, "Client counts to sweep")->capture_default_str();
   app.add_option("--ops", ops_text, "Operations to measure: push, pull")->capture_default_str();
@@ -602,6 +608,7 @@ int main(int argc, char** argv) {
         so.uri = transport == "shm" ? "shm://bench-" + std::to_string(getppid()) + "-" + std::to_string(s)
                                     : transport + "://127.0.0.1:0";
         so.server_id = static_cast<std::uint32_t>(s);
+        so.shm_push = shm_push;
         if (workload == "steps") {
           so.num_workers = static_cast<std::uint32_t>(workers);
           so.mode = *pskv::parse_consistency_mode(mode);
@@ -692,7 +699,7 @@ int main(int argc, char** argv) {
     for (std::size_t si = 0; si < sizes.size(); ++si)
       if (bound_at[si] > 0)
         std::printf("  push bound (%s) %zu B: %s/s\n",
-                    transport == "shm" ? "memcpy into a slot, then apply" : "TCP stream into an applying sink", sizes[si],
+                    transport == "shm" ? "copy into a slot, then apply" : "TCP stream into an applying sink", sizes[si],
                     human(bound_at[si]).c_str());
     std::printf("%-5s %-5s %10s %7s %12s %9s %9s  %s\n", "tport", "op", "value", "clients", "bandwidth", "p50 us",
                 "p99 us", "ratio to baseline");

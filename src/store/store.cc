@@ -260,8 +260,8 @@ Errc Store::apply_logged(SlotHeader& slot, const float* grad, float lr_scale, st
   const std::uint64_t seq = slot.seq.load(std::memory_order_relaxed);
   log.seq = seq;
   log.update_count = slot.update_count;
-  std::memcpy(undo, slot.values(), length * sizeof(float));
-  if (state_count) std::memcpy(undo + length, state, state_count * sizeof(float));
+  copy_floats(undo, slot.values(), length);
+  if (state_count) copy_floats(undo + length, state, state_count);
   log.phase.store(UndoPhase::saved, std::memory_order_release);
   slot.seq.store(seq + 1, std::memory_order_relaxed);
   std::atomic_thread_fence(std::memory_order_release);

@@ -135,6 +135,19 @@ void apply_range(const UpdateRuleConfig& r, float* value, float* m_state, float*
 
 }  // namespace
 
+void copy_floats(float* dst, const float* src, std::size_t n) noexcept {
+  if (n < kParallelApplyFloats || PSKV_TSAN) {
+    std::memcpy(dst, src, n * sizeof(float));
+    return;
+  }
+  tbb::parallel_for(tbb::blocked_range<std::size_t>(0, n / kAlign, kGrainFloats / kAlign),
+                    [&](const tbb::blocked_range<std::size_t>& b) {
+                      const std::size_t begin = b.begin() * kAlign;
+                      const std::size_t end = b.end() == n / kAlign ? n : b.end() * kAlign;
+                      std::memcpy(dst + begin, src + begin, (end - begin) * sizeof(float));
+                    });
+}
+
 void use_baseline_kernels(bool baseline) noexcept { g_use_avx2.store(g_cpu_has_avx2 && !baseline); }
 
 void apply_update(const UpdateRuleConfig& r, float* value, float* state, const float* grad, std::size_t n,

@@ -19,6 +19,9 @@ inline constexpr std::size_t kParallelApplyFloats = 256u << 10;  // 1 MiB
 void apply_update(const UpdateRuleConfig& rule, float* value, float* state, const float* grad, std::size_t n,
                   std::uint64_t step, float lr_scale) noexcept;
 
+// memcpy of n floats, spread over the cores like apply_update for large n.
+void copy_floats(float* dst, const float* src, std::size_t n) noexcept;
+
 // The streaming kernels pick AVX2 at run time where the CPU has it. Tests switch to the SSE2
 // ones with this to cover both on one machine. Not for concurrent use with apply_update.
 void use_baseline_kernels(bool baseline) noexcept;
