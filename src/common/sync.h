@@ -75,9 +75,10 @@ class SharedMutex {
     if (try_lock_spinning(owner)) return;
     lock_slow(owner << 1, std::chrono::steady_clock::time_point::max());
   }
-  // False if the lock was still held at `deadline` (the caller may check that the holder lives).
-  bool lock_until(std::uint32_t owner, std::chrono::steady_clock::time_point deadline) noexcept {
-    return try_lock_spinning(owner) || lock_slow(owner << 1, deadline);
+  // False if the lock was still held after `patience` (the caller may check that the holder
+  // lives). The clock is read only once the lock turns out to be contended.
+  bool lock_for(std::uint32_t owner, std::chrono::nanoseconds patience) noexcept {
+    return try_lock_spinning(owner) || lock_slow(owner << 1, std::chrono::steady_clock::now() + patience);
   }
   bool try_lock(std::uint32_t owner = kAnonymousOwner) noexcept {
     std::uint32_t c = 0;

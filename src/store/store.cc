@@ -242,7 +242,7 @@ Errc Store::apply_slot(SlotHeader& slot, const float* grad, const UpdateRuleConf
 }
 
 Errc Store::apply_logged(SlotHeader& slot, const float* grad, float lr_scale, std::uint32_t owner, UndoRecord& log,
-                         float* undo, std::chrono::steady_clock::time_point deadline) noexcept {
+                         float* undo, std::chrono::nanoseconds patience) noexcept {
   const UpdateRuleConfig& rule = header().rule;
   const std::size_t length = slot.length;
   const std::size_t state_count = state_floats(slot);
@@ -253,7 +253,7 @@ Errc Store::apply_logged(SlotHeader& slot, const float* grad, float lr_scale, st
   // Announced before the lock is taken, so that a recoverer knows which lock to look at.
   log.phase.store(UndoPhase::locking, std::memory_order_seq_cst);
   SharedMutex& lock = stripe_at(stripe);
-  if (!lock.lock_until(owner, deadline)) {
+  if (!lock.lock_for(owner, patience)) {
     log.phase.store(UndoPhase::idle, std::memory_order_release);
     return Errc::timeout;
   }

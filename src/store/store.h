@@ -143,9 +143,9 @@ class Store {
   // The store's rule applied by `owner` (a SharedMutex owner tag unique to that process), which
   // may die at any instant: the old value, state and count go to `undo` (room for
   // undo_floats(slot)) and `log` says how far it got. Errc::timeout if the stripe lock was still
-  // held at `deadline`, with nothing changed.
+  // held after `patience`, with nothing changed.
   Errc apply_logged(SlotHeader& slot, const float* grad, float lr_scale, std::uint32_t owner, UndoRecord& log,
-                    float* undo, std::chrono::steady_clock::time_point deadline) noexcept;
+                    float* undo, std::chrono::nanoseconds patience) noexcept;
   std::size_t undo_floats(const SlotHeader& slot) const noexcept { return std::size_t{slot.length} + state_floats(slot); }
   // After `owner` died: if it held a stripe lock per `log`, rolls a half-made update back from
   // `undo` (undo_capacity floats) and releases the lock. The record is untrusted (its writer may

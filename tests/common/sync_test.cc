@@ -24,15 +24,15 @@ TEST(SharedMutex, HolderIsTheOwnerTag) {
   m.unlock();
 }
 
-TEST(SharedMutex, LockUntilGivesUpAtTheDeadline) {
+TEST(SharedMutex, LockForGivesUpAfterItsPatience) {
   SharedMutex m;
   m.lock(3);
   const auto start = Clock::now();
-  EXPECT_FALSE(m.lock_until(4, start + std::chrono::milliseconds(30)));
+  EXPECT_FALSE(m.lock_for(4, std::chrono::milliseconds(30)));
   EXPECT_GE(Clock::now() - start, std::chrono::milliseconds(30));
   EXPECT_EQ(m.holder(), 3u);
   m.unlock();
-  EXPECT_TRUE(m.lock_until(4, Clock::now() + std::chrono::milliseconds(30)));
+  EXPECT_TRUE(m.lock_for(4, std::chrono::milliseconds(30)));
   EXPECT_EQ(m.holder(), 4u);
   m.unlock();
 }
@@ -67,7 +67,7 @@ TEST(SharedMutex, MutualExclusionUnderContention) {
     threads.emplace_back([&, t] {
       for (int i = 0; i < 20000; ++i) {
         if (i % 3 == 0) {
-          while (!m.lock_until(t + 2, Clock::now() + std::chrono::microseconds(50))) {
+          while (!m.lock_for(t + 2, std::chrono::microseconds(50))) {
           }
         } else {
           m.lock(t + 2);

@@ -166,12 +166,12 @@ bool ShmConnection::push_directly(Request& request) {
   Errc status = Errc::ok;
   for (std::size_t i = 0; i < slots.size() && status == Errc::ok; ++i) {
     const KeySlice& k = request.keys[i];
-    const auto start = std::chrono::steady_clock::now();
     // A holder that died is repaired by the server's watchdog within about 100 ms; meanwhile
     // make sure there still is a server to do it.
-    while ((status = store_->apply_logged(*slots[i], k.data, 1.0f, owner, slot_->undo, undo,
-                                          std::chrono::steady_clock::now() + std::chrono::milliseconds(100))) ==
-           Errc::timeout) {
+    constexpr auto kTick = std::chrono::milliseconds(100);
+    std::chrono::milliseconds waited{0};
+    while ((status = store_->apply_logged(*slots[i], k.data, 1.0f, owner, slot_->undo, undo, kTick)) == Errc::timeout) {
+      waited += kTick;
       const std::uint32_t holder = store_->stripe_holder(slots[i]->key);
       if (!segment_->server_alive()) {
         why = "the pskv server of " + endpoint_ + " is gone while key " + std::to_string(k.key) +
@@ -180,7 +180,7 @@ bool ShmConnection::push_directly(Request& request) {
         status = Errc::peer_failure;
         break;
       }
-      if (std::chrono::steady_clock::now() - start > patience) {
+      if (waited >= patience) {
         why = "waited " + std::to_string(patience.count()) + " ms for the stripe lock of key " + std::to_string(k.key) +
               ", held by " + describe_owner(holder) + "; " + std::to_string(i) + " of " + std::to_string(slots.size()) +
               " keys of this push were applied";
