@@ -8,7 +8,10 @@ BUILD=${1:-build}
 BENCH=$BUILD/bench/pskv-bench
 OUT=docs/bench
 SECONDS_PER_POINT=${PSKV_BENCH_SECONDS:-0.5}
-[ -x "$BENCH" ] || { echo "build first: $BENCH is missing (scripts/test.sh or cmake --build build)" >&2; exit 1; }
+[ -f "$BUILD/CMakeCache.txt" ] || { echo "configure first: $BUILD has no CMakeCache.txt (scripts/test.sh or cmake -B $BUILD)" >&2; exit 1; }
+# Results from stale binaries would describe some other commit.
+cmake --build "$BUILD" -j "${JOBS:-2}" >&2
+[ -x "$BENCH" ] || { echo "$BENCH is missing: configure $BUILD with -DPSKV_BUILD_BENCH=ON" >&2; exit 1; }
 command -v gnuplot >/dev/null || apt-get install -y -qq --no-install-recommends gnuplot-nox >/dev/null
 command -v python3 >/dev/null || apt-get install -y -qq --no-install-recommends python3 >/dev/null
 mkdir -p "$OUT"
