@@ -213,8 +213,6 @@ double tcp_pingpong_p50_us(std::uint16_t port, int rounds) {
   return percentile(lat, 0.5);
 }
 
-// The least work a crash-safe shared-memory push does, on one core and with no hand-off: copy
-// the value into a slot (the copy a dying worker may leave half-done), then apply the slot.
 // The shm push floor: one value-sized copy (a worker's undo copy, or its copy into the slot)
 // and the apply, with pskv's own kernels (both spread over the cores from 1 MiB), one after the
 // other on the calling thread, no hand-off.

@@ -28,12 +28,12 @@ struct KeySlice {
   float* data;
 };
 
+class Completion;
+
 // Something a waiter drives while it spins: it completes requests whose answers have already
 // landed, on the waiting thread, so a local reply does not wait for a transport thread to be
 // woken and scheduled (on two cores that hand-off cost more than a small shm push itself).
 // Thread-safety: any number of threads may poll at once.
-class Completion;
-
 class Poller {
  public:
   // Cheap when nothing has landed; never blocks.

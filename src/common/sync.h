@@ -69,7 +69,6 @@ PSKV_NO_TSAN inline void seqlock_copy(void* dst, const void* src, std::size_t n)
 class SharedMutex {
  public:
   static constexpr std::uint32_t kAnonymousOwner = 1;
-  static constexpr std::uint32_t kMaxOwner = (1u << 31) - 1;
 
   void lock(std::uint32_t owner = kAnonymousOwner) noexcept {
     if (try_lock_spinning(owner)) return;

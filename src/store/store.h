@@ -147,12 +147,12 @@ class Store {
   Errc apply_logged(SlotHeader& slot, const float* grad, float lr_scale, std::uint32_t owner, UndoRecord& log,
                     float* undo, std::chrono::nanoseconds patience) noexcept;
   std::size_t undo_floats(const SlotHeader& slot) const noexcept { return std::size_t{slot.length} + state_floats(slot); }
+  // The owner tag holding key's stripe lock (0: free), for diagnostics.
+  std::uint32_t stripe_holder(Key key) const noexcept { return stripe_lock(key).holder(); }
   // After `owner` died: if it held a stripe lock per `log`, rolls a half-made update back from
   // `undo` (undo_capacity floats) and releases the lock. The record is untrusted (its writer may
   // have been hostile) and is checked against the store. Call from one thread at a time per log.
   enum class Recovery { nothing, released, rolled_back };
-  // The owner tag holding key's stripe lock (0: free), for diagnostics.
-  std::uint32_t stripe_holder(Key key) const noexcept { return stripe_lock(key).holder(); }
   Recovery recover(UndoRecord& log, std::uint32_t owner, const float* undo, std::size_t undo_capacity) noexcept;
 
   // Batches: keys[i] <-> values[i]. Stops at the first failure and returns its index in

@@ -22,7 +22,8 @@ namespace pskv::shm {
 
 namespace {
 constexpr std::uint64_t kSegmentMagic = 0x474553564b53502eULL;  // ".PSKVSEG"
-// 2: ClientSlot::client_polling, 3: SegmentHeader::spinners, 4: ClientSlot::waiters_sleeping, waiter_word
+// 2: ClientSlot::client_polling, 3: SegmentHeader::spinners, 4: ClientSlot::waiters_sleeping, waiter_word,
+// 5: ClientSlot::undo, worker_pushes, SegmentHeader::worker_push, recovered_pushes
 constexpr std::uint32_t kLayoutVersion = 5;
 
 class RegionView final : public MemoryResource {

@@ -4,11 +4,10 @@
 // client's own slot first so that the server can roll the push back if we die mid-way (when the
 // server allows it, outside sync mode, and once this client's earlier ring requests are
 // answered). Other pushes and control requests are copied once into this client's own slot and
-// published on its ring. A
-// waiting thread picks up the server's answers itself, while it spins or after the server woke
-// it from the slot's waiter_word (Poller); otherwise a helper thread turns them into
-// completions. The helper also runs pulls that had to wait for the consistency bound or for
-// this client's earlier pushes, and notices a dead server.
+// published on its ring. A waiting thread picks up the server's answers itself, while it spins
+// or after the server woke it from the slot's waiter_word (Poller); otherwise a helper thread
+// turns them into completions. The helper also runs pulls that had to wait for the consistency
+// bound or for this client's earlier pushes, and notices a dead server.
 #pragma once
 
 #include <condition_variable>
