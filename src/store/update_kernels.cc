@@ -133,19 +133,27 @@ void apply_range(const UpdateRuleConfig& r, float* value, float* m_state, float*
   }
 }
 
-}  // namespace
-
-void copy_floats(float* dst, const float* src, std::size_t n) noexcept {
+// Runs piece(begin, end) over [0, n). A large array is memory-bound and its caller holds the
+// key's write lock: spread it over the cores (oneTBB), in cache-line-aligned pieces so no two
+// threads share a line.
+template <class Piece>
+void in_pieces(std::size_t n, Piece&& piece) noexcept {
   if (n < kParallelApplyFloats || PSKV_TSAN) {
-    std::memcpy(dst, src, n * sizeof(float));
+    piece(std::size_t{0}, n);
     return;
   }
   tbb::parallel_for(tbb::blocked_range<std::size_t>(0, n / kAlign, kGrainFloats / kAlign),
                     [&](const tbb::blocked_range<std::size_t>& b) {
-                      const std::size_t begin = b.begin() * kAlign;
-                      const std::size_t end = b.end() == n / kAlign ? n : b.end() * kAlign;
-                      std::memcpy(dst + begin, src + begin, (end - begin) * sizeof(float));
+                      piece(b.begin() * kAlign, b.end() == n / kAlign ? n : b.end() * kAlign);
                     });
+}
+
+}  // namespace
+
+void copy_floats(float* dst, const float* src, std::size_t n) noexcept {
+  in_pieces(n, [&](std::size_t begin, std::size_t end) {
+    std::memcpy(dst + begin, src + begin, (end - begin) * sizeof(float));
+  });
 }
 
 void use_baseline_kernels(bool baseline) noexcept { g_use_avx2.store(g_cpu_has_avx2 && !baseline); }
@@ -154,19 +162,10 @@ void apply_update(const UpdateRuleConfig& r, float* value, float* state, const f
                   std::uint64_t step, float lr_scale) noexcept {
   // Adam keeps [m(n) | s(n)]; momentum and Adagrad keep one array of n.
   float* second = r.rule == UpdateRule::adam ? state + n : nullptr;
-  if (n < kParallelApplyFloats || PSKV_TSAN) {
-    apply_range(r, value, state, second, grad, n, step, lr_scale);
-    return;
-  }
-  // A large value is memory-bound and the caller holds its write lock: spread it over the cores
-  // (oneTBB), in cache-line-aligned pieces so no two threads share a line.
-  tbb::parallel_for(tbb::blocked_range<std::size_t>(0, n / kAlign, kGrainFloats / kAlign),
-                    [&](const tbb::blocked_range<std::size_t>& b) {
-                      const std::size_t begin = b.begin() * kAlign;
-                      const std::size_t end = b.end() == n / kAlign ? n : b.end() * kAlign;
-                      apply_range(r, value + begin, state ? state + begin : nullptr, second ? second + begin : nullptr,
-                                  grad + begin, end - begin, step, lr_scale);
-                    });
+  in_pieces(n, [&](std::size_t begin, std::size_t end) {
+    apply_range(r, value + begin, state ? state + begin : nullptr, second ? second + begin : nullptr, grad + begin,
+                end - begin, step, lr_scale);
+  });
 }
 
 }  // namespace pskv
