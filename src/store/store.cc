@@ -290,33 +290,37 @@ Store::Recovery Store::recover(UndoRecord& log, std::uint32_t owner, const float
   Recovery done = Recovery::released;
   if (phase == UndoPhase::saved) {
     // Only a slot the index knows, on this stripe, is touched.
-    const Header& h = header();
-    const std::uint64_t off = log.slot_offset;
-    SlotHeader* slot = nullptr;
-    if (off >= h.values_offset && off < h.values_offset + used_bytes_acquire() && off % kCacheLine == 0) {
-      auto* candidate = reinterpret_cast<SlotHeader*>(base_ + off);
-      if (find(candidate->key) == candidate && stripe_of(candidate->key) == log.stripe) slot = candidate;
-    }
-    if (slot && undo_floats(*slot) <= undo_capacity) {
-      // The writer stopped anywhere between saving and publishing: readers must retry across
-      // the restore, and must not see a version they already validated against.
-      std::uint64_t seq = slot->seq.load(std::memory_order_relaxed);
-      if ((seq & 1) == 0) {
-        ++seq;
-        slot->seq.store(seq, std::memory_order_relaxed);
-        std::atomic_thread_fence(std::memory_order_release);
-      }
-      const std::size_t length = slot->length;
-      std::memcpy(slot->values(), undo, length * sizeof(float));
-      if (const std::size_t n = state_floats(*slot)) std::memcpy(state_of(*slot), undo + length, n * sizeof(float));
-      slot->update_count = log.update_count;
-      slot->seq.store(seq + 1, std::memory_order_release);
+    SlotHeader* slot = slot_at(log.slot_offset);
+    if (slot && stripe_of(slot->key) == log.stripe && undo_floats(*slot) <= undo_capacity) {
+      overwrite_slot(*slot, undo, undo + slot->length, log.update_count);
       done = Recovery::rolled_back;
     }
   }
   log.phase.store(UndoPhase::idle, std::memory_order_release);
   lock.release_for(owner);
   return done;
+}
+
+SlotHeader* Store::slot_at(std::uint64_t offset) const noexcept {
+  const Header& h = header();
+  if (offset < h.values_offset || offset >= h.values_offset + used_bytes_acquire() || offset % kCacheLine != 0)
+    return nullptr;
+  auto* candidate = reinterpret_cast<SlotHeader*>(base_ + offset);
+  return find(candidate->key) == candidate ? candidate : nullptr;
+}
+
+void Store::overwrite_slot(SlotHeader& slot, const float* value, const float* state, std::uint64_t update_count) noexcept {
+  // An odd version is left by a writer that stopped half-way (recover); either way readers must
+  // retry across the copy, and never see again a version they already validated against.
+  std::uint64_t seq = slot.seq.load(std::memory_order_relaxed);
+  if ((seq & 1) == 0) {
+    slot.seq.store(++seq, std::memory_order_relaxed);
+    std::atomic_thread_fence(std::memory_order_release);
+  }
+  std::memcpy(slot.values(), value, std::size_t{slot.length} * sizeof(float));
+  if (const std::size_t n = state_floats(slot)) std::memcpy(state_of(slot), state, n * sizeof(float));
+  slot.update_count = update_count;
+  slot.seq.store(seq + 1, std::memory_order_release);
 }
 
 Errc Store::apply(Key key, std::span<const float> grad, const UpdateRuleConfig& rule, float lr_scale) noexcept {
@@ -346,13 +350,7 @@ Errc Store::restore_slot(Key key, std::span<const float> value, std::span<const 
   SlotHeader* slot = find(key);
   if (state.size() != state_floats(*slot)) return Errc::length_mismatch;
   std::lock_guard guard(stripe_lock(key));
-  const std::uint64_t seq = slot->seq.load(std::memory_order_relaxed);
-  slot->seq.store(seq + 1, std::memory_order_relaxed);
-  std::atomic_thread_fence(std::memory_order_release);
-  std::memcpy(slot->values(), value.data(), value.size() * sizeof(float));
-  if (!state.empty()) std::memcpy(state_of(*slot), state.data(), state.size() * sizeof(float));
-  slot->update_count = update_count;
-  slot->seq.store(seq + 2, std::memory_order_release);
+  overwrite_slot(*slot, value.data(), state.data(), update_count);
   return Errc::ok;
 }
 

@@ -147,6 +147,9 @@ class Store {
   Errc apply_logged(SlotHeader& slot, const float* grad, float lr_scale, std::uint32_t owner, UndoRecord& log,
                     float* undo, std::chrono::nanoseconds patience) noexcept;
   std::size_t undo_floats(const SlotHeader& slot) const noexcept { return std::size_t{slot.length} + state_floats(slot); }
+  // The slot whose header is `offset` bytes from the region base, if the index knows one there;
+  // nullptr for anything else (offsets from other processes are untrusted).
+  SlotHeader* slot_at(std::uint64_t offset) const noexcept;
   // The owner tag holding key's stripe lock (0: free), for diagnostics.
   std::uint32_t stripe_holder(Key key) const noexcept { return stripe_lock(key).holder(); }
   // After `owner` died: if it held a stripe lock per `log`, rolls a half-made update back from
@@ -214,6 +217,9 @@ class Store {
   std::byte* value_arena_const() const noexcept;
   std::uint64_t used_bytes_acquire() const noexcept;
   Errc create_slot(Key key, std::uint32_t length, const float* initial);
+  // Replaces value, optimizer state (state_floats(slot) floats) and update count under the
+  // seqlock; the caller holds the stripe lock.
+  void overwrite_slot(SlotHeader& slot, const float* value, const float* state, std::uint64_t update_count) noexcept;
 
   std::unique_ptr<MemoryResource> memory_;
   // Immutable after construction; cached so hot paths make no virtual calls.

@@ -262,17 +262,32 @@ TEST(Store, RecoverIgnoresAForgedRecord) {
   auto s = make_store();
   std::vector<float> v(8, 2.0f), undo(8, 9.0f);
   ASSERT_EQ(s->init(1, v), Errc::ok);
+  ASSERT_EQ(s->init(2, v), Errc::ok);
   UndoRecord log{};
   log.phase.store(UndoPhase::saved);
   log.stripe = 1u << 30;  // no such stripe
   EXPECT_EQ(s->recover(log, 5, undo.data(), undo.size()), Store::Recovery::nothing);
-  log.phase.store(UndoPhase::saved);
-  log.stripe = 0;
-  log.slot_offset = 12345;  // not a slot; and owner 5 holds no lock anyway
-  EXPECT_EQ(s->recover(log, 5, undo.data(), undo.size()), Store::Recovery::nothing);
+  EXPECT_EQ(log.phase.load(), UndoPhase::idle);
   std::vector<float> out(8);
   s->pull(1, out);
   EXPECT_EQ(out, v);
+}
+
+// recover() only restores into a slot that slot_at() accepts: a real slot header, not any
+// offset a dead writer left in its record.
+TEST(Store, SlotAtAcceptsOnlyRealSlots) {
+  auto s = make_store();
+  std::vector<float> v(40, 1.0f);
+  ASSERT_EQ(s->init(1, v), Errc::ok);
+  ASSERT_EQ(s->init(2, v), Errc::ok);
+  const std::uint64_t first = s->slot_offset(*s->find(1)), second = s->slot_offset(*s->find(2));
+  EXPECT_EQ(s->slot_at(first), s->find(1));
+  EXPECT_EQ(s->slot_at(second), s->find(2));
+  EXPECT_EQ(s->slot_at(0), nullptr);                // the store header
+  EXPECT_EQ(s->slot_at(first + 8), nullptr);        // not line-aligned
+  EXPECT_EQ(s->slot_at(first + 64), nullptr);       // inside a slot's values
+  EXPECT_EQ(s->slot_at(second + slot_bytes(40)), nullptr);  // past the used arena
+  EXPECT_EQ(s->slot_at(~0ull - 63), nullptr);
 }
 
 }  // namespace
