@@ -100,8 +100,10 @@ struct alignas(64) SegmentHeader {
   alignas(64) std::atomic<std::uint64_t> recovered_pushes;  // rolled back after their client died
 };
 
-// The stripe-lock owner tag of the clients of slot i (SharedMutex::kAnonymousOwner is the server).
+// The stripe-lock owner tag of the clients of slot i (SharedMutex::kAnonymousOwner is the server),
+// and back.
 inline std::uint32_t slot_owner_tag(std::uint32_t slot) noexcept { return slot + 2; }
+inline std::uint32_t owner_tag_slot(std::uint32_t tag) noexcept { return tag - 2; }
 
 struct SegmentConfig {
   std::uint32_t num_workers = 0;

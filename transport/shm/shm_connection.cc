@@ -164,32 +164,29 @@ bool ShmConnection::push_directly(Request& request) {
   const std::uint32_t owner = slot_owner_tag(slot_index_);
   const auto patience = std::chrono::milliseconds(header_->wait_timeout_ms);
   Errc status = Errc::ok;
-  for (std::size_t i = 0; i < slots.size() && status == Errc::ok; ++i) {
-    const KeySlice& k = request.keys[i];
+  std::size_t applied = 0;
+  for (; applied < slots.size(); ++applied) {
     // A holder that died is repaired by the server's watchdog within about 100 ms; meanwhile
     // make sure there still is a server to do it.
     constexpr auto kTick = std::chrono::milliseconds(100);
     std::chrono::milliseconds waited{0};
-    while ((status = store_->apply_logged(*slots[i], k.data, 1.0f, owner, slot_->undo, undo, kTick)) == Errc::timeout) {
+    while ((status = store_->apply_logged(*slots[applied], request.keys[applied].data, 1.0f, owner, slot_->undo, undo,
+                                          kTick)) == Errc::timeout) {
       waited += kTick;
-      const std::uint32_t holder = store_->stripe_holder(slots[i]->key);
-      if (!segment_->server_alive()) {
-        why = "the pskv server of " + endpoint_ + " is gone while key " + std::to_string(k.key) +
-              "'s stripe lock is held (by " + describe_owner(holder) + "); " + std::to_string(i) + " of " +
-              std::to_string(slots.size()) + " keys of this push were applied";
-        status = Errc::peer_failure;
-        break;
-      }
-      if (waited >= patience) {
-        why = "waited " + std::to_string(patience.count()) + " ms for the stripe lock of key " + std::to_string(k.key) +
-              ", held by " + describe_owner(holder) + "; " + std::to_string(i) + " of " + std::to_string(slots.size()) +
-              " keys of this push were applied";
-        break;
-      }
+      if (!segment_->server_alive()) status = Errc::peer_failure;
+      if (status == Errc::peer_failure || waited >= patience) break;
     }
+    if (status != Errc::ok) break;
   }
-  slot_->worker_pushes.store(slot_->worker_pushes.load(std::memory_order_relaxed) + request.keys.size(),
-                             std::memory_order_relaxed);
+  if (status != Errc::ok) {
+    const Key key = request.keys[applied].key;
+    const std::string lock = "key " + std::to_string(key) + "'s stripe lock";
+    const std::string held = " held by " + describe_owner(store_->stripe_holder(key)) + "; " + std::to_string(applied) +
+                             " of " + std::to_string(slots.size()) + " keys of this push were applied";
+    why = status == Errc::peer_failure ? server_gone() + " (" + lock + " is" + held + ")"
+                                       : "waited " + std::to_string(patience.count()) + " ms for " + lock + "," + held;
+  }
+  slot_->worker_pushes.store(slot_->worker_pushes.load(std::memory_order_relaxed) + applied, std::memory_order_relaxed);
   finish();
   request.completion->complete_part(status, why);
   return true;
@@ -201,9 +198,9 @@ std::string ShmConnection::server_gone() const {
 
 std::string ShmConnection::describe_owner(std::uint32_t owner) const {
   if (owner == 0) return "nobody now";
-  if (owner == SharedMutex::kAnonymousOwner || owner - 2 >= header_->slots) return "the server";
-  ClientSlot& s = segment_->slot(owner - 2);
-  return "the client in slot " + std::to_string(owner - 2) + ", pid " + std::to_string(s.owner_pid.load());
+  const std::uint32_t slot = owner_tag_slot(owner);
+  if (owner == SharedMutex::kAnonymousOwner || slot >= header_->slots) return "the server";
+  return "the client in slot " + std::to_string(slot) + ", pid " + std::to_string(segment_->slot(slot).owner_pid.load());
 }
 
 void ShmConnection::submit(Request& request) {
