@@ -23,6 +23,7 @@ using testing::fork_worker;
 using testing::ServerProcess;
 using testing::wait_pid;
 using testing::expect_nothing_lost;
+using testing::stats_field;
 
 std::string unique_name(const char* tag) { return std::string(tag) + "-" + std::to_string(getpid()); }
 
@@ -51,13 +52,6 @@ long cpu_ticks(pid_t pid) {
     if (i == 15) stime = std::stol(f);
   }
   return utime + stime;
-}
-
-// A JSON counter of the server's stats, e.g. "recovered_pushes".
-std::uint64_t stat(const std::string& json, const std::string& field) {
-  const auto at = json.find("\"" + field + "\":");
-  if (at == std::string::npos) throw std::runtime_error("no " + field + " in " + json);
-  return std::stoull(json.substr(at + field.size() + 3));
 }
 
 // The tests that push run with both appliers: the client itself (the default) and the server.
@@ -107,8 +101,8 @@ TEST_P(ShmPush, MultiProcessPushPull) {
   }
   EXPECT_EQ(total, 4.0 * 200);
   const std::string stats = check.server_stats(0);
-  EXPECT_EQ(stat(stats, "pushes"), 800u) << stats;
-  EXPECT_EQ(stat(stats, "worker_pushes"), workers_apply() ? 800u : 0u) << stats;
+  EXPECT_EQ(stats_field(stats, "pushes"), 800) << stats;
+  EXPECT_EQ(stats_field(stats, "worker_pushes"), workers_apply() ? 800 : 0) << stats;
 }
 
 TEST_P(ShmPush, NothingLostWith16Processes) {
@@ -202,7 +196,7 @@ TEST(ShmIntegration, SigkillInsideAWorkerAppliedPushIsRolledBack) {
   run_kill_trials(o, {.trials = 20, .keys = 2, .length = 1u << 19, .max_delay_us = 3000, .after_first_push = true, .seed = 99});
   Client check(o);
   const std::string stats = check.server_stats(0);
-  EXPECT_GE(stat(stats, "recovered_pushes"), 3u) << stats;
+  EXPECT_GE(stats_field(stats, "recovered_pushes"), 3) << stats;
 }
 
 TEST(ShmIntegration, SegmentIsPrivateAndRemovedAtExit) {

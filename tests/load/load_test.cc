@@ -27,6 +27,7 @@
 
 #include "pskv/client.h"
 #include "support/process.h"
+#include "support/workloads.h"
 
 namespace pskv {
 namespace {
@@ -35,6 +36,7 @@ using Clock = std::chrono::steady_clock;
 using testing::fork_worker;
 using testing::ServerProcess;
 using testing::wait_pid;
+using testing::stats_field;
 
 constexpr int kProcesses = 4;
 constexpr int kThreadsPerProcess = 16;
@@ -143,11 +145,6 @@ bool wait_until(F ready, std::chrono::seconds bound) {
   return true;
 }
 
-double stat_field(const std::string& json, const std::string& name) {
-  const auto at = json.find("\"" + name + "\":");
-  return at == std::string::npos ? -1 : std::stod(json.substr(at + name.size() + 3));
-}
-
 TEST(Load, SixtyFourClientsLoseNothingAndServerMemoryStaysBounded) {
   const long ops = ops_per_client();
   auto server = ServerProcess::start({"--uri", "tcp://127.0.0.1:0", "--io-threads", "2", "--max-connections", "128"});
@@ -242,7 +239,7 @@ TEST(Load, SixtyFourClientsLoseNothingAndServerMemoryStaysBounded) {
   }
   EXPECT_EQ(total, double(kClients) * double((ops + 1) / 2));
   const std::string stats = check.server_stats(0);
-  EXPECT_EQ(stat_field(stats, "pushes"), double(kClients) * double((ops + 1) / 2)) << stats;
+  EXPECT_EQ(stats_field(stats, "pushes"), double(kClients) * double((ops + 1) / 2)) << stats;
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <string>
 
 #include "pskv/client.h"
 
@@ -23,5 +24,8 @@ struct NothingLostOptions {
 // and the sum over keys is exactly clients x pushes: nothing was lost or applied twice.
 // Reports failures through GoogleTest.
 void expect_nothing_lost(const ClientOptions& options, const NothingLostOptions& w);
+
+// A number from a server's stats JSON (Client::server_stats), or -1 when the field is missing.
+double stats_field(const std::string& json, const std::string& name);
 
 }  // namespace pskv::testing
