@@ -1,5 +1,7 @@
 // Both backends with server and clients as threads of one process, so the thread sanitizer sees
-// every handoff: pipelined TCP requests, the shm ring, parked reads and completions.
+// every handoff: pipelined TCP requests, the shm ring, parked reads and completions. shm runs
+// twice: with workers applying their own pushes (the default) and with pushes through the ring
+// (shm_ring), which is the path that exercises ring polling and parked pulls.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -19,6 +21,7 @@ class InProcess : public ::testing::TestWithParam<std::string> {
   ServerOptions server_options() const {
     ServerOptions so;
     so.uri = uri();
+    if (GetParam() == "shm_ring") so.shm_push = "server";
     so.arena_bytes = 16 << 20;
     return so;
   }
@@ -97,8 +100,9 @@ TEST_P(InProcess, ThreadsSharingOneClientAllComplete) {
   }
 }
 
-// A pull issued while the same client's push is still unanswered waits behind it (shm parks it)
-// and then sees it; the waiting thread, not only the helper, lets it go.
+// A pull issued while the same client's push is still unanswered waits behind it and then sees
+// it. Through the shm ring the pull is parked, and the waiting thread, not only the helper, lets
+// it go; a push the worker applies itself is done before push() returns.
 TEST_P(InProcess, PullSeesOwnUnwaitedPush) {
   Server server(server_options());
   Client c(client_options(server));
@@ -140,7 +144,8 @@ TEST_P(InProcess, BspClocksAndBarrier) {
   EXPECT_EQ(violations.load(), 0);
 }
 
-INSTANTIATE_TEST_SUITE_P(Backends, InProcess, ::testing::Values("tcp", "shm"));
+INSTANTIATE_TEST_SUITE_P(Backends, InProcess, ::testing::Values("tcp", "shm", "shm_ring"),
+                         [](const auto& info) { return info.param; });
 
 }  // namespace
 }  // namespace pskv
