@@ -199,6 +199,40 @@ TEST(ShmIntegration, SigkillInsideAWorkerAppliedPushIsRolledBack) {
   EXPECT_GE(stats_field(stats, "recovered_pushes"), 3) << stats;
 }
 
+// A worker that hangs (SIGSTOP) while it holds a stripe lock is alive, so nothing is rolled
+// back: another worker's push to that key must give up after --wait-timeout-ms with an error
+// naming the holder's pid, not wait forever. Stops that land outside the lock are retried.
+TEST(ShmIntegration, PushBehindAHungLockHolderTimesOutNamingIt) {
+  auto server = start_shm(unique_name("hung"), {"--shm-push", "worker", "--wait-timeout-ms", "300"});
+  const ClientOptions o = shm_client(server.uri);
+  constexpr std::uint32_t kLen = 1u << 19;  // 2 MiB: the pusher holds the lock most of the time
+  std::vector<float> one(kLen, 1.0f);
+  Client c(o);
+  c.wait(c.init(Key(0), std::vector<float>(kLen, 0.0f)));
+  const pid_t hung = fork_worker([&]() -> int {
+    Client client(o);
+    for (;;) client.wait(client.push(Key(0), one));
+  });
+  int timeouts = 0;
+  for (int attempt = 0; attempt < 20 && timeouts == 0; ++attempt) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    kill(hung, SIGSTOP);
+    try {
+      c.wait(c.push(Key(0), one));
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), Errc::timeout) << e.what();
+      EXPECT_NE(std::string(e.what()).find("pid " + std::to_string(hung)), std::string::npos) << e.what();
+      ++timeouts;
+    }
+    kill(hung, SIGCONT);
+  }
+  EXPECT_EQ(timeouts, 1) << "no SIGSTOP in 20 landed while the pusher held the lock";
+  kill(hung, SIGKILL);
+  EXPECT_EQ(wait_pid(hung), 128 + SIGKILL);
+  // Once the holder is gone (and rolled back), the key takes pushes again.
+  c.wait(c.push(Key(0), one));
+}
+
 TEST(ShmIntegration, SegmentIsPrivateAndRemovedAtExit) {
   const std::string name = unique_name("mode");
   const std::string path = "/dev/shm/pskv-" + name;
