@@ -144,7 +144,7 @@ Errc ShardEngine::pull(std::span<const wire::KeyEntry> keys, float* out, std::st
   thread_local std::vector<SlotHeader*> slots;
   if (Errc e = pull_slots(keys, slots, why); e != Errc::ok) return e;
   for (std::size_t i = 0; i < keys.size(); ++i) {
-    Store::read_slot(*slots[i], out);
+    store_->read_slot_or_lock(*slots[i], out);
     out += keys[i].length;
   }
   return Errc::ok;

@@ -208,6 +208,25 @@ ReadResult Store::read_slot(const SlotHeader& slot, float* out) noexcept {
   }
 }
 
+ReadResult Store::read_slot_or_lock(const SlotHeader& slot, float* out) const noexcept {
+  const std::size_t bytes = std::size_t{slot.length} * sizeof(float);
+  SharedMutex& lock = stripe_lock(slot.key);
+  for (int attempt = 0;; ++attempt) {
+    const std::uint64_t before = stable_version(slot);
+    seqlock_copy(out, slot.values(), bytes);
+    std::atomic_thread_fence(std::memory_order_acquire);
+    if (slot.seq.load(std::memory_order_relaxed) == before) return {Errc::ok, before};
+    // Bounded patience: a holder that is stopped (a SIGSTOPped shm worker) must not take this
+    // thread with it; the optimistic copy is tried again in between.
+    if (attempt >= 2 && lock.lock_for(SharedMutex::kAnonymousOwner, std::chrono::milliseconds(1))) {
+      std::memcpy(out, slot.values(), bytes);
+      const std::uint64_t version = slot.seq.load(std::memory_order_relaxed);
+      lock.unlock();
+      return {Errc::ok, version};
+    }
+  }
+}
+
 std::uint64_t Store::stable_version(const SlotHeader& slot) noexcept {
   // A writer inside holds the slot for at most one update: spin briefly, then yield.
   for (unsigned attempt = 0;; ++attempt) {
@@ -239,6 +258,19 @@ Errc Store::apply_slot(SlotHeader& slot, const float* grad, const UpdateRuleConf
   apply_update(rule, slot.values(), state, grad, slot.length, step, lr_scale);
   slot.seq.store(seq + 2, std::memory_order_release);
   return Errc::ok;
+}
+
+void Store::apply_part(SlotHeader& slot, std::size_t begin, const float* grad, std::size_t n,
+                       std::uint64_t* step) noexcept {
+  const UpdateRuleConfig& rule = header().rule;
+  float* state = state_floats(slot) ? state_of(slot) : nullptr;
+  std::lock_guard guard(stripe_lock(slot.key));
+  const std::uint64_t seq = slot.seq.load(std::memory_order_relaxed);
+  slot.seq.store(seq + 1, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_release);
+  if (*step == 0) *step = ++slot.update_count;
+  apply_update_part(rule, slot.values(), state, slot.length, begin, grad, n, *step, 1.0f);
+  slot.seq.store(seq + 2, std::memory_order_release);
 }
 
 Errc Store::apply_logged(SlotHeader& slot, const float* grad, float lr_scale, std::uint32_t owner, UndoRecord& log,

@@ -130,6 +130,11 @@ class Store {
   // Copies the key's value into `out` (exact length required), validated by the seqlock.
   ReadResult pull(Key key, std::span<float> out) const noexcept;
   static ReadResult read_slot(const SlotHeader& slot, float* out) noexcept;
+  // read_slot for a server thread, which may take the key's stripe lock: after a few copies
+  // spoiled by writers it copies under the lock, so a large value that writers keep changing
+  // (a push applied in pieces changes it every few microseconds) is still read. Not for
+  // processes that may die (a reader killed under the lock would leave it held).
+  ReadResult read_slot_or_lock(const SlotHeader& slot, float* out) const noexcept;
   // The slot's seqlock version once no writer is inside (even). Readers that copy the values
   // some other way compare it with seq afterwards (after an acquire fence) to detect a write.
   static std::uint64_t stable_version(const SlotHeader& slot) noexcept;
@@ -139,6 +144,11 @@ class Store {
   // Applies an explicit rule (assign/add are the useful overrides).
   Errc apply(Key key, std::span<const float> grad, const UpdateRuleConfig& rule, float lr_scale = 1.0f) noexcept;
   Errc apply_slot(SlotHeader& slot, const float* grad, const UpdateRuleConfig& rule, float lr_scale) noexcept;
+  // One piece of a push that is applied as it arrives rather than staged whole: the store's rule
+  // over floats [begin, begin + n) of the slot, atomic for that piece only. `*step` 0 marks the
+  // push's first piece, which counts the update and sets *step for the pieces after it, so every
+  // piece of one push sees the same step (Adam's bias correction).
+  void apply_part(SlotHeader& slot, std::size_t begin, const float* grad, std::size_t n, std::uint64_t* step) noexcept;
 
   // The store's rule applied by `owner` (a SharedMutex owner tag unique to that process), which
   // may die at any instant: the old value, state and count go to `undo` (room for

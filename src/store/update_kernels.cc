@@ -160,11 +160,18 @@ void use_baseline_kernels(bool baseline) noexcept { g_use_avx2.store(g_cpu_has_a
 
 void apply_update(const UpdateRuleConfig& r, float* value, float* state, const float* grad, std::size_t n,
                   std::uint64_t step, float lr_scale) noexcept {
-  // Adam keeps [m(n) | s(n)]; momentum and Adagrad keep one array of n.
-  float* second = r.rule == UpdateRule::adam ? state + n : nullptr;
-  in_pieces(n, [&](std::size_t begin, std::size_t end) {
-    apply_range(r, value + begin, state ? state + begin : nullptr, second ? second + begin : nullptr, grad + begin,
-                end - begin, step, lr_scale);
+  apply_update_part(r, value, state, n, 0, grad, n, step, lr_scale);
+}
+
+void apply_update_part(const UpdateRuleConfig& r, float* value, float* state, std::size_t length, std::size_t begin,
+                       const float* grad, std::size_t n, std::uint64_t step, float lr_scale) noexcept {
+  // Adam keeps [m(length) | s(length)]; momentum and Adagrad keep one array of length.
+  float* first = state ? state + begin : nullptr;
+  float* second = r.rule == UpdateRule::adam ? state + length + begin : nullptr;
+  value += begin;
+  in_pieces(n, [&](std::size_t b, std::size_t e) {
+    apply_range(r, value + b, first ? first + b : nullptr, second ? second + b : nullptr, grad + b, e - b, step,
+                lr_scale);
   });
 }
 

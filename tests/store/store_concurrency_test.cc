@@ -88,6 +88,42 @@ TEST(StoreConcurrency, ReadsAreNeverTorn) {
   EXPECT_GT(versions_seen.load(), 1u) << "readers must have observed writes in progress";
 }
 
+// Two writers apply whole pushes in pieces (as the TCP server does with a large push) without
+// pause, so optimistic copies of the value keep being spoiled; a server reader still gets its
+// reads (after three spoiled copies it copies under the stripe lock), and every piece it reads
+// is whole: within a piece all floats are equal. Nothing is lost either.
+TEST(StoreConcurrency, ReaderOfAValueChangingPieceByPieceGetsWholePieces) {
+  auto s = make_store(64);
+  constexpr std::size_t kPiece = 4096, kPieces = 8, kLen = kPiece * kPieces;
+  constexpr int kWriters = 2, kPushes = 300;
+  ASSERT_EQ(s->init_zero(Key(3), kLen), Errc::ok);
+  SlotHeader& slot = *s->find(Key(3));
+  std::atomic<int> writing{kWriters};
+  std::vector<std::thread> writers;
+  for (int w = 0; w < kWriters; ++w)
+    writers.emplace_back([&] {
+      std::vector<float> one(kPiece, 1.0f);
+      for (int i = 0; i < kPushes; ++i) {
+        std::uint64_t step = 0;
+        for (std::size_t p = 0; p < kPieces; ++p) s->apply_part(slot, p * kPiece, one.data(), kPiece, &step);
+      }
+      writing.fetch_sub(1);
+    });
+  std::vector<float> out(kLen);
+  int reads = 0;
+  while (writing.load() > 0 || reads < 10) {
+    ASSERT_EQ(s->read_slot_or_lock(slot, out.data()).status, Errc::ok);
+    ++reads;
+    for (std::size_t p = 0; p < kPieces; ++p)
+      for (std::size_t i = 1; i < kPiece; ++i)
+        ASSERT_EQ(out[p * kPiece + i], out[p * kPiece]) << "piece " << p << " torn at float " << i;
+  }
+  for (auto& t : writers) t.join();
+  ASSERT_EQ(s->read_slot_or_lock(slot, out.data()).status, Errc::ok);
+  for (float x : out) ASSERT_EQ(x, float(kWriters * kPushes));
+  EXPECT_EQ(slot.update_count, std::uint64_t(kWriters * kPushes));
+}
+
 TEST(StoreConcurrency, ConcurrentCreationOfTheSameKeys) {
   auto s = make_store(16);
   std::vector<std::thread> threads;
