@@ -62,6 +62,10 @@ int main(int argc, char** argv) {
                  "shm: who applies a push: worker (the client, under the stripe lock, rolled back by the server if it "
                  "dies mid-way) or server (a server thread, from the client's slot)")
       ->envname("PSKV_SHM_PUSH")->check(CLI::IsMember({"worker", "server"}))->capture_default_str();
+  app.add_option("--tcp-push", o.tcp_push,
+                 "tcp: how a push larger than 256 KiB is applied: pieces (as it arrives, so a key longer than 256 KiB "
+                 "is atomic per 256 KiB piece) or whole (staged first, then applied atomically per key)")
+      ->envname("PSKV_TCP_PUSH")->check(CLI::IsMember({"pieces", "whole"}))->capture_default_str();
   std::int64_t checkpoint_s = 0;
   app.add_option("--checkpoint-dir", o.checkpoint_dir, "Write this shard's checkpoint here (periodically and at exit)")
       ->envname("PSKV_CHECKPOINT_DIR");

@@ -43,6 +43,10 @@ struct ServerOptions {
   // record the server rolls back if the client dies mid-way (no hand-off between cores);
   // "server": a server thread, from the client's slot.
   std::string shm_push = "worker";
+  // tcp: how a push too large for a connection's receive buffer (256 KiB) is applied. "pieces":
+  // as it arrives, each key or 256 KiB piece of a longer key as soon as it is in, so such a key
+  // is atomic per piece; "whole": staged whole first, then applied atomically per key.
+  std::string tcp_push = "pieces";
   // rdma: rdma_cm picks the device and port by the URI's IP address; these (like the URI's
   // ?dev=NAME&port=N&gid=INDEX) only check that choice, and fail naming it if it differs.
   std::string rdma_device;                      // e.g. mlx5_0, rxe0; empty: whichever owns the address

@@ -21,6 +21,8 @@
 
 #if PSKV_TSAN
 #define PSKV_NO_TSAN __attribute__((no_sanitize("thread")))
+extern "C" void AnnotateIgnoreReadsBegin(const char* file, int line);
+extern "C" void AnnotateIgnoreReadsEnd(const char* file, int line);
 #else
 #define PSKV_NO_TSAN
 #endif
@@ -55,6 +57,25 @@ PSKV_NO_TSAN inline void seqlock_copy(void* dst, const void* src, std::size_t n)
   std::memcpy(dst, src, n);
 #endif
 }
+
+// The same promise for reads seqlock_copy cannot wrap: the kernel's, when a syscall sends memory
+// a seqlock writer may be changing (a large pull sent straight from the store). While one is in
+// scope, TSan does not record this thread's reads; its writes and other threads stay checked.
+class SeqlockReadScope {
+ public:
+  SeqlockReadScope() noexcept {
+#if PSKV_TSAN
+    AnnotateIgnoreReadsBegin(__FILE__, __LINE__);
+#endif
+  }
+  ~SeqlockReadScope() {
+#if PSKV_TSAN
+    AnnotateIgnoreReadsEnd(__FILE__, __LINE__);
+#endif
+  }
+  SeqlockReadScope(const SeqlockReadScope&) = delete;
+  SeqlockReadScope& operator=(const SeqlockReadScope&) = delete;
+};
 
 // A mutex that lives in (possibly shared) memory: 4 bytes, zero-initialised means unlocked.
 // Uncontended lock/unlock is one atomic each; contended waiters spin briefly, then sleep on a

@@ -56,11 +56,16 @@ class ServerImpl {
                    static_cast<unsigned long long>(info.keys), path.c_str());
     };
     if (uri_.scheme == "tcp") {
+      if (o.tcp_push != "pieces" && o.tcp_push != "whole")
+        throw Error(Errc::invalid_argument, "tcp_push must be \"pieces\" or \"whole\", got \"" + o.tcp_push + "\"");
       engine_ = std::make_unique<ShardEngine>(e);
       prepare(*engine_);
-      tcp_ = std::make_unique<tcp::TcpServer>(
-          *engine_, uri_, tcp::TcpServerOptions{
-                         .io_threads = threads, .max_connections = o.max_connections, .limits = limits, .token = token});
+      tcp_ = std::make_unique<tcp::TcpServer>(*engine_, uri_,
+                                              tcp::TcpServerOptions{.io_threads = threads,
+                                                                    .max_connections = o.max_connections,
+                                                                    .limits = limits,
+                                                                    .push_in_pieces = o.tcp_push == "pieces",
+                                                                    .token = token});
       uri_.port = tcp_->port();
       engine = engine_.get();
     } else if (uri_.scheme == "shm") {

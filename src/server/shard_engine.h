@@ -65,6 +65,15 @@ class ShardEngine {
   Errc init(std::span<const wire::KeyEntry> keys, const float* values, std::string* why);
   Errc push(std::uint32_t worker, std::uint64_t clock, std::span<const wire::KeyEntry> keys, const float* values,
             std::string* why);
+  // A push its transport applies in pieces as the values arrive (Store::apply_part), so a large
+  // one is never staged whole: finds and checks every key before any value is read. Only when
+  // pushes_apply_in_pieces(); count_pushes() once the keys are applied.
+  Errc push_slots(std::span<const wire::KeyEntry> keys, std::vector<SlotHeader*>& slots, std::string* why) const {
+    return lookup(keys, slots, why);
+  }
+  // Not in sync mode, where the workers' pushes are summed per step before anything is applied.
+  bool pushes_apply_in_pieces() const noexcept { return !sync_; }
+  void count_pushes(std::uint64_t keys) noexcept { pushes_.fetch_add(keys, std::memory_order_relaxed); }
   // Copies values under seqlock validation; checks every key before copying any.
   Errc pull(std::span<const wire::KeyEntry> keys, float* out, std::string* why);
   // A pull whose caller sends the values straight out of the store (tcp, large values): finds

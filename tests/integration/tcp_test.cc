@@ -10,13 +10,16 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <numeric>
+#include <thread>
 
 #include "pskv/client.h"
 #include "support/process.h"
 #include "support/workloads.h"
 #include "support/token_file.h"
 #include "transport/tcp/socket.h"
+#include "transport/tcp/tcp_server.h"
 #include "transport/uri.h"
 #include "transport/wire.h"
 
@@ -97,9 +100,9 @@ TEST(TcpIntegration, PushPullWithTwoServersAndFourClients) {
 
 // Large pulls are sent straight from the store and validated after the send; one that a push
 // overlapped must be detected and asked again, never handed over torn. Two keys, so both the
-// single-slot and the multi-slot reply are exercised.
-TEST(TcpIntegration, LargePullsDuringPushesAreNeverTorn) {
-  auto servers = start_servers(1);
+// single-slot and the multi-slot reply are exercised. `check` judges each pulled 4 MiB value.
+void pull_during_pushes(const std::string& tcp_push, const std::function<void(const std::vector<float>&)>& check) {
+  auto servers = start_servers(1, {"--tcp-push", tcp_push});
   ClientOptions o = options_for(servers);
   o.chunk_floats = 0;  // whole values: the server sends one slot of 4 MiB
   constexpr std::size_t kFloats = 1u << 20;
@@ -126,16 +129,82 @@ TEST(TcpIntegration, LargePullsDuringPushesAreNeverTorn) {
     std::vector<Key> keys{Key(1), Key(2)};
     std::vector<std::span<float>> outs{big, small};
     c.wait(c.pull(std::span<const Key>(keys), std::span<const std::span<float>>(outs)));
-    const auto bad = std::find_if(big.begin(), big.end(), [&](float x) { return x != big[0]; });
-    ASSERT_EQ(bad, big.end()) << "torn read: element " << (bad - big.begin()) << " is " << *bad << ", element 0 is "
-                              << big[0];
+    check(big);
+    if (::testing::Test::HasFatalFailure()) return;
     for (float x : small) ASSERT_EQ(x, small[0]) << "torn read of the small key";
     if (big[0] != last) ++moving;
     last = big[0];
-    if (big[0] >= 400) break;  // the pusher is done
+    if (big.back() >= 400) break;  // the pusher is done
   }
   EXPECT_GT(moving, 1) << "the pulls never overlapped the pushes";
   EXPECT_EQ(wait_pid(pusher), 0);
+}
+
+// Staged whole, a 4 MiB push is applied at once: no pull may mix two pushes.
+TEST(TcpIntegration, LargePullsDuringWholePushesAreNeverTorn) {
+  pull_during_pushes("whole", [](const std::vector<float>& big) {
+    const auto bad = std::find_if(big.begin(), big.end(), [&](float x) { return x != big[0]; });
+    ASSERT_EQ(bad, big.end()) << "torn read: element " << (bad - big.begin()) << " is " << *bad << ", element 0 is "
+                              << big[0];
+  });
+}
+
+// Applied in pieces as it arrives (the default), a 4 MiB push may be seen half applied, but only
+// at piece boundaries: every piece is whole, and as the one pusher's pieces land in order, the
+// pieces of the newer push are a prefix, one ahead of the rest.
+TEST(TcpIntegration, LargePullsDuringPushesInPiecesSeeOnlyWholePieces) {
+  constexpr std::size_t kPiece = tcp::TcpServer::kPushPieceFloats;
+  pull_during_pushes("pieces", [](const std::vector<float>& big) {
+    ASSERT_EQ(big.size() % kPiece, 0u);
+    for (std::size_t p = 0; p < big.size(); p += kPiece) {
+      for (std::size_t i = p; i < p + kPiece; ++i)
+        ASSERT_EQ(big[i], big[p]) << "torn piece at float " << p << ": element " << i << " is " << big[i];
+      if (p > 0) {
+        ASSERT_LE(big[p], big[p - kPiece]) << "a later piece is newer than an earlier one";
+      }
+    }
+    ASSERT_LE(big.front() - big.back(), 1.0f) << "the pieces span more than one push";
+  });
+}
+
+// One push frame of keys below, at and above the piece size, pipelined with small requests
+// behind it on the same connection, so the bytes after a frame applied in pieces are parsed
+// as the next frames.
+TEST(TcpIntegration, MixedKeysInALargePushAllLand) {
+  for (const char* mode : {"pieces", "whole"}) {
+    SCOPED_TRACE(mode);
+    auto servers = start_servers(1, {"--tcp-push", mode});
+    ClientOptions o = options_for(servers);
+    o.chunk_floats = 0;
+    Client c(o);
+    const std::vector<std::size_t> lengths{1, 70001, 3, 200000, 65536, 17, 131072};
+    std::vector<Key> keys;
+    std::vector<std::vector<float>> values, grads;
+    for (std::size_t i = 0; i < lengths.size(); ++i) {
+      keys.push_back(Key(100 + i));
+      values.emplace_back(lengths[i]);
+      for (std::size_t j = 0; j < lengths[i]; ++j) values[i][j] = float(j % 251);
+      grads.emplace_back(lengths[i], float(i + 1));
+    }
+    std::vector<std::span<const float>> value_spans(values.begin(), values.end()), grad_spans(grads.begin(), grads.end());
+    c.wait(c.init(std::span<const Key>(keys), std::span<const std::span<const float>>(value_spans)));
+    std::vector<float> one(8, 1.0f), small(8);
+    c.wait(c.init(Key(7), std::vector<float>(8, 0.0f)));
+    std::vector<Ticket> pending;
+    for (int round = 0; round < 3; ++round) {
+      pending.push_back(c.push(std::span<const Key>(keys), std::span<const std::span<const float>>(grad_spans)));
+      pending.push_back(c.push(Key(7), one));
+      pending.push_back(c.pull(Key(7), small));
+    }
+    for (Ticket t : pending) c.wait(t);
+    EXPECT_EQ(small[0], 3.0f);
+    for (std::size_t i = 0; i < lengths.size(); ++i) {
+      std::vector<float> out(lengths[i]);
+      c.wait(c.pull(keys[i], out));
+      for (std::size_t j = 0; j < lengths[i]; ++j)
+        ASSERT_EQ(out[j], float(j % 251) + 3.0f * float(i + 1)) << "key " << keys[i] << " float " << j;
+    }
+  }
 }
 
 TEST(TcpIntegration, NothingLostWith32ConcurrentClients) {
@@ -302,6 +371,69 @@ TEST_F(TcpBadInput, UnknownKeyAndWrongLengthGetErrorsAndTheConnectionLives) {
   }
   c.wait(c.pull(Key(1), v));  // the same connection still works
   expect_still_serving();
+}
+
+// A large push (applied in pieces as it arrives) to a key that does not take it: every key is
+// checked before any value is read, the payload is drained, nothing is applied and the same
+// connection goes on.
+TEST_F(TcpBadInput, LargePushToAWrongKeyIsDrainedAndTheConnectionLives) {
+  ClientOptions o = o_;
+  o.chunk_floats = 0;
+  Client c(o);
+  std::vector<float> big(300000, 5.0f), out(8);
+  c.wait(c.init(Key(2), std::vector<float>(8, 0.0f)));
+  for (const Key key : {Key(1), Key(999)}) {
+    try {
+      // Two keys: the first is fine, so only checking all of them first keeps it unapplied.
+      std::vector<Key> keys{Key(2), key};
+      std::vector<float> eight(8, 5.0f);
+      std::vector<std::span<const float>> grads{eight, big};
+      c.wait(c.push(std::span<const Key>(keys), std::span<const std::span<const float>>(grads)));
+      ADD_FAILURE() << "a push of 300000 floats to key " << key << " succeeded";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), key == Key(1) ? Errc::length_mismatch : Errc::not_found) << e.what();
+    }
+    c.wait(c.pull(Key(2), out));  // the same connection, past the drained payload
+    EXPECT_EQ(out[0], 0.0f) << "a key of a refused push was applied";
+  }
+  expect_still_serving();
+}
+
+// A push applied in pieces holds no lock while it waits for its next bytes: a client stalled in
+// the middle of one holds up nobody using the same key. The pieces that arrived stay applied
+// (documented); the rest never comes, and the frame timeout closes that connection.
+TEST(TcpIntegration, AStalledPushInPiecesHoldsUpNobody) {
+  auto servers = start_servers(1);
+  ClientOptions o = options_for(servers);
+  o.chunk_floats = 0;
+  constexpr std::size_t kPiece = tcp::TcpServer::kPushPieceFloats, kFloats = 4 * kPiece;
+  Client c(o);
+  c.wait(c.init(Key(9), std::vector<float>(kFloats, 0.0f)));
+
+  RawPeer stalled(servers[0].uri);
+  stalled.hello();
+  const wire::KeyEntry key{9, kFloats, 0};
+  wire::FrameHeader h = wire::make_header(wire::Op::push, 2, 1, kFloats * sizeof(float));
+  stalled.send(&h, sizeof h);
+  stalled.send(&key, sizeof key);
+  const std::vector<float> ones(2 * kPiece, 1.0f);
+  stalled.send(ones.data(), ones.size() * sizeof(float));  // half the value, then nothing
+
+  // The two pieces that came are applied as they came; wait for them (bounded).
+  std::vector<float> out(kFloats);
+  for (int i = 0; i < 500; ++i) {
+    c.wait(c.pull(Key(9), out));
+    if (out[2 * kPiece - 1] == 1.0f) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_EQ(out[2 * kPiece - 1], 1.0f) << "the pieces that arrived were not applied";
+  c.wait(c.push(Key(9), std::vector<float>(kFloats, 1.0f)));
+  c.wait(c.pull(Key(9), out));
+  for (std::size_t i = 0; i < kFloats; ++i) ASSERT_EQ(out[i], i < 2 * kPiece ? 2.0f : 1.0f) << "float " << i;
+  // All that happened well inside the frame timeout (5 s): the stalled frame is still open.
+  char byte;
+  EXPECT_EQ(::recv(stalled.fd(), &byte, 1, MSG_DONTWAIT), -1) << "the server gave up on the stalled frame already";
+  EXPECT_TRUE(stalled.closed_by_server()) << "the stalled frame was never abandoned";
 }
 
 std::string slurp(const std::string& path) {

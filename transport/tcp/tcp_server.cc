@@ -33,7 +33,12 @@ class Peer : public std::enable_shared_from_this<Peer> {
     if (closed) return false;
     versions.clear();
     for (const SlotHeader* s : slots) versions.push_back(Store::stable_version(*s));
-    if (writev_full(fd.get(), iov.data(), static_cast<int>(iov.size())) != IoResult::ok) return false;
+    IoResult sent;
+    {
+      const SeqlockReadScope racy_reads;  // validated by the versions below
+      sent = writev_full(fd.get(), iov.data(), static_cast<int>(iov.size()));
+    }
+    if (sent != IoResult::ok) return false;
     std::atomic_thread_fence(std::memory_order_acquire);
     std::uint32_t torn = 0;
     for (std::size_t i = 0; i < slots.size(); ++i)
@@ -78,6 +83,8 @@ class Peer : public std::enable_shared_from_this<Peer> {
   std::vector<float> reply;
   char* in_bytes() { return reinterpret_cast<char*>(in.get()); }
 };
+
+static_assert(TcpServer::kPushPieceFloats * sizeof(float) <= Peer::kInBytes, "a push piece must fit the receive buffer");
 
 namespace {
 
@@ -332,6 +339,11 @@ bool TcpServer::serve_readable(Peer& peer) {
         return false;
       }
       have -= key_have;
+      if (streams(peer, h)) {
+        const std::size_t payload_at = peer.in_begin + kHeader + key_have;
+        if (!stream_push(peer, h, payload_at, payload_at + have)) return false;
+        continue;
+      }
       const std::size_t prefix_floats = have / sizeof(float);
       if (peer.payload.size() < prefix_floats) peer.payload.resize(prefix_floats);
       if (have) std::memcpy(peer.payload.data(), at + kHeader + key_have, have);
@@ -343,6 +355,66 @@ bool TcpServer::serve_readable(Peer& peer) {
   }
   if (peer.in_begin == peer.in_end) peer.in_begin = peer.in_end = 0;
   return true;
+}
+
+bool TcpServer::streams(const Peer& peer, const wire::FrameHeader& h) const noexcept {
+  // A checksum covers the whole frame, so nothing may be applied before all of it is in.
+  return options_.push_in_pieces && static_cast<wire::Op>(h.op) == wire::Op::push && !(h.flags & wire::kChecksum) &&
+         peer.authenticated && engine_.pushes_apply_in_pieces();
+}
+
+bool TcpServer::stream_push(Peer& peer, const wire::FrameHeader& h, std::size_t begin, std::size_t end) {
+  thread_local std::vector<SlotHeader*> slots;
+  std::string why;
+  // Every key is checked before any value is read: a bad one is answered after the payload is
+  // drained, with nothing applied and the connection still good.
+  const Errc found = engine_.push_slots(peer.keys, slots, &why);
+  Store& store = engine_.store();
+  char* in = peer.in_bytes();
+  std::size_t key = 0;
+  std::uint64_t done_floats = 0;  // of keys[key]
+  std::uint64_t step = 0;
+  std::uint64_t applied = 0;
+  bool ok = true;
+  while (key < peer.keys.size()) {
+    const std::uint64_t length = peer.keys[key].length;
+    const std::size_t want = std::min<std::uint64_t>(length - done_floats, kPushPieceFloats) * sizeof(float);
+    if (end - begin < want) {
+      if (begin + want > Peer::kInBytes) {
+        std::memmove(in, in + begin, end - begin);
+        end -= begin;
+        begin = 0;
+      }
+      // Bytes past this frame may come in too; they stay in `in` for the frames after it.
+      while (ok && end - begin < want) {
+        const ssize_t n = ::recv(peer.fd.get(), in + end, Peer::kInBytes - end, 0);
+        if (n > 0)
+          end += static_cast<std::size_t>(n);
+        else if (n < 0 && errno == EINTR)
+          continue;
+        else
+          ok = false;  // closed mid-frame, or the frame timeout passed
+      }
+      if (!ok) break;
+    }
+    if (found == Errc::ok)
+      store.apply_part(*slots[key], done_floats, reinterpret_cast<const float*>(in + begin), want / sizeof(float),
+                       &step);
+    begin += want;
+    done_floats += want / sizeof(float);
+    if (done_floats == length) {
+      ++key;
+      done_floats = step = 0;
+      if (found == Errc::ok) ++applied;
+    }
+  }
+  engine_.count_pushes(applied);
+  if (!ok) return false;
+  peer.in_begin = begin;
+  peer.in_end = end;
+  if (found != Errc::ok) return peer.send_error(h, found, why);
+  wire::FrameHeader r = reply_header(h, 0);
+  return peer.send(r, nullptr, 0);
 }
 
 bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payload) {

@@ -29,6 +29,12 @@ struct TcpServerOptions {
   // A frame whose rest does not arrive within this time is abandoned and its connection closed.
   std::chrono::milliseconds frame_timeout{5000};
   wire::Limits limits{};
+  // A push frame larger than a connection's receive buffer is applied as it arrives: each key, or
+  // each kPushPieceFloats piece of a longer key, as soon as its floats are in. The value is never
+  // staged whole and is applied while still in cache, but such a key is atomic per piece only,
+  // and a frame cut short leaves the pieces before the cut applied. false: staged whole, then
+  // applied atomically per key (as checksummed and sync-mode pushes always are).
+  bool push_in_pieces = true;
   // When set, every connection must pass the HMAC challenge before anything else is served.
   std::shared_ptr<const auth::Token> token;
 };
@@ -46,6 +52,9 @@ class TcpServer {
   std::uint16_t port() const noexcept { return port_; }
   void stop();
   std::uint64_t connections_refused() const noexcept { return refused_.load(); }
+  // The largest piece a push is applied in (a whole receive buffer, 256 KiB): smaller pieces
+  // cost more receive calls, larger ones fall out of L2 before they are applied.
+  static constexpr std::size_t kPushPieceFloats = 64u << 10;
 
  private:
   void io_loop();
@@ -53,6 +62,10 @@ class TcpServer {
   // Each returns false when the connection must be closed.
   bool serve_readable(Peer& peer);
   bool handle(Peer& peer, const wire::FrameHeader& h, const float* payload);
+  // Whether this large frame is a push to apply as it arrives, and doing so. The frame's key
+  // table is in peer.keys and [begin, end) of the peer's receive buffer holds the payload's start.
+  bool streams(const Peer& peer, const wire::FrameHeader& h) const noexcept;
+  bool stream_push(Peer& peer, const wire::FrameHeader& h, std::size_t begin, std::size_t end);
   // Answers a hello (or a passed challenge): registers the worker and says who this server is.
   bool admit(Peer& peer, const wire::FrameHeader& h);
   // A large pull sent straight from the store's slots, validated by their seqlocks afterwards.
