@@ -21,8 +21,9 @@ lines = ["# pskv benchmarks", "",
          "single-stream loopback TCP (`tcp_stream`), a 64-byte TCP ping-pong (`tcp_pingpong_64B`) and single-thread "
          "memcpy at the same size (`memcpy`). Read the ratios; absolute figures drift from run to run.", "",
          "Pushes also carry a ratio to the push bound at their size: the raw path plus the apply every push "
-         "needs, done by pskv's own kernels with no hand-off between threads (`tcp_stream_apply`: the TCP stream "
-         "into a sink that applies each message; `memcpy_apply`: one value-sized copy, then apply, on the calling "
+         "needs, done by pskv's own kernels with no hand-off between threads (`tcp_stream_apply`: a TCP stream "
+         "sent from a value-sized buffer into a sink that applies each 256 KiB piece as it arrives, as pskv-server "
+         "does; `memcpy_apply`: one value-sized copy, then apply, on the calling "
          "thread). The gap between the two ratios is the apply, which no parameter server can skip; the gap to "
          "1.0x of the bound is pskv's. From 1 MiB up pskv spreads a copy or an apply over all cores (oneTBB), "
          "while the memcpy baseline uses one: a shm push, which its worker applies itself, can then pass 1.0x "
