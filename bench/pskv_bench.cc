@@ -128,10 +128,11 @@ void apply_pushed(float* value, const float* grad, std::size_t floats) {
   pskv::apply_update(add, value, nullptr, grad, floats, 1, 1.0f);
 }
 
-// The raw peers: a sink that drains a stream, an echo for ping-pong, and an applying sink that
-// applies messages of a size the client announces to a value of that size, each piece of a size
-// it also announces as soon as that piece is in (a whole message, or 256 KiB, as pskv-server
-// applies a push with --tcp-push whole or pieces).
+// The raw peers: a sink that drains a stream, an echo for ping-pong, and a value sink that reads
+// messages of a size the client announces, in pieces of a size it also announces, and applies
+// each piece to a value of the message's size as soon as the piece is in (a whole message, or
+// 256 KiB, as pskv-server applies a push with --tcp-push whole or pieces); told not to apply, it
+// reads whole messages into a message-sized buffer, as a client pulling a value does.
 struct RawPeers {
   std::uint16_t sink_port = 0, echo_port = 0, apply_port = 0;
   std::vector<pid_t> pids;
@@ -143,7 +144,7 @@ struct RawPeers {
       for (;;) {
         int c = accept(apply, nullptr, nullptr);
         if (c < 0) _exit(0);
-        std::uint64_t sizes[2] = {};  // message, piece
+        std::uint64_t sizes[3] = {};  // message, piece, apply
         if (read_full(c, sizes, sizeof sizes) == IoResult::ok && sizes[1] >= sizeof(float) && sizes[1] <= sizes[0] &&
             sizes[0] <= (1ull << 30)) {
           const std::size_t floats = sizes[0] / sizeof(float), piece = sizes[1] / sizeof(float);
@@ -151,8 +152,9 @@ struct RawPeers {
           for (bool open = true; open;)
             for (std::size_t at = 0; open && at < floats; at += piece) {
               const std::size_t n = std::min(piece, floats - at);
-              open = read_full(c, grad.data(), n * sizeof(float)) == IoResult::ok;
-              if (open) apply_pushed(value.data() + at, grad.data(), n);
+              float* into = sizes[2] ? grad.data() : value.data() + at;
+              open = read_full(c, into, n * sizeof(float)) == IoResult::ok;
+              if (open && sizes[2]) apply_pushed(value.data() + at, grad.data(), n);
             }
         }
         close(c);
@@ -186,13 +188,14 @@ struct RawPeers {
   }
 };
 
-// A single stream of 1 MiB writes. With `message_bytes`, the peer is the applying sink and is
-// first told the size of the messages it applies and of the pieces it applies them in, and the
-// writes walk a message-sized buffer.
+// A single stream of 1 MiB writes. With `message_bytes`, the peer is the value sink and is first
+// told the size of the messages, of the pieces it reads them in, and whether it applies them;
+// the writes then walk a message-sized buffer.
 double tcp_stream_bandwidth(std::uint16_t port, double seconds, std::uint64_t message_bytes = 0,
-                            std::uint64_t piece_bytes = 0) {
+                            std::uint64_t piece_bytes = 0, bool apply = true) {
   int fd = connect_port(port);
-  const std::uint64_t sizes[2] = {message_bytes, piece_bytes ? std::min(piece_bytes, message_bytes) : message_bytes};
+  const std::uint64_t sizes[3] = {message_bytes, piece_bytes ? std::min(piece_bytes, message_bytes) : message_bytes,
+                                  apply ? 1u : 0u};
   if (message_bytes && write(fd, sizes, sizeof sizes) != ssize_t(sizeof sizes)) {
     close(fd);
     return 0;
@@ -701,6 +704,14 @@ int main(int argc, char** argv) {
     else if (sizes[si] >= kBandwidthBytes)
       bound_at[si] = best_of_3([&] { return tcp_stream_bandwidth(peers.apply_port, 0.4, sizes[si], bound_piece); }, max);
   }
+  // The tcp pull bound: the raw stream sent out of and received into value-sized buffers, as a
+  // pull must (shm pulls are already measured against memcpy at their size).
+  const bool dense_pull = workload == "dense" && std::find(ops.begin(), ops.end(), "pull") != ops.end();
+  std::vector<double> pull_bound_at(sizes.size(), 0.0);
+  for (std::size_t si = 0; dense_pull && transport != "shm" && si < sizes.size(); ++si)
+    if (sizes[si] >= kBandwidthBytes)
+      pull_bound_at[si] = best_of_3(
+          [&] { return tcp_stream_bandwidth(peers.apply_port, 0.4, sizes[si], sizes[si], /*apply=*/false); }, max);
   if (json) {
     std::printf("{\"baseline\":\"tcp_stream\",\"bytes_per_s\":%.0f}\n", stream_bw);
     std::printf("{\"baseline\":\"tcp_pingpong_64B\",\"p50_us\":%.2f}\n", pingpong_us);
@@ -710,6 +721,10 @@ int main(int argc, char** argv) {
     for (std::size_t si = 0; si < sizes.size(); ++si)
       if (bound_at[si] > 0)
         std::printf("{\"baseline\":\"%s\",\"value_bytes\":%zu,\"bytes_per_s\":%.0f}\n", bound_name, sizes[si], bound_at[si]);
+    for (std::size_t si = 0; si < sizes.size(); ++si)
+      if (pull_bound_at[si] > 0)
+        std::printf("{\"baseline\":\"tcp_stream_sized\",\"value_bytes\":%zu,\"bytes_per_s\":%.0f}\n", sizes[si],
+                    pull_bound_at[si]);
   } else {
     std::printf("baselines: loopback TCP stream %s/s, 64 B TCP ping-pong p50 %.1f us, memcpy 16 MiB %s/s\n",
                 human(stream_bw).c_str(), pingpong_us, human(memcpy_bw).c_str());
@@ -723,6 +738,10 @@ int main(int argc, char** argv) {
                                         : "TCP stream into a sink applying whole values",
                     sizes[si],
                     human(bound_at[si]).c_str());
+    for (std::size_t si = 0; si < sizes.size(); ++si)
+      if (pull_bound_at[si] > 0)
+        std::printf("  pull bound (TCP stream from and into value-sized buffers) %zu B: %s/s\n", sizes[si],
+                    human(pull_bound_at[si]).c_str());
     std::printf("%-5s %-5s %10s %7s %12s %9s %9s  %s\n", "tport", "op", "value", "clients", "bandwidth", "p50 us",
                 "p99 us", "ratio to baseline");
   }
@@ -791,12 +810,12 @@ int main(int argc, char** argv) {
           const char* baseline = by_bandwidth ? (transport == "shm" ? "memcpy" : "tcp_stream") : "tcp_pingpong_64B";
           const double base = by_bandwidth ? (transport == "shm" ? memcpy_at[si] : stream_bw) : pingpong_us;
           const double ratio = by_bandwidth ? p.bytes_per_s / base : p.p50_us / base;
-          const double bound = op == "push" ? bound_at[si] : 0.0;
+          const double bound = op == "push" ? bound_at[si] : pull_bound_at[si];
           char bound_json[160] = "", bound_text[64] = "";
           if (bound > 0) {
             std::snprintf(bound_json, sizeof bound_json, ",\"bound\":\"%s\",\"bound_value\":%.0f,\"ratio_to_bound\":%.4g",
-                          bound_name, bound, p.bytes_per_s / bound);
-            std::snprintf(bound_text, sizeof bound_text, "  [%.2fx of push bound]", p.bytes_per_s / bound);
+                          op == "push" ? bound_name : "tcp_stream_sized", bound, p.bytes_per_s / bound);
+            std::snprintf(bound_text, sizeof bound_text, "  [%.2fx of %s bound]", p.bytes_per_s / bound, op.c_str());
           }
           if (json)
             std::printf("{\"transport\":\"%s\",\"workload\":\"dense\",\"op\":\"%s\",\"value_bytes\":%zu,\"clients\":%d,"

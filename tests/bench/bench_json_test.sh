@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # pskv-bench's --json lines are a contract (scripts/bench.sh and later steps read them): each
 # result carries the fields the report needs, every ratio is a finite positive number, and a
-# push at a bandwidth size carries its ratio to the push bound measured in the same run.
+# push at a bandwidth size (and a tcp pull) carries its ratio to the bound measured in the same run.
 #   bench_json_test.sh PSKV_BENCH
 set -euo pipefail
 BENCH=${1:?usage: bench_json_test.sh PSKV_BENCH}
@@ -26,7 +26,15 @@ for transport in tcp shm; do
   push64k=$(grep '"op":"push","value_bytes":65536,' <<<"$results")
   grep -Eq "\"bound\":\"$bound\",\"bound_value\":[1-9][0-9]*,\"ratio_to_bound\":[0-9]*\.?[0-9]*[1-9][0-9]*(e-?[0-9]+)?[,}]" <<<"$push64k" ||
     fail "$transport: 64 KiB push has no ratio to its bound: $push64k"
-  grep -q ratio_to_bound <<<"$(grep '"op":"pull"' <<<"$results")" && fail "$transport: a pull claims a push bound"
+  pull64k=$(grep '"op":"pull","value_bytes":65536,' <<<"$results")
+  if [ "$transport" = tcp ]; then
+    grep -q '{"baseline":"tcp_stream_sized","value_bytes":65536,"bytes_per_s":[1-9]' <<<"$out" ||
+      fail "tcp: no tcp_stream_sized baseline at 64 KiB"
+    grep -Eq '"bound":"tcp_stream_sized","bound_value":[1-9][0-9]*,"ratio_to_bound":' <<<"$pull64k" ||
+      fail "tcp: 64 KiB pull has no ratio to its bound: $pull64k"
+  else
+    grep -q ratio_to_bound <<<"$(grep '"op":"pull"' <<<"$results")" && fail "shm: a pull claims a bound"
+  fi
   for b in tcp_stream tcp_pingpong_64B memcpy; do
     grep -q "{\"baseline\":\"$b\"" <<<"$out" || fail "$transport: no $b baseline"
   done
