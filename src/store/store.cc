@@ -198,33 +198,35 @@ Errc Store::init(Key key, std::span<const float> initial) {
 
 Errc Store::init_zero(Key key, std::uint32_t length) { return create_slot(key, length, nullptr); }
 
+bool Store::copy_if_unchanged(const SlotHeader& slot, float* out, std::uint64_t* version) noexcept {
+  const std::uint64_t before = stable_version(slot);
+  seqlock_copy(out, slot.values(), std::size_t{slot.length} * sizeof(float));
+  std::atomic_thread_fence(std::memory_order_acquire);
+  *version = before;
+  return slot.seq.load(std::memory_order_relaxed) == before;
+}
+
 ReadResult Store::read_slot(const SlotHeader& slot, float* out) noexcept {
-  const std::size_t bytes = std::size_t{slot.length} * sizeof(float);
-  for (;;) {
-    const std::uint64_t before = stable_version(slot);
-    seqlock_copy(out, slot.values(), bytes);
-    std::atomic_thread_fence(std::memory_order_acquire);
-    if (slot.seq.load(std::memory_order_relaxed) == before) return {Errc::ok, before};
+  std::uint64_t version = 0;
+  while (!copy_if_unchanged(slot, out, &version)) {
   }
+  return {Errc::ok, version};
 }
 
 ReadResult Store::read_slot_or_lock(const SlotHeader& slot, float* out) const noexcept {
-  const std::size_t bytes = std::size_t{slot.length} * sizeof(float);
-  SharedMutex& lock = stripe_lock(slot.key);
-  for (int attempt = 0;; ++attempt) {
-    const std::uint64_t before = stable_version(slot);
-    seqlock_copy(out, slot.values(), bytes);
-    std::atomic_thread_fence(std::memory_order_acquire);
-    if (slot.seq.load(std::memory_order_relaxed) == before) return {Errc::ok, before};
+  std::uint64_t version = 0;
+  for (int attempt = 0; !copy_if_unchanged(slot, out, &version); ++attempt) {
     // Bounded patience: a holder that is stopped (a SIGSTOPped shm worker) must not take this
     // thread with it; the optimistic copy is tried again in between.
+    SharedMutex& lock = stripe_lock(slot.key);
     if (attempt >= 2 && lock.lock_for(SharedMutex::kAnonymousOwner, std::chrono::milliseconds(1))) {
-      std::memcpy(out, slot.values(), bytes);
-      const std::uint64_t version = slot.seq.load(std::memory_order_relaxed);
+      std::memcpy(out, slot.values(), std::size_t{slot.length} * sizeof(float));
+      version = slot.seq.load(std::memory_order_relaxed);
       lock.unlock();
-      return {Errc::ok, version};
+      break;
     }
   }
+  return {Errc::ok, version};
 }
 
 std::uint64_t Store::stable_version(const SlotHeader& slot) noexcept {
@@ -249,27 +251,25 @@ ReadResult Store::pull(Key key, std::span<float> out) const noexcept {
 Errc Store::apply_slot(SlotHeader& slot, const float* grad, const UpdateRuleConfig& rule, float lr_scale) noexcept {
   // The state arena was sized for the store's own rule; a rule needing more state cannot run.
   if (state_floats_per_value(rule.rule) > state_floats_per_value(header().rule.rule)) return Errc::unsupported;
-  float* state = state_floats_per_value(rule.rule) ? state_of(slot) : nullptr;
-  std::lock_guard guard(stripe_lock(slot.key));
-  const std::uint64_t seq = slot.seq.load(std::memory_order_relaxed);
-  slot.seq.store(seq + 1, std::memory_order_relaxed);
-  std::atomic_thread_fence(std::memory_order_release);
-  const std::uint64_t step = ++slot.update_count;
-  apply_update(rule, slot.values(), state, grad, slot.length, step, lr_scale);
-  slot.seq.store(seq + 2, std::memory_order_release);
+  std::uint64_t step = 0;
+  apply_locked(slot, rule, 0, grad, slot.length, lr_scale, &step);
   return Errc::ok;
 }
 
 void Store::apply_part(SlotHeader& slot, std::size_t begin, const float* grad, std::size_t n,
                        std::uint64_t* step) noexcept {
-  const UpdateRuleConfig& rule = header().rule;
-  float* state = state_floats(slot) ? state_of(slot) : nullptr;
+  apply_locked(slot, header().rule, begin, grad, n, 1.0f, step);
+}
+
+void Store::apply_locked(SlotHeader& slot, const UpdateRuleConfig& rule, std::size_t begin, const float* grad,
+                         std::size_t n, float lr_scale, std::uint64_t* step) noexcept {
+  float* state = state_floats_per_value(rule.rule) ? state_of(slot) : nullptr;
   std::lock_guard guard(stripe_lock(slot.key));
   const std::uint64_t seq = slot.seq.load(std::memory_order_relaxed);
   slot.seq.store(seq + 1, std::memory_order_relaxed);
   std::atomic_thread_fence(std::memory_order_release);
   if (*step == 0) *step = ++slot.update_count;
-  apply_update_part(rule, slot.values(), state, slot.length, begin, grad, n, *step, 1.0f);
+  apply_update_part(rule, slot.values(), state, slot.length, begin, grad, n, *step, lr_scale);
   slot.seq.store(seq + 2, std::memory_order_release);
 }
 

@@ -227,6 +227,12 @@ class Store {
   std::byte* value_arena_const() const noexcept;
   std::uint64_t used_bytes_acquire() const noexcept;
   Errc create_slot(Key key, std::uint32_t length, const float* initial);
+  // One seqlock-validated copy of the slot's values; false if a writer got in (copy again).
+  static bool copy_if_unchanged(const SlotHeader& slot, float* out, std::uint64_t* version) noexcept;
+  // `rule` over floats [begin, begin + n) under the stripe lock and the seqlock; *step 0 counts
+  // the update and sets *step (apply_slot: the whole value; apply_part: one piece).
+  void apply_locked(SlotHeader& slot, const UpdateRuleConfig& rule, std::size_t begin, const float* grad,
+                    std::size_t n, float lr_scale, std::uint64_t* step) noexcept;
   // Replaces value, optimizer state (state_floats(slot) floats) and update count under the
   // seqlock; the caller holds the stripe lock.
   void overwrite_slot(SlotHeader& slot, const float* value, const float* state, std::uint64_t update_count) noexcept;
