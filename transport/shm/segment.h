@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "common/memory.h"
+#include "common/sync.h"
 #include "pskv/error.h"
 #include "pskv/types.h"
 #include "store/store.h"
@@ -99,6 +100,16 @@ struct alignas(64) SegmentHeader {
   alignas(64) std::atomic<std::uint32_t> spinners;
   alignas(64) std::atomic<std::uint64_t> recovered_pushes;  // rolled back after their client died
 };
+
+// Wakes the slot's client threads asleep on waiter_word, if any; true if there were. Callers
+// fence (seq_cst) between what they published and this, pairing with the sleeper's fence in
+// ShmConnection::sleep_for_answers.
+inline bool wake_waiter_word(ClientSlot& s) noexcept {
+  if (s.waiters_sleeping.load(std::memory_order_seq_cst) == 0) return false;
+  s.waiter_word.fetch_add(1, std::memory_order_release);
+  futex_wake_all(&s.waiter_word);
+  return true;
+}
 
 // The stripe-lock owner tag of the clients of slot i (SharedMutex::kAnonymousOwner is the server),
 // and back.

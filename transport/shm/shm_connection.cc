@@ -432,9 +432,7 @@ bool ShmConnection::sleep_for_answers(const transport::Completion& c,
 void ShmConnection::wake_sleeping_waiters() noexcept {
   // Orders the completions just made before the load, against the sleeper's fence.
   std::atomic_thread_fence(std::memory_order_seq_cst);
-  if (slot_->waiters_sleeping.load(std::memory_order_seq_cst) == 0) return;
-  slot_->waiter_word.fetch_add(1, std::memory_order_release);
-  futex_wake_all(&slot_->waiter_word);
+  wake_waiter_word(*slot_);
 }
 
 void ShmConnection::helper_loop() {

@@ -102,11 +102,7 @@ void ShmServer::publish(std::uint32_t i, std::uint64_t seq) {
   std::atomic_thread_fence(std::memory_order_seq_cst);
   // A waiter asleep on waiter_word completes the answer itself (ShmConnection::sleep_for_answers),
   // so the helper is woken only if nobody waits that way or it has pulls parked on the clock.
-  const bool waiter = s.waiters_sleeping.load() != 0;
-  if (waiter) {
-    s.waiter_word.fetch_add(1, std::memory_order_release);
-    futex_wake_all(&s.waiter_word);
-  }
+  const bool waiter = wake_waiter_word(s);
   if (s.client_sleeping.load() && s.client_polling.load() == 0 && (!waiter || s.waits_on_clock.load()))
     futex_wake_all(&s.done_word);
 }
