@@ -17,6 +17,15 @@
 
 namespace pskv {
 namespace detail {
+namespace {
+// A ServerOptions field that names one of two behaviours; true for `first`.
+bool choose(const char* field, const std::string& value, const char* first, const char* second) {
+  if (value != first && value != second)
+    throw Error(Errc::invalid_argument, std::string(field) + " must be \"" + first + "\" or \"" + second + "\", got \"" +
+                                            value + "\"");
+  return value == first;
+}
+}  // namespace
 
 class ServerImpl {
  public:
@@ -56,27 +65,25 @@ class ServerImpl {
                    static_cast<unsigned long long>(info.keys), path.c_str());
     };
     if (uri_.scheme == "tcp") {
-      if (o.tcp_push != "pieces" && o.tcp_push != "whole")
-        throw Error(Errc::invalid_argument, "tcp_push must be \"pieces\" or \"whole\", got \"" + o.tcp_push + "\"");
+      const bool push_in_pieces = choose("tcp_push", o.tcp_push, "pieces", "whole");
       engine_ = std::make_unique<ShardEngine>(e);
       prepare(*engine_);
       tcp_ = std::make_unique<tcp::TcpServer>(*engine_, uri_,
                                               tcp::TcpServerOptions{.io_threads = threads,
                                                                     .max_connections = o.max_connections,
                                                                     .limits = limits,
-                                                                    .push_in_pieces = o.tcp_push == "pieces",
+                                                                    .push_in_pieces = push_in_pieces,
                                                                     .token = token});
       uri_.port = tcp_->port();
       engine = engine_.get();
     } else if (uri_.scheme == "shm") {
-      if (o.shm_push != "worker" && o.shm_push != "server")
-        throw Error(Errc::invalid_argument, "shm_push must be \"worker\" or \"server\", got \"" + o.shm_push + "\"");
+      const bool worker_push = choose("shm_push", o.shm_push, "worker", "server");
       shm_ = std::make_unique<shm::ShmServer>(
           uri_.name, e,
           shm::ShmServerOptions{.threads = shm_threads,
                                 .slots = o.shm_slots,
                                 .slot_data_bytes = o.shm_slot_bytes,
-                                .worker_push = o.shm_push != "server"},
+                                .worker_push = worker_push},
           prepare);
       engine = &shm_->engine();
 #if PSKV_WITH_RDMA
