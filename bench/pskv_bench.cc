@@ -148,7 +148,7 @@ struct RawPeers {
         if (read_full(c, sizes, sizeof sizes) == IoResult::ok && sizes[1] >= sizeof(float) && sizes[1] <= sizes[0] &&
             sizes[0] <= (1ull << 30)) {
           const std::size_t floats = sizes[0] / sizeof(float), piece = sizes[1] / sizeof(float);
-          std::vector<float> grad(piece), value(floats, 1.0f);
+          std::vector<float> grad(sizes[2] ? piece : 0), value(floats, 1.0f);
           for (bool open = true; open;)
             for (std::size_t at = 0; open && at < floats; at += piece) {
               const std::size_t n = std::min(piece, floats - at);
@@ -691,57 +691,58 @@ int main(int argc, char** argv) {
   std::vector<double> memcpy_at;
   for (std::size_t size : sizes)
     memcpy_at.push_back(best_of_3([&] { return memcpy_bandwidth(std::max<std::size_t>(size, 64), 0.1); }, max));
-  // The push bound at each size: the raw path plus the apply every push needs, so a push ratio
-  // can be read against what this machine could do at best, not only against the raw path.
-  const bool dense_push = workload == "dense" && std::find(ops.begin(), ops.end(), "push") != ops.end();
-  const char* bound_name = transport == "shm" ? "memcpy_apply" : "tcp_stream_apply";
-  std::vector<double> bound_at(sizes.size(), 0.0);
+  // The bound of each op at each size: what this machine could do at best, so a ratio can be read
+  // against that and not only against the raw path. A push's is the raw path plus the apply every
+  // push needs; a tcp pull's is the raw stream sent out of and received into value-sized buffers,
+  // as a pull's are (shm pulls are already measured against memcpy at their size).
+  struct Bound {
+    const char* name = nullptr;  // the baseline's JSON name
+    std::string what;            // for the text report
+    std::vector<double> at;      // per size; 0: none
+  };
   // Servers this run did not start are taken to apply in pieces, pskv-server's default.
-  const std::uint64_t bound_piece = tcp_push == "pieces" ? pskv::tcp::TcpServer::kPushPieceFloats * sizeof(float) : 0;
-  for (std::size_t si = 0; dense_push && si < sizes.size(); ++si) {
-    if (transport == "shm")
-      bound_at[si] = best_of_3([&] { return copy_apply_bandwidth(sizes[si], 0.1); }, max);
-    else if (sizes[si] >= kBandwidthBytes)
-      bound_at[si] = best_of_3([&] { return tcp_stream_bandwidth(peers.apply_port, 0.4, sizes[si], bound_piece); }, max);
+  const std::uint64_t push_piece = tcp_push == "pieces" ? pskv::tcp::TcpServer::kPushPieceFloats * sizeof(float) : 0;
+  Bound push_bound{transport == "shm" ? "memcpy_apply" : "tcp_stream_apply",
+                   transport == "shm" ? "copy into a slot, then apply"
+                   : push_piece       ? "TCP stream into a sink applying 256 KiB pieces"
+                                      : "TCP stream into a sink applying whole values",
+                   std::vector<double>(sizes.size(), 0.0)};
+  Bound pull_bound{"tcp_stream_sized", "TCP stream from and into value-sized buffers", std::vector<double>(sizes.size(), 0.0)};
+  const auto measures = [&](const char* op) {
+    return workload == "dense" && std::find(ops.begin(), ops.end(), op) != ops.end();
+  };
+  for (std::size_t si = 0; si < sizes.size(); ++si) {
+    const std::size_t size = sizes[si];
+    if (measures("push") && transport == "shm")
+      push_bound.at[si] = best_of_3([&] { return copy_apply_bandwidth(size, 0.1); }, max);
+    if (transport == "shm" || size < kBandwidthBytes) continue;
+    if (measures("push"))
+      push_bound.at[si] = best_of_3([&] { return tcp_stream_bandwidth(peers.apply_port, 0.4, size, push_piece); }, max);
+    if (measures("pull"))
+      pull_bound.at[si] =
+          best_of_3([&] { return tcp_stream_bandwidth(peers.apply_port, 0.4, size, size, /*apply=*/false); }, max);
   }
-  // The tcp pull bound: the raw stream sent out of and received into value-sized buffers, as a
-  // pull must (shm pulls are already measured against memcpy at their size).
-  const bool dense_pull = workload == "dense" && std::find(ops.begin(), ops.end(), "pull") != ops.end();
-  std::vector<double> pull_bound_at(sizes.size(), 0.0);
-  for (std::size_t si = 0; dense_pull && transport != "shm" && si < sizes.size(); ++si)
-    if (sizes[si] >= kBandwidthBytes)
-      pull_bound_at[si] = best_of_3(
-          [&] { return tcp_stream_bandwidth(peers.apply_port, 0.4, sizes[si], sizes[si], /*apply=*/false); }, max);
+  const Bound* bounds[] = {&push_bound, &pull_bound};
   if (json) {
     std::printf("{\"baseline\":\"tcp_stream\",\"bytes_per_s\":%.0f}\n", stream_bw);
     std::printf("{\"baseline\":\"tcp_pingpong_64B\",\"p50_us\":%.2f}\n", pingpong_us);
     std::printf("{\"baseline\":\"memcpy\",\"bytes_per_s\":%.0f}\n", memcpy_bw);
     for (std::size_t si = 0; si < sizes.size(); ++si)
       std::printf("{\"baseline\":\"memcpy\",\"value_bytes\":%zu,\"bytes_per_s\":%.0f}\n", sizes[si], memcpy_at[si]);
-    for (std::size_t si = 0; si < sizes.size(); ++si)
-      if (bound_at[si] > 0)
-        std::printf("{\"baseline\":\"%s\",\"value_bytes\":%zu,\"bytes_per_s\":%.0f}\n", bound_name, sizes[si], bound_at[si]);
-    for (std::size_t si = 0; si < sizes.size(); ++si)
-      if (pull_bound_at[si] > 0)
-        std::printf("{\"baseline\":\"tcp_stream_sized\",\"value_bytes\":%zu,\"bytes_per_s\":%.0f}\n", sizes[si],
-                    pull_bound_at[si]);
+    for (const Bound* b : bounds)
+      for (std::size_t si = 0; si < sizes.size(); ++si)
+        if (b->at[si] > 0)
+          std::printf("{\"baseline\":\"%s\",\"value_bytes\":%zu,\"bytes_per_s\":%.0f}\n", b->name, sizes[si], b->at[si]);
   } else {
     std::printf("baselines: loopback TCP stream %s/s, 64 B TCP ping-pong p50 %.1f us, memcpy 16 MiB %s/s\n",
                 human(stream_bw).c_str(), pingpong_us, human(memcpy_bw).c_str());
     for (std::size_t si = 0; si < sizes.size(); ++si)
       std::printf("  memcpy %zu B: %s/s\n", sizes[si], human(memcpy_at[si]).c_str());
-    for (std::size_t si = 0; si < sizes.size(); ++si)
-      if (bound_at[si] > 0)
-        std::printf("  push bound (%s) %zu B: %s/s\n",
-                    transport == "shm"  ? "copy into a slot, then apply"
-                    : bound_piece       ? "TCP stream into a sink applying 256 KiB pieces"
-                                        : "TCP stream into a sink applying whole values",
-                    sizes[si],
-                    human(bound_at[si]).c_str());
-    for (std::size_t si = 0; si < sizes.size(); ++si)
-      if (pull_bound_at[si] > 0)
-        std::printf("  pull bound (TCP stream from and into value-sized buffers) %zu B: %s/s\n", sizes[si],
-                    human(pull_bound_at[si]).c_str());
+    for (const Bound* b : bounds)
+      for (std::size_t si = 0; si < sizes.size(); ++si)
+        if (b->at[si] > 0)
+          std::printf("  %s bound (%s) %zu B: %s/s\n", b == &push_bound ? "push" : "pull", b->what.c_str(), sizes[si],
+                      human(b->at[si]).c_str());
     std::printf("%-5s %-5s %10s %7s %12s %9s %9s  %s\n", "tport", "op", "value", "clients", "bandwidth", "p50 us",
                 "p99 us", "ratio to baseline");
   }
@@ -810,11 +811,12 @@ int main(int argc, char** argv) {
           const char* baseline = by_bandwidth ? (transport == "shm" ? "memcpy" : "tcp_stream") : "tcp_pingpong_64B";
           const double base = by_bandwidth ? (transport == "shm" ? memcpy_at[si] : stream_bw) : pingpong_us;
           const double ratio = by_bandwidth ? p.bytes_per_s / base : p.p50_us / base;
-          const double bound = op == "push" ? bound_at[si] : pull_bound_at[si];
+          const Bound& b = op == "push" ? push_bound : pull_bound;
+          const double bound = b.at[si];
           char bound_json[160] = "", bound_text[64] = "";
           if (bound > 0) {
             std::snprintf(bound_json, sizeof bound_json, ",\"bound\":\"%s\",\"bound_value\":%.0f,\"ratio_to_bound\":%.4g",
-                          op == "push" ? bound_name : "tcp_stream_sized", bound, p.bytes_per_s / bound);
+                          b.name, bound, p.bytes_per_s / bound);
             std::snprintf(bound_text, sizeof bound_text, "  [%.2fx of %s bound]", p.bytes_per_s / bound, op.c_str());
           }
           if (json)
