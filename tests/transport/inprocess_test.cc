@@ -11,6 +11,7 @@
 
 #include "pskv/client.h"
 #include "pskv/server.h"
+#include "transport/tcp/tcp_server.h"
 
 namespace pskv {
 namespace {
@@ -154,7 +155,7 @@ TEST_P(InProcess, BspClocksAndBarrier) {
 TEST_P(InProcess, LargePushesMeetPullsAndPipelinedRequests) {
   Server server(server_options());
   const ClientOptions o = client_options(server);
-  constexpr std::size_t kBig = 200000, kPiece = 65536;
+  constexpr std::size_t kBig = 200000, kPiece = tcp::TcpServer::kPushPieceFloats;
   constexpr int kPushes = 20;
   {
     Client admin(o);
