@@ -161,13 +161,13 @@ IoResult readv_full(int fd, iovec* iov, int count) noexcept {
   return IoResult::ok;
 }
 
-IoResult writev_full(int fd, iovec* iov, int count) noexcept {
+IoResult writev_full(int fd, iovec* iov, int count, bool more) noexcept {
   while (count > 0 && iov->iov_len == 0) ++iov, --count;
   while (count > 0) {
     msghdr msg{};
     msg.msg_iov = iov;
     msg.msg_iovlen = static_cast<std::size_t>(std::min(count, IOV_MAX));
-    const ssize_t n = ::sendmsg(fd, &msg, MSG_NOSIGNAL);
+    const ssize_t n = ::sendmsg(fd, &msg, MSG_NOSIGNAL | (more ? MSG_MORE : 0));
     if (n <= 0) {
       if (n < 0 && errno == EINTR) continue;
       return classify(n);

@@ -54,7 +54,8 @@ enum class IoResult { ok, closed, timeout, error };
 IoResult read_full(int fd, void* data, std::size_t bytes) noexcept;
 // Reads exactly the bytes the iovecs describe; modifies `iov` while progressing.
 IoResult readv_full(int fd, iovec* iov, int count) noexcept;
-IoResult writev_full(int fd, iovec* iov, int count) noexcept;
+// `more` (MSG_MORE) holds back a last partial segment for the next write, to go out with it.
+IoResult writev_full(int fd, iovec* iov, int count, bool more = false) noexcept;
 std::string io_result_text(IoResult r);
 
 }  // namespace pskv::tcp

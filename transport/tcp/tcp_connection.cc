@@ -258,17 +258,15 @@ bool TcpConnection::receive_one(const wire::FrameHeader& h, std::string* why) {
              std::to_string(expected);
       return false;
     }
+    // A reply sent straight from the store ends with a word saying whether a push tore it.
+    std::uint32_t torn = 1;
+    if (h.flags & wire::kFromStore) recv_iov_.push_back({&torn, sizeof torn});
     res = readv_full(fd_.get(), recv_iov_.data(), static_cast<int>(recv_iov_.size()));
     if (res != IoResult::ok) {
       *why = "lost the connection to " + endpoint_ + " while reading values (" + io_result_text(res) + ")";
       return false;
     }
     if (h.flags & wire::kFromStore) {
-      std::uint32_t torn = 1;
-      if (read_full(fd_.get(), &torn, sizeof torn) != IoResult::ok) {
-        *why = "lost the connection to " + endpoint_ + " while reading values";
-        return false;
-      }
       if (torn != 0) {
         // A push landed on a key while the server was sending it: ask again for a copy, which
         // the server takes under the seqlock. The request stays outstanding meanwhile.

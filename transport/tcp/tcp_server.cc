@@ -36,7 +36,7 @@ class Peer : public std::enable_shared_from_this<Peer> {
     IoResult sent;
     {
       const SeqlockReadScope racy_reads;  // validated by the versions below
-      sent = writev_full(fd.get(), iov.data(), static_cast<int>(iov.size()));
+      sent = writev_full(fd.get(), iov.data(), static_cast<int>(iov.size()), /*more=*/true);
     }
     if (sent != IoResult::ok) return false;
     std::atomic_thread_fence(std::memory_order_acquire);
