@@ -128,35 +128,64 @@ void apply_pushed(float* value, const float* grad, std::size_t floats) {
   pskv::apply_update(add, value, nullptr, grad, floats, 1, 1.0f);
 }
 
-// The raw peers: a sink that drains a stream, an echo for ping-pong, and a value sink that reads
-// messages of a size the client announces, in pieces of a size it also announces, and applies
-// each piece to a value of the message's size as soon as the piece is in (a whole message, or
-// 256 KiB, as pskv-server applies a push with --tcp-push whole or pieces); told not to apply, it
-// reads whole messages into a message-sized buffer, as a client pulling a value does.
+// What the client tells the request/response peer before its first request.
+struct RpcShape {
+  std::uint64_t message_bytes = 0;  // the value: a push's payload, or a pull's reply
+  std::uint64_t piece_bytes = 0;    // a push is read, and applied, in pieces of this size
+  std::uint64_t pull = 0;           // 1: requests are 8 bytes and the peer replies with a value
+  std::uint64_t depth = 1;          // requests in flight, each on its own value and buffer
+  bool valid() const {
+    return message_bytes >= sizeof(float) && message_bytes <= (1ull << 30) && piece_bytes >= sizeof(float) &&
+           piece_bytes <= message_bytes && depth >= 1 && depth <= 64;
+  }
+};
+
+bool write_all(int fd, const void* data, std::size_t bytes) {
+  iovec iov{const_cast<void*>(data), bytes};
+  return pskv::tcp::writev_full(fd, &iov, 1) == IoResult::ok;
+}
+
+// The request/response peer: a parameter server with nothing but TCP and the apply. It answers
+// each pull with a value sent out of a value-sized buffer, and reads each push in pieces,
+// applying every piece to a value-sized buffer as soon as it is in (a whole message, or 256 KiB,
+// as pskv-server does with --tcp-push whole or pieces), then acks it with 8 bytes.
+void serve_rpc(int fd, const RpcShape& s) {
+  const std::size_t floats = s.message_bytes / sizeof(float), piece = s.piece_bytes / sizeof(float);
+  std::vector<std::vector<float>> values(s.depth, std::vector<float>(floats, 1.0f));
+  std::vector<float> grad(s.pull ? 0 : piece);
+  for (std::uint64_t i = 0;; ++i) {
+    std::vector<float>& value = values[i % s.depth];
+    if (s.pull) {
+      std::uint64_t request = 0;
+      if (read_full(fd, &request, sizeof request) != IoResult::ok || !write_all(fd, value.data(), s.message_bytes)) return;
+      continue;
+    }
+    for (std::size_t at = 0; at < floats; at += piece) {
+      const std::size_t n = std::min(piece, floats - at);
+      if (read_full(fd, grad.data(), n * sizeof(float)) != IoResult::ok) return;
+      apply_pushed(value.data() + at, grad.data(), n);
+    }
+    if (!write_all(fd, &i, sizeof i)) return;
+  }
+}
+
+// The raw peers: a sink that drains a stream, an echo for ping-pong, and the request/response
+// peer above.
 struct RawPeers {
-  std::uint16_t sink_port = 0, echo_port = 0, apply_port = 0;
+  std::uint16_t sink_port = 0, echo_port = 0, rpc_port = 0;
   std::vector<pid_t> pids;
   void start() {
     int sink = listen_any(&sink_port);
     int echo = listen_any(&echo_port);
-    int apply = listen_any(&apply_port);
+    int rpc = listen_any(&rpc_port);
     pids.push_back(spawn([&] {
       for (;;) {
-        int c = accept(apply, nullptr, nullptr);
+        int c = accept(rpc, nullptr, nullptr);
         if (c < 0) _exit(0);
-        std::uint64_t sizes[3] = {};  // message, piece, apply
-        if (read_full(c, sizes, sizeof sizes) == IoResult::ok && sizes[1] >= sizeof(float) && sizes[1] <= sizes[0] &&
-            sizes[0] <= (1ull << 30)) {
-          const std::size_t floats = sizes[0] / sizeof(float), piece = sizes[1] / sizeof(float);
-          std::vector<float> grad(sizes[2] ? piece : 0), value(floats, 1.0f);
-          for (bool open = true; open;)
-            for (std::size_t at = 0; open && at < floats; at += piece) {
-              const std::size_t n = std::min(piece, floats - at);
-              float* into = sizes[2] ? grad.data() : value.data() + at;
-              open = read_full(c, into, n * sizeof(float)) == IoResult::ok;
-              if (open && sizes[2]) apply_pushed(value.data() + at, grad.data(), n);
-            }
-        }
+        int one = 1;
+        setsockopt(c, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+        RpcShape shape;
+        if (read_full(c, &shape, sizeof shape) == IoResult::ok && shape.valid()) serve_rpc(c, shape);
         close(c);
       }
     }));
@@ -184,35 +213,52 @@ struct RawPeers {
     }));
     close(sink);
     close(echo);
-    close(apply);
+    close(rpc);
   }
 };
 
-// A single stream of 1 MiB writes. With `message_bytes`, the peer is the value sink and is first
-// told the size of the messages, of the pieces it reads them in, and whether it applies them;
-// the writes then walk a message-sized buffer.
-double tcp_stream_bandwidth(std::uint16_t port, double seconds, std::uint64_t message_bytes = 0,
-                            std::uint64_t piece_bytes = 0, bool apply = true) {
+// A single stream of 1 MiB writes out of one buffer, which therefore never leaves the cache.
+double tcp_stream_bandwidth(std::uint16_t port, double seconds) {
   int fd = connect_port(port);
-  const std::uint64_t sizes[3] = {message_bytes, piece_bytes ? std::min(piece_bytes, message_bytes) : message_bytes,
-                                  apply ? 1u : 0u};
-  if (message_bytes && write(fd, sizes, sizeof sizes) != ssize_t(sizeof sizes)) {
-    close(fd);
-    return 0;
-  }
-  // A push of value-sized messages sends each from its own value-sized buffer: at 16 MiB the
-  // sender's reads leave the cache, and with the sink's apply they cost the stream ~20% here.
-  constexpr std::size_t kWrite = 1 << 20;
-  std::vector<char> buf(std::max<std::size_t>(kWrite, message_bytes), 1);
+  std::vector<char> buf(1 << 20, 1);
   std::uint64_t bytes = 0;
   const auto t0 = Clock::now();
   while (seconds_since(t0) < seconds) {
-    const std::size_t at = message_bytes ? bytes % message_bytes : 0;
-    const ssize_t n = write(fd, buf.data() + at, std::min(kWrite, buf.size() - at));
+    const ssize_t n = write(fd, buf.data(), buf.size());
     if (n <= 0) break;
     bytes += static_cast<std::uint64_t>(n);
   }
   const double bw = double(bytes) / seconds_since(t0);
+  close(fd);
+  return bw;
+}
+
+// Values moved per second by raw requests and responses on one connection, `depth` in flight,
+// each push sent out of (and each pull read into) its own value-sized buffer: what a parameter
+// server could reach at best with this machine's TCP, at this size and depth. Unlike the stream,
+// it pays a round trip per request at depth 1, and from 16 MiB its buffers leave the cache.
+double tcp_rpc_bandwidth(std::uint16_t port, double seconds, const RpcShape& s) {
+  int fd = connect_port(port);
+  std::vector<std::vector<char>> bufs(s.depth, std::vector<char>(s.message_bytes, 1));
+  std::uint64_t issued = 0, done = 0;
+  const auto issue = [&] {
+    const bool ok = s.pull ? write_all(fd, &issued, sizeof issued)
+                           : write_all(fd, bufs[issued % s.depth].data(), s.message_bytes);
+    ++issued;
+    return ok;
+  };
+  const auto complete = [&] {
+    std::uint64_t ack = 0;
+    const bool ok = s.pull ? read_full(fd, bufs[done % s.depth].data(), s.message_bytes) == IoResult::ok
+                           : read_full(fd, &ack, sizeof ack) == IoResult::ok;
+    done += ok;
+    return ok;
+  };
+  bool ok = write_all(fd, &s, sizeof s);
+  const auto t0 = Clock::now();
+  while (ok && issued < s.depth) ok = issue();
+  while (ok && seconds_since(t0) < seconds) ok = complete() && issue();
+  const double bw = ok ? double(done * s.message_bytes) / seconds_since(t0) : 0;
   close(fd);
   return bw;
 }
@@ -692,22 +738,24 @@ int main(int argc, char** argv) {
   for (std::size_t size : sizes)
     memcpy_at.push_back(best_of_3([&] { return memcpy_bandwidth(std::max<std::size_t>(size, 64), 0.1); }, max));
   // The bound of each op at each size: what this machine could do at best, so a ratio can be read
-  // against that and not only against the raw path. A push's is the raw path plus the apply every
-  // push needs; a tcp pull's is the raw stream sent out of and received into value-sized buffers,
-  // as a pull's are (shm pulls are already measured against memcpy at their size).
+  // against that and not only against the raw path. Over tcp it is raw requests and responses at
+  // the run's depth, with the apply every push needs; over shm, a push's is one copy and the apply
+  // (shm pulls are already measured against memcpy at their size).
   struct Bound {
     const char* name = nullptr;  // the baseline's JSON name
     std::string what;            // for the text report
     std::vector<double> at;      // per size; 0: none
   };
   // Servers this run did not start are taken to apply in pieces, pskv-server's default.
-  const std::uint64_t push_piece = tcp_push == "pieces" ? pskv::tcp::TcpServer::kPushPieceFloats * sizeof(float) : 0;
-  Bound push_bound{transport == "shm" ? "memcpy_apply" : "tcp_stream_apply",
+  const bool push_in_pieces = tcp_push == "pieces";
+  const std::string in_flight = std::to_string(depth) + " in flight";
+  Bound push_bound{transport == "shm" ? "memcpy_apply" : "tcp_rpc_apply",
                    transport == "shm" ? "copy into a slot, then apply"
-                   : push_piece       ? "TCP stream into a sink applying 256 KiB pieces"
-                                      : "TCP stream into a sink applying whole values",
+                                      : "raw TCP requests, " + in_flight + ", applied in " +
+                                            (push_in_pieces ? "256 KiB pieces as they arrive" : "whole values"),
                    std::vector<double>(sizes.size(), 0.0)};
-  Bound pull_bound{"tcp_stream_sized", "TCP stream from and into value-sized buffers", std::vector<double>(sizes.size(), 0.0)};
+  Bound pull_bound{"tcp_rpc", "raw TCP requests, " + in_flight + ", replies from and into value-sized buffers",
+                   std::vector<double>(sizes.size(), 0.0)};
   const auto measures = [&](const char* op) {
     return workload == "dense" && std::find(ops.begin(), ops.end(), op) != ops.end();
   };
@@ -716,11 +764,13 @@ int main(int argc, char** argv) {
     if (measures("push") && transport == "shm")
       push_bound.at[si] = best_of_3([&] { return copy_apply_bandwidth(size, 0.1); }, max);
     if (transport == "shm" || size < kBandwidthBytes) continue;
-    if (measures("push"))
-      push_bound.at[si] = best_of_3([&] { return tcp_stream_bandwidth(peers.apply_port, 0.4, size, push_piece); }, max);
-    if (measures("pull"))
-      pull_bound.at[si] =
-          best_of_3([&] { return tcp_stream_bandwidth(peers.apply_port, 0.4, size, size, /*apply=*/false); }, max);
+    RpcShape shape{.message_bytes = size,
+                   .piece_bytes = push_in_pieces ? std::min<std::uint64_t>(size, pskv::tcp::TcpServer::kPushPieceFloats * sizeof(float)) : size,
+                   .pull = 0,
+                   .depth = static_cast<std::uint64_t>(depth)};
+    if (measures("push")) push_bound.at[si] = best_of_3([&] { return tcp_rpc_bandwidth(peers.rpc_port, 0.4, shape); }, max);
+    shape.pull = 1;
+    if (measures("pull")) pull_bound.at[si] = best_of_3([&] { return tcp_rpc_bandwidth(peers.rpc_port, 0.4, shape); }, max);
   }
   const Bound* bounds[] = {&push_bound, &pull_bound};
   if (json) {

@@ -20,7 +20,7 @@ for transport in tcp shm; do
     grep -Eq '"ratio":[0-9]*\.?[0-9]+(e-?[0-9]+)?[,}]' <<<"$line" || fail "$transport: ratio is not a number in $line"
     grep -Eq '"ratio":0(\.0+)?[,}]' <<<"$line" && fail "$transport: zero ratio in $line"
   done <<<"$results"
-  bound=$([ "$transport" = shm ] && echo memcpy_apply || echo tcp_stream_apply)
+  bound=$([ "$transport" = shm ] && echo memcpy_apply || echo tcp_rpc_apply)
   grep -q "{\"baseline\":\"$bound\",\"value_bytes\":65536,\"bytes_per_s\":[1-9]" <<<"$out" ||
     fail "$transport: no $bound baseline at 64 KiB"
   push64k=$(grep '"op":"push","value_bytes":65536,' <<<"$results")
@@ -28,9 +28,9 @@ for transport in tcp shm; do
     fail "$transport: 64 KiB push has no ratio to its bound: $push64k"
   pull64k=$(grep '"op":"pull","value_bytes":65536,' <<<"$results")
   if [ "$transport" = tcp ]; then
-    grep -q '{"baseline":"tcp_stream_sized","value_bytes":65536,"bytes_per_s":[1-9]' <<<"$out" ||
-      fail "tcp: no tcp_stream_sized baseline at 64 KiB"
-    grep -Eq '"bound":"tcp_stream_sized","bound_value":[1-9][0-9]*,"ratio_to_bound":' <<<"$pull64k" ||
+    grep -q '{"baseline":"tcp_rpc","value_bytes":65536,"bytes_per_s":[1-9]' <<<"$out" ||
+      fail "tcp: no tcp_rpc baseline at 64 KiB"
+    grep -Eq '"bound":"tcp_rpc","bound_value":[1-9][0-9]*,"ratio_to_bound":' <<<"$pull64k" ||
       fail "tcp: 64 KiB pull has no ratio to its bound: $pull64k"
   else
     grep -q ratio_to_bound <<<"$(grep '"op":"pull"' <<<"$results")" && fail "shm: a pull claims a bound"
