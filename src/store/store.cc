@@ -263,8 +263,13 @@ void Store::apply_part(SlotHeader& slot, std::size_t begin, const float* grad, s
 
 void Store::apply_locked(SlotHeader& slot, const UpdateRuleConfig& rule, std::size_t begin, const float* grad,
                          std::size_t n, float lr_scale, std::uint64_t* step) noexcept {
-  float* state = state_floats_per_value(rule.rule) ? state_of(slot) : nullptr;
   std::lock_guard guard(stripe_lock(slot.key));
+  apply_seqlocked(slot, rule, begin, grad, n, lr_scale, step);
+}
+
+void Store::apply_seqlocked(SlotHeader& slot, const UpdateRuleConfig& rule, std::size_t begin, const float* grad,
+                            std::size_t n, float lr_scale, std::uint64_t* step) noexcept {
+  float* state = state_floats_per_value(rule.rule) ? state_of(slot) : nullptr;
   const std::uint64_t seq = slot.seq.load(std::memory_order_relaxed);
   slot.seq.store(seq + 1, std::memory_order_relaxed);
   std::atomic_thread_fence(std::memory_order_release);
@@ -275,10 +280,8 @@ void Store::apply_locked(SlotHeader& slot, const UpdateRuleConfig& rule, std::si
 
 Errc Store::apply_logged(SlotHeader& slot, const float* grad, float lr_scale, std::uint32_t owner, UndoRecord& log,
                          float* undo, std::chrono::nanoseconds patience) noexcept {
-  const UpdateRuleConfig& rule = header().rule;
   const std::size_t length = slot.length;
   const std::size_t state_count = state_floats(slot);
-  float* state = state_count ? state_of(slot) : nullptr;
   const std::uint32_t stripe = stripe_of(slot.key);
   log.stripe = stripe;
   log.slot_offset = slot_offset(slot);
@@ -289,17 +292,13 @@ Errc Store::apply_logged(SlotHeader& slot, const float* grad, float lr_scale, st
     log.phase.store(UndoPhase::idle, std::memory_order_release);
     return Errc::timeout;
   }
-  const std::uint64_t seq = slot.seq.load(std::memory_order_relaxed);
-  log.seq = seq;
+  log.seq = slot.seq.load(std::memory_order_relaxed);
   log.update_count = slot.update_count;
   copy_floats(undo, slot.values(), length);
-  if (state_count) copy_floats(undo + length, state, state_count);
+  if (state_count) copy_floats(undo + length, state_of(slot), state_count);
   log.phase.store(UndoPhase::saved, std::memory_order_release);
-  slot.seq.store(seq + 1, std::memory_order_relaxed);
-  std::atomic_thread_fence(std::memory_order_release);
-  const std::uint64_t step = ++slot.update_count;
-  apply_update(rule, slot.values(), state, grad, length, step, lr_scale);
-  slot.seq.store(seq + 2, std::memory_order_release);
+  std::uint64_t step = 0;
+  apply_seqlocked(slot, header().rule, 0, grad, length, lr_scale, &step);
   log.phase.store(UndoPhase::applied, std::memory_order_release);
   lock.unlock();
   log.phase.store(UndoPhase::idle, std::memory_order_release);

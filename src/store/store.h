@@ -233,6 +233,9 @@ class Store {
   // the update and sets *step (apply_slot: the whole value; apply_part: one piece).
   void apply_locked(SlotHeader& slot, const UpdateRuleConfig& rule, std::size_t begin, const float* grad,
                     std::size_t n, float lr_scale, std::uint64_t* step) noexcept;
+  // The same for a caller that already holds the stripe lock (apply_logged, after its undo copy).
+  void apply_seqlocked(SlotHeader& slot, const UpdateRuleConfig& rule, std::size_t begin, const float* grad,
+                       std::size_t n, float lr_scale, std::uint64_t* step) noexcept;
   // Replaces value, optimizer state (state_floats(slot) floats) and update count under the
   // seqlock; the caller holds the stripe lock.
   void overwrite_slot(SlotHeader& slot, const float* value, const float* state, std::uint64_t update_count) noexcept;
