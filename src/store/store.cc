@@ -216,10 +216,11 @@ ReadResult Store::read_slot(const SlotHeader& slot, float* out) noexcept {
 ReadResult Store::read_slot_or_lock(const SlotHeader& slot, float* out) const noexcept {
   std::uint64_t version = 0;
   for (int attempt = 0; !copy_if_unchanged(slot, out, &version); ++attempt) {
+    if (attempt < 2) continue;
     // Bounded patience: a holder that is stopped (a SIGSTOPped shm worker) must not take this
     // thread with it; the optimistic copy is tried again in between.
     SharedMutex& lock = stripe_lock(slot.key);
-    if (attempt >= 2 && lock.lock_for(SharedMutex::kAnonymousOwner, std::chrono::milliseconds(1))) {
+    if (lock.lock_for(SharedMutex::kAnonymousOwner, std::chrono::milliseconds(1))) {
       std::memcpy(out, slot.values(), std::size_t{slot.length} * sizeof(float));
       version = slot.seq.load(std::memory_order_relaxed);
       lock.unlock();
