@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <ctime>
 #include <sstream>
 #include <vector>
 
@@ -125,8 +126,11 @@ Errc ShmConnection::read_values(const Request& request, std::string* why) const 
 bool ShmConnection::push_directly(Request& request) {
   // A push applied into the segment of a dead server would be acknowledged and then lost, so
   // the server's liveness is checked here too (the helper only looks every 500 ms); at most
-  // every 10 ms, since it reads /proc.
-  const std::int64_t now_ns = std::chrono::steady_clock::now().time_since_epoch().count();
+  // every 10 ms, since it reads /proc. The coarse clock (a tick's resolution) is enough for
+  // that and costs 9 ns here against steady_clock's 40, on a push that takes 300.
+  timespec ts{};
+  clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
+  const std::int64_t now_ns = std::int64_t{ts.tv_sec} * 1'000'000'000 + ts.tv_nsec;
   if (now_ns - last_alive_check_ns_.load(std::memory_order_relaxed) > 10'000'000) {
     last_alive_check_ns_.store(now_ns, std::memory_order_relaxed);
     if (!segment_->server_alive()) fail_everything(Errc::peer_failure, server_gone());

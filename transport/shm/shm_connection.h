@@ -87,7 +87,7 @@ class ShmConnection final : public transport::Connection, private transport::Pol
   std::uint64_t staleness_ = 0;
   bool bounded_ = false;
   bool worker_push_ = false;
-  std::atomic<std::int64_t> last_alive_check_ns_{0};  // steady_clock, by push_directly
+  std::atomic<std::int64_t> last_alive_check_ns_{0};  // CLOCK_MONOTONIC_COARSE, by push_directly
 
   std::mutex mu_;  // guards everything below
   std::condition_variable space_;
