@@ -206,13 +206,18 @@ class SharedMemory final : public MemoryResource {
   std::size_t size_;
 };
 
-// A process applying its own updates is SIGKILLed at random instants. recover() must then
-// leave the value as some whole number of updates (every float equal to the update count),
-// the seqlock even and the stripe lock free, and a waiter on that lock must get it.
+// A process applying its own updates is SIGKILLed at random instants. It is stopped first, so
+// the phase its record shows and whether it holds the lock are those it dies with, and recover()
+// must answer for exactly that: roll back an update it had saved, release a lock it held in any
+// other phase, touch nothing otherwise. The value is then some whole number of updates (every
+// float equal to the update count), the seqlock even and the lock free, and a waiter on that
+// lock gets it. Every other trial waits for the dangerous instant (the value half-updated under
+// the lock), so that case is covered in every run, not only when the timing allows.
 TEST(Store, RecoverRollsBackAnUpdateCutShortBySigkill) {
   // 512 KiB: below the size that apply_update spreads over oneTBB threads, which a forked child
   // must not use. The child still spends nearly all its time inside updates.
   constexpr std::uint32_t kLen = 1u << 17;
+  constexpr int kTrials = 20;
   StoreOptions o;
   o.rule.rule = UpdateRule::add;
   o.arena_bytes = 4ull << 20;
@@ -227,32 +232,59 @@ TEST(Store, RecoverRollsBackAnUpdateCutShortBySigkill) {
   std::mt19937 rng(7);
   int rolled_back = 0;
   std::vector<float> out(kLen);
-  for (int trial = 0; trial < 20; ++trial) {
+  for (int trial = 0; trial < kTrials; ++trial) {
     const std::uint32_t owner = 100 + static_cast<std::uint32_t>(trial);
     const pid_t child = fork();
     ASSERT_GE(child, 0);
     if (child == 0) {
       for (;;) store->apply_logged(*slot, ones.data(), 1.0f, owner, *log, undo, std::chrono::hours(1));
     }
-    std::this_thread::sleep_for(std::chrono::microseconds(3000 + rng() % 20000));
+    // A failed assertion below must not leave a stopped child holding the test's output open.
+    struct KillOnExit {
+      pid_t pid;
+      ~KillOnExit() {
+        if (pid > 0) kill(pid, SIGKILL), waitpid(pid, nullptr, 0);
+      }
+    } reaper{child};
+    std::this_thread::sleep_for(std::chrono::microseconds(1000 + rng() % 5000));
+    const bool wait_for_saved = trial % 2 == 1;
+    UndoPhase phase;
+    bool holds;
+    for (int stops = 0;; ++stops) {
+      ASSERT_LT(stops, 10000) << "the child was never caught with its update saved";
+      kill(child, SIGSTOP);
+      int status = 0;
+      ASSERT_EQ(waitpid(child, &status, WUNTRACED), child);
+      ASSERT_TRUE(WIFSTOPPED(status));
+      phase = log->phase.load();
+      holds = store->stripe_holder(5) == owner;
+      if (!wait_for_saved || (phase == UndoPhase::saved && holds)) break;
+      kill(child, SIGCONT);
+      std::this_thread::sleep_for(std::chrono::microseconds(50 + rng() % 200));
+    }
     kill(child, SIGKILL);
     int status = 0;
+    reaper.pid = 0;
     ASSERT_EQ(waitpid(child, &status, 0), child);
     // Another writer already waiting on the dead owner's lock is let in by the recovery.
     std::thread waiter([&] { EXPECT_EQ(store->push(5, ones), Errc::ok); });
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
     const Store::Recovery r = store->recover(*log, owner, undo, kLen);
     waiter.join();
+    const Store::Recovery expected = !holds                     ? Store::Recovery::nothing
+                                     : phase == UndoPhase::saved ? Store::Recovery::rolled_back
+                                                                 : Store::Recovery::released;
+    EXPECT_EQ(r, expected) << "trial " << trial << ", killed in phase " << int(phase) << (holds ? " holding" : " not holding")
+                           << " the lock";
     rolled_back += r == Store::Recovery::rolled_back;
     EXPECT_EQ(log->phase.load(), UndoPhase::idle);
     EXPECT_EQ(store->stripe_holder(5), 0u);
-    EXPECT_EQ(slot->seq.load() % 2, 0u);
+    ASSERT_EQ(slot->seq.load() % 2, 0u) << "an odd version would keep every reader waiting";
     ASSERT_EQ(store->pull(5, out).status, Errc::ok);
     for (std::uint32_t i = 0; i < kLen; ++i)
       ASSERT_EQ(out[i], float(slot->update_count)) << "element " << i << " after trial " << trial;
   }
-  // The child spends nearly all its time holding the lock: most kills need a roll-back.
-  EXPECT_GE(rolled_back, 3);
+  EXPECT_GE(rolled_back, kTrials / 2);
   // Recovering again, or for an owner that holds nothing, changes nothing.
   EXPECT_EQ(store->recover(*log, 100, undo, kLen), Store::Recovery::nothing);
 }
