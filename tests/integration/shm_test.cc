@@ -2,6 +2,7 @@
 // processes, and workers killed with SIGKILL at random instants.
 #include <gtest/gtest.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -15,6 +16,7 @@
 #include "pskv/client.h"
 #include "support/process.h"
 #include "support/workloads.h"
+#include "transport/shm/segment.h"
 
 namespace pskv {
 namespace {
@@ -117,7 +119,28 @@ struct KillTrials {
   std::uint32_t max_delay_us;  // a victim is killed up to this long after it starts
   bool after_first_push;       // ... after its first push rather than after its fork
   unsigned seed;
+  // The server's segment, to kill each victim only once it is caught (stopped) with a push it
+  // applies itself saved under the stripe lock, where a kill leaves a value half-updated.
+  const char* catch_in_segment = nullptr;
 };
+
+// Stops `victim` until its slot's undo record reads `saved`, and leaves it stopped there; false
+// if that never happened.
+bool stop_inside_a_push(shm::Segment& segment, pid_t victim, std::mt19937& rng) {
+  shm::ClientSlot* slot = nullptr;
+  for (std::uint32_t i = 0; i < segment.header().slots && !slot; ++i)
+    if (segment.slot(i).owner_pid.load() == victim) slot = &segment.slot(i);
+  if (!slot) return false;
+  for (int stops = 0; stops < 10000; ++stops) {
+    kill(victim, SIGSTOP);
+    int status = 0;
+    if (waitpid(victim, &status, WUNTRACED) != victim || !WIFSTOPPED(status)) return false;
+    if (slot->undo.phase.load() == UndoPhase::saved) return true;
+    kill(victim, SIGCONT);
+    std::this_thread::sleep_for(std::chrono::microseconds(50 + rng() % 200));
+  }
+  return false;
+}
 
 // Victims that push forever are SIGKILLed one after another at random instants, while a
 // survivor pushes to the same keys and checks every read it makes for tearing. After each kill
@@ -149,6 +172,7 @@ void run_kill_trials(const ClientOptions& o, const KillTrials& t) {
     return 0;
   });
   std::mt19937 rng(t.seed);
+  const std::unique_ptr<shm::Segment> segment = t.catch_in_segment ? shm::Segment::open(t.catch_in_segment) : nullptr;
   for (int trial = 0; trial < t.trials; ++trial) {
     victim_pushes->store(0);
     const pid_t victim = fork_worker([&]() -> int {
@@ -161,6 +185,9 @@ void run_kill_trials(const ClientOptions& o, const KillTrials& t) {
     });
     while (t.after_first_push && victim_pushes->load() == 0) std::this_thread::sleep_for(std::chrono::microseconds(100));
     std::this_thread::sleep_for(std::chrono::microseconds(200 + rng() % t.max_delay_us));
+    if (segment) {
+      EXPECT_TRUE(stop_inside_a_push(*segment, victim, rng)) << "victim " << victim << " was never caught inside a push";
+    }
     kill(victim, SIGKILL);
     EXPECT_EQ(wait_pid(victim), 128 + SIGKILL);
     const std::uint64_t before = progress->load();
@@ -188,15 +215,18 @@ TEST_P(ShmPush, SigkillOfPushingWorkersLeavesTheStoreUsable) {
 }
 
 // Workers that apply their own pushes are killed while they hold a stripe lock with a value
-// half-updated (2 MiB values, so most kills land there). The server must roll each back and
-// release the lock.
+// half-updated: each is stopped until it is caught there, then killed. The server must roll
+// every one of them back and release the lock.
 TEST(ShmIntegration, SigkillInsideAWorkerAppliedPushIsRolledBack) {
-  auto server = start_shm(unique_name("rollback"), {"--shm-push", "worker"});
+  const std::string name = unique_name("rollback");
+  auto server = start_shm(name, {"--shm-push", "worker"});
   const ClientOptions o = shm_client(server.uri);
-  run_kill_trials(o, {.trials = 20, .keys = 2, .length = 1u << 19, .max_delay_us = 3000, .after_first_push = true, .seed = 99});
+  constexpr int kTrials = 20;
+  run_kill_trials(o, {.trials = kTrials, .keys = 2, .length = 1u << 19, .max_delay_us = 3000, .after_first_push = true,
+                      .seed = 99, .catch_in_segment = name.c_str()});
   Client check(o);
   const std::string stats = check.server_stats(0);
-  EXPECT_GE(stats_field(stats, "recovered_pushes"), 3) << stats;
+  EXPECT_EQ(stats_field(stats, "recovered_pushes"), kTrials) << stats;
 }
 
 // A worker that hangs (SIGSTOP) while it holds a stripe lock is alive, so nothing is rolled
