@@ -51,6 +51,9 @@ class Poller {
   virtual bool sleep_for_answers(const Completion& /*c*/, std::chrono::steady_clock::time_point /*until*/) noexcept {
     return false;
   }
+  // The waiter will sleep on its completion without driving this poller (it waits on several
+  // connections at once): answers must then be read by the transport's own thread.
+  virtual void rely_on_transport() noexcept {}
 
  protected:
   ~Poller() = default;

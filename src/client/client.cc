@@ -41,10 +41,13 @@ class ConnectionsPoller final : public transport::Poller {
   void end_polling() noexcept override {
     for (auto* p : parts_) p->end_polling();
   }
-  // One thread cannot sleep on several servers' words at once (nor on one while another
-  // connection answers); with more, the waiter sleeps on its completion instead.
+  // One thread cannot sleep on several servers' sockets or words at once (nor on one while
+  // another connection answers); with more, the waiter sleeps on its completion instead and
+  // the transports' own threads read the answers.
   bool sleep_for_answers(const transport::Completion& c, std::chrono::steady_clock::time_point until) noexcept override {
-    return connections_ == 1 && parts_.size() == 1 && parts_[0]->sleep_for_answers(c, until);
+    if (connections_ == 1 && parts_.size() == 1) return parts_[0]->sleep_for_answers(c, until);
+    for (auto* p : parts_) p->rely_on_transport();
+    return false;
   }
 
  private:
@@ -170,7 +173,13 @@ class ClientImpl {
     if (status != Errc::ok) throw Error(status, std::string(wire::op_name(static_cast<std::uint16_t>(kind))) + ": " + message);
   }
 
-  bool done(Ticket ticket) { return lookup(ticket)->completion.done(); }
+  // Drives the connections too: an answer that landed completes here, with nobody waiting.
+  bool done(Ticket ticket) {
+    Op* op = lookup(ticket);
+    if (!op->completion.done())
+      if (transport::Poller* p = poller_.get()) p->poll();
+    return op->completion.done();
+  }
 
   void send_clock(std::uint64_t value) {
     const Ticket t = issue(wire::Op::clock, {}, kNoValues, value);

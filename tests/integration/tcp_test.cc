@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <sys/stat.h>
+#include <sys/wait.h>
 
 #include <algorithm>
 #include <filesystem>
@@ -204,6 +205,29 @@ TEST(TcpIntegration, MixedKeysInALargePushAllLand) {
       for (std::size_t j = 0; j < lengths[i]; ++j)
         ASSERT_EQ(out[j], float(j % 251) + 3.0f * float(i + 1)) << "key " << keys[i] << " float " << j;
     }
+  }
+}
+
+// Answers nobody waits for yet are still read as they come. Left in the socket, 32 MiB of pull
+// replies would block the server's only I/O thread on this client until its send timeout (5 s),
+// which then drops the connection and fails these pulls; the other client would wait meanwhile.
+TEST(TcpIntegration, AnswersNobodyWaitsForDoNotStallTheServer) {
+  auto servers = start_servers(1, {"--io-threads", "1"});
+  ClientOptions o = options_for(servers);
+  Client idle_reader(o), other(o);
+  constexpr std::size_t kFloats = 1u << 20, kPulls = 8;
+  std::vector<float> value(kFloats);
+  std::iota(value.begin(), value.end(), 0.0f);
+  idle_reader.wait(idle_reader.init(Key(1), value));
+  std::vector<std::vector<float>> out(kPulls, std::vector<float>(kFloats, -1.0f));
+  std::vector<Ticket> pulls;
+  for (auto& o : out) pulls.push_back(idle_reader.pull(Key(1), o));
+  std::vector<float> small(4, 0.0f);
+  other.wait(other.init(Key(2), small));
+  other.wait(other.pull(Key(2), small));
+  for (std::size_t i = 0; i < kPulls; ++i) {
+    idle_reader.wait(pulls[i]);
+    ASSERT_EQ(out[i], value) << "pull " << i;
   }
 }
 
@@ -575,6 +599,55 @@ TEST(TcpFailure, ServerDeathFailsOutstandingRequestsPromptly) {
   EXPECT_THROW(c.wait(c.pull(Key(1), v)), Error);
   EXPECT_THROW(c.wait(c.push(Key(1), v)), Error) << "later requests fail at once too";
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(7));
+}
+
+// A server that stops answering (SIGSTOP, after the client created key 1) is declared gone after
+// the client's io_timeout, whoever reads the connection.
+class TcpHungServer : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    servers_ = start_servers(1);
+    ClientOptions o = options_for(servers_);
+    o.io_timeout = std::chrono::seconds(2);
+    client_ = std::make_unique<Client>(o);
+    client_->wait(client_->init(Key(1), value_));
+    // kill() only queues the signal, and a request sent before it lands would still be answered.
+    servers_[0].process.signal(SIGSTOP);
+    int status = 0;
+    ASSERT_EQ(waitpid(servers_[0].process.pid(), &status, WUNTRACED), servers_[0].process.pid());
+    ASSERT_TRUE(WIFSTOPPED(status));
+  }
+  void TearDown() override { servers_[0].process.signal(SIGKILL); }
+  static void expect_timeout(Client& c, Ticket t) {
+    try {
+      c.wait(t);
+      ADD_FAILURE() << "a stopped server answered";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), Errc::timeout) << e.what();
+      EXPECT_NE(std::string(e.what()).find("hung or unreachable"), std::string::npos) << e.what();
+    }
+  }
+  std::vector<ServerProcess> servers_;
+  std::unique_ptr<Client> client_;
+  std::vector<float> value_ = std::vector<float>(4, 0.0f);
+};
+
+// The waiting thread reads its own reply, so it is the one that must give up.
+TEST_F(TcpHungServer, TimesOutTheThreadWaitingOnIt) {
+  const Ticket unwaited = client_->push(Key(1), value_);
+  expect_timeout(*client_, client_->pull(Key(1), value_));
+  EXPECT_TRUE(client_->done(unwaited)) << "the other outstanding request fails with the connection";
+  EXPECT_THROW(client_->wait(unwaited), Error);
+}
+
+// Nobody waits: only the connection's reader thread watches the socket (done() only picks up
+// answers that already landed).
+TEST_F(TcpHungServer, TimesOutRequestsNobodyWaitsFor) {
+  const Ticket t = client_->push(Key(1), value_);
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (!client_->done(t) && std::chrono::steady_clock::now() < give_up) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  ASSERT_TRUE(client_->done(t)) << "an unanswered request nobody waits for was never failed";
+  expect_timeout(*client_, t);
 }
 
 TEST(TcpFailure, UnreachableServerIsAClearError) {

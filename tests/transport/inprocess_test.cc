@@ -119,6 +119,24 @@ TEST_P(InProcess, PullSeesOwnUnwaitedPush) {
   }
 }
 
+// Answers left unwaited for a while are read by the transport meanwhile (over tcp, by the
+// connection's reader thread), and a waiter arriving later takes over from it.
+TEST_P(InProcess, AnswersLeftUnwaitedMeanwhileAreKept) {
+  Server server(server_options());
+  Client c(client_options(server));
+  std::vector<float> v(1024, 0.0f), one(1024, 1.0f), out(1024);
+  c.wait(c.init(3, v));
+  for (int round = 1; round <= 5; ++round) {
+    std::vector<Ticket> pushes;
+    for (int i = 0; i < 16; ++i) pushes.push_back(c.push(3, one));
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    const Ticket pull = c.pull(3, out);
+    for (Ticket t : pushes) c.wait(t);
+    c.wait(pull);
+    ASSERT_EQ(out[1023], float(16 * round));
+  }
+}
+
 TEST_P(InProcess, BspClocksAndBarrier) {
   ServerOptions so = server_options();
   so.num_workers = 2;

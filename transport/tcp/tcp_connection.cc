@@ -4,10 +4,26 @@
 
 #include <cstring>
 
+#include "common/sync.h"
+
 namespace pskv::tcp {
 
 using transport::KeySlice;
 using transport::Request;
+
+namespace {
+// Blocking reads return this often, so readers notice a silent server and waiters' deadlines.
+constexpr std::chrono::milliseconds kReceiveTick{1000};
+// How long answers may sit unread before the reader thread reads them, and how often it looks.
+constexpr std::chrono::milliseconds kReaderGrace{2};
+constexpr std::int64_t kGraceNs = std::chrono::nanoseconds(kReaderGrace).count();
+// Looks (kReaderGrace apart) with nothing submitted before the reader thread sleeps until a submit.
+constexpr int kReaderQuietTicks = 50;
+
+std::int64_t now_ns() noexcept {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+}  // namespace
 
 TcpConnection::TcpConnection(const Uri& uri, const transport::ConnectOptions& options)
     : options_(options), endpoint_(uri.str()) {
@@ -17,12 +33,17 @@ TcpConnection::TcpConnection(const Uri& uri, const transport::ConnectOptions& op
   handshake();
   slots_.resize(options_.max_in_flight);
   for (std::uint32_t i = options_.max_in_flight; i-- > 0;) free_.push_back(i);
-  receiver_ = std::thread([this] { receive_loop(); });
+  // Blocking reads return every second, so a server that goes quiet with requests outstanding
+  // is declared gone after io_timeout, and readers look up from the socket now and then.
+  set_io_timeouts(fd_.get(), kReceiveTick, options_.io_timeout);
+  reader_ = std::thread([this] { reader_loop(); });
 }
 
 TcpConnection::~TcpConnection() {
+  stopping_.store(true);
   ::shutdown(fd_.get(), SHUT_RDWR);
-  if (receiver_.joinable()) receiver_.join();
+  wake_reader();
+  if (reader_.joinable()) reader_.join();
   fail_all(Errc::peer_failure, "the connection to " + endpoint_ + " was closed by the client");
 }
 
@@ -78,6 +99,8 @@ std::uint32_t TcpConnection::acquire_slot(Request* request, std::uint64_t* id) {
   slots_[i].id = next_generation_++ * options_.max_in_flight + i;
   slots_[i].request = request;
   *id = slots_[i].id;
+  // The server's silence is timed from the moment something is outstanding.
+  if (outstanding_.fetch_add(1) == 0) quiet_since_ns_.store(now_ns(), std::memory_order_relaxed);
   return i;
 }
 
@@ -86,6 +109,7 @@ void TcpConnection::release_slot(std::uint32_t index) {
     std::lock_guard lock(slots_mu_);
     slots_[index].request = nullptr;
     free_.push_back(index);
+    outstanding_.fetch_sub(1);
   }
   slot_free_.notify_one();
 }
@@ -97,6 +121,9 @@ void TcpConnection::submit(Request& request) {
     request.completion->complete_part(Errc::peer_failure, broken_why_);
     return;
   }
+  submitted_.fetch_add(1, std::memory_order_relaxed);
+  // Pairs with reader_loop: either it sees this request outstanding, or we see it asleep.
+  if (reader_sleeps_long_.load()) wake_reader();
   // Without checksums, large pull replies may come straight from the server's store.
   const bool from_store = request.op == wire::Op::pull && !options_.checksum;
   const IoResult res = send_request(id, request, from_store ? std::uint16_t{wire::kFromStore} : std::uint16_t{0});
@@ -165,51 +192,155 @@ void TcpConnection::fail_all(Errc status, const std::string& why) {
         victims.push_back(slots_[i].request);
         slots_[i].request = nullptr;
         free_.push_back(i);
+        outstanding_.fetch_sub(1);
       }
   }
   slot_free_.notify_all();
   for (Request* r : victims) r->completion->complete_part(status, why);
+  notify_followers();
 }
 
-void TcpConnection::receive_loop() {
-  // Blocks in recv() (no poll: one syscall per reply header). SO_RCVTIMEO ticks every second so
-  // a server that goes quiet with requests outstanding is declared gone after io_timeout.
-  set_io_timeouts(fd_.get(), std::chrono::milliseconds(1000), options_.io_timeout);
-  auto quiet_since = std::chrono::steady_clock::now();
-  for (;;) {
-    wire::FrameHeader h{};
-    const ssize_t n = ::recv(fd_.get(), &h, sizeof h, MSG_WAITALL);
-    if (n == static_cast<ssize_t>(sizeof h)) {
-      std::string why;
-      if (!receive_one(h, &why)) {
-        fail_all(Errc::peer_failure, why);
-        return;
-      }
-      quiet_since = std::chrono::steady_clock::now();
-      continue;
+void TcpConnection::release_read_side() noexcept {
+  reading_.store(false);
+  // Pairs with sleep_for_answers: a follower that found the read side taken is counted before
+  // it looks again, so either it sees the side free or we see it waiting.
+  if (followers_.load() > 0) notify_followers();
+}
+
+void TcpConnection::notify_followers() noexcept {
+  if (followers_.load() == 0) return;
+  turn_.fetch_add(1);
+  futex_wake_all(&turn_);
+}
+
+void TcpConnection::wake_reader() noexcept {
+  reader_word_.fetch_add(1);
+  futex_wake(&reader_word_, 1);
+}
+
+void TcpConnection::poll() noexcept {
+  if (outstanding_.load(std::memory_order_relaxed) == 0 || !take_read_side()) return;
+  read_frames(ReadUntil::nothing_waits, nullptr, {});
+  release_read_side();
+}
+
+bool TcpConnection::sleep_for_answers(const transport::Completion& c, std::chrono::steady_clock::time_point until) noexcept {
+  if (!take_read_side()) {
+    followers_.fetch_add(1);
+    const std::uint32_t turn = turn_.load();
+    if (!take_read_side()) {
+      const auto left = until - std::chrono::steady_clock::now();
+      if (!c.done() && left > std::chrono::nanoseconds::zero()) futex_wait(&turn_, turn, left);
+      followers_.fetch_sub(1);
+      return true;
     }
-    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
-      bool outstanding;
-      {
-        std::lock_guard lock(slots_mu_);
-        if (broken_) return;
-        outstanding = free_.size() < slots_.size();
-      }
-      if (!outstanding) {
-        quiet_since = std::chrono::steady_clock::now();
-      } else if (std::chrono::steady_clock::now() - quiet_since > options_.io_timeout) {
-        fail_all(Errc::timeout, endpoint_ + " sent nothing for " + std::to_string(options_.io_timeout.count()) +
-                                    " ms with requests outstanding; the server is hung or unreachable");
-        return;
-      }
-      continue;
-    }
-    // A partial header with MSG_WAITALL means the stream broke mid-frame.
-    fail_all(Errc::peer_failure, "lost the connection to " + endpoint_ + " (" +
-                                     (n == 0 ? std::string("closed by the server") : std::string(std::strerror(errno))) +
-                                     "); did the server die?");
-    return;
+    followers_.fetch_sub(1);
   }
+  read_frames(ReadUntil::done, &c, until);
+  release_read_side();
+  return true;
+}
+
+void TcpConnection::rely_on_transport() noexcept {
+  if (reader_on_duty_.load() || summoned_.load()) return;
+  summoned_.store(true);
+  wake_reader();
+}
+
+void TcpConnection::reader_loop() {
+  // Reads what no waiter reads: answers to requests nobody waits for yet (left in the socket,
+  // large ones would stall the server's sends), once nothing was read for kReaderGrace; and
+  // answers for waiters on several connections (summoned_). While the connection is in use it
+  // looks every kReaderGrace; after a while with nothing submitted it sleeps until a submit
+  // wakes it.
+  std::uint64_t seen_submits = 0;
+  int quiet_ticks = 0;
+  while (!stopping_.load()) {
+    const std::uint32_t word = reader_word_.load();
+    const bool summoned = summoned_.load();
+    const bool unattended = outstanding_.load() > 0 && now_ns() - quiet_since_ns_.load(std::memory_order_relaxed) >= kGraceNs;
+    if ((summoned || unattended) && followers_.load() == 0 && take_read_side()) {
+      reader_on_duty_.store(true);
+      summoned_.store(false);
+      // Summoned, it stays while the summoning waiters may send more; otherwise it leaves once
+      // the answers nobody waited for are read.
+      read_frames(summoned ? ReadUntil::quiet : ReadUntil::idle, nullptr, {});
+      reader_on_duty_.store(false);
+      release_read_side();
+      continue;
+    }
+    const std::uint64_t submits = submitted_.load(std::memory_order_relaxed);
+    quiet_ticks = submits == seen_submits && outstanding_.load() == 0 ? quiet_ticks + 1 : 0;
+    seen_submits = submits;
+    if (quiet_ticks < kReaderQuietTicks) {
+      futex_wait(&reader_word_, word, kReaderGrace);
+      continue;
+    }
+    reader_sleeps_long_.store(true);
+    if (outstanding_.load() == 0 && !summoned_.load() && !stopping_.load()) futex_wait(&reader_word_, word, kReceiveTick);
+    reader_sleeps_long_.store(false);
+  }
+}
+
+void TcpConnection::read_frames(ReadUntil until, const transport::Completion* mine,
+                                std::chrono::steady_clock::time_point deadline) {
+  const bool reader = until == ReadUntil::idle || until == ReadUntil::quiet;
+  for (;;) {
+    if (until == ReadUntil::done && mine->done()) return;
+    if (reader && (followers_.load() > 0 || stopping_.load())) return;
+    if (until == ReadUntil::idle && outstanding_.load() == 0) return;
+    switch (read_header(until != ReadUntil::nothing_waits)) {
+      case HeaderRead::complete: {
+        std::string why;
+        if (!receive_one(header_, &why)) {
+          fail_all(Errc::peer_failure, why);
+          return;
+        }
+        quiet_since_ns_.store(now_ns(), std::memory_order_relaxed);
+        notify_followers();
+        break;
+      }
+      case HeaderRead::none:
+        if (until == ReadUntil::nothing_waits || !still_alive()) return;
+        if (until == ReadUntil::done && std::chrono::steady_clock::now() >= deadline) return;
+        if (until == ReadUntil::quiet && outstanding_.load() == 0) return;  // a whole tick without a request
+        break;
+      case HeaderRead::broken:
+        fail_all(Errc::peer_failure, stopping_.load() ? "the connection to " + endpoint_ + " was closed by the client"
+                                                      : "lost the connection to " + endpoint_ + " (" + read_error_ +
+                                                            "); did the server die?");
+        return;
+    }
+  }
+}
+
+TcpConnection::HeaderRead TcpConnection::read_header(bool block) {
+  auto* const bytes = reinterpret_cast<char*>(&header_);
+  while (header_fill_ < sizeof header_) {
+    // MSG_WAITALL: one call per header while blocking; the receive tick can still cut it short.
+    const ssize_t n = ::recv(fd_.get(), bytes + header_fill_, sizeof header_ - header_fill_, block ? MSG_WAITALL : MSG_DONTWAIT);
+    if (n > 0) {
+      header_fill_ += static_cast<std::size_t>(n);
+      continue;
+    }
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return HeaderRead::none;
+    read_error_ = n == 0 ? "closed by the server" : std::strerror(errno);
+    return HeaderRead::broken;
+  }
+  header_fill_ = 0;
+  return HeaderRead::complete;
+}
+
+bool TcpConnection::still_alive() {
+  const std::int64_t now = now_ns();
+  if (outstanding_.load() == 0) {
+    quiet_since_ns_.store(now, std::memory_order_relaxed);
+    return true;
+  }
+  if (now - quiet_since_ns_.load(std::memory_order_relaxed) <= std::chrono::nanoseconds(options_.io_timeout).count()) return true;
+  fail_all(Errc::timeout, endpoint_ + " sent nothing for " + std::to_string(options_.io_timeout.count()) +
+                              " ms with requests outstanding; the server is hung or unreachable");
+  return false;
 }
 
 bool TcpConnection::receive_one(const wire::FrameHeader& h, std::string* why) {
