@@ -137,6 +137,22 @@ TEST_P(InProcess, AnswersLeftUnwaitedMeanwhileAreKept) {
   }
 }
 
+// More requests than the in-flight window: the submitter blocks until answers free a slot,
+// which nobody is waiting for, so the transport itself must read them.
+TEST_P(InProcess, SubmittingPastTheInFlightWindowCompletes) {
+  Server server(server_options());
+  ClientOptions o = client_options(server);
+  o.max_in_flight = 4;
+  Client c(o);
+  std::vector<float> v(256, 0.0f), one(256, 1.0f), out(256);
+  c.wait(c.init(5, v));
+  std::vector<Ticket> pushes;
+  for (int i = 0; i < 200; ++i) pushes.push_back(c.push(5, one));
+  for (Ticket t : pushes) c.wait(t);
+  c.wait(c.pull(5, out));
+  EXPECT_EQ(out[255], 200.0f);
+}
+
 TEST_P(InProcess, BspClocksAndBarrier) {
   ServerOptions so = server_options();
   so.num_workers = 2;

@@ -92,6 +92,9 @@ wire::FrameHeader TcpConnection::read_handshake_reply(const char* step) {
 
 std::uint32_t TcpConnection::acquire_slot(Request* request, std::uint64_t* id) {
   std::unique_lock lock(slots_mu_);
+  // A full window is freed by answers; this thread waits on a slot, not on them, so the reader
+  // thread must read them now rather than once they have sat unread for kReaderGrace.
+  if (free_.empty()) rely_on_transport();
   slot_free_.wait(lock, [&] { return !free_.empty() || broken_ || send_broken_; });
   if (broken_ || send_broken_) return UINT32_MAX;
   const std::uint32_t i = free_.back();
@@ -138,7 +141,7 @@ void TcpConnection::submit(Request& request) {
     }
     // The server closed while we were sending, typically after answering this very request
     // with an error (say, a request over its size limit). Stop sending but keep reading: the
-    // receiver delivers the replies already in the socket, then fails the rest at end of stream.
+    // readers deliver the replies already in the socket, then fail the rest at end of stream.
     {
       std::lock_guard lock(slots_mu_);
       send_broken_ = true;
