@@ -1,5 +1,6 @@
-// Low-level synchronisation that works across processes: shared futexes, a CPU pause hint, and a
-// helper to copy memory that a seqlock writer may be changing concurrently.
+// Low-level synchronisation that works across processes: shared futexes, a CPU pause hint, the
+// steady clock as an integer, and a helper to copy memory that a seqlock writer may be changing
+// concurrently.
 #pragma once
 
 #include <atomic>
@@ -35,6 +36,12 @@ inline void cpu_relax() noexcept {
 #elif defined(__aarch64__)
   asm volatile("yield" ::: "memory");
 #endif
+}
+
+// The steady clock in nanoseconds, for timestamps kept in atomics (or in shared memory: it is
+// CLOCK_MONOTONIC, the same in every process).
+inline std::int64_t steady_now_ns() noexcept {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 // Waits while *word == expected. Uses a shared (not PRIVATE) futex so that a waker in another

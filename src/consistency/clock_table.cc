@@ -39,7 +39,7 @@ ClockTable::ClockTable(void* memory, std::uint32_t workers, bool initialise) : w
   if (initialise) {
     new (header_) Header{};
     header_->workers = workers;
-    const std::int64_t now = now_ns();
+    const std::int64_t now = steady_now_ns();
     for (std::uint32_t w = 0; w < workers; ++w) {
       auto* e = new (&entries_[w]) Entry{};
       e->progress_ns.store(now, std::memory_order_relaxed);
@@ -64,7 +64,7 @@ std::uint64_t ClockTable::advance_to(std::uint32_t worker, std::uint64_t clock) 
   while (cur < clock && !e.clock.compare_exchange_weak(cur, clock, std::memory_order_release)) {
   }
   if (cur < clock) {
-    e.progress_ns.store(now_ns(), std::memory_order_relaxed);
+    e.progress_ns.store(steady_now_ns(), std::memory_order_relaxed);
     header_->changes.fetch_add(1, std::memory_order_release);
     futex_wake_all(&header_->changes);
     return clock;

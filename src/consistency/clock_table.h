@@ -43,11 +43,6 @@ class ClockTable {
   std::atomic<std::uint32_t>& change_word() noexcept;
   std::uint32_t change_count() const noexcept;
 
-  static std::int64_t now_ns() noexcept {
-    return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
-        .count();
-  }
-
  private:
   struct Header;
   struct Entry;

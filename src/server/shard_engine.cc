@@ -278,7 +278,7 @@ std::string ShardEngine::describe_laggard(std::uint64_t need) const {
     const std::uint64_t c = clocks_->clock(w);
     if (clocks_->evicted(w) || c == kClockDone || c >= need) continue;
     os << (first ? "" : "; ") << "worker " << w << " is at clock " << c << " (needed " << need << ", last progress "
-       << (ClockTable::now_ns() - clocks_->last_progress_ns(w)) / 1'000'000 << " ms ago)";
+       << (steady_now_ns() - clocks_->last_progress_ns(w)) / 1'000'000 << " ms ago)";
     first = false;
   }
   return os.str();
@@ -301,7 +301,7 @@ void ShardEngine::watchdog() {
       }
       if (options_.straggler == StragglerPolicy::evict) {
         // Evict whoever has made no progress for a whole timeout and holds this waiter back.
-        const std::int64_t stale_before = ClockTable::now_ns() - std::chrono::nanoseconds(options_.wait_timeout).count();
+        const std::int64_t stale_before = steady_now_ns() - std::chrono::nanoseconds(options_.wait_timeout).count();
         for (std::uint32_t w = 0; w < clocks_->workers(); ++w) {
           const std::uint64_t c = clocks_->clock(w);
           const bool blocks = it->barrier ? barrier_gen_[w] < it->generation : c < it->need;

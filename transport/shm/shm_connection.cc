@@ -328,7 +328,7 @@ bool ShmConnection::run_parked(std::chrono::steady_clock::time_point now) {
       std::uint32_t slowest = 0;
       const std::uint64_t need = it->clock > staleness_ ? it->clock - staleness_ : 0;
       const std::uint64_t b = clocks_->bound(quorum_, &slowest);
-      const auto idle_ms = (ClockTable::now_ns() - clocks_->last_progress_ns(slowest)) / 1'000'000;
+      const auto idle_ms = (steady_now_ns() - clocks_->last_progress_ns(slowest)) / 1'000'000;
       if (idle_ms >= header_->wait_timeout_ms) {
         std::ostringstream why;
         why << "waited " << header_->wait_timeout_ms << " ms: worker " << slowest << " is at clock " << b

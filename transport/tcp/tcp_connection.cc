@@ -19,10 +19,6 @@ constexpr std::chrono::milliseconds kReaderGrace{2};
 constexpr std::int64_t kGraceNs = std::chrono::nanoseconds(kReaderGrace).count();
 // Looks (kReaderGrace apart) with nothing submitted before the reader thread sleeps until a submit.
 constexpr int kReaderQuietTicks = 50;
-
-std::int64_t now_ns() noexcept {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
 }  // namespace
 
 TcpConnection::TcpConnection(const Uri& uri, const transport::ConnectOptions& options)
@@ -103,7 +99,7 @@ std::uint32_t TcpConnection::acquire_slot(Request* request, std::uint64_t* id) {
   slots_[i].request = request;
   *id = slots_[i].id;
   // The server's silence is timed from the moment something is outstanding.
-  if (outstanding_.fetch_add(1) == 0) quiet_since_ns_.store(now_ns(), std::memory_order_relaxed);
+  if (outstanding_.fetch_add(1) == 0) quiet_since_ns_.store(steady_now_ns(), std::memory_order_relaxed);
   return i;
 }
 
@@ -261,7 +257,7 @@ void TcpConnection::reader_loop() {
   while (!stopping_.load()) {
     const std::uint32_t word = reader_word_.load();
     const bool summoned = summoned_.load();
-    const bool unattended = outstanding_.load() > 0 && now_ns() - quiet_since_ns_.load(std::memory_order_relaxed) >= kGraceNs;
+    const bool unattended = outstanding_.load() > 0 && steady_now_ns() - quiet_since_ns_.load(std::memory_order_relaxed) >= kGraceNs;
     if ((summoned || unattended) && followers_.load() == 0 && take_read_side()) {
       reader_on_duty_.store(true);
       summoned_.store(false);
@@ -299,7 +295,7 @@ void TcpConnection::read_frames(ReadUntil until, const transport::Completion* mi
           fail_all(Errc::peer_failure, why);
           return;
         }
-        quiet_since_ns_.store(now_ns(), std::memory_order_relaxed);
+        quiet_since_ns_.store(steady_now_ns(), std::memory_order_relaxed);
         notify_followers();
         break;
       }
@@ -335,7 +331,7 @@ TcpConnection::HeaderRead TcpConnection::read_header(bool block) {
 }
 
 bool TcpConnection::still_alive() {
-  const std::int64_t now = now_ns();
+  const std::int64_t now = steady_now_ns();
   if (outstanding_.load() == 0) {
     quiet_since_ns_.store(now, std::memory_order_relaxed);
     return true;
