@@ -17,8 +17,8 @@ constexpr std::chrono::milliseconds kReceiveTick{1000};
 // How long answers may sit unread before the reader thread reads them, and how often it looks.
 constexpr std::chrono::milliseconds kReaderGrace{2};
 constexpr std::int64_t kGraceNs = std::chrono::nanoseconds(kReaderGrace).count();
-// Looks (kReaderGrace apart) with nothing submitted before the reader thread sleeps until a submit.
-constexpr int kReaderQuietTicks = 50;
+// Nothing outstanding and nothing read for this long, the reader thread sleeps until a submit.
+constexpr std::int64_t kReaderIdleNs = 100'000'000;
 }  // namespace
 
 TcpConnection::TcpConnection(const Uri& uri, const transport::ConnectOptions& options)
@@ -120,7 +120,6 @@ void TcpConnection::submit(Request& request) {
     request.completion->complete_part(Errc::peer_failure, broken_why_);
     return;
   }
-  submitted_.fetch_add(1, std::memory_order_relaxed);
   // Pairs with reader_loop: either it sees this request outstanding, or we see it asleep.
   if (reader_sleeps_long_.load()) wake_reader();
   // Without checksums, large pull replies may come straight from the server's store.
@@ -203,7 +202,7 @@ void TcpConnection::release_read_side() noexcept {
   reading_.store(false);
   // Pairs with sleep_for_answers: a follower that found the read side taken is counted before
   // it looks again, so either it sees the side free or we see it waiting.
-  if (followers_.load() > 0) notify_followers();
+  notify_followers();
 }
 
 void TcpConnection::notify_followers() noexcept {
@@ -224,20 +223,21 @@ void TcpConnection::poll() noexcept {
 }
 
 bool TcpConnection::sleep_for_answers(const transport::Completion& c, std::chrono::steady_clock::time_point until) noexcept {
-  if (!take_read_side()) {
-    followers_.fetch_add(1);
-    const std::uint32_t turn = turn_.load();
-    if (!take_read_side()) {
-      const auto left = until - std::chrono::steady_clock::now();
-      if (!c.done() && left > std::chrono::nanoseconds::zero()) futex_wait(&turn_, turn, left);
-      followers_.fetch_sub(1);
-      return true;
-    }
-    followers_.fetch_sub(1);
+  if (take_read_side() || follow(c, until)) {
+    read_frames(ReadUntil::done, &c, until);
+    release_read_side();
   }
-  read_frames(ReadUntil::done, &c, until);
-  release_read_side();
   return true;
+}
+
+bool TcpConnection::follow(const transport::Completion& c, std::chrono::steady_clock::time_point until) noexcept {
+  followers_.fetch_add(1);
+  const std::uint32_t turn = turn_.load();
+  const bool took = take_read_side();
+  const auto left = until - std::chrono::steady_clock::now();
+  if (!took && !c.done() && left > std::chrono::nanoseconds::zero()) futex_wait(&turn_, turn, left);
+  followers_.fetch_sub(1);
+  return took;
 }
 
 void TcpConnection::rely_on_transport() noexcept {
@@ -250,14 +250,14 @@ void TcpConnection::reader_loop() {
   // Reads what no waiter reads: answers to requests nobody waits for yet (left in the socket,
   // large ones would stall the server's sends), once nothing was read for kReaderGrace; and
   // answers for waiters on several connections (summoned_). While the connection is in use it
-  // looks every kReaderGrace; after a while with nothing submitted it sleeps until a submit
-  // wakes it.
-  std::uint64_t seen_submits = 0;
-  int quiet_ticks = 0;
+  // looks every kReaderGrace; once nothing is outstanding and nothing was read for
+  // kReaderIdleNs, it sleeps until a submit wakes it.
   while (!stopping_.load()) {
     const std::uint32_t word = reader_word_.load();
     const bool summoned = summoned_.load();
-    const bool unattended = outstanding_.load() > 0 && steady_now_ns() - quiet_since_ns_.load(std::memory_order_relaxed) >= kGraceNs;
+    // quiet_since_ns_ moves with every frame read and every submit that found nothing outstanding.
+    const std::int64_t quiet_ns = steady_now_ns() - quiet_since_ns_.load(std::memory_order_relaxed);
+    const bool unattended = outstanding_.load() > 0 && quiet_ns >= kGraceNs;
     if ((summoned || unattended) && followers_.load() == 0 && take_read_side()) {
       reader_on_duty_.store(true);
       summoned_.store(false);
@@ -268,10 +268,7 @@ void TcpConnection::reader_loop() {
       release_read_side();
       continue;
     }
-    const std::uint64_t submits = submitted_.load(std::memory_order_relaxed);
-    quiet_ticks = submits == seen_submits && outstanding_.load() == 0 ? quiet_ticks + 1 : 0;
-    seen_submits = submits;
-    if (quiet_ticks < kReaderQuietTicks) {
+    if (outstanding_.load() > 0 || quiet_ns < kReaderIdleNs) {
       futex_wait(&reader_word_, word, kReaderGrace);
       continue;
     }

@@ -43,6 +43,9 @@ class TcpConnection final : public transport::Connection, private transport::Pol
   // one-second receive tick). If another thread holds the read side, sleeps until it completes
   // something or lets go.
   bool sleep_for_answers(const transport::Completion& c, std::chrono::steady_clock::time_point until) noexcept override;
+  // Sleeps until the read side's holder completes something or lets go; true if the read side
+  // turned out free instead (taken: the caller reads).
+  bool follow(const transport::Completion& c, std::chrono::steady_clock::time_point until) noexcept;
   void rely_on_transport() noexcept override;
 
   // What the holder of the read side reads until.
@@ -95,8 +98,7 @@ class TcpConnection final : public transport::Connection, private transport::Pol
   std::string broken_why_;
 
   std::atomic<std::uint32_t> outstanding_{0};  // requests holding a slot; changed under slots_mu_
-  std::atomic<std::uint64_t> submitted_{0};
-  std::atomic<std::int64_t> quiet_since_ns_{0};  // steady clock: last frame read, or last idle moment
+  std::atomic<std::int64_t> quiet_since_ns_{0};  // steady_now_ns: last frame read, or last idle moment
 
   // The read side. header_, header_fill_ and recv_iov_ belong to its holder.
   std::atomic<bool> reading_{false};
