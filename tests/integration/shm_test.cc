@@ -2,7 +2,6 @@
 // processes, and workers killed with SIGKILL at random instants.
 #include <gtest/gtest.h>
 #include <sys/stat.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -15,6 +14,7 @@
 
 #include "pskv/client.h"
 #include "support/process.h"
+#include "support/stop.h"
 #include "support/workloads.h"
 #include "transport/shm/segment.h"
 
@@ -130,16 +130,7 @@ bool stop_inside_a_push(shm::Segment& segment, pid_t victim, std::mt19937& rng) 
   shm::ClientSlot* slot = nullptr;
   for (std::uint32_t i = 0; i < segment.header().slots && !slot; ++i)
     if (segment.slot(i).owner_pid.load() == victim) slot = &segment.slot(i);
-  if (!slot) return false;
-  for (int stops = 0; stops < 10000; ++stops) {
-    kill(victim, SIGSTOP);
-    int status = 0;
-    if (waitpid(victim, &status, WUNTRACED) != victim || !WIFSTOPPED(status)) return false;
-    if (slot->undo.phase.load() == UndoPhase::saved) return true;
-    kill(victim, SIGCONT);
-    std::this_thread::sleep_for(std::chrono::microseconds(50 + rng() % 200));
-  }
-  return false;
+  return slot && testing::stop_when(victim, [&] { return slot->undo.phase.load() == UndoPhase::saved; }, rng);
 }
 
 // Victims that push forever are SIGKILLed one after another at random instants, while a

@@ -6,7 +6,6 @@
 #include <unistd.h>
 
 #include <sys/stat.h>
-#include <sys/wait.h>
 
 #include <algorithm>
 #include <filesystem>
@@ -17,6 +16,7 @@
 
 #include "pskv/client.h"
 #include "support/process.h"
+#include "support/stop.h"
 #include "support/workloads.h"
 #include "support/token_file.h"
 #include "transport/tcp/socket.h"
@@ -611,11 +611,8 @@ class TcpHungServer : public ::testing::Test {
     o.io_timeout = std::chrono::seconds(2);
     client_ = std::make_unique<Client>(o);
     client_->wait(client_->init(Key(1), value_));
-    // kill() only queues the signal, and a request sent before it lands would still be answered.
-    servers_[0].process.signal(SIGSTOP);
-    int status = 0;
-    ASSERT_EQ(waitpid(servers_[0].process.pid(), &status, WUNTRACED), servers_[0].process.pid());
-    ASSERT_TRUE(WIFSTOPPED(status));
+    // Stopped for sure: a request sent before the signal lands would still be answered.
+    ASSERT_TRUE(testing::stop_process(servers_[0].process.pid()));
   }
   void TearDown() override { servers_[0].process.signal(SIGKILL); }
   static void expect_timeout(Client& c, Ticket t) {

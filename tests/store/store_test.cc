@@ -11,6 +11,8 @@
 #include <thread>
 #include <vector>
 
+#include "support/stop.h"
+
 namespace pskv {
 namespace {
 
@@ -250,18 +252,15 @@ TEST(Store, RecoverRollsBackAnUpdateCutShortBySigkill) {
     const bool wait_for_saved = trial % 2 == 1;
     UndoPhase phase;
     bool holds;
-    for (int stops = 0;; ++stops) {
-      ASSERT_LT(stops, 10000) << "the child was never caught with its update saved";
-      kill(child, SIGSTOP);
-      int status = 0;
-      ASSERT_EQ(waitpid(child, &status, WUNTRACED), child);
-      ASSERT_TRUE(WIFSTOPPED(status));
-      phase = log->phase.load();
-      holds = store->stripe_holder(5) == owner;
-      if (!wait_for_saved || (phase == UndoPhase::saved && holds)) break;
-      kill(child, SIGCONT);
-      std::this_thread::sleep_for(std::chrono::microseconds(50 + rng() % 200));
-    }
+    ASSERT_TRUE(testing::stop_when(
+        child,
+        [&] {
+          phase = log->phase.load();
+          holds = store->stripe_holder(5) == owner;
+          return !wait_for_saved || (phase == UndoPhase::saved && holds);
+        },
+        rng))
+        << "the child was never caught with its update saved";
     kill(child, SIGKILL);
     int status = 0;
     reaper.pid = 0;
