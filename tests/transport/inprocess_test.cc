@@ -119,8 +119,10 @@ TEST_P(InProcess, PullSeesOwnUnwaitedPush) {
   }
 }
 
-// Answers left unwaited for a while are read by the transport meanwhile (over tcp, by the
-// connection's reader thread), and a waiter arriving later takes over from it.
+// Answers left unwaited for a while (over tcp, long enough for the connection's reader thread
+// to read them) are all kept, and a waiter arriving later takes the reading over. That the
+// reader thread does read them is TcpIntegration.AnswersNobodyWaitsForDoNotStallTheServer's to
+// prove; here TSan watches the hand-over between it and the waiters.
 TEST_P(InProcess, AnswersLeftUnwaitedMeanwhileAreKept) {
   Server server(server_options());
   Client c(client_options(server));
