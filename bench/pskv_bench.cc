@@ -742,6 +742,7 @@ int main(int argc, char** argv) {
   // the run's depth, with the apply every push needs; over shm, a push's is one copy and the apply
   // (shm pulls are already measured against memcpy at their size).
   struct Bound {
+    const char* op = nullptr;    // push or pull
     const char* name = nullptr;  // the baseline's JSON name
     std::string what;            // for the text report
     std::vector<double> at;      // per size; 0: none
@@ -749,12 +750,12 @@ int main(int argc, char** argv) {
   // Servers this run did not start are taken to apply in pieces, pskv-server's default.
   const bool push_in_pieces = tcp_push == "pieces";
   const std::string in_flight = std::to_string(depth) + " in flight";
-  Bound push_bound{transport == "shm" ? "memcpy_apply" : "tcp_rpc_apply",
+  Bound push_bound{"push", transport == "shm" ? "memcpy_apply" : "tcp_rpc_apply",
                    transport == "shm" ? "copy into a slot, then apply"
                                       : "raw TCP requests, " + in_flight + ", applied in " +
                                             (push_in_pieces ? "256 KiB pieces as they arrive" : "whole values"),
                    std::vector<double>(sizes.size(), 0.0)};
-  Bound pull_bound{"tcp_rpc", "raw TCP requests, " + in_flight + ", replies from and into value-sized buffers",
+  Bound pull_bound{"pull", "tcp_rpc", "raw TCP requests, " + in_flight + ", replies from and into value-sized buffers",
                    std::vector<double>(sizes.size(), 0.0)};
   const auto measures = [&](const char* op) {
     return workload == "dense" && std::find(ops.begin(), ops.end(), op) != ops.end();
@@ -791,7 +792,7 @@ int main(int argc, char** argv) {
     for (const Bound* b : bounds)
       for (std::size_t si = 0; si < sizes.size(); ++si)
         if (b->at[si] > 0)
-          std::printf("  %s bound (%s) %zu B: %s/s\n", b == &push_bound ? "push" : "pull", b->what.c_str(), sizes[si],
+          std::printf("  %s bound (%s) %zu B: %s/s\n", b->op, b->what.c_str(), sizes[si],
                       human(b->at[si]).c_str());
     std::printf("%-5s %-5s %10s %7s %12s %9s %9s  %s\n", "tport", "op", "value", "clients", "bandwidth", "p50 us",
                 "p99 us", "ratio to baseline");
@@ -867,7 +868,7 @@ int main(int argc, char** argv) {
           if (bound > 0) {
             std::snprintf(bound_json, sizeof bound_json, ",\"bound\":\"%s\",\"bound_value\":%.0f,\"ratio_to_bound\":%.4g",
                           b.name, bound, p.bytes_per_s / bound);
-            std::snprintf(bound_text, sizeof bound_text, "  [%.2fx of %s bound]", p.bytes_per_s / bound, op.c_str());
+            std::snprintf(bound_text, sizeof bound_text, "  [%.2fx of %s bound]", p.bytes_per_s / bound, b.op);
           }
           if (json)
             std::printf("{\"transport\":\"%s\",\"workload\":\"dense\",\"op\":\"%s\",\"value_bytes\":%zu,\"clients\":%d,"
