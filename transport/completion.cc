@@ -43,21 +43,16 @@ void Completion::complete_part(Errc status, std::string_view message) noexcept {
 
 namespace {
 // A reply over loopback or shared memory often lands within microseconds, and spinning that long
-// saves a sleep/wake pair. But a spinner holds a core the server or a receiver thread may need,
-// so: at most one spinner per two cores in this process, and only while this thread's recent
-// waits were short. Each thread keeps a moving average of how long its waits took (slept ones
-// included), so a thread whose waits turn short again resumes spinning on its own.
-std::atomic<int> g_spinners{0};
-const int g_max_spinners = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / 2);
+// saves a sleep/wake pair. But a spinner holds a core (hence the SpinTicket), and only while this
+// thread's recent waits were short: each thread keeps a moving average of how long its waits took
+// (slept ones included), so a thread whose waits turn short again resumes spinning on its own.
 thread_local double t_typical_wait_us = -1;  // negative: no wait seen yet
 
 bool spin_for(const Completion& c, Poller* poller) noexcept {
   constexpr double kMax = Completion::kMaxSpinMicros;
   if (t_typical_wait_us > kMax) return c.done();
-  if (g_spinners.fetch_add(1, std::memory_order_relaxed) >= g_max_spinners || (poller && !poller->begin_polling())) {
-    g_spinners.fetch_sub(1, std::memory_order_relaxed);
-    return c.done();
-  }
+  const SpinTicket ticket;
+  if (!ticket || (poller && !poller->begin_polling())) return c.done();
   const double budget_us = t_typical_wait_us < 0 ? kMax : std::min(kMax, 2 * t_typical_wait_us + 5);
   const auto until = std::chrono::steady_clock::now() + std::chrono::nanoseconds(static_cast<std::int64_t>(budget_us * 1000));
   bool done = false;
@@ -72,7 +67,6 @@ bool spin_for(const Completion& c, Poller* poller) noexcept {
     poller->end_polling();
     done = c.done();
   }
-  g_spinners.fetch_sub(1, std::memory_order_relaxed);
   return done;
 }
 

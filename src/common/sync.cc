@@ -4,10 +4,31 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <ctime>
+#include <thread>
 
 namespace pskv {
+
+namespace {
+std::atomic<int> g_spinning_threads{0};
+const int g_max_spinning_threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / 2);
+thread_local int t_tickets = 0;  // held by this thread, nested ones included
+}  // namespace
+
+SpinTicket::SpinTicket() noexcept {
+  if (t_tickets > 0 || g_spinning_threads.fetch_add(1, std::memory_order_relaxed) < g_max_spinning_threads) {
+    granted_ = true;
+    ++t_tickets;
+  } else {
+    g_spinning_threads.fetch_sub(1, std::memory_order_relaxed);
+  }
+}
+
+SpinTicket::~SpinTicket() {
+  if (granted_ && --t_tickets == 0) g_spinning_threads.fetch_sub(1, std::memory_order_relaxed);
+}
 
 bool futex_wait(std::atomic<std::uint32_t>* word, std::uint32_t expected,
                 std::chrono::nanoseconds timeout) noexcept {

@@ -44,6 +44,22 @@ inline std::int64_t steady_now_ns() noexcept {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
+// The right to busy-wait. At most one thread per two cores of this process holds one at a time:
+// a spinner holds a core that a server or a receiving thread may need. A thread that holds one
+// already is granted another (its nested waits spin on the core it holds). Thread-safety: a
+// ticket belongs to the thread that made it.
+class SpinTicket {
+ public:
+  SpinTicket() noexcept;
+  ~SpinTicket();
+  SpinTicket(const SpinTicket&) = delete;
+  SpinTicket& operator=(const SpinTicket&) = delete;
+  explicit operator bool() const noexcept { return granted_; }
+
+ private:
+  bool granted_ = false;
+};
+
 // Waits while *word == expected. Uses a shared (not PRIVATE) futex so that a waker in another
 // process that maps the same page reaches us. Returns false on timeout. Spurious returns happen;
 // callers re-check their condition.
