@@ -12,6 +12,8 @@
 #include <climits>
 #include <cstring>
 
+#include "common/sync.h"
+
 namespace pskv::tcp {
 
 void Fd::reset() noexcept {
@@ -143,15 +145,44 @@ void advance(iovec*& iov, int& count, std::size_t n) noexcept {
 }
 }  // namespace
 
-IoResult read_full(int fd, void* data, std::size_t bytes) noexcept {
+IoResult read_full(int fd, void* data, std::size_t bytes, std::chrono::nanoseconds spin) noexcept {
   iovec iov{data, bytes};
-  return readv_full(fd, &iov, 1);
+  return readv_full(fd, &iov, 1, spin);
 }
 
-IoResult readv_full(int fd, iovec* iov, int count) noexcept {
+namespace {
+// Reads this thread skips spinning for after a spin that ran out: the sender is not keeping up
+// (descheduled, or the cores are oversubscribed), and the spin only took a core from it.
+constexpr int kSkipAfterFruitlessSpin = 16;
+thread_local int t_reads_without_spin = 0;
+
+// recvmsg(2) into the iovecs; while nothing is waiting, retries for up to `spin` before it blocks
+// (if this thread may spin at all).
+ssize_t receive_into(int fd, iovec* iov, int count, std::chrono::nanoseconds spin) noexcept {
+  msghdr msg{};
+  msg.msg_iov = iov;
+  msg.msg_iovlen = static_cast<std::size_t>(std::min(count, IOV_MAX));
+  ssize_t n = ::recvmsg(fd, &msg, MSG_DONTWAIT);
+  if (n >= 0 || (errno != EAGAIN && errno != EWOULDBLOCK)) return n;
+  if (t_reads_without_spin > 0) {
+    --t_reads_without_spin;
+  } else if (const SpinTicket ticket; ticket) {
+    const std::int64_t until = steady_now_ns() + spin.count();
+    do {
+      cpu_relax();
+      n = ::recvmsg(fd, &msg, MSG_DONTWAIT);
+      if (n >= 0 || (errno != EAGAIN && errno != EWOULDBLOCK)) return n;
+    } while (steady_now_ns() < until);
+    t_reads_without_spin = kSkipAfterFruitlessSpin;
+  }
+  return ::recvmsg(fd, &msg, 0);
+}
+}  // namespace
+
+IoResult readv_full(int fd, iovec* iov, int count, std::chrono::nanoseconds spin) noexcept {
   while (count > 0 && iov->iov_len == 0) ++iov, --count;
   while (count > 0) {
-    const ssize_t n = ::readv(fd, iov, std::min(count, IOV_MAX));
+    const ssize_t n = spin.count() > 0 ? receive_into(fd, iov, count, spin) : ::readv(fd, iov, std::min(count, IOV_MAX));
     if (n <= 0) {
       if (n < 0 && errno == EINTR) continue;
       return classify(n);
@@ -159,6 +190,11 @@ IoResult readv_full(int fd, iovec* iov, int count) noexcept {
     advance(iov, count, static_cast<std::size_t>(n));
   }
   return IoResult::ok;
+}
+
+ssize_t recv_some(int fd, void* data, std::size_t bytes, std::chrono::nanoseconds spin) noexcept {
+  iovec iov{data, bytes};
+  return receive_into(fd, &iov, 1, spin);
 }
 
 IoResult writev_full(int fd, iovec* iov, int count, bool more) noexcept {

@@ -1,6 +1,7 @@
 // Blocking-socket helpers with deadlines, shared by the TCP client and server.
 #pragma once
 
+#include <sys/types.h>
 #include <sys/uio.h>
 
 #include <chrono>
@@ -51,9 +52,22 @@ void set_keepalive(int fd, std::chrono::seconds idle);
 
 // Outcome of a full read/write on a blocking socket with SO_RCVTIMEO/SO_SNDTIMEO set.
 enum class IoResult { ok, closed, timeout, error };
-IoResult read_full(int fd, void* data, std::size_t bytes) noexcept;
+
+// How long a reader in the middle of a large frame retries without sleeping once nothing is
+// waiting. Over loopback the sender's core also runs the receiver's TCP input: a receiver asleep
+// in recv costs it a wake-up per segment (an IPI, and a VM exit when virtualised), while one that
+// polls takes those segments off its socket backlog on its own core. The rest of a frame is
+// already on its way, so the wait is short; past this, the reader sleeps as before.
+inline constexpr std::chrono::microseconds kMidFrameSpin{50};
+
+// With `spin`, a read that finds nothing waiting retries without sleeping for up to `spin` since
+// the last bytes came in, if this thread may spin (SpinTicket), before it blocks. SO_RCVTIMEO
+// still bounds the blocking.
+IoResult read_full(int fd, void* data, std::size_t bytes, std::chrono::nanoseconds spin = {}) noexcept;
 // Reads exactly the bytes the iovecs describe; modifies `iov` while progressing.
-IoResult readv_full(int fd, iovec* iov, int count) noexcept;
+IoResult readv_full(int fd, iovec* iov, int count, std::chrono::nanoseconds spin = {}) noexcept;
+// One receive of at least one byte, like recv(2) with no flags.
+ssize_t recv_some(int fd, void* data, std::size_t bytes, std::chrono::nanoseconds spin) noexcept;
 // `more` (MSG_MORE) holds back a last partial segment for the next write, to go out with it.
 IoResult writev_full(int fd, iovec* iov, int count, bool more = false) noexcept;
 std::string io_result_text(IoResult r);

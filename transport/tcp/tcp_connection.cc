@@ -388,7 +388,7 @@ bool TcpConnection::receive_one(const wire::FrameHeader& h, std::string* why) {
     // A reply sent straight from the store ends with a word saying whether a push tore it.
     std::uint32_t torn = 1;
     if (h.flags & wire::kFromStore) recv_iov_.push_back({&torn, sizeof torn});
-    res = readv_full(fd_.get(), recv_iov_.data(), static_cast<int>(recv_iov_.size()));
+    res = readv_full(fd_.get(), recv_iov_.data(), static_cast<int>(recv_iov_.size()), kMidFrameSpin);
     if (res != IoResult::ok) {
       *why = "lost the connection to " + endpoint_ + " while reading values (" + io_result_text(res) + ")";
       return false;

@@ -159,7 +159,8 @@ IoResult read_growing(int fd, std::vector<float>& buf, std::uint64_t bytes, std:
   while (have < bytes) {
     if (buf.size() * sizeof(float) <= have) buf.resize(std::min<std::uint64_t>(bytes, have * 2) / sizeof(float) + 1);
     const std::size_t n = std::min<std::uint64_t>(bytes, buf.size() * sizeof(float)) - have;
-    if (IoResult r = read_full(fd, reinterpret_cast<char*>(buf.data()) + have, n); r != IoResult::ok) return r;
+    if (IoResult r = read_full(fd, reinterpret_cast<char*>(buf.data()) + have, n, kMidFrameSpin); r != IoResult::ok)
+      return r;
     have += n;
   }
   return IoResult::ok;
@@ -387,7 +388,7 @@ bool TcpServer::stream_push(Peer& peer, const wire::FrameHeader& h, std::size_t 
       }
       // Bytes past this frame may come in too; they stay in `in` for the frames after it.
       while (ok && end - begin < want) {
-        const ssize_t n = ::recv(peer.fd.get(), in + end, Peer::kInBytes - end, 0);
+        const ssize_t n = recv_some(peer.fd.get(), in + end, Peer::kInBytes - end, kMidFrameSpin);
         if (n > 0)
           end += static_cast<std::size_t>(n);
         else if (n < 0 && errno == EINTR)
