@@ -17,6 +17,9 @@
 #include <cmath>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <mutex>
 #include <cinttypes>
 #include <cstdio>
 #include <cstring>
@@ -68,6 +71,13 @@ pskv::ClientOptions client_options(const std::vector<std::string>& servers) {
 }
 
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const std::size_t m = v.size() / 2;
+  return v.size() % 2 ? v[m] : (v[m - 1] + v[m]) / 2;
+}
 
 double percentile(std::vector<double>& v, double p) {
   if (v.empty()) return 0;
@@ -315,18 +325,57 @@ struct Point {
   double bytes_per_s, p50_us, p99_us;
   std::uint64_t ops;
   double allocs_per_op = 0;
+  // With a baseline window before each round: each round's bandwidth over the window's.
+  std::vector<double> round_ratios;
+  std::vector<double> round_baselines;
 };
 
+// Opens the rounds of a measurement to its client threads, one at a time; between rounds they
+// sleep, so a baseline measured meanwhile has the cores to itself.
+class RoundGate {
+ public:
+  void open(int round) {
+    std::lock_guard lock(mu_);
+    open_ = round;
+    cv_.notify_all();
+  }
+  void wait_open(int round) {
+    std::unique_lock lock(mu_);
+    cv_.wait(lock, [&] { return open_ >= round; });
+  }
+  void finish() {
+    std::lock_guard lock(mu_);
+    ++finished_;
+    cv_.notify_all();
+  }
+  void wait_finished(int count) {
+    std::unique_lock lock(mu_);
+    cv_.wait(lock, [&] { return finished_ >= count; });
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int open_ = -1, finished_ = 0;
+};
+
+// `rounds` windows of seconds / rounds each. With `baseline_window`, it is called before every
+// round, so each round's bandwidth can be set against a baseline taken moments before: on a
+// shared host the machine's limits drift within seconds, and a ratio to a baseline from the
+// start of the run would measure that drift as much as pskv.
 Point measure(const std::vector<std::string>& servers, const std::string& op, std::size_t value_bytes, int clients,
-              double seconds, std::uint64_t max_ops, int depth) {
+              double seconds, std::uint64_t max_ops, int depth, int rounds = 1,
+              const std::function<double()>& baseline_window = {}) {
   const std::size_t floats = std::max<std::size_t>(1, value_bytes / sizeof(float));
+  const double round_seconds = seconds / rounds;
+  const std::uint64_t round_max_ops = std::max<std::uint64_t>(1, max_ops / static_cast<std::uint64_t>(rounds));
   std::vector<std::vector<double>> lat(clients);
-  std::vector<std::uint64_t> done(clients, 0);
+  // done[round][client]
+  std::vector<std::vector<std::uint64_t>> done(rounds, std::vector<std::uint64_t>(clients, 0));
   std::atomic<int> ready{0};
-  std::atomic<bool> go{false};
+  RoundGate gate;
   std::vector<std::thread> threads;
   std::vector<std::string> errors(clients);
-  Clock::time_point t0;
   for (int c = 0; c < clients; ++c)
     threads.emplace_back([&, c] {
       try {
@@ -342,47 +391,64 @@ Point measure(const std::vector<std::string>& servers, const std::string& op, st
           client.wait(client.init(keys[d], bufs[d]));
         }
         lat[c].reserve(std::min<std::uint64_t>(max_ops, 1 << 22));
-        ready.fetch_add(1);
-        while (!go.load()) std::this_thread::yield();
-        const auto start = Clock::now();
         // A ring of the operations in flight (no allocation per operation, unlike a deque).
         std::vector<std::pair<pskv::Ticket, Clock::time_point>> ring(depth);
-        std::uint64_t issued = 0;
-        while (done[c] < max_ops && (done[c] < 3 || seconds_since(start) < seconds)) {
-          for (; issued < done[c] + static_cast<std::uint64_t>(depth); ++issued) {
-            const auto d = static_cast<std::size_t>(issued % static_cast<std::uint64_t>(depth));
-            ring[d].second = Clock::now();  // before issuing: a push sends its values inside push()
-            ring[d].first = op == "push" ? client.push(keys[d], bufs[d]) : client.pull(keys[d], std::span<float>(bufs[d]));
+        ready.fetch_add(1);
+        for (int r = 0; r < rounds; ++r) {
+          gate.wait_open(r);
+          std::uint64_t& n = done[r][c];
+          std::uint64_t issued = 0;
+          const auto start = Clock::now();
+          while (n < round_max_ops && (n < 3 || seconds_since(start) < round_seconds)) {
+            for (; issued < n + static_cast<std::uint64_t>(depth); ++issued) {
+              const auto d = static_cast<std::size_t>(issued % static_cast<std::uint64_t>(depth));
+              ring[d].second = Clock::now();  // before issuing: a push sends its values inside push()
+              ring[d].first = op == "push" ? client.push(keys[d], bufs[d]) : client.pull(keys[d], std::span<float>(bufs[d]));
+            }
+            const auto& oldest = ring[static_cast<std::size_t>(n % static_cast<std::uint64_t>(depth))];
+            client.wait(oldest.first);
+            if (lat[c].size() < lat[c].capacity()) lat[c].push_back(seconds_since(oldest.second) * 1e6);
+            ++n;
           }
-          const auto& oldest = ring[static_cast<std::size_t>(done[c] % static_cast<std::uint64_t>(depth))];
-          client.wait(oldest.first);
-          lat[c].push_back(seconds_since(oldest.second) * 1e6);
-          ++done[c];
+          for (; n < issued; ++n) client.wait(ring[static_cast<std::size_t>(n % static_cast<std::uint64_t>(depth))].first);
+          gate.finish();
         }
-        for (; done[c] < issued; ++done[c]) client.wait(ring[static_cast<std::size_t>(done[c] % static_cast<std::uint64_t>(depth))].first);
       } catch (const std::exception& e) {
         errors[c] = e.what();
         ready.fetch_add(1);
+        for (int r = 0; r < rounds; ++r) gate.finish();
       }
     });
   while (ready.load() < clients) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  t0 = Clock::now();
-  const std::uint64_t allocs0 = g_allocations.load();
-  go = true;
+  Point p{op, value_bytes, clients, 0, 0, 0, 0, 0, {}, {}};
+  double wall = 0;
+  std::uint64_t allocs = 0;
+  const double value_size = double(floats * sizeof(float));
+  for (int r = 0; r < rounds; ++r) {
+    const double base = baseline_window ? baseline_window() : 0;
+    const auto t0 = Clock::now();
+    const std::uint64_t allocs0 = g_allocations.load();
+    gate.open(r);
+    gate.wait_finished((r + 1) * clients);
+    const double round_wall = seconds_since(t0);
+    // Latency vectors were reserved up front; what remains is the client library's own.
+    allocs += g_allocations.load() - allocs0;
+    wall += round_wall;
+    std::uint64_t round_ops = 0;
+    for (int c = 0; c < clients; ++c) round_ops += done[r][c];
+    p.ops += round_ops;
+    if (base > 0) {
+      p.round_baselines.push_back(base);
+      p.round_ratios.push_back(double(round_ops) * value_size / round_wall / base);
+    }
+  }
   for (auto& t : threads) t.join();
-  const double wall = seconds_since(t0);
-  // Latency vectors were reserved up front; what remains is the client library's own.
-  const std::uint64_t allocs = g_allocations.load() - allocs0;
   for (const auto& e : errors)
     if (!e.empty()) throw std::runtime_error(e);
   std::vector<double> all;
-  std::uint64_t ops = 0;
-  for (int c = 0; c < clients; ++c) {
-    all.insert(all.end(), lat[c].begin(), lat[c].end());
-    ops += done[c];
-  }
-  Point p{op, value_bytes, clients, double(ops) * double(floats * sizeof(float)) / wall, 0, 0, ops, 0};
-  p.allocs_per_op = double(allocs) / double(std::max<std::uint64_t>(ops, 1));
+  for (int c = 0; c < clients; ++c) all.insert(all.end(), lat[c].begin(), lat[c].end());
+  p.bytes_per_s = double(p.ops) * value_size / wall;
+  p.allocs_per_op = double(allocs) / double(std::max<std::uint64_t>(p.ops, 1));
   p.p50_us = percentile(all, 0.5);
   p.p99_us = percentile(all, 0.99);
   return p;
@@ -620,6 +686,11 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--seconds", seconds, "Measuring time per point")->capture_default_str();
   app.add_option("--max-ops", max_ops, "Cap on operations per client per point")->capture_default_str();
+  int rounds = 5;
+  app.add_option("--rounds", rounds,
+                 "dense workload, bandwidth points: split each point into this many rounds, each just after a "
+                 "window of its baseline, and report the median of the rounds' ratios")
+      ->capture_default_str()->check(CLI::Range(1, 100));
   app.add_flag("--json", json, "One JSON object per line instead of a table");
   std::string workload = "dense", mode = "asp";
   int workers = 4, steps = 300, straggler_us = 0;
@@ -856,12 +927,25 @@ int main(int argc, char** argv) {
       for (std::size_t si = 0; si < sizes.size(); ++si)
         for (int clients : client_counts) {
           const std::size_t size = sizes[si];
-          Point p = measure(targets, op, size, clients, seconds, max_ops, depth);
           // Large values are judged by bandwidth, small ones by round-trip latency.
           const bool by_bandwidth = size >= kBandwidthBytes || transport == "shm";
+          const double window = std::max(0.05, seconds / rounds);
+          const std::function<double()> baseline_window = [&]() -> double {
+            return transport == "shm" ? memcpy_bandwidth(std::max<std::size_t>(size, 64), window)
+                                      : tcp_stream_bandwidth(peers.sink_port, window);
+          };
+          const Point p = by_bandwidth ? measure(targets, op, size, clients, seconds, max_ops, depth, rounds, baseline_window)
+                                       : measure(targets, op, size, clients, seconds, max_ops, depth);
           const char* baseline = by_bandwidth ? (transport == "shm" ? "memcpy" : "tcp_stream") : "tcp_pingpong_64B";
-          const double base = by_bandwidth ? (transport == "shm" ? memcpy_at[si] : stream_bw) : pingpong_us;
-          const double ratio = by_bandwidth ? p.bytes_per_s / base : p.p50_us / base;
+          const double base = by_bandwidth ? median(p.round_baselines) : pingpong_us;
+          const double ratio = by_bandwidth ? median(p.round_ratios) : p.p50_us / base;
+          char rounds_json[96] = "", rounds_text[64] = "";
+          if (by_bandwidth) {
+            const auto [lo, hi] = std::minmax_element(p.round_ratios.begin(), p.round_ratios.end());
+            std::snprintf(rounds_json, sizeof rounds_json, ",\"rounds\":%zu,\"ratio_min\":%.4g,\"ratio_max\":%.4g",
+                          p.round_ratios.size(), *lo, *hi);
+            std::snprintf(rounds_text, sizeof rounds_text, " (rounds %.2f-%.2fx)", *lo, *hi);
+          }
           const Bound& b = op == "push" ? push_bound : pull_bound;
           const double bound = b.at[si];
           char bound_json[160] = "", bound_text[64] = "";
@@ -874,13 +958,14 @@ int main(int argc, char** argv) {
             std::printf("{\"transport\":\"%s\",\"workload\":\"dense\",\"op\":\"%s\",\"value_bytes\":%zu,\"clients\":%d,"
                         "\"servers\":%zu,\"depth\":%d,\"chunk_floats\":%" PRIu64 ",\"ops\":%" PRIu64 ",\"bytes_per_s\":%.0f,"
                         "\"p50_us\":%.2f,\"p99_us\":%.2f,\"baseline\":\"%s\",\"baseline_value\":%.2f,\"ratio\":%.4g,"
-                        "\"allocs_per_op\":%.3f%s}\n",
+                        "\"allocs_per_op\":%.3f%s%s}\n",
                         transport.c_str(), op.c_str(), size, clients, targets.size(), depth, g_client_defaults.chunk_floats,
-                        p.ops, p.bytes_per_s, p.p50_us, p.p99_us, baseline, base, ratio, p.allocs_per_op, bound_json);
+                        p.ops, p.bytes_per_s, p.p50_us, p.p99_us, baseline, base, ratio, p.allocs_per_op, rounds_json,
+                        bound_json);
           else
-            std::printf("%-5s %-5s %10zu %7d %10s/s %9.1f %9.1f  %.2fx %s%s%s  (%.2f allocs/op)\n", transport.c_str(),
+            std::printf("%-5s %-5s %10zu %7d %10s/s %9.1f %9.1f  %.2fx %s%s%s%s  (%.2f allocs/op)\n", transport.c_str(),
                         op.c_str(), size, clients, human(p.bytes_per_s).c_str(), p.p50_us, p.p99_us, ratio, baseline,
-                        by_bandwidth ? " bandwidth" : " p50 latency", bound_text, p.allocs_per_op);
+                        by_bandwidth ? " bandwidth" : " p50 latency", rounds_text, bound_text, p.allocs_per_op);
           std::fflush(stdout);
         }
   } catch (const std::exception& e) {

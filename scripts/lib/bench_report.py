@@ -20,6 +20,9 @@ lines = ["# pskv benchmarks", "",
          "a shared and noisy VM). Every result is next to a limit of this machine measured in the same run: "
          "single-stream loopback TCP (`tcp_stream`), a 64-byte TCP ping-pong (`tcp_pingpong_64B`) and single-thread "
          "memcpy at the same size (`memcpy`). Read the ratios; absolute figures drift from run to run.", "",
+         "A bandwidth point runs in 5 rounds, each just after a window of its baseline, and its ratio is the "
+         "median of the 5 rounds' ratios, with their range in brackets: the host's limits drift within "
+         "seconds, and a baseline taken once at the start of the run would put that drift into every ratio.", "",
          "Large values also carry a ratio to their bound: the best a parameter server could do on this machine "
          "at that size, measured in the same run. Over tcp it is raw requests and responses on one connection, "
          "with as many in flight as the run keeps (`--depth`): `tcp_rpc` answers each 8-byte request with a value "
@@ -31,6 +34,12 @@ lines = ["# pskv benchmarks", "",
          "two ratios is what no parameter server on this machine can avoid; the gap to 1.0x of the bound is "
          "pskv's. From 1 MiB up pskv spreads a copy or an apply over all cores (oneTBB), while the memcpy "
          "baseline uses one: a shm push, which its worker applies itself, can then pass 1.0x of memcpy.", ""]
+
+def ratio(r, digits=2):
+    text = f"{r['ratio']:.{digits}f}x"
+    if "ratio_min" in r and r.get("rounds", 1) > 1:
+        text += f" ({r['ratio_min']:.2f}-{r['ratio_max']:.2f})"
+    return text
 
 def vs_bound(r):
     return f"{r['ratio_to_bound']:.2f}x" if "ratio_to_bound" in r else ""
@@ -53,7 +62,7 @@ for t in ("tcp", "shm"):
               "|---|---|---|---|---|---|---|---|---|---|"]
     for r in pts:
         lines.append(f"| {r['op']} | {size(r['value_bytes'])} | {r['clients']} | {human(r['bytes_per_s'])} | {r['p50_us']:.1f} | "
-                     f"{r['p99_us']:.1f} | {r['ratio']:.2f}x | {r['baseline']} | {vs_bound(r)} | {r.get('allocs_per_op', 0):.2f} |")
+                     f"{r['p99_us']:.1f} | {ratio(r)} | {r['baseline']} | {vs_bound(r)} | {r.get('allocs_per_op', 0):.2f} |")
     lines.append("")
 
 def table(name, title, key="bytes_per_s"):
@@ -65,7 +74,7 @@ def table(name, title, key="bytes_per_s"):
     for r in pts:
         thr = f"{r['keys_per_s']/1e6:.2f} M keys/s" if "keys_per_s" in r else human(r["bytes_per_s"])
         lines.append(f"| {r['transport']} | {r['op']} | {size(r['value_bytes'])} | {r['clients']} | {r['servers']} | {thr} | "
-                     f"{r['p50_us']:.0f} | {r['p99_us']:.0f} | {r['ratio']:.3f}x | {r['baseline']} | {vs_bound(r)} |")
+                     f"{r['p50_us']:.0f} | {r['p99_us']:.0f} | {ratio(r, 3)} | {r['baseline']} | {vs_bound(r)} |")
     lines.append("")
 
 table("depth4-tcp", "tcp: large values with 4 operations in flight per client (--depth 4)")
