@@ -156,6 +156,8 @@ namespace {
 constexpr int kSkipAfterFruitlessSpin = 16;
 thread_local int t_reads_without_spin = 0;
 
+bool nothing_waiting(ssize_t n) noexcept { return n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK); }
+
 // recvmsg(2) into the iovecs; while nothing is waiting, retries for up to `spin` before it blocks
 // (if this thread may spin at all).
 ssize_t receive_into(int fd, iovec* iov, int count, std::chrono::nanoseconds spin) noexcept {
@@ -163,7 +165,7 @@ ssize_t receive_into(int fd, iovec* iov, int count, std::chrono::nanoseconds spi
   msg.msg_iov = iov;
   msg.msg_iovlen = static_cast<std::size_t>(std::min(count, IOV_MAX));
   ssize_t n = ::recvmsg(fd, &msg, MSG_DONTWAIT);
-  if (n >= 0 || (errno != EAGAIN && errno != EWOULDBLOCK)) return n;
+  if (!nothing_waiting(n)) return n;
   if (t_reads_without_spin > 0) {
     --t_reads_without_spin;
   } else if (const SpinTicket ticket; ticket) {
@@ -171,7 +173,7 @@ ssize_t receive_into(int fd, iovec* iov, int count, std::chrono::nanoseconds spi
     do {
       cpu_relax();
       n = ::recvmsg(fd, &msg, MSG_DONTWAIT);
-      if (n >= 0 || (errno != EAGAIN && errno != EWOULDBLOCK)) return n;
+      if (!nothing_waiting(n)) return n;
     } while (steady_now_ns() < until);
     t_reads_without_spin = kSkipAfterFruitlessSpin;
   }
