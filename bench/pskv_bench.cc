@@ -72,13 +72,6 @@ pskv::ClientOptions client_options(const std::vector<std::string>& servers) {
 
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const std::size_t m = v.size() / 2;
-  return v.size() % 2 ? v[m] : (v[m - 1] + v[m]) / 2;
-}
-
 double percentile(std::vector<double>& v, double p) {
   if (v.empty()) return 0;
   const auto k = static_cast<std::size_t>(p * double(v.size() - 1));
@@ -378,6 +371,7 @@ Point measure(const std::vector<std::string>& servers, const std::string& op, st
   std::vector<std::string> errors(clients);
   for (int c = 0; c < clients; ++c)
     threads.emplace_back([&, c] {
+      int rounds_done = 0;
       try {
         pskv::ClientOptions o = client_options(servers);
         pskv::Client client(o);
@@ -412,11 +406,12 @@ Point measure(const std::vector<std::string>& servers, const std::string& op, st
           }
           for (; n < issued; ++n) client.wait(ring[static_cast<std::size_t>(n % static_cast<std::uint64_t>(depth))].first);
           gate.finish();
+          ++rounds_done;
         }
       } catch (const std::exception& e) {
         errors[c] = e.what();
         ready.fetch_add(1);
-        for (int r = 0; r < rounds; ++r) gate.finish();
+        for (; rounds_done < rounds; ++rounds_done) gate.finish();
       }
     });
   while (ready.load() < clients) std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -934,11 +929,11 @@ int main(int argc, char** argv) {
             return transport == "shm" ? memcpy_bandwidth(std::max<std::size_t>(size, 64), window)
                                       : tcp_stream_bandwidth(peers.sink_port, window);
           };
-          const Point p = by_bandwidth ? measure(targets, op, size, clients, seconds, max_ops, depth, rounds, baseline_window)
-                                       : measure(targets, op, size, clients, seconds, max_ops, depth);
+          Point p = by_bandwidth ? measure(targets, op, size, clients, seconds, max_ops, depth, rounds, baseline_window)
+                                 : measure(targets, op, size, clients, seconds, max_ops, depth);
           const char* baseline = by_bandwidth ? (transport == "shm" ? "memcpy" : "tcp_stream") : "tcp_pingpong_64B";
-          const double base = by_bandwidth ? median(p.round_baselines) : pingpong_us;
-          const double ratio = by_bandwidth ? median(p.round_ratios) : p.p50_us / base;
+          const double base = by_bandwidth ? percentile(p.round_baselines, 0.5) : pingpong_us;
+          const double ratio = by_bandwidth ? percentile(p.round_ratios, 0.5) : p.p50_us / base;
           char rounds_json[96] = "", rounds_text[64] = "";
           if (by_bandwidth) {
             const auto [lo, hi] = std::minmax_element(p.round_ratios.begin(), p.round_ratios.end());
