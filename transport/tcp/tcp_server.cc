@@ -6,6 +6,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <iostream>
 
@@ -379,25 +380,33 @@ bool TcpServer::stream_push(Peer& peer, const wire::FrameHeader& h, std::size_t 
   bool ok = true;
   while (key < peer.keys.size()) {
     const std::uint64_t length = peer.keys[key].length;
-    const std::size_t want = std::min<std::uint64_t>(length - done_floats, kPushPieceFloats) * sizeof(float);
-    if (end - begin < want) {
-      if (begin + want > Peer::kInBytes) {
+    const std::size_t least = std::min<std::uint64_t>(length - done_floats, kPushLeastFloats) * sizeof(float);
+    if (end - begin < least) {
+      if (begin + least > Peer::kInBytes) {
         std::memmove(in, in + begin, end - begin);
         end -= begin;
         begin = 0;
       }
       // Bytes past this frame may come in too; they stay in `in` for the frames after it.
-      while (ok && end - begin < want) {
-        const ssize_t n = recv_some(peer.fd.get(), in + end, Peer::kInBytes - end, kMidFrameSpin);
+      while (ok && end - begin < least) {
+        // With floats in hand, take only what is already waiting: if nothing is, those are
+        // applied while the rest travels, and a sender that stalls finds all it sent applied.
+        const bool have_some = end - begin >= sizeof(float);
+        const ssize_t n = have_some ? ::recv(peer.fd.get(), in + end, Peer::kInBytes - end, MSG_DONTWAIT)
+                                    : recv_some(peer.fd.get(), in + end, Peer::kInBytes - end, kMidFrameSpin);
         if (n > 0)
           end += static_cast<std::size_t>(n);
         else if (n < 0 && errno == EINTR)
           continue;
+        else if (n < 0 && have_some && (errno == EAGAIN || errno == EWOULDBLOCK))
+          break;
         else
           ok = false;  // closed mid-frame, or the frame timeout passed
       }
       if (!ok) break;
     }
+    const std::uint64_t in_floats = (end - begin) / sizeof(float);
+    const std::size_t want = std::min<std::uint64_t>({length - done_floats, kPushPieceFloats, in_floats}) * sizeof(float);
     if (found == Errc::ok)
       store.apply_part(*slots[key], done_floats, reinterpret_cast<const float*>(in + begin), want / sizeof(float),
                        &step);
