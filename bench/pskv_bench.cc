@@ -20,6 +20,7 @@
 #include <condition_variable>
 #include <functional>
 #include <mutex>
+#include <cerrno>
 #include <cinttypes>
 #include <cstdio>
 #include <cstring>
@@ -134,7 +135,7 @@ void apply_pushed(float* value, const float* grad, std::size_t floats) {
 // What the client tells the request/response peer before its first request.
 struct RpcShape {
   std::uint64_t message_bytes = 0;  // the value: a push's payload, or a pull's reply
-  std::uint64_t piece_bytes = 0;    // a push is read, and applied, in pieces of this size
+  std::uint64_t piece_bytes = 0;    // a push is applied in pieces of at most this size
   std::uint64_t pull = 0;           // 1: requests are 8 bytes and the peer replies with a value
   std::uint64_t depth = 1;          // requests in flight, each on its own value and buffer
   bool valid() const {
@@ -149,9 +150,10 @@ bool write_all(int fd, const void* data, std::size_t bytes) {
 }
 
 // The request/response peer: a parameter server with nothing but TCP and the apply. It answers
-// each pull with a value sent out of a value-sized buffer, and reads each push in pieces,
-// applying every piece to a value-sized buffer as soon as it is in (a whole message, or 256 KiB,
-// as pskv-server does with --tcp-push whole or pieces), then acks it with 8 bytes.
+// each pull with a value sent out of a value-sized buffer, and applies each push to a
+// value-sized buffer: staged whole (piece_bytes = the message, as pskv-server with --tcp-push
+// whole), or as it arrives, whatever each read brought, at most piece_bytes at a time (as with
+// --tcp-push pieces). Then it acks it with 8 bytes.
 void serve_rpc(int fd, const RpcShape& s) {
   const std::size_t floats = s.message_bytes / sizeof(float), piece = s.piece_bytes / sizeof(float);
   std::vector<std::vector<float>> values(s.depth, std::vector<float>(floats, 1.0f));
@@ -163,10 +165,23 @@ void serve_rpc(int fd, const RpcShape& s) {
       if (read_full(fd, &request, sizeof request) != IoResult::ok || !write_all(fd, value.data(), s.message_bytes)) return;
       continue;
     }
-    for (std::size_t at = 0; at < floats; at += piece) {
-      const std::size_t n = std::min(piece, floats - at);
-      if (read_full(fd, grad.data(), n * sizeof(float)) != IoResult::ok) return;
-      apply_pushed(value.data() + at, grad.data(), n);
+    if (piece == floats) {
+      if (read_full(fd, grad.data(), s.message_bytes) != IoResult::ok) return;
+      apply_pushed(value.data(), grad.data(), floats);
+    }
+    auto* const bytes = reinterpret_cast<char*>(grad.data());
+    for (std::size_t at = 0, have = 0; piece < floats && at < floats;) {  // have: bytes of a float begun
+      const ssize_t n = ::read(fd, bytes + have, std::min(piece, floats - at) * sizeof(float) - have);
+      if (n <= 0) {
+        if (n < 0 && errno == EINTR) continue;
+        return;
+      }
+      have += static_cast<std::size_t>(n);
+      const std::size_t whole = have / sizeof(float);
+      apply_pushed(value.data() + at, grad.data(), whole);
+      at += whole;
+      have -= whole * sizeof(float);
+      std::memmove(bytes, bytes + whole * sizeof(float), have);
     }
     if (!write_all(fd, &i, sizeof i)) return;
   }
@@ -818,8 +833,8 @@ int main(int argc, char** argv) {
   const std::string in_flight = std::to_string(depth) + " in flight";
   Bound push_bound{"push", transport == "shm" ? "memcpy_apply" : "tcp_rpc_apply",
                    transport == "shm" ? "copy into a slot, then apply"
-                                      : "raw TCP requests, " + in_flight + ", applied in " +
-                                            (push_in_pieces ? "256 KiB pieces as they arrive" : "whole values"),
+                                      : "raw TCP requests, " + in_flight + ", applied " +
+                                            (push_in_pieces ? "as they arrive, up to 256 KiB at a time" : "whole"),
                    std::vector<double>(sizes.size(), 0.0)};
   Bound pull_bound{"pull", "tcp_rpc", "raw TCP requests, " + in_flight + ", replies from and into value-sized buffers",
                    std::vector<double>(sizes.size(), 0.0)};

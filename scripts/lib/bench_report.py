@@ -15,21 +15,26 @@ def human(b):
 def size(n):
     return f"{n>>20} MiB" if n >= 1 << 20 else (f"{n>>10} KiB" if n >= 1024 else f"{n} B")
 
+# The rounds each bandwidth point ran in, as the runs recorded them.
+round_counts = sorted({r["rounds"] for t in ("tcp", "shm") for r in load("dense-" + t)
+                       if r.get("workload") == "dense" and "rounds" in r})
+rounds_text = " or ".join(map(str, round_counts)) or "several"
+
 lines = ["# pskv benchmarks", "",
          f"Produced by `scripts/bench.sh` on {datetime.date.today()} ({platform.machine()}, {os.cpu_count()} cores, "
          "a shared and noisy VM). Every result is next to a limit of this machine measured in the same run: "
          "single-stream loopback TCP (`tcp_stream`), a 64-byte TCP ping-pong (`tcp_pingpong_64B`) and single-thread "
          "memcpy at the same size (`memcpy`). Read the ratios; absolute figures drift from run to run.", "",
-         "A bandwidth point runs in 5 rounds, each just after a window of its baseline, and its ratio is the "
-         "median of the 5 rounds' ratios, with their range in brackets: the host's limits drift within "
+         f"A bandwidth point runs in {rounds_text} rounds, each just after a window of its baseline, and its "
+         "ratio is the median of its rounds' ratios, with their range in brackets: the host's limits drift within "
          "seconds, and a baseline taken once at the start of the run would put that drift into every ratio.", "",
          "Large values also carry a ratio to their bound: the best a parameter server could do on this machine "
          "at that size, measured in the same run. Over tcp it is raw requests and responses on one connection, "
          "with as many in flight as the run keeps (`--depth`): `tcp_rpc` answers each 8-byte request with a value "
          "sent out of, and read into, value-sized buffers; `tcp_rpc_apply` sends each value from a value-sized "
-         "buffer to a peer that applies it with pskv's own kernel in 256 KiB pieces as they arrive, as pskv-server "
-         "does, and acks it. Unlike `tcp_stream`, these pay a round trip per request, and from 16 MiB their "
-         "buffers leave the cache, which the 1 MiB buffer of `tcp_stream` never does. Over shm a push's bound "
+         "buffer to a peer that applies it with pskv's own kernel as it arrives (whatever each read brought, up "
+         "to 256 KiB at a time), as pskv-server does, and acks it. Unlike `tcp_stream`, these pay a round trip "
+         "per request, and from 16 MiB their buffers leave the cache, which the 1 MiB buffer of `tcp_stream` never does. Over shm a push's bound "
          "is `memcpy_apply`: one value-sized copy, then the apply, on the calling thread. The gap between the "
          "two ratios is what no parameter server on this machine can avoid; the gap to 1.0x of the bound is "
          "pskv's. From 1 MiB up pskv spreads a copy or an apply over all cores (oneTBB), while the memcpy "
