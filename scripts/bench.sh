@@ -20,6 +20,12 @@ run() { local name=$1; shift; echo "--- $name: pskv-bench $*" >&2; "$BENCH" --js
 # Value size sweep, 1 and 2 clients, one server.
 run dense-tcp --transport tcp --clients 1,2
 run dense-shm --transport shm --clients 1,2
+# The goals' points again, in independent runs (fresh servers, buffers and baselines each): runs
+# differ by more than the rounds within a run do, so one run cannot say whether a goal holds.
+for r in 1 2 3 4 5; do
+  run large-tcp-$r --transport tcp --sizes 1M,4M,16M --clients 1
+  run large-shm-$r --transport shm --sizes 1M,4M,16M --clients 1
+done
 # Large values streamed: 4 operations in flight per client, as a training step issues its layers
 # (the raw TCP baseline is a continuous stream too).
 run depth4-tcp --transport tcp --sizes 1M,4M,16M --clients 1 --depth 4
