@@ -32,6 +32,11 @@ void set_keepalive(int fd, std::chrono::seconds idle) {
   setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &secs, sizeof secs);
   setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval, sizeof interval);
   setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &probes, sizeof probes);
+  // Keepalive stays silent while anything sent is unacknowledged, and retransmissions go on for
+  // some 15 minutes (tcp_retries2): a peer cut off just after we sent it something would be
+  // waited on that long. The same bound then holds for unacknowledged data too.
+  unsigned user_timeout_ms = static_cast<unsigned>((secs + interval * probes) * 1000);
+  setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &user_timeout_ms, sizeof user_timeout_ms);
 }
 
 void set_io_timeouts(int fd, std::chrono::milliseconds recv, std::chrono::milliseconds send) {

@@ -47,7 +47,8 @@ std::uint16_t local_port(int fd);
 void set_io_timeouts(int fd, std::chrono::milliseconds recv, std::chrono::milliseconds send);
 void set_nodelay(int fd);
 // TCP keepalive probing after `idle` of silence, so a peer whose link went away without a FIN
-// or RST is noticed (its connection errors out) instead of being waited on forever.
+// or RST is noticed (its connection errors out) instead of being waited on forever; and the same
+// bound (idle + 3 s of probes) on data it never acknowledges (TCP_USER_TIMEOUT).
 void set_keepalive(int fd, std::chrono::seconds idle);
 
 // Outcome of a full read/write on a blocking socket with SO_RCVTIMEO/SO_SNDTIMEO set.
