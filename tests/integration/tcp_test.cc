@@ -463,6 +463,134 @@ TEST(TcpIntegration, AStalledPushInPiecesHoldsUpNobody) {
   EXPECT_TRUE(stalled.closed_by_server()) << "the stalled frame was never abandoned";
 }
 
+// A push frame applied as it arrives still applies each key of up to a piece whole: one pusher
+// sends a long key and a piece-sized one in one frame, and pulls of the piece-sized key never
+// see two pushes in it.
+TEST(TcpIntegration, KeysUpToAPieceInALargePushAreAppliedWhole) {
+  constexpr std::size_t kLong = 300000, kPiece = tcp::TcpServer::kPushPieceFloats;
+  auto servers = start_servers(1);
+  ClientOptions o = options_for(servers);
+  o.chunk_floats = 0;
+  {
+    Client admin(o);
+    admin.wait(admin.init(Key(1), std::vector<float>(kLong, 0.0f)));
+    admin.wait(admin.init(Key(2), std::vector<float>(kPiece, 0.0f)));
+  }
+  constexpr int kPushes = 300;
+  const pid_t pusher = fork_worker([&] {
+    Client c(o);
+    const std::vector<float> ones_long(kLong, 1.0f), ones_piece(kPiece, 1.0f);
+    const std::vector<Key> keys{Key(1), Key(2)};
+    const std::vector<std::span<const float>> values{ones_long, ones_piece};
+    for (int i = 0; i < kPushes; ++i) c.wait(c.push(std::span<const Key>(keys), std::span<const std::span<const float>>(values)));
+    return 0;
+  });
+  Client c(o);
+  std::vector<float> piece(kPiece);
+  int moving = 0;
+  float last = -1;
+  do {
+    c.wait(c.pull(Key(2), piece));
+    const auto torn = std::find_if(piece.begin(), piece.end(), [&](float x) { return x != piece[0]; });
+    ASSERT_EQ(torn, piece.end()) << "float " << (torn - piece.begin()) << " is " << *torn << ", float 0 is " << piece[0]
+                                 << ": a key of one piece was applied in parts";
+    moving += piece[0] != last;
+    last = piece[0];
+  } while (piece[0] < kPushes);
+  EXPECT_GT(moving, 2) << "the pulls never overlapped the pushes";
+  EXPECT_EQ(wait_pid(pusher), 0);
+}
+
+// A large push whose key table arrives split at an odd byte: the payload that follows must
+// still be read to a float-aligned place (UBSan builds abort on a misaligned float), be applied
+// whole and correct, and leave the connection parsing the frames after it.
+TEST(TcpIntegration, ALargePushWhoseKeyTableArrivesSplitLandsAligned) {
+  constexpr std::uint32_t kFloats = 100000;  // 400 KB: applied as it arrives
+  auto servers = start_servers(1);
+  ClientOptions o = options_for(servers);
+  o.chunk_floats = 0;
+  Client c(o);
+  c.wait(c.init(Key(5), std::vector<float>(kFloats, 0.0f)));
+  c.wait(c.init(Key(6), std::vector<float>(3, 0.0f)));
+
+  RawPeer raw(servers[0].uri);
+  raw.hello();
+  const wire::KeyEntry key{5, kFloats, 0};
+  wire::FrameHeader h = wire::make_header(wire::Op::push, 2, 1, kFloats * sizeof(float));
+  raw.send(&h, sizeof h);
+  raw.send(&key, 7);  // the server reads the header and 7 bytes of the table, then waits
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  raw.send(reinterpret_cast<const char*>(&key) + 7, sizeof key - 7);
+  std::vector<float> grad(kFloats);
+  std::iota(grad.begin(), grad.end(), 1.0f);
+  raw.send(grad.data(), grad.size() * sizeof(float));
+  const wire::KeyEntry small_key{6, 3, 0};
+  const float small[3] = {1.0f, 2.0f, 3.0f};
+  wire::FrameHeader sh = wire::make_header(wire::Op::push, 3, 1, sizeof small);
+  raw.send(&sh, sizeof sh);
+  raw.send(&small_key, sizeof small_key);
+  raw.send(small, sizeof small);
+  EXPECT_EQ(raw.reply().first, 0) << "the large push";
+  EXPECT_EQ(raw.reply().first, 0) << "the small push after it";
+
+  std::vector<float> out(kFloats), out_small(3);
+  c.wait(c.pull(Key(5), out));
+  c.wait(c.pull(Key(6), out_small));
+  for (std::uint32_t i = 0; i < kFloats; ++i) ASSERT_EQ(out[i], grad[i]) << "float " << i;
+  EXPECT_EQ(out_small, std::vector<float>(small, small + 3));
+}
+
+// Pipelined small frames that fill the server's 256 KiB receive buffer to the last byte, ending
+// in the first 40 bytes of a header: the server must keep reading that frame, not take the full
+// buffer's zero-byte read for the client hanging up. The burst is queued while the server is
+// stopped, so one read takes a whole buffer of it.
+TEST(TcpIntegration, FramesFillingTheReceiveBufferToTheLastByteAreAllServed) {
+  constexpr std::uint32_t kFloats = 962;  // frames of 3,912 bytes: 67 fill 262,104, then 40 of a header
+  constexpr std::size_t kFrame = sizeof(wire::FrameHeader) + sizeof(wire::KeyEntry) + kFloats * sizeof(float);
+  static_assert((256u << 10) % kFrame == 40 && 40 < sizeof(wire::FrameHeader));
+  constexpr int kFrames = 80;
+  auto servers = start_servers(1);
+  ClientOptions o = options_for(servers);
+  Client c(o);
+  c.wait(c.init(Key(3), std::vector<float>(kFloats, 0.0f)));
+  c.wait(c.init(Key(4), std::vector<float>(1u << 20, 0.0f)));
+
+  RawPeer raw(servers[0].uri);
+  raw.hello();
+  // Large pushes first, so the connection's receive window has grown past the burst.
+  const std::vector<float> big(1u << 20, 0.0f);
+  const wire::KeyEntry big_key{4, 1u << 20, 0};
+  for (int i = 0; i < 4; ++i) {
+    wire::FrameHeader h = wire::make_header(wire::Op::push, 100 + i, 1, big.size() * sizeof(float));
+    raw.send(&h, sizeof h);
+    raw.send(&big_key, sizeof big_key);
+    raw.send(big.data(), big.size() * sizeof(float));
+    ASSERT_EQ(raw.reply().first, 0);
+  }
+  std::vector<char> burst;
+  const wire::KeyEntry key{3, kFloats, 0};
+  const std::vector<float> ones(kFloats, 1.0f);
+  for (int i = 0; i < kFrames; ++i) {
+    const wire::FrameHeader h = wire::make_header(wire::Op::push, 200 + i, 1, kFloats * sizeof(float));
+    const auto* hp = reinterpret_cast<const char*>(&h);
+    const auto* kp = reinterpret_cast<const char*>(&key);
+    const auto* vp = reinterpret_cast<const char*>(ones.data());
+    burst.insert(burst.end(), hp, hp + sizeof h);
+    burst.insert(burst.end(), kp, kp + sizeof key);
+    burst.insert(burst.end(), vp, vp + kFloats * sizeof(float));
+  }
+  ASSERT_EQ(burst.size(), kFrames * kFrame);
+  ASSERT_TRUE(testing::stop_process(servers[0].process.pid()));
+  std::thread sender([&] { raw.send(burst.data(), burst.size()); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  kill(servers[0].process.pid(), SIGCONT);
+  sender.join();
+  for (int i = 0; i < kFrames; ++i) ASSERT_EQ(raw.reply().first, 0) << "frame " << i << " of the burst";
+  std::vector<float> out(kFloats);
+  c.wait(c.pull(Key(3), out));
+  EXPECT_EQ(out, std::vector<float>(kFloats, float(kFrames)));
+}
+
 std::string slurp(const std::string& path) {
   std::ifstream in(path);
   return std::string(std::istreambuf_iterator<char>(in), {});

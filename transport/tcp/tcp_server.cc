@@ -342,7 +342,9 @@ bool TcpServer::serve_readable(Peer& peer) {
       }
       have -= key_have;
       if (streams(peer, h)) {
-        const std::size_t payload_at = peer.in_begin + kHeader + key_have;
+        // A key table read past `in` leaves none of the payload there: it starts afresh at the
+        // (float-aligned) start of `in`, not after the table's first bytes at any offset.
+        const std::size_t payload_at = key_have < key_bytes ? 0 : peer.in_begin + kHeader + key_have;
         if (!stream_push(peer, h, payload_at, payload_at + have)) return false;
         continue;
       }
@@ -355,7 +357,13 @@ bool TcpServer::serve_readable(Peer& peer) {
     }
     if (!handle(peer, h, payload)) return false;
   }
-  if (peer.in_begin == peer.in_end) peer.in_begin = peer.in_end = 0;
+  // What is left is the start of a header: move it to the front, or a full buffer would leave
+  // the next recv no room (and its 0 would read as the peer closing).
+  if (peer.in_begin > 0) {
+    std::memmove(peer.in_bytes(), peer.in_bytes() + peer.in_begin, peer.in_end - peer.in_begin);
+    peer.in_end -= peer.in_begin;
+    peer.in_begin = 0;
+  }
   return true;
 }
 
@@ -380,7 +388,10 @@ bool TcpServer::stream_push(Peer& peer, const wire::FrameHeader& h, std::size_t 
   bool ok = true;
   while (key < peer.keys.size()) {
     const std::uint64_t length = peer.keys[key].length;
-    const std::size_t least = std::min<std::uint64_t>(length - done_floats, kPushLeastFloats) * sizeof(float);
+    // A key of up to a piece is applied whole, as any key of a smaller frame is.
+    const bool in_parts = length > kPushPieceFloats;
+    const std::size_t least =
+        (in_parts ? std::min<std::uint64_t>(length - done_floats, kPushLeastFloats) : length) * sizeof(float);
     if (end - begin < least) {
       if (begin + least > Peer::kInBytes) {
         std::memmove(in, in + begin, end - begin);
@@ -391,7 +402,7 @@ bool TcpServer::stream_push(Peer& peer, const wire::FrameHeader& h, std::size_t 
       while (ok && end - begin < least) {
         // With floats in hand, take only what is already waiting: if nothing is, those are
         // applied while the rest travels, and a sender that stalls finds all it sent applied.
-        const bool have_some = end - begin >= sizeof(float);
+        const bool have_some = in_parts && end - begin >= sizeof(float);
         const ssize_t n = have_some ? ::recv(peer.fd.get(), in + end, Peer::kInBytes - end, MSG_DONTWAIT)
                                     : recv_some(peer.fd.get(), in + end, Peer::kInBytes - end, kMidFrameSpin);
         if (n > 0)

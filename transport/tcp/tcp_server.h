@@ -29,9 +29,10 @@ struct TcpServerOptions {
   // A frame whose rest does not arrive within this time is abandoned and its connection closed.
   std::chrono::milliseconds frame_timeout{5000};
   wire::Limits limits{};
-  // A push frame larger than a connection's receive buffer is applied as it arrives, in pieces of
-  // whatever has come in: at most kPushPieceFloats, and while more keeps coming, at least
-  // kPushLeastFloats (or the key's rest). The value is never staged whole and is applied while still in cache, but
+  // A push frame larger than a connection's receive buffer is applied as it arrives: each key of
+  // up to kPushPieceFloats once all of it is in, a longer one in pieces of whatever has come in
+  // (at most kPushPieceFloats, and while more keeps coming, at least kPushLeastFloats or the
+  // key's rest). The value is never staged whole and is applied while still in cache, but
   // such a key is atomic per piece only, and a frame cut short leaves the pieces before the cut
   // applied. false: staged whole, then applied atomically per key (as checksummed and sync-mode
   // pushes always are).
