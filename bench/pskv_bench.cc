@@ -139,7 +139,8 @@ struct RpcShape {
   std::uint64_t pull = 0;           // 1: requests are 8 bytes and the peer replies with a value
   std::uint64_t depth = 1;          // requests in flight, each on its own value and buffer
   bool valid() const {
-    return message_bytes >= sizeof(float) && message_bytes <= (1ull << 30) && piece_bytes >= sizeof(float) &&
+    return message_bytes >= sizeof(float) && message_bytes % sizeof(float) == 0 && message_bytes <= (1ull << 30) &&
+           piece_bytes >= sizeof(float) &&
            piece_bytes <= message_bytes && depth >= 1 && depth <= 64;
   }
 };
@@ -153,7 +154,8 @@ bool write_all(int fd, const void* data, std::size_t bytes) {
 // each pull with a value sent out of a value-sized buffer, and applies each push to a
 // value-sized buffer: staged whole (piece_bytes = the message, as pskv-server with --tcp-push
 // whole), or as it arrives, whatever each read brought, at most piece_bytes at a time (as with
-// --tcp-push pieces). Then it acks it with 8 bytes.
+// --tcp-push pieces, except that the server gathers 16 KiB while more keeps coming). Then it
+// acks it with 8 bytes.
 void serve_rpc(int fd, const RpcShape& s) {
   const std::size_t floats = s.message_bytes / sizeof(float), piece = s.piece_bytes / sizeof(float);
   std::vector<std::vector<float>> values(s.depth, std::vector<float>(floats, 1.0f));

@@ -4,13 +4,16 @@
 # TCP keepalive, the server's defence against peers that vanish without a FIN or RST, stays silent
 # while anything sent is unacknowledged, and retransmissions then go on for some 15 minutes. This
 # test makes that case happen on purpose, over real TCP between two network namespaces:
-#   1. pskv-server (BSP, 2 workers) and worker 0 in namespace A; worker 1 in namespace B.
+#   1. pskv-server (BSP, 2 workers, stragglers evicted) and worker 0 in namespace A; worker 1
+#      in namespace B.
 #   2. Worker 1 ends its step and pulls: the pull is parked until worker 0 ends its step too.
 #   3. The link to B goes down: no FIN or RST reaches anyone.
 #   4. Worker 0 ends its step: the server answers worker 1's parked pull into the dead link,
 #      where the answer stays unacknowledged.
 #   5. The server must drop worker 1's connection within BOUND_S (30 s; its keepalive bound is
-#      5 s idle + 3 s of probes).
+#      5 s idle + 3 s of probes), and know worker 1 left: worker 0's next bounded read, which
+#      needs worker 1's next step, is answered at once (a departed worker is evicted; one still
+#      thought alive would hold it for the 120 s wait timeout).
 # Skips (exit 0, "SKIPPED: ...") only when not root or when `ip netns add` is refused.
 #   usage: cut_after_reply.sh PSKV_SERVER SCRIPTED_WORKER
 set -uo pipefail
@@ -50,6 +53,7 @@ cleanup() {
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
+trap '' PIPE  # a worker that exited early must fail a check below, not kill this script silently
 
 ip netns add "$ns_a" 2>"$work/netns.err" || skip "ip netns add is not permitted here: $(cat "$work/netns.err")"
 created+=("$ns_a")
@@ -84,7 +88,7 @@ worker1_connected() {
   ip netns exec "$ns_a" ss -Htn state established "( sport = :$port )" | grep -q " $ip_b:"
 }
 
-ip netns exec "$ns_a" "$server" --uri "tcp://$ip_a:$port" --workers 2 --mode bsp --wait-timeout-ms 120000 \
+ip netns exec "$ns_a" "$server" --uri "tcp://$ip_a:$port" --workers 2 --mode bsp --wait-timeout-ms 120000 --straggler-policy evict \
   >"$work/server.out" 2>"$work/server.err" &
 pids+=($!)
 wait_for_line "$work/server.out" "listening on" 10 || { show_logs; fail "pskv-server did not start"; }
@@ -122,4 +126,10 @@ while worker1_connected; do
   fi
   sleep 0.2
 done
-log "PASSED: the server dropped worker 1's connection $((SECONDS - tcut)) s after the cut"
+log "the server dropped worker 1's connection $((SECONDS - tcut)) s after the cut"
+echo "clock" >&7
+wait_for_line "$work/w0.out" "ok clock" 10 || { show_logs; fail "worker 0 could not end its second step"; }
+echo "pull 7 1024" >&7
+wait_for_line "$work/w0.out" "ok pull" 10 ||
+  { show_logs; fail "worker 0's read that needs worker 1's next step was not answered: the server missed worker 1 leaving"; }
+log "PASSED: worker 1 was evicted, and worker 0's read went ahead"
