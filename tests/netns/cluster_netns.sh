@@ -50,16 +50,11 @@ CUT_BOUND_S=${CUT_BOUND_S:-60}
 TRAIN_BOUND_S=${TRAIN_BOUND_S:-240}
 PORT_BASE=9100  # inside our own namespaces, so no clash with anything on the host
 
-skip() {
-  echo "SKIPPED: $*"
-  echo "SKIPPED: $*" >&2
-  exit 0
-}
+source "$(dirname "$0")/common.sh"
 fail() {
   echo "FAILED: $*" >&2
   failed=1
 }
-log() { echo "[$(date +%T.%3N)] $*"; }
 
 case $scenario in train | cut-fail | cut-evict) ;; *) echo "unknown scenario '$scenario'" >&2; exit 2 ;; esac
 [ "$(id -u)" = 0 ] || skip "netns tests need root (ip netns); running as uid $(id -u)"
@@ -72,22 +67,7 @@ brns=$tag-br
 hosts=("$tag-r0" "$tag-r1" "$tag-r2" "$tag-r3")
 ips=(10.77.0.1 10.77.0.2 10.77.0.3 10.77.0.4)
 work=$(mktemp -d "/tmp/pskv-netns-$scenario.XXXXXX")
-created=()
-pids=()
 failed=0
-
-# Kills whatever still runs in our namespaces (only processes this test started can be there),
-# then deletes the namespaces; deleting a namespace destroys its veth ends and the bridge.
-cleanup() {
-  local ns p
-  for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null; done
-  for ns in "${created[@]}"; do
-    for p in $(ip netns pids "$ns" 2>/dev/null); do kill -9 "$p" 2>/dev/null; done
-  done
-  for p in "${pids[@]}"; do wait "$p" 2>/dev/null; done
-  for ns in "${created[@]}"; do ip netns del "$ns" 2>/dev/null; done
-  rm -rf "$work"
-}
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
@@ -117,14 +97,6 @@ log "namespaces ${created[*]} up; bridge br0 in $brns"
 # --- connectivity ----------------------------------------------------------------------------
 # ping -c1 -W1 between every pair when ping is installed; otherwise (it is not on every image)
 # a TCP connect to a throwaway pskv-server listening on each host's address.
-wait_for_file_line() {  # FILE PATTERN SECONDS
-  local deadline=$((SECONDS + $3))
-  while ((SECONDS < deadline)); do
-    grep -q "$2" "$1" 2>/dev/null && return 0
-    sleep 0.1
-  done
-  return 1
-}
 if command -v ping >/dev/null; then
   for a in 0 1 2 3; do for b in 0 1 2 3; do
     [ "$a" = "$b" ] && continue

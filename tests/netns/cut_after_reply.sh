@@ -23,35 +23,17 @@ worker=${2:?}
 BOUND_S=${BOUND_S:-30}
 ip_a=10.78.0.1 ip_b=10.78.0.2 port=9200
 
-skip() {
-  echo "SKIPPED: $*"
-  echo "SKIPPED: $*" >&2
-  exit 0
-}
+source "$(dirname "$0")/common.sh"
 fail() {
   echo "FAILED: $*" >&2
   exit 1
 }
-log() { echo "[$(date +%T.%3N)] $*"; }
 
 [ "$(id -u)" = 0 ] || skip "netns tests need root (ip netns); running as uid $(id -u)"
 tag=pskvcut$$
 ns_a=$tag-a ns_b=$tag-b
 work=$(mktemp -d /tmp/pskv-netns-cut-after-reply.XXXXXX)
-created=()
-pids=()
-cleanup() {
-  local ns p
-  exec 7>&- 8>&- 2>/dev/null
-  for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null; done
-  for ns in "${created[@]}"; do
-    for p in $(ip netns pids "$ns" 2>/dev/null); do kill -9 "$p" 2>/dev/null; done
-  done
-  for p in "${pids[@]}"; do wait "$p" 2>/dev/null; done
-  for ns in "${created[@]}"; do ip netns del "$ns" 2>/dev/null; done
-  rm -rf "$work"
-}
-trap cleanup EXIT
+trap 'exec 7>&- 8>&- 2>/dev/null; cleanup' EXIT
 trap 'exit 130' INT TERM
 trap '' PIPE  # a worker that exited early must fail a check below, not kill this script silently
 
@@ -69,14 +51,6 @@ for ns in "$ns_a" "$ns_b"; do
 done
 set +e
 
-wait_for_line() {  # FILE PATTERN SECONDS
-  local deadline=$((SECONDS + $3))
-  while ((SECONDS < deadline)); do
-    grep -q "$2" "$1" 2>/dev/null && return 0
-    sleep 0.05
-  done
-  return 1
-}
 show_logs() {
   local f
   for f in server.out server.err w0.out w1.out; do
@@ -91,7 +65,7 @@ worker1_connected() {
 ip netns exec "$ns_a" "$server" --uri "tcp://$ip_a:$port" --workers 2 --mode bsp --wait-timeout-ms 120000 --straggler-policy evict \
   >"$work/server.out" 2>"$work/server.err" &
 pids+=($!)
-wait_for_line "$work/server.out" "listening on" 10 || { show_logs; fail "pskv-server did not start"; }
+wait_for_file_line "$work/server.out" "listening on" 10 || { show_logs; fail "pskv-server did not start"; }
 
 mkfifo "$work/w0.in" "$work/w1.in"
 ip netns exec "$ns_a" "$worker" "tcp://$ip_a:$port" 0 <"$work/w0.in" >"$work/w0.out" 2>&1 &
@@ -102,11 +76,11 @@ pids+=($!)
 exec 8>"$work/w1.in"
 
 echo "init 7 1024" >&7
-wait_for_line "$work/w0.out" "ok init" 10 || { show_logs; fail "worker 0 could not init the key"; }
+wait_for_file_line "$work/w0.out" "ok init" 10 || { show_logs; fail "worker 0 could not init the key"; }
 echo "clock" >&8
-wait_for_line "$work/w1.out" "ok clock" 10 || { show_logs; fail "worker 1 could not end its step"; }
+wait_for_file_line "$work/w1.out" "ok clock" 10 || { show_logs; fail "worker 1 could not end its step"; }
 echo "pull 7 1024" >&8
-wait_for_line "$work/w1.out" "pulling" 10 || { show_logs; fail "worker 1 did not send its pull"; }
+wait_for_file_line "$work/w1.out" "pulling" 10 || { show_logs; fail "worker 1 did not send its pull"; }
 sleep 0.5  # the pull crosses the link and is parked
 grep -q "ok pull" "$work/w1.out" && { show_logs; fail "worker 1's pull was answered before worker 0 ended its step (not BSP?)"; }
 worker1_connected || { show_logs; fail "the server shows no connection from worker 1 ($ip_b)"; }
@@ -115,7 +89,7 @@ ip -n "$ns_b" link set eth0 down
 tcut=$SECONDS
 log "cut: worker 1's link ($ip_b) is down, its pull parked"
 echo "clock" >&7
-wait_for_line "$work/w0.out" "ok clock" 10 || { show_logs; fail "worker 0 could not end its step"; }
+wait_for_file_line "$work/w0.out" "ok clock" 10 || { show_logs; fail "worker 0 could not end its step"; }
 log "worker 0 ended its step: the server answered worker 1's pull into the cut link"
 
 while worker1_connected; do
@@ -128,8 +102,8 @@ while worker1_connected; do
 done
 log "the server dropped worker 1's connection $((SECONDS - tcut)) s after the cut"
 echo "clock" >&7
-wait_for_line "$work/w0.out" "ok clock" 10 || { show_logs; fail "worker 0 could not end its second step"; }
+wait_for_file_line "$work/w0.out" "ok clock" 10 || { show_logs; fail "worker 0 could not end its second step"; }
 echo "pull 7 1024" >&7
-wait_for_line "$work/w0.out" "ok pull" 10 ||
+wait_for_file_line "$work/w0.out" "ok pull" 10 ||
   { show_logs; fail "worker 0's read that needs worker 1's next step was not answered: the server missed worker 1 leaving"; }
 log "PASSED: worker 1 was evicted, and worker 0's read went ahead"
