@@ -70,7 +70,8 @@ class Client {
   // Connects to every server; throws Error naming the server that could not be reached.
   explicit Client(const ClientOptions& options);
   // Tells the servers this worker is finished (so it holds nobody back) and disconnects,
-  // unless disconnect() was called first.
+  // unless disconnect() was called first or an exception is destroying it: a worker that fails
+  // did not finish, and under --straggler-policy fail the reads that wait for it get an error.
   ~Client();
   // Disconnects without announcing that this worker finished: for a worker that will come back
   // (reconnect after a server restart). Outstanding tickets fail; the object is unusable after.

@@ -1,6 +1,7 @@
 #include "pskv/client.h"
 
 #include <algorithm>
+#include <exception>
 #include <mutex>
 
 #include "client/placement.h"
@@ -89,6 +90,9 @@ class ClientImpl {
   }
 
   ~ClientImpl() {
+    // Destroyed by an exception on its way out, the worker did not finish: it must not tell the
+    // servers it did, or they would stop waiting for it instead of failing the job.
+    if (std::uncaught_exceptions() > uncaught_at_start_) finished_on_close_ = false;
     if (options_.worker_id == kNoWorker || !finished_on_close_ || connections_.empty()) return;
     // Best effort and bounded: on a dead link this must not cost a whole I/O timeout. If the
     // wait gives up, destroying the connections (before ops_, see the member order) fails the
@@ -288,6 +292,7 @@ class ClientImpl {
   std::uint64_t clock_ = 0;
   std::uint64_t barrier_generation_ = 0;
   bool finished_on_close_ = true;
+  const int uncaught_at_start_ = std::uncaught_exceptions();
   mutable std::mutex stats_mu_;
   StalenessStats staleness_;
 };

@@ -10,6 +10,7 @@
 #include <atomic>
 #include <chrono>
 #include <random>
+#include <stdexcept>
 #include <thread>
 
 #include "pskv/client.h"
@@ -222,9 +223,11 @@ TEST_P(Consistency, SyncAggregationAppliesOneMeanPerStepAndDropsLateGradients) {
   EXPECT_EQ(stats.find("\"sync_dropped_late\":0,"), std::string::npos) << "the laggard's gradients were dropped: " << stats;
 }
 
-// A worker killed mid-run: under --straggler-policy fail the survivors' bounded reads fail with
-// an error naming it; under evict they finish without it. Either within the timeout + slack.
-void kill_test(Consistency* t, const std::string& policy) {
+// A worker that goes away mid-run, killed or failing with an exception (its client must then not
+// announce that it finished): under --straggler-policy fail the survivors' bounded reads fail
+// with an error naming it; under evict they finish without it. Either within the timeout + slack.
+enum class Departure { killed, threw };
+void departure_test(Consistency* t, const std::string& policy, Departure how) {
   const int kTimeoutMs = t->margins().wait_timeout_ms;
   auto server = t->start({"--workers", "3", "--mode", "bsp", "--wait-timeout-ms", std::to_string(kTimeoutMs),
                           "--straggler-policy", policy});
@@ -240,6 +243,7 @@ void kill_test(Consistency* t, const std::string& policy) {
       c.wait(c.push(Key(2), one));
       c.clock();
       victim_clock->store(clock + 1);
+      if (how == Departure::threw && clock + 1 == 5) throw std::runtime_error("the victim's step failed");
     }
   });
   std::vector<pid_t> survivors;
@@ -263,9 +267,9 @@ void kill_test(Consistency* t, const std::string& policy) {
       return 0;
     }));
   while (victim_clock->load() < 5) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  kill(victim, SIGKILL);
+  if (how == Departure::killed) kill(victim, SIGKILL);
   const std::int64_t killed_at = now_us();
-  EXPECT_EQ(wait_pid(victim), 128 + SIGKILL);
+  EXPECT_EQ(wait_pid(victim), how == Departure::killed ? 128 + SIGKILL : 1);
   for (pid_t p : survivors) EXPECT_EQ(wait_pid(p), 0);
   for (int w = 0; w < 2; ++w) {
     EXPECT_EQ(outcome[w].load(), policy == "evict" ? 1 : 2) << "survivor " << w;
@@ -278,8 +282,11 @@ void kill_test(Consistency* t, const std::string& policy) {
   munmap(victim_clock, sizeof(std::atomic<int>));
 }
 
-TEST_P(Consistency, KilledWorkerFailsSurvivorsWithItsName) { kill_test(this, "fail"); }
-TEST_P(Consistency, KilledWorkerIsEvictedAndTheJobGoesOn) { kill_test(this, "evict"); }
+TEST_P(Consistency, KilledWorkerFailsSurvivorsWithItsName) { departure_test(this, "fail", Departure::killed); }
+TEST_P(Consistency, KilledWorkerIsEvictedAndTheJobGoesOn) { departure_test(this, "evict", Departure::killed); }
+TEST_P(Consistency, WorkerEndedByAnExceptionFailsSurvivorsWithItsName) {
+  departure_test(this, "fail", Departure::threw);
+}
 
 #ifdef PSKV_CONSISTENCY_OVER_RDMA
 INSTANTIATE_TEST_SUITE_P(Backends, Consistency, ::testing::Values("rdma"));
