@@ -132,7 +132,7 @@ std::uint16_t local_port(int fd) {
 namespace {
 IoResult classify(ssize_t n) noexcept {
   if (n == 0) return IoResult::closed;
-  if (errno == EAGAIN || errno == EWOULDBLOCK) return IoResult::timeout;
+  if (nothing_waiting(n)) return IoResult::timeout;
   if (errno == ECONNRESET || errno == EPIPE) return IoResult::closed;
   return IoResult::error;
 }
@@ -150,6 +150,8 @@ void advance(iovec*& iov, int& count, std::size_t n) noexcept {
 }
 }  // namespace
 
+bool nothing_waiting(ssize_t n) noexcept { return n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK); }
+
 IoResult read_full(int fd, void* data, std::size_t bytes, std::chrono::nanoseconds spin) noexcept {
   iovec iov{data, bytes};
   return readv_full(fd, &iov, 1, spin);
@@ -160,8 +162,6 @@ namespace {
 // (descheduled, or the cores are oversubscribed), and the spin only took a core from it.
 constexpr int kSkipAfterFruitlessSpin = 16;
 thread_local int t_reads_without_spin = 0;
-
-bool nothing_waiting(ssize_t n) noexcept { return n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK); }
 
 // recvmsg(2) into the iovecs; while nothing is waiting, retries for up to `spin` before it blocks
 // (if this thread may spin at all).

@@ -67,6 +67,9 @@ inline constexpr std::chrono::microseconds kMidFrameSpin{50};
 IoResult read_full(int fd, void* data, std::size_t bytes, std::chrono::nanoseconds spin = {}) noexcept;
 // Reads exactly the bytes the iovecs describe; modifies `iov` while progressing.
 IoResult readv_full(int fd, iovec* iov, int count, std::chrono::nanoseconds spin = {}) noexcept;
+// Whether a receive's result `n` (with errno) says nothing was waiting: a MSG_DONTWAIT receive
+// that found the socket empty, or a blocking one that SO_RCVTIMEO cut short.
+bool nothing_waiting(ssize_t n) noexcept;
 // One receive of at least one byte, like recv(2) with no flags.
 ssize_t recv_some(int fd, void* data, std::size_t bytes, std::chrono::nanoseconds spin) noexcept;
 // `more` (MSG_MORE) holds back a last partial segment for the next write, to go out with it.

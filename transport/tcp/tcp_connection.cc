@@ -319,7 +319,7 @@ TcpConnection::HeaderRead TcpConnection::read_header(bool block) {
       header_fill_ += static_cast<std::size_t>(n);
       continue;
     }
-    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return HeaderRead::none;
+    if (nothing_waiting(n) || (n < 0 && errno == EINTR)) return HeaderRead::none;
     read_error_ = n == 0 ? "closed by the server" : std::strerror(errno);
     return HeaderRead::broken;
   }

@@ -298,7 +298,7 @@ bool TcpServer::serve_readable(Peer& peer) {
   const int fd = peer.fd.get();
   const ssize_t n = ::recv(fd, peer.in_bytes() + peer.in_end, Peer::kInBytes - peer.in_end, MSG_DONTWAIT);
   if (n == 0) return false;
-  if (n < 0) return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR;
+  if (n < 0) return nothing_waiting(n) || errno == EINTR;
   peer.in_end += static_cast<std::size_t>(n);
   constexpr std::size_t kHeader = sizeof(wire::FrameHeader);
   while (peer.in_end - peer.in_begin >= kHeader) {
@@ -409,7 +409,7 @@ bool TcpServer::stream_push(Peer& peer, const wire::FrameHeader& h, std::size_t 
           end += static_cast<std::size_t>(n);
         else if (n < 0 && errno == EINTR)
           continue;
-        else if (n < 0 && have_some && (errno == EAGAIN || errno == EWOULDBLOCK))
+        else if (have_some && nothing_waiting(n))
           break;
         else
           ok = false;  // closed mid-frame, or the frame timeout passed
