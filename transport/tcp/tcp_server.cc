@@ -320,11 +320,7 @@ bool TcpServer::serve_readable(Peer& peer) {
       payload = reinterpret_cast<const float*>(f.payload);
       peer.in_begin += f.frame_bytes;
     } else if (f.frame_bytes <= Peer::kInBytes) {
-      // Small frame still arriving: keep the prefix and let epoll say when the rest is here.
-      std::memmove(peer.in_bytes(), at, avail);
-      peer.in_begin = 0;
-      peer.in_end = avail;
-      return true;
+      break;  // a small frame still arriving: epoll says when the rest is here
     } else {
       // A large frame: take what is buffered, then read the rest straight into place, bounded
       // by the frame timeout and growing buffers only as bytes arrive.
@@ -357,8 +353,8 @@ bool TcpServer::serve_readable(Peer& peer) {
     }
     if (!handle(peer, h, payload)) return false;
   }
-  // What is left is the start of a header: move it to the front, or a full buffer would leave
-  // the next recv no room (and its 0 would read as the peer closing).
+  // What is left is the start of a frame: move it to the front, so the rest fits behind it (a
+  // full buffer would leave the next recv no room, and its 0 would read as the peer closing).
   if (peer.in_begin > 0) {
     std::memmove(peer.in_bytes(), peer.in_bytes() + peer.in_begin, peer.in_end - peer.in_begin);
     peer.in_end -= peer.in_begin;
