@@ -170,20 +170,21 @@ void serve_rpc(int fd, const RpcShape& s) {
     if (piece == floats) {
       if (read_full(fd, grad.data(), s.message_bytes) != IoResult::ok) return;
       apply_pushed(value.data(), grad.data(), floats);
-    }
-    auto* const bytes = reinterpret_cast<char*>(grad.data());
-    for (std::size_t at = 0, have = 0; piece < floats && at < floats;) {  // have: bytes of a float begun
-      const ssize_t n = ::read(fd, bytes + have, std::min(piece, floats - at) * sizeof(float) - have);
-      if (n <= 0) {
-        if (n < 0 && errno == EINTR) continue;
-        return;
+    } else {
+      auto* const bytes = reinterpret_cast<char*>(grad.data());
+      for (std::size_t at = 0, have = 0; at < floats;) {  // have: bytes of a float begun
+        const ssize_t n = ::read(fd, bytes + have, std::min(piece, floats - at) * sizeof(float) - have);
+        if (n <= 0) {
+          if (n < 0 && errno == EINTR) continue;
+          return;
+        }
+        have += static_cast<std::size_t>(n);
+        const std::size_t whole = have / sizeof(float);
+        apply_pushed(value.data() + at, grad.data(), whole);
+        at += whole;
+        have -= whole * sizeof(float);
+        std::memmove(bytes, bytes + whole * sizeof(float), have);
       }
-      have += static_cast<std::size_t>(n);
-      const std::size_t whole = have / sizeof(float);
-      apply_pushed(value.data() + at, grad.data(), whole);
-      at += whole;
-      have -= whole * sizeof(float);
-      std::memmove(bytes, bytes + whole * sizeof(float), have);
     }
     if (!write_all(fd, &i, sizeof i)) return;
   }
