@@ -3,7 +3,6 @@
 //   init KEY FLOATS   create KEY with FLOATS zeros
 //   clock             end this worker's step
 //   pull KEY FLOATS   a bounded read of KEY; prints "pulling" once it is sent, then waits
-//   quit              disconnect without announcing the worker finished
 // After each command it prints "ok COMMAND" (or "error: WHY" and exits 1), flushed.
 //   usage: scripted_worker URI WORKER_ID
 #include <cstdio>
@@ -44,9 +43,6 @@ int main(int argc, char** argv) {
         std::printf("pulling\n");
         std::fflush(stdout);
         client.wait(t);
-      } else if (command == "quit") {
-        client.disconnect();
-        return 0;
       } else {
         std::fprintf(stderr, "error: unknown command '%s'\n", line.c_str());
         return 2;
