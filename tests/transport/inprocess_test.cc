@@ -7,11 +7,11 @@
 
 #include <algorithm>
 #include <atomic>
-#include <functional>
 #include <thread>
 
 #include "pskv/client.h"
 #include "pskv/server.h"
+#include "support/pushes.h"
 
 namespace pskv {
 namespace {
@@ -219,13 +219,7 @@ TEST_P(InProcess, LargePushesMeetPullsAndPipelinedRequests) {
   std::vector<float> big(kBig);
   do {
     c.wait(c.pull(Key(1), big));
-    // Non-increasing, by at most one push: the newer push's floats first.
-    const auto split = std::adjacent_find(big.begin(), big.end(), std::not_equal_to<>());
-    if (split == big.end()) continue;
-    ASSERT_EQ(*split - *(split + 1), 1.0f) << "floats " << (split - big.begin()) << " and one after are "
-                                           << *split << " and " << *(split + 1);
-    ASSERT_TRUE(std::all_of(split + 1, big.end(), [&](float x) { return x == *(split + 1); }))
-        << "the older push's floats are not one run after float " << (split - big.begin());
+    ASSERT_TRUE(testing::newer_push_then_older(big));
   } while (pushing.load());
   pusher.join();
   c.wait(c.pull(Key(1), big));
