@@ -12,6 +12,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "common/log.h"
 #include "pskv/error.h"
 #include "transport/wire.h"
 
@@ -101,8 +102,7 @@ std::optional<Proof> answer(const Token* token, const Nonce& client_nonce, const
 }
 
 std::string refuse(std::uint32_t server_id, const std::string& address, const std::string& what) {
-  std::fprintf(stderr, "pskv-server %u: refused unauthenticated peer %s: it %s\n", server_id, address.c_str(),
-               what.c_str());
+  log::warn("auth", "server " + std::to_string(server_id) + " refused unauthenticated peer " + address + ": it " + what);
   // Short enough for an rdma_cm REJ (132 bytes of text) with the reasons used.
   return "authentication failed: this server requires a token (--auth-token-file or PSKV_AUTH_TOKEN_FILE); "
          "this connection " + what;
