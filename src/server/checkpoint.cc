@@ -118,12 +118,14 @@ CheckpointInfo write_checkpoint(Store& store, const std::string& dir, std::uint3
     std::vector<float> value, state;
     std::uint32_t crc_of_crcs = 0;
     std::uint64_t written = 0;
-    store.for_each_slot([&](SlotHeader& slot) {
+    store.for_each_slot([&](const Store::SlotEntry& e) {
       if (written == h.keys) return;  // keys created after the header was written wait for the next one
-      value.resize(slot.length);
-      state.resize(store.state_floats(slot));
-      KeyHeader k{slot.key, slot.length, static_cast<std::uint32_t>(state.size()), 0, 0};
-      store.snapshot_slot(slot, value.data(), state.data(), &k.update_count);
+      // Key and length as the store trusts them, never the slot header's words, which an shm
+      // client can rewrite.
+      value.assign(e.length, 0.0f);
+      state.assign(std::size_t{e.length} * state_floats_per_value(store.rule().rule), 0.0f);
+      KeyHeader k{e.key, e.length, static_cast<std::uint32_t>(state.size()), 0, 0};
+      store.snapshot_slot(*e.slot, value.data(), state.data(), &k.update_count);
       k.crc = wire::crc32_update(0, &k, offsetof(KeyHeader, crc));
       k.crc = wire::crc32_update(k.crc, value.data(), value.size() * sizeof(float));
       k.crc = wire::crc32_update(k.crc, state.data(), state.size() * sizeof(float));

@@ -12,8 +12,15 @@ std::string key_error(Errc e, std::uint64_t key, std::uint32_t length, const Sto
     case Errc::not_found: return k + " does not exist on this server: init it before pushing or pulling";
     case Errc::length_mismatch: {
       const SlotHeader* s = store.find(key);
-      return k + " has " + std::to_string(s ? s->length : 0) + " floats, the request says " + std::to_string(length);
+      const std::uint32_t has = s ? store.length_of(*s) : 0;
+      if (has == 0) return k + "'s slot header in shared memory was overwritten by another process; the server no longer touches it";
+      return k + " has " + std::to_string(has) + " floats, the request says " + std::to_string(length);
     }
+    case Errc::protocol:
+      return k + "'s slot header in shared memory was overwritten by another process; the server no longer touches it";
+    case Errc::timeout:
+      return k + ": its stripe lock stayed held by another process past the server's patience (a client that hangs "
+                 "inside a push?); nothing of this key was applied";
     case Errc::capacity:
       return k + ": the server is full (" + std::to_string(store.key_count()) + " keys, " +
              std::to_string(store.value_bytes_used() >> 20) + " MiB used): raise --arena-mb or --max-keys";
@@ -91,7 +98,9 @@ Errc ShardEngine::lookup(std::span<const wire::KeyEntry> keys, std::vector<SlotH
   slots.resize(keys.size());
   store_->find_batch(keys.size(), [&](std::size_t i) { return keys[i].key; }, slots.data());
   for (std::size_t i = 0; i < keys.size(); ++i) {
-    const Errc e = !slots[i] ? Errc::not_found : slots[i]->length != keys[i].length ? Errc::length_mismatch : Errc::ok;
+    const Errc e = !slots[i]                                       ? Errc::not_found
+                   : store_->length_of(*slots[i]) != keys[i].length ? Errc::length_mismatch
+                                                                   : Errc::ok;
     if (e != Errc::ok) {
       if (why) *why = key_error(e, keys[i].key, keys[i].length, *store_);
       return e;
@@ -126,7 +135,15 @@ Errc ShardEngine::push(std::uint32_t worker, std::uint64_t clock, std::span<cons
   } else {
     const UpdateRuleConfig& rule = store_->rule();
     for (std::size_t i = 0; i < keys.size(); ++i) {
-      store_->apply_slot(*slots[i], values, rule, 1.0f);
+      // Fails only where other processes share the store (shm): a lock held past the patience,
+      // or a slot header rewritten since the lookup. The keys before it stay applied.
+      if (const Errc e = store_->apply_slot(*slots[i], values, rule, 1.0f); e != Errc::ok) {
+        if (why)
+          *why = key_error(e, keys[i].key, keys[i].length, *store_) + " (" + std::to_string(i) + " of " +
+                 std::to_string(keys.size()) + " keys of this push were applied)";
+        pushes_.fetch_add(i, std::memory_order_relaxed);
+        return e;
+      }
       values += keys[i].length;
     }
   }
@@ -144,7 +161,7 @@ Errc ShardEngine::pull(std::span<const wire::KeyEntry> keys, float* out, std::st
   thread_local std::vector<SlotHeader*> slots;
   if (Errc e = pull_slots(keys, slots, why); e != Errc::ok) return e;
   for (std::size_t i = 0; i < keys.size(); ++i) {
-    store_->read_slot_or_lock(*slots[i], out);
+    store_->read_slot_or_lock(*slots[i], out, keys[i].length);
     out += keys[i].length;
   }
   return Errc::ok;

@@ -12,30 +12,12 @@ namespace pskv {
 
 namespace {
 constexpr std::uint64_t kMagic = 0x31565f564b53505bULL;  // "[PSKV_V1"
-constexpr std::uint32_t kLayoutVersion = 1;
+// 2: the create lock left the shared header (only the creating process creates keys).
+constexpr std::uint32_t kLayoutVersion = 2;
 constexpr std::uint64_t kEmpty = 0;
 constexpr std::uint64_t kHeaderBlock = 256;
 }  // namespace
 
-struct alignas(64) Store::Header {
-  std::uint64_t magic;
-  std::uint32_t layout_version;
-  std::uint32_t stripes;
-  std::uint64_t max_keys;
-  std::uint64_t index_capacity;  // power of two
-  std::uint64_t stripes_offset;
-  std::uint64_t index_offset;
-  std::uint64_t values_offset;
-  std::uint64_t values_bytes;
-  std::uint64_t state_offset;
-  std::uint64_t state_bytes;
-  std::uint64_t total_bytes;
-  UpdateRuleConfig rule;
-  alignas(64) SharedMutex create_lock;
-  alignas(64) std::atomic<std::uint64_t> values_used;
-  std::atomic<std::uint64_t> state_used;
-  std::atomic<std::uint64_t> key_count;
-};
 
 
 namespace {
@@ -70,9 +52,15 @@ void validate(const StoreOptions& o) {
 }
 }  // namespace
 
-Store::Store(std::unique_ptr<MemoryResource> memory) : memory_(std::move(memory)), base_(memory_->data()) {
-  index_ = reinterpret_cast<IndexEntry*>(base_ + header().index_offset);
-  index_mask_ = header().index_capacity - 1;
+Store::Store(std::unique_ptr<MemoryResource> memory, const Geometry& geometry, bool creator)
+    : memory_(std::move(memory)), base_(memory_->data()), g_(geometry) {
+  index_ = reinterpret_cast<IndexEntry*>(base_ + g_.index_offset);
+  index_mask_ = g_.index_capacity - 1;
+  if (creator) {
+    static_assert(sizeof(Record) == 32);
+    records_memory_ = std::make_unique<HeapMemory>(g_.index_capacity * sizeof(Record));
+    records_ = reinterpret_cast<Record*>(records_memory_->data());
+  }
 }
 Store::~Store() = default;
 
@@ -92,26 +80,39 @@ std::unique_ptr<Store> Store::create(std::unique_ptr<MemoryResource> memory, con
                                     std::to_string(l.total));
   if (reinterpret_cast<std::uintptr_t>(memory->data()) % kCacheLine != 0)
     throw Error(Errc::invalid_argument, "store region is not 64-byte aligned");
+  Geometry g;
+  g.stripes = options.stripes;
+  g.max_keys = options.max_keys;
+  g.index_capacity = l.index_capacity;
+  g.stripes_offset = l.stripes_offset;
+  g.index_offset = l.index_offset;
+  g.values_offset = l.values_offset;
+  g.values_bytes = options.arena_bytes;
+  g.state_offset = l.state_offset;
+  g.state_bytes = l.state_bytes;
+  g.total_bytes = l.total;
+  g.rule = options.rule;
+  g.state_per_value = state_floats_per_value(options.rule.rule);
   std::byte* base = memory->data();
   // The index and locks must start zeroed; the arenas are written before they are published.
   std::memset(base, 0, l.values_offset);
   auto* h = new (base) Header{};
   h->layout_version = kLayoutVersion;
-  h->stripes = options.stripes;
-  h->max_keys = options.max_keys;
-  h->index_capacity = l.index_capacity;
-  h->stripes_offset = l.stripes_offset;
-  h->index_offset = l.index_offset;
-  h->values_offset = l.values_offset;
-  h->values_bytes = options.arena_bytes;
-  h->state_offset = l.state_offset;
-  h->state_bytes = l.state_bytes;
-  h->total_bytes = l.total;
-  h->rule = options.rule;
+  h->stripes = g.stripes;
+  h->max_keys = g.max_keys;
+  h->index_capacity = g.index_capacity;
+  h->stripes_offset = g.stripes_offset;
+  h->index_offset = g.index_offset;
+  h->values_offset = g.values_offset;
+  h->values_bytes = g.values_bytes;
+  h->state_offset = g.state_offset;
+  h->state_bytes = g.state_bytes;
+  h->total_bytes = g.total_bytes;
+  h->rule = g.rule;
   for (std::uint32_t i = 0; i < options.stripes; ++i) new (base + l.stripes_offset + i * kCacheLine) SharedMutex();
   std::atomic_thread_fence(std::memory_order_release);
   std::atomic_ref<std::uint64_t>(h->magic).store(kMagic, std::memory_order_release);
-  return std::unique_ptr<Store>(new Store(std::move(memory)));
+  return std::unique_ptr<Store>(new Store(std::move(memory), g, true));
 }
 
 std::unique_ptr<Store> Store::attach(std::unique_ptr<MemoryResource> memory) {
@@ -123,53 +124,111 @@ std::unique_ptr<Store> Store::attach(std::unique_ptr<MemoryResource> memory) {
   if (h->layout_version != kLayoutVersion)
     throw Error(Errc::protocol, "store layout version " + std::to_string(h->layout_version) + " but this build reads " +
                                     std::to_string(kLayoutVersion) + "; use matching pskv builds");
-  if (h->total_bytes > memory->size())
-    throw Error(Errc::protocol, "store header claims " + std::to_string(h->total_bytes) + " bytes but the region has " +
-                                    std::to_string(memory->size()));
-  return std::unique_ptr<Store>(new Store(std::move(memory)));
+  // Read once into private memory and checked as a whole; nothing is read from the header again.
+  Geometry g;
+  g.stripes = h->stripes;
+  g.max_keys = h->max_keys;
+  g.index_capacity = h->index_capacity;
+  g.stripes_offset = h->stripes_offset;
+  g.index_offset = h->index_offset;
+  g.values_offset = h->values_offset;
+  g.values_bytes = h->values_bytes;
+  g.state_offset = h->state_offset;
+  g.state_bytes = h->state_bytes;
+  g.total_bytes = h->total_bytes;
+  std::memcpy(static_cast<void*>(&g.rule), &h->rule, sizeof g.rule);
+  const std::uint64_t size = memory->size();
+  const auto rule = static_cast<std::uint8_t>(g.rule.rule);
+  const bool sane =
+      g.total_bytes <= size && g.stripes != 0 && std::has_single_bit(g.stripes) && g.stripes <= (1u << 24) &&
+      std::has_single_bit(g.index_capacity) && g.index_capacity <= (1ull << 40) && g.stripes_offset >= sizeof(Header) &&
+      g.stripes_offset % kCacheLine == 0 && g.index_offset % kCacheLine == 0 && g.values_offset % kCacheLine == 0 &&
+      g.state_offset % kCacheLine == 0 && g.index_offset >= g.stripes_offset + std::uint64_t{g.stripes} * kCacheLine &&
+      g.values_offset >= g.index_offset + g.index_capacity * sizeof(IndexEntry) && g.values_bytes >= 2 * kCacheLine &&
+      g.values_bytes <= (1ull << 42) && g.state_offset >= g.values_offset + g.values_bytes &&
+      g.state_bytes <= (1ull << 44) && g.state_offset + g.state_bytes <= g.total_bytes &&
+      rule <= static_cast<std::uint8_t>(UpdateRule::adagrad);
+  if (!sane) throw Error(Errc::protocol, "store header does not describe a store that fits its region");
+  g.state_per_value = state_floats_per_value(g.rule.rule);
+  return std::unique_ptr<Store>(new Store(std::move(memory), g, false));
 }
 
-Store::Header& Store::header() const noexcept { return *reinterpret_cast<Header*>(base_); }
-Store::IndexEntry* Store::index() const noexcept {
-  return reinterpret_cast<IndexEntry*>(base_ + header().index_offset);
+std::uint64_t Store::used_bytes_acquire() const noexcept {
+  if (records_) return used_.load(std::memory_order_acquire);
+  return std::min(header().values_used.load(std::memory_order_acquire), g_.values_bytes);
 }
-std::uint32_t Store::stripe_of(Key key) const noexcept {
-  return static_cast<std::uint32_t>((mix64(key) >> 40) & (header().stripes - 1));
-}
-SharedMutex& Store::stripe_at(std::uint32_t stripe) const noexcept {
-  return *reinterpret_cast<SharedMutex*>(base_ + header().stripes_offset + std::uint64_t{stripe} * kCacheLine);
-}
-SharedMutex& Store::stripe_lock(Key key) const noexcept { return stripe_at(stripe_of(key)); }
-std::byte* Store::value_arena() noexcept { return base_ + header().values_offset; }
-std::byte* Store::value_arena_const() const noexcept { return base_ + header().values_offset; }
-std::uint64_t Store::used_bytes_acquire() const noexcept { return header().values_used.load(std::memory_order_acquire); }
-float* Store::state_of(SlotHeader& slot) const noexcept {
-  return reinterpret_cast<float*>(base_ + header().state_offset + slot.state_offset);
+std::uint64_t Store::key_count() const noexcept {
+  return records_ ? key_count_.load(std::memory_order_relaxed) : header().key_count.load(std::memory_order_relaxed);
 }
 
-const UpdateRuleConfig& Store::rule() const noexcept { return header().rule; }
-std::uint32_t Store::stripes() const noexcept { return header().stripes; }
-std::uint64_t Store::key_count() const noexcept { return header().key_count.load(std::memory_order_relaxed); }
-std::uint64_t Store::max_keys() const noexcept { return header().max_keys; }
-std::uint64_t Store::value_bytes_used() const noexcept { return used_bytes_acquire(); }
-std::uint64_t Store::value_bytes_capacity() const noexcept { return header().values_bytes; }
+const Store::Record* Store::record_of(const SlotHeader& slot) const noexcept {
+  const std::uint64_t at = slot_offset(slot) + 1;
+  // Every lookup, read and apply resolves its slot here, several times per key of a batch: the
+  // hint makes that one access to a line find() just read, instead of a probe each time.
+  const std::uint64_t hint = slot.record_hint - 1;
+  if (hint <= index_mask_ && records_[hint].slot.load(std::memory_order_acquire) == at) return &records_[hint];
+  const Key key = slot.key;
+  for (std::uint64_t i = mix64(key) & index_mask_;; i = (i + 1) & index_mask_) {
+    const std::uint64_t s = records_[i].slot.load(std::memory_order_acquire);
+    if (s == 0) return nullptr;
+    if (records_[i].key == key) return s == at ? &records_[i] : nullptr;
+  }
+}
+
+bool Store::resolve(const SlotHeader& slot, Resolved* out) const noexcept {
+  if (records_) {
+    // The slot's own key word only finds the record; the record says what the slot is. A
+    // rewritten key finds no record, or one for another slot: the slot is refused.
+    const Record* r = record_of(slot);
+    if (!r) return false;
+    out->length = r->length;
+    out->stripe = r->stripe;
+    out->state = g_.state_per_value ? reinterpret_cast<float*>(base_ + g_.state_offset + r->state_offset) : nullptr;
+    return true;
+  }
+  const std::uint32_t length = slot.length;
+  const Key key = slot.key;
+  if (length == 0 || !holds(slot, length)) return false;
+  out->length = length;
+  out->stripe = stripe_of(key);
+  out->state = nullptr;
+  if (g_.state_per_value) {
+    const std::uint64_t at = slot.state_offset, bytes = std::uint64_t{g_.state_per_value} * length * sizeof(float);
+    if (at > g_.state_bytes || bytes > g_.state_bytes - at || at % sizeof(float) != 0) return false;
+    out->state = reinterpret_cast<float*>(base_ + g_.state_offset + at);
+  }
+  return true;
+}
+
+std::uint32_t Store::length_of(const SlotHeader& slot) const noexcept {
+  Resolved r;
+  return resolve(slot, &r) ? r.length : 0;
+}
+
+bool Store::lock_stripe(SharedMutex& lock) const noexcept {
+  if (lock_patience_ == std::chrono::nanoseconds::max()) {
+    lock.lock();
+    return true;
+  }
+  return lock.lock_for(SharedMutex::kAnonymousOwner, lock_patience_);
+}
 
 Errc Store::create_slot(Key key, std::uint32_t length, const float* initial) {
   if (length == 0) return Errc::invalid_argument;
-  Header& h = header();
-  std::lock_guard guard(h.create_lock);
-  if (SlotHeader* existing = find(key)) return existing->length == length ? Errc::ok : Errc::length_mismatch;
-  if (h.key_count.load(std::memory_order_relaxed) >= h.max_keys) return Errc::capacity;
+  if (!records_) return Errc::unsupported;
+  std::lock_guard guard(create_mu_);
+  if (SlotHeader* existing = find(key)) return length_of(*existing) == length ? Errc::ok : Errc::length_mismatch;
+  if (key_count_.load(std::memory_order_relaxed) >= g_.max_keys) return Errc::capacity;
   const std::uint64_t bytes = slot_bytes(length);
-  const std::uint64_t used = h.values_used.load(std::memory_order_relaxed);
-  if (used + bytes > h.values_bytes) return Errc::capacity;
-  const std::uint64_t state_floats = std::uint64_t{state_floats_per_value(h.rule.rule)} * length;
+  const std::uint64_t used = used_.load(std::memory_order_relaxed);
+  if (used + bytes > g_.values_bytes) return Errc::capacity;
+  const std::uint64_t state_floats = std::uint64_t{g_.state_per_value} * length;
   const std::uint64_t state_bytes = align_up(state_floats * sizeof(float), kCacheLine);
-  const std::uint64_t state_used = h.state_used.load(std::memory_order_relaxed);
-  if (state_used + state_bytes > h.state_bytes) return Errc::capacity;
+  const std::uint64_t state_used = state_used_.load(std::memory_order_relaxed);
+  if (state_used + state_bytes > g_.state_bytes) return Errc::capacity;
 
-  std::byte* base = base_;
-  auto* slot = new (base + h.values_offset + used) SlotHeader{};
+  const std::uint64_t offset = g_.values_offset + used;
+  auto* slot = new (base_ + offset) SlotHeader{};
   slot->key = key;
   slot->length = length;
   slot->state_offset = state_used;
@@ -177,17 +236,33 @@ Errc Store::create_slot(Key key, std::uint32_t length, const float* initial) {
     std::memcpy(slot->values(), initial, std::size_t{length} * sizeof(float));
   else
     std::memset(slot->values(), 0, std::size_t{length} * sizeof(float));
-  if (state_bytes) std::memset(base + h.state_offset + state_used, 0, state_bytes);
+  if (state_bytes) std::memset(base_ + g_.state_offset + state_used, 0, state_bytes);
+  state_used_.store(state_used + state_bytes, std::memory_order_relaxed);
+  used_.store(used + bytes, std::memory_order_release);
+  key_count_.fetch_add(1, std::memory_order_relaxed);
+
+  std::uint64_t i = mix64(key) & index_mask_;
+  while (records_[i].slot.load(std::memory_order_relaxed) != kEmpty) i = (i + 1) & index_mask_;
+  slot->record_hint = i + 1;
+  records_[i].key = key;
+  records_[i].length = length;
+  records_[i].stripe = stripe_of(key);
+  records_[i].state_offset = state_used;
+  records_[i].slot.store(offset + 1, std::memory_order_release);
+  order_.push_back(&records_[i]);
+
+  // The mirrors other processes read. The shared index may have been filled with garbage by
+  // then: the probe is bounded, and a key it has no room for is still served from records_.
+  Header& h = header();
   h.state_used.store(state_used + state_bytes, std::memory_order_relaxed);
   h.values_used.store(used + bytes, std::memory_order_release);
-
-  IndexEntry* idx = index();
-  const std::uint64_t mask = h.index_capacity - 1;
-  std::uint64_t i = mix64(key) & mask;
-  while (idx[i].slot.load(std::memory_order_relaxed) != kEmpty) i = (i + 1) & mask;
-  idx[i].key.store(key, std::memory_order_relaxed);
-  idx[i].slot.store(h.values_offset + used + 1, std::memory_order_release);
-  h.key_count.fetch_add(1, std::memory_order_relaxed);
+  h.key_count.store(key_count_.load(std::memory_order_relaxed), std::memory_order_relaxed);
+  std::uint64_t j = mix64(key) & index_mask_, n = 0;
+  while (index_[j].slot.load(std::memory_order_relaxed) != kEmpty && n++ <= index_mask_) j = (j + 1) & index_mask_;
+  if (n <= index_mask_) {
+    index_[j].key.store(key, std::memory_order_relaxed);
+    index_[j].slot.store(offset + 1, std::memory_order_release);
+  }
   return Errc::ok;
 }
 
@@ -198,30 +273,30 @@ Errc Store::init(Key key, std::span<const float> initial) {
 
 Errc Store::init_zero(Key key, std::uint32_t length) { return create_slot(key, length, nullptr); }
 
-bool Store::copy_if_unchanged(const SlotHeader& slot, float* out, std::uint64_t* version) noexcept {
+bool Store::copy_if_unchanged(const SlotHeader& slot, float* out, std::size_t length, std::uint64_t* version) noexcept {
   const std::uint64_t before = stable_version(slot);
-  seqlock_copy(out, slot.values(), std::size_t{slot.length} * sizeof(float));
+  seqlock_copy(out, slot.values(), length * sizeof(float));
   std::atomic_thread_fence(std::memory_order_acquire);
   *version = before;
   return slot.seq.load(std::memory_order_relaxed) == before;
 }
 
-ReadResult Store::read_slot(const SlotHeader& slot, float* out) noexcept {
+ReadResult Store::read_slot(const SlotHeader& slot, float* out, std::size_t length) noexcept {
   std::uint64_t version = 0;
-  while (!copy_if_unchanged(slot, out, &version)) {
+  while (!copy_if_unchanged(slot, out, length, &version)) {
   }
   return {Errc::ok, version};
 }
 
-ReadResult Store::read_slot_or_lock(const SlotHeader& slot, float* out) const noexcept {
+ReadResult Store::read_slot_or_lock(const SlotHeader& slot, float* out, std::size_t length) const noexcept {
   std::uint64_t version = 0;
-  for (int attempt = 0; !copy_if_unchanged(slot, out, &version); ++attempt) {
+  for (int attempt = 0; !copy_if_unchanged(slot, out, length, &version); ++attempt) {
     if (attempt < 2) continue;
     // Bounded patience: a holder that is stopped (a SIGSTOPped shm worker) must not take this
     // thread with it; the optimistic copy is tried again in between.
     SharedMutex& lock = stripe_lock(slot.key);
     if (lock.lock_for(SharedMutex::kAnonymousOwner, std::chrono::milliseconds(1))) {
-      std::memcpy(out, slot.values(), std::size_t{slot.length} * sizeof(float));
+      std::memcpy(out, slot.values(), length * sizeof(float));
       version = slot.seq.load(std::memory_order_relaxed);
       lock.unlock();
       break;
@@ -245,50 +320,61 @@ std::uint64_t Store::stable_version(const SlotHeader& slot) noexcept {
 ReadResult Store::pull(Key key, std::span<float> out) const noexcept {
   const SlotHeader* slot = find(key);
   if (!slot) return {Errc::not_found, 0};
-  if (slot->length != out.size()) return {Errc::length_mismatch, 0};
-  return read_slot(*slot, out.data());
+  if (length_of(*slot) != out.size()) return {Errc::length_mismatch, 0};
+  return read_slot(*slot, out.data(), out.size());
 }
 
 Errc Store::apply_slot(SlotHeader& slot, const float* grad, const UpdateRuleConfig& rule, float lr_scale) noexcept {
   // The state arena was sized for the store's own rule; a rule needing more state cannot run.
-  if (state_floats_per_value(rule.rule) > state_floats_per_value(header().rule.rule)) return Errc::unsupported;
+  if (state_floats_per_value(rule.rule) > g_.state_per_value) return Errc::unsupported;
+  Resolved r;
+  if (!resolve(slot, &r)) return Errc::protocol;
+  SharedMutex& lock = stripe_at(r.stripe);
+  if (!lock_stripe(lock)) return Errc::timeout;
   std::uint64_t step = 0;
-  apply_locked(slot, rule, 0, grad, slot.length, lr_scale, &step);
+  apply_seqlocked(slot, r, rule, 0, grad, r.length, lr_scale, &step);
+  lock.unlock();
   return Errc::ok;
 }
 
 void Store::apply_part(SlotHeader& slot, std::size_t begin, const float* grad, std::size_t n,
                        std::uint64_t* step) noexcept {
-  apply_locked(slot, header().rule, begin, grad, n, 1.0f, step);
+  Resolved r;
+  if (!resolve(slot, &r) || begin > r.length || n > r.length - begin) return;
+  SharedMutex& lock = stripe_at(r.stripe);
+  if (!lock_stripe(lock)) return;
+  apply_seqlocked(slot, r, g_.rule, begin, grad, n, 1.0f, step);
+  lock.unlock();
 }
 
-void Store::apply_locked(SlotHeader& slot, const UpdateRuleConfig& rule, std::size_t begin, const float* grad,
-                         std::size_t n, float lr_scale, std::uint64_t* step) noexcept {
-  std::lock_guard guard(stripe_lock(slot.key));
-  apply_seqlocked(slot, rule, begin, grad, n, lr_scale, step);
-}
-
-void Store::apply_seqlocked(SlotHeader& slot, const UpdateRuleConfig& rule, std::size_t begin, const float* grad,
-                            std::size_t n, float lr_scale, std::uint64_t* step) noexcept {
-  float* state = state_floats_per_value(rule.rule) ? state_of(slot) : nullptr;
+void Store::apply_seqlocked(SlotHeader& slot, const Resolved& r, const UpdateRuleConfig& rule, std::size_t begin,
+                            const float* grad, std::size_t n, float lr_scale, std::uint64_t* step) noexcept {
+  float* state = state_floats_per_value(rule.rule) ? r.state : nullptr;
   const std::uint64_t seq = slot.seq.load(std::memory_order_relaxed);
   slot.seq.store(seq + 1, std::memory_order_relaxed);
   std::atomic_thread_fence(std::memory_order_release);
   if (*step == 0) *step = ++slot.update_count;
-  apply_update_part(rule, slot.values(), state, slot.length, begin, grad, n, *step, lr_scale);
+  apply_update_part(rule, slot.values(), state, r.length, begin, grad, n, *step, lr_scale);
   slot.seq.store(seq + 2, std::memory_order_release);
 }
 
-Errc Store::apply_logged(SlotHeader& slot, const float* grad, float lr_scale, std::uint32_t owner, UndoRecord& log,
-                         float* undo, std::chrono::nanoseconds patience) noexcept {
-  const std::size_t length = slot.length;
-  const std::size_t state_count = state_floats(slot);
-  const std::uint32_t stripe = stripe_of(slot.key);
-  log.stripe = stripe;
+std::size_t Store::undo_floats(const SlotHeader& slot) const noexcept {
+  Resolved r;
+  return resolve(slot, &r) ? std::size_t{r.length} * (1 + g_.state_per_value) : 0;
+}
+
+Errc Store::apply_logged(SlotHeader& slot, const float* grad, std::uint32_t length, float lr_scale, std::uint32_t owner,
+                         UndoRecord& log, float* undo, std::size_t undo_capacity,
+                         std::chrono::nanoseconds patience) noexcept {
+  Resolved r;
+  if (!resolve(slot, &r) || r.length != length) return Errc::length_mismatch;
+  const std::size_t state_count = std::size_t{length} * g_.state_per_value;
+  if (length + state_count > undo_capacity) return Errc::length_mismatch;
+  log.stripe = r.stripe;
   log.slot_offset = slot_offset(slot);
   // Announced before the lock is taken, so that a recoverer knows which lock to look at.
   log.phase.store(UndoPhase::locking, std::memory_order_seq_cst);
-  SharedMutex& lock = stripe_at(stripe);
+  SharedMutex& lock = stripe_at(r.stripe);
   if (!lock.lock_for(owner, patience)) {
     log.phase.store(UndoPhase::idle, std::memory_order_release);
     return Errc::timeout;
@@ -296,10 +382,10 @@ Errc Store::apply_logged(SlotHeader& slot, const float* grad, float lr_scale, st
   log.seq = slot.seq.load(std::memory_order_relaxed);
   log.update_count = slot.update_count;
   copy_floats(undo, slot.values(), length);
-  if (state_count) copy_floats(undo + length, state_of(slot), state_count);
+  if (state_count) copy_floats(undo + length, r.state, state_count);
   log.phase.store(UndoPhase::saved, std::memory_order_release);
   std::uint64_t step = 0;
-  apply_seqlocked(slot, header().rule, 0, grad, length, lr_scale, &step);
+  apply_seqlocked(slot, r, g_.rule, 0, grad, length, lr_scale, &step);
   log.phase.store(UndoPhase::applied, std::memory_order_release);
   lock.unlock();
   log.phase.store(UndoPhase::idle, std::memory_order_release);
@@ -308,12 +394,17 @@ Errc Store::apply_logged(SlotHeader& slot, const float* grad, float lr_scale, st
 
 Store::Recovery Store::recover(UndoRecord& log, std::uint32_t owner, const float* undo,
                                std::size_t undo_capacity) noexcept {
+  // Every field is read once: the record's writer may have been hostile, and another process
+  // may still be changing it.
   const UndoPhase phase = log.phase.load(std::memory_order_acquire);
-  if (phase == UndoPhase::idle || log.stripe >= header().stripes) {
+  const std::uint32_t stripe = log.stripe;
+  const std::uint64_t offset = log.slot_offset, update_count = log.update_count;
+  const bool known = phase == UndoPhase::locking || phase == UndoPhase::saved || phase == UndoPhase::applied;
+  if (!known || stripe >= g_.stripes) {
     log.phase.store(UndoPhase::idle, std::memory_order_relaxed);
     return Recovery::nothing;
   }
-  SharedMutex& lock = stripe_at(log.stripe);
+  SharedMutex& lock = stripe_at(stripe);
   // In phase locking the owner may have died before its compare-and-swap: then it holds nothing.
   if (lock.holder() != owner) {
     log.phase.store(UndoPhase::idle, std::memory_order_relaxed);
@@ -321,10 +412,12 @@ Store::Recovery Store::recover(UndoRecord& log, std::uint32_t owner, const float
   }
   Recovery done = Recovery::released;
   if (phase == UndoPhase::saved) {
-    // Only a slot the index knows, on this stripe, is touched.
-    SlotHeader* slot = slot_at(log.slot_offset);
-    if (slot && stripe_of(slot->key) == log.stripe && undo_floats(*slot) <= undo_capacity) {
-      overwrite_slot(*slot, undo, undo + slot->length, log.update_count);
+    // Only a slot the index knows, on this stripe, is touched, with its trusted length.
+    SlotHeader* slot = slot_at(offset);
+    Resolved r;
+    if (slot && resolve(*slot, &r) && r.stripe == stripe &&
+        std::size_t{r.length} * (1 + g_.state_per_value) <= undo_capacity) {
+      overwrite_slot(*slot, r, undo, undo + r.length, update_count);
       done = Recovery::rolled_back;
     }
   }
@@ -333,15 +426,22 @@ Store::Recovery Store::recover(UndoRecord& log, std::uint32_t owner, const float
   return done;
 }
 
+std::uint32_t Store::release_locks_of(std::uint32_t owner) noexcept {
+  std::uint32_t released = 0;
+  for (std::uint32_t i = 0; i < g_.stripes; ++i) released += stripe_at(i).release_for(owner) ? 1 : 0;
+  return released;
+}
+
 SlotHeader* Store::slot_at(std::uint64_t offset) const noexcept {
-  const Header& h = header();
-  if (offset < h.values_offset || offset >= h.values_offset + used_bytes_acquire() || offset % kCacheLine != 0)
+  if (offset < g_.values_offset || offset - g_.values_offset >= used_bytes_acquire() || offset % kCacheLine != 0)
     return nullptr;
   auto* candidate = reinterpret_cast<SlotHeader*>(base_ + offset);
+  if (records_) return record_of(*candidate) ? candidate : nullptr;
   return find(candidate->key) == candidate ? candidate : nullptr;
 }
 
-void Store::overwrite_slot(SlotHeader& slot, const float* value, const float* state, std::uint64_t update_count) noexcept {
+void Store::overwrite_slot(SlotHeader& slot, const Resolved& r, const float* value, const float* state,
+                           std::uint64_t update_count) noexcept {
   // An odd version is left by a writer that stopped half-way (recover); either way readers must
   // retry across the copy, and never see again a version they already validated against.
   std::uint64_t seq = slot.seq.load(std::memory_order_relaxed);
@@ -349,8 +449,8 @@ void Store::overwrite_slot(SlotHeader& slot, const float* value, const float* st
     slot.seq.store(++seq, std::memory_order_relaxed);
     std::atomic_thread_fence(std::memory_order_release);
   }
-  std::memcpy(slot.values(), value, std::size_t{slot.length} * sizeof(float));
-  if (const std::size_t n = state_floats(slot)) std::memcpy(state_of(slot), state, n * sizeof(float));
+  std::memcpy(slot.values(), value, std::size_t{r.length} * sizeof(float));
+  if (r.state) std::memcpy(r.state, state, std::size_t{r.length} * g_.state_per_value * sizeof(float));
   slot.update_count = update_count;
   slot.seq.store(seq + 1, std::memory_order_release);
 }
@@ -358,32 +458,61 @@ void Store::overwrite_slot(SlotHeader& slot, const float* value, const float* st
 Errc Store::apply(Key key, std::span<const float> grad, const UpdateRuleConfig& rule, float lr_scale) noexcept {
   SlotHeader* slot = find(key);
   if (!slot) return Errc::not_found;
-  if (slot->length != grad.size()) return Errc::length_mismatch;
+  if (length_of(*slot) != grad.size()) return Errc::length_mismatch;
   return apply_slot(*slot, grad.data(), rule, lr_scale);
 }
 
 Errc Store::push(Key key, std::span<const float> grad, float lr_scale) noexcept {
-  return apply(key, grad, header().rule, lr_scale);
+  return apply(key, grad, g_.rule, lr_scale);
 }
 
 std::uint32_t Store::state_floats(const SlotHeader& slot) const noexcept {
-  return state_floats_per_value(header().rule.rule) * slot.length;
+  return g_.state_per_value * length_of(slot);
 }
 
 void Store::snapshot_slot(SlotHeader& slot, float* value, float* state, std::uint64_t* update_count) noexcept {
-  std::lock_guard guard(stripe_lock(slot.key));
-  std::memcpy(value, slot.values(), std::size_t{slot.length} * sizeof(float));
-  if (const std::uint32_t n = state_floats(slot)) std::memcpy(state, state_of(slot), std::size_t{n} * sizeof(float));
+  Resolved r;
+  if (!resolve(slot, &r)) return;
+  SharedMutex& lock = stripe_at(r.stripe);
+  lock.lock();
+  std::memcpy(value, slot.values(), std::size_t{r.length} * sizeof(float));
+  if (r.state) std::memcpy(state, r.state, std::size_t{r.length} * g_.state_per_value * sizeof(float));
   *update_count = slot.update_count;
+  lock.unlock();
 }
 
 Errc Store::restore_slot(Key key, std::span<const float> value, std::span<const float> state, std::uint64_t update_count) {
   if (Errc e = init(key, value); e != Errc::ok) return e;
   SlotHeader* slot = find(key);
-  if (state.size() != state_floats(*slot)) return Errc::length_mismatch;
-  std::lock_guard guard(stripe_lock(key));
-  overwrite_slot(*slot, value.data(), state.data(), update_count);
+  Resolved r;
+  if (!slot || !resolve(*slot, &r)) return Errc::protocol;
+  if (state.size() != std::size_t{r.length} * g_.state_per_value) return Errc::length_mismatch;
+  SharedMutex& lock = stripe_at(r.stripe);
+  lock.lock();
+  overwrite_slot(*slot, r, value.data(), state.data(), update_count);
+  lock.unlock();
   return Errc::ok;
+}
+
+std::vector<Store::SlotEntry> Store::slots_in_order() const {
+  std::vector<SlotEntry> out;
+  if (records_) {
+    std::lock_guard guard(create_mu_);
+    out.reserve(order_.size());
+    for (const Record* r : order_)
+      out.push_back({reinterpret_cast<SlotHeader*>(base_ + r->slot.load(std::memory_order_relaxed) - 1), r->key, r->length});
+    return out;
+  }
+  // An attached store follows the length words, each checked: a bad one ends the walk.
+  const std::uint64_t used = used_bytes_acquire();
+  for (std::uint64_t off = 0; off + sizeof(SlotHeader) <= used;) {
+    auto* slot = reinterpret_cast<SlotHeader*>(base_ + g_.values_offset + off);
+    const std::uint32_t length = slot->length;
+    if (length == 0 || slot_bytes(length) > used - off) break;
+    out.push_back({slot, slot->key, length});
+    off += slot_bytes(length);
+  }
+  return out;
 }
 
 Errc Store::pull_batch(std::span<const Key> keys, std::span<const std::span<float>> out,

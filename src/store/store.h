@@ -12,7 +12,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <span>
+#include <vector>
 
 #include "common/memory.h"
 #include "common/sync.h"
@@ -37,7 +39,11 @@ struct alignas(64) SlotHeader {
   std::uint32_t flags;
   std::uint64_t state_offset;      // into the state arena; unused when the rule has no state
   std::uint64_t update_count;      // updates applied so far (Adam's t)
-  std::uint64_t reserved[3];
+  // The creating store's private record of this slot, plus 1: a hint that saves a hash probe
+  // per access. It lies in memory others may write, so it is believed only when that record
+  // names this very slot (Store::record_of).
+  std::uint64_t record_hint;
+  std::uint64_t reserved[2];
 
   float* values() noexcept { return reinterpret_cast<float*>(this + 1); }
   const float* values() const noexcept { return reinterpret_cast<const float*>(this + 1); }
@@ -56,6 +62,30 @@ inline std::uint64_t mix64(std::uint64_t x) noexcept {
   x ^= x >> 33;
   return x;
 }
+
+// The store region's header, the layout another process attaches to. The fields before
+// values_used never change after Store::create; the counters after it are mirrors kept for
+// readers in other processes. Nobody, the creating process included, takes an address, size or
+// rule from it after create/attach: each Store keeps its own copy (Store::Geometry).
+struct alignas(64) StoreHeader {
+  std::uint64_t magic;
+  std::uint32_t layout_version;
+  std::uint32_t stripes;
+  std::uint64_t max_keys;
+  std::uint64_t index_capacity;  // power of two
+  std::uint64_t stripes_offset;
+  std::uint64_t index_offset;
+  std::uint64_t values_offset;
+  std::uint64_t values_bytes;
+  std::uint64_t state_offset;
+  std::uint64_t state_bytes;
+  std::uint64_t total_bytes;
+  UpdateRuleConfig rule;
+  alignas(64) std::atomic<std::uint64_t> values_used;
+  std::atomic<std::uint64_t> state_used;
+  std::atomic<std::uint64_t> key_count;
+};
+inline constexpr std::size_t kStoreFixedHeaderBytes = offsetof(StoreHeader, values_used);
 
 // Result of a read: the seqlock version the copy was validated against.
 struct ReadResult {
@@ -79,12 +109,23 @@ struct UndoRecord {
 // process that maps the same region. init/push/assign take the key's stripe lock (so must only be
 // called by processes whose death ends the job); apply_logged is for processes that may die, and
 // recover repairs after them. find/pull never lock and never block writers.
+//
+// Trust: the region is shared with processes that may be hostile (any process of the job's user
+// can map an shm segment). A Store never takes an address, size, count or rule from the region
+// after create/attach: the geometry is a private copy. The creating Store (the server) also keeps
+// a private record of every key (slot offset, length, optimizer-state offset, stripe) and its own
+// index over them, and uses only those: a rewritten slot header or index entry can make the
+// server refuse that key, never read or write elsewhere. An attached Store (a client) reads the
+// shared index and slot headers, but checks every offset against its private geometry and copies
+// only the length its caller checked.
 class Store {
  public:
+  static constexpr std::size_t kFixedHeaderBytes = kStoreFixedHeaderBytes;
   static std::size_t required_bytes(const StoreOptions& options);
   // Lays out an empty store in `memory` (at least required_bytes). Throws Error on bad options.
   static std::unique_ptr<Store> create(std::unique_ptr<MemoryResource> memory, const StoreOptions& options);
-  // Opens a store another process laid out; validates magic, version and sizes.
+  // Opens a store another process laid out; validates magic, version and the whole layout
+  // against the region's size. Such a store can read and apply_logged, not create keys.
   static std::unique_ptr<Store> attach(std::unique_ptr<MemoryResource> memory);
 
   ~Store();
@@ -93,17 +134,33 @@ class Store {
 
   // Creates `key` with `initial` as its value. If the key exists with the same length nothing is
   // changed and ok is returned (first initialiser wins); another length gives length_mismatch.
+  // Only on the creating Store (unsupported on an attached one).
   Errc init(Key key, std::span<const float> initial);
   // Creates `key` with `length` zeros (same first-wins semantics).
   Errc init_zero(Key key, std::uint32_t length);
 
-  // nullptr when the key does not exist. The pointer stays valid for the store's lifetime.
+  // nullptr when the key does not exist. The pointer stays valid for the store's lifetime and
+  // lies inside the value arena with room for at least its header.
   SlotHeader* find(Key key) const noexcept {
-    for (std::uint64_t i = mix64(key) & index_mask_;; i = (i + 1) & index_mask_) {
+    if (records_) {
+      for (std::uint64_t i = mix64(key) & index_mask_;; i = (i + 1) & index_mask_) {
+        const std::uint64_t slot = records_[i].slot.load(std::memory_order_acquire);
+        if (slot == 0) return nullptr;
+        if (records_[i].key == key) return reinterpret_cast<SlotHeader*>(base_ + slot - 1);
+      }
+    }
+    // The shared index: bounded (it may have been filled with garbage) and every offset checked.
+    for (std::uint64_t i = mix64(key) & index_mask_, n = 0; n <= index_mask_; i = (i + 1) & index_mask_, ++n) {
       const std::uint64_t slot = index_[i].slot.load(std::memory_order_acquire);
       if (slot == 0) return nullptr;
-      if (index_[i].key.load(std::memory_order_relaxed) == key) return reinterpret_cast<SlotHeader*>(base_ + slot - 1);
+      if (index_[i].key.load(std::memory_order_relaxed) == key) {
+        const std::uint64_t at = slot - 1 - g_.values_offset;  // wraps to huge below the arena
+        return at <= g_.values_bytes - sizeof(SlotHeader) && at % kCacheLine == 0
+                   ? reinterpret_cast<SlotHeader*>(base_ + slot - 1)
+                   : nullptr;
+      }
     }
+    return nullptr;
   }
 
   // Looks up n keys (key_of(i) gives the i-th) into out[0..n). Software-pipelined: the index
@@ -120,21 +177,37 @@ class Store {
       if (out[i]) prefetch_slot(*out[i]);
     }
   }
-  void prefetch_bucket(Key key) const noexcept { __builtin_prefetch(&index_[mix64(key) & index_mask_]); }
+  void prefetch_bucket(Key key) const noexcept {
+    if (records_)
+      __builtin_prefetch(&records_[mix64(key) & index_mask_]);
+    else
+      __builtin_prefetch(&index_[mix64(key) & index_mask_]);
+  }
   // The header line and the first value line of a slot.
   static void prefetch_slot(const SlotHeader& slot) noexcept {
     __builtin_prefetch(&slot);
     __builtin_prefetch(reinterpret_cast<const char*>(&slot) + 64);
   }
 
+  // The key's length as this Store trusts it: the private record on the creating Store (0 if the
+  // slot's header no longer matches it: someone rewrote it), the header's word on an attached
+  // one (0 if the value would run past the arena). Callers compare it with the length they
+  // expect and then use their own length.
+  std::uint32_t length_of(const SlotHeader& slot) const noexcept;
+  // Whether `length` floats of values fit inside the arena after this slot's header.
+  bool holds(const SlotHeader& slot, std::uint32_t length) const noexcept {
+    return slot_offset(slot) - g_.values_offset + slot_bytes(length) <= g_.values_bytes;
+  }
+
   // Copies the key's value into `out` (exact length required), validated by the seqlock.
   ReadResult pull(Key key, std::span<float> out) const noexcept;
-  static ReadResult read_slot(const SlotHeader& slot, float* out) noexcept;
+  // `length` floats, which the caller checked against length_of (and holds, on an attached store).
+  static ReadResult read_slot(const SlotHeader& slot, float* out, std::size_t length) noexcept;
   // read_slot for a server thread, which may take the key's stripe lock: after a few copies
   // spoiled by writers it copies under the lock, so a large value that writers keep changing
   // (a push applied in pieces changes it every few microseconds) is still read. Not for
   // processes that may die (a reader killed under the lock would leave it held).
-  ReadResult read_slot_or_lock(const SlotHeader& slot, float* out) const noexcept;
+  ReadResult read_slot_or_lock(const SlotHeader& slot, float* out, std::size_t length) const noexcept;
   // The slot's seqlock version once no writer is inside (even). Readers that copy the values
   // some other way compare it with seq afterwards (after an acquire fence) to detect a write.
   static std::uint64_t stable_version(const SlotHeader& slot) noexcept;
@@ -143,20 +216,30 @@ class Store {
   Errc push(Key key, std::span<const float> grad, float lr_scale = 1.0f) noexcept;
   // Applies an explicit rule (assign/add are the useful overrides).
   Errc apply(Key key, std::span<const float> grad, const UpdateRuleConfig& rule, float lr_scale = 1.0f) noexcept;
+  // `grad` holds length_of(slot) floats. Errc::timeout if the stripe lock stayed held past the
+  // lock patience (set_lock_patience), protocol if the slot's header was rewritten.
   Errc apply_slot(SlotHeader& slot, const float* grad, const UpdateRuleConfig& rule, float lr_scale) noexcept;
   // One piece of a push that is applied as it arrives rather than staged whole: the store's rule
   // over floats [begin, begin + n) of the slot, atomic for that piece only. `*step` 0 marks the
   // push's first piece, which counts the update and sets *step for the pieces after it, so every
-  // piece of one push sees the same step (Adam's bias correction).
+  // piece of one push sees the same step (Adam's bias correction). A piece outside the slot's
+  // length, or a slot whose header was rewritten, is not applied.
   void apply_part(SlotHeader& slot, std::size_t begin, const float* grad, std::size_t n, std::uint64_t* step) noexcept;
+  // How long a writer in this process waits for a stripe lock before apply_slot gives up with
+  // Errc::timeout. Unbounded by default (every holder is a thread of this process, holding it
+  // for one update); a server whose region other processes lock (shm) bounds it, so a holder
+  // that hangs costs its key an error instead of a server thread.
+  void set_lock_patience(std::chrono::nanoseconds patience) noexcept { lock_patience_ = patience; }
 
   // The store's rule applied by `owner` (a SharedMutex owner tag unique to that process), which
-  // may die at any instant: the old value, state and count go to `undo` (room for
-  // undo_floats(slot)) and `log` says how far it got. Errc::timeout if the stripe lock was still
-  // held after `patience`, with nothing changed.
-  Errc apply_logged(SlotHeader& slot, const float* grad, float lr_scale, std::uint32_t owner, UndoRecord& log,
-                    float* undo, std::chrono::nanoseconds patience) noexcept;
-  std::size_t undo_floats(const SlotHeader& slot) const noexcept { return std::size_t{slot.length} + state_floats(slot); }
+  // may die at any instant: the old value, state and count go to `undo` (undo_capacity floats)
+  // and `log` says how far it got. `length` is the caller's checked length of the key: a slot
+  // that no longer has it, or whose undo copy would not fit, gives length_mismatch. Errc::timeout
+  // if the stripe lock was still held after `patience`, with nothing changed.
+  Errc apply_logged(SlotHeader& slot, const float* grad, std::uint32_t length, float lr_scale, std::uint32_t owner,
+                    UndoRecord& log, float* undo, std::size_t undo_capacity, std::chrono::nanoseconds patience) noexcept;
+  // Value plus optimizer-state floats an undo copy of the slot takes (0 if it cannot be trusted).
+  std::size_t undo_floats(const SlotHeader& slot) const noexcept;
   // The slot whose header is `offset` bytes from the region base, if the index knows one there;
   // nullptr for anything else (offsets from other processes are untrusted).
   SlotHeader* slot_at(std::uint64_t offset) const noexcept;
@@ -167,6 +250,9 @@ class Store {
   // have been hostile) and is checked against the store. Call from one thread at a time per log.
   enum class Recovery { nothing, released, rolled_back };
   Recovery recover(UndoRecord& log, std::uint32_t owner, const float* undo, std::size_t undo_capacity) noexcept;
+  // After `owner` died: releases every stripe lock still tagged with it (a hostile or corrupt
+  // process may have left more than its undo record names). Returns how many.
+  std::uint32_t release_locks_of(std::uint32_t owner) noexcept;
 
   // Batches: keys[i] <-> values[i]. Stops at the first failure and returns its index in
   // *failed_at (keys before it are done). One stripe lock acquisition per key.
@@ -174,77 +260,112 @@ class Store {
   Errc push_batch(std::span<const Key> keys, std::span<const std::span<const float>> grads, float lr_scale = 1.0f,
                   std::size_t* failed_at = nullptr) noexcept;
 
-  // Checkpoint support: a consistent copy of value, optimizer state and update count (taken
-  // under the stripe lock, since optimizer state has no seqlock), and the reverse for restore.
-  // `state` must hold state_floats(slot) floats (may be null when that is 0).
+  // Checkpoint support: a consistent copy of value (length_of(slot) floats), optimizer state and
+  // update count (taken under the stripe lock, since optimizer state has no seqlock), and the
+  // reverse for restore. `state` must hold state_floats(slot) floats (may be null when that is 0).
   std::uint32_t state_floats(const SlotHeader& slot) const noexcept;
   void snapshot_slot(SlotHeader& slot, float* value, float* state, std::uint64_t* update_count) noexcept;
   Errc restore_slot(Key key, std::span<const float> value, std::span<const float> state, std::uint64_t update_count);
 
-  const UpdateRuleConfig& rule() const noexcept;
-  std::uint32_t stripes() const noexcept;
+  const UpdateRuleConfig& rule() const noexcept { return g_.rule; }
+  std::uint32_t stripes() const noexcept { return g_.stripes; }
   std::uint64_t key_count() const noexcept;
-  std::uint64_t max_keys() const noexcept;
-  std::uint64_t value_bytes_used() const noexcept;
-  std::uint64_t value_bytes_capacity() const noexcept;
+  std::uint64_t max_keys() const noexcept { return g_.max_keys; }
+  std::uint64_t value_bytes_used() const noexcept { return used_bytes_acquire(); }
+  std::uint64_t value_bytes_capacity() const noexcept { return g_.values_bytes; }
 
   // The whole region (what an RDMA backend registers) and the value arena within it.
   std::byte* region() noexcept { return base_; }
   std::size_t region_size() const noexcept { return memory_->size(); }
-  std::byte* value_arena() noexcept;
+  std::byte* value_arena() noexcept { return base_ + g_.values_offset; }
   std::size_t slot_offset(const SlotHeader& slot) const noexcept {
     return static_cast<std::size_t>(reinterpret_cast<const std::byte*>(&slot) - base_);
   }
 
-  // Visits every key in creation order (arena order). The callback gets the slot; values must be
-  // read with read_slot if writers may be active.
+  // A slot with its key and length as this Store trusts them (see length_of).
+  struct SlotEntry {
+    SlotHeader* slot;
+    Key key;
+    std::uint32_t length;
+  };
+  // Visits every key in creation order (arena order): visit(SlotEntry). Values must be read with
+  // read_slot if writers may be active. On an attached store the walk follows the slots' own
+  // length words, each checked against the arena; a bad one ends it.
   template <class F>
   void for_each_slot(F&& visit) const {
-    std::uint64_t used = used_bytes_acquire();
-    std::uint64_t off = 0;
-    while (off < used) {
-      auto* slot = reinterpret_cast<SlotHeader*>(value_arena_const() + off);
-      visit(*slot);
-      off += slot_bytes(slot->length);
-    }
+    for (const SlotEntry& e : slots_in_order()) visit(e);
   }
 
  private:
-  struct Header;
+  using Header = StoreHeader;
   // Lookups read `slot` (acquire) and then `key`; an insert writes `key` first and publishes
   // with `slot` (release), so a reader that sees a slot sees its key. Never removed.
   struct IndexEntry {
     std::atomic<std::uint64_t> key;
     std::atomic<std::uint64_t> slot;  // offset of the SlotHeader from the region base + 1; 0 = empty
   };
-  explicit Store(std::unique_ptr<MemoryResource> memory);
-  Header& header() const noexcept;
-  IndexEntry* index() const noexcept;
-  std::uint32_t stripe_of(Key key) const noexcept;
-  SharedMutex& stripe_lock(Key key) const noexcept;
-  SharedMutex& stripe_at(std::uint32_t stripe) const noexcept;
-  float* state_of(SlotHeader& slot) const noexcept;
-  std::byte* value_arena_const() const noexcept;
+  // The creating Store's own record of a key, in private memory. Same publication as IndexEntry.
+  struct Record {
+    std::atomic<std::uint64_t> slot;  // as IndexEntry::slot
+    Key key;
+    std::uint32_t length;
+    std::uint32_t stripe;
+    std::uint64_t state_offset;  // into the state arena
+  };
+  // What every access computes addresses from; a private copy, never re-read from the region.
+  struct Geometry {
+    std::uint32_t stripes = 0;
+    std::uint64_t max_keys = 0, index_capacity = 0, stripes_offset = 0, index_offset = 0, values_offset = 0,
+                  values_bytes = 0, state_offset = 0, state_bytes = 0, total_bytes = 0;
+    UpdateRuleConfig rule{};
+    std::uint32_t state_per_value = 0;  // optimizer-state floats per value float
+  };
+  // A slot as this Store trusts it (see length_of).
+  struct Resolved {
+    std::uint32_t length;
+    std::uint32_t stripe;
+    float* state;  // nullptr when the rule keeps no state
+  };
+  Store(std::unique_ptr<MemoryResource> memory, const Geometry& geometry, bool creator);
+  Header& header() const noexcept { return *reinterpret_cast<Header*>(base_); }
+  bool resolve(const SlotHeader& slot, Resolved* out) const noexcept;
+  const Record* record_of(const SlotHeader& slot) const noexcept;
+  std::vector<SlotEntry> slots_in_order() const;
+  std::uint32_t stripe_of(Key key) const noexcept {
+    return static_cast<std::uint32_t>((mix64(key) >> 40) & (g_.stripes - 1));
+  }
+  SharedMutex& stripe_at(std::uint32_t stripe) const noexcept {
+    return *reinterpret_cast<SharedMutex*>(base_ + g_.stripes_offset + std::uint64_t{stripe} * kCacheLine);
+  }
+  SharedMutex& stripe_lock(Key key) const noexcept { return stripe_at(stripe_of(key)); }
+  bool lock_stripe(SharedMutex& lock) const noexcept;
   std::uint64_t used_bytes_acquire() const noexcept;
   Errc create_slot(Key key, std::uint32_t length, const float* initial);
-  // One seqlock-validated copy of the slot's values; false if a writer got in (copy again).
-  static bool copy_if_unchanged(const SlotHeader& slot, float* out, std::uint64_t* version) noexcept;
+  // One seqlock-validated copy of `length` floats; false if a writer got in (copy again).
+  static bool copy_if_unchanged(const SlotHeader& slot, float* out, std::size_t length, std::uint64_t* version) noexcept;
   // `rule` over floats [begin, begin + n) under the stripe lock and the seqlock; *step 0 counts
   // the update and sets *step (apply_slot: the whole value; apply_part: one piece).
-  void apply_locked(SlotHeader& slot, const UpdateRuleConfig& rule, std::size_t begin, const float* grad,
-                    std::size_t n, float lr_scale, std::uint64_t* step) noexcept;
-  // The same for a caller that already holds the stripe lock (apply_logged, after its undo copy).
-  void apply_seqlocked(SlotHeader& slot, const UpdateRuleConfig& rule, std::size_t begin, const float* grad,
-                       std::size_t n, float lr_scale, std::uint64_t* step) noexcept;
-  // Replaces value, optimizer state (state_floats(slot) floats) and update count under the
-  // seqlock; the caller holds the stripe lock.
-  void overwrite_slot(SlotHeader& slot, const float* value, const float* state, std::uint64_t update_count) noexcept;
+  // The caller holds the stripe lock.
+  void apply_seqlocked(SlotHeader& slot, const Resolved& r, const UpdateRuleConfig& rule, std::size_t begin,
+                       const float* grad, std::size_t n, float lr_scale, std::uint64_t* step) noexcept;
+  // Replaces value, optimizer state and update count under the seqlock; the caller holds the
+  // stripe lock.
+  void overwrite_slot(SlotHeader& slot, const Resolved& r, const float* value, const float* state,
+                      std::uint64_t update_count) noexcept;
 
   std::unique_ptr<MemoryResource> memory_;
   // Immutable after construction; cached so hot paths make no virtual calls.
   std::byte* base_;
+  Geometry g_;
   IndexEntry* index_ = nullptr;
   std::uint64_t index_mask_ = 0;
+  std::chrono::nanoseconds lock_patience_ = std::chrono::nanoseconds::max();
+  // Creating Store only (null/unused on an attached one).
+  std::unique_ptr<MemoryResource> records_memory_;
+  Record* records_ = nullptr;
+  mutable std::mutex create_mu_;                        // guards creation and order_
+  std::vector<const Record*> order_;                    // in creation order
+  std::atomic<std::uint64_t> used_{0}, state_used_{0}, key_count_{0};
 };
 
 }  // namespace pskv

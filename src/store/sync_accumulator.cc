@@ -22,7 +22,7 @@ SyncOutcome SyncAccumulator::add(Key key, std::uint32_t worker, std::uint64_t st
   if (worker >= options_.num_workers) return reject(Errc::invalid_argument);
   const SlotHeader* slot = store_.find(key);
   if (!slot) return reject(Errc::not_found);
-  if (slot->length != grad.size()) return reject(Errc::length_mismatch);
+  if (store_.length_of(*slot) != grad.size()) return reject(Errc::length_mismatch);
 
   Stripe& s = stripe(key);
   std::lock_guard guard(s.mu);

@@ -65,6 +65,12 @@ TEST(StoreConcurrency, ReadsAreNeverTorn) {
     });
   for (int r = 0; r < 2; ++r)
     readers.emplace_back([&] {
+      // Counted however the reader ends: a failed assertion returns early, and writers that
+      // waited for a count that never comes would spin until ctest's timeout.
+      struct Done {
+        std::atomic<int>& n;
+        ~Done() { n.fetch_add(1); }
+      } done{readers_done};
       while (writers_started.load() < 2) std::this_thread::yield();
       std::vector<float> out(kLen);
       std::uint64_t last = 0;
@@ -79,7 +85,6 @@ TEST(StoreConcurrency, ReadsAreNeverTorn) {
             break;
           }
       }
-      readers_done.fetch_add(1);
     });
   for (auto& t : readers) t.join();
   for (auto& t : writers) t.join();
@@ -109,17 +114,25 @@ TEST(StoreConcurrency, ReaderOfAValueChangingPieceByPieceGetsWholePieces) {
       }
       writing.fetch_sub(1);
     });
+  // Joined however the test ends: a failed assertion below returns with the writers running.
+  struct Join {
+    std::vector<std::thread>& threads;
+    ~Join() {
+      for (auto& t : threads)
+        if (t.joinable()) t.join();
+    }
+  } join{writers};
   std::vector<float> out(kLen);
   int reads = 0;
   while (writing.load() > 0 || reads < 10) {
-    ASSERT_EQ(s->read_slot_or_lock(slot, out.data()).status, Errc::ok);
+    ASSERT_EQ(s->read_slot_or_lock(slot, out.data(), out.size()).status, Errc::ok);
     ++reads;
     for (std::size_t p = 0; p < kPieces; ++p)
       for (std::size_t i = 1; i < kPiece; ++i)
         ASSERT_EQ(out[p * kPiece + i], out[p * kPiece]) << "piece " << p << " torn at float " << i;
   }
   for (auto& t : writers) t.join();
-  ASSERT_EQ(s->read_slot_or_lock(slot, out.data()).status, Errc::ok);
+  ASSERT_EQ(s->read_slot_or_lock(slot, out.data(), out.size()).status, Errc::ok);
   for (float x : out) ASSERT_EQ(x, float(kWriters * kPushes));
   EXPECT_EQ(slot.update_count, std::uint64_t(kWriters * kPushes));
 }

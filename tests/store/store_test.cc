@@ -57,10 +57,12 @@ TEST(Store, SlotsAreCacheAlignedAndContiguous) {
   for (Key k = 0; k < 100; ++k) ASSERT_EQ(s->init_zero(k * 7919, 1 + k % 37), Errc::ok);
   std::size_t expected_offset = 0;
   std::size_t n = 0;
-  s->for_each_slot([&](const SlotHeader& slot) {
+  s->for_each_slot([&](const Store::SlotEntry& e) {
+    const SlotHeader& slot = *e.slot;
+    EXPECT_EQ(e.length, slot.length);
     EXPECT_EQ(reinterpret_cast<std::uintptr_t>(slot.values()) % 64, 0u);
     EXPECT_EQ(reinterpret_cast<const std::byte*>(&slot) - s->value_arena(), static_cast<std::ptrdiff_t>(expected_offset));
-    expected_offset += slot_bytes(slot.length);
+    expected_offset += slot_bytes(e.length);
     ++n;
   });
   EXPECT_EQ(n, 100u);
@@ -171,7 +173,7 @@ TEST(Store, ApplyLoggedMatchesApply) {
   ASSERT_EQ(undo.size(), 15u);  // value + Adam's m and s
   for (int step = 0; step < 3; ++step) {
     ASSERT_EQ(a->push(3, g), Errc::ok);
-    ASSERT_EQ(b->apply_logged(*slot, g.data(), 1.0f, 9, log, undo.data(), std::chrono::nanoseconds(0)), Errc::ok);
+    ASSERT_EQ(b->apply_logged(*slot, g.data(), 5, 1.0f, 9, log, undo.data(), undo.size(), std::chrono::nanoseconds(0)), Errc::ok);
   }
   EXPECT_EQ(log.phase.load(), UndoPhase::idle);
   EXPECT_EQ(b->stripe_holder(3), 0u);
@@ -239,7 +241,7 @@ TEST(Store, RecoverRollsBackAnUpdateCutShortBySigkill) {
     const pid_t child = fork();
     ASSERT_GE(child, 0);
     if (child == 0) {
-      for (;;) store->apply_logged(*slot, ones.data(), 1.0f, owner, *log, undo, std::chrono::hours(1));
+      for (;;) store->apply_logged(*slot, ones.data(), kLen, 1.0f, owner, *log, undo, kLen, std::chrono::hours(1));
     }
     // A failed assertion below must not leave a stopped child holding the test's output open.
     struct KillOnExit {

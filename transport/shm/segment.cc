@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <boost/interprocess/mapped_region.hpp>
@@ -39,10 +40,12 @@ class RegionView final : public MemoryResource {
 
 // Maps the whole object ourselves (not through a mapped_region member) so the mapping outlives
 // nothing it should not and can be MAP_SHARED | MAP_NORESERVE.
-std::byte* map_object(const std::string& object, std::size_t size, bool create) {
+std::byte* map_object(const std::string& object, std::size_t size, bool create, ino_t* inode) {
   const std::string path = "/dev/shm/" + object.substr(1);
   const int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
   if (fd < 0) throw Error(Errc::io, "cannot open " + path + ": " + std::strerror(errno));
+  struct stat st {};
+  if (::fstat(fd, &st) == 0) *inode = st.st_ino;
   if (create && ::ftruncate(fd, static_cast<off_t>(size)) != 0) {
     const int err = errno;
     ::close(fd);
@@ -170,9 +173,12 @@ std::unique_ptr<Segment> Segment::create(const std::string& name, const SegmentC
   auto seg = std::unique_ptr<Segment>(new Segment());
   seg->name_ = name;
   seg->owner_ = true;
+  seg->geo_ = SegmentGeometry{c.num_workers, c.slots, c.server_threads, c.slot_data_bytes, layout.clock_offset,
+                              layout.slots_offset, layout.slot_stride, layout.store_offset, layout.store_bytes,
+                              layout.total_bytes, c.mode, c.worker_push, c.staleness, c.sync_required, c.wait_timeout_ms};
   seg->size_ = layout.total_bytes;
   try {
-    seg->base_ = map_object(object, layout.total_bytes, true);
+    seg->base_ = map_object(object, layout.total_bytes, true, &seg->inode_);
   } catch (...) {
     bip::shared_memory_object::remove(object.c_str());
     throw;
@@ -197,6 +203,8 @@ std::unique_ptr<Segment> Segment::create(const std::string& name, const SegmentC
   h.store_offset = layout.store_offset;
   h.store_bytes = layout.store_bytes;
   h.total_bytes = layout.total_bytes;
+  seg->geo_.server_pid = h.server_pid;
+  seg->geo_.server_start = h.server_start;
   for (std::uint32_t i = 0; i < c.slots; ++i) new (&seg->slot(i)) ClientSlot{};
   std::atomic_ref<std::uint64_t>(h.magic).store(kSegmentMagic, std::memory_order_release);
   return seg;
@@ -219,7 +227,7 @@ std::unique_ptr<Segment> Segment::open(const std::string& name) {
   auto seg = std::unique_ptr<Segment>(new Segment());
   seg->name_ = name;
   seg->size_ = size;
-  seg->base_ = map_object(object, size, false);
+  seg->base_ = map_object(object, size, false, &seg->inode_);
   auto& h = seg->header();
   if (std::atomic_ref<std::uint64_t>(h.magic).load(std::memory_order_acquire) != kSegmentMagic ||
       h.layout_version != kLayoutVersion || h.total_bytes > size)
@@ -227,6 +235,37 @@ std::unique_ptr<Segment> Segment::open(const std::string& name) {
   if (!process_alive(h.server_pid, h.server_start))
     throw Error(Errc::stale_resource, "shm://" + name + " was left by pskv-server pid " + std::to_string(h.server_pid) +
                                           ", which is no longer running; restart the server (it reclaims the name)");
+  // One copy of the header, checked once: every later access goes through it, so a process
+  // that rewrites the header afterwards cannot move this client's accesses.
+  SegmentGeometry g;
+  g.num_workers = h.num_workers;
+  g.slots = h.slots;
+  g.server_threads = h.server_threads;
+  g.slot_data_bytes = h.slot_data_bytes;
+  g.clock_offset = h.clock_offset;
+  g.slots_offset = h.slots_offset;
+  g.slot_stride = h.slot_stride;
+  g.store_offset = h.store_offset;
+  g.store_bytes = h.store_bytes;
+  g.total_bytes = h.total_bytes;
+  g.mode = static_cast<ConsistencyMode>(h.mode);
+  g.worker_push = h.worker_push != 0;
+  g.staleness = h.staleness;
+  g.sync_required = h.sync_required;
+  g.wait_timeout_ms = h.wait_timeout_ms;
+  g.server_pid = h.server_pid;
+  g.server_start = h.server_start;
+  const std::uint64_t clock_bytes = g.num_workers ? ClockTable::bytes_for(g.num_workers) : 0;
+  const bool sane =
+      g.slots >= 1 && g.slots <= 4096 && g.server_threads >= 1 && g.server_threads <= kMaxServerThreads &&
+      g.mode <= ConsistencyMode::sync && g.num_workers <= (1u << 20) && g.clock_offset >= sizeof(SegmentHeader) &&
+      g.clock_offset % 64 == 0 && g.slots_offset % 64 == 0 && g.slot_stride % 64 == 0 && g.store_offset % 64 == 0 &&
+      g.slots_offset >= g.clock_offset + clock_bytes && g.slot_data_bytes <= (1ull << 40) &&
+      g.slot_stride >= sizeof(ClientSlot) + g.slot_data_bytes && g.slot_stride <= (1ull << 41) &&
+      g.store_offset >= g.slots_offset + std::uint64_t{g.slots} * g.slot_stride && g.store_bytes <= size &&
+      g.store_offset <= size - g.store_bytes && g.total_bytes <= size;
+  if (!sane) throw Error(Errc::protocol, "shm://" + name + " has a segment header that does not describe its own mapping");
+  seg->geo_ = g;
   return seg;
 }
 
@@ -235,10 +274,15 @@ Segment::~Segment() {
 }
 
 std::unique_ptr<MemoryResource> Segment::store_memory() {
-  return std::make_unique<RegionView>(base_ + header().store_offset, header().store_bytes);
+  return std::make_unique<RegionView>(base_ + geo_.store_offset, geo_.store_bytes);
 }
 
-bool Segment::server_alive() { return process_alive(header().server_pid, header().server_start); }
+bool Segment::server_alive() {
+  if (!process_alive(geo_.server_pid, geo_.server_start)) return false;
+  if (std::atomic_ref<std::int32_t>(header().server_pid).load(std::memory_order_acquire) != 0) return true;
+  struct stat st {};
+  return ::stat(("/dev/shm/" + segment_object_name(name_).substr(1)).c_str(), &st) == 0 && st.st_ino == inode_;
+}
 
 void Segment::remove() { bip::shared_memory_object::remove(segment_object_name(name_).c_str()); }
 

@@ -138,8 +138,23 @@ Errc decode_entry(const RingEntry& e, const std::byte* area, std::uint64_t area_
 std::uint64_t process_start_time(pid_t pid);
 bool process_alive(pid_t pid, std::uint64_t start_time);
 
-// A mapped segment. Thread-safety: the mapping is immutable; the contents are shared state
-// whose own types (atomics, seqlocks) make them safe.
+// The segment's layout and the job's settings as the server laid them out. The server fills it
+// from its own configuration and a client from the header once, checked against the mapping, at
+// open; neither reads the header's copy again, since any process of the job's user can rewrite
+// it (a raised slot count or data size must not move the server's or another client's accesses).
+struct SegmentGeometry {
+  std::uint32_t num_workers = 0, slots = 0, server_threads = 1;
+  std::uint64_t slot_data_bytes = 0;
+  std::uint64_t clock_offset = 0, slots_offset = 0, slot_stride = 0, store_offset = 0, store_bytes = 0, total_bytes = 0;
+  ConsistencyMode mode = ConsistencyMode::asp;
+  bool worker_push = false;
+  std::uint32_t staleness = 0, sync_required = 0, wait_timeout_ms = 0;
+  std::int32_t server_pid = 0;
+  std::uint64_t server_start = 0;
+};
+
+// A mapped segment. Thread-safety: the mapping and its geometry are immutable; the contents are
+// shared state whose own types (atomics, seqlocks) make them safe.
 class Segment {
  public:
   // Server: creates "/pskv-<name>" with mode 0600. A leftover from a dead server is reclaimed;
@@ -149,15 +164,23 @@ class Segment {
   static std::unique_ptr<Segment> open(const std::string& name);
   ~Segment();
 
+  // The shared header: for its atomics (doorbells, counters). Its layout fields are for
+  // display only; addresses, sizes and counts come from geometry().
   SegmentHeader& header() noexcept { return *reinterpret_cast<SegmentHeader*>(base_); }
-  void* clock_memory() noexcept { return base_ + header().clock_offset; }
+  const SegmentGeometry& geometry() const noexcept { return geo_; }
+  void* clock_memory() noexcept { return base_ + geo_.clock_offset; }
+  // i < geometry().slots.
   ClientSlot& slot(std::uint32_t i) noexcept {
-    return *reinterpret_cast<ClientSlot*>(base_ + header().slots_offset + i * header().slot_stride);
+    return *reinterpret_cast<ClientSlot*>(base_ + geo_.slots_offset + std::uint64_t{i} * geo_.slot_stride);
   }
   std::byte* slot_data(std::uint32_t i) noexcept { return reinterpret_cast<std::byte*>(&slot(i)) + sizeof(ClientSlot); }
   // A non-owning view of the store region, valid while this Segment lives.
   std::unique_ptr<MemoryResource> store_memory();
   const std::string& name() const noexcept { return name_; }
+  // The server that laid the segment out still runs and has not stopped serving it. Decided
+  // from the pid and start time read at open, not the header's words (a forged pid must not
+  // make a client give up on a live server): a stopped server zeroes its pid in the header and
+  // removes the name, and only both together count.
   bool server_alive();
   // Removes the name (server, at exit); existing mappings stay valid until unmapped.
   void remove();
@@ -165,9 +188,11 @@ class Segment {
  private:
   Segment() = default;
   std::string name_;
+  SegmentGeometry geo_;
   std::byte* base_ = nullptr;
   std::size_t size_ = 0;
   bool owner_ = false;
+  ino_t inode_ = 0;  // of /dev/shm/<object> when mapped: the name may be reused by a later server
 };
 
 std::string segment_object_name(const std::string& name);

@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <ctime>
 #include <sstream>
@@ -24,25 +25,33 @@ ShmConnection::ShmConnection(const Uri& uri, const transport::ConnectOptions& op
       throw Error(Errc::timeout, "shm://" + uri.name + " exists but its server never finished starting");
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
+  // Everything below comes from the geometry Segment::open checked and copied; the header's
+  // words are not read again.
+  const SegmentGeometry& g = segment_->geometry();
   store_ = Store::attach(segment_->store_memory());
-  if (header_->num_workers) clocks_ = std::make_unique<ClockTable>(segment_->clock_memory(), header_->num_workers, false);
-  if (options.worker_id != kNoWorker && options.worker_id >= header_->num_workers)
+  if (g.num_workers) clocks_ = std::make_unique<ClockTable>(segment_->clock_memory(), g.num_workers, false);
+  if (options.worker_id != kNoWorker && options.worker_id >= g.num_workers)
     throw Error(Errc::invalid_argument, "worker id " + std::to_string(options.worker_id) + " is out of range: " +
-                                            endpoint_ + " was started with --workers " + std::to_string(header_->num_workers));
-  const auto mode = static_cast<ConsistencyMode>(header_->mode);
+                                            endpoint_ + " was started with --workers " + std::to_string(g.num_workers));
+  const auto mode = g.mode;
   bounded_ = clocks_ && mode != ConsistencyMode::asp;
-  staleness_ = mode == ConsistencyMode::ssp ? header_->staleness : 0;
-  quorum_ = mode == ConsistencyMode::sync ? (header_->sync_required ? header_->sync_required : header_->num_workers) : 0;
+  staleness_ = mode == ConsistencyMode::ssp ? g.staleness : 0;
+  quorum_ = mode == ConsistencyMode::sync ? (g.sync_required ? g.sync_required : g.num_workers) : 0;
   // Sync mode sums the workers' pushes on the server before applying them once.
-  worker_push_ = header_->worker_push != 0 && mode != ConsistencyMode::sync;
-  info_.num_workers = header_->num_workers;
-  data_capacity_ = header_->slot_data_bytes;
+  worker_push_ = g.worker_push && mode != ConsistencyMode::sync;
+  info_.num_workers = g.num_workers;
+  data_capacity_ = g.slot_data_bytes;
+  server_threads_ = g.server_threads;
+  // A wait the server bounds (tcp) also ends at the client's io_timeout; so does this one, since
+  // nothing but the segment says what the server's timeout is.
+  wait_timeout_ = std::clamp(std::chrono::milliseconds(g.wait_timeout_ms), std::chrono::milliseconds(1),
+                             std::max(options.io_timeout, std::chrono::milliseconds(1)));
   const auto cores = std::max(1u, std::thread::hardware_concurrency());
-  max_spinners_ = cores > header_->server_threads ? cores - header_->server_threads : 1;
+  max_spinners_ = cores > g.server_threads ? cores - g.server_threads : 1;
 
   const pid_t me = ::getpid();
   const std::uint64_t start = process_start_time(me);
-  for (std::uint32_t i = 0; i < header_->slots && !slot_; ++i) {
+  for (std::uint32_t i = 0; i < g.slots && !slot_; ++i) {
     std::int32_t expected = 0;
     ClientSlot& s = segment_->slot(i);
     // Claim through a sentinel: the server's watchdog must never see our pid with the previous
@@ -58,7 +67,7 @@ ShmConnection::ShmConnection(const Uri& uri, const transport::ConnectOptions& op
     }
   }
   if (!slot_)
-    throw Error(Errc::capacity, endpoint_ + " has no free client slot (" + std::to_string(header_->slots) +
+    throw Error(Errc::capacity, endpoint_ + " has no free client slot (" + std::to_string(g.slots) +
                                     " in use); restart the server with more --shm-slots");
   data_ = segment_->slot_data(slot_index_);
   next_seq_ = slot_->done.load(std::memory_order_acquire);
@@ -101,8 +110,10 @@ Errc ShmConnection::lookup(const Request& request, std::vector<SlotHeader*>& slo
       *why = "key " + std::to_string(k.key) + " does not exist on " + endpoint_ + ": init it before pushing or pulling";
       return Errc::not_found;
     }
-    if (slots[i]->length != k.length) {
-      *why = "key " + std::to_string(k.key) + " has " + std::to_string(slots[i]->length) + " floats, the request says " +
+    // Checked once here (inside the arena, the length asked for); the copy then uses k.length,
+    // never the header's word again.
+    if (const std::uint32_t has = store_->length_of(*slots[i]); has != k.length) {
+      *why = "key " + std::to_string(k.key) + " has " + std::to_string(has) + " floats, the request says " +
              std::to_string(k.length);
       return Errc::length_mismatch;
     }
@@ -118,7 +129,7 @@ Errc ShmConnection::read_values(const Request& request, std::string* why) const 
   const std::size_t n = request.keys.size();
   for (std::size_t i = 0; i < n; ++i) {
     if (i + kAhead < n) Store::prefetch_slot(*slots[i + kAhead]);
-    Store::read_slot(*slots[i], request.keys[i].data);
+    Store::read_slot(*slots[i], request.keys[i].data, request.keys[i].length);
   }
   return Errc::ok;
 }
@@ -166,7 +177,7 @@ bool ShmConnection::push_directly(Request& request) {
   }
   auto* undo = reinterpret_cast<float*>(data_);
   const std::uint32_t owner = slot_owner_tag(slot_index_);
-  const auto patience = std::chrono::milliseconds(header_->wait_timeout_ms);
+  const auto patience = wait_timeout_;
   Errc status = Errc::ok;
   std::size_t applied = 0;
   for (; applied < slots.size(); ++applied) {
@@ -174,8 +185,9 @@ bool ShmConnection::push_directly(Request& request) {
     // make sure there still is a server to do it.
     constexpr auto kTick = std::chrono::milliseconds(100);
     std::chrono::milliseconds waited{0};
-    while ((status = store_->apply_logged(*slots[applied], request.keys[applied].data, 1.0f, owner, slot_->undo, undo,
-                                          kTick)) == Errc::timeout) {
+    while ((status = store_->apply_logged(*slots[applied], request.keys[applied].data, request.keys[applied].length,
+                                          1.0f, owner, slot_->undo, undo, data_capacity_ / sizeof(float), kTick)) ==
+           Errc::timeout) {
       waited += kTick;
       if (!segment_->server_alive()) status = Errc::peer_failure;
       if (status == Errc::peer_failure || waited >= patience) break;
@@ -187,8 +199,11 @@ bool ShmConnection::push_directly(Request& request) {
     const std::string lock = "key " + std::to_string(key) + "'s stripe lock";
     const std::string held = " held by " + describe_owner(store_->stripe_holder(key)) + "; " + std::to_string(applied) +
                              " of " + std::to_string(slots.size()) + " keys of this push were applied";
-    why = status == Errc::peer_failure ? server_gone() + " (" + lock + " is" + held + ")"
-                                       : "waited " + std::to_string(patience.count()) + " ms for " + lock + "," + held;
+    why = status == Errc::peer_failure     ? server_gone() + " (" + lock + " is" + held + ")"
+          : status == Errc::length_mismatch ? "key " + std::to_string(key) + "'s slot header in " + endpoint_ +
+                                                  " no longer matches its length (overwritten?); " + std::to_string(applied) +
+                                                  " of " + std::to_string(slots.size()) + " keys of this push were applied"
+                                            : "waited " + std::to_string(patience.count()) + " ms for " + lock + "," + held;
   }
   slot_->worker_pushes.store(slot_->worker_pushes.load(std::memory_order_relaxed) + applied, std::memory_order_relaxed);
   finish();
@@ -197,13 +212,13 @@ bool ShmConnection::push_directly(Request& request) {
 }
 
 std::string ShmConnection::server_gone() const {
-  return "the pskv server of " + endpoint_ + " (pid " + std::to_string(header_->server_pid) + ") is gone; did it die?";
+  return "the pskv server of " + endpoint_ + " (pid " + std::to_string(segment_->geometry().server_pid) + ") is gone; did it die?";
 }
 
 std::string ShmConnection::describe_owner(std::uint32_t owner) const {
   if (owner == 0) return "nobody now";
   const std::uint32_t slot = owner_tag_slot(owner);
-  if (owner == SharedMutex::kAnonymousOwner || slot >= header_->slots) return "the server";
+  if (owner == SharedMutex::kAnonymousOwner || slot >= segment_->geometry().slots) return "the server";
   return "the client in slot " + std::to_string(slot) + ", pid " + std::to_string(segment_->slot(slot).owner_pid.load());
 }
 
@@ -224,8 +239,8 @@ void ShmConnection::submit(Request& request) {
     // Program order: a pull must see this client's own earlier pushes, so it waits behind them.
     const bool own_pending = slot_->done.load(std::memory_order_acquire) < next_seq_;
     if (own_pending || !bound_allows(request.arg0, &observed)) {
-      parked_.push_back({&request, next_seq_, request.arg0,
-                         std::chrono::steady_clock::now() + std::chrono::milliseconds(header_->wait_timeout_ms)});
+      const auto now = std::chrono::steady_clock::now();
+      parked_.push_back({&request, next_seq_, request.arg0, now + wait_timeout_, now + options_.io_timeout});
       slot_->waits_on_clock.store(1);
       lock.unlock();
       slot_->done_word.fetch_add(1);  // let the helper re-evaluate now
@@ -302,7 +317,7 @@ void ShmConnection::enqueue(Request& request) {
   next_seq_ = seq;
   slot_->head.store(seq, std::memory_order_release);
   lock.unlock();
-  const std::uint32_t t = slot_index_ % header_->server_threads;
+  const std::uint32_t t = slot_index_ % server_threads_;
   header_->doorbell[t].fetch_add(1, std::memory_order_seq_cst);
   if (header_->server_sleeping[t].load(std::memory_order_seq_cst)) futex_wake(&header_->doorbell[t], 1);
 }
@@ -328,18 +343,22 @@ bool ShmConnection::run_parked(std::chrono::steady_clock::time_point now) {
       std::uint32_t slowest = 0;
       const std::uint64_t need = it->clock > staleness_ ? it->clock - staleness_ : 0;
       const std::uint64_t b = clocks_->bound(quorum_, &slowest);
-      const auto idle_ms = (steady_now_ns() - clocks_->last_progress_ns(slowest)) / 1'000'000;
-      if (idle_ms >= header_->wait_timeout_ms) {
+      // The progress stamp is the segment's word: clamped, a stamp in the future only buys one
+      // more timeout, and give_up ends the wait regardless.
+      const std::int64_t timeout_ms = wait_timeout_.count();
+      const std::int64_t idle_ms =
+          std::clamp<std::int64_t>((steady_now_ns() - clocks_->last_progress_ns(slowest)) / 1'000'000, 0, timeout_ms);
+      if (idle_ms >= timeout_ms || now >= it->give_up) {
         std::ostringstream why;
-        why << "waited " << header_->wait_timeout_ms << " ms: worker " << slowest << " is at clock " << b
-            << " (needed " << need << ", last progress " << idle_ms
-            << " ms ago); it may have died or stalled (raise --wait-timeout-ms or run the server with "
-               "--straggler-policy evict)";
+        why << "waited " << std::chrono::duration_cast<std::chrono::milliseconds>(now - (it->give_up - options_.io_timeout)).count()
+            << " ms: worker " << slowest << " is at clock " << b << " (needed " << need << ", last progress "
+            << idle_ms << " ms ago); it may have died or stalled (raise --wait-timeout-ms or the client's io timeout, "
+            << "or run the server with --straggler-policy evict)";
         it->request->completion->complete_part(Errc::timeout, why.str());
         it = parked_.erase(it);
         continue;
       }
-      it->deadline = now + std::chrono::milliseconds(header_->wait_timeout_ms - idle_ms);
+      it->deadline = std::min(now + std::chrono::milliseconds(timeout_ms - idle_ms), it->give_up);
     }
     waiting_on_clock |= done >= it->after_seq;
     ++it;
@@ -360,8 +379,12 @@ bool ShmConnection::complete_answered() {
     pending_[seq % kRingEntries] = nullptr;
     const RingEntry& e = slot_->ring[seq % kRingEntries];
     const auto status = static_cast<Errc>(e.status);
-    const std::string_view text(reinterpret_cast<const char*>(data_ + e.data_offset),
-                                std::min<std::uint64_t>(e.text_len, e.data_bytes));
+    // The answer sits in this client's own area; its words are still bounded by the area, so
+    // that a scribbled entry costs this request its text, not this process.
+    const std::uint64_t at = e.data_offset, room = std::min<std::uint64_t>(e.text_len, e.data_bytes);
+    const std::string_view text = at <= data_capacity_ && room <= data_capacity_ - at
+                                      ? std::string_view(reinterpret_cast<const char*>(data_ + at), room)
+                                      : std::string_view("the answer's text lies outside this client's area");
     if (request->op == wire::Op::clock) request->completion->note_bound(e.reply_arg0);
     if (status == Errc::ok && request->text_out) request->text_out->assign(text);
     request->completion->complete_part(status, status == Errc::ok ? std::string_view{} : text);

@@ -24,6 +24,13 @@
 
 namespace pskv::shm {
 
+// Trust: the segment's geometry and the job's settings (mode, staleness, wait timeout, server
+// threads) are read once at connect, checked, and kept here; every wait is bounded by the
+// server's wait timeout as read then, clamped to this client's own io_timeout, whatever the
+// segment says later. Store offsets and lengths are checked against the Store's private copy of
+// its geometry. What another process can still do by writing the segment: change values, clocks
+// and this client's own slot, which the client reads as the server's word.
+//
 // Thread-safety: submit() and the Poller calls from any number of threads; one internal helper
 // thread.
 class ShmConnection final : public transport::Connection, private transport::Poller {
@@ -42,6 +49,7 @@ class ShmConnection final : public transport::Connection, private transport::Pol
     std::uint64_t after_seq;  // this client's pushes up to here must be applied first
     std::uint64_t clock;
     std::chrono::steady_clock::time_point deadline;
+    std::chrono::steady_clock::time_point give_up;  // parked + io_timeout: no wait outlives it
   };
   void enqueue(transport::Request& request);
   // Applies a push on this thread; false if it must go through the ring instead.
@@ -83,6 +91,8 @@ class ShmConnection final : public transport::Connection, private transport::Pol
   std::byte* data_ = nullptr;
   std::uint64_t data_capacity_ = 0;
   std::uint32_t max_spinners_ = 1;  // spinning client threads this machine can afford
+  std::uint32_t server_threads_ = 1;
+  std::chrono::milliseconds wait_timeout_{0};  // the server's, clamped to [1 ms, io_timeout]
   std::uint32_t quorum_ = 0;
   std::uint64_t staleness_ = 0;
   bool bounded_ = false;

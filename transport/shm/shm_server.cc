@@ -3,6 +3,7 @@
 #include <chrono>
 #include <cstring>
 
+#include "common/log.h"
 #include "common/sync.h"
 #include "transport/wire.h"
 
@@ -42,15 +43,20 @@ ShmServer::ShmServer(const std::string& name, const EngineOptions& engine, const
   c.wait_timeout_ms = static_cast<std::uint32_t>(engine.wait_timeout.count());
   options_.threads = c.server_threads;
   segment_ = Segment::create(name, c);
+  geo_ = segment_->geometry();
   try {
     engine_ = std::make_unique<ShardEngine>(engine, segment_->store_memory(),
                                             engine.num_workers ? segment_->clock_memory() : nullptr);
+    // Clients take stripe locks too: a writer here waits for one a bounded time, so a client
+    // that hangs holding it costs that key an error, not a server thread (and every slot it serves).
+    engine_->store().set_lock_patience(std::min<std::chrono::nanoseconds>(engine.wait_timeout, std::chrono::seconds(1)));
     if (prepare) prepare(*engine_);
   } catch (...) {
     segment_->remove();
     throw;
   }
   blocked_ = std::make_unique<std::atomic<bool>[]>(c.slots);
+  ignored_ = std::make_unique<std::atomic<std::int32_t>[]>(c.slots);
   segment_->header().ready.store(1, std::memory_order_release);
   for (std::uint32_t t = 0; t < options_.threads; ++t) threads_.emplace_back([this, t] { serve(t); });
   watchdog_ = std::thread([this] { watchdog(); });
@@ -69,17 +75,17 @@ void ShmServer::stop() {
   if (watchdog_.joinable()) watchdog_.join();
   engine_->shutdown();
   // Wake every client so that it notices the server is gone, then drop the name.
-  for (std::uint32_t i = 0; i < h.slots; ++i) {
+  for (std::uint32_t i = 0; i < geo_.slots; ++i) {
     segment_->slot(i).done_word.fetch_add(1);
     futex_wake_all(&segment_->slot(i).done_word);
   }
-  h.server_pid = 0;
+  std::atomic_ref<std::int32_t>(h.server_pid).store(0, std::memory_order_release);
   segment_->remove();
 }
 
 std::string ShmServer::stats_json() const {
   std::uint64_t worker_pushes = 0;
-  for (std::uint32_t i = 0; i < segment_->header().slots; ++i)
+  for (std::uint32_t i = 0; i < geo_.slots; ++i)
     worker_pushes += segment_->slot(i).worker_pushes.load(std::memory_order_relaxed);
   return engine_->stats_json(worker_pushes, ",\"worker_pushes\":" + std::to_string(worker_pushes) +
                                                 ",\"recovered_pushes\":" +
@@ -108,7 +114,7 @@ void ShmServer::publish(std::uint32_t i, std::uint64_t seq) {
 }
 
 void ShmServer::wake_clock_waiters() {
-  for (std::uint32_t i = 0; i < segment_->header().slots; ++i) {
+  for (std::uint32_t i = 0; i < geo_.slots; ++i) {
     ClientSlot& s = segment_->slot(i);
     if (s.owner_pid.load(std::memory_order_relaxed) && s.waits_on_clock.load(std::memory_order_relaxed)) {
       s.done_word.fetch_add(1, std::memory_order_release);
@@ -119,8 +125,9 @@ void ShmServer::wake_clock_waiters() {
 
 void ShmServer::answer(std::uint32_t i, RingEntry& e, Errc status, const std::string& text) {
   e.status = static_cast<std::uint32_t>(status);
-  // The entry's offsets come from the client: write the text only inside its own data area.
-  const std::uint64_t area = segment_->header().slot_data_bytes, offset = e.data_offset, room = e.data_bytes;
+  // The entry's offsets come from the client: write the text only inside its own data area, as
+  // the server laid it out.
+  const std::uint64_t area = geo_.slot_data_bytes, offset = e.data_offset, room = e.data_bytes;
   const std::size_t n = offset <= area && room <= area - offset ? std::min<std::size_t>(text.size(), room) : 0;
   if (n) std::memcpy(segment_->slot_data(i) + offset, text.data(), n);
   e.text_len = static_cast<std::uint32_t>(n);
@@ -133,7 +140,8 @@ bool ShmServer::process(std::uint32_t i, RingEntry& e, std::uint64_t seq) {
   const float* payload = nullptr;
   std::string why;
   wire::Op op = wire::Op::hello;
-  Errc status = decode_entry(e, segment_->slot_data(i), segment_->header().slot_data_bytes, &keys, &payload, &op, &why);
+  Errc status = decode_entry(e, segment_->slot_data(i), geo_.slot_data_bytes, &keys, &payload, &op, &why);
+  if (status != Errc::ok) log::warn("shm.bad-entry", who(i) + ": ring entry " + std::to_string(seq) + " refused: " + why);
   const std::uint32_t worker = slot.worker_id;
   const std::uint64_t arg0 = e.arg0;
   if (status == Errc::ok) {
@@ -167,16 +175,37 @@ bool ShmServer::process(std::uint32_t i, RingEntry& e, std::uint64_t seq) {
         why = "op " + std::string(wire::op_name(static_cast<std::uint16_t>(op))) + " is not carried over shared memory";
     }
   }
+  if (status != Errc::ok && op != wire::Op::stats)
+    log::info("shm.refused", who(i) + ": " + std::string(wire::op_name(static_cast<std::uint16_t>(op))) + " refused (" +
+                                 std::string(errc_name(status)) + "): " + why);
   answer(i, e, status, why);
   return true;
+}
+
+std::string ShmServer::who(std::uint32_t i) {
+  return "client slot " + std::to_string(i) + " (pid " +
+         std::to_string(segment_->slot(i).owner_pid.load(std::memory_order_relaxed)) + ")";
 }
 
 bool ShmServer::drain(std::uint32_t i) {
   ClientSlot& s = segment_->slot(i);
   bool progressed = false;
-  while (!blocked_[i].load(std::memory_order_acquire)) {
+  // At most one ring's worth per visit, so a client that keeps its ring full (or forges `head`)
+  // shares the thread with the other slots instead of holding it.
+  for (std::uint32_t n = 0; n < kRingEntries && !blocked_[i].load(std::memory_order_acquire); ++n) {
     const std::uint64_t done = s.done.load(std::memory_order_relaxed);
-    if (done >= s.head.load(std::memory_order_acquire)) break;
+    const std::uint64_t head = s.head.load(std::memory_order_acquire);
+    if (done >= head) break;
+    if (head - done > kRingEntries) {
+      // A client never publishes more than its ring holds: this one's words are garbage. Its
+      // requests are not read again until the slot changes hands (the watchdog frees it).
+      const std::int32_t pid = s.owner_pid.load(std::memory_order_relaxed);
+      ignored_[i].store(pid == 0 ? kClaimingSlot : pid, std::memory_order_relaxed);
+      log::warn("shm.bad-ring", who(i) + ": published request " + std::to_string(head) + " with " + std::to_string(done) +
+                                    " answered, more than its ring's " + std::to_string(kRingEntries) +
+                                    " entries; its ring is ignored until the slot is released");
+      break;
+    }
     const std::uint64_t seq = done + 1;
     RingEntry& e = s.ring[seq % kRingEntries];
     progressed = true;
@@ -188,11 +217,15 @@ bool ShmServer::drain(std::uint32_t i) {
 
 void ShmServer::serve(std::uint32_t t) {
   auto& h = segment_->header();
-  const std::uint32_t slots = h.slots;
+  const std::uint32_t slots = geo_.slots;
+  auto served = [&](std::uint32_t i) {
+    const std::int32_t pid = segment_->slot(i).owner_pid.load(std::memory_order_relaxed);
+    return pid != 0 && pid != ignored_[i].load(std::memory_order_relaxed);
+  };
   while (!stopping_.load(std::memory_order_relaxed)) {
     bool progressed = false;
     for (std::uint32_t i = t; i < slots; i += options_.threads)
-      if (segment_->slot(i).owner_pid.load(std::memory_order_relaxed) != 0) progressed |= drain(i);
+      if (served(i)) progressed |= drain(i);
     if (progressed) continue;
     // Idle: spin briefly for the next request, then sleep on the doorbell. A client bumps the
     // doorbell after publishing, so a bump between our read and the wait cancels the sleep.
@@ -202,7 +235,7 @@ void ShmServer::serve(std::uint32_t t) {
       cpu_relax();
       for (std::uint32_t i = t; i < slots && !any; i += options_.threads) {
         ClientSlot& s = segment_->slot(i);
-        any = s.owner_pid.load(std::memory_order_relaxed) && !blocked_[i].load(std::memory_order_relaxed) &&
+        any = served(i) && !blocked_[i].load(std::memory_order_relaxed) &&
               s.done.load(std::memory_order_relaxed) < s.head.load(std::memory_order_acquire);
       }
     }
@@ -218,21 +251,37 @@ void ShmServer::watchdog() {
   std::uint32_t last_change = engine_->clocks() ? engine_->clocks()->change_count() : 0;
   while (!stopping_.load()) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    for (std::uint32_t i = 0; i < h.slots; ++i) {
+    for (std::uint32_t i = 0; i < geo_.slots; ++i) {
       ClientSlot& s = segment_->slot(i);
       const pid_t pid = s.owner_pid.load(std::memory_order_acquire);
-      if (pid == 0 || pid == kClaimingSlot || process_alive(pid, s.owner_start)) continue;
+      const bool ignored = pid == ignored_[i].load(std::memory_order_relaxed);
+      if (pid == 0 || (pid == kClaimingSlot && !ignored) || process_alive(pid, s.owner_start)) continue;
       // The owner died. A push it was applying itself is rolled back and its stripe lock
-      // released first: server threads and other clients may be waiting on that lock.
+      // released first: server threads and other clients may be waiting on that lock. Then any
+      // other lock still tagged with it: a corrupt or hostile client may have left more.
+      const std::uint32_t tag = slot_owner_tag(i);
       const Store::Recovery r = engine_->store().recover(
-          s.undo, slot_owner_tag(i), reinterpret_cast<const float*>(segment_->slot_data(i)), h.slot_data_bytes / sizeof(float));
+          s.undo, tag, reinterpret_cast<const float*>(segment_->slot_data(i)), geo_.slot_data_bytes / sizeof(float));
+      const std::uint32_t stray = engine_->store().release_locks_of(tag);
       if (r == Store::Recovery::rolled_back) h.recovered_pushes.fetch_add(1);
+      if (r != Store::Recovery::nothing || stray)
+        log::warn("shm.recover", "client slot " + std::to_string(i) + " (pid " + std::to_string(pid) + ") died " +
+                                     (r == Store::Recovery::rolled_back ? "inside a push: rolled it back"
+                                      : r == Store::Recovery::released  ? "holding a stripe lock: released it"
+                                                                        : "") +
+                                     (stray ? (r != Store::Recovery::nothing ? "; " : "") + std::string("released ") +
+                                                  std::to_string(stray) + " more stripe locks it had left tagged"
+                                            : ""));
       // Whatever it published is applied next (it was fully written before head moved); then
-      // the slot is freed for the next client.
+      // the slot is freed for the next client. A ring that was being ignored is not.
       wake_thread(i);
-      if (s.done.load() < s.head.load() || blocked_[i].load()) continue;
-      // A client killed while it spun never said so: return its share of the spinner count.
-      h.spinners.fetch_sub(s.client_polling.exchange(0));
+      if (!ignored && (s.done.load() < s.head.load() || blocked_[i].load())) continue;
+      if (blocked_[i].load()) continue;  // its parked barrier still answers into the slot
+      ignored_[i].store(0, std::memory_order_relaxed);
+      // A client killed while it spun never said so: return its share of the spinner count
+      // (a share no larger than its threads could hold; the word is the client's to scribble).
+      const std::uint32_t share = s.client_polling.exchange(0);
+      if (share <= 1024) h.spinners.fetch_sub(share);
       const std::uint32_t worker = s.worker_id;
       if (worker != kNoWorker && engine_->clocks() && worker < engine_->clocks()->workers())
         engine_->worker_left(worker, engine_->clocks()->clock(worker) == kClockDone);

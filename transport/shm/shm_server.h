@@ -24,7 +24,15 @@ struct ShmServerOptions {
   bool worker_push = true;
 };
 
-// Thread-safety: construct and destroy from one thread; stop() is idempotent.
+// Trust: every client, and any other process of the job's user, can write the whole segment.
+// The server takes the segment's geometry (slot count, offsets, stride, data size) from its own
+// configuration, the store's from the Store's private copy, and each key's offset and length from
+// the Store's private records; ring entries, undo records and slot words are read once and
+// checked against those before use. A client that scribbles over its own slot gets errors (and
+// log lines), and when its ring no longer makes sense it is ignored until its slot is freed.
+//
+// Thread-safety: construct and destroy from one thread; stop() is idempotent. Server threads
+// own disjoint sets of slots (i % threads); the watchdog thread frees slots of dead clients.
 class ShmServer {
  public:
   // `prepare` runs on the engine before any client can see the segment (e.g. a restore).
@@ -51,11 +59,17 @@ class ShmServer {
   void wake_thread(std::uint32_t i);
   void wake_clock_waiters();
   void watchdog();
+  // "client slot I (pid P)", for log lines.
+  std::string who(std::uint32_t i);
 
   ShmServerOptions options_;
   std::unique_ptr<Segment> segment_;
+  SegmentGeometry geo_;  // private: what the server laid out, never re-read from the segment
   std::unique_ptr<ShardEngine> engine_;
   std::unique_ptr<std::atomic<bool>[]> blocked_;  // slot has a parked request
+  // The pid whose ring stopped making sense (published more than the ring holds): its slot is
+  // not served until the slot changes hands. 0: none.
+  std::unique_ptr<std::atomic<std::int32_t>[]> ignored_;
   std::atomic<bool> stopping_{false};
   std::vector<std::thread> threads_;
   std::thread watchdog_;
