@@ -16,18 +16,32 @@ namespace {
 }
 }  // namespace
 
+namespace {
+struct NumericName {
+  char host[NI_MAXHOST] = "?", port[NI_MAXSERV] = "?";
+  bool v6 = false;
+};
+NumericName numeric_name(const sockaddr* address) {
+  NumericName n;
+  if (!address) return n;
+  n.v6 = address->sa_family == AF_INET6;
+  getnameinfo(address, n.v6 ? sizeof(sockaddr_in6) : sizeof(sockaddr_in), n.host, sizeof n.host, n.port,
+              sizeof n.port, NI_NUMERICHOST | NI_NUMERICSERV);
+  return n;
+}
+}  // namespace
+
 std::string address_text(const sockaddr* address) {
   if (!address) return "?";
-  char host[NI_MAXHOST] = "?", port[NI_MAXSERV] = "?";
-  const bool v6 = address->sa_family == AF_INET6;
-  getnameinfo(address, v6 ? sizeof(sockaddr_in6) : sizeof(sockaddr_in), host, sizeof host, port, sizeof port,
-              NI_NUMERICHOST | NI_NUMERICSERV);
-  std::string text = host;
-  if (v6) text.insert(0, 1, '[').push_back(']');
+  const NumericName n = numeric_name(address);
+  std::string text = n.host;
+  if (n.v6) text.insert(0, 1, '[').push_back(']');
   text.push_back(':');
-  text.append(port);
+  text.append(n.port);
   return text;
 }
+
+std::string host_text(const sockaddr* address) { return numeric_name(address).host; }
 
 Uri parse_uri(std::string_view text) {
   Uri u;

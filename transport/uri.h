@@ -25,5 +25,7 @@ Uri parse_uri(std::string_view text);
 
 // "host:port" ("[host]:port" for IPv6) of a peer's socket address, for log lines; "?" if null.
 std::string address_text(const sockaddr* address);
+// The numeric host alone (no port, no brackets): what identifies a peer's machine.
+std::string host_text(const sockaddr* address);
 
 }  // namespace pskv

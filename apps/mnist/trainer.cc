@@ -251,7 +251,7 @@ ServerOptions server_options(const TrainConfig& c, int server_id, const std::str
   so.server_id = static_cast<std::uint32_t>(server_id);
   so.num_workers = static_cast<std::uint32_t>(c.workers);
   so.mode = c.mode;
-  so.staleness = c.staleness;
+  so.staleness = c.mode == ConsistencyMode::ssp ? c.staleness : 0;
   so.sync_required = c.mode == ConsistencyMode::sync ? static_cast<std::uint32_t>(c.workers) - c.backup_workers : 0;
   so.wait_timeout = std::chrono::milliseconds(c.wait_timeout_ms);
   so.straggler = c.evict_stragglers ? StragglerPolicy::evict : StragglerPolicy::fail;

@@ -53,6 +53,22 @@ int main(int argc, char** argv) {
       ->envname("PSKV_MAX_REQUEST_MB")->capture_default_str();
   app.add_option("--max-keys-per-request", o.max_keys_per_request, "Largest key table accepted")
       ->envname("PSKV_MAX_KEYS_PER_REQUEST")->capture_default_str();
+  std::int64_t frame_ms = o.frame_timeout.count(), handshake_ms = o.handshake_timeout.count();
+  std::uint64_t budget_mb = o.memory_budget_bytes >> 20;
+  app.add_option("--max-connections-per-address", o.max_connections_per_address,
+                 "tcp: connections from one IP address beyond this are refused")
+      ->envname("PSKV_MAX_CONNECTIONS_PER_ADDRESS")->capture_default_str();
+  app.add_option("--handshake-timeout-ms", handshake_ms,
+                 "tcp: a connection that has not finished hello (and the token challenge) by then is closed")
+      ->envname("PSKV_HANDSHAKE_TIMEOUT_MS")->capture_default_str();
+  app.add_option("--frame-timeout-ms", frame_ms,
+                 "tcp: a request or reply not transferred whole within this (plus 1 s per 16 MiB) closes its "
+                 "connection; a worker silent between requests is never closed for it")
+      ->envname("PSKV_FRAME_TIMEOUT_MS")->capture_default_str();
+  app.add_option("--memory-budget-mb", budget_mb,
+                 "tcp: frame buffers and copied replies of all connections together, MiB; a request that would need "
+                 "more is refused with 'capacity'")
+      ->envname("PSKV_MEMORY_BUDGET_MB")->capture_default_str();
   std::uint64_t shm_slot_mb = o.shm_slot_bytes >> 20;
   app.add_option("--shm-slots", o.shm_slots, "shm: client slots (clients connected at once)")->envname("PSKV_SHM_SLOTS")
       ->capture_default_str();
@@ -100,6 +116,9 @@ int main(int argc, char** argv) {
   o.arena_bytes = arena_mb << 20;
   o.max_request_bytes = max_request_mb << 20;
   o.wait_timeout = std::chrono::milliseconds(wait_ms);
+  o.frame_timeout = std::chrono::milliseconds(frame_ms);
+  o.handshake_timeout = std::chrono::milliseconds(handshake_ms);
+  o.memory_budget_bytes = budget_mb << 20;
 
   // Block the stop signals before any thread starts, then wait for them here.
   sigset_t stop_signals;

@@ -27,8 +27,17 @@ struct ServerOptions {
   std::uint32_t stripes = 1024;
   std::uint32_t io_threads = 0;  // 0: one per core
   std::uint32_t max_connections = 1024;
+  // Bounds one request's payload and one reply's (a pull asking for more is refused).
   std::uint64_t max_request_bytes = 256ull << 20;
   std::uint32_t max_keys_per_request = 1u << 20;
+  // tcp: what one peer may hold (docs/ARCHITECTURE.md, "Hostile peers"). Connections from one
+  // IP address; time to finish hello (and the token challenge); time to move one frame, either
+  // way, beyond which its connection is closed (plus 1 s per 16 MiB of the frame); and the bytes
+  // all connections' frame buffers and copied replies may take together.
+  std::uint32_t max_connections_per_address = 256;
+  std::chrono::milliseconds handshake_timeout{5000};
+  std::chrono::milliseconds frame_timeout{5000};
+  std::uint64_t memory_budget_bytes = 1ull << 30;
   // Checkpoints: the shard is written to checkpoint_dir every checkpoint_interval (0: only at
   // stop) and at stop; restore_dir loads this server's shard from there before serving.
   std::string checkpoint_dir;

@@ -1,10 +1,12 @@
 #include "pskv/server.h"
 
+#include <cmath>
 #include <condition_variable>
 #include <cstdio>
 #include <mutex>
 #include <thread>
 
+#include "common/log.h"
 #include "server/checkpoint.h"
 
 #include "server/shard_engine.h"
@@ -25,11 +27,53 @@ bool choose(const char* field, const std::string& value, const char* first, cons
                                             value + "\"");
   return value == first;
 }
+
+[[noreturn]] void reject(const std::string& why) { throw Error(Errc::invalid_argument, why); }
+
+bool finite_at_least(float v, float low) { return std::isfinite(v) && v >= low; }
+
+// Options that would make the server wait forever, compute NaNs or silently ignore what was
+// asked are refused before anything starts, naming the flag.
+void validate(const ServerOptions& o) {
+  using std::to_string;
+  if (o.wait_timeout.count() <= 0)
+    reject("--wait-timeout-ms must be positive (got " + to_string(o.wait_timeout.count()) +
+           "): it bounds how long a read waits for a stalled worker");
+  if (o.handshake_timeout.count() <= 0) reject("--handshake-timeout-ms must be positive");
+  if (o.frame_timeout.count() <= 0) reject("--frame-timeout-ms must be positive");
+  if (o.checkpoint_interval.count() < 0) reject("--checkpoint-every-s must not be negative");
+  if (o.staleness != 0 && o.mode != ConsistencyMode::ssp)
+    reject("--staleness " + to_string(o.staleness) + " applies to --mode ssp only, not " +
+           std::string(to_string(o.mode)));
+  if (o.sync_required != 0 && o.mode != ConsistencyMode::sync)
+    reject("--sync-required applies to --mode sync only, not " + std::string(to_string(o.mode)));
+  if (o.mode == ConsistencyMode::sync && o.sync_required > o.num_workers)
+    reject("--sync-required " + to_string(o.sync_required) + " exceeds --workers " + to_string(o.num_workers));
+  if (o.mode != ConsistencyMode::asp && o.num_workers == 0)
+    reject("--mode " + std::string(to_string(o.mode)) + " needs --workers: the clocks it bounds reads by");
+  const UpdateRuleConfig& r = o.rule;
+  if (!finite_at_least(r.lr, 0)) reject("--lr must be a finite number >= 0, got " + to_string(r.lr));
+  if (!finite_at_least(r.momentum, 0) || r.momentum >= 1)
+    reject("--momentum must be in [0, 1), got " + to_string(r.momentum));
+  if (!finite_at_least(r.beta1, 0) || r.beta1 >= 1) reject("--beta1 must be in [0, 1), got " + to_string(r.beta1));
+  if (!finite_at_least(r.beta2, 0) || r.beta2 >= 1) reject("--beta2 must be in [0, 1), got " + to_string(r.beta2));
+  if (!std::isfinite(r.eps) || r.eps <= 0) reject("--eps must be a finite number > 0, got " + to_string(r.eps));
+  if (!finite_at_least(r.weight_decay, 0))
+    reject("--weight-decay must be a finite number >= 0, got " + to_string(r.weight_decay));
+  if (o.max_connections == 0) reject("--max-connections must be positive");
+  if (o.max_connections_per_address == 0) reject("--max-connections-per-address must be positive");
+  if (o.max_request_bytes == 0) reject("--max-request-mb must be positive");
+  if (o.max_keys_per_request == 0) reject("--max-keys-per-request must be positive");
+  if (o.memory_budget_bytes < o.max_request_bytes)
+    reject("--memory-budget-mb (" + to_string(o.memory_budget_bytes >> 20) + ") must be at least --max-request-mb (" +
+           to_string(o.max_request_bytes >> 20) + "), or a largest request could never be served");
+}
 }  // namespace
 
 class ServerImpl {
  public:
   explicit ServerImpl(const ServerOptions& o) : uri_(parse_uri(o.uri)), options_(o) {
+    validate(o);
     ShardEngine* engine = nullptr;
     EngineOptions e;
     e.store.arena_bytes = o.arena_bytes;
@@ -43,9 +87,6 @@ class ServerImpl {
     e.wait_timeout = o.wait_timeout;
     e.straggler = o.straggler;
     e.server_id = o.server_id;
-    if (o.mode == ConsistencyMode::sync && o.sync_required > o.num_workers)
-      throw Error(Errc::invalid_argument, "--sync-required " + std::to_string(o.sync_required) + " exceeds --workers " +
-                                              std::to_string(o.num_workers));
     wire::Limits limits;
     limits.max_keys = o.max_keys_per_request;
     limits.max_payload_bytes = o.max_request_bytes;
@@ -61,8 +102,8 @@ class ServerImpl {
       if (o.restore_dir.empty()) return;
       const std::string path = checkpoint_path(o.restore_dir, o.server_id);
       const CheckpointInfo info = read_checkpoint(engine.store(), path);
-      std::fprintf(stderr, "pskv-server %u: restored %llu keys from %s\n", o.server_id,
-                   static_cast<unsigned long long>(info.keys), path.c_str());
+      log::info("checkpoint", "server " + std::to_string(o.server_id) + " restored " + std::to_string(info.keys) +
+                                  " keys from " + path);
     };
     if (uri_.scheme == "tcp") {
       const bool push_in_pieces = choose("tcp_push", o.tcp_push, "pieces", "whole");
@@ -71,6 +112,11 @@ class ServerImpl {
       tcp_ = std::make_unique<tcp::TcpServer>(*engine_, uri_,
                                               tcp::TcpServerOptions{.io_threads = threads,
                                                                     .max_connections = o.max_connections,
+                                                                    .max_connections_per_address =
+                                                                        o.max_connections_per_address,
+                                                                    .frame_timeout = o.frame_timeout,
+                                                                    .handshake_timeout = o.handshake_timeout,
+                                                                    .memory_budget_bytes = o.memory_budget_bytes,
                                                                     .limits = limits,
                                                                     .push_in_pieces = push_in_pieces,
                                                                     .token = token});
@@ -124,7 +170,7 @@ class ServerImpl {
       try {
         checkpoint();
       } catch (const Error& e) {
-        std::fprintf(stderr, "pskv-server %u: checkpoint failed: %s\n", options_.server_id, e.what());
+        log::error("checkpoint", "server " + std::to_string(options_.server_id) + ": checkpoint failed: " + e.what());
       }
       lock.lock();
     }
@@ -146,7 +192,8 @@ class ServerImpl {
       try {
         checkpoint();
       } catch (const Error& e) {
-        std::fprintf(stderr, "pskv-server %u: final checkpoint failed: %s\n", options_.server_id, e.what());
+        log::error("checkpoint",
+                   "server " + std::to_string(options_.server_id) + ": final checkpoint failed: " + e.what());
       }
     }
     if (shm_) shm_->stop();

@@ -9,7 +9,6 @@
 
 #include <algorithm>
 #include <filesystem>
-#include <fstream>
 #include <functional>
 #include <numeric>
 #include <thread>
@@ -17,6 +16,7 @@
 #include "pskv/client.h"
 #include "support/process.h"
 #include "support/pushes.h"
+#include "support/raw_peer.h"
 #include "support/stop.h"
 #include "support/workloads.h"
 #include "support/token_file.h"
@@ -34,16 +34,19 @@ using testing::wait_pid;
 using testing::expect_nothing_lost;
 using testing::expect_permission_error;
 using testing::TokenFile;
+using testing::RawPeer;
+using testing::read_file;
 
-std::vector<ServerProcess> start_servers(int n, std::vector<std::string> extra = {}) {
+std::vector<ServerProcess> start_servers(int n, std::vector<std::string> extra = {}, const std::string& log = {}) {
   std::vector<ServerProcess> servers;
   for (int i = 0; i < n; ++i) {
     std::vector<std::string> args{"--uri", "tcp://127.0.0.1:0", "--server-id", std::to_string(i), "--io-threads", "2"};
     args.insert(args.end(), extra.begin(), extra.end());
-    servers.push_back(ServerProcess::start(args));
+    servers.push_back(ServerProcess::start(args, log));
   }
   return servers;
 }
+
 
 ClientOptions options_for(const std::vector<ServerProcess>& servers) {
   ClientOptions o;
@@ -251,39 +254,6 @@ TEST(TcpIntegration, TenMillionFloatKeySpreadsEvenlyOverFourServers) {
 
 // --- bad input -------------------------------------------------------------------------------
 
-class RawPeer {
- public:
-  explicit RawPeer(const std::string& uri) {
-    Uri u = parse_uri(uri);
-    fd_ = tcp::connect_tcp(u.host, u.port, std::chrono::seconds(5));
-    tcp::set_io_timeouts(fd_.get(), std::chrono::seconds(10), std::chrono::seconds(10));
-  }
-  void send(const void* p, std::size_t n) { ASSERT_EQ(::send(fd_.get(), p, n, MSG_NOSIGNAL), ssize_t(n)); }
-  void hello() {
-    wire::FrameHeader h = wire::make_header(wire::Op::hello, 1, 0, 0, kNoWorker, wire::kVersion);
-    send(&h, sizeof h);
-    wire::FrameHeader r{};
-    ASSERT_EQ(tcp::read_full(fd_.get(), &r, sizeof r), tcp::IoResult::ok);
-    ASSERT_EQ(r.status, 0);
-  }
-  // The next reply's status and error text; closed() if the server hung up instead.
-  std::pair<int, std::string> reply() {
-    wire::FrameHeader r{};
-    if (tcp::read_full(fd_.get(), &r, sizeof r) != tcp::IoResult::ok) return {-1, "closed"};
-    std::string text(r.payload_bytes, '\0');
-    if (!text.empty() && tcp::read_full(fd_.get(), text.data(), text.size()) != tcp::IoResult::ok) return {-1, "closed"};
-    return {r.status, text};
-  }
-  bool closed_by_server() {
-    char c;
-    return ::recv(fd_.get(), &c, 1, 0) <= 0;
-  }
-  int fd() const { return fd_.get(); }
-
- private:
-  tcp::Fd fd_;
-};
-
 class TcpBadInput : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -412,6 +382,121 @@ TEST_F(TcpBadInput, LargePushToAWrongKeyIsDrainedAndTheConnectionLives) {
     EXPECT_EQ(out[0], 0.0f) << "a key of a refused push was applied";
   }
   expect_still_serving();
+}
+
+// A pull reply is sized from the store's records after every key is checked: a 112-byte request
+// declaring four keys of 2^32-1 floats cannot make the server allocate (it once died of
+// bad_alloc), and one real key listed until the reply would pass the request limit is refused.
+TEST_F(TcpBadInput, APullCannotDeclareAHugeReply) {
+  const long before = testing::peak_rss_kib(servers_[0].process.pid());
+  RawPeer p(servers_[0].uri);
+  p.hello();
+  auto pull = [&](std::uint64_t id, std::vector<wire::KeyEntry> keys) {
+    p.request(wire::Op::pull, id, keys);
+    return p.reply();
+  };
+  {
+    auto [status, text] = pull(2, std::vector<wire::KeyEntry>(4, wire::KeyEntry{77, 0xffffffffu, 0}));
+    EXPECT_EQ(status, int(Errc::not_found)) << text;
+  }
+  {
+    auto [status, text] = pull(3, std::vector<wire::KeyEntry>(4, wire::KeyEntry{1, 0xffffffffu, 0}));
+    EXPECT_EQ(status, int(Errc::length_mismatch)) << text;
+  }
+  {
+    // A 4 MiB key listed 32 times: a 128 MiB reply, over this server's 64 MiB limit.
+    Client c(o_);
+    c.wait(c.init(Key(3), std::vector<float>(1u << 20, 1.0f)));
+    auto [status, text] = pull(4, std::vector<wire::KeyEntry>(32, wire::KeyEntry{3, 1u << 20, 0}));
+    EXPECT_EQ(status, int(Errc::capacity)) << text;
+    EXPECT_NE(text.find("--max-request-mb"), std::string::npos) << text;
+  }
+  EXPECT_EQ(pull(5, {wire::KeyEntry{1, 8, 0}}).first, 0) << "the refusals keep the connection";
+  const long after = testing::peak_rss_kib(servers_[0].process.pid());
+  EXPECT_LT(after - before, 64 * 1024) << "peak RSS grew by " << (after - before) << " KiB";
+  expect_still_serving();
+}
+
+// protocol.md: every occurrence of a repeated key is processed in order.
+TEST_F(TcpBadInput, ARepeatedKeyIsAppliedAndReturnedOncePerOccurrence) {
+  RawPeer p(servers_[0].uri);
+  p.hello();
+  std::vector<wire::KeyEntry> keys(3, wire::KeyEntry{1, 8, 0});
+  std::vector<float> grads(24, 2.0f);
+  wire::FrameHeader h = wire::make_header(wire::Op::push, 2, 3, grads.size() * sizeof(float));
+  p.send(&h, sizeof h);
+  p.send(keys.data(), keys.size() * sizeof keys[0]);
+  p.send(grads.data(), grads.size() * sizeof(float));
+  EXPECT_EQ(p.reply().first, 0);
+  p.request(wire::Op::pull, 3, std::span(keys).first(2));
+  wire::FrameHeader r{};
+  ASSERT_EQ(tcp::read_full(p.fd(), &r, sizeof r), tcp::IoResult::ok);
+  ASSERT_EQ(r.status, 0);
+  ASSERT_EQ(r.num_keys, 0u) << "replies carry no key table";
+  ASSERT_EQ(r.payload_bytes, 16 * sizeof(float));
+  std::vector<float> out(16);
+  ASSERT_EQ(tcp::read_full(p.fd(), out.data(), r.payload_bytes), tcp::IoResult::ok);
+  for (float v : out) EXPECT_EQ(v, 1.0f + 3 * 2.0f);  // rule add: three gradients of 2
+}
+
+TEST_F(TcpBadInput, ASecondHelloIsRefusedAndCloses) {
+  RawPeer p(servers_[0].uri);
+  p.hello();
+  wire::FrameHeader h = wire::make_header(wire::Op::hello, 2, 0, 0, 0, wire::kVersion);
+  p.send(&h, sizeof h);
+  auto [status, text] = p.reply();
+  EXPECT_EQ(status, int(Errc::permission)) << text;
+  EXPECT_TRUE(p.closed_by_server());
+  expect_still_serving();
+}
+
+// Before hello only a hello-sized frame is read: a peer cannot make the server hold a frame of
+// its choosing before it has said who it is.
+TEST_F(TcpBadInput, NothingLargerThanAHelloIsReadBeforeIt) {
+  RawPeer p(servers_[0].uri);
+  wire::FrameHeader h = wire::make_header(wire::Op::push, 1, 1, 32ull << 20);
+  p.send(&h, sizeof h);
+  auto [status, text] = p.reply();
+  EXPECT_EQ(status, int(Errc::protocol)) << text;
+  EXPECT_NE(text.find("hello"), std::string::npos) << text;
+  EXPECT_TRUE(p.closed_by_server());
+  expect_still_serving();
+}
+
+// A worker may be silent for long between requests: only a frame in progress has a deadline.
+TEST(TcpLimits, AnIdleClientOutlivesTheFrameAndHandshakeTimeouts) {
+  auto servers = start_servers(1, {"--frame-timeout-ms", "200", "--handshake-timeout-ms", "200"});
+  Client c(options_for(servers));
+  std::vector<float> v(8, 1.0f), out(8);
+  c.wait(c.init(Key(1), v));
+  std::this_thread::sleep_for(std::chrono::milliseconds(800));
+  c.wait(c.pull(Key(1), out));
+  EXPECT_EQ(out[0], 1.0f);
+}
+
+// Half a frame, or no hello at all, is closed at its deadline, and logged with the reason.
+TEST(TcpLimits, HalfAFrameAndAMissingHelloAreClosedAtTheirDeadlines) {
+  const std::string log = "/tmp/pskv-limits-" + std::to_string(::getpid());
+  auto servers = start_servers(1, {"--frame-timeout-ms", "300", "--handshake-timeout-ms", "300"}, log);
+  RawPeer silent(servers[0].uri);
+  RawPeer half(servers[0].uri);
+  half.hello();
+  wire::FrameHeader h = wire::make_header(wire::Op::pull, 2, 1, 0);
+  half.send(&h, 20);
+  EXPECT_TRUE(silent.closed_by_server_within(std::chrono::seconds(5)));
+  EXPECT_TRUE(half.closed_by_server_within(std::chrono::seconds(5)));
+  // The socket is shut before the line is written: wait for the line, within a bound.
+  std::string text;
+  for (int i = 0; i < 100; ++i) {
+    text = read_file(log);
+    if (text.find("did not finish hello") != std::string::npos &&
+        text.find("did not send the rest of a frame") != std::string::npos)
+      break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_NE(text.find("did not finish hello"), std::string::npos) << text;
+  EXPECT_NE(text.find("did not send the rest of a frame"), std::string::npos) << text;
+  ::unlink(log.c_str());
 }
 
 // A push applied in pieces holds no lock while it waits for its next bytes: a client stalled in
@@ -583,10 +668,7 @@ TEST(TcpIntegration, FramesFillingTheReceiveBufferToTheLastByteAreAllServed) {
   EXPECT_EQ(out, std::vector<float>(kFloats, float(kFrames)));
 }
 
-std::string slurp(const std::string& path) {
-  std::ifstream in(path);
-  return std::string(std::istreambuf_iterator<char>(in), {});
-}
+
 
 class TcpAuth : public ::testing::Test {
  protected:
@@ -636,7 +718,7 @@ TEST_F(TcpAuth, ClientWithoutOrWithAnotherTokenIsRefused) {
   ClientOptions wrong = o_;
   wrong.auth_token_file = other.path;
   expect_permission_error(wrong, "failed to prove it holds the token");
-  EXPECT_NE(slurp(log_).find("refused unauthenticated peer 127.0.0.1:"), std::string::npos) << slurp(log_);
+  EXPECT_NE(read_file(log_).find("refused unauthenticated peer 127.0.0.1:"), std::string::npos) << read_file(log_);
   Client good(o_);  // still serving
 }
 
@@ -677,7 +759,7 @@ TEST_F(TcpAuth, UnauthenticatedPeersAreServedNothingAndLogged) {
     EXPECT_NE(text.find("--auth-token-file"), std::string::npos) << text;
     EXPECT_TRUE(p.closed_by_server());
   }
-  const std::string log = slurp(log_);
+  const std::string log = read_file(log_);
   EXPECT_NE(log.find("sent pull before authenticating"), std::string::npos) << log;
   EXPECT_NE(log.find("failed the challenge"), std::string::npos) << log;
   EXPECT_NE(log.find("has no token"), std::string::npos) << log;
@@ -700,7 +782,7 @@ TEST(TcpAuthSetup, ServerRefusesATokenFileOthersCanRead) {
   const std::string log = "/tmp/pskv-auth-setup-" + std::to_string(::getpid());
   testing::Process server(PSKV_SERVER_BIN, {"--uri", "tcp://127.0.0.1:0", "--auth-token-file", token.path}, log);
   EXPECT_NE(server.wait(std::chrono::seconds(20)), 0);
-  EXPECT_NE(slurp(log).find("chmod 600"), std::string::npos) << slurp(log);
+  EXPECT_NE(read_file(log).find("chmod 600"), std::string::npos) << read_file(log);
   std::filesystem::remove(log);
 }
 

@@ -16,6 +16,7 @@
 
 #include "pskv/client.h"
 #include "support/process.h"
+#include "support/raw_peer.h"
 #include "transport/tcp/socket.h"
 #include "transport/uri.h"
 #include "transport/wire.h"
@@ -114,24 +115,17 @@ class OversizedRequest : public ::testing::Test {
 // the reply is read. The send may fail part-way (the server closes after answering); the answer
 // must still be there to read.
 TEST_F(OversizedRequest, ServerAnswersWithTheLimitOnTheWire) {
-  Uri u = parse_uri(server_.uri);
-  tcp::Fd fd = tcp::connect_tcp(u.host, u.port, std::chrono::seconds(5));
-  tcp::set_io_timeouts(fd.get(), std::chrono::seconds(10), std::chrono::seconds(10));
-  wire::FrameHeader hello = wire::make_header(wire::Op::hello, 1, 0, 0, kNoWorker, wire::kVersion);
-  ASSERT_EQ(::send(fd.get(), &hello, sizeof hello, MSG_NOSIGNAL), ssize_t(sizeof hello));
-  wire::FrameHeader r{};
-  ASSERT_EQ(tcp::read_full(fd.get(), &r, sizeof r), tcp::IoResult::ok);
-  ASSERT_EQ(r.status, 0);
+  testing::RawPeer peer(server_.uri);
+  peer.hello();
 
   wire::KeyEntry key{2, static_cast<std::uint32_t>(big_.size()), 0};
   wire::FrameHeader h = wire::make_header(wire::Op::push, 2, 1, big_.size() * sizeof(float));
   iovec iov[3] = {{&h, sizeof h}, {&key, sizeof key}, {big_.data(), big_.size() * sizeof(float)}};
-  const tcp::IoResult sent = tcp::writev_full(fd.get(), iov, 3);
+  const tcp::IoResult sent = tcp::writev_full(peer.fd(), iov, 3);
   std::printf("raw 2 MiB push: send %s\n", tcp::io_result_text(sent).c_str());
-  ASSERT_EQ(tcp::read_full(fd.get(), &r, sizeof r), tcp::IoResult::ok) << "no reply to the oversized push";
-  std::string text(r.payload_bytes, '\0');
-  ASSERT_EQ(tcp::read_full(fd.get(), text.data(), text.size()), tcp::IoResult::ok);
-  EXPECT_EQ(r.status, int(Errc::capacity)) << text;
+  const auto [status, text] = peer.reply();
+  ASSERT_NE(status, -1) << "no reply to the oversized push";
+  EXPECT_EQ(status, int(Errc::capacity)) << text;
   EXPECT_NE(text.find("--max-request-mb"), std::string::npos) << text;
   std::printf("raw 2 MiB push: server says '%s'\n", text.c_str());
   expect_still_serving();

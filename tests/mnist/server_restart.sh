@@ -12,13 +12,16 @@ trap 'rm -rf "$dir"' EXIT
   --train-limit 12000 --test-limit 5000 --epochs 3 --checkpoint-dir "$dir" --checkpoint-every-s 1 --json \
   >"$log" 2>&1 &
 job=$!
-# The launcher prints each server's pid; kill server 1 once it has written a checkpoint.
-for _ in $(seq 1 300); do
+# The launcher prints each server's pid; kill server 1 once it has written a checkpoint that
+# holds the model (over 64 KiB: the MLP's keys), so the kill lands mid-training. A checkpoint
+# of the empty store is written before the workers' initial barrier, and a kill then is another
+# test's business: under --straggler-policy fail the barrier fails the job by design.
+ready() {
   pid=$(sed -n 's/^  server 1: pid \([0-9]*\) .*/\1/p' "$log" | head -1)
-  [ -n "$pid" ] && [ -f "$dir/shard-1.ckpt" ] && break
-  sleep 0.1
-done
-[ -n "${pid:-}" ] && [ -f "$dir/shard-1.ckpt" ] || { cat "$log"; echo "server 1 never checkpointed" >&2; exit 1; }
+  [ -n "$pid" ] && [ -f "$dir/shard-1.ckpt" ] && [ "$(stat -c %s "$dir/shard-1.ckpt")" -gt 65536 ]
+}
+for _ in $(seq 1 600); do ready && break; sleep 0.1; done
+ready || { cat "$log"; echo "server 1 never checkpointed the model" >&2; exit 1; }
 kill -9 "$pid"
 echo "killed server 1 (pid $pid) mid-training"
 wait "$job" || { cat "$log"; echo "the job failed after the server kill" >&2; exit 1; }

@@ -158,4 +158,9 @@ long status_field(pid_t pid, const char* field) {
 long peak_rss_kib(pid_t pid) { return status_field(pid, "VmHWM:"); }
 long rss_kib(pid_t pid) { return status_field(pid, "VmRSS:"); }
 
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
 }  // namespace pskv::testing

@@ -46,6 +46,9 @@ struct ServerProcess {
   static ServerProcess start(const std::vector<std::string>& args, const std::string& stderr_path = {});
 };
 
+// The whole of a file (a server's stderr log, say); empty if it cannot be read.
+std::string read_file(const std::string& path);
+
 // Peak resident memory (VmHWM) of a process in KiB.
 long peak_rss_kib(pid_t pid);
 long rss_kib(pid_t pid);

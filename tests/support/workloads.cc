@@ -47,9 +47,4 @@ void expect_nothing_lost(const ClientOptions& options, const NothingLostOptions&
   EXPECT_EQ(total, double(w.clients) * w.pushes);
 }
 
-double stats_field(const std::string& json, const std::string& name) {
-  const auto at = json.find("\"" + name + "\":");
-  return at == std::string::npos ? -1 : std::stod(json.substr(at + name.size() + 3));
-}
-
 }  // namespace pskv::testing

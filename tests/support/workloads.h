@@ -6,6 +6,7 @@
 #include <string>
 
 #include "pskv/client.h"
+#include "support/stats.h"
 
 namespace pskv::testing {
 
@@ -25,7 +26,5 @@ struct NothingLostOptions {
 // Reports failures through GoogleTest.
 void expect_nothing_lost(const ClientOptions& options, const NothingLostOptions& w);
 
-// A number from a server's stats JSON (Client::server_stats), or -1 when the field is missing.
-double stats_field(const std::string& json, const std::string& name);
 
 }  // namespace pskv::testing

@@ -226,6 +226,36 @@ TEST_P(InProcess, LargePushesMeetPullsAndPipelinedRequests) {
   for (float x : big) ASSERT_EQ(x, float(kPushes));
 }
 
+// The documented contract lets push and pull run on other threads while the training loop's
+// thread calls clock(): the step a request carries was read unsynchronised (a data race TSan
+// reported); now it is one step or the other.
+TEST_P(InProcess, PushesFromOtherThreadsMayRaceTheClock) {
+  ServerOptions so = server_options();
+  so.num_workers = 1;
+  so.mode = ConsistencyMode::ssp;
+  so.staleness = 1000;
+  Server server(so);
+  ClientOptions o = client_options(server);
+  o.worker_id = 0;
+  Client c(o);
+  std::vector<float> zero(16, 0.0f), one(16, 1.0f);
+  c.wait(c.init(Key(1), zero));
+  std::atomic<bool> stop{false};
+  std::atomic<int> pushes{0};
+  std::thread pusher([&] {
+    while (!stop.load()) {
+      c.wait(c.push(Key(1), one));
+      pushes.fetch_add(1);
+    }
+  });
+  // The clocks start once pushes flow, so the two overlap every time.
+  while (pushes.load() == 0) std::this_thread::yield();
+  for (int i = 0; i < 200; ++i) c.clock();
+  stop.store(true);
+  pusher.join();
+  EXPECT_EQ(c.current_clock(), 200u);
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, InProcess, ::testing::Values("tcp", "shm", "shm_ring"),
                          [](const auto& info) { return info.param; });
 

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "common/log.h"
 #include "common/sync.h"
 #include "transport/rdma/rdma_server_internal.h"
 
@@ -435,6 +436,10 @@ bool IoThread::reply(ServerConn& c, const wire::FrameHeader& req, Errc status, c
 }
 
 bool IoThread::send_error(ServerConn& c, const wire::FrameHeader& req, Errc status, const std::string& why) {
+  // A malformed frame ends its connection: the operator should see who sent it and why.
+  if (status == Errc::protocol)
+    log::warn("rdma.bad-frame", "server " + std::to_string(engine_.options().server_id) + ": " + c.address + " sent a bad " +
+                                    std::string(wire::op_name(req.op)) + ": " + why);
   const std::size_t n = std::min(why.size(), kControlBytes - kHeader);
   return reply(c, req, status, why.data(), n, wire::kErrorText);
 }
@@ -447,6 +452,9 @@ void IoThread::close(ServerConn& c) {
     reap_sends(c);
     std::this_thread::yield();
   }
+  if (c.worker != kNoWorker && !c.finished)
+    log::info("rdma.closed", "server " + std::to_string(engine_.options().server_id) + " closed " + c.address +
+                                 " (worker " + std::to_string(c.worker) + ") before it finished");
   if (c.worker != kNoWorker) engine_.worker_left(c.worker, c.finished);
   rdma_disconnect(c.id);
   c.release();

@@ -163,9 +163,9 @@ namespace {
 constexpr int kSkipAfterFruitlessSpin = 16;
 thread_local int t_reads_without_spin = 0;
 
-// recvmsg(2) into the iovecs; while nothing is waiting, retries for up to `spin` before it blocks
-// (if this thread may spin at all).
-ssize_t receive_into(int fd, iovec* iov, int count, std::chrono::nanoseconds spin) noexcept {
+// recvmsg(2) into the iovecs; while nothing is waiting, retries for up to `spin` (if this thread
+// may spin at all), then blocks, or with `block` false returns the EAGAIN.
+ssize_t receive_into(int fd, iovec* iov, int count, std::chrono::nanoseconds spin, bool block = true) noexcept {
   msghdr msg{};
   msg.msg_iov = iov;
   msg.msg_iovlen = static_cast<std::size_t>(std::min(count, IOV_MAX));
@@ -182,7 +182,7 @@ ssize_t receive_into(int fd, iovec* iov, int count, std::chrono::nanoseconds spi
     } while (steady_now_ns() < until);
     t_reads_without_spin = kSkipAfterFruitlessSpin;
   }
-  return ::recvmsg(fd, &msg, 0);
+  return block ? ::recvmsg(fd, &msg, 0) : ::recvmsg(fd, &msg, MSG_DONTWAIT);
 }
 }  // namespace
 
@@ -199,22 +199,33 @@ IoResult readv_full(int fd, iovec* iov, int count, std::chrono::nanoseconds spin
   return IoResult::ok;
 }
 
-ssize_t recv_some(int fd, void* data, std::size_t bytes, std::chrono::nanoseconds spin) noexcept {
+ssize_t recv_spinning(int fd, void* data, std::size_t bytes, std::chrono::nanoseconds spin) noexcept {
   iovec iov{data, bytes};
-  return receive_into(fd, &iov, 1, spin);
+  return receive_into(fd, &iov, 1, spin, /*block=*/false);
+}
+
+namespace {
+// One sendmsg(2) of the iovecs with `flags` (MSG_NOSIGNAL always), EINTR retried.
+ssize_t send_iov(int fd, const iovec* iov, int count, int flags) noexcept {
+  msghdr msg{};
+  msg.msg_iov = const_cast<iovec*>(iov);
+  msg.msg_iovlen = static_cast<std::size_t>(std::min(count, IOV_MAX));
+  ssize_t n;
+  do n = ::sendmsg(fd, &msg, MSG_NOSIGNAL | flags);
+  while (n < 0 && errno == EINTR);
+  return n;
+}
+}  // namespace
+
+ssize_t send_some(int fd, const iovec* iov, int count, bool more) noexcept {
+  return send_iov(fd, iov, count, MSG_DONTWAIT | (more ? MSG_MORE : 0));
 }
 
 IoResult writev_full(int fd, iovec* iov, int count, bool more) noexcept {
   while (count > 0 && iov->iov_len == 0) ++iov, --count;
   while (count > 0) {
-    msghdr msg{};
-    msg.msg_iov = iov;
-    msg.msg_iovlen = static_cast<std::size_t>(std::min(count, IOV_MAX));
-    const ssize_t n = ::sendmsg(fd, &msg, MSG_NOSIGNAL | (more ? MSG_MORE : 0));
-    if (n <= 0) {
-      if (n < 0 && errno == EINTR) continue;
-      return classify(n);
-    }
+    const ssize_t n = send_iov(fd, iov, count, more ? MSG_MORE : 0);
+    if (n <= 0) return classify(n);
     advance(iov, count, static_cast<std::size_t>(n));
   }
   return IoResult::ok;

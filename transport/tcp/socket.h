@@ -70,8 +70,13 @@ IoResult readv_full(int fd, iovec* iov, int count, std::chrono::nanoseconds spin
 // Whether a receive's result `n` (with errno) says nothing was waiting: a MSG_DONTWAIT receive
 // that found the socket empty, or a blocking one that SO_RCVTIMEO cut short.
 bool nothing_waiting(ssize_t n) noexcept;
-// One receive of at least one byte, like recv(2) with no flags.
-ssize_t recv_some(int fd, void* data, std::size_t bytes, std::chrono::nanoseconds spin) noexcept;
+// One receive that never blocks: while nothing is waiting it retries for up to `spin` (under the
+// same ration as read_full), then returns -1 with EAGAIN. For non-blocking readers that hand the
+// socket back to epoll rather than sleep in recv.
+ssize_t recv_spinning(int fd, void* data, std::size_t bytes, std::chrono::nanoseconds spin) noexcept;
+// One non-blocking sendmsg(2) of the iovecs (EINTR retried): the bytes taken, or -1 with errno
+// (EAGAIN: the socket buffer is full). `more` as for writev_full.
+ssize_t send_some(int fd, const iovec* iov, int count, bool more = false) noexcept;
 // `more` (MSG_MORE) holds back a last partial segment for the next write, to go out with it.
 IoResult writev_full(int fd, iovec* iov, int count, bool more = false) noexcept;
 std::string io_result_text(IoResult r);

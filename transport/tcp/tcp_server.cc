@@ -1,93 +1,204 @@
 #include "transport/tcp/tcp_server.h"
 
 #include <fcntl.h>
+#include <poll.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
-#include <iostream>
+#include <deque>
+
+#include "common/log.h"
+#include "common/memory.h"
+#include "common/sync.h"
 
 namespace pskv::tcp {
 
-// One client connection. The owning I/O thread (EPOLLONESHOT) reads and handles requests;
-// replies may also be sent by a thread resuming a parked pull, so sends take send_mu.
+// A reply on its way out. It is first tried straight from where its payload lies (the store, the
+// connection's reply buffer, a stack string); only what the socket did not take is kept, with
+// its payload copied unless it lives in the store, which outlives every connection.
+struct Reply {
+  Reply() = default;
+  Reply(const wire::FrameHeader& header, const void* payload = nullptr, std::uint64_t payload_bytes = 0)
+      : header(header), payload(payload), payload_bytes(payload_bytes) {}
+
+  wire::FrameHeader header{};
+  const void* payload = nullptr;
+  std::uint64_t payload_bytes = 0;
+  std::vector<char> owned;          // the payload once it had to be kept
+  std::unique_ptr<HeapMemory> owned_values;  // a large payload built for this reply alone
+  // Sent straight from the store's slots, then a u32: 0 if no slot's seqlock moved across the
+  // send, 1 if a push got in and the client must ask again.
+  bool from_store = false;
+  std::vector<iovec> store_iov;
+  std::vector<SlotHeader*> slots;
+  std::vector<std::uint64_t> versions;
+  std::uint32_t torn = 0;
+  std::uint64_t sent = 0;     // of header, payload and trailer
+  std::uint64_t charged = 0;  // budget bytes this reply holds
+  std::int64_t deadline_ns = 0;
+
+  std::uint64_t total() const noexcept { return sizeof header + payload_bytes + (from_store ? sizeof torn : 0); }
+  // Moves the payload somewhere this reply owns, unless it is already owned or in the store.
+  void keep_payload() {
+    if (from_store || (owned_values && payload == owned_values->data()) || payload == owned.data() ||
+        payload_bytes == 0)
+      return;
+    const char* p = static_cast<const char*>(payload);
+    owned.assign(p, p + payload_bytes);
+    payload = owned.data();
+  }
+  // One non-blocking write of what is left. Returns the bytes written, or -1 with errno.
+  ssize_t write_some(int fd) {
+    iovec iov[IOV_MAX];
+    int count = 0;
+    std::uint64_t skip = sent;
+    auto add = [&](const void* base, std::uint64_t len) {
+      if (skip >= len) {
+        skip -= len;
+        return;
+      }
+      if (count < IOV_MAX) iov[count++] = {static_cast<char*>(const_cast<void*>(base)) + skip, len - skip};
+      skip = 0;
+    };
+    add(&header, sizeof header);
+    const std::uint64_t body_end = sizeof header + payload_bytes;
+    if (!from_store) {
+      add(payload, payload_bytes);
+      return send_some(fd, iov, count);
+    }
+    for (const iovec& v : store_iov) add(v.iov_base, v.iov_len);
+    if (sent >= body_end) add(&torn, sizeof torn);
+    ssize_t n;
+    {
+      const SeqlockReadScope racy_reads;  // validated by the versions once all values are out
+      n = send_some(fd, iov, count, /*more=*/sent < body_end);
+    }
+    if (n > 0 && sent < body_end && sent + static_cast<std::uint64_t>(n) >= body_end) {
+      // Every value is out: did a push get into any slot meanwhile?
+      std::atomic_thread_fence(std::memory_order_acquire);
+      for (std::size_t i = 0; i < slots.size(); ++i)
+        if (slots[i]->seq.load(std::memory_order_relaxed) != versions[i]) torn = 1;
+    }
+    return n;
+  }
+  // Writes until all is out (true) or the socket is full (true, sent < total()); false if the
+  // connection failed. `sent_now` gets the bytes this call wrote.
+  bool write_out(int fd, std::uint64_t* sent_now) {
+    const std::uint64_t before = sent;
+    while (sent < total()) {
+      const ssize_t n = write_some(fd);
+      if (n < 0) {
+        if (!nothing_waiting(n)) return false;
+        break;
+      }
+      sent += static_cast<std::uint64_t>(n);
+    }
+    *sent_now = sent - before;
+    return true;
+  }
+};
+
+// What the owner of a frame larger than the receive buffer keeps between readable events.
+struct LargeFrame {
+  enum class Stage { none, keys, body, stream, discard };
+  Stage stage = Stage::none;
+  wire::FrameHeader h{};
+  std::int64_t started_ns = 0;
+  std::uint64_t progress = 0;    // bytes of the frame taken so far, whatever the stage
+  std::uint64_t key_have = 0;    // bytes of the key table in peer.keys
+  std::uint64_t have = 0;        // payload bytes in `payload` (body) or dropped (discard)
+  std::uint64_t charged = 0;
+  // Mapped at the declared size but never written ahead of the bytes: pages are backed as data
+  // arrives, so a peer that declares much and sends little holds little memory; the buffer is
+  // never grown and copied, and its pages go back to the system with it (a heap allocation
+  // could stay resident in the allocator after the frame, outside the budget).
+  std::unique_ptr<HeapMemory> payload;
+  // stream: where the apply is, and whether the keys were all found.
+  std::vector<SlotHeader*> slots;
+  Errc found = Errc::ok;
+  std::string why;
+  std::size_t key = 0;
+  std::uint64_t done_floats = 0, step = 0, applied = 0;
+  // discard: the answer once the frame is drained.
+  Errc refusal = Errc::ok;
+  std::string refusal_why;
+};
+
+// One client connection. Thread-safety: the I/O thread that owns it (owned == true, taken and
+// given back under mu) alone reads it and touches the fields below "owner only"; replies may be
+// queued by any thread (a parked pull resumed elsewhere) under mu; the reaper reads the atomics.
 class Peer : public std::enable_shared_from_this<Peer> {
  public:
-  Peer(int fd, std::string address) : fd(fd), address(std::move(address)) {}
+  Peer(int fd, std::uint32_t generation, std::string address, std::string host)
+      : fd(fd), generation(generation), address(std::move(address)), host(std::move(host)),
+        accepted_ns(steady_now_ns()) {}
 
-  // Sends a reply unless the connection is already closed. Thread-safe.
-  bool send(wire::FrameHeader& h, const void* payload, std::size_t bytes) {
-    std::lock_guard lock(send_mu);
-    if (closed) return false;
-    iovec iov[2] = {{&h, sizeof h}, {const_cast<void*>(payload), bytes}};
-    return writev_full(fd.get(), iov, bytes ? 2 : 1) == IoResult::ok;
-  }
-  // Sends `iov` (a reply header, then each slot's values straight out of the store) and then a
-  // u32: 0 if no slot's seqlock moved across the send, 1 if a push got in and the client must
-  // ask again. Saves the copy into a reply buffer; the kernel's copy is the only one.
-  bool send_from_store(std::vector<iovec>& iov, std::span<SlotHeader* const> slots) {
-    thread_local std::vector<std::uint64_t> versions;
-    std::lock_guard lock(send_mu);
-    if (closed) return false;
-    versions.clear();
-    for (const SlotHeader* s : slots) versions.push_back(Store::stable_version(*s));
-    IoResult sent;
-    {
-      const SeqlockReadScope racy_reads;  // validated by the versions below
-      sent = writev_full(fd.get(), iov.data(), static_cast<int>(iov.size()), /*more=*/true);
-    }
-    if (sent != IoResult::ok) return false;
-    std::atomic_thread_fence(std::memory_order_acquire);
-    std::uint32_t torn = 0;
-    for (std::size_t i = 0; i < slots.size(); ++i)
-      if (slots[i]->seq.load(std::memory_order_relaxed) != versions[i]) torn = 1;
-    iovec t{&torn, sizeof torn};
-    return writev_full(fd.get(), &t, 1) == IoResult::ok;
-  }
-  bool send_error(const wire::FrameHeader& req, Errc status, const std::string& why) {
-    wire::FrameHeader h = wire::make_header(static_cast<wire::Op>(req.op), req.request_id, 0, why.size());
-    h.flags = wire::kResponse | wire::kErrorText;
-    h.status = static_cast<std::uint16_t>(status);
-    return send(h, why.data(), why.size());
-  }
-  void close() {
-    std::lock_guard lock(send_mu);
-    if (closed) return;
-    closed = true;
-    ::shutdown(fd.get(), SHUT_RDWR);
-    fd.reset();
+  std::uint64_t tag() const noexcept { return (std::uint64_t{generation} << 32) | static_cast<std::uint32_t>(fd.get()); }
+  std::string who() const {
+    return worker == kNoWorker ? address : address + " (worker " + std::to_string(worker) + ")";
   }
 
   Fd fd;
+  const std::uint32_t generation;
   const std::string address;  // host:port, for the log
-  // Ownership passes between I/O threads through epoll (rearm, then another thread's wait);
-  // this release/acquire pair states that handoff in the memory model (and to TSan).
-  std::atomic<std::uint32_t> handoff{0};
-  std::mutex send_mu;
+  const std::string host;     // for the per-address cap
+  const std::int64_t accepted_ns;
+
+  std::mutex mu;
+  // Under mu.
   bool closed = false;
+  bool owned = false;
+  bool backlog = false;  // buffered requests wait for the connection to be served again
+  bool mid_frame = false;  // a large frame is half read: it is read on, paused or not
+  std::uint32_t parked = 0;
+  std::uint64_t queued_bytes = 0;
+  std::deque<std::unique_ptr<Reply>> out;
+  std::string expired;  // why the reaper shut the connection
+
+  std::atomic<bool> handshaken{false};
+  std::atomic<std::int64_t> in_deadline_ns{0}, out_deadline_ns{0};
+
+  // Owner only.
   bool said_hello = false;
   bool authenticated = false;  // passed the token challenge (or the server has no token)
   std::uint32_t hello_worker = kNoWorker;  // admitted once authenticated
   auth::Nonce client_nonce{}, server_nonce{};
   bool finished = false;  // the worker announced it is done (clock = kClockDone)
   std::uint32_t worker = kNoWorker;
-  // Owned by the I/O thread that holds the connection. Requests are read with one recv into
-  // `in` and parsed from there; only frames larger than `in` are read straight into `payload`.
+  // Requests are read with one recv into `in` and parsed from there; only frames larger than
+  // `in` are read past it (LargeFrame).
   static constexpr std::size_t kInBytes = 256 << 10;
   std::unique_ptr<float[]> in{new float[kInBytes / sizeof(float)]};  // float-aligned frames
   std::size_t in_begin = 0, in_end = 0;
   std::vector<wire::KeyEntry> keys;
-  std::vector<float> payload;
-  std::vector<float> reply;
+  std::vector<float> reply;  // small pull replies (up to kInBytes)
+  LargeFrame large;
   char* in_bytes() { return reinterpret_cast<char*>(in.get()); }
+  void compact() {
+    if (in_begin == 0) return;
+    std::memmove(in_bytes(), in_bytes() + in_begin, in_end - in_begin);
+    in_end -= in_begin;
+    in_begin = 0;
+  }
 };
 
 static_assert(TcpServer::kPushPieceFloats * sizeof(float) <= Peer::kInBytes, "a push piece must fit the receive buffer");
 
 namespace {
+
+constexpr std::uint64_t kListenerTag = ~0ull, kWakeTag = ~0ull - 1;
+// How often the reaper looks for connections past a deadline; deadlines are met to this.
+constexpr std::int64_t kReapEveryNs = 100'000'000;
+// Past this much queued reply data a connection is not read until its peer takes some.
+constexpr std::uint64_t kPauseQueuedBytes = 4u << 20;
+constexpr std::size_t kPauseQueuedReplies = 64;
+// Large buffers a connection used for one frame are given back rather than kept for the next.
+constexpr std::size_t kKeepBufferBytes = 1u << 20;
 
 wire::FrameHeader reply_header(const wire::FrameHeader& req, std::uint64_t payload_bytes, std::uint64_t arg0 = 0,
                                std::uint32_t arg1 = 0) {
@@ -97,77 +208,48 @@ wire::FrameHeader reply_header(const wire::FrameHeader& req, std::uint64_t paylo
   return h;
 }
 
-// A pull waiting for the consistency bound. Holds its own copy of the key table: the connection
-// keeps serving other requests meanwhile.
-class ParkedPull final : public Parked {
- public:
-  ParkedPull(std::shared_ptr<Peer> peer, ShardEngine& engine, const wire::FrameHeader& req,
-             std::vector<wire::KeyEntry> keys)
-      : peer_(std::move(peer)), engine_(engine), req_(req), keys_(std::move(keys)) {}
-  void resume(Errc status, const std::string& why) override {
-    if (status != Errc::ok) {
-      peer_->send_error(req_, status, why);
-      return;
-    }
-    std::uint64_t floats = 0;
-    for (const auto& k : keys_) floats += k.length;
-    std::vector<float> values(floats);
-    std::string err;
-    if (Errc e = engine_.pull(keys_, values.data(), &err); e != Errc::ok) {
-      peer_->send_error(req_, e, err);
-      return;
-    }
-    wire::FrameHeader h = reply_header(req_, floats * sizeof(float), engine_.observed_bound());
-    if (req_.flags & wire::kChecksum) {
-      h.flags |= wire::kChecksum;
-      h.checksum = wire::crc32_update(0, values.data(), values.size() * sizeof(float));
-    }
-    peer_->send(h, values.data(), values.size() * sizeof(float));
-  }
+// A non-blocking receive's result as the frame readers use it: the bytes, 0 for nothing waiting
+// (or interrupted), -1 for a connection closed or failed.
+ssize_t received(ssize_t n) {
+  if (n > 0) return n;
+  if (n < 0 && (errno == EINTR || nothing_waiting(n))) return 0;
+  return -1;
+}
 
- private:
-  std::shared_ptr<Peer> peer_;
-  ShardEngine& engine_;
-  wire::FrameHeader req_;
-  std::vector<wire::KeyEntry> keys_;
-};
-
-class ParkedAck final : public Parked {
- public:
-  ParkedAck(std::shared_ptr<Peer> peer, const wire::FrameHeader& req) : peer_(std::move(peer)), req_(req) {}
-  void resume(Errc status, const std::string& why) override {
-    if (status != Errc::ok) {
-      peer_->send_error(req_, status, why);
-      return;
-    }
-    wire::FrameHeader h = reply_header(req_, 0);
-    peer_->send(h, nullptr, 0);
-  }
-
- private:
-  std::shared_ptr<Peer> peer_;
-  wire::FrameHeader req_;
-};
-
-// Reads `bytes` into `buf`, growing it only as data actually arrives, so a peer that declares a
-// large frame and sends little cannot make the server allocate the declared size.
-// `have_bytes` are already in place at the front of `buf`.
-IoResult read_growing(int fd, std::vector<float>& buf, std::uint64_t bytes, std::size_t have_bytes) {
-  constexpr std::size_t kStep = 4u << 20;
-  if (buf.size() * sizeof(float) < std::min<std::uint64_t>(bytes, have_bytes + kStep))
-    buf.resize(std::min<std::uint64_t>(bytes, have_bytes + kStep) / sizeof(float) + 1);
-  std::size_t have = have_bytes;
-  while (have < bytes) {
-    if (buf.size() * sizeof(float) <= have) buf.resize(std::min<std::uint64_t>(bytes, have * 2) / sizeof(float) + 1);
-    const std::size_t n = std::min<std::uint64_t>(bytes, buf.size() * sizeof(float)) - have;
-    if (IoResult r = read_full(fd, reinterpret_cast<char*>(buf.data()) + have, n, kMidFrameSpin); r != IoResult::ok)
-      return r;
-    have += n;
-  }
-  return IoResult::ok;
+template <typename T>
+void give_back_if_large(std::vector<T>& v) {
+  if (v.capacity() * sizeof(T) > kKeepBufferBytes) std::vector<T>().swap(v);
 }
 
 }  // namespace
+
+// A pull waiting for the consistency bound, or a barrier waiting for the other workers. A pull
+// holds its own copy of the key table: the connection keeps serving other requests meanwhile.
+class ParkedRequest final : public Parked {
+ public:
+  ParkedRequest(TcpServer& server, std::shared_ptr<Peer> peer, const wire::FrameHeader& req,
+                std::vector<wire::KeyEntry> keys)
+      : server_(server), peer_(std::move(peer)), req_(req), keys_(std::move(keys)) {}
+  void resume(Errc status, const std::string& why) override {
+    {
+      std::lock_guard lock(peer_->mu);
+      --peer_->parked;
+    }
+    if (status != Errc::ok)
+      server_.send_error(*peer_, req_, status, why);
+    else if (static_cast<wire::Op>(req_.op) == wire::Op::pull)
+      server_.answer_pull(*peer_, req_, keys_, /*owner=*/false);
+    else
+      server_.send_empty(*peer_, req_);
+    server_.poke(*peer_);
+  }
+
+ private:
+  TcpServer& server_;
+  std::shared_ptr<Peer> peer_;
+  wire::FrameHeader req_;
+  std::vector<wire::KeyEntry> keys_;
+};
 
 TcpServer::TcpServer(ShardEngine& engine, const Uri& uri, const TcpServerOptions& options)
     : engine_(engine), options_(options) {
@@ -181,12 +263,13 @@ TcpServer::TcpServer(ShardEngine& engine, const Uri& uri, const TcpServerOptions
   if (!epoll_fd_ || !wake_fd_) throw Error(Errc::io, std::string("epoll/eventfd: ") + std::strerror(errno));
   epoll_event ev{};
   ev.events = EPOLLIN | EPOLLONESHOT;
-  ev.data.ptr = nullptr;  // the listener
+  ev.data.u64 = kListenerTag;
   epoll_ctl(epoll_fd_.get(), EPOLL_CTL_ADD, listen_fd_.get(), &ev);
   epoll_event wake{};
   wake.events = EPOLLIN;  // level-triggered: wakes every thread at stop
-  wake.data.ptr = &wake_fd_;
+  wake.data.u64 = kWakeTag;
   epoll_ctl(epoll_fd_.get(), EPOLL_CTL_ADD, wake_fd_.get(), &wake);
+  next_reap_ns_.store(steady_now_ns() + kReapEveryNs);
   for (std::uint32_t i = 0; i < options_.io_threads; ++i) threads_.emplace_back([this] { io_loop(); });
 }
 
@@ -197,47 +280,145 @@ void TcpServer::stop() {
   const std::uint64_t one = 1;
   [[maybe_unused]] auto n = ::write(wake_fd_.get(), &one, sizeof one);
   for (auto& t : threads_) t.join();
-  std::lock_guard lock(peers_mu_);
-  for (auto& [fd, peer] : peers_) peer->close();
-  peers_.clear();
+  std::vector<std::shared_ptr<Peer>> all;
+  {
+    std::lock_guard lock(peers_mu_);
+    for (auto& [fd, peer] : peers_) all.push_back(peer);
+  }
+  for (auto& peer : all) close_peer(*peer, "the server is stopping");
+}
+
+std::chrono::nanoseconds TcpServer::frame_deadline(std::uint64_t bytes) const noexcept {
+  return options_.frame_timeout + std::chrono::seconds(bytes / kFrameBytesPerSecond);
+}
+
+std::string TcpServer::stats_fields() const {
+  std::size_t connections = 0;
+  {
+    std::lock_guard lock(peers_mu_);
+    connections = peers_.size();
+  }
+  return ",\"tcp_connections\":" + std::to_string(connections) +
+         ",\"tcp_refused\":" + std::to_string(refused_.load()) +
+         ",\"tcp_expired\":" + std::to_string(expired_.load()) +
+         ",\"tcp_over_budget\":" + std::to_string(over_budget_.load()) +
+         ",\"tcp_budget_used_bytes\":" + std::to_string(budget_used_.load()) +
+         ",\"tcp_budget_bytes\":" + std::to_string(options_.memory_budget_bytes);
+}
+
+bool TcpServer::charge(std::uint64_t bytes) noexcept {
+  std::uint64_t used = budget_used_.load(std::memory_order_relaxed);
+  do {
+    if (used + bytes > options_.memory_budget_bytes || used + bytes < used) return false;
+  } while (!budget_used_.compare_exchange_weak(used, used + bytes, std::memory_order_relaxed));
+  return true;
+}
+
+void TcpServer::uncharge(std::uint64_t bytes) noexcept {
+  if (bytes) budget_used_.fetch_sub(bytes, std::memory_order_relaxed);
 }
 
 void TcpServer::io_loop() {
   epoll_event ev{};
   while (!stopping_.load()) {
-    const int n = epoll_wait(epoll_fd_.get(), &ev, 1, -1);
+    const int n = epoll_wait(epoll_fd_.get(), &ev, 1, static_cast<int>(kReapEveryNs / 1'000'000));
+    if (steady_now_ns() >= next_reap_ns_.load(std::memory_order_relaxed)) reap_expired();
     if (n <= 0) continue;
-    if (ev.data.ptr == &wake_fd_) return;
-    if (ev.data.ptr == nullptr) {
+    if (ev.data.u64 == kWakeTag) return;
+    if (ev.data.u64 == kListenerTag) {
       accept_ready();
       continue;
     }
-    auto* peer = static_cast<Peer*>(ev.data.ptr);
-    peer->handoff.load(std::memory_order_acquire);
-    if (ev.events & (EPOLLHUP | EPOLLERR) && !(ev.events & EPOLLIN)) {
-      close_peer(*peer);
-      continue;
+    std::shared_ptr<Peer> peer;
+    {
+      std::lock_guard lock(peers_mu_);
+      auto it = peers_.find(static_cast<int>(ev.data.u64 & 0xffffffffu));
+      if (it == peers_.end() || it->second->tag() != ev.data.u64) continue;  // closed since
+      peer = it->second;
     }
-    // Serve every complete request that one recv brought in, then hand the connection back to
-    // epoll (a oneshot rearm fires at once if more bytes are already waiting).
-    const bool keep = serve_readable(*peer);
+    {
+      std::lock_guard lock(peer->mu);
+      // An event for a connection another thread serves (a reply queued from elsewhere re-armed
+      // it meanwhile): that thread re-arms it when done, so this one has nothing to do.
+      if (peer->closed || peer->owned) continue;
+      peer->owned = true;
+      peer->backlog = false;
+    }
+    bool keep = true;
+    std::string reason;
+    if ((ev.events & EPOLLERR) && !(ev.events & EPOLLIN)) {
+      keep = false;
+      reason = "socket error";
+    }
+    if (keep) {
+      std::lock_guard lock(peer->mu);
+      if (!peer->out.empty() && !flush_locked(*peer)) {
+        keep = false;
+        reason = "it is gone while a reply was being sent";
+      }
+    }
+    if (keep) {
+      // Nothing a peer sends may end the process: a failure to get memory for its request
+      // (budgets are checked first, but the system can still refuse) closes that connection.
+      try {
+        keep = serve(*peer);
+        if (!keep) reason = "its connection ended";
+      } catch (const std::exception& e) {
+        keep = false;
+        reason = std::string("serving it failed: ") + e.what();
+        log::error("tcp.failed", "server " + std::to_string(engine_.options().server_id) + ": " + reason);
+      }
+    }
     if (keep)
-      rearm(*peer);
+      release(*peer);
     else
-      close_peer(*peer);
+      close_peer(*peer, reason);
   }
 }
 
-void TcpServer::rearm(Peer& peer) {
-  // Once rearmed, another thread may take the peer and even close it; holding send_mu across
-  // the epoll_ctl orders our last use of the fd before any close (which takes send_mu too).
-  std::lock_guard lock(peer.send_mu);
-  if (peer.closed) return;
-  peer.handoff.fetch_add(1, std::memory_order_release);
-  epoll_event ev{};
-  ev.events = EPOLLIN | EPOLLRDHUP | EPOLLONESHOT;
-  ev.data.ptr = &peer;
-  epoll_ctl(epoll_fd_.get(), EPOLL_CTL_MOD, peer.fd.get(), &ev);
+void TcpServer::reap_expired() {
+  const std::int64_t now = steady_now_ns();
+  std::int64_t due = next_reap_ns_.load(std::memory_order_relaxed);
+  if (now < due || !next_reap_ns_.compare_exchange_strong(due, now + kReapEveryNs)) return;
+  const std::int64_t handshake_ns = std::chrono::nanoseconds(options_.handshake_timeout).count();
+  std::vector<std::pair<std::shared_ptr<Peer>, std::string>> late;
+  {
+    std::lock_guard lock(peers_mu_);
+    for (auto& [fd, peer] : peers_) {
+      const std::int64_t in = peer->in_deadline_ns.load(std::memory_order_relaxed);
+      const std::int64_t out = peer->out_deadline_ns.load(std::memory_order_relaxed);
+      if (!peer->handshaken.load(std::memory_order_relaxed) && now - peer->accepted_ns > handshake_ns)
+        late.emplace_back(peer, "did not finish hello" + std::string(options_.token ? " and the token challenge" : "") +
+                                    " within " + std::to_string(options_.handshake_timeout.count()) +
+                                    " ms (--handshake-timeout-ms)");
+      else if (in && now > in && !reading_paused(*peer))
+        late.emplace_back(peer, "did not send the rest of a frame in time (--frame-timeout-ms " +
+                                    std::to_string(options_.frame_timeout.count()) + ", plus 1 s per 16 MiB)");
+      else if (out && now > out)
+        late.emplace_back(peer, "did not read its reply in time (--frame-timeout-ms " +
+                                    std::to_string(options_.frame_timeout.count()) + ", plus 1 s per 16 MiB)");
+    }
+  }
+  for (auto& [peer, why] : late) expire(*peer, why);
+}
+
+bool TcpServer::reading_paused(Peer& peer) {
+  std::lock_guard lock(peer.mu);
+  if (peer.mid_frame || (interest_locked(peer) & EPOLLIN)) return false;
+  // The rest of the frame waits on the server, not the peer: its clock starts again once the
+  // server reads again.
+  peer.in_deadline_ns.store(steady_now_ns() + frame_deadline(Peer::kInBytes).count(), std::memory_order_relaxed);
+  return true;
+}
+
+void TcpServer::expire(Peer& peer, const std::string& reason) {
+  std::lock_guard lock(peer.mu);
+  if (peer.closed || !peer.expired.empty()) return;
+  peer.expired = reason;
+  expired_.fetch_add(1, std::memory_order_relaxed);
+  // Its owner (or the next event: a shut socket reports EPOLLHUP whatever it is armed for)
+  // closes it; closing the descriptor here could pull it from under a thread reading it.
+  ::shutdown(peer.fd.get(), SHUT_RDWR);
 }
 
 void TcpServer::accept_ready() {
@@ -246,121 +427,389 @@ void TcpServer::accept_ready() {
     socklen_t from_len = sizeof from;
     const int fd = ::accept4(listen_fd_.get(), reinterpret_cast<sockaddr*>(&from), &from_len, SOCK_CLOEXEC | SOCK_NONBLOCK);
     if (fd < 0) break;
-    // Replies and frame bodies use blocking I/O bounded by the socket timeouts.
-    const int flags = fcntl(fd, F_GETFL);
-    fcntl(fd, F_SETFL, flags & ~O_NONBLOCK);
     set_nodelay(fd);
     set_keepalive(fd, std::chrono::seconds(5));
-    set_io_timeouts(fd, options_.frame_timeout, options_.frame_timeout);
-    auto peer = std::make_shared<Peer>(fd, address_text(reinterpret_cast<const sockaddr*>(&from)));
+    static std::atomic<std::uint32_t> generations{1};
+    const auto* sa = reinterpret_cast<const sockaddr*>(&from);
+    auto peer = std::make_shared<Peer>(fd, generations.fetch_add(1), address_text(sa), host_text(sa));
+    std::string refusal;
+    std::shared_ptr<Peer> evict;
     {
       std::lock_guard lock(peers_mu_);
-      if (peers_.size() >= options_.max_connections) {
-        refused_.fetch_add(1);
-        wire::FrameHeader req = wire::make_header(wire::Op::hello, 0, 0, 0);
-        peer->send_error(req, Errc::capacity,
-                         "the server already has " + std::to_string(peers_.size()) +
-                             " connections (--max-connections); try again later or raise the limit");
-        peer->close();
-        continue;
+      std::uint32_t& mine = per_address_[peer->host];
+      if (mine >= options_.max_connections_per_address) {
+        refusal = "already has " + std::to_string(mine) +
+                  " connections from its address (--max-connections-per-address)";
+      } else if (peers_.size() >= options_.max_connections) {
+        // The oldest connection still in its handshake makes room: a flood of sockets that never
+        // say hello cannot lock out the workers that do.
+        for (auto& [other_fd, other] : peers_)
+          if (!other->handshaken.load() && (!evict || other->accepted_ns < evict->accepted_ns)) evict = other;
+        if (!evict)
+          refusal = "found the server full: " + std::to_string(peers_.size()) +
+                    " connections (--max-connections); try again later or raise the limit";
       }
-      peers_[fd] = peer;
+      if (refusal.empty()) {
+        ++mine;
+        peers_[fd] = peer;
+      } else if (mine == 0) {
+        per_address_.erase(peer->host);
+      }
     }
-    peer->handoff.fetch_add(1, std::memory_order_release);
+    if (evict) expire(*evict, "made room for a new connection: the server was full and it had not finished its handshake");
+    if (!refusal.empty()) {
+      refused_.fetch_add(1);
+      log::warn("tcp.refused", "server " + std::to_string(engine_.options().server_id) + " refused " +
+                                   peer->address + ": it " + refusal);
+      const std::string text = "the server refused this connection: it " + refusal;
+      Reply r(reply_header(wire::make_header(wire::Op::hello, 0, 0, 0), text.size()), text.data(), text.size());
+      r.header.flags |= wire::kErrorText;
+      r.header.status = static_cast<std::uint16_t>(Errc::capacity);
+      r.write_some(fd);  // best effort: the socket is new, its buffer empty
+      continue;          // ~Peer closes it
+    }
     epoll_event ev{};
     ev.events = EPOLLIN | EPOLLRDHUP | EPOLLONESHOT;
-    ev.data.ptr = peer.get();
+    ev.data.u64 = peer->tag();
     epoll_ctl(epoll_fd_.get(), EPOLL_CTL_ADD, fd, &ev);
   }
   epoll_event ev{};
   ev.events = EPOLLIN | EPOLLONESHOT;
-  ev.data.ptr = nullptr;
+  ev.data.u64 = kListenerTag;
   epoll_ctl(epoll_fd_.get(), EPOLL_CTL_MOD, listen_fd_.get(), &ev);
 }
 
-void TcpServer::close_peer(Peer& peer) {
+std::uint32_t TcpServer::armed_locked(const Peer& peer) const {
+  // A frame is never left half read for a pause: its sender may be blocked writing the rest.
+  return interest_locked(peer) | (peer.mid_frame ? static_cast<std::uint32_t>(EPOLLIN | EPOLLRDHUP) : 0u) |
+         EPOLLONESHOT;
+}
+
+std::uint32_t TcpServer::interest_locked(const Peer& peer) const {
+  if (!peer.out.empty()) {
+    // Requests are read again once the peer has taken most of what is queued for it.
+    const bool paused = peer.queued_bytes > kPauseQueuedBytes || peer.out.size() > kPauseQueuedReplies;
+    return EPOLLOUT | (paused ? 0u : static_cast<std::uint32_t>(EPOLLIN | EPOLLRDHUP));
+  }
+  if (peer.parked >= kMaxParkedPerConnection) return 0;  // hang-ups are reported regardless
+  // EPOLLOUT fires at once on an idle socket: the wake-up the buffered requests need.
+  return EPOLLIN | EPOLLRDHUP | (peer.backlog ? static_cast<std::uint32_t>(EPOLLOUT) : 0u);
+}
+
+void TcpServer::release(Peer& peer) {
+  std::lock_guard lock(peer.mu);
+  peer.owned = false;
+  if (peer.closed) return;
+  peer.mid_frame = peer.large.stage != LargeFrame::Stage::none;
+  // Requests left in `in` by a pause need a wake-up of their own once it ends: no new bytes
+  // may come to make the socket readable. Unpaused, `in` holds at most part of a frame.
+  const bool paused = !(interest_locked(peer) & EPOLLIN);
+  peer.backlog = paused && peer.in_end > peer.in_begin && peer.large.stage == LargeFrame::Stage::none;
+  epoll_event ev{};
+  ev.events = armed_locked(peer);
+  ev.data.u64 = peer.tag();
+  epoll_ctl(epoll_fd_.get(), EPOLL_CTL_MOD, peer.fd.get(), &ev);
+}
+
+void TcpServer::poke(Peer& peer) {
+  std::lock_guard lock(peer.mu);
+  if (peer.closed || peer.owned) return;  // the owner re-arms with the new state when done
+  epoll_event ev{};
+  ev.events = armed_locked(peer);
+  ev.data.u64 = peer.tag();
+  epoll_ctl(epoll_fd_.get(), EPOLL_CTL_MOD, peer.fd.get(), &ev);
+}
+
+void TcpServer::close_peer(Peer& peer, const std::string& reason) {
   std::shared_ptr<Peer> keep;
   {
     std::lock_guard lock(peers_mu_);
     auto it = peers_.find(peer.fd.get());
-    if (it == peers_.end()) return;
+    if (it == peers_.end() || it->second.get() != &peer) return;
     keep = it->second;
     peers_.erase(it);
+    auto a = per_address_.find(peer.host);
+    if (a != per_address_.end() && --a->second == 0) per_address_.erase(a);
   }
-  epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, peer.fd.get(), nullptr);
+  std::string why = reason;
+  {
+    std::lock_guard lock(peer.mu);
+    if (peer.closed) return;
+    epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, peer.fd.get(), nullptr);
+    peer.closed = true;
+    if (!peer.expired.empty()) why = peer.expired;
+    for (auto& r : peer.out) uncharge(r->charged);
+    peer.out.clear();
+    peer.queued_bytes = 0;
+    ::shutdown(peer.fd.get(), SHUT_RDWR);
+    peer.fd.reset();
+  }
+  uncharge(peer.large.charged);
+  peer.large.charged = 0;
   const std::uint32_t worker = peer.worker;
-  const bool cleanly = peer.finished;
-  peer.close();
-  if (worker != kNoWorker) engine_.worker_left(worker, cleanly);
+  const bool clean = peer.finished;
+  if (!peer.expired.empty() || (!clean && worker != kNoWorker) || !peer.handshaken.load())
+    log::info("tcp.closed", "server " + std::to_string(engine_.options().server_id) + " closed " + peer.who() + ": " +
+                                why);
+  if (worker != kNoWorker) engine_.worker_left(worker, clean);
 }
 
-bool TcpServer::serve_readable(Peer& peer) {
-  const int fd = peer.fd.get();
-  const ssize_t n = ::recv(fd, peer.in_bytes() + peer.in_end, Peer::kInBytes - peer.in_end, MSG_DONTWAIT);
-  if (n == 0) return false;
-  if (n < 0) return nothing_waiting(n) || errno == EINTR;
-  peer.in_end += static_cast<std::size_t>(n);
+bool TcpServer::serve(Peer& peer) {
+  constexpr int kReadsPerTurn = 16;  // then other connections get the thread
+  for (int reads = 0;;) {
+    if (peer.large.stage != LargeFrame::Stage::none) {
+      const Progress p = continue_large_frame(peer);
+      if (p == Progress::close) return false;
+      if (p == Progress::need_more) return true;
+      continue;
+    }
+    bool progressed = false;
+    if (!serve_buffered(peer, &progressed)) return false;
+    if (peer.large.stage != LargeFrame::Stage::none) continue;
+    {
+      std::lock_guard lock(peer.mu);
+      if (!(interest_locked(peer) & EPOLLIN)) return true;  // paused: the rest waits in `in`
+    }
+    // Every complete frame is served; what `in` holds is part of the next one. If more is
+    // waiting, level-triggered EPOLLIN hands the connection straight back.
+    if (reads == kReadsPerTurn) return true;
+    peer.compact();
+    const ssize_t n = ::recv(peer.fd.get(), peer.in_bytes() + peer.in_end, Peer::kInBytes - peer.in_end, MSG_DONTWAIT);
+    if (n == 0) return false;
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return nothing_waiting(n);
+    }
+    peer.in_end += static_cast<std::size_t>(n);
+    ++reads;
+  }
+}
+
+bool TcpServer::serve_buffered(Peer& peer, bool* progressed) {
   constexpr std::size_t kHeader = sizeof(wire::FrameHeader);
   while (peer.in_end - peer.in_begin >= kHeader) {
+    {
+      std::lock_guard lock(peer.mu);
+      if (!(interest_locked(peer) & EPOLLIN)) return true;  // paused between frames
+    }
     const auto* at = reinterpret_cast<const std::byte*>(peer.in_bytes() + peer.in_begin);
     const std::size_t avail = peer.in_end - peer.in_begin;
+    wire::FrameHeader h;
+    std::memcpy(&h, at, kHeader);
+    // Before the handshake a peer may send a hello or its proof, and nothing larger: it cannot
+    // make the server hold a frame for someone it does not know.
+    if (!peer.handshaken.load(std::memory_order_relaxed) && !before_handshake(peer, h)) return false;
     wire::ParsedFrame f;
     Errc status = Errc::ok;
     std::string why;
     const wire::ParseResult r = wire::parse_request(at, avail, options_.limits, &f, &peer.keys, &status, &why);
-    const wire::FrameHeader& h = f.header;
-    if (r == wire::ParseResult::bad) {
-      // The stream cannot be trusted past a bad frame: answer if we can, then close.
-      if (h.magic == wire::kMagic) peer.send_error(h, status, why);
-      return false;
+    if (r == wire::ParseResult::bad) return bad_frame(peer, h, status, why);
+    if (r == wire::ParseResult::need_more) {
+      if (f.frame_bytes <= Peer::kInBytes) break;  // a small frame still arriving
+      return begin_large_frame(peer, f.header);
     }
-    const float* payload = nullptr;
-    if (r == wire::ParseResult::complete) {
-      // Every frame is a whole number of 4-byte words, so payloads in `in` stay float-aligned.
-      payload = reinterpret_cast<const float*>(f.payload);
-      peer.in_begin += f.frame_bytes;
-    } else if (f.frame_bytes <= Peer::kInBytes) {
-      break;  // a small frame still arriving: epoll says when the rest is here
-    } else {
-      // A large frame: take what is buffered, then read the rest straight into place, bounded
-      // by the frame timeout and growing buffers only as bytes arrive.
-      const std::size_t key_bytes = std::size_t{h.num_keys} * sizeof(wire::KeyEntry);
-      peer.keys.resize(h.num_keys);
-      std::size_t have = avail - kHeader;
-      const std::size_t key_have = std::min(have, key_bytes);
-      if (key_have) std::memcpy(peer.keys.data(), at + kHeader, key_have);
-      if (key_have < key_bytes &&
-          read_full(fd, reinterpret_cast<char*>(peer.keys.data()) + key_have, key_bytes - key_have) != IoResult::ok)
-        return false;
-      if (Errc e = wire::validate_keys(h, peer.keys, &why); e != Errc::ok) {
-        peer.send_error(h, e, why);
-        return false;
-      }
-      have -= key_have;
-      if (streams(peer, h)) {
-        // A key table read past `in` leaves none of the payload there: it starts afresh at the
-        // (float-aligned) start of `in`, not after the table's first bytes at any offset.
-        const std::size_t payload_at = key_have < key_bytes ? 0 : peer.in_begin + kHeader + key_have;
-        if (!stream_push(peer, h, payload_at, payload_at + have)) return false;
-        continue;
-      }
-      const std::size_t prefix_floats = have / sizeof(float);
-      if (peer.payload.size() < prefix_floats) peer.payload.resize(prefix_floats);
-      if (have) std::memcpy(peer.payload.data(), at + kHeader + key_have, have);
-      peer.in_begin = peer.in_end = 0;
-      if (read_growing(fd, peer.payload, h.payload_bytes, have) != IoResult::ok) return false;
-      payload = peer.payload.data();
-    }
-    if (!handle(peer, h, payload)) return false;
+    // Every frame is a whole number of 4-byte words, so payloads in `in` stay float-aligned.
+    peer.in_begin += f.frame_bytes;
+    *progressed = true;
+    if (!handle(peer, f.header, reinterpret_cast<const float*>(f.payload))) return false;
   }
-  // What is left is the start of a frame: move it to the front, so the rest fits behind it (a
-  // full buffer would leave the next recv no room, and its 0 would read as the peer closing).
-  if (peer.in_begin > 0) {
-    std::memmove(peer.in_bytes(), peer.in_bytes() + peer.in_begin, peer.in_end - peer.in_begin);
-    peer.in_end -= peer.in_begin;
-    peer.in_begin = 0;
+  // What is left is the start of a frame: it has a deadline from now unless it already had one.
+  if (peer.in_end == peer.in_begin) {
+    peer.in_begin = peer.in_end = 0;
+    peer.in_deadline_ns.store(0, std::memory_order_relaxed);
+  } else if (*progressed || peer.in_deadline_ns.load(std::memory_order_relaxed) == 0) {
+    // A frame completed since the deadline was set: the rest is a newer frame, timed from now.
+    peer.in_deadline_ns.store(steady_now_ns() + frame_deadline(Peer::kInBytes).count(), std::memory_order_relaxed);
   }
   return true;
+}
+
+bool TcpServer::bad_frame(Peer& peer, const wire::FrameHeader& h, Errc status, const std::string& why) {
+  log::warn("tcp.bad-frame", "server " + std::to_string(engine_.options().server_id) + ": " + peer.who() +
+                                 " sent a bad " + std::string(wire::op_name(h.op)) + " frame: " + why);
+  if (h.magic == wire::kMagic) send_error(peer, h, status, why);
+  return false;
+}
+
+std::string TcpServer::over_budget(const Peer& peer, std::uint64_t bytes, const std::string& what) {
+  over_budget_.fetch_add(1, std::memory_order_relaxed);
+  log::warn("tcp.budget", "server " + std::to_string(engine_.options().server_id) + ": a " + std::to_string(bytes) +
+                              "-byte " + what + " of " + peer.who() + " does not fit the memory budget; refused");
+  return "the server's memory budget (--memory-budget-mb) is in use by other requests; retry later";
+}
+
+bool TcpServer::before_handshake(Peer& peer, const wire::FrameHeader& h) {
+  const auto op = static_cast<wire::Op>(h.op);
+  const bool fits = h.magic == wire::kMagic && h.num_keys == 0 &&
+                    ((op == wire::Op::hello && (h.payload_bytes == 0 || h.payload_bytes == auth::kNonceBytes)) ||
+                     (op == wire::Op::auth && h.payload_bytes == auth::kProofBytes));
+  if (fits) return true;
+  const std::string frame = "a " + std::to_string(std::uint64_t{h.num_keys}) + "-key, " +
+                            std::to_string(h.payload_bytes) + "-byte frame; only hello and auth, of up to " +
+                            std::to_string(auth::kNonceBytes) + " bytes, are read before the handshake is done";
+  if (peer.said_hello)  // the token challenge is pending
+    return refuse(peer, h, "sent " + std::string(wire::op_name(h.op)) + " before authenticating (" + frame + ")");
+  refused_.fetch_add(1, std::memory_order_relaxed);
+  const std::string what = "sent " + std::string(wire::op_name(h.op)) + " before hello (" + frame + ")";
+  log::warn("tcp.refused", "server " + std::to_string(engine_.options().server_id) + " refused " + peer.address +
+                               ": it " + what);
+  if (h.magic == wire::kMagic)
+    send_error(peer, h, Errc::protocol, "the first request on a connection must be hello; this one " + what);
+  return false;
+}
+
+bool TcpServer::begin_large_frame(Peer& peer, const wire::FrameHeader& h) {
+  LargeFrame& f = peer.large;
+  f.h = h;
+  f.key_have = f.have = 0;
+  f.refusal = Errc::ok;
+  f.started_ns = steady_now_ns();
+  f.progress = sizeof(wire::FrameHeader);
+  peer.in_begin += sizeof(wire::FrameHeader);
+  const std::uint64_t key_bytes = std::uint64_t{h.num_keys} * sizeof(wire::KeyEntry);
+  const std::uint64_t frame_bytes = sizeof(wire::FrameHeader) + key_bytes + h.payload_bytes;
+  peer.in_deadline_ns.store(steady_now_ns() + frame_deadline(frame_bytes).count(), std::memory_order_relaxed);
+  if (!charge(key_bytes)) {
+    f.stage = LargeFrame::Stage::discard;
+    f.refusal = Errc::capacity;
+    f.refusal_why = over_budget(peer, key_bytes, "key table of a " + std::string(wire::op_name(h.op)));
+    return true;
+  }
+  f.charged = key_bytes;
+  peer.keys.resize(h.num_keys);
+  f.stage = LargeFrame::Stage::keys;
+  return true;
+}
+
+TcpServer::Progress TcpServer::continue_large_frame(Peer& peer) {
+  LargeFrame& f = peer.large;
+  const std::uint64_t key_bytes = std::uint64_t{f.h.num_keys} * sizeof(wire::KeyEntry);
+  auto finish = [&] {
+    uncharge(f.charged);
+    f.charged = 0;
+    f.stage = LargeFrame::Stage::none;
+    f.payload.reset();
+    give_back_if_large(peer.keys);
+    peer.in_deadline_ns.store(0, std::memory_order_relaxed);
+    if (peer.in_begin == peer.in_end) peer.in_begin = peer.in_end = 0;
+  };
+  // Reads into [dst, dst + want): first what `in` holds, then from the socket. The result is the
+  // bytes gained, 0 for nothing waiting, -1 for a closed or failed connection.
+  auto take = [&](char* dst, std::uint64_t want) -> ssize_t {
+    if (const std::size_t buffered = peer.in_end - peer.in_begin; buffered > 0) {
+      const std::size_t n = std::min<std::uint64_t>(buffered, want);
+      std::memcpy(dst, peer.in_bytes() + peer.in_begin, n);
+      peer.in_begin += n;
+      if (peer.in_begin == peer.in_end) peer.in_begin = peer.in_end = 0;
+      return static_cast<ssize_t>(n);
+    }
+    return read_frame_bytes(peer, dst, want);
+  };
+  for (;;) {
+    switch (f.stage) {
+      case LargeFrame::Stage::none:
+        return Progress::done;
+      case LargeFrame::Stage::keys: {
+        if (f.key_have < key_bytes) {
+          const ssize_t n = take(reinterpret_cast<char*>(peer.keys.data()) + f.key_have, key_bytes - f.key_have);
+          if (n < 0) return Progress::close;
+          if (n == 0) return Progress::need_more;
+          f.key_have += static_cast<std::uint64_t>(n);
+          f.progress += static_cast<std::uint64_t>(n);
+          continue;
+        }
+        std::string why;
+        if (Errc e = wire::validate_keys(f.h, peer.keys, &why); e != Errc::ok) {
+          finish();
+          bad_frame(peer, f.h, e, why);
+          return Progress::close;
+        }
+        if (streams(peer, f.h)) {
+          // Every key is checked before any value is read: a bad one is answered after the
+          // payload is drained, with nothing applied and the connection still good.
+          f.found = engine_.push_slots(peer.keys, f.slots, &f.why);
+          f.key = 0;
+          f.done_floats = f.step = f.applied = 0;
+          f.stage = LargeFrame::Stage::stream;
+        } else if (!charge(f.h.payload_bytes)) {
+          f.refusal = Errc::capacity;
+          f.refusal_why = over_budget(peer, f.h.payload_bytes, std::string(wire::op_name(f.h.op)));
+          f.have = 0;
+          f.stage = LargeFrame::Stage::discard;
+          // The key table is already read: only the payload is left to drop.
+          f.key_have = key_bytes;
+        } else {
+          f.charged += f.h.payload_bytes;
+          f.have = 0;
+          f.stage = LargeFrame::Stage::body;
+        }
+        continue;
+      }
+      case LargeFrame::Stage::body: {
+        const std::uint64_t total = f.h.payload_bytes;
+        if (f.have < total) {
+          if (!f.payload) f.payload = std::make_unique<HeapMemory>(total, "a request's payload", false);  // may throw
+          const ssize_t n = take(reinterpret_cast<char*>(f.payload->data()) + f.have, total - f.have);
+          if (n < 0) return Progress::close;
+          if (n == 0) return Progress::need_more;
+          f.have += static_cast<std::uint64_t>(n);
+          f.progress += static_cast<std::uint64_t>(n);
+          continue;
+        }
+        const bool ok = handle(peer, f.h, f.payload ? reinterpret_cast<const float*>(f.payload->data()) : nullptr);
+        finish();
+        return ok ? Progress::done : Progress::close;
+      }
+      case LargeFrame::Stage::discard: {
+        const std::uint64_t left = key_bytes - f.key_have + f.h.payload_bytes - f.have;
+        if (left > 0) {
+          // Dropped through `in`: what follows the frame stays there for the next one.
+          if (peer.in_end == peer.in_begin) {
+            peer.in_begin = peer.in_end = 0;
+            const ssize_t n = read_frame_bytes(peer, peer.in_bytes(), Peer::kInBytes);
+            if (n < 0) return Progress::close;
+            if (n == 0) return Progress::need_more;
+            peer.in_end = static_cast<std::size_t>(n);
+          }
+          const std::uint64_t n = std::min<std::uint64_t>(peer.in_end - peer.in_begin, left);
+          peer.in_begin += n;
+          f.progress += n;
+          const std::uint64_t from_keys = std::min(n, key_bytes - f.key_have);
+          f.key_have += from_keys;
+          f.have += n - from_keys;
+          continue;
+        }
+        const bool ok = send_error(peer, f.h, f.refusal, f.refusal_why);
+        finish();
+        return ok ? Progress::done : Progress::close;
+      }
+      case LargeFrame::Stage::stream: {
+        const Progress p = stream_push(peer);
+        if (p == Progress::done) finish();
+        return p;
+      }
+    }
+  }
+}
+
+ssize_t TcpServer::read_frame_bytes(Peer& peer, char* dst, std::size_t bytes) {
+  const int fd = peer.fd.get();
+  ssize_t n = received(recv_spinning(fd, dst, bytes, kMidFrameSpin));
+  if (n == 0 && await_fast_sender(peer)) n = received(::recv(fd, dst, bytes, MSG_DONTWAIT));
+  return n;
+}
+
+bool TcpServer::await_fast_sender(Peer& peer) {
+  // Handing the connection back to epoll costs a re-arm and a wake-up through the event loop
+  // each time the sender falls behind, some 15% of a 1 MiB push. A sender that has kept up a
+  // fast rate over this frame gets its thread to wait a moment in poll instead: a trickle can
+  // never earn that, so no slow peer can hold a thread this way.
+  const LargeFrame& f = peer.large;
+  const std::int64_t elapsed_ns = std::max<std::int64_t>(steady_now_ns() - f.started_ns, 1);
+  if (static_cast<double>(f.progress) * 1e9 / static_cast<double>(elapsed_ns) < double(kFastSenderBytesPerSecond))
+    return false;
+  pollfd p{peer.fd.get(), POLLIN, 0};
+  return ::poll(&p, 1, kFastSenderPatienceMs) > 0;
 }
 
 bool TcpServer::streams(const Peer& peer, const wire::FrameHeader& h) const noexcept {
@@ -369,76 +818,58 @@ bool TcpServer::streams(const Peer& peer, const wire::FrameHeader& h) const noex
          peer.authenticated && engine_.pushes_apply_in_pieces();
 }
 
-bool TcpServer::stream_push(Peer& peer, const wire::FrameHeader& h, std::size_t begin, std::size_t end) {
-  thread_local std::vector<SlotHeader*> slots;
-  std::string why;
-  // Every key is checked before any value is read: a bad one is answered after the payload is
-  // drained, with nothing applied and the connection still good.
-  const Errc found = engine_.push_slots(peer.keys, slots, &why);
+TcpServer::Progress TcpServer::stream_push(Peer& peer) {
+  LargeFrame& f = peer.large;
   Store& store = engine_.store();
   char* in = peer.in_bytes();
-  std::size_t key = 0;
-  std::uint64_t done_floats = 0;  // of keys[key]
-  std::uint64_t step = 0;
-  std::uint64_t applied = 0;
-  bool ok = true;
-  while (key < peer.keys.size()) {
-    const std::uint64_t length = peer.keys[key].length;
+  while (f.key < peer.keys.size()) {
+    const std::uint64_t length = peer.keys[f.key].length;
     // A key of up to a piece is applied whole, as any key of a smaller frame is.
     const bool in_parts = length > kPushPieceFloats;
     const std::size_t least =
-        (in_parts ? std::min<std::uint64_t>(length - done_floats, kPushLeastFloats) : length) * sizeof(float);
-    if (end - begin < least) {
-      if (begin + least > Peer::kInBytes) {
-        std::memmove(in, in + begin, end - begin);
-        end -= begin;
-        begin = 0;
+        (in_parts ? std::min<std::uint64_t>(length - f.done_floats, kPushLeastFloats) : length) * sizeof(float);
+    if (peer.in_end - peer.in_begin < least) {
+      if (peer.in_begin + least > Peer::kInBytes) peer.compact();
+      // With floats in hand, take only what is already waiting: if nothing is, those are applied
+      // while the rest travels, and a sender that stalls finds all it sent applied. Bytes past
+      // this frame may come in too; they stay in `in` for the frames after it.
+      const bool have_some = in_parts && peer.in_end - peer.in_begin >= sizeof(float);
+      char* room = in + peer.in_end;
+      const std::size_t room_bytes = Peer::kInBytes - peer.in_end;
+      const ssize_t n = have_some ? received(::recv(peer.fd.get(), room, room_bytes, MSG_DONTWAIT))
+                                  : read_frame_bytes(peer, room, room_bytes);
+      if (n < 0) return Progress::close;
+      if (n > 0) {
+        peer.in_end += static_cast<std::size_t>(n);
+        continue;
       }
-      // Bytes past this frame may come in too; they stay in `in` for the frames after it.
-      while (ok && end - begin < least) {
-        // With floats in hand, take only what is already waiting: if nothing is, those are
-        // applied while the rest travels, and a sender that stalls finds all it sent applied.
-        const bool have_some = in_parts && end - begin >= sizeof(float);
-        const ssize_t n = have_some ? ::recv(peer.fd.get(), in + end, Peer::kInBytes - end, MSG_DONTWAIT)
-                                    : recv_some(peer.fd.get(), in + end, Peer::kInBytes - end, kMidFrameSpin);
-        if (n > 0)
-          end += static_cast<std::size_t>(n);
-        else if (n < 0 && errno == EINTR)
-          continue;
-        else if (have_some && nothing_waiting(n))
-          break;
-        else
-          ok = false;  // closed mid-frame, or the frame timeout passed
-      }
-      if (!ok) break;
+      if (!have_some) return Progress::need_more;  // epoll brings the connection back with more
     }
-    const std::uint64_t in_floats = (end - begin) / sizeof(float);
-    const std::size_t want = std::min<std::uint64_t>({length - done_floats, kPushPieceFloats, in_floats}) * sizeof(float);
-    if (found == Errc::ok)
-      store.apply_part(*slots[key], done_floats, reinterpret_cast<const float*>(in + begin), want / sizeof(float),
-                       &step);
-    begin += want;
-    done_floats += want / sizeof(float);
-    if (done_floats == length) {
-      ++key;
-      done_floats = step = 0;
-      if (found == Errc::ok) ++applied;
+    const std::uint64_t in_floats = (peer.in_end - peer.in_begin) / sizeof(float);
+    const std::size_t want =
+        std::min<std::uint64_t>({length - f.done_floats, kPushPieceFloats, in_floats}) * sizeof(float);
+    if (f.found == Errc::ok)
+      store.apply_part(*f.slots[f.key], f.done_floats, reinterpret_cast<const float*>(in + peer.in_begin),
+                       want / sizeof(float), &f.step);
+    peer.in_begin += want;
+    f.progress += want;
+    f.done_floats += want / sizeof(float);
+    if (f.done_floats == length) {
+      ++f.key;
+      f.done_floats = f.step = 0;
+      if (f.found == Errc::ok) ++f.applied;
     }
   }
-  engine_.count_pushes(applied);
-  if (!ok) return false;
-  peer.in_begin = begin;
-  peer.in_end = end;
-  if (found != Errc::ok) return peer.send_error(h, found, why);
-  wire::FrameHeader r = reply_header(h, 0);
-  return peer.send(r, nullptr, 0);
+  engine_.count_pushes(f.applied);
+  const bool ok = f.found != Errc::ok ? send_error(peer, f.h, f.found, f.why) : send_empty(peer, f.h);
+  return ok ? Progress::done : Progress::close;
 }
 
 bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payload) {
   std::string why;
   const auto op = static_cast<wire::Op>(h.op);
   if (!peer.said_hello && op != wire::Op::hello) {
-    peer.send_error(h, Errc::protocol, "the first request on a connection must be hello");
+    send_error(peer, h, Errc::protocol, "the first request on a connection must be hello");
     return false;
   }
   if (peer.said_hello && !peer.authenticated && op != wire::Op::auth)
@@ -446,15 +877,17 @@ bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payl
   if (h.flags & wire::kChecksum) {
     std::uint32_t crc = wire::crc32_update(0, peer.keys.data(), peer.keys.size() * sizeof(wire::KeyEntry));
     crc = wire::crc32_update(crc, payload, h.payload_bytes);
-    if (crc != h.checksum) return peer.send_error(h, Errc::protocol, "checksum mismatch: the request was corrupted in transit");
+    if (crc != h.checksum)
+      return send_error(peer, h, Errc::protocol, "checksum mismatch: the request was corrupted in transit");
   }
 
   Errc status = Errc::ok;
   switch (op) {
     case wire::Op::hello: {
+      if (peer.said_hello) return refuse(peer, h, "said hello twice");
       if (h.arg1 != wire::kVersion) {
-        peer.send_error(h, Errc::protocol, "client speaks protocol " + std::to_string(h.arg1) + ", server " +
-                                               std::to_string(wire::kVersion) + ": use matching pskv builds");
+        send_error(peer, h, Errc::protocol, "client speaks protocol " + std::to_string(h.arg1) + ", server " +
+                                                std::to_string(wire::kVersion) + ": use matching pskv builds");
         return false;
       }
       peer.said_hello = true;
@@ -471,16 +904,12 @@ bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payl
       std::uint8_t challenge[auth::kNonceBytes + auth::kProofBytes];
       std::memcpy(challenge, peer.server_nonce.data(), auth::kNonceBytes);
       std::memcpy(challenge + auth::kNonceBytes, proof.data(), auth::kProofBytes);
-      wire::FrameHeader r = reply_header(h, sizeof challenge);
-      r.flags |= wire::kAuthChallenge;
-      return peer.send(r, challenge, sizeof challenge);
+      Reply r(reply_header(h, sizeof challenge), challenge, sizeof challenge);
+      r.header.flags |= wire::kAuthChallenge;
+      return send(peer, std::move(r));
     }
     case wire::Op::auth: {
-      if (!options_.token) {
-        status = Errc::unsupported;
-        why = "authentication is not enabled on this server";
-        break;
-      }
+      if (!options_.token) return refuse(peer, h, "sent auth to a server without a token");
       if (peer.authenticated) return refuse(peer, h, "authenticated twice");
       auth::Proof got{};
       std::memcpy(got.data(), payload, auth::kProofBytes);
@@ -497,23 +926,10 @@ bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payl
       break;
     case wire::Op::pull: {
       if (!engine_.pull_allowed(peer.worker, h.arg0)) {
-        engine_.park_pull(peer.worker, h.arg0,
-                          std::make_unique<ParkedPull>(peer.shared_from_this(), engine_, h, peer.keys));
+        engine_.park_pull(peer.worker, h.arg0, park(peer, h, peer.keys));
         return true;
       }
-      std::uint64_t floats = 0;
-      for (const auto& k : peer.keys) floats += k.length;
-      if ((h.flags & wire::kFromStore) && !(h.flags & wire::kChecksum) && floats * sizeof(float) >= kFromStoreBytes)
-        return send_from_store(peer, h, floats);
-      if (peer.reply.size() < floats) peer.reply.resize(floats);
-      status = engine_.pull(peer.keys, peer.reply.data(), &why);
-      if (status != Errc::ok) break;
-      wire::FrameHeader r = reply_header(h, floats * sizeof(float), engine_.observed_bound());
-      if (h.flags & wire::kChecksum) {
-        r.flags |= wire::kChecksum;
-        r.checksum = wire::crc32_update(0, peer.reply.data(), floats * sizeof(float));
-      }
-      return peer.send(r, peer.reply.data(), floats * sizeof(float));
+      return answer_pull(peer, h, peer.keys, /*owner=*/true);
     }
     case wire::Op::clock: {
       if (Errc e = engine_.check_worker(peer.worker, &why); e != Errc::ok) {
@@ -522,21 +938,20 @@ bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payl
       }
       if (h.arg0 == kClockDone) peer.finished = true;
       const std::uint64_t bound = engine_.advance_clock(peer.worker, h.arg0);
-      wire::FrameHeader r = reply_header(h, 0, bound);
-      return peer.send(r, nullptr, 0);
+      return send_empty(peer, h, bound);
     }
     case wire::Op::barrier:
       if (Errc e = engine_.check_worker(peer.worker, &why); e != Errc::ok) {
         status = e;
         break;
       }
-      engine_.barrier(peer.worker, h.arg0, std::make_unique<ParkedAck>(peer.shared_from_this(), h));
+      engine_.barrier(peer.worker, h.arg0, park(peer, h, {}));
       return true;
     case wire::Op::stats: {
-      const std::string json = engine_.stats_json();
-      wire::FrameHeader r = reply_header(h, json.size());
-      r.flags |= wire::kErrorText;  // a text payload
-      return peer.send(r, json.data(), json.size());
+      const std::string json = engine_.stats_json(0, stats_fields());
+      Reply r(reply_header(h, json.size()), json.data(), json.size());
+      r.header.flags |= wire::kErrorText;  // a text payload
+      return send(peer, std::move(r));
     }
     case wire::Op::lookup:
     case wire::Op::wait:
@@ -544,22 +959,130 @@ bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payl
       why = std::string(wire::op_name(h.op)) + " is an rdma:// operation; TCP clients pull values directly";
       break;
   }
-  if (status != Errc::ok) return peer.send_error(h, status, why);
-  wire::FrameHeader r = reply_header(h, 0);
-  return peer.send(r, nullptr, 0);
+  if (status != Errc::ok) return send_error(peer, h, status, why);
+  return send_empty(peer, h);
 }
 
-bool TcpServer::send_from_store(Peer& peer, const wire::FrameHeader& h, std::uint64_t floats) {
+std::unique_ptr<Parked> TcpServer::park(Peer& peer, const wire::FrameHeader& h, std::vector<wire::KeyEntry> keys) {
+  std::lock_guard lock(peer.mu);
+  ++peer.parked;
+  return std::make_unique<ParkedRequest>(*this, peer.shared_from_this(), h, std::move(keys));
+}
+
+bool TcpServer::answer_pull(Peer& peer, const wire::FrameHeader& h, std::span<const wire::KeyEntry> keys,
+                            bool owner) {
   thread_local std::vector<SlotHeader*> slots;
-  thread_local std::vector<iovec> iov;
   std::string why;
-  if (Errc e = engine_.pull_slots(peer.keys, slots, &why); e != Errc::ok) return peer.send_error(h, e, why);
-  wire::FrameHeader r = reply_header(h, floats * sizeof(float), engine_.observed_bound());
-  r.flags |= wire::kFromStore;
-  iov.clear();
-  iov.push_back({&r, sizeof r});
-  for (SlotHeader* s : slots) iov.push_back({s->values(), std::size_t{s->length} * sizeof(float)});
-  return peer.send_from_store(iov, slots);
+  // The reply is sized from the store's own records, once every key is found with the length
+  // asked for, and never past the request limit: a short request cannot ask for a huge reply.
+  if (Errc e = engine_.pull_slots(keys, slots, &why); e != Errc::ok) return send_error(peer, h, e, why);
+  // Each key's length is the store's own record: lookup checked the request's against it.
+  std::uint64_t floats = 0;
+  for (const wire::KeyEntry& k : keys) floats += k.length;
+  const std::uint64_t bytes = floats * sizeof(float);
+  if (bytes > options_.limits.max_payload_bytes) {
+    log::warn("tcp.limit", "server " + std::to_string(engine_.options().server_id) + ": " + peer.who() +
+                               " asked for a " + std::to_string(bytes) + "-byte pull reply, over --max-request-mb; refused");
+    return send_error(peer, h, Errc::capacity,
+                      "the reply would be " + std::to_string(bytes) + " bytes, over the server's limit of " +
+                          std::to_string(options_.limits.max_payload_bytes) +
+                          " (--max-request-mb); pull fewer keys at a time");
+  }
+  if ((h.flags & wire::kFromStore) && !(h.flags & wire::kChecksum) && bytes >= kFromStoreBytes)
+    return send_from_store(peer, h, keys, slots, floats);
+  Reply r(reply_header(h, bytes, engine_.observed_bound()));
+  float* out;
+  const bool small = owner && bytes <= Peer::kInBytes;
+  if (small) {
+    // The connection's own buffer: only its owner answers from peer.keys.
+    if (peer.reply.size() < floats) peer.reply.resize(Peer::kInBytes / sizeof(float));
+    out = peer.reply.data();
+  } else {
+    if (!charge(bytes)) return send_error(peer, h, Errc::capacity, over_budget(peer, bytes, "pull reply"));
+    r.charged = bytes;
+    try {
+      r.owned_values = std::make_unique<HeapMemory>(bytes, "a pull's reply", false);
+    } catch (const Error& e) {
+      uncharge(bytes);
+      return send_error(peer, h, Errc::capacity, e.what());
+    }
+    out = reinterpret_cast<float*>(r.owned_values->data());
+  }
+  for (std::size_t i = 0; i < slots.size(); ++i) {
+    engine_.store().read_slot_or_lock(*slots[i], out, keys[i].length);
+    out += keys[i].length;
+  }
+  r.payload = small ? static_cast<const void*>(peer.reply.data()) : static_cast<const void*>(r.owned_values->data());
+  r.payload_bytes = bytes;
+  if (h.flags & wire::kChecksum) {
+    r.header.flags |= wire::kChecksum;
+    r.header.checksum = wire::crc32_update(0, r.payload, bytes);
+  }
+  return send(peer, std::move(r));
+}
+
+bool TcpServer::send_from_store(Peer& peer, const wire::FrameHeader& h, std::span<const wire::KeyEntry> keys,
+                                std::span<SlotHeader* const> slots, std::uint64_t floats) {
+  Reply r(reply_header(h, floats * sizeof(float), engine_.observed_bound()), nullptr, floats * sizeof(float));
+  r.header.flags |= wire::kFromStore;
+  r.from_store = true;
+  r.slots.assign(slots.begin(), slots.end());
+  r.versions.reserve(slots.size());
+  r.store_iov.reserve(slots.size());
+  for (std::size_t i = 0; i < slots.size(); ++i) {
+    r.versions.push_back(Store::stable_version(*slots[i]));
+    r.store_iov.push_back({const_cast<float*>(slots[i]->values()), std::size_t{keys[i].length} * sizeof(float)});
+  }
+  return send(peer, std::move(r));
+}
+
+bool TcpServer::send(Peer& peer, Reply&& reply) {
+  std::lock_guard lock(peer.mu);
+  std::uint64_t ignored = 0;
+  // Straight out while nothing is queued ahead: the common case costs no copy and no queue.
+  if (peer.closed || (peer.out.empty() && !reply.write_out(peer.fd.get(), &ignored))) {
+    uncharge(reply.charged);
+    return false;
+  }
+  if (reply.sent == reply.total()) {
+    uncharge(reply.charged);
+    return true;
+  }
+  // The peer is not taking it now: keep what is left, with a deadline for the peer to take it.
+  reply.keep_payload();
+  const std::uint64_t kept = reply.owned.size();
+  if (kept && charge(kept)) reply.charged += kept;  // small replies are kept even over budget
+  reply.deadline_ns = steady_now_ns() + frame_deadline(reply.total() - reply.sent).count();
+  peer.queued_bytes += reply.total() - reply.sent;
+  if (peer.out.empty()) peer.out_deadline_ns.store(reply.deadline_ns, std::memory_order_relaxed);
+  peer.out.push_back(std::make_unique<Reply>(std::move(reply)));
+  return true;
+}
+
+bool TcpServer::flush_locked(Peer& peer) {
+  while (!peer.out.empty()) {
+    Reply& r = *peer.out.front();
+    std::uint64_t sent_now = 0;
+    const bool ok = r.write_out(peer.fd.get(), &sent_now);
+    peer.queued_bytes -= sent_now;
+    if (!ok) return false;
+    if (r.sent < r.total()) return true;  // the socket is full: EPOLLOUT brings it back
+    uncharge(r.charged);
+    peer.out.pop_front();
+    peer.out_deadline_ns.store(peer.out.empty() ? 0 : peer.out.front()->deadline_ns, std::memory_order_relaxed);
+  }
+  return true;
+}
+
+bool TcpServer::send_error(Peer& peer, const wire::FrameHeader& req, Errc status, const std::string& why) {
+  Reply r(reply_header(req, why.size()), why.data(), why.size());
+  r.header.flags |= wire::kErrorText;
+  r.header.status = static_cast<std::uint16_t>(status);
+  return send(peer, std::move(r));
+}
+
+bool TcpServer::send_empty(Peer& peer, const wire::FrameHeader& req, std::uint64_t arg0, std::uint32_t arg1) {
+  return send(peer, Reply(reply_header(req, 0, arg0, arg1)));
 }
 
 bool TcpServer::admit(Peer& peer, const wire::FrameHeader& h) {
@@ -567,18 +1090,21 @@ bool TcpServer::admit(Peer& peer, const wire::FrameHeader& h) {
   const std::uint32_t worker = peer.hello_worker;
   if (worker != kNoWorker) {
     if (Errc e = engine_.check_worker(worker, &why); e != Errc::ok) {
-      peer.send_error(h, e, why);
+      log::warn("tcp.refused", "server " + std::to_string(engine_.options().server_id) + " refused " + peer.address +
+                                   ": " + why);
+      send_error(peer, h, e, why);
       return false;
     }
   }
   peer.worker = worker;
+  peer.handshaken.store(true, std::memory_order_relaxed);
   if (worker != kNoWorker) engine_.worker_joined(worker);
-  wire::FrameHeader r = reply_header(h, 0, engine_.options().server_id, engine_.options().num_workers);
-  return peer.send(r, nullptr, 0);
+  return send_empty(peer, h, engine_.options().server_id, engine_.options().num_workers);
 }
 
 bool TcpServer::refuse(Peer& peer, const wire::FrameHeader& h, const std::string& what) {
-  peer.send_error(h, Errc::permission, auth::refuse(engine_.options().server_id, peer.address, what));
+  refused_.fetch_add(1, std::memory_order_relaxed);
+  send_error(peer, h, Errc::permission, auth::refuse(engine_.options().server_id, peer.address, what));
   return false;
 }
 

@@ -1,9 +1,23 @@
-// Server side of the TCP backend. epoll with EPOLLONESHOT hands each readable connection to one
-// of a few I/O threads at a time, so a connection's requests are handled in order (a worker's
-// pushes are applied before its clock moves) while different connections run in parallel, and
-// idle servers sleep in epoll_wait. Pulls that must wait for the consistency bound are parked in
-// the engine and answered later by whichever thread moves the bound, so no I/O thread ever
-// blocks on another worker.
+// Server side of the TCP backend: an event loop where no peer can hold a thread.
+//
+// Every socket is non-blocking and every connection is a state machine (tcp_server.cc, Peer)
+// with bounded buffers in both directions. epoll with EPOLLONESHOT hands each ready connection
+// to one of a few I/O threads at a time, so a connection's requests are handled in order (a
+// worker's pushes are applied before its clock moves) while different connections run in
+// parallel. A thread serves what has arrived and hands the connection back to epoll the moment
+// the peer has nothing more for it (after a short spin in the middle of a large frame), so a slow
+// sender costs its own buffer and nothing else. A reply the peer does not take stays queued on
+// its connection, which is not read again until it is gone: a peer that never reads holds one
+// reply, not a thread. Pulls that must wait for the consistency bound are parked in the engine
+// and answered later by whichever thread moves the bound.
+//
+// What bounds each peer, all in TcpServerOptions (docs/ARCHITECTURE.md, "Hostile peers"):
+// - time: a deadline per frame in each direction, a deadline for the handshake, and TCP
+//   keepalive for a worker that is merely silent (idleness alone never closes a connection);
+// - memory: one fixed receive buffer per connection; larger frames and copied replies draw on a
+//   server-wide budget, sized from what a request declares and implies before anything is
+//   allocated; before the handshake nothing larger than a hello is accepted;
+// - count: connections in all and per peer address, and pulls parked per connection.
 #pragma once
 
 #include <atomic>
@@ -26,8 +40,17 @@ namespace pskv::tcp {
 struct TcpServerOptions {
   std::uint32_t io_threads = 2;
   std::uint32_t max_connections = 1024;
-  // A frame whose rest does not arrive within this time is abandoned and its connection closed.
+  // Connections from one IP address; more are refused. When the table is full, the oldest
+  // connection that has not finished its handshake makes room for a new one.
+  std::uint32_t max_connections_per_address = 256;
+  // A frame must be transferred whole within this plus 1 s per kFrameBytesPerSecond of its
+  // size, counted from its first byte (requests) or from when it was queued (replies).
   std::chrono::milliseconds frame_timeout{5000};
+  // From accept until hello (and the token challenge) is done.
+  std::chrono::milliseconds handshake_timeout{5000};
+  // Frame buffers and copied replies of all connections together; a request that would need
+  // more is answered `capacity` once its payload has been read and dropped.
+  std::uint64_t memory_budget_bytes = 1ull << 30;
   wire::Limits limits{};
   // A push frame larger than a connection's receive buffer is applied as it arrives: each key of
   // up to kPushPieceFloats once all of it is in, a longer one in pieces of whatever has come in
@@ -42,8 +65,10 @@ struct TcpServerOptions {
 };
 
 class Peer;
+struct Reply;
 
-// Thread-safety: construct, then stop() or destroy from one thread; everything else is internal.
+// Thread-safety: construct, then stop() or destroy from one thread; stats_fields() from any
+// thread; everything else is internal.
 class TcpServer {
  public:
   TcpServer(ShardEngine& engine, const Uri& uri, const TcpServerOptions& options);
@@ -54,6 +79,8 @@ class TcpServer {
   std::uint16_t port() const noexcept { return port_; }
   void stop();
   std::uint64_t connections_refused() const noexcept { return refused_.load(); }
+  // ,"name":value pairs for the stats document: connections, refusals, deadline closes, budget.
+  std::string stats_fields() const;
   // The largest piece a push is applied in (a whole receive buffer, 256 KiB): smaller pieces
   // cost more receive calls, larger ones fall out of L2 before they are applied.
   static constexpr std::size_t kPushPieceFloats = 64u << 10;
@@ -62,27 +89,82 @@ class TcpServer {
   // with the sender, so waiting for full pieces left a 256 KiB apply (8 us) between a push's last
   // byte and its reply, a tenth of a 1 MiB push's time with one in flight.
   static constexpr std::size_t kPushLeastFloats = 4u << 10;
+  // The slowest transfer rate a frame's deadline allows for beyond frame_timeout: slow enough
+  // that a server busy with other connections does not time out a peer it is itself not
+  // reading fast enough, far too fast for a trickle to hold a frame open.
+  static constexpr std::uint64_t kFrameBytesPerSecond = 16ull << 20;
+  // Pulls (and barriers) one connection may have parked; past it the connection is not read
+  // until one is answered. A client keeps at most max_in_flight requests anyway.
+  static constexpr std::uint32_t kMaxParkedPerConnection = 256;
 
  private:
+  friend class ParkedRequest;
+  enum class Progress { done, need_more, close };
+
   void io_loop();
   void accept_ready();
+  void reap_expired();
+  // Whether the server has stopped reading this connection (its replies are queued, or too many
+  // of its pulls are parked); if so, the frame it holds half-read gets a fresh deadline.
+  bool reading_paused(Peer& peer);
+  // Serves what has arrived on a connection this thread owns; false: close it.
+  bool serve(Peer& peer);
+  bool serve_buffered(Peer& peer, bool* progressed);
   // Each returns false when the connection must be closed.
-  bool serve_readable(Peer& peer);
   bool handle(Peer& peer, const wire::FrameHeader& h, const float* payload);
-  // Whether this large frame is a push to apply as it arrives, and doing so. The frame's key
-  // table is in peer.keys and [begin, end) of the peer's receive buffer holds the payload's start.
-  bool streams(const Peer& peer, const wire::FrameHeader& h) const noexcept;
-  bool stream_push(Peer& peer, const wire::FrameHeader& h, std::size_t begin, std::size_t end);
-  // Answers a hello (or a passed challenge): registers the worker and says who this server is.
+  bool before_handshake(Peer& peer, const wire::FrameHeader& h);
   bool admit(Peer& peer, const wire::FrameHeader& h);
-  // A large pull sent straight from the store's slots, validated by their seqlocks afterwards.
-  bool send_from_store(Peer& peer, const wire::FrameHeader& h, std::uint64_t floats);
+  // `owner`: called by the connection's owner, which may answer small pulls from peer.reply.
+  bool answer_pull(Peer& peer, const wire::FrameHeader& h, std::span<const wire::KeyEntry> keys, bool owner);
+  // A pull or barrier to answer later (counted against kMaxParkedPerConnection until it is).
+  std::unique_ptr<Parked> park(Peer& peer, const wire::FrameHeader& h, std::vector<wire::KeyEntry> keys);
   // Below this a pull reply is copied: the copy is cheap and the extra trailer write is not.
   static constexpr std::uint64_t kFromStoreBytes = 64u << 10;
+  bool send_from_store(Peer& peer, const wire::FrameHeader& h, std::span<const wire::KeyEntry> keys,
+                       std::span<SlotHeader* const> slots, std::uint64_t floats);
+  // A frame larger than the receive buffer, in its stages.
+  bool begin_large_frame(Peer& peer, const wire::FrameHeader& h);
+  Progress continue_large_frame(Peer& peer);
+  Progress stream_push(Peer& peer);
+  bool streams(const Peer& peer, const wire::FrameHeader& h) const noexcept;
+  // Reads more of a large frame from the socket: the bytes, 0 if nothing came (after the spin,
+  // and a fast sender's wait), -1 if the connection closed or failed.
+  ssize_t read_frame_bytes(Peer& peer, char* dst, std::size_t bytes);
+  // Whether more of a large frame arrived after this thread waited for it (only for a peer that
+  // sent the frame so far at kFastSenderBytesPerSecond or more, for kFastSenderPatienceMs).
+  bool await_fast_sender(Peer& peer);
+  static constexpr double kFastSenderBytesPerSecond = 256.0 * (1 << 20);
+  static constexpr int kFastSenderPatienceMs = 1;
   // Logs and refuses a peer that did not authenticate; always false (close the connection).
   bool refuse(Peer& peer, const wire::FrameHeader& h, const std::string& what);
-  void close_peer(Peer& peer);
-  void rearm(Peer& peer);
+  // Logs a malformed frame and answers it if its magic says it is ours; always false (close).
+  bool bad_frame(Peer& peer, const wire::FrameHeader& h, Errc status, const std::string& why);
+  // Counts and logs a request the memory budget cannot hold; returns the answer to give it.
+  std::string over_budget(const Peer& peer, std::uint64_t bytes, const std::string& what);
+
+  // Replies. send() writes at once what the socket takes and queues the rest.
+  bool send(Peer& peer, Reply&& reply);
+  bool send_error(Peer& peer, const wire::FrameHeader& req, Errc status, const std::string& why);
+  bool send_empty(Peer& peer, const wire::FrameHeader& req, std::uint64_t arg0 = 0, std::uint32_t arg1 = 0);
+  // Writes queued replies; false when the peer is gone. Caller holds peer.mu.
+  bool flush_locked(Peer& peer);
+  // Hands the connection back to epoll with the interest its state calls for. From the owner
+  // (release) or from another thread when the connection is idle in epoll (poke).
+  void release(Peer& peer);
+  void poke(Peer& peer);
+  // What the connection's state asks epoll for (caller holds peer.mu): EPOLLOUT while replies
+  // are queued, EPOLLIN unless reading is paused. armed_locked() adds what re-arming needs.
+  std::uint32_t interest_locked(const Peer& peer) const;
+  std::uint32_t armed_locked(const Peer& peer) const;
+
+  // The memory budget. charge() takes `bytes` if they fit.
+  bool charge(std::uint64_t bytes) noexcept;
+  void uncharge(std::uint64_t bytes) noexcept;
+
+  void close_peer(Peer& peer, const std::string& reason);
+  // Closes a connection another thread may own: shuts the socket so its owner sees the end.
+  void expire(Peer& peer, const std::string& reason);
+  std::chrono::nanoseconds frame_deadline(std::uint64_t bytes) const noexcept;
 
   ShardEngine& engine_;
   TcpServerOptions options_;
@@ -91,9 +173,12 @@ class TcpServer {
   Fd wake_fd_;
   std::uint16_t port_ = 0;
   std::atomic<bool> stopping_{false};
-  std::atomic<std::uint64_t> refused_{0};
-  std::mutex peers_mu_;
+  std::atomic<std::uint64_t> refused_{0}, expired_{0}, over_budget_{0}, budget_used_{0};
+  std::atomic<std::int64_t> next_reap_ns_{0};
+  std::mutex reap_mu_;
+  mutable std::mutex peers_mu_;
   std::unordered_map<int, std::shared_ptr<Peer>> peers_;
+  std::unordered_map<std::string, std::uint32_t> per_address_;
   std::vector<std::thread> threads_;
 };
 
