@@ -56,5 +56,7 @@ if [ -f "$BUILD/tests/rdma/CTestTestfile.cmake" ] && [ "${PSKV_BENCH_RDMA:-1}" !
   scripts/rdma-vm.sh sh tests/rdma/bench-in-vm.sh "$BUILD" --json --sizes 64,4K,1M --clients 1 \
     --seconds "$SECONDS_PER_POINT" > "$OUT/dense-rdma-emulated.jsonl" || echo "rdma run failed; see above" >&2
 fi
+# A healthy client and the server's memory while each attack class runs (writes attacks.jsonl).
+PSKV_ATTACK_SECONDS=${PSKV_ATTACK_SECONDS:-6} scripts/attack-bench.sh "$BUILD" >&2
 python3 scripts/lib/bench_report.py "$OUT" docs/BENCHMARKS.md
 echo "wrote docs/BENCHMARKS.md and $OUT/*.png"

@@ -4,7 +4,7 @@
 #
 # Stages (each can be turned off with an environment variable set to 0):
 #   release     Release build; labels unit, concurrency, integration, consistency, mnist,
-#               load, netns, fault (fault trials reduced by PSKV_FAULT_TRIALS)
+#               load, netns, fault (fault trials reduced by PSKV_FAULT_TRIALS), adversarial
 #   tsan        ThreadSanitizer build; label concurrency            (PSKV_TEST_TSAN)
 #   asan        ASan+UBSan build; labels unit and integration       (PSKV_TEST_ASAN)
 #   fuzz        libFuzzer targets, PSKV_FUZZ_SECONDS each (60)      (PSKV_TEST_FUZZ)
@@ -38,7 +38,8 @@ cmake --build "$BUILD" -j "$JOBS"
 
 step "release tests"
 ctest --test-dir "$BUILD" --output-on-failure -j "$JOBS" -L 'unit|concurrency|integration|consistency'
-ctest --test-dir "$BUILD" --output-on-failure -L 'mnist|load|netns|fault'
+# Serial; what also carries `integration` (shm_scribbler_test) already ran in the line above.
+ctest --test-dir "$BUILD" --output-on-failure -L 'mnist|load|netns|fault|adversarial' -LE integration
 
 if enabled "${PSKV_TEST_TSAN:-1}"; then
   step "ThreadSanitizer build + concurrency tests"
