@@ -147,7 +147,7 @@ class ClientImpl {
     std::uint32_t targets = 0;
     for (std::size_t s = 0; s < servers; ++s) targets += targets_server(s);
     op->kind = kind;
-    op->clock_at_issue = clock_;
+    op->clock_at_issue = clock_.load(std::memory_order_relaxed);
     op->completion.reset(targets);
     for (std::size_t s = 0; s < servers; ++s) {
       if (!targets_server(s)) continue;
@@ -193,8 +193,9 @@ class ClientImpl {
   void clock() {
     if (options_.worker_id == kNoWorker)
       throw Error(Errc::invalid_argument, "clock() needs ClientOptions.worker_id (this client is anonymous)");
-    send_clock(clock_ + 1);
-    ++clock_;
+    const std::uint64_t next = clock_.load(std::memory_order_relaxed) + 1;
+    send_clock(next);
+    clock_.store(next, std::memory_order_relaxed);
   }
 
   void barrier() {
@@ -220,7 +221,7 @@ class ClientImpl {
     return staleness_;
   }
 
-  std::uint64_t current_clock() const noexcept { return clock_; }
+  std::uint64_t current_clock() const noexcept { return clock_.load(std::memory_order_relaxed); }
   std::size_t num_servers() const noexcept { return connections_.size(); }
 
  private:
@@ -289,7 +290,9 @@ class ClientImpl {
   std::vector<std::unique_ptr<transport::Connection>> connections_;
   ConnectionsPoller poller_;  // points into connections_: cleared with them
   std::vector<std::uint32_t> free_;
-  std::uint64_t clock_ = 0;
+  // Written by clock() (the training loop's thread), read by push/pull on any thread: a request
+  // issued concurrently with clock() carries either step, as a racing caller must expect.
+  std::atomic<std::uint64_t> clock_{0};
   std::uint64_t barrier_generation_ = 0;
   bool finished_on_close_ = true;
   const int uncaught_at_start_ = std::uncaught_exceptions();
