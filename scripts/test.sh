@@ -4,7 +4,8 @@
 #
 # Stages (each can be turned off with an environment variable set to 0):
 #   release     Release build; labels unit, concurrency, integration, consistency, mnist,
-#               load, netns, fault (fault trials reduced by PSKV_FAULT_TRIALS), adversarial
+#               load, netns, fault (fault trials reduced by PSKV_FAULT_TRIALS), adversarial,
+#               then python
 #   tsan        ThreadSanitizer build; label concurrency            (PSKV_TEST_TSAN)
 #   asan        ASan+UBSan build; labels unit and integration       (PSKV_TEST_ASAN)
 #   fuzz        libFuzzer targets, PSKV_FUZZ_SECONDS each (60)      (PSKV_TEST_FUZZ)
@@ -33,13 +34,19 @@ step "data: MNIST and Fashion-MNIST"
 scripts/fetch-data.sh >/dev/null
 
 step "release build"
-configure "$BUILD" -DCMAKE_BUILD_TYPE=Release
+configure "$BUILD" -DCMAKE_BUILD_TYPE=Release -DPSKV_BUILD_PYTHON=ON
 cmake --build "$BUILD" -j "$JOBS"
 
 step "release tests"
 ctest --test-dir "$BUILD" --output-on-failure -j "$JOBS" -L 'unit|concurrency|integration|consistency'
 # Serial; what also carries `integration` (shm_scribbler_test) already ran in the line above.
 ctest --test-dir "$BUILD" --output-on-failure -L 'mnist|load|netns|fault|adversarial' -LE integration
+
+step "python tests (pskv package, pytest)"
+# The module must exist (PSKV_BUILD_PYTHON=ON above fails the configure without pybind11), and
+# the label must not be empty: either would otherwise pass as zero tests.
+ls "$BUILD"/python/pskv/_pskv.*.so >/dev/null
+ctest --test-dir "$BUILD" --output-on-failure --no-tests=error -L python
 
 if enabled "${PSKV_TEST_TSAN:-1}"; then
   step "ThreadSanitizer build + concurrency tests"

@@ -89,6 +89,10 @@ class Client {
 
   // Blocks until the operation completes; throws Error with the server's explanation on failure.
   void wait(Ticket ticket);
+  // Waits at most `timeout`. True: the operation completed and the ticket is spent, exactly as
+  // after wait() (which it then throws like). False: still in flight, the ticket stays valid and
+  // must be waited again. Lets a caller that must stay responsive (Python's Ctrl-C) wait in slices.
+  bool wait_for(Ticket ticket, std::chrono::milliseconds timeout);
   // True when the operation has completed (wait() then returns or throws at once).
   bool done(Ticket ticket) const;
 

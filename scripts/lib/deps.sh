@@ -5,6 +5,7 @@ PSKV_DEB_PACKAGES=(
   libgtest-dev libgmock-dev libbenchmark-dev
   libibverbs-dev librdmacm-dev ibverbs-providers
   clang libclang-rt-14-dev gnuplot-nox openmpi-bin iproute2 iputils-ping
+  python3 python3-dev pybind11-dev python3-numpy python3-torch python3-pytest
 )
 
 pskv_install_deps() {

@@ -59,6 +59,8 @@ class ConnectionsPoller final : public transport::Poller {
 // Thread-safety: the op table is guarded by ops_mu_; each Op is touched by one issuing thread,
 // then by transport threads through its Completion, then by the waiting thread.
 class ClientImpl {
+  struct Op;
+
  public:
   explicit ClientImpl(const ClientOptions& o) : options_(o) {
     if (o.servers.empty()) throw Error(Errc::invalid_argument, "ClientOptions.servers is empty: name at least one server URI");
@@ -169,6 +171,18 @@ class ClientImpl {
     // this wait is bounded by them; the deadline only re-checks.
     while (!op->completion.wait(std::chrono::steady_clock::now() + std::chrono::hours(1), poller_.get())) {
     }
+    finish(ticket, op);
+  }
+
+  bool wait_for(Ticket ticket, std::chrono::milliseconds timeout) {
+    Op* op = lookup(ticket);
+    if (!op->completion.wait(std::chrono::steady_clock::now() + timeout, poller_.get())) return false;
+    finish(ticket, op);
+    return true;
+  }
+
+  // Spends a completed ticket: records what a pull saw, frees the op, throws its error.
+  void finish(Ticket ticket, Op* op) {
     const Errc status = op->completion.status();
     std::string message = op->completion.message();
     if (status == Errc::ok && op->kind == wire::Op::pull) record_staleness(op->clock_at_issue, op->completion.bound());
@@ -319,6 +333,7 @@ Ticket Client::pull(std::span<const Key> keys, std::span<const std::span<float>>
 
 void Client::disconnect() { impl_->disconnect(); }
 void Client::wait(Ticket ticket) { impl_->wait(ticket); }
+bool Client::wait_for(Ticket ticket, std::chrono::milliseconds timeout) { return impl_->wait_for(ticket, timeout); }
 bool Client::done(Ticket ticket) const { return impl_->done(ticket); }
 void Client::clock() { impl_->clock(); }
 std::uint64_t Client::current_clock() const noexcept { return impl_->current_clock(); }

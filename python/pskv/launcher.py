@@ -1,0 +1,141 @@
+"""pskv.launch(): pskv-server processes on this node, stopped when the group is (or Python exits)."""
+
+import ctypes
+import os
+import select
+import shutil
+import signal
+import subprocess
+import time
+import weakref
+from typing import List, Optional
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _find_binary(env_var: str, paths_attr: str, name: str, hint: str) -> str:
+    """$env_var, else the one built beside this package (_paths.<paths_attr>), else `name` on PATH;
+    FileNotFoundError saying `hint` if none is executable."""
+    candidates = [os.environ.get(env_var, "")]
+    try:
+        from . import _paths
+        candidates.append(getattr(_paths, paths_attr))
+    except ImportError:
+        pass
+    candidates.append(shutil.which(name) or "")
+    for c in candidates:
+        if c and os.access(c, os.X_OK):
+            return c
+    raise FileNotFoundError(f"{name} not found: {hint}")
+
+
+def server_binary() -> str:
+    """PSKV_SERVER_BIN, else the one built beside this package, else pskv-server on PATH."""
+    return _find_binary("PSKV_SERVER_BIN", "SERVER_BIN", "pskv-server",
+                        "build it (cmake --build build), put it on PATH, or set PSKV_SERVER_BIN")
+
+
+def _die_with_parent():
+    # Runs in the child before exec: a server must not outlive a Python that was killed.
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+# Options whose pskv-server flag is not just --name-with-dashes, or whose unit differs.
+_FLAG_NAMES = {"straggler": "--straggler-policy", "wait_timeout": "--wait-timeout-ms",
+               "checkpoint_every": "--checkpoint-every-s"}
+
+
+def _flag(name: str, value) -> List[str]:
+    if name == "wait_timeout":
+        value = int(round(float(value) * 1000))
+    flag = _FLAG_NAMES.get(name, "--" + name.replace("_", "-"))
+    if value is True:
+        return [flag]
+    if value is False or value is None:
+        return []
+    return [flag, str(value)]
+
+
+class ServerGroup:
+    """`count` pskv-server processes serving shm://JOB-i or tcp://HOST:PORT (free ports).
+
+    Thread-safety: start and stop from one thread. The servers are stopped by stop(), by leaving a
+    `with` block, when the group is garbage collected, at interpreter exit, and (SIGTERM from the
+    kernel) if this process dies.
+    """
+
+    def __init__(self, count: int = 1, transport: str = "shm", workers: int = 0, mode: str = "asp",
+                 staleness: int = 0, rule: str = "add", lr: float = 0.01, host: str = "127.0.0.1",
+                 job: Optional[str] = None, start_timeout: float = 30.0, **options):
+        if count < 1:
+            raise ValueError("count must be >= 1")
+        if transport not in ("shm", "tcp", "rdma"):
+            raise ValueError(f"transport must be shm, tcp or rdma, not {transport!r}")
+        binary = server_binary()
+        job = job or f"py-{os.getpid()}-{id(self) & 0xffff:x}"
+        self.processes: List[subprocess.Popen] = []
+        self.uris: List[str] = []
+        self._finalizer = weakref.finalize(self, ServerGroup._stop_all, self.processes)
+        try:
+            for s in range(count):
+                uri = f"shm://{job}-{s}" if transport == "shm" else f"{transport}://{host}:0"
+                args = [binary, "--uri", uri, "--server-id", str(s), "--workers", str(workers), "--mode", mode,
+                        "--staleness", str(staleness), "--rule", rule, "--lr", repr(float(lr))]
+                for name, value in options.items():
+                    args += _flag(name, value)
+                p = subprocess.Popen(args, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                                     preexec_fn=_die_with_parent)
+                self.processes.append(p)
+                self.uris.append(self._read_uri(p, start_timeout))
+        except BaseException:
+            self.stop()
+            raise
+
+    @staticmethod
+    def _read_uri(p: subprocess.Popen, timeout: float) -> str:
+        # pskv-server prints "pskv-server listening on URI (...)" once it serves.
+        deadline = time.monotonic() + timeout
+        line = b""
+        while not line.endswith(b"\n"):
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([p.stdout], [], [], left)[0]:
+                raise TimeoutError(f"pskv-server (pid {p.pid}) did not start within {timeout} s")
+            chunk = os.read(p.stdout.fileno(), 1)
+            if not chunk:
+                raise RuntimeError(f"pskv-server exited with status {p.wait()} before serving; see its messages above")
+            line += chunk
+        words = line.decode().split()
+        if len(words) < 4 or words[1] != "listening":
+            raise RuntimeError(f"unexpected first line from pskv-server: {line!r}")
+        return words[3]
+
+    @staticmethod
+    def _stop_all(processes):
+        for p in processes:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in processes:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+            if p.stdout:
+                p.stdout.close()
+
+    def stop(self):
+        self._finalizer()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+        return False
+
+
+def launch(servers: int = 1, transport: str = "shm", **options) -> ServerGroup:
+    """Starts `servers` pskv-server processes; see ServerGroup for the options (any pskv-server
+    flag, with underscores: workers=2, mode="ssp", staleness=2, rule="sgd", lr=0.05, arena_mb=64)."""
+    return ServerGroup(servers, transport, **options)

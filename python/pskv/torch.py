@@ -1,0 +1,186 @@
+"""pskv for PyTorch: a distributed optimizer over model.named_parameters(), one key per parameter.
+
+    import pskv.torch as pt
+    client = pt.client_from_env()                  # rank, world size, servers from the launcher
+    opt = pt.DistributedOptimizer(model.named_parameters(), client)         # server-side SGD etc.
+    # or: pt.DistributedOptimizer(model.named_parameters(), client, update="worker",
+    #                             optimizer=torch.optim.Adam(model.parameters()))
+    for x, y in batches:
+        opt.zero_grad()
+        F.nll_loss(model(x), y).backward()          # each gradient is pushed as soon as it is ready
+        opt.step()                                  # ends the step (clock) and brings the new weights
+
+Two ways to update, both with every worker starting from the same weights (the first
+initialiser of each key wins, and everyone pulls what won):
+- update="server": gradients go to the servers, whose rule (sgd, momentum, adam, adagrad, with
+  the servers' lr) updates the weights; step() pulls the weights straight into the parameters.
+  Consistency is the servers': BSP, SSP or ASP.
+- update="worker": the servers run mode "sync" with rule "assign", so each gradient key holds the
+  mean of the step's gradients; step() pulls that mean into .grad and the local torch optimizer
+  steps. Every worker then computes the same weights.
+Large parameters are split over the servers by pskv (ClientOptions.chunk_floats).
+
+Pushes start from gradient-accumulator hooks during backward (as Horovod and BytePS do), so
+communication overlaps the rest of the backward pass.
+"""
+
+import time
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import torch
+
+from . import Client, InvalidArgument
+from ._env import detect_cluster, servers_from_env
+
+# Gradient keys of update="worker" sit this far above the weight keys.
+GRAD_KEY_OFFSET = 1 << 32
+
+
+def client_from_env(servers: Optional[List[str]] = None, connect_for: float = 60.0, **client_options) -> Client:
+    """A pskv.Client for this process's worker rank.
+
+    Servers: `servers`, else PSKV_SERVERS (comma-separated URIs). Rank: torchrun (RANK,
+    WORLD_SIZE), PSKV_RANK/PSKV_WORLD_SIZE, Open MPI, PMI or Slurm; under mpirun/srun the first
+    len(servers) ranks are the servers and worker ids start after them, as in pskv-mnist.
+    Connecting is retried for `connect_for` seconds, since servers may still be starting.
+    """
+    uris = servers or servers_from_env()
+    if not uris:
+        raise ValueError("no servers: pass servers=[...] or set PSKV_SERVERS=uri,uri")
+    worker, workers = worker_rank(len(uris))
+    deadline = time.monotonic() + connect_for
+    while True:
+        try:
+            return Client(uris, worker_id=worker, **client_options)
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def worker_rank(num_servers: int) -> Tuple[int, int]:
+    """(worker id, number of workers) of this process; (0, 1) when run alone."""
+    cluster = detect_cluster()
+    if cluster is None:
+        return 0, 1
+    if cluster.workers_only:
+        return cluster.rank, cluster.size
+    if cluster.rank < num_servers:
+        raise ValueError(f"rank {cluster.rank} is one of the {num_servers} server ranks, not a worker")
+    return cluster.rank - num_servers, cluster.size - num_servers
+
+
+def _contiguous_float32(name: str, t: torch.Tensor) -> None:
+    if t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous():
+        raise ValueError(f"parameter {name}: pskv.torch moves contiguous float32 CPU tensors, got {t.dtype} on "
+                         f"{t.device} (contiguous: {t.is_contiguous()})")
+
+
+class DistributedOptimizer:
+    """See the module's doc. Keys: key_base + i for the i-th parameter with requires_grad (in the
+    order of named_parameters), and key_base + 2**32 + i for its gradient (update="worker").
+
+    Thread-safety: none; drive it from the training loop's thread (backward() there too, which is
+    where PyTorch runs the CPU hooks that push).
+    """
+
+    def __init__(self, named_parameters: Iterable[Tuple[str, torch.nn.Parameter]], client: Client, *,
+                 update: str = "server", optimizer: Optional[torch.optim.Optimizer] = None, key_base: int = 0,
+                 backward_passes_per_step: int = 1):
+        if update not in ("server", "worker"):
+            raise ValueError(f"update must be 'server' or 'worker', not {update!r}")
+        if update == "worker" and optimizer is None:
+            raise ValueError("update='worker' needs the local torch optimizer (optimizer=...)")
+        if backward_passes_per_step < 1:
+            raise ValueError("backward_passes_per_step must be >= 1")
+        self.client = client
+        self.update = update
+        self.optimizer = optimizer
+        self.backward_passes_per_step = backward_passes_per_step
+        named = [(n, p) for n, p in named_parameters if p.requires_grad]
+        if not named:
+            raise ValueError("no parameters that require gradients")
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        for n, p in named:
+            _contiguous_float32(n, p.data)
+        self.weight_keys = [key_base + i for i in range(len(named))]
+        self.grad_keys = [key_base + GRAD_KEY_OFFSET + i for i in range(len(named))]
+        with torch.no_grad():
+            for p in self.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)  # stable tensors: pushes read them, pulls may land in them
+        # Same starting point everywhere: the first initialiser of each key wins, everyone pulls it.
+        client.init(self.weight_keys, [p.data for p in self.params]).wait()
+        if update == "worker":
+            client.init(self.grad_keys, [torch.zeros_like(p) for p in self.params]).wait()
+        client.pull(self.weight_keys, [p.data for p in self.params]).wait()
+        for p in self.params:  # fixed addresses from here on: RDMA registers them once
+            client.register_buffer(p.data)
+            client.register_buffer(p.grad)
+        self._push_keys = self.grad_keys if update == "worker" else self.weight_keys
+        self._pending: List[Optional[object]] = [None] * len(self.params)
+        self._passes = [0] * len(self.params)
+        self._hooks = []
+        self._accumulators = []  # kept alive: PyTorch holds hooks on these autograd nodes weakly
+        for i, p in enumerate(self.params):
+            accumulator = p.expand_as(p).grad_fn.next_functions[0][0]
+            self._hooks.append(accumulator.register_hook(self._make_hook(i)))
+            self._accumulators.append(accumulator)
+        self.steps = 0
+
+    def _make_hook(self, i: int):
+        def pushed_when_accumulated(*_):
+            # Runs once .grad holds this backward's contribution: send it while backward goes on.
+            self._passes[i] += 1
+            if self._passes[i] == self.backward_passes_per_step:
+                self._push(i)
+        return pushed_when_accumulated
+
+    def _push(self, i: int) -> None:
+        # The binding checks the gradient (CPU, float32, dense, contiguous) as it reads it.
+        try:
+            self._pending[i] = self.client.push(self._push_keys[i], self.params[i].grad)
+        except InvalidArgument as e:
+            raise InvalidArgument(f"parameter {self.names[i]}.grad: {e}") from e
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """Zeroes the gradients in place (set_to_none is refused: pskv reads and writes .grad)."""
+        if set_to_none:
+            raise ValueError("pskv.torch keeps .grad tensors in place; call zero_grad() without set_to_none")
+        for p in self.params:
+            p.grad.zero_()
+
+    def step(self, closure=None):
+        """Ends the step: waits for this step's pushes (parameters that got no gradient push
+        zeros), advances the clock, then pulls the new weights (update="server") or the mean
+        gradients and steps the local optimizer (update="worker")."""
+        loss = closure() if closure is not None else None
+        for i, work in enumerate(self._pending):
+            if work is None:  # unused this step, or backward not run: the servers still count on it
+                self._push(i)
+        for work in self._pending:
+            work.wait()
+        self._pending = [None] * len(self.params)
+        self._passes = [0] * len(self.params)
+        self.client.clock()
+        if self.update == "server":
+            self.pull_weights()
+        else:
+            self.client.pull(self.grad_keys, [p.grad for p in self.params]).wait()
+            self.optimizer.step()
+        self.steps += 1
+        return loss
+
+    def pull_weights(self) -> None:
+        """Brings the servers' weights into the parameters (update="server"; e.g. before evaluating)."""
+        self.client.pull(self.weight_keys, [p.data for p in self.params]).wait()
+
+    def staleness(self) -> Dict[str, object]:
+        """What bounded reads observed: {'reads', 'max', 'histogram'} (clocks behind)."""
+        return self.client.staleness()
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()

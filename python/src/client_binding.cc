@@ -1,0 +1,493 @@
+// pskv.Client and pskv.Work: the C++ client with Python's lifetimes, GIL and signals.
+//
+// Lifetime rule: memory handed to pskv must stay valid until its operation completes, so every
+// operation's buffers are held by its Work; a Work dropped before completion hands them to its
+// session ("orphans"), which spends the ticket once the operation is done. close() completes or
+// cancels every operation before the C++ client goes, and only then lets the buffers go.
+#include <pybind11/stl.h>
+
+#include <chrono>
+#include <deque>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "buffers.h"
+#include "client_binding.h"
+#include "pskv/client.h"
+
+namespace py = pybind11;
+
+namespace pskv::python {
+
+namespace {
+
+using namespace std::chrono_literals;
+
+// How often a waiting thread takes the GIL back to look for Ctrl-C (the goal is 100 ms).
+constexpr auto kSignalSlice = 50ms;
+// Below this many bytes, issuing an operation is quicker than handing the GIL over and back.
+constexpr std::size_t kReleaseGilBytes = 64 << 10;
+
+// One operation in flight and the memory it reads or writes.
+struct Pending {
+  Ticket ticket = 0;
+  HeldBuffer first;
+  std::vector<HeldBuffer> rest;  // only for operations over several keys
+};
+
+// Waits up to `slice` for `ticket`. True once it completed (and is spent), its error, if any, in
+// `failure`; false if still in flight. Does not touch the GIL: callers that may block release it,
+// reap_orphans (which may not let another thread into the orphan list) keeps it.
+bool wait_slice(Client& client, Ticket ticket, std::chrono::milliseconds slice, std::optional<Error>& failure) {
+  try {
+    return client.wait_for(ticket, slice);
+  } catch (const Error& e) {
+    failure = e;
+    return true;
+  }
+}
+
+class Work;
+
+enum class OpKind { init, push, pull };
+
+// What a pskv.Client and its Works share. Thread-safety: every member is guarded by the GIL;
+// `client` is also used without the GIL by calls counted in `active`, and close() destroys it
+// only once no such call is left.
+struct Session {
+  std::unique_ptr<Client> client;
+  bool closing = false;  // no new calls; set by close()
+  int active = 0;        // calls running with the GIL released
+  Work* live = nullptr;  // in-flight Works still referenced from Python (intrusive list)
+  std::deque<Pending> orphans;
+  // The first failure of an operation whose Work was dropped unwaited: raised by the next
+  // clock(), barrier() or close() so that it is not lost.
+  std::optional<Error> orphan_error;
+
+  ~Session();
+  void require_open() const {
+    if (closing || !client) throw Error(Errc::invalid_argument, "this pskv.Client is closed; create a new one");
+  }
+  void reap_orphans();
+  void raise_orphan_error() {
+    if (!orphan_error) return;
+    Error e = *orphan_error;
+    orphan_error.reset();
+    throw Error(e.code(), std::string("an operation whose Work was dropped without wait() failed: ") + e.what());
+  }
+};
+
+// Counts a call that runs with the GIL released (constructed and destroyed with the GIL held).
+class ActiveCall {
+ public:
+  explicit ActiveCall(Session& s) : s_(s) { ++s_.active; }
+  ~ActiveCall() { --s_.active; }
+  ActiveCall(const ActiveCall&) = delete;
+  ActiveCall& operator=(const ActiveCall&) = delete;
+
+ private:
+  Session& s_;
+};
+
+// Thread-safety: methods hold the GIL except while waiting; one thread waits for a Work at a time
+// (a second one gets an error rather than a wait on a ticket that may already be spent).
+class Work {
+ public:
+  Work(std::shared_ptr<Session> session, Pending pending, const char* op) : session_(std::move(session)), pending_(std::move(pending)), op_(op) {
+    next_ = session_->live;
+    if (next_) next_->prev_ = this;
+    session_->live = this;
+  }
+  Work(const Work&) = delete;
+  Work& operator=(const Work&) = delete;
+
+  ~Work() {
+    if (state_ != State::in_flight) return;
+    unlink();
+    session_->orphans.push_back(std::move(pending_));
+  }
+
+  // True once complete (raising its error, if any); False if `timeout` seconds passed first.
+  bool wait(std::optional<double> timeout) {
+    if (state_ == State::in_flight && waiting_)
+      throw Error(Errc::invalid_argument, "another thread is already waiting for this pskv.Work");
+    const auto deadline = timeout ? std::chrono::steady_clock::now() +
+                                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                            std::chrono::duration<double>(std::max(0.0, *timeout)))
+                                  : std::chrono::steady_clock::time_point::max();
+    while (state_ == State::in_flight) {
+      if (session_->closing)
+        throw Error(Errc::invalid_argument, std::string(op_) + ": the client is being closed; it completes this operation");
+      Client& client = *session_->client;
+      // Looked at at least once, so wait(timeout=0) of a finished operation completes it.
+      const auto left = std::max<std::chrono::steady_clock::duration>(
+          std::chrono::steady_clock::duration::zero(), deadline - std::chrono::steady_clock::now());
+      const auto slice_ms = std::chrono::ceil<std::chrono::milliseconds>(
+          std::min<std::chrono::steady_clock::duration>(kSignalSlice, left));
+      bool completed = false;
+      std::optional<Error> failure;
+      {
+        ActiveCall call(*session_);
+        waiting_ = true;
+        {
+          py::gil_scoped_release unlocked;
+          completed = wait_slice(client, pending_.ticket, slice_ms, failure);
+        }
+        waiting_ = false;
+      }
+      if (completed) {
+        complete(failure);
+        break;
+      }
+      // Ctrl-C: KeyboardInterrupt now; the operation stays in flight and this Work stays valid.
+      if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+      if (std::chrono::steady_clock::now() >= deadline) return false;
+    }
+    if (error_) throw *error_;
+    return true;
+  }
+
+  // Does not block; drives the connection so an answer that landed completes.
+  bool done() {
+    if (state_ != State::in_flight) return true;
+    if (waiting_ || session_->closing || !session_->client) return false;
+    return session_->client->done(pending_.ticket);
+  }
+
+  // Used by close(): completes this operation on the owner's behalf.
+  bool waiting() const noexcept { return waiting_; }
+  Ticket ticket() const noexcept { return pending_.ticket; }
+  Work* next() const noexcept { return next_; }
+  void complete(const std::optional<Error>& failure) {
+    state_ = failure ? State::failed : State::completed;
+    if (failure) error_ = failure;
+    unlink();
+    pending_.first.reset();
+    pending_.rest.clear();
+  }
+
+ private:
+  void unlink() {
+    if (prev_) prev_->next_ = next_;
+    else if (session_->live == this) session_->live = next_;
+    if (next_) next_->prev_ = prev_;
+    prev_ = next_ = nullptr;
+  }
+
+  enum class State { in_flight, completed, failed };
+  std::shared_ptr<Session> session_;
+  Pending pending_;
+  const char* op_;
+  State state_ = State::in_flight;
+  bool waiting_ = false;
+  std::optional<Error> error_;
+  Work* prev_ = nullptr;
+  Work* next_ = nullptr;
+};
+
+void Session::reap_orphans() {
+  // Operations complete roughly in issue order: look at the oldest only, so this stays O(1).
+  // done() first: wait_for spins briefly even with no time left.
+  while (!orphans.empty() && client->done(orphans.front().ticket)) {
+    std::optional<Error> failure;
+    wait_slice(*client, orphans.front().ticket, 0ms, failure);
+    if (failure && !orphan_error) orphan_error = failure;
+    orphans.pop_front();
+  }
+}
+
+Session::~Session() {
+  // Dropped without close(): like the C++ destructor, announce "finished" (Works hold the
+  // session, so none is alive; orphans' buffers outlive the client, whose teardown ends them).
+  if (client) {
+    std::unique_ptr<Client> doomed = std::move(client);
+    py::gil_scoped_release unlocked;
+    doomed.reset();
+  }
+  orphans.clear();
+}
+
+Key to_key(PyObject* object, std::size_t index) {
+  PyObject* number = PyNumber_Index(object);
+  if (!number) {
+    PyErr_Clear();
+    throw Error(Errc::invalid_argument, "key " + std::to_string(index) + " is a " + Py_TYPE(object)->tp_name +
+                                            "; keys are integers in [0, 2**64)");
+  }
+  const unsigned long long key = PyLong_AsUnsignedLongLong(number);
+  const bool bad = key == static_cast<unsigned long long>(-1) && PyErr_Occurred();
+  std::string text;
+  if (bad) {
+    PyErr_Clear();
+    text = str_of(number);
+  }
+  Py_DECREF(number);
+  if (bad) throw Error(Errc::invalid_argument, "key " + text + " is out of range: keys are integers in [0, 2**64)");
+  return key;
+}
+
+// pskv.Client. Thread-safety: as the C++ client: init/push/pull and Work.wait from any thread;
+// clock() and barrier() from the training loop's thread; close() from any one thread.
+class PyClient {
+ public:
+  PyClient(const ClientOptions& options) : session_(std::make_shared<Session>()) {
+    py::gil_scoped_release unlocked;
+    session_->client = std::make_unique<Client>(options);
+  }
+
+  std::unique_ptr<Work> issue(OpKind op, py::handle keys, py::handle values) {
+    Session& s = *session_;
+    s.require_open();
+    s.reap_orphans();
+    const Access access = op == OpKind::pull ? Access::write : Access::read;
+    const char* what = op == OpKind::pull ? "pull target" : op == OpKind::push ? "push value" : "init value";
+    thread_local std::vector<Key> key_list;
+    thread_local std::vector<std::span<float>> spans;
+    key_list.clear();
+    spans.clear();
+    Pending pending;
+    std::size_t bytes = 0;
+    const bool many = PySequence_Check(keys.ptr()) && !PyLong_Check(keys.ptr());
+    if (!many) {
+      if (PyList_Check(values.ptr()) || PyTuple_Check(values.ptr()))
+        throw Error(Errc::invalid_argument, std::string(what) + ": one key but a list of " +
+                                                std::to_string(py::len(values)) +
+                                                " items; pass one float32 array (lists are never converted), or a "
+                                                "list of keys with one array each");
+      key_list.push_back(to_key(keys.ptr(), 0));
+      pending.first = HeldBuffer(values.ptr(), access, what, static_cast<std::size_t>(-1));
+      spans.emplace_back(pending.first.data(), pending.first.floats());
+      bytes = pending.first.floats() * sizeof(float);
+    } else {
+      const py::sequence key_seq = py::reinterpret_borrow<py::sequence>(keys);
+      if (!PyList_Check(values.ptr()) && !PyTuple_Check(values.ptr()))
+        throw Error(Errc::invalid_argument, std::to_string(py::len(key_seq)) + " keys need a list (or tuple) of as many " +
+                                                what + "s, one per key");
+      const py::sequence value_seq = py::reinterpret_borrow<py::sequence>(values);
+      const std::size_t n = py::len(key_seq);
+      if (py::len(value_seq) != n)
+        throw Error(Errc::invalid_argument, std::to_string(n) + " keys but " + std::to_string(py::len(value_seq)) + " " +
+                                                what + "s; pass one per key");
+      if (n == 0) throw Error(Errc::invalid_argument, "no keys given");
+      pending.rest.reserve(n);
+      for (std::size_t i = 0; i < n; ++i) {
+        key_list.push_back(to_key(py::object(key_seq[i]).ptr(), i));
+        pending.rest.emplace_back(py::object(value_seq[i]).ptr(), access, what, i);
+        spans.emplace_back(pending.rest.back().data(), pending.rest.back().floats());
+        bytes += pending.rest.back().floats() * sizeof(float);
+      }
+    }
+    Client& client = *s.client;
+    auto submit = [&] {
+      if (op == OpKind::pull) return client.pull(key_list, spans);
+      // std::span<float> and std::span<const float> differ; the C++ API takes the latter to push.
+      thread_local std::vector<std::span<const float>> sources;
+      sources.assign(spans.begin(), spans.end());
+      return op == OpKind::push ? client.push(key_list, sources) : client.init(key_list, sources);
+    };
+    if (bytes < kReleaseGilBytes) {
+      pending.ticket = submit();
+    } else {
+      ActiveCall call(s);
+      py::gil_scoped_release unlocked;
+      pending.ticket = submit();
+    }
+    return std::make_unique<Work>(session_, std::move(pending), what);
+  }
+
+  void clock() { step(&Client::clock); }
+  void barrier() { step(&Client::barrier); }
+
+  std::uint64_t current_clock() const {
+    session_->require_open();
+    return session_->client->current_clock();
+  }
+  std::size_t num_servers() const {
+    session_->require_open();
+    return session_->client->num_servers();
+  }
+  bool closed() const { return session_->closing; }
+
+  py::dict staleness() const {
+    session_->require_open();
+    const StalenessStats st = session_->client->staleness();
+    py::dict d;
+    d["reads"] = st.reads;
+    d["max"] = st.max;
+    d["histogram"] = std::vector<std::uint64_t>(st.histogram.begin(), st.histogram.end());
+    return d;
+  }
+
+  py::object server_stats(std::size_t server) {
+    Session& s = *session_;
+    s.require_open();
+    std::string text;
+    {
+      ActiveCall call(s);
+      py::gil_scoped_release unlocked;
+      text = s.client->server_stats(server);
+    }
+    return py::module_::import("json").attr("loads")(text);
+  }
+
+  void register_buffer(py::handle buffer) {
+    session_->require_open();
+    HeldBuffer held(buffer.ptr(), Access::read, "register_buffer argument", static_cast<std::size_t>(-1));
+    session_->client->register_buffer(held.data(), held.floats() * sizeof(float));
+  }
+
+  // finished=False: like the C++ client destroyed by an exception (the job will not wait for a
+  // worker that failed). Completes (finished) or cancels (not) every operation still in flight.
+  void close(bool finished) {
+    Session& s = *session_;
+    if (s.closing) return;
+    s.closing = true;
+    // Calls in other threads finish or notice `closing` within one signal slice.
+    while (s.active > 0) {
+      py::gil_scoped_release unlocked;
+      std::this_thread::sleep_for(1ms);
+    }
+    bool interrupted = false;
+    std::optional<py::error_already_set> interrupt;  // Ctrl-C while completing: cancel the rest instead
+    if (finished && !complete_all()) {
+      interrupted = true;
+      interrupt.emplace();
+    }
+    std::unique_ptr<Client> doomed = std::move(s.client);
+    {
+      py::gil_scoped_release unlocked;
+      if (!finished || interrupted) doomed->disconnect();
+      doomed.reset();  // announces "finished" unless disconnected; ends whatever is still in flight
+    }
+    while (s.live) s.live->complete(Error(Errc::invalid_argument, "the client was closed before this operation completed"));
+    s.orphans.clear();
+    if (interrupt) throw *interrupt;
+    s.raise_orphan_error();
+  }
+
+ private:
+  // clock() and barrier(): first raises what a dropped Work's operation failed with.
+  void step(void (Client::*fn)()) {
+    Session& s = *session_;
+    s.require_open();
+    s.reap_orphans();
+    s.raise_orphan_error();
+    ActiveCall call(s);
+    py::gil_scoped_release unlocked;
+    (s.client.get()->*fn)();
+  }
+
+  // Waits for every live and orphaned operation, in slices, watching for Ctrl-C. False if
+  // interrupted (the Python error is set).
+  bool complete_all() {
+    Session& s = *session_;
+    auto wait_one = [&](Ticket t, std::optional<Error>& failure) -> int {  // 1 done, 0 interrupted
+      for (;;) {
+        bool completed = false;
+        {
+          py::gil_scoped_release unlocked;
+          completed = wait_slice(*s.client, t, kSignalSlice, failure);
+        }
+        if (completed) return 1;
+        if (PyErr_CheckSignals() != 0) return 0;
+      }
+    };
+    while (s.live) {
+      std::optional<Error> failure;
+      if (!wait_one(s.live->ticket(), failure)) return false;
+      s.live->complete(failure);
+    }
+    while (!s.orphans.empty()) {
+      std::optional<Error> failure;
+      if (!wait_one(s.orphans.front().ticket, failure)) return false;
+      if (failure && !s.orphan_error) s.orphan_error = failure;
+      s.orphans.pop_front();
+    }
+    return true;
+  }
+
+  std::shared_ptr<Session> session_;
+};
+
+}  // namespace
+
+std::chrono::milliseconds to_ms(double seconds, const char* name) {
+  if (!(seconds >= 0)) throw Error(Errc::invalid_argument, std::string(name) + " is seconds >= 0");
+  return std::chrono::milliseconds(static_cast<std::int64_t>(seconds * 1000 + 0.5));
+}
+
+void bind_client(py::module_& m) {
+  // The keyword defaults are the C++ ones, in the units of the Python arguments.
+  const ClientOptions d;
+  const auto seconds = [](std::chrono::milliseconds ms) { return static_cast<double>(ms.count()) / 1000; };
+  py::class_<Work>(m, "Work",
+                   "An operation in flight (the shape of torch.distributed's Work). It keeps its arrays alive "
+                   "until it completes; dropping it unwaited is allowed (the client finishes it).")
+      .def("wait", &Work::wait, py::arg("timeout") = py::none(),
+           "Blocks until the operation completes (True) or `timeout` seconds pass (False; still in flight). "
+           "Raises the operation's pskv.Error. The GIL is released; Ctrl-C raises KeyboardInterrupt within "
+           "100 ms and leaves the operation in flight.")
+      .def("done", &Work::done, "True once the operation completed (wait() then returns or raises at once).")
+      .def("is_completed", &Work::done, "Same as done(), as torch.distributed.Work names it.");
+
+  py::class_<PyClient>(m, "Client")
+      .def(py::init([](py::object servers, std::optional<std::uint32_t> worker_id, const std::string& partition,
+                       std::uint64_t range_keys, std::uint64_t chunk_floats, double connect_timeout, double io_timeout,
+                       std::uint32_t max_in_flight, bool checksum, const std::string& auth_token_file,
+                       std::uint64_t initial_clock) {
+             ClientOptions o;
+             if (py::isinstance<py::str>(servers))
+               o.servers = {servers.cast<std::string>()};
+             else
+               o.servers = servers.cast<std::vector<std::string>>();
+             if (worker_id) o.worker_id = *worker_id;
+             if (partition != "hash" && partition != "range")
+               throw Error(Errc::invalid_argument, "partition must be 'hash' or 'range', not '" + partition + "'");
+             o.partition = partition == "range" ? Partition::range : Partition::hash;
+             o.range_keys = range_keys;
+             o.chunk_floats = chunk_floats;
+             o.connect_timeout = to_ms(connect_timeout, "connect_timeout");
+             o.io_timeout = to_ms(io_timeout, "io_timeout");
+             o.max_in_flight = max_in_flight;
+             o.checksum = checksum;
+             o.auth_token_file = auth_token_file;
+             o.initial_clock = initial_clock;
+             return std::make_unique<PyClient>(o);
+           }),
+           py::arg("servers"), py::arg("worker_id") = py::none(),
+           py::arg("partition") = d.partition == Partition::range ? "range" : "hash",
+           py::arg("range_keys") = d.range_keys,
+           py::arg("chunk_floats") = d.chunk_floats, py::arg("connect_timeout") = seconds(d.connect_timeout),
+           py::arg("io_timeout") = seconds(d.io_timeout), py::arg("max_in_flight") = d.max_in_flight,
+           py::arg("checksum") = d.checksum, py::arg("auth_token_file") = d.auth_token_file,
+           py::arg("initial_clock") = d.initial_clock)
+      .def("init", [](PyClient& c, py::handle k, py::handle v) { return c.issue(OpKind::init, k, v); },
+           py::arg("keys"), py::arg("values"),
+           "Creates keys with these values; the first initialiser wins. One key and one array, or lists.")
+      .def("push", [](PyClient& c, py::handle k, py::handle v) { return c.issue(OpKind::push, k, v); },
+           py::arg("keys"), py::arg("values"), "Sends values (read in place) to be applied by the servers' rule.")
+      .def("pull", [](PyClient& c, py::handle k, py::handle v) { return c.issue(OpKind::pull, k, v); },
+           py::arg("keys"), py::arg("out"), "Reads values straight into `out` (writable float32 arrays).")
+      .def("clock", &PyClient::clock, "Ends this worker's step (after its pushes are applied everywhere).")
+      .def("barrier", &PyClient::barrier, "Waits until every live worker reached this barrier.")
+      .def("current_clock", &PyClient::current_clock)
+      .def("num_servers", &PyClient::num_servers)
+      .def("staleness", &PyClient::staleness, "{'reads', 'max', 'histogram'}: staleness seen by bounded reads.")
+      .def("server_stats", &PyClient::server_stats, py::arg("server"), "Server `server`'s counters, parsed from JSON.")
+      .def("register_buffer", &PyClient::register_buffer, py::arg("buffer"),
+           "Announces memory later used for pushes or pulls (RDMA registers it once).")
+      .def("close", &PyClient::close, py::arg("finished") = true,
+           "Completes what is in flight, tells the servers this worker finished (unless finished=False) and "
+           "disconnects. Later calls raise pskv.InvalidArgument.")
+      .def_property_readonly("closed", &PyClient::closed)
+      .def("__enter__", [](py::object self) { return self; })
+      .def("__exit__", [](PyClient& c, py::handle type, py::handle, py::handle) {
+        c.close(type.is_none());
+        return false;
+      });
+}
+
+}  // namespace pskv::python

@@ -1,0 +1,118 @@
+// pskv.Server: one shard served by threads of this process.
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <string>
+
+#include "client_binding.h"
+#include "pskv/error.h"
+#include "pskv/server.h"
+
+namespace py = pybind11;
+
+namespace pskv::python {
+
+namespace {
+
+// Thread-safety: as pskv::Server, any method from any thread; stop() is idempotent.
+class PyServer {
+ public:
+  explicit PyServer(const ServerOptions& o) {
+    py::gil_scoped_release unlocked;
+    server_ = std::make_unique<Server>(o);
+  }
+  std::string uri() const { return server_->uri(); }
+  py::object stats() const {
+    const std::string text = server_->stats_json();
+    return py::module_::import("json").attr("loads")(text);
+  }
+  bool workers_finished() const { return server_->workers_finished(); }
+  py::object failure() const {
+    const std::string f = server_->failure();
+    return f.empty() ? py::object(py::none()) : py::object(py::str(f));
+  }
+  void stop() {
+    py::gil_scoped_release unlocked;
+    server_->stop();
+  }
+
+ private:
+  std::unique_ptr<Server> server_;
+};
+
+}  // namespace
+
+void bind_server(py::module_& m) {
+  // The keyword defaults are the C++ ones, in the units of the Python arguments.
+  const ServerOptions d;
+  const auto seconds = [](std::chrono::milliseconds ms) { return static_cast<double>(ms.count()) / 1000; };
+  py::class_<PyServer>(m, "Server", "One pskv server shard, served by threads of this process until stop().")
+      .def(py::init([](const std::string& uri, std::uint32_t workers, const std::string& mode, std::uint32_t staleness,
+                       const std::string& rule, float lr, float momentum, float beta1, float beta2, float eps,
+                       float weight_decay, std::uint32_t server_id, std::uint32_t sync_required, double wait_timeout,
+                       const std::string& straggler, std::uint64_t arena_mb, std::uint64_t max_keys,
+                       std::uint32_t stripes, std::uint32_t io_threads, std::uint32_t max_connections,
+                       std::uint64_t max_request_mb, const std::string& checkpoint_dir, double checkpoint_every,
+                       const std::string& restore_dir, const std::string& auth_token_file, std::uint32_t shm_slots,
+                       std::uint64_t shm_slot_mb, const std::string& shm_push, const std::string& tcp_push) {
+             ServerOptions o;
+             o.uri = uri;
+             o.num_workers = workers;
+             const auto parsed_mode = parse_consistency_mode(mode);
+             if (!parsed_mode) throw Error(Errc::invalid_argument, "mode must be asp, bsp, ssp or sync, not '" + mode + "'");
+             o.mode = *parsed_mode;
+             o.staleness = staleness;
+             const auto parsed_rule = parse_update_rule(rule);
+             if (!parsed_rule)
+               throw Error(Errc::invalid_argument,
+                           "rule must be assign, add, sgd, momentum, adam or adagrad, not '" + rule + "'");
+             o.rule = {*parsed_rule, lr, momentum, beta1, beta2, eps, weight_decay};
+             o.server_id = server_id;
+             o.sync_required = sync_required;
+             o.wait_timeout = to_ms(wait_timeout, "wait_timeout");
+             if (straggler != "fail" && straggler != "evict")
+               throw Error(Errc::invalid_argument, "straggler must be 'fail' or 'evict', not '" + straggler + "'");
+             o.straggler = straggler == "evict" ? StragglerPolicy::evict : StragglerPolicy::fail;
+             o.arena_bytes = arena_mb << 20;
+             o.max_keys = max_keys;
+             o.stripes = stripes;
+             o.io_threads = io_threads;
+             o.max_connections = max_connections;
+             o.max_request_bytes = max_request_mb << 20;
+             o.checkpoint_dir = checkpoint_dir;
+             o.checkpoint_interval = to_ms(checkpoint_every, "checkpoint_every");
+             o.restore_dir = restore_dir;
+             o.auth_token_file = auth_token_file;
+             o.shm_slots = shm_slots;
+             o.shm_slot_bytes = shm_slot_mb << 20;
+             o.shm_push = shm_push;
+             o.tcp_push = tcp_push;
+             return std::make_unique<PyServer>(o);
+           }),
+           py::arg("uri") = d.uri, py::arg("workers") = d.num_workers, py::arg("mode") = std::string(to_string(d.mode)),
+           py::arg("staleness") = d.staleness, py::arg("rule") = std::string(to_string(d.rule.rule)),
+           py::arg("lr") = d.rule.lr, py::arg("momentum") = d.rule.momentum, py::arg("beta1") = d.rule.beta1,
+           py::arg("beta2") = d.rule.beta2, py::arg("eps") = d.rule.eps, py::arg("weight_decay") = d.rule.weight_decay,
+           py::arg("server_id") = d.server_id, py::arg("sync_required") = d.sync_required,
+           py::arg("wait_timeout") = seconds(d.wait_timeout),
+           py::arg("straggler") = d.straggler == StragglerPolicy::evict ? "evict" : "fail",
+           py::arg("arena_mb") = d.arena_bytes >> 20, py::arg("max_keys") = d.max_keys, py::arg("stripes") = d.stripes,
+           py::arg("io_threads") = d.io_threads, py::arg("max_connections") = d.max_connections,
+           py::arg("max_request_mb") = d.max_request_bytes >> 20, py::arg("checkpoint_dir") = d.checkpoint_dir,
+           py::arg("checkpoint_every") = seconds(d.checkpoint_interval), py::arg("restore_dir") = d.restore_dir,
+           py::arg("auth_token_file") = d.auth_token_file, py::arg("shm_slots") = d.shm_slots,
+           py::arg("shm_slot_mb") = d.shm_slot_bytes >> 20, py::arg("shm_push") = d.shm_push,
+           py::arg("tcp_push") = d.tcp_push)
+      .def_property_readonly("uri", &PyServer::uri, "The URI clients use (with the real port if 0 was asked).")
+      .def("stats", &PyServer::stats, "The shard's counters, parsed from JSON.")
+      .def("workers_finished", &PyServer::workers_finished, "True once every worker finished or was evicted.")
+      .def("failure", &PyServer::failure, "Why the job cannot go on (a worker died or stalled), or None.")
+      .def("stop", &PyServer::stop)
+      .def("__enter__", [](py::object self) { return self; })
+      .def("__exit__", [](PyServer& s, py::handle, py::handle, py::handle) {
+        s.stop();
+        return false;
+      });
+}
+
+}  // namespace pskv::python

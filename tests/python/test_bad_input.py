@@ -1,0 +1,179 @@
+"""Bad input ends in a clear pskv exception: nothing converted, nothing lost, no crash."""
+
+import gc
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import pskv
+
+N = 64
+
+
+@pytest.fixture
+def ready(client):
+    client.init(1, np.zeros(N, np.float32)).wait()
+    return client
+
+
+def expect(error, match, call):
+    with pytest.raises(error, match=match) as info:
+        call()
+    assert isinstance(info.value, pskv.Error)
+    return info.value
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float16, np.int32, np.int64, np.uint8])
+def test_other_dtypes_are_refused_not_converted(ready, dtype):
+    e = expect(pskv.InvalidArgument, "not float32", lambda: ready.push(1, np.ones(N, dtype)))
+    assert e.code == "invalid_argument" and isinstance(e, ValueError)
+    out = np.zeros(N, dtype)
+    expect(pskv.InvalidArgument, "not float32", lambda: ready.pull(1, out))
+    assert (out == 0).all()
+
+
+def test_byte_swapped_float32_is_refused(ready):
+    expect(pskv.InvalidArgument, "not float32", lambda: ready.push(1, np.ones(N, ">f4")))
+
+
+def test_non_contiguous_arrays_are_refused(ready):
+    wide = np.zeros(2 * N, np.float32)
+    expect(pskv.InvalidArgument, "C-contiguous", lambda: ready.pull(1, wide[::2]))
+    expect(pskv.InvalidArgument, "C-contiguous", lambda: ready.push(1, np.zeros((8, 8), np.float32).T))
+    assert (wide == 0).all()
+
+
+def test_read_only_pull_targets_are_refused(ready):
+    frozen = np.zeros(N, np.float32)
+    frozen.flags.writeable = False
+    expect(pskv.InvalidArgument, "read-only", lambda: ready.pull(1, frozen))
+    expect(pskv.InvalidArgument, "read-only", lambda: ready.pull(1, memoryview(bytes(4 * N)).cast("f")))
+    ready.push(1, frozen).wait()  # reading a read-only array is fine
+
+
+def test_non_buffers_are_refused(ready):
+    expect(pskv.InvalidArgument, "never converted", lambda: ready.push(1, [1.0] * N))
+    expect(pskv.InvalidArgument, "is a list", lambda: ready.push([1], [[1.0] * N]))
+    expect(pskv.InvalidArgument, "format 'B'", lambda: ready.push(1, bytes(4 * N)))
+    expect(pskv.InvalidArgument, "is a NoneType", lambda: ready.pull(1, None))
+
+
+def test_tensors_off_the_cpu_or_of_other_dtypes_are_refused(ready):
+    import torch  # required: python3-torch is a dependency, never a skip
+    # No CUDA on the test machines: the meta device stands in for any non-CPU device, which is
+    # what the check looks at. A real CUDA tensor gets the same message with "cuda:0".
+    expect(pskv.InvalidArgument, "CPU memory only", lambda: ready.pull(1, torch.zeros(N, device="meta")))
+    if torch.cuda.is_available():
+        expect(pskv.InvalidArgument, "CUDA tensors are not supported", lambda: ready.pull(1, torch.zeros(N).cuda()))
+    expect(pskv.InvalidArgument, "torch.float64", lambda: ready.push(1, torch.zeros(N, dtype=torch.float64)))
+    expect(pskv.InvalidArgument, "non-contiguous", lambda: ready.pull(1, torch.zeros(N, 2)[:, 0]))
+    expect(pskv.InvalidArgument, "dense", lambda: ready.push(1, torch.zeros(N).to_sparse()))
+
+
+def test_a_length_other_than_the_keys_is_refused_by_the_server(ready):
+    expect(pskv.LengthMismatch, "64 floats", lambda: ready.push(1, np.ones(N + 1, np.float32)).wait())
+    out = np.full(N - 1, 7.0, np.float32)
+    expect(pskv.LengthMismatch, "64 floats", lambda: ready.pull(1, out).wait())
+    assert (out == 7.0).all()
+    expect(pskv.InvalidArgument, "lengths must be", lambda: ready.push(1, np.ones(0, np.float32)))
+    check = np.zeros(N, np.float32)
+    ready.pull(1, check).wait()
+    assert (check == 0).all()  # nothing half-applied
+
+
+def test_keys_and_arrays_of_different_counts(ready):
+    a = np.zeros(N, np.float32)
+    expect(pskv.InvalidArgument, "2 keys but 1", lambda: ready.pull([1, 1], [a]))
+    expect(pskv.InvalidArgument, "one key but a list", lambda: ready.pull(1, [a, a]))
+    expect(pskv.InvalidArgument, "need a list", lambda: ready.pull([1, 1], a))
+    expect(pskv.InvalidArgument, "no keys", lambda: ready.pull([], []))
+
+
+@pytest.mark.parametrize("key", [-1, 2**64, "1", 1.5])
+def test_keys_out_of_range_or_not_integers(ready, key):
+    expect(pskv.InvalidArgument, "key", lambda: ready.pull(key, np.zeros(N, np.float32)))
+    expect(pskv.InvalidArgument, "key", lambda: ready.pull([1, key], [np.zeros(N, np.float32)] * 2))
+
+
+def test_unknown_key(ready):
+    expect(pskv.NotFound, "init it", lambda: ready.pull(99, np.zeros(N, np.float32)).wait())
+
+
+def test_array_dropped_while_its_push_is_in_flight(client):
+    n = 4 << 20  # 16 MiB: long enough to still be in flight when the array is dropped
+    client.init(3, np.zeros(n, np.float32)).wait()
+    for _ in range(3):
+        work = client.push(3, np.ones(n, np.float32))
+        # The caller's array is gone; if pskv had let go of it too, these would take its memory
+        # and their 9s would be what the server receives.
+        gc.collect()
+        decoys = [np.full(n, 9.0, np.float32) for _ in range(2)]
+        work.wait()
+        del decoys
+    out = np.zeros(n, np.float32)
+    client.pull(3, out).wait()
+    assert (out == 3.0).all()
+
+
+def test_use_after_close(server):
+    c = pskv.Client(server.uri, worker_id=None)
+    a = np.zeros(N, np.float32)
+    c.init(1, a).wait()
+    pending = c.pull(1, a)
+    c.close()
+    assert c.closed
+    assert pending.done()  # close completed it
+    pending.wait()
+    for call in (lambda: c.push(1, a), lambda: c.pull(1, a), lambda: c.init(1, a), c.clock, c.barrier,
+                 c.staleness, c.current_clock, lambda: c.server_stats(0)):
+        expect(pskv.InvalidArgument, "closed", call)
+    c.close()  # idempotent
+
+
+def test_clock_without_a_worker_id(client):
+    expect(pskv.InvalidArgument, "worker_id", client.clock)
+
+
+def test_unreachable_server():
+    expect(pskv.Error, "", lambda: pskv.Client("tcp://127.0.0.1:1", connect_timeout=1.0))
+    expect(pskv.InvalidArgument, "partition", lambda: pskv.Client("tcp://127.0.0.1:1", partition="modulo"))
+
+
+def test_ctrl_c_interrupts_a_wait_and_the_client_stays_usable(bsp_pair):
+    _, w0, w1 = bsp_pair
+    x = np.zeros(N, np.float32)
+    w0.init(1, np.full(N, 6.0, np.float32)).wait()
+    w0.clock()
+    work = w0.pull(1, x)  # blocked until w1 clocks; the server would give up only after 30 s
+    sent = []
+    timer = threading.Timer(0.2, lambda: (sent.append(time.monotonic()), os.kill(os.getpid(), signal.SIGINT)))
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        work.wait()
+    print(f"KeyboardInterrupt {1000 * (time.monotonic() - sent[0]):.1f} ms after SIGINT")
+    assert not work.done()  # still in flight, not lost
+    w1.clock()
+    assert work.wait()
+    assert (x == 6.0).all()
+    w0.push(1, x).wait()  # still usable
+
+
+def test_server_dying_during_a_wait(transport):
+    # A pskv-server process, killed while a pull waits at the BSP bound for worker 1.
+    with pskv.launch(1, transport, workers=2, mode="bsp", wait_timeout=30.0, arena_mb=16) as servers:
+        c = pskv.Client(servers.uris[0], worker_id=0, io_timeout=5.0)
+        x = np.zeros(N, np.float32)
+        c.init(1, x).wait()
+        c.clock()
+        work = c.pull(1, x)
+        threading.Timer(0.3, servers.processes[0].kill).start()
+        with pytest.raises((pskv.PeerFailure, pskv.Timeout, pskv.Io)):
+            work.wait()
+        assert work.done()
+        with pytest.raises(pskv.Error):
+            c.pull(1, x).wait()
+        c.close(finished=False)

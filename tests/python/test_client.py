@@ -1,0 +1,175 @@
+"""pskv.Client over shm and tcp: the API, in-place (zero-copy) transfers and consistency waits."""
+
+import threading
+import tracemalloc
+
+import numpy as np
+import pytest
+
+import pskv
+
+
+def test_push_pull_one_key(client):
+    w = np.zeros(1000, np.float32)
+    assert client.init(7, np.full(1000, 2.0, np.float32)).wait()
+    client.init(7, np.full(1000, 5.0, np.float32)).wait()  # the first initialiser wins
+    client.push(7, np.ones(1000, np.float32)).wait()  # rule "add"
+    client.pull(7, w).wait()
+    assert (w == 3.0).all()
+
+
+def test_many_keys_of_different_lengths(client):
+    keys = [1, 2, 3, 2**63 + 5]
+    values = [np.arange(n, dtype=np.float32) for n in (1, 17, 4096, 3)]
+    client.init(keys, values).wait()
+    client.push(keys, values).wait()
+    out = [np.empty(n, np.float32) for n in (1, 17, 4096, 3)]
+    client.pull(tuple(keys), out).wait()
+    for v, o in zip(values, out):
+        np.testing.assert_array_equal(o, 2 * v)
+    client.pull(np.array(keys, dtype=np.uint64), out).wait()  # keys as a numpy array
+
+
+def test_chunked_key_over_two_servers(transport):
+    from conftest import server_uri
+    with pskv.Server(server_uri(transport), arena_mb=16) as a, pskv.Server(server_uri(transport), arena_mb=16) as b:
+        with pskv.Client([a.uri, b.uri], chunk_floats=1000) as c:
+            v = np.arange(10_000, dtype=np.float32)
+            c.init(3, v).wait()
+            out = np.zeros_like(v)
+            c.pull(3, out).wait()
+            np.testing.assert_array_equal(out, v)
+            assert c.num_servers() == 2
+            assert c.server_stats(0)["keys"] == 1 and c.server_stats(1)["keys"] == 1  # split, not whole
+
+
+def test_torch_tensors_and_memoryviews_in_place(client):
+    import torch  # required: python3-torch is a dependency, never a skip
+    t = torch.arange(64, dtype=torch.float32)
+    client.init(1, t).wait()
+    target = torch.zeros(8, 8)  # any shape; C-contiguous float32 is what counts
+    pointer = target.data_ptr()
+    client.pull(1, target).wait()
+    assert target.data_ptr() == pointer
+    assert torch.equal(target.flatten(), t)
+    raw = bytearray(64 * 4)
+    client.pull(1, memoryview(raw).cast("f")).wait()
+    assert np.frombuffer(raw, np.float32)[63] == 63.0
+    client.push(1, memoryview(np.ones(64, np.float32))).wait()
+    client.pull(1, target).wait()
+    assert target[7, 7].item() == 64.0
+
+
+def test_pull_lands_in_the_arrays_own_memory(client):
+    n = 1 << 18  # 1 MiB
+    client.init(5, np.arange(n, dtype=np.float32)).wait()
+    out = np.zeros(n, np.float32)
+    alias = out[:]  # another view of the same memory sees the pull only if it was written in place
+    pointer = out.ctypes.data
+    for _ in range(3):
+        client.pull(5, out).wait()
+        assert out.ctypes.data == pointer
+    assert alias[n - 1] == n - 1
+
+
+def test_no_allocation_per_operation_beyond_the_handle(client):
+    n = 1 << 18  # 1 MiB: a copy of the array anywhere in Python's allocators would show here
+    v = np.ones(n, np.float32)
+    out = np.empty(n, np.float32)
+    client.init(9, v).wait()
+    for _ in range(20):  # warm up caches, free lists, thread-local scratch
+        client.push(9, v).wait()
+        client.pull(9, out).wait()
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        before, _ = tracemalloc.get_traced_memory()
+        for _ in range(200):
+            client.push(9, v).wait()
+            client.pull(9, out).wait()
+        after, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    # Each operation allocates its Work handle and frees it; nothing stays and nothing array-sized appears.
+    assert after - before < 4096, f"{after - before} bytes kept over 400 operations"
+    assert peak - before < 16384, f"peak {peak - before} bytes above the start"
+
+
+def test_work_done_wait_timeout_and_staleness(bsp_pair):
+    _, w0, w1 = bsp_pair
+    x = np.zeros(16, np.float32)
+    w0.init(1, x).wait()
+    w0.clock()  # w0 at clock 1: BSP holds its pull until w1 reaches clock 1
+    assert w0.current_clock() == 1
+    work = w0.pull(1, x)
+    assert work.wait(timeout=0.1) is False
+    assert not work.done() and not work.is_completed()
+    assert work.wait(timeout=0) is False
+    w1.clock()
+    assert work.wait() is True
+    assert work.done() and work.wait()  # waiting again returns at once
+    finished = w0.pull(1, x)
+    while not finished.done():
+        pass
+    assert finished.wait(timeout=0) is True  # a finished operation completes even with no time left
+    st = w0.staleness()
+    assert st["reads"] == 2 and st["max"] == 0 and len(st["histogram"]) == 17 and st["histogram"][0] == 2
+    assert w0.server_stats(0)["clocks"] >= 2
+
+
+def test_barrier_from_two_threads(bsp_pair):
+    _, w0, w1 = bsp_pair
+    passed = []
+    t = threading.Thread(target=lambda: (w1.barrier(), passed.append(1)))
+    t.start()
+    w0.barrier()
+    t.join(timeout=30)
+    assert passed == [1]
+
+
+def test_gil_is_released_while_a_pull_waits_at_the_bound(bsp_pair):
+    # The pull below can only complete once the other thread clocks worker 1; that thread needs
+    # the GIL to run, so a wait that held the GIL would end in the server's 30 s timeout instead.
+    _, w0, w1 = bsp_pair
+    x = np.zeros(16, np.float32)
+    w0.init(1, np.full(16, 4.0, np.float32)).wait()
+    w0.clock()
+    spins = []
+
+    def other_python_thread():
+        n = 0
+        while n < 200_000:  # pure Python work, which needs the GIL
+            n += 1
+        spins.append(n)
+        w1.clock()
+
+    t = threading.Thread(target=other_python_thread)
+    work = w0.pull(1, x)
+    t.start()
+    work.wait()
+    t.join()
+    assert spins == [200_000] and (x == 4.0).all()
+
+
+def test_with_announces_finished_only_on_a_normal_exit(transport):
+    from conftest import server_uri
+    with pskv.Server(server_uri(transport), workers=2, mode="ssp", staleness=1, arena_mb=16) as s:
+        with pskv.Client(s.uri, worker_id=0):
+            pass
+        with pytest.raises(RuntimeError):
+            with pskv.Client(s.uri, worker_id=1):
+                raise RuntimeError("the training loop failed")
+        assert not s.workers_finished()  # worker 1 failed: it did not finish
+        with pskv.Client(s.uri, worker_id=1):
+            pass
+        assert s.workers_finished()
+
+
+def test_dropped_work_is_completed_by_the_client(client):
+    n = 1 << 20
+    client.init(2, np.zeros(n, np.float32)).wait()
+    for _ in range(5):
+        client.push(2, np.ones(n, np.float32))  # handle dropped at once; the array has no other owner
+    out = np.zeros(n, np.float32)
+    client.pull(2, out).wait()  # ordered after this client's pushes on both transports
+    assert (out == 5.0).all()

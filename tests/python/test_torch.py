@@ -1,0 +1,152 @@
+"""pskv.torch: same starting weights, both update modes, and a short 2-worker MNIST run."""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import pskv
+import pskv.torch as pt
+from conftest import server_uri
+
+
+def small_model(seed):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(20, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+
+
+def batch(seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(8, 20, generator=g), torch.randint(0, 3, (8,), generator=g)
+
+
+def run_two_workers(body):
+    errors = []
+
+    def guarded(w):
+        try:
+            body(w)
+        except BaseException as e:  # surfaced in the test's thread below
+            errors.append(e)
+
+    threads = [threading.Thread(target=guarded, args=(w,)) for w in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    if errors:
+        raise errors[0]
+
+
+def test_workers_start_from_the_same_weights(transport):
+    with pskv.Server(server_uri(transport), arena_mb=16) as s:
+        models = [small_model(1), small_model(2)]
+        assert not torch.equal(models[0][0].weight, models[1][0].weight)
+        clients = [pskv.Client(s.uri, worker_id=None) for _ in models]
+        for m, c in zip(models, clients):
+            pt.DistributedOptimizer(m.named_parameters(), c)
+        for a, b in zip(models[0].parameters(), models[1].parameters()):
+            assert torch.equal(a, b)
+        for c in clients:
+            c.close()
+
+
+def sgd_on_mean_gradient(start, steps, lr):
+    """What both workers must compute: SGD, in one process, on the mean of their gradients,
+    from the weights `start` they began with."""
+    ref = small_model(0)
+    with torch.no_grad():
+        for p, s in zip(ref.parameters(), start):
+            p.copy_(s)
+    for step in range(steps):
+        grads = []
+        for w in (0, 1):
+            ref.zero_grad()
+            x, y = batch(100 * step + w)
+            F.cross_entropy(ref(x), y).backward()
+            grads.append([p.grad.clone() for p in ref.parameters()])
+        with torch.no_grad():
+            for i, p in enumerate(ref.parameters()):
+                p -= lr * (grads[0][i] + grads[1][i]) / 2
+    return ref
+
+
+def test_worker_update_applies_the_mean_gradient_everywhere(transport):
+    steps, lr = 4, 0.1
+    with pskv.Server(server_uri(transport), workers=2, mode="sync", rule="assign", arena_mb=16,
+                     wait_timeout=30.0) as s:
+        models = [small_model(5), small_model(6)]
+        starts = [None, None]
+
+        def worker(w):
+            with pskv.Client(s.uri, worker_id=w) as c:
+                m = models[w]
+                opt = pt.DistributedOptimizer(m.named_parameters(), c, update="worker",
+                                              optimizer=torch.optim.SGD(m.parameters(), lr=lr))
+                starts[w] = [p.detach().clone() for p in m.parameters()]
+                for step in range(steps):
+                    x, y = batch(100 * step + w)
+                    opt.zero_grad()
+                    F.cross_entropy(m(x), y).backward()
+                    opt.step()
+                assert c.current_clock() == steps
+
+        run_two_workers(worker)
+    # Both start from the same weights: each key holds whichever worker's init reached its
+    # server first, so with two workers initialising at once the start can mix their models.
+    for a, b in zip(starts[0], starts[1]):
+        assert torch.equal(a, b), "the workers did not start from the same weights"
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(a, b)
+    ref = sgd_on_mean_gradient(starts[0], steps, lr)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(ref.parameters(), models[0].parameters())), \
+        "the workers' weights are not SGD on the mean gradient"
+
+
+def test_server_update_with_hooks_pushes_during_backward(transport):
+    with pskv.Server(server_uri(transport), workers=1, mode="bsp", rule="sgd", lr=0.5, arena_mb=16) as s:
+        with pskv.Client(s.uri, worker_id=0) as c:
+            m = small_model(3)
+            opt = pt.DistributedOptimizer(m.named_parameters(), c)
+            before = [p.detach().clone() for p in m.parameters()]
+            x, y = batch(7)
+            opt.zero_grad()
+            F.cross_entropy(m(x), y).backward()
+            assert all(w is not None for w in opt._pending)  # every parameter's push began in backward
+            grads = [p.grad.clone() for p in m.parameters()]
+            opt.step()
+            for b, g, p in zip(before, grads, m.parameters()):
+                torch.testing.assert_close(p.detach(), b - 0.5 * g)
+            assert opt.staleness()["max"] == 0
+
+
+def test_refuses_what_it_cannot_move(server):
+    with pskv.Client(server.uri) as c:
+        m = torch.nn.Linear(4, 2).double()
+        with pytest.raises(ValueError, match="float32"):
+            pt.DistributedOptimizer(m.named_parameters(), c)
+        with pytest.raises(ValueError, match="optimizer"):
+            pt.DistributedOptimizer(torch.nn.Linear(4, 2).named_parameters(), c, update="worker")
+        m = torch.nn.Linear(4, 2)
+        opt = pt.DistributedOptimizer(m.named_parameters(), c)
+        m.weight.grad = torch.zeros(4, 2).t()  # the right shape, but not contiguous: refused at its push
+        with pytest.raises(ValueError, match=r"parameter weight\.grad: .*contiguous"):
+            opt.step()
+
+
+def test_two_worker_mnist_run_beats_the_floor():
+    # 200 steps of 32 samples per worker, MLP, SSP s=2 over shm, server-side SGD: ~88% here.
+    example = os.path.join(os.environ.get("PSKV_EXAMPLES", "../../examples"), "pytorch_mnist.py")
+    out = subprocess.run([sys.executable, example, "--launch", "--servers", "2", "--workers", "2", "--transport",
+                          "shm", "--model", "mlp", "--epochs", "1", "--train-limit", "12800", "--test-limit", "2000",
+                          "--data", os.environ.get("PSKV_DATA", "../../data/mnist"), "--json"],
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout + out.stderr
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["workers"] == 2 and summary["mode"] == "ssp" and summary["max_staleness"] <= 2
+    assert summary["test_accuracy"] >= 0.85, summary
