@@ -56,7 +56,8 @@ for line in sys.stdin:
 
 : > "$OUT"
 ATTACKS=(huge-pull-lengths repeated-key-pull slowloris-large slowloris-small slowloris-after-hello non-reader
-         idle-flood random-bytes bad-header-fields truncation second-hello connect-flood budget-flood)
+         idle-flood random-bytes bad-header-fields truncation second-hello connect-flood budget-flood fast-streamer
+         parked-flood)
 start_server
 healthy none >> "$OUT"
 echo "{\"attack\":\"none\",\"peak_rss_mib\":$(peak_rss_mib)}" >> "$OUT"
@@ -64,14 +65,22 @@ stop_server
 for a in "${ATTACKS[@]}" unauth-large replayed-proof; do
   extra=()
   token=()
+  lanes=16
+  args=()
+  case $a in
+    # Two line-rate streamers already keep both cores busy; 16 would measure the attacker's CPU.
+    fast-streamer) lanes=2; args=(--frame-mb 32) ;;
+    # Parked pulls need worker clocks: the attacker is worker 1, worker 0 never comes.
+    parked-flood) lanes=4; args=(--repeat 16384); extra=(--workers 2 --mode bsp --wait-timeout-ms 60000) ;;
+  esac
   if [ "$a" = unauth-large ] || [ "$a" = replayed-proof ]; then
     head -c 32 /dev/urandom | base64 > "$WORK/token" && chmod 600 "$WORK/token"
     extra=(--auth-token-file "$WORK/token")
     token=(--auth-token-file "$WORK/token")
   fi
   start_server "${extra[@]}"
-  "$ATTACK" --uri "$URI" --attack "$a" --connections 16 --seconds "$SECONDS_PER_ATTACK" \
-    --max-request-mb 256 "${token[@]}" > "$WORK/attack.json" 2> "$WORK/attack.err" &
+  "$ATTACK" --uri "$URI" --attack "$a" --connections "$lanes" --seconds "$SECONDS_PER_ATTACK" \
+    --max-request-mb 256 "${token[@]}" "${args[@]}" > "$WORK/attack.json" 2> "$WORK/attack.err" &
   attacker=$!
   sleep 1
   healthy "$a" "${token[@]}" >> "$OUT"

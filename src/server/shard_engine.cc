@@ -151,15 +151,10 @@ Errc ShardEngine::push(std::uint32_t worker, std::uint64_t clock, std::span<cons
   return Errc::ok;
 }
 
-Errc ShardEngine::pull_slots(std::span<const wire::KeyEntry> keys, std::vector<SlotHeader*>& slots, std::string* why) {
-  if (Errc e = lookup(keys, slots, why); e != Errc::ok) return e;
-  pulls_.fetch_add(keys.size(), std::memory_order_relaxed);
-  return Errc::ok;
-}
-
 Errc ShardEngine::pull(std::span<const wire::KeyEntry> keys, float* out, std::string* why) {
   thread_local std::vector<SlotHeader*> slots;
-  if (Errc e = pull_slots(keys, slots, why); e != Errc::ok) return e;
+  if (Errc e = lookup(keys, slots, why); e != Errc::ok) return e;
+  count_pulls(keys.size());
   for (std::size_t i = 0; i < keys.size(); ++i) {
     store_->read_slot_or_lock(*slots[i], out, keys[i].length);
     out += keys[i].length;
@@ -202,6 +197,16 @@ void ShardEngine::park_pull(std::uint32_t worker, std::uint64_t clock, std::uniq
   }
   cv_.notify_all();
   release_ready();  // the bound may have moved between the caller's check and the park
+}
+
+Errc ShardEngine::check_pull_clock(std::uint32_t worker, std::uint64_t clock, std::string* why) const {
+  if (!clocks_ || worker >= clocks_->workers()) return Errc::ok;
+  const std::uint64_t announced = clocks_->clock(worker);
+  if (clock <= announced) return Errc::ok;
+  if (why)
+    *why = "worker " + std::to_string(worker) + " pulled at clock " + std::to_string(clock) + " but has announced clock " +
+           std::to_string(announced) + "; a pull carries the worker's current clock";
+  return Errc::invalid_argument;
 }
 
 std::uint64_t ShardEngine::advance_clock(std::uint32_t worker, std::uint64_t clock) {

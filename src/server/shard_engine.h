@@ -65,26 +65,29 @@ class ShardEngine {
   Errc init(std::span<const wire::KeyEntry> keys, const float* values, std::string* why);
   Errc push(std::uint32_t worker, std::uint64_t clock, std::span<const wire::KeyEntry> keys, const float* values,
             std::string* why);
-  // A push its transport applies in pieces as the values arrive (Store::apply_part), so a large
-  // one is never staged whole: finds and checks every key before any value is read. Only when
-  // pushes_apply_in_pieces(); count_pushes() once the keys are applied.
-  Errc push_slots(std::span<const wire::KeyEntry> keys, std::vector<SlotHeader*>& slots, std::string* why) const {
+  // Finds every key's slot and checks it exists with the length asked for, counting nothing.
+  // For a push its transport applies in pieces as the values arrive (Store::apply_part, only
+  // when pushes_apply_in_pieces(); count_pushes() once the keys are applied), and for a pull
+  // checked before it is parked, so a parked pull holds only what it will be answered with.
+  Errc find_slots(std::span<const wire::KeyEntry> keys, std::vector<SlotHeader*>& slots, std::string* why) const {
     return lookup(keys, slots, why);
   }
   // Not in sync mode, where the workers' pushes are summed per step before anything is applied.
   bool pushes_apply_in_pieces() const noexcept { return !sync_; }
   void count_pushes(std::uint64_t keys) noexcept { pushes_.fetch_add(keys, std::memory_order_relaxed); }
+  void count_pulls(std::uint64_t keys) noexcept { pulls_.fetch_add(keys, std::memory_order_relaxed); }
   // Copies values under seqlock validation; checks every key before copying any.
   Errc pull(std::span<const wire::KeyEntry> keys, float* out, std::string* why);
-  // A pull whose caller sends the values straight out of the store (tcp, large values): finds
-  // and checks every key and counts the pull; the caller validates each slot's seqlock itself.
-  Errc pull_slots(std::span<const wire::KeyEntry> keys, std::vector<SlotHeader*>& slots, std::string* why);
 
   // The clock a worker's reads are bounded by, and whether a read at `clock` may go ahead.
   std::uint64_t read_bound() const noexcept;
   // The same clock, reported in every mode (ASP included) so clients can measure staleness.
   std::uint64_t observed_bound() const noexcept;
   bool pull_allowed(std::uint32_t worker, std::uint64_t clock) const noexcept;
+  // A worker's pull carries the clock it has announced (its clock op precedes the pull on the
+  // same connection), so a later one can only come from a broken or hostile peer, and would
+  // wait out the whole timeout for nothing: invalid_argument.
+  Errc check_pull_clock(std::uint32_t worker, std::uint64_t clock, std::string* why) const;
   // Parks a pull until pull_allowed(worker, clock) holds, the timeout passes, or shutdown.
   void park_pull(std::uint32_t worker, std::uint64_t clock, std::unique_ptr<Parked> op);
 

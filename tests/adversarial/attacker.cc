@@ -336,9 +336,9 @@ struct Capture {
 };
 
 // hello, and auth when the server challenges and we hold the token. False if not admitted.
-bool handshake(Conn& c, Capture* capture = nullptr) {
+bool handshake(Conn& c, Capture* capture = nullptr, std::uint64_t worker = kNoWorker) {
   const auth::Nonce nonce = auth::random_nonce();
-  const auto hello = hello_frame(g_token ? &nonce : nullptr);
+  const auto hello = hello_frame(g_token ? &nonce : nullptr, worker);
   bool ok = false;
   if (c.send_all(hello.data(), hello.size())) {
     const auto r = c.read_reply(milliseconds(3000));
@@ -514,6 +514,82 @@ void non_reader(int lane) {
       note_open(*c);
       c->park();
     }
+  }
+}
+
+// Drains whatever the server sends on `c` until `stop` or the connection ends, counting error
+// replies (a lane that pipelines requests reads on another thread).
+void drain_replies(Conn& c, const std::atomic<bool>& stop) {
+  while (!stop.load() && time_left()) {
+    const auto r = c.read_reply(milliseconds(100));
+    if (r.got == Conn::Got::closed) {
+      g_stats.closed_by_server++;
+      return;
+    }
+    if (r.got == Conn::Got::reply) c.judge(r, /*ok_is_wrong=*/false);
+  }
+}
+
+// Pushes of --frame-mb to a key that does not exist, back to back at loopback rate, replies
+// read on a second thread: every byte is legal to read and drop, and the sender never pauses.
+// With one such peer per I/O thread, a server that serves a connection until it runs dry
+// would serve nobody else.
+void fast_streamer(int) {
+  const std::uint64_t floats = (g.frame_mb << 20) / sizeof(float) - 8;
+  const std::vector<char> zeros(1u << 20);
+  for (int round = 0; round < kMaxRounds && time_left(); ++round) {
+    auto c = Conn::open();
+    if (!c || !handshake(*c)) continue;
+    c->send_timeout(milliseconds(2000));
+    std::atomic<bool> stop{false};
+    std::thread reader([&] { drain_replies(*c, stop); });
+    const wire::KeyEntry key{0xDEAD5000ull, static_cast<std::uint32_t>(floats), 0};
+    for (std::uint64_t id = 1; id < kMaxRounds && time_left(); ++id) {
+      const wire::FrameHeader h = wire::make_header(wire::Op::push, id, 1, floats * sizeof(float));
+      g_stats.frames_sent++;
+      bool ok = c->send_all(&h, sizeof h) && c->send_all(&key, sizeof key);
+      for (std::uint64_t left = floats * sizeof(float); ok && left > 0;) {
+        const std::size_t n = std::min<std::uint64_t>(left, zeros.size());
+        ok = c->send_all(zeros.data(), n);
+        left -= n;
+      }
+      if (!ok) break;
+    }
+    stop = true;
+    reader.join();
+    if (!time_left()) c->park();
+  }
+}
+
+// A worker (id 1 of a bsp/ssp server whose worker 0 never comes) that parks pulls: each lists
+// its own 1-float key --repeat times, so it implies a small reply but makes the server keep a
+// large key table while it waits; every other pull claims a clock far beyond the one announced.
+// Parked pulls must draw on the memory budget, and the impossible ones be refused at once.
+void parked_flood(int lane) {
+  for (int round = 0; round < kMaxRounds && time_left(); ++round) {
+    auto c = Conn::open();
+    if (!c || !handshake(*c, nullptr, /*worker=*/1)) continue;
+    const Key own = 0xF1000000ull + static_cast<Key>(lane);
+    const float zero = 0.0f;
+    const wire::KeyEntry one{own, 1, 0};
+    const auto init = frame(wire::make_header(wire::Op::init, 2, 1, sizeof zero), std::span(&one, 1), &zero, sizeof zero);
+    const auto clock = frame(wire::make_header(wire::Op::clock, 3, 0, 0, /*clock=*/5));
+    if (!c->send_frame(init) || c->read_reply(milliseconds(3000)).got != Conn::Got::reply) continue;
+    if (!c->send_frame(clock) || c->read_reply(milliseconds(3000)).got != Conn::Got::reply) continue;
+    c->send_timeout(milliseconds(500));
+    std::atomic<bool> stop{false};
+    std::thread reader([&] { drain_replies(*c, stop); });
+    const std::vector<wire::KeyEntry> table(g.repeat, one);
+    for (std::uint64_t id = 10; id < 10 + 1024 && time_left(); ++id) {
+      wire::FrameHeader h = wire::make_header(wire::Op::pull, id, static_cast<std::uint32_t>(table.size()), 0,
+                                              id % 2 ? 5 : (1ull << 60));
+      g_stats.frames_sent++;
+      if (!c->send_all(&h, sizeof h) || !c->send_all(table.data(), table.size() * sizeof(wire::KeyEntry))) break;
+    }
+    hold(*c, milliseconds(ms_left()));
+    stop = true;
+    reader.join();
+    if (!time_left()) c->park();
   }
 }
 
@@ -940,6 +1016,8 @@ const Kind kKinds[] = {
     {"slowloris-small", [](int n) { run_lanes(n, slowloris_small); }},
     {"slowloris-after-hello", [](int n) { run_lanes(n, [](int i) { slowloris(i, true); }); }},
     {"non-reader", [](int n) { run_lanes(n, non_reader); }},
+    {"fast-streamer", [](int n) { run_lanes(n, fast_streamer); }},
+    {"parked-flood", [](int n) { run_lanes(n, parked_flood); }},
     {"idle-flood",
      [](int n) {
        const int lanes = std::min(n, 8);

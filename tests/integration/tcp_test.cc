@@ -5,6 +5,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <sys/resource.h>
 #include <sys/stat.h>
 
 #include <algorithm>
@@ -17,6 +18,7 @@
 #include "support/process.h"
 #include "support/pushes.h"
 #include "support/raw_peer.h"
+#include "support/stats.h"
 #include "support/stop.h"
 #include "support/workloads.h"
 #include "support/token_file.h"
@@ -496,6 +498,112 @@ TEST(TcpLimits, HalfAFrameAndAMissingHelloAreClosedAtTheirDeadlines) {
   }
   EXPECT_NE(text.find("did not finish hello"), std::string::npos) << text;
   EXPECT_NE(text.find("did not send the rest of a frame"), std::string::npos) << text;
+  ::unlink(log.c_str());
+}
+
+// More pulls parked than a connection may hold (256): past the cap the server stops reading
+// that connection, and once the bound moves every pull is answered, the ones left buffered in
+// its receive buffer while it was paused included.
+TEST(TcpLimits, PullsParkedPastTheCapAreAllAnsweredOnceTheBoundMoves) {
+  auto servers = start_servers(1, {"--workers", "2", "--mode", "bsp"});
+  ClientOptions o = options_for(servers);
+  o.max_in_flight = 1024;
+  ClientOptions o0 = o, o1 = o;
+  o0.worker_id = 0;
+  o1.worker_id = 1;
+  Client w0(o0), w1(o1);
+  std::vector<float> v(4, 3.0f);
+  w0.wait(w0.init(Key(5), v));
+  w0.clock();  // worker 0 at clock 1, worker 1 at 0: worker 0's pulls wait
+  constexpr int kPulls = 700;
+  std::vector<std::vector<float>> out(kPulls, std::vector<float>(4));
+  std::vector<Ticket> tickets;
+  for (int i = 0; i < kPulls; ++i) tickets.push_back(w0.pull(Key(5), out[i]));
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // let them park, up to the cap
+  for (Ticket t : tickets) EXPECT_FALSE(w0.done(t));
+  w1.clock();
+  for (int i = 0; i < kPulls; ++i) {
+    w0.wait(tickets[i]);
+    EXPECT_EQ(out[i], v) << "pull " << i;
+  }
+}
+
+// A worker's pull at a clock it has not announced could only wait out the timeout: refused at
+// once, and the connection stays usable.
+TEST(TcpLimits, APullBeyondTheWorkersOwnClockIsRefused) {
+  auto servers = start_servers(1, {"--workers", "2", "--mode", "bsp"});
+  RawPeer w(servers[0].uri);
+  w.hello(0);
+  const float zero = 0.0f;
+  const wire::KeyEntry key{9, 1, 0};
+  wire::FrameHeader init = wire::make_header(wire::Op::init, 2, 1, sizeof zero);
+  w.send(&init, sizeof init);
+  w.send(&key, sizeof key);
+  w.send(&zero, sizeof zero);
+  EXPECT_EQ(w.reply().first, 0);
+  w.request(wire::Op::pull, 3, std::span(&key, 1), /*clock=*/1ull << 60);
+  const auto [status, text] = w.reply();
+  EXPECT_EQ(status, static_cast<int>(Errc::invalid_argument)) << text;
+  EXPECT_NE(text.find("has announced clock 0"), std::string::npos) << text;
+  w.request(wire::Op::pull, 4, std::span(&key, 1), /*clock=*/0);
+  EXPECT_EQ(w.reply().first, 0);
+}
+
+// When the table is full, each new connection evicts one connection still in its handshake;
+// those already evicted are not picked again, so the table comes back to the limit.
+TEST(TcpLimits, EvictionKeepsTheTableAtItsLimit) {
+  const std::string log = "/tmp/pskv-evict-" + std::to_string(::getpid());
+  auto servers = start_servers(1, {"--max-connections", "16", "--handshake-timeout-ms", "60000"}, log);
+  std::vector<std::unique_ptr<RawPeer>> silent;
+  for (int i = 0; i < 64; ++i) silent.push_back(std::make_unique<RawPeer>(servers[0].uri));
+  Client c(options_for(servers));  // gets in, evicting a silent one
+  double connections = 1e9;
+  for (int i = 0; i < 100 && connections > 16; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    connections = testing::stats_field(c.server_stats(0), "tcp_connections");
+  }
+  EXPECT_LE(connections, 16) << "connections stayed over --max-connections 16";
+  ::unlink(log.c_str());
+}
+
+// Out of file descriptors (the server's limit lowered under it): a new connection is told why
+// and closed rather than left in the backlog (which made both I/O threads spin on the
+// listener), and once descriptors free up, clients get in again.
+TEST(TcpLimits, OutOfDescriptorsIsRefusedClearlyAndServedAgainOnceTheyFree) {
+  const std::string log = "/tmp/pskv-nofile-" + std::to_string(::getpid());
+  auto servers = start_servers(1, {"--handshake-timeout-ms", "500"}, log);
+  const pid_t pid = servers[0].process.pid();
+  int open_fds = 0;
+  for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator("/proc/" + std::to_string(pid) + "/fd"))
+    ++open_fds;
+  const rlimit low{static_cast<rlim_t>(open_fds + 4), static_cast<rlim_t>(open_fds + 4)};
+  ASSERT_EQ(::prlimit(pid, RLIMIT_NOFILE, &low, nullptr), 0) << std::strerror(errno);
+  std::vector<std::unique_ptr<RawPeer>> silent;
+  for (int i = 0; i < 12; ++i) silent.push_back(std::make_unique<RawPeer>(servers[0].uri));
+  ClientOptions o = options_for(servers);
+  o.connect_timeout = std::chrono::seconds(2);
+  try {
+    Client refused(o);
+    ADD_FAILURE() << "a client connected to a server out of descriptors";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("out of file descriptors"), std::string::npos) << e.what();
+  }
+  silent.clear();  // and the server drops what it had accepted at the handshake deadline
+  bool served = false;
+  std::string last;
+  for (int i = 0; i < 50 && !served; ++i) {
+    try {
+      Client c(o);
+      std::vector<float> v(4, 1.0f);
+      c.wait(c.init(Key(1), v));
+      served = true;
+    } catch (const Error& e) {
+      last = e.what();
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+  }
+  EXPECT_TRUE(served) << last;
+  EXPECT_NE(read_file(log).find("out of file descriptors"), std::string::npos) << read_file(log);
   ::unlink(log.c_str());
 }
 

@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/epoll.h>
+#include <sys/resource.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -39,7 +40,7 @@ struct Reply {
   std::vector<std::uint64_t> versions;
   std::uint32_t torn = 0;
   std::uint64_t sent = 0;     // of header, payload and trailer
-  std::uint64_t charged = 0;  // budget bytes this reply holds
+  BudgetHold charged;  // budget this reply holds, given back with it
   std::int64_t deadline_ns = 0;
 
   std::uint64_t total() const noexcept { return sizeof header + payload_bytes + (from_store ? sizeof torn : 0); }
@@ -112,7 +113,7 @@ struct LargeFrame {
   std::uint64_t progress = 0;    // bytes of the frame taken so far, whatever the stage
   std::uint64_t key_have = 0;    // bytes of the key table in peer.keys
   std::uint64_t have = 0;        // payload bytes in `payload` (body) or dropped (discard)
-  std::uint64_t charged = 0;
+  BudgetHold charged;
   // Mapped at the declared size but never written ahead of the bytes: pages are backed as data
   // arrives, so a peer that declares much and sends little holds little memory; the buffer is
   // never grown and copied, and its pages go back to the system with it (a heap allocation
@@ -161,6 +162,9 @@ class Peer : public std::enable_shared_from_this<Peer> {
   std::string expired;  // why the reaper shut the connection
 
   std::atomic<bool> handshaken{false};
+  // Expired and shut down, waiting for its owner (or its hang-up event) to close it: no longer
+  // counted against max_connections, never picked to make room again.
+  std::atomic<bool> doomed{false};
   std::atomic<std::int64_t> in_deadline_ns{0}, out_deadline_ns{0};
 
   // Owner only.
@@ -175,6 +179,9 @@ class Peer : public std::enable_shared_from_this<Peer> {
   static constexpr std::size_t kInBytes = 256 << 10;
   std::unique_ptr<float[]> in{new float[kInBytes / sizeof(float)]};  // float-aligned frames
   std::size_t in_begin = 0, in_end = 0;
+  // Bytes read from the socket since this thread took the connection: past kTurnBytes it gives
+  // the thread back, so a fast sender shares it with every other connection.
+  std::uint64_t turn_bytes = 0;
   std::vector<wire::KeyEntry> keys;
   std::vector<float> reply;  // small pull replies (up to kInBytes)
   LargeFrame large;
@@ -224,23 +231,30 @@ void give_back_if_large(std::vector<T>& v) {
 }  // namespace
 
 // A pull waiting for the consistency bound, or a barrier waiting for the other workers. A pull
-// holds its own copy of the key table: the connection keeps serving other requests meanwhile.
+// holds its own copy of the key table (charged to the memory budget until it is answered): the
+// connection keeps serving other requests meanwhile.
 class ParkedRequest final : public Parked {
  public:
   ParkedRequest(TcpServer& server, std::shared_ptr<Peer> peer, const wire::FrameHeader& req,
-                std::vector<wire::KeyEntry> keys)
-      : server_(server), peer_(std::move(peer)), req_(req), keys_(std::move(keys)) {}
-  void resume(Errc status, const std::string& why) override {
+                std::vector<wire::KeyEntry> keys, BudgetHold charged)
+      : server_(server), peer_(std::move(peer)), req_(req), keys_(std::move(keys)), charged_(std::move(charged)) {}
+  // Runs on whichever thread moved the bound, with other waiters still to resume after it:
+  // nothing that goes wrong answering this one may escape into that thread.
+  void resume(Errc status, const std::string& why) noexcept override {
     {
       std::lock_guard lock(peer_->mu);
       --peer_->parked;
     }
-    if (status != Errc::ok)
-      server_.send_error(*peer_, req_, status, why);
-    else if (static_cast<wire::Op>(req_.op) == wire::Op::pull)
-      server_.answer_pull(*peer_, req_, keys_, /*owner=*/false);
-    else
-      server_.send_empty(*peer_, req_);
+    try {
+      if (status != Errc::ok)
+        server_.send_error(*peer_, req_, status, why);
+      else if (static_cast<wire::Op>(req_.op) == wire::Op::pull)
+        server_.answer_pull(*peer_, req_, keys_, /*owner=*/false);
+      else
+        server_.send_empty(*peer_, req_);
+    } catch (const std::exception& e) {
+      server_.expire(*peer_, std::string("answering its parked request failed: ") + e.what());
+    }
     server_.poke(*peer_);
   }
 
@@ -249,15 +263,18 @@ class ParkedRequest final : public Parked {
   std::shared_ptr<Peer> peer_;
   wire::FrameHeader req_;
   std::vector<wire::KeyEntry> keys_;
+  BudgetHold charged_;
 };
 
 TcpServer::TcpServer(ShardEngine& engine, const Uri& uri, const TcpServerOptions& options)
-    : engine_(engine), options_(options) {
+    : engine_(engine), options_(options), budget_(options.memory_budget_bytes) {
   if (options_.io_threads == 0) options_.io_threads = 1;
   listen_fd_ = listen_tcp(uri.host, uri.port, 512);
   // accept_ready() drains the backlog until EAGAIN; a blocking listener would park the thread.
   fcntl(listen_fd_.get(), F_SETFL, fcntl(listen_fd_.get(), F_GETFL) | O_NONBLOCK);
   port_ = local_port(listen_fd_.get());
+  raise_fd_limit();
+  spare_fd_ = Fd(::open("/dev/null", O_RDONLY | O_CLOEXEC));
   epoll_fd_ = Fd(epoll_create1(EPOLL_CLOEXEC));
   wake_fd_ = Fd(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   if (!epoll_fd_ || !wake_fd_) throw Error(Errc::io, std::string("epoll/eventfd: ") + std::strerror(errno));
@@ -302,20 +319,17 @@ std::string TcpServer::stats_fields() const {
          ",\"tcp_refused\":" + std::to_string(refused_.load()) +
          ",\"tcp_expired\":" + std::to_string(expired_.load()) +
          ",\"tcp_over_budget\":" + std::to_string(over_budget_.load()) +
-         ",\"tcp_budget_used_bytes\":" + std::to_string(budget_used_.load()) +
-         ",\"tcp_budget_bytes\":" + std::to_string(options_.memory_budget_bytes);
+         ",\"tcp_turns_yielded\":" + std::to_string(turns_yielded_.load()) +
+         ",\"tcp_budget_used_bytes\":" + std::to_string(budget_.used()) +
+         ",\"tcp_budget_bytes\":" + std::to_string(budget_.limit());
 }
 
-bool TcpServer::charge(std::uint64_t bytes) noexcept {
-  std::uint64_t used = budget_used_.load(std::memory_order_relaxed);
+bool MemoryBudget::take(std::uint64_t bytes) noexcept {
+  std::uint64_t used = used_.load(std::memory_order_relaxed);
   do {
-    if (used + bytes > options_.memory_budget_bytes || used + bytes < used) return false;
-  } while (!budget_used_.compare_exchange_weak(used, used + bytes, std::memory_order_relaxed));
+    if (used + bytes > limit_ || used + bytes < used) return false;
+  } while (!used_.compare_exchange_weak(used, used + bytes, std::memory_order_relaxed));
   return true;
-}
-
-void TcpServer::uncharge(std::uint64_t bytes) noexcept {
-  if (bytes) budget_used_.fetch_sub(bytes, std::memory_order_relaxed);
 }
 
 void TcpServer::io_loop() {
@@ -369,6 +383,7 @@ void TcpServer::io_loop() {
         log::error("tcp.failed", "server " + std::to_string(engine_.options().server_id) + ": " + reason);
       }
     }
+    if (keep && peer->turn_bytes >= kTurnBytes) turns_yielded_.fetch_add(1, std::memory_order_relaxed);
     if (keep)
       release(*peer);
     else
@@ -413,8 +428,13 @@ bool TcpServer::reading_paused(Peer& peer) {
 
 void TcpServer::expire(Peer& peer, const std::string& reason) {
   std::lock_guard lock(peer.mu);
+  expire_locked(peer, reason);
+}
+
+void TcpServer::expire_locked(Peer& peer, const std::string& reason) {
   if (peer.closed || !peer.expired.empty()) return;
   peer.expired = reason;
+  peer.doomed.store(true, std::memory_order_relaxed);
   expired_.fetch_add(1, std::memory_order_relaxed);
   // Its owner (or the next event: a shut socket reports EPOLLHUP whatever it is armed for)
   // closes it; closing the descriptor here could pull it from under a thread reading it.
@@ -426,7 +446,14 @@ void TcpServer::accept_ready() {
     sockaddr_storage from{};
     socklen_t from_len = sizeof from;
     const int fd = ::accept4(listen_fd_.get(), reinterpret_cast<sockaddr*>(&from), &from_len, SOCK_CLOEXEC | SOCK_NONBLOCK);
-    if (fd < 0) break;
+    if (fd < 0) {
+      if (errno == EINTR || errno == ECONNABORTED || errno == EPROTO) continue;
+      if ((errno == EMFILE || errno == ENFILE) && shed_one_connection()) continue;
+      if (!nothing_waiting(fd))
+        log::error("tcp.accept", "server " + std::to_string(engine_.options().server_id) +
+                                     ": accept failed: " + std::strerror(errno));
+      break;
+    }
     set_nodelay(fd);
     set_keepalive(fd, std::chrono::seconds(5));
     static std::atomic<std::uint32_t> generations{1};
@@ -441,13 +468,23 @@ void TcpServer::accept_ready() {
         refusal = "already has " + std::to_string(mine) +
                   " connections from its address (--max-connections-per-address)";
       } else if (peers_.size() >= options_.max_connections) {
-        // The oldest connection still in its handshake makes room: a flood of sockets that never
+        // Connections already expired are on their way out and do not count. Otherwise the
+        // oldest connection still in its handshake makes room: a flood of sockets that never
         // say hello cannot lock out the workers that do.
-        for (auto& [other_fd, other] : peers_)
+        std::size_t doomed = 0;
+        for (auto& [other_fd, other] : peers_) {
+          if (other->doomed.load(std::memory_order_relaxed)) {
+            ++doomed;
+            continue;
+          }
           if (!other->handshaken.load() && (!evict || other->accepted_ns < evict->accepted_ns)) evict = other;
-        if (!evict)
+        }
+        if (peers_.size() - doomed < options_.max_connections) {
+          evict.reset();
+        } else if (!evict) {
           refusal = "found the server full: " + std::to_string(peers_.size()) +
                     " connections (--max-connections); try again later or raise the limit";
+        }
       }
       if (refusal.empty()) {
         ++mine;
@@ -461,22 +498,66 @@ void TcpServer::accept_ready() {
       refused_.fetch_add(1);
       log::warn("tcp.refused", "server " + std::to_string(engine_.options().server_id) + " refused " +
                                    peer->address + ": it " + refusal);
-      const std::string text = "the server refused this connection: it " + refusal;
-      Reply r(reply_header(wire::make_header(wire::Op::hello, 0, 0, 0), text.size()), text.data(), text.size());
-      r.header.flags |= wire::kErrorText;
-      r.header.status = static_cast<std::uint16_t>(Errc::capacity);
-      r.write_some(fd);  // best effort: the socket is new, its buffer empty
-      continue;          // ~Peer closes it
+      refuse_at_accept(fd, "the server refused this connection: it " + refusal);
+      continue;  // ~Peer closes it
     }
     epoll_event ev{};
     ev.events = EPOLLIN | EPOLLRDHUP | EPOLLONESHOT;
     ev.data.u64 = peer->tag();
-    epoll_ctl(epoll_fd_.get(), EPOLL_CTL_ADD, fd, &ev);
+    if (epoll_ctl(epoll_fd_.get(), EPOLL_CTL_ADD, fd, &ev) != 0)
+      close_peer(*peer, std::string("the server could not watch it: epoll_ctl: ") + std::strerror(errno));
   }
   epoll_event ev{};
   ev.events = EPOLLIN | EPOLLONESHOT;
   ev.data.u64 = kListenerTag;
   epoll_ctl(epoll_fd_.get(), EPOLL_CTL_MOD, listen_fd_.get(), &ev);
+}
+
+void TcpServer::refuse_at_accept(int fd, const std::string& text) {
+  Reply r(reply_header(wire::make_header(wire::Op::hello, 0, 0, 0), text.size()), text.data(), text.size());
+  r.header.flags |= wire::kErrorText;
+  r.header.status = static_cast<std::uint16_t>(Errc::capacity);
+  r.write_some(fd);  // best effort: the socket is new, its buffer empty
+}
+
+bool TcpServer::shed_one_connection() {
+  // Out of descriptors, the pending connection would stay in the backlog and the listener would
+  // report it again at once: both threads would spin. The spare descriptor, given up for a
+  // moment, lets the server take that connection, tell it why, and close it (nginx and libev
+  // do the same).
+  std::lock_guard lock(spare_mu_);
+  if (!spare_fd_) return false;
+  spare_fd_.reset();
+  const int fd = ::accept4(listen_fd_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+  if (fd >= 0) {
+    refused_.fetch_add(1);
+    log::warn("tcp.refused", "server " + std::to_string(engine_.options().server_id) +
+                                 " refused a connection: the process is out of file descriptors (ulimit -n; "
+                                 "lower --max-connections or raise the limit)");
+    refuse_at_accept(fd, "the server refused this connection: it is out of file descriptors; try again later");
+    ::close(fd);
+  }
+  spare_fd_ = Fd(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+  return fd >= 0;
+}
+
+void TcpServer::raise_fd_limit() {
+  // Each connection is a descriptor; the soft limit (often 1024) would run out before
+  // --max-connections does, and handshake eviction would never start. Raise it to the hard
+  // limit, as Redis and nginx do, and say so if that is still short.
+  rlimit lim{};
+  if (getrlimit(RLIMIT_NOFILE, &lim) != 0) return;
+  if (lim.rlim_cur < lim.rlim_max) {
+    lim.rlim_cur = lim.rlim_max;
+    setrlimit(RLIMIT_NOFILE, &lim);
+    getrlimit(RLIMIT_NOFILE, &lim);
+  }
+  constexpr rlim_t kOwnDescriptors = 64;  // listener, epoll, eventfd, segments, logs, checkpoints
+  if (lim.rlim_cur != RLIM_INFINITY && lim.rlim_cur < options_.max_connections + kOwnDescriptors)
+    log::warn("tcp.limit", "server " + std::to_string(engine_.options().server_id) + ": ulimit -n is " +
+                               std::to_string(lim.rlim_cur) + ", below --max-connections " +
+                               std::to_string(options_.max_connections) +
+                               " plus the server's own descriptors; connections past it are refused");
 }
 
 std::uint32_t TcpServer::armed_locked(const Peer& peer) const {
@@ -486,14 +567,17 @@ std::uint32_t TcpServer::armed_locked(const Peer& peer) const {
 }
 
 std::uint32_t TcpServer::interest_locked(const Peer& peer) const {
-  if (!peer.out.empty()) {
-    // Requests are read again once the peer has taken most of what is queued for it.
-    const bool paused = peer.queued_bytes > kPauseQueuedBytes || peer.out.size() > kPauseQueuedReplies;
-    return EPOLLOUT | (paused ? 0u : static_cast<std::uint32_t>(EPOLLIN | EPOLLRDHUP));
-  }
-  if (peer.parked >= kMaxParkedPerConnection) return 0;  // hang-ups are reported regardless
-  // EPOLLOUT fires at once on an idle socket: the wake-up the buffered requests need.
-  return EPOLLIN | EPOLLRDHUP | (peer.backlog ? static_cast<std::uint32_t>(EPOLLOUT) : 0u);
+  // Requests are read again once the peer has taken most of what is queued for it, and once
+  // fewer than the cap of its pulls are parked (hang-ups are reported regardless).
+  const bool replies_pending = !peer.out.empty();
+  const bool reading = !(replies_pending && (peer.queued_bytes > kPauseQueuedBytes ||
+                                             peer.out.size() > kPauseQueuedReplies)) &&
+                       peer.parked < kMaxParkedPerConnection;
+  std::uint32_t events = replies_pending ? static_cast<std::uint32_t>(EPOLLOUT) : 0u;
+  if (reading) events |= EPOLLIN | EPOLLRDHUP;
+  // EPOLLOUT fires at once on an idle socket: the wake-up requests left buffered need.
+  if (reading && peer.backlog) events |= EPOLLOUT;
+  return events;
 }
 
 void TcpServer::release(Peer& peer) {
@@ -501,10 +585,10 @@ void TcpServer::release(Peer& peer) {
   peer.owned = false;
   if (peer.closed) return;
   peer.mid_frame = peer.large.stage != LargeFrame::Stage::none;
-  // Requests left in `in` by a pause need a wake-up of their own once it ends: no new bytes
-  // may come to make the socket readable. Unpaused, `in` holds at most part of a frame.
-  const bool paused = !(interest_locked(peer) & EPOLLIN);
-  peer.backlog = paused && peer.in_end > peer.in_begin && peer.large.stage == LargeFrame::Stage::none;
+  // A whole request left in `in` (by a pause, or by the end of this thread's turn) needs a
+  // wake-up of its own: no new bytes may come to make the socket readable. The pause may
+  // already be over (a parked pull answered meanwhile), so this is decided by what `in` holds.
+  peer.backlog = !peer.mid_frame && whole_frame_buffered(peer);
   epoll_event ev{};
   ev.events = armed_locked(peer);
   ev.data.u64 = peer.tag();
@@ -538,14 +622,18 @@ void TcpServer::close_peer(Peer& peer, const std::string& reason) {
     epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, peer.fd.get(), nullptr);
     peer.closed = true;
     if (!peer.expired.empty()) why = peer.expired;
-    for (auto& r : peer.out) uncharge(r->charged);
     peer.out.clear();
     peer.queued_bytes = 0;
     ::shutdown(peer.fd.get(), SHUT_RDWR);
     peer.fd.reset();
   }
-  uncharge(peer.large.charged);
-  peer.large.charged = 0;
+  // The owner closes (or the server, once its threads are gone): the frame's buffers go with the
+  // charge, not later with the last reference a parked request keeps to the connection.
+  peer.large.charged.reset();
+  peer.large.payload.reset();
+  peer.large.stage = LargeFrame::Stage::none;
+  std::vector<wire::KeyEntry>().swap(peer.keys);
+  std::vector<float>().swap(peer.reply);
   const std::uint32_t worker = peer.worker;
   const bool clean = peer.finished;
   if (!peer.expired.empty() || (!clean && worker != kNoWorker) || !peer.handshaken.load())
@@ -554,8 +642,21 @@ void TcpServer::close_peer(Peer& peer, const std::string& reason) {
   if (worker != kNoWorker) engine_.worker_left(worker, clean);
 }
 
+bool TcpServer::whole_frame_buffered(const Peer& peer) {
+  const std::size_t avail = peer.in_end - peer.in_begin;
+  if (avail < sizeof(wire::FrameHeader)) return false;
+  wire::FrameHeader h;
+  std::memcpy(&h, reinterpret_cast<const char*>(peer.in.get()) + peer.in_begin, sizeof h);
+  // Whatever the header says, serving it decides something (a bad header closes): only a
+  // frame still arriving is not worth a wake-up.
+  const std::uint64_t frame =
+      sizeof h + std::uint64_t{h.num_keys} * sizeof(wire::KeyEntry) + std::uint64_t{h.payload_bytes};
+  return frame <= avail || frame > Peer::kInBytes;
+}
+
 bool TcpServer::serve(Peer& peer) {
   constexpr int kReadsPerTurn = 16;  // then other connections get the thread
+  peer.turn_bytes = 0;
   for (int reads = 0;;) {
     if (peer.large.stage != LargeFrame::Stage::none) {
       const Progress p = continue_large_frame(peer);
@@ -570,9 +671,11 @@ bool TcpServer::serve(Peer& peer) {
       std::lock_guard lock(peer.mu);
       if (!(interest_locked(peer) & EPOLLIN)) return true;  // paused: the rest waits in `in`
     }
+    // The pause may have ended while serve_buffered stopped for it: serve what is buffered first.
+    if (whole_frame_buffered(peer)) continue;
     // Every complete frame is served; what `in` holds is part of the next one. If more is
     // waiting, level-triggered EPOLLIN hands the connection straight back.
-    if (reads == kReadsPerTurn) return true;
+    if (reads == kReadsPerTurn || peer.turn_bytes >= kTurnBytes) return true;
     peer.compact();
     const ssize_t n = ::recv(peer.fd.get(), peer.in_bytes() + peer.in_end, Peer::kInBytes - peer.in_end, MSG_DONTWAIT);
     if (n == 0) return false;
@@ -581,6 +684,7 @@ bool TcpServer::serve(Peer& peer) {
       return nothing_waiting(n);
     }
     peer.in_end += static_cast<std::size_t>(n);
+    peer.turn_bytes += static_cast<std::uint64_t>(n);
     ++reads;
   }
 }
@@ -669,13 +773,12 @@ bool TcpServer::begin_large_frame(Peer& peer, const wire::FrameHeader& h) {
   const std::uint64_t key_bytes = std::uint64_t{h.num_keys} * sizeof(wire::KeyEntry);
   const std::uint64_t frame_bytes = sizeof(wire::FrameHeader) + key_bytes + h.payload_bytes;
   peer.in_deadline_ns.store(steady_now_ns() + frame_deadline(frame_bytes).count(), std::memory_order_relaxed);
-  if (!charge(key_bytes)) {
+  if (!f.charged.take(budget_, key_bytes)) {
     f.stage = LargeFrame::Stage::discard;
     f.refusal = Errc::capacity;
     f.refusal_why = over_budget(peer, key_bytes, "key table of a " + std::string(wire::op_name(h.op)));
     return true;
   }
-  f.charged = key_bytes;
   peer.keys.resize(h.num_keys);
   f.stage = LargeFrame::Stage::keys;
   return true;
@@ -685,8 +788,7 @@ TcpServer::Progress TcpServer::continue_large_frame(Peer& peer) {
   LargeFrame& f = peer.large;
   const std::uint64_t key_bytes = std::uint64_t{f.h.num_keys} * sizeof(wire::KeyEntry);
   auto finish = [&] {
-    uncharge(f.charged);
-    f.charged = 0;
+    f.charged.reset();
     f.stage = LargeFrame::Stage::none;
     f.payload.reset();
     give_back_if_large(peer.keys);
@@ -727,11 +829,11 @@ TcpServer::Progress TcpServer::continue_large_frame(Peer& peer) {
         if (streams(peer, f.h)) {
           // Every key is checked before any value is read: a bad one is answered after the
           // payload is drained, with nothing applied and the connection still good.
-          f.found = engine_.push_slots(peer.keys, f.slots, &f.why);
+          f.found = engine_.find_slots(peer.keys, f.slots, &f.why);
           f.key = 0;
           f.done_floats = f.step = f.applied = 0;
           f.stage = LargeFrame::Stage::stream;
-        } else if (!charge(f.h.payload_bytes)) {
+        } else if (!f.charged.take(budget_, f.h.payload_bytes)) {
           f.refusal = Errc::capacity;
           f.refusal_why = over_budget(peer, f.h.payload_bytes, std::string(wire::op_name(f.h.op)));
           f.have = 0;
@@ -739,7 +841,6 @@ TcpServer::Progress TcpServer::continue_large_frame(Peer& peer) {
           // The key table is already read: only the payload is left to drop.
           f.key_have = key_bytes;
         } else {
-          f.charged += f.h.payload_bytes;
           f.have = 0;
           f.stage = LargeFrame::Stage::body;
         }
@@ -792,10 +893,14 @@ TcpServer::Progress TcpServer::continue_large_frame(Peer& peer) {
   }
 }
 
-ssize_t TcpServer::read_frame_bytes(Peer& peer, char* dst, std::size_t bytes) {
+ssize_t TcpServer::read_frame_bytes(Peer& peer, char* dst, std::size_t bytes, bool wait) {
+  // A thread that served its turn's worth gives the connection back as if nothing were
+  // waiting; epoll hands it out again behind the other ready connections.
+  if (peer.turn_bytes >= kTurnBytes) return 0;
   const int fd = peer.fd.get();
-  ssize_t n = received(recv_spinning(fd, dst, bytes, kMidFrameSpin));
-  if (n == 0 && await_fast_sender(peer)) n = received(::recv(fd, dst, bytes, MSG_DONTWAIT));
+  ssize_t n = received(wait ? recv_spinning(fd, dst, bytes, kMidFrameSpin) : ::recv(fd, dst, bytes, MSG_DONTWAIT));
+  if (wait && n == 0 && await_fast_sender(peer)) n = received(::recv(fd, dst, bytes, MSG_DONTWAIT));
+  if (n > 0) peer.turn_bytes += static_cast<std::uint64_t>(n);
   return n;
 }
 
@@ -836,8 +941,7 @@ TcpServer::Progress TcpServer::stream_push(Peer& peer) {
       const bool have_some = in_parts && peer.in_end - peer.in_begin >= sizeof(float);
       char* room = in + peer.in_end;
       const std::size_t room_bytes = Peer::kInBytes - peer.in_end;
-      const ssize_t n = have_some ? received(::recv(peer.fd.get(), room, room_bytes, MSG_DONTWAIT))
-                                  : read_frame_bytes(peer, room, room_bytes);
+      const ssize_t n = read_frame_bytes(peer, room, room_bytes, /*wait=*/!have_some);
       if (n < 0) return Progress::close;
       if (n > 0) {
         peer.in_end += static_cast<std::size_t>(n);
@@ -925,11 +1029,20 @@ bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payl
       status = engine_.push(peer.worker, h.arg0, peer.keys, payload, &why);
       break;
     case wire::Op::pull: {
-      if (!engine_.pull_allowed(peer.worker, h.arg0)) {
-        engine_.park_pull(peer.worker, h.arg0, park(peer, h, peer.keys));
-        return true;
+      if (engine_.pull_allowed(peer.worker, h.arg0)) return answer_pull(peer, h, peer.keys, /*owner=*/true);
+      // Checked before it waits, so a parked pull holds only what it will be answered with.
+      thread_local std::vector<SlotHeader*> slots;
+      status = engine_.check_pull_clock(peer.worker, h.arg0, &why);
+      if (status == Errc::ok) status = check_pull(peer, peer.keys, slots, nullptr, &why);
+      if (status != Errc::ok) break;
+      std::unique_ptr<Parked> parked = park(peer, h, peer.keys);
+      if (!parked) {
+        status = Errc::capacity;
+        why = over_budget(peer, parked_bytes(peer.keys.size()), "parked pull");
+        break;
       }
-      return answer_pull(peer, h, peer.keys, /*owner=*/true);
+      engine_.park_pull(peer.worker, h.arg0, std::move(parked));
+      return true;
     }
     case wire::Op::clock: {
       if (Errc e = engine_.check_worker(peer.worker, &why); e != Errc::ok) {
@@ -945,8 +1058,13 @@ bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payl
         status = e;
         break;
       }
-      engine_.barrier(peer.worker, h.arg0, park(peer, h, {}));
-      return true;
+      if (std::unique_ptr<Parked> parked = park(peer, h, {})) {
+        engine_.barrier(peer.worker, h.arg0, std::move(parked));
+        return true;
+      }
+      status = Errc::capacity;
+      why = over_budget(peer, parked_bytes(0), "barrier");
+      break;
     case wire::Op::stats: {
       const std::string json = engine_.stats_json(0, stats_fields());
       Reply r(reply_header(h, json.size()), json.data(), json.size());
@@ -963,56 +1081,69 @@ bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payl
   return send_empty(peer, h);
 }
 
+std::uint64_t TcpServer::parked_bytes(std::size_t keys) noexcept {
+  return sizeof(ParkedRequest) + keys * sizeof(wire::KeyEntry);
+}
+
 std::unique_ptr<Parked> TcpServer::park(Peer& peer, const wire::FrameHeader& h, std::vector<wire::KeyEntry> keys) {
+  BudgetHold hold;
+  if (!hold.take(budget_, parked_bytes(keys.size()))) return nullptr;
   std::lock_guard lock(peer.mu);
   ++peer.parked;
-  return std::make_unique<ParkedRequest>(*this, peer.shared_from_this(), h, std::move(keys));
+  return std::make_unique<ParkedRequest>(*this, peer.shared_from_this(), h, std::move(keys), std::move(hold));
+}
+
+Errc TcpServer::check_pull(const Peer& peer, std::span<const wire::KeyEntry> keys, std::vector<SlotHeader*>& slots,
+                           std::uint64_t* bytes, std::string* why) {
+  // The reply is sized from the store's own records, once every key is found with the length
+  // asked for, and never past the request limit: a short request cannot ask for a huge reply.
+  if (Errc e = engine_.find_slots(keys, slots, why); e != Errc::ok) return e;
+  // Each key's length is the store's own record: find_slots checked the request's against it.
+  std::uint64_t floats = 0;
+  for (const wire::KeyEntry& k : keys) floats += k.length;
+  if (floats * sizeof(float) > options_.limits.max_payload_bytes) {
+    log::warn("tcp.limit", "server " + std::to_string(engine_.options().server_id) + ": " + peer.who() +
+                               " asked for a " + std::to_string(floats * sizeof(float)) +
+                               "-byte pull reply, over --max-request-mb; refused");
+    *why = "the reply would be " + std::to_string(floats * sizeof(float)) + " bytes, over the server's limit of " +
+           std::to_string(options_.limits.max_payload_bytes) + " (--max-request-mb); pull fewer keys at a time";
+    return Errc::capacity;
+  }
+  if (bytes) *bytes = floats * sizeof(float);
+  return Errc::ok;
 }
 
 bool TcpServer::answer_pull(Peer& peer, const wire::FrameHeader& h, std::span<const wire::KeyEntry> keys,
                             bool owner) {
   thread_local std::vector<SlotHeader*> slots;
   std::string why;
-  // The reply is sized from the store's own records, once every key is found with the length
-  // asked for, and never past the request limit: a short request cannot ask for a huge reply.
-  if (Errc e = engine_.pull_slots(keys, slots, &why); e != Errc::ok) return send_error(peer, h, e, why);
-  // Each key's length is the store's own record: lookup checked the request's against it.
-  std::uint64_t floats = 0;
-  for (const wire::KeyEntry& k : keys) floats += k.length;
-  const std::uint64_t bytes = floats * sizeof(float);
-  if (bytes > options_.limits.max_payload_bytes) {
-    log::warn("tcp.limit", "server " + std::to_string(engine_.options().server_id) + ": " + peer.who() +
-                               " asked for a " + std::to_string(bytes) + "-byte pull reply, over --max-request-mb; refused");
-    return send_error(peer, h, Errc::capacity,
-                      "the reply would be " + std::to_string(bytes) + " bytes, over the server's limit of " +
-                          std::to_string(options_.limits.max_payload_bytes) +
-                          " (--max-request-mb); pull fewer keys at a time");
-  }
+  std::uint64_t bytes = 0;
+  if (Errc e = check_pull(peer, keys, slots, &bytes, &why); e != Errc::ok) return send_error(peer, h, e, why);
+  engine_.count_pulls(keys.size());
+  const std::uint64_t floats = bytes / sizeof(float);
   if ((h.flags & wire::kFromStore) && !(h.flags & wire::kChecksum) && bytes >= kFromStoreBytes)
     return send_from_store(peer, h, keys, slots, floats);
   Reply r(reply_header(h, bytes, engine_.observed_bound()));
-  float* out;
-  const bool small = owner && bytes <= Peer::kInBytes;
-  if (small) {
-    // The connection's own buffer: only its owner answers from peer.keys.
+  float* payload = nullptr;  // none for an empty reply
+  if (bytes > 0 && owner && bytes <= Peer::kInBytes) {
+    // The connection's own buffer: only its owner answers from it.
     if (peer.reply.size() < floats) peer.reply.resize(Peer::kInBytes / sizeof(float));
-    out = peer.reply.data();
-  } else {
-    if (!charge(bytes)) return send_error(peer, h, Errc::capacity, over_budget(peer, bytes, "pull reply"));
-    r.charged = bytes;
+    payload = peer.reply.data();
+  } else if (bytes > 0) {
+    if (!r.charged.take(budget_, bytes)) return send_error(peer, h, Errc::capacity, over_budget(peer, bytes, "pull reply"));
     try {
       r.owned_values = std::make_unique<HeapMemory>(bytes, "a pull's reply", false);
-    } catch (const Error& e) {
-      uncharge(bytes);
+    } catch (const std::exception& e) {
       return send_error(peer, h, Errc::capacity, e.what());
     }
-    out = reinterpret_cast<float*>(r.owned_values->data());
+    payload = reinterpret_cast<float*>(r.owned_values->data());
   }
+  float* out = payload;
   for (std::size_t i = 0; i < slots.size(); ++i) {
     engine_.store().read_slot_or_lock(*slots[i], out, keys[i].length);
     out += keys[i].length;
   }
-  r.payload = small ? static_cast<const void*>(peer.reply.data()) : static_cast<const void*>(r.owned_values->data());
+  r.payload = payload;
   r.payload_bytes = bytes;
   if (h.flags & wire::kChecksum) {
     r.header.flags |= wire::kChecksum;
@@ -1040,18 +1171,16 @@ bool TcpServer::send(Peer& peer, Reply&& reply) {
   std::lock_guard lock(peer.mu);
   std::uint64_t ignored = 0;
   // Straight out while nothing is queued ahead: the common case costs no copy and no queue.
-  if (peer.closed || (peer.out.empty() && !reply.write_out(peer.fd.get(), &ignored))) {
-    uncharge(reply.charged);
-    return false;
-  }
-  if (reply.sent == reply.total()) {
-    uncharge(reply.charged);
-    return true;
-  }
+  if (peer.closed || (peer.out.empty() && !reply.write_out(peer.fd.get(), &ignored))) return false;
+  if (reply.sent == reply.total()) return true;
   // The peer is not taking it now: keep what is left, with a deadline for the peer to take it.
   reply.keep_payload();
-  const std::uint64_t kept = reply.owned.size();
-  if (kept && charge(kept)) reply.charged += kept;  // small replies are kept even over budget
+  if (!reply.charged.take(budget_, reply.owned.size())) {
+    // Half sent, it cannot be refused any more; a peer that leaves replies unread while the
+    // budget is spent loses its connection, as Redis's output-buffer limit drops a client.
+    expire_locked(peer, "left replies unread while the server's memory budget (--memory-budget-mb) was spent");
+    return false;
+  }
   reply.deadline_ns = steady_now_ns() + frame_deadline(reply.total() - reply.sent).count();
   peer.queued_bytes += reply.total() - reply.sent;
   if (peer.out.empty()) peer.out_deadline_ns.store(reply.deadline_ns, std::memory_order_relaxed);
@@ -1067,7 +1196,6 @@ bool TcpServer::flush_locked(Peer& peer) {
     peer.queued_bytes -= sent_now;
     if (!ok) return false;
     if (r.sent < r.total()) return true;  // the socket is full: EPOLLOUT brings it back
-    uncharge(r.charged);
     peer.out.pop_front();
     peer.out_deadline_ns.store(peer.out.empty() ? 0 : peer.out.front()->deadline_ns, std::memory_order_relaxed);
   }

@@ -27,6 +27,7 @@
 #include <string>
 #include <thread>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "server/shard_engine.h"
@@ -67,6 +68,55 @@ struct TcpServerOptions {
 class Peer;
 struct Reply;
 
+// Bytes that frame buffers, copied replies and parked requests of all connections may hold
+// together. Thread-safety: any thread.
+class MemoryBudget {
+ public:
+  explicit MemoryBudget(std::uint64_t limit) : limit_(limit) {}
+  // Takes `bytes` if they fit.
+  bool take(std::uint64_t bytes) noexcept;
+  void give(std::uint64_t bytes) noexcept { if (bytes) used_.fetch_sub(bytes, std::memory_order_relaxed); }
+  std::uint64_t used() const noexcept { return used_.load(std::memory_order_relaxed); }
+  std::uint64_t limit() const noexcept { return limit_; }
+
+ private:
+  const std::uint64_t limit_;
+  std::atomic<std::uint64_t> used_{0};
+};
+
+// Bytes taken from a MemoryBudget, given back when the hold is destroyed or reset, on every path
+// (an exception included). Thread-safety: one owner at a time.
+class BudgetHold {
+ public:
+  BudgetHold() = default;
+  BudgetHold(BudgetHold&& o) noexcept : budget_(o.budget_), bytes_(std::exchange(o.bytes_, 0)) {}
+  BudgetHold& operator=(BudgetHold&& o) noexcept {
+    if (this != &o) {
+      reset();
+      budget_ = o.budget_;
+      bytes_ = std::exchange(o.bytes_, 0);
+    }
+    return *this;
+  }
+  ~BudgetHold() { reset(); }
+  // Adds `bytes` to the hold if the budget has them.
+  bool take(MemoryBudget& budget, std::uint64_t bytes) noexcept {
+    if (budget_ && budget_ != &budget) return false;
+    if (!budget.take(bytes)) return false;
+    budget_ = &budget;
+    bytes_ += bytes;
+    return true;
+  }
+  void reset() noexcept {
+    if (budget_) budget_->give(std::exchange(bytes_, 0));
+  }
+  std::uint64_t bytes() const noexcept { return bytes_; }
+
+ private:
+  MemoryBudget* budget_ = nullptr;
+  std::uint64_t bytes_ = 0;
+};
+
 // Thread-safety: construct, then stop() or destroy from one thread; stats_fields() from any
 // thread; everything else is internal.
 class TcpServer {
@@ -96,6 +146,9 @@ class TcpServer {
   // Pulls (and barriers) one connection may have parked; past it the connection is not read
   // until one is answered. A client keeps at most max_in_flight requests anyway.
   static constexpr std::uint32_t kMaxParkedPerConnection = 256;
+  // What one thread reads from one connection before it serves the others: 4 MiB, about 1 ms
+  // at loopback rates, against a few microseconds to hand the connection back to epoll.
+  static constexpr std::uint64_t kTurnBytes = 4u << 20;
 
  private:
   friend class ParkedRequest;
@@ -103,6 +156,12 @@ class TcpServer {
 
   void io_loop();
   void accept_ready();
+  // Sends a `capacity` error frame on a connection refused at accept.
+  void refuse_at_accept(int fd, const std::string& text);
+  // Out of descriptors: accepts one pending connection through the spare descriptor, tells it
+  // why and closes it. False if there was none to take.
+  bool shed_one_connection();
+  void raise_fd_limit();
   void reap_expired();
   // Whether the server has stopped reading this connection (its replies are queued, or too many
   // of its pulls are parked); if so, the frame it holds half-read gets a fresh deadline.
@@ -116,8 +175,14 @@ class TcpServer {
   bool admit(Peer& peer, const wire::FrameHeader& h);
   // `owner`: called by the connection's owner, which may answer small pulls from peer.reply.
   bool answer_pull(Peer& peer, const wire::FrameHeader& h, std::span<const wire::KeyEntry> keys, bool owner);
-  // A pull or barrier to answer later (counted against kMaxParkedPerConnection until it is).
+  // Finds a pull's keys and sizes its reply from the store's records (*bytes), refusing one over
+  // the request limit; counts nothing.
+  Errc check_pull(const Peer& peer, std::span<const wire::KeyEntry> keys, std::vector<SlotHeader*>& slots,
+                  std::uint64_t* bytes, std::string* why);
+  // A pull or barrier to answer later (counted against kMaxParkedPerConnection until it is, and
+  // its parked_bytes against the memory budget); null if the budget cannot hold it.
   std::unique_ptr<Parked> park(Peer& peer, const wire::FrameHeader& h, std::vector<wire::KeyEntry> keys);
+  static std::uint64_t parked_bytes(std::size_t keys) noexcept;
   // Below this a pull reply is copied: the copy is cheap and the extra trailer write is not.
   static constexpr std::uint64_t kFromStoreBytes = 64u << 10;
   bool send_from_store(Peer& peer, const wire::FrameHeader& h, std::span<const wire::KeyEntry> keys,
@@ -127,9 +192,12 @@ class TcpServer {
   Progress continue_large_frame(Peer& peer);
   Progress stream_push(Peer& peer);
   bool streams(const Peer& peer, const wire::FrameHeader& h) const noexcept;
-  // Reads more of a large frame from the socket: the bytes, 0 if nothing came (after the spin,
-  // and a fast sender's wait), -1 if the connection closed or failed.
-  ssize_t read_frame_bytes(Peer& peer, char* dst, std::size_t bytes);
+  // Reads more of a large frame from the socket: the bytes, 0 if nothing came (after the spin
+  // and a fast sender's wait, unless !wait) or this thread's turn is used up, -1 if the
+  // connection closed or failed.
+  ssize_t read_frame_bytes(Peer& peer, char* dst, std::size_t bytes, bool wait = true);
+  // Whether `in` holds a whole request (or a header that decides the connection's fate).
+  static bool whole_frame_buffered(const Peer& peer);
   // Whether more of a large frame arrived after this thread waited for it (only for a peer that
   // sent the frame so far at kFastSenderBytesPerSecond or more, for kFastSenderPatienceMs).
   bool await_fast_sender(Peer& peer);
@@ -157,13 +225,11 @@ class TcpServer {
   std::uint32_t interest_locked(const Peer& peer) const;
   std::uint32_t armed_locked(const Peer& peer) const;
 
-  // The memory budget. charge() takes `bytes` if they fit.
-  bool charge(std::uint64_t bytes) noexcept;
-  void uncharge(std::uint64_t bytes) noexcept;
 
   void close_peer(Peer& peer, const std::string& reason);
   // Closes a connection another thread may own: shuts the socket so its owner sees the end.
   void expire(Peer& peer, const std::string& reason);
+  void expire_locked(Peer& peer, const std::string& reason);  // caller holds peer.mu
   std::chrono::nanoseconds frame_deadline(std::uint64_t bytes) const noexcept;
 
   ShardEngine& engine_;
@@ -171,9 +237,12 @@ class TcpServer {
   Fd listen_fd_;
   Fd epoll_fd_;
   Fd wake_fd_;
+  std::mutex spare_mu_;
+  Fd spare_fd_;  // kept open to be given up when the process runs out of descriptors
   std::uint16_t port_ = 0;
   std::atomic<bool> stopping_{false};
-  std::atomic<std::uint64_t> refused_{0}, expired_{0}, over_budget_{0}, budget_used_{0};
+  std::atomic<std::uint64_t> refused_{0}, expired_{0}, over_budget_{0}, turns_yielded_{0};
+  MemoryBudget budget_;
   std::atomic<std::int64_t> next_reap_ns_{0};
   std::mutex reap_mu_;
   mutable std::mutex peers_mu_;
