@@ -448,6 +448,9 @@ bool cluster_rank(int* rank, int* size) {
   const std::pair<const char*, const char*> vars[] = {
       {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"}, {"PMI_RANK", "PMI_SIZE"}, {"SLURM_PROCID", "SLURM_NTASKS"}};
   for (auto [r, s] : vars) {
+    // sbatch sets SLURM_PROCID=0 and SLURM_NTASKS for the batch script itself: only a task that
+    // srun started (SLURM_STEP_ID) is one of the job's ranks.
+    if (std::string_view(r) == "SLURM_PROCID" && !std::getenv("SLURM_STEP_ID")) continue;
     const char* rv = std::getenv(r);
     const char* sv = std::getenv(s);
     if (rv && sv) {

@@ -97,11 +97,16 @@ class Client {
   bool done(Ticket ticket) const;
 
   // Ends this worker's step: the pushes issued before it are applied on every server before
-  // the new clock is visible to anyone. Synchronous.
+  // the new clock is visible to anyone. Synchronous: wait(clock_async()).
   void clock();
+  // clock() as a ticket, for a caller that must stay responsive while it completes. The new
+  // clock applies to operations issued after this call (servers see the clock first, since it
+  // precedes them on every connection); a ticket that fails leaves the servers' clocks unknown.
+  Ticket clock_async();
   std::uint64_t current_clock() const noexcept;
-  // Waits until every live worker reached this barrier.
+  // Waits until every live worker reached this barrier: wait(barrier_async()).
   void barrier();
+  Ticket barrier_async();
   // Announces memory later used as push sources or pull destinations (RDMA registers it once).
   void register_buffer(void* data, std::size_t bytes);
 

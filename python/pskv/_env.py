@@ -34,6 +34,10 @@ def detect_cluster(environ=None) -> Optional[Cluster]:
     """The job this process was started in, or None when run alone."""
     env = os.environ if environ is None else environ
     for launcher, rank_var, size_var in _LAUNCHERS:
+        # sbatch sets SLURM_PROCID=0 and SLURM_NTASKS for the batch script itself: only a task
+        # that srun started (SLURM_STEP_ID) is one of the job's ranks.
+        if launcher == "slurm" and "SLURM_STEP_ID" not in env:
+            continue
         if rank_var in env and size_var in env:
             rank, size = int(env[rank_var]), int(env[size_var])
             if not 0 <= rank < size:

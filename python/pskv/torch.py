@@ -11,7 +11,8 @@
         opt.step()                                  # ends the step (clock) and brings the new weights
 
 Two ways to update, both with every worker starting from the same weights (the first
-initialiser of each key wins, and everyone pulls what won):
+initialiser of each key wins, everyone pulls what won, then waits at a barrier so that no
+worker's first push reaches another's first pull; so every worker must build its optimizer):
 - update="server": gradients go to the servers, whose rule (sgd, momentum, adam, adagrad, with
   the servers' lr) updates the weights; step() pulls the weights straight into the parameters.
   Consistency is the servers': BSP, SSP or ASP.
@@ -25,12 +26,20 @@ communication overlaps the rest of the backward pass.
 """
 
 import time
+import weakref
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from . import Client, InvalidArgument
+from . import Client, InvalidArgument, Io, PeerFailure, StaleResource, Timeout
 from ._env import detect_cluster, servers_from_env
+
+# Which live DistributedOptimizer pushes each parameter's gradient (by id: tensors compare by
+# value): two would push it twice. An optimizer holds its parameters, so while it lives the ids
+# cannot be reused; a dead one's weak reference answers None.
+_owners: "Dict[int, weakref.ref]" = {}
+# What a server that is still starting answers a connect with; anything else will not go away.
+_NOT_UP_YET = (PeerFailure, Timeout, Io, StaleResource, ConnectionError)
 
 # Gradient keys of update="worker" sit this far above the weight keys.
 GRAD_KEY_OFFSET = 1 << 32
@@ -42,7 +51,8 @@ def client_from_env(servers: Optional[List[str]] = None, connect_for: float = 60
     Servers: `servers`, else PSKV_SERVERS (comma-separated URIs). Rank: torchrun (RANK,
     WORLD_SIZE), PSKV_RANK/PSKV_WORLD_SIZE, Open MPI, PMI or Slurm; under mpirun/srun the first
     len(servers) ranks are the servers and worker ids start after them, as in pskv-mnist.
-    Connecting is retried for `connect_for` seconds, since servers may still be starting.
+    Connecting is retried for `connect_for` seconds while the servers may still be starting
+    (connection refused, no segment yet); other errors (a bad option, a missing token file) at once.
     """
     uris = servers or servers_from_env()
     if not uris:
@@ -52,7 +62,7 @@ def client_from_env(servers: Optional[List[str]] = None, connect_for: float = 60
     while True:
         try:
             return Client(uris, worker_id=worker, **client_options)
-        except Exception:
+        except _NOT_UP_YET:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.2)
@@ -100,6 +110,11 @@ class DistributedOptimizer:
         named = [(n, p) for n, p in named_parameters if p.requires_grad]
         if not named:
             raise ValueError("no parameters that require gradients")
+        for n, p in named:
+            owner = _owners.get(id(p))
+            if owner is not None and owner() is not None:
+                raise ValueError(f"parameter {n} is already driven by another pskv.torch.DistributedOptimizer; "
+                                 "call remove_hooks() on that one (or drop it) first")
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         for n, p in named:
@@ -115,6 +130,10 @@ class DistributedOptimizer:
         if update == "worker":
             client.init(self.grad_keys, [torch.zeros_like(p) for p in self.params]).wait()
         client.pull(self.weight_keys, [p.data for p in self.params]).wait()
+        # No worker pushes before every worker has pulled the starting weights: under BSP and SSP
+        # only reads are bounded, so an early push would otherwise reach a slower worker's pull.
+        if client.worker_id is not None:
+            client.barrier()
         for p in self.params:  # fixed addresses from here on: RDMA registers them once
             client.register_buffer(p.data)
             client.register_buffer(p.grad)
@@ -125,17 +144,31 @@ class DistributedOptimizer:
         self._accumulators = []  # kept alive: PyTorch holds hooks on these autograd nodes weakly
         for i, p in enumerate(self.params):
             accumulator = p.expand_as(p).grad_fn.next_functions[0][0]
-            self._hooks.append(accumulator.register_hook(self._make_hook(i)))
+            self._hooks.append(accumulator.register_hook(self._make_hook(weakref.ref(self), i)))
             self._accumulators.append(accumulator)
+            _owners[id(p)] = weakref.ref(self)
         self.steps = 0
 
-    def _make_hook(self, i: int):
+    @staticmethod
+    def _make_hook(owner: "weakref.ref[DistributedOptimizer]", i: int):
+        # The hook holds its optimizer weakly: an optimizer dropped without remove_hooks() stops
+        # pushing instead of living on inside the autograd graph.
         def pushed_when_accumulated(*_):
-            # Runs once .grad holds this backward's contribution: send it while backward goes on.
-            self._passes[i] += 1
-            if self._passes[i] == self.backward_passes_per_step:
-                self._push(i)
+            opt = owner()
+            if opt is not None:
+                opt._accumulated(i)
         return pushed_when_accumulated
+
+    def _accumulated(self, i: int) -> None:
+        # Runs once .grad holds this backward's contribution: send it while backward goes on.
+        self._passes[i] += 1
+        if self._passes[i] == self.backward_passes_per_step:
+            self._push(i)
+        elif self._passes[i] > self.backward_passes_per_step:
+            raise RuntimeError(
+                f"parameter {self.names[i]} got a gradient {self._passes[i]} times since the last step(), but "
+                f"backward_passes_per_step is {self.backward_passes_per_step}: its gradient was already pushed, so "
+                "this one would be lost. Call step() after each backward, or raise backward_passes_per_step")
 
     def _push(self, i: int) -> None:
         # The binding checks the gradient (CPU, float32, dense, contiguous) as it reads it.
@@ -163,7 +196,8 @@ class DistributedOptimizer:
             work.wait()
         self._pending = [None] * len(self.params)
         self._passes = [0] * len(self.params)
-        self.client.clock()
+        if self.client.worker_id is not None:  # an anonymous client (ASP, no clocks) has no step to end
+            self.client.clock()
         if self.update == "server":
             self.pull_weights()
         else:
@@ -181,6 +215,16 @@ class DistributedOptimizer:
         return self.client.staleness()
 
     def remove_hooks(self) -> None:
+        """Stops pushing from backward; the parameters may then get another DistributedOptimizer."""
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        self._accumulators.clear()
+        for p in self.params:
+            owner = _owners.get(id(p))
+            if owner is not None and owner() in (self, None):
+                del _owners[id(p)]
+
+    def __del__(self):
+        if getattr(self, "_hooks", None):
+            self.remove_hooks()

@@ -7,6 +7,7 @@
 #include <pybind11/stl.h>
 
 #include <chrono>
+#include <cmath>
 #include <deque>
 #include <memory>
 #include <optional>
@@ -38,6 +39,16 @@ struct Pending {
   std::vector<HeldBuffer> rest;  // only for operations over several keys
 };
 
+// `seconds` from now (None: no deadline). NaN is refused; anything past a few decades is forever.
+std::chrono::steady_clock::time_point deadline_after(std::optional<double> seconds) {
+  if (!seconds) return std::chrono::steady_clock::time_point::max();
+  if (std::isnan(*seconds)) throw Error(Errc::invalid_argument, "timeout is NaN; pass seconds >= 0 or None");
+  constexpr double kForever = 1e9;  // about 31 years, far inside the clock's range
+  if (*seconds >= kForever) return std::chrono::steady_clock::time_point::max();
+  return std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                                std::chrono::duration<double>(std::max(0.0, *seconds)));
+}
+
 // Waits up to `slice` for `ticket`. True once it completed (and is spent), its error, if any, in
 // `failure`; false if still in flight. Does not touch the GIL: callers that may block release it,
 // reap_orphans (which may not let another thread into the orphan list) keeps it.
@@ -51,8 +62,18 @@ bool wait_slice(Client& client, Ticket ticket, std::chrono::milliseconds slice, 
 }
 
 class Work;
+struct Session;
 
 enum class OpKind { init, push, pull };
+
+enum class Waited { completed, timed_out, interrupted, closing };
+
+// Waits for `ticket` until `deadline`, in slices with the GIL released, so that Ctrl-C is seen
+// within kSignalSlice (interrupted: the Python error is set, the operation stays in flight) and
+// close() from another thread is too (closing, when `watch_closing`). completed: the ticket is
+// spent and its error, if any, is in `failure`. The caller holds the GIL and an ActiveCall.
+Waited wait_ticket(Session& s, Ticket ticket, std::chrono::steady_clock::time_point deadline, bool watch_closing,
+                   std::optional<Error>& failure);
 
 // What a pskv.Client and its Works share. Thread-safety: every member is guarded by the GIL;
 // `client` is also used without the GIL by calls counted in `active`, and close() destroys it
@@ -60,7 +81,9 @@ enum class OpKind { init, push, pull };
 struct Session {
   std::unique_ptr<Client> client;
   bool closing = false;  // no new calls; set by close()
-  int active = 0;        // calls running with the GIL released
+  int active = 0;        // calls that may release the GIL (Python callbacks included)
+  std::size_t in_flight = 0;  // operations issued and not yet completed (live Works and orphans)
+  std::size_t window = 1;     // ClientOptions.max_in_flight: past it, issuing waits for room
   Work* live = nullptr;  // in-flight Works still referenced from Python (intrusive list)
   std::deque<Pending> orphans;
   // The first failure of an operation whose Work was dropped unwaited: raised by the next
@@ -72,6 +95,8 @@ struct Session {
     if (closing || !client) throw Error(Errc::invalid_argument, "this pskv.Client is closed; create a new one");
   }
   void reap_orphans();
+  // The oldest orphan completed with `failure` (if any): forget it.
+  void spend_orphan(const std::optional<Error>& failure);
   void raise_orphan_error() {
     if (!orphan_error) return;
     Error e = *orphan_error;
@@ -114,37 +139,24 @@ class Work {
   bool wait(std::optional<double> timeout) {
     if (state_ == State::in_flight && waiting_)
       throw Error(Errc::invalid_argument, "another thread is already waiting for this pskv.Work");
-    const auto deadline = timeout ? std::chrono::steady_clock::now() +
-                                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                                            std::chrono::duration<double>(std::max(0.0, *timeout)))
-                                  : std::chrono::steady_clock::time_point::max();
-    while (state_ == State::in_flight) {
+    if (state_ == State::in_flight) {
       if (session_->closing)
         throw Error(Errc::invalid_argument, std::string(op_) + ": the client is being closed; it completes this operation");
-      Client& client = *session_->client;
-      // Looked at at least once, so wait(timeout=0) of a finished operation completes it.
-      const auto left = std::max<std::chrono::steady_clock::duration>(
-          std::chrono::steady_clock::duration::zero(), deadline - std::chrono::steady_clock::now());
-      const auto slice_ms = std::chrono::ceil<std::chrono::milliseconds>(
-          std::min<std::chrono::steady_clock::duration>(kSignalSlice, left));
-      bool completed = false;
       std::optional<Error> failure;
+      Waited w;
       {
         ActiveCall call(*session_);
         waiting_ = true;
-        {
-          py::gil_scoped_release unlocked;
-          completed = wait_slice(client, pending_.ticket, slice_ms, failure);
-        }
+        w = wait_ticket(*session_, pending_.ticket, deadline_after(timeout), /*watch_closing=*/true, failure);
         waiting_ = false;
       }
-      if (completed) {
-        complete(failure);
-        break;
+      switch (w) {
+        case Waited::completed: complete(failure); break;
+        case Waited::timed_out: return false;
+        case Waited::interrupted: throw py::error_already_set();  // KeyboardInterrupt; still in flight
+        case Waited::closing:
+          throw Error(Errc::invalid_argument, std::string(op_) + ": the client is being closed; it completes this operation");
       }
-      // Ctrl-C: KeyboardInterrupt now; the operation stays in flight and this Work stays valid.
-      if (PyErr_CheckSignals() != 0) throw py::error_already_set();
-      if (std::chrono::steady_clock::now() >= deadline) return false;
     }
     if (error_) throw *error_;
     return true;
@@ -162,6 +174,7 @@ class Work {
   Ticket ticket() const noexcept { return pending_.ticket; }
   Work* next() const noexcept { return next_; }
   void complete(const std::optional<Error>& failure) {
+    --session_->in_flight;
     state_ = failure ? State::failed : State::completed;
     if (failure) error_ = failure;
     unlink();
@@ -194,8 +207,34 @@ void Session::reap_orphans() {
   while (!orphans.empty() && client->done(orphans.front().ticket)) {
     std::optional<Error> failure;
     wait_slice(*client, orphans.front().ticket, 0ms, failure);
-    if (failure && !orphan_error) orphan_error = failure;
-    orphans.pop_front();
+    spend_orphan(failure);
+  }
+}
+
+void Session::spend_orphan(const std::optional<Error>& failure) {
+  if (failure && !orphan_error) orphan_error = failure;
+  orphans.pop_front();
+  --in_flight;
+}
+
+Waited wait_ticket(Session& s, Ticket ticket, std::chrono::steady_clock::time_point deadline, bool watch_closing,
+                   std::optional<Error>& failure) {
+  Client& client = *s.client;
+  for (;;) {
+    // Looked at at least once, so a zero timeout still completes a finished operation.
+    const auto left = std::max<std::chrono::steady_clock::duration>(std::chrono::steady_clock::duration::zero(),
+                                                                    deadline - std::chrono::steady_clock::now());
+    const auto slice = std::chrono::ceil<std::chrono::milliseconds>(
+        std::min<std::chrono::steady_clock::duration>(kSignalSlice, left));
+    bool completed;
+    {
+      py::gil_scoped_release unlocked;
+      completed = wait_slice(client, ticket, slice, failure);
+    }
+    if (completed) return Waited::completed;
+    if (PyErr_CheckSignals() != 0) return Waited::interrupted;
+    if (watch_closing && s.closing) return Waited::closing;
+    if (std::chrono::steady_clock::now() >= deadline) return Waited::timed_out;
   }
 }
 
@@ -233,7 +272,8 @@ Key to_key(PyObject* object, std::size_t index) {
 // clock() and barrier() from the training loop's thread; close() from any one thread.
 class PyClient {
  public:
-  PyClient(const ClientOptions& options) : session_(std::make_shared<Session>()) {
+  PyClient(const ClientOptions& options) : session_(std::make_shared<Session>()), worker_id_(options.worker_id) {
+    session_->window = std::max<std::uint32_t>(1, options.max_in_flight);
     py::gil_scoped_release unlocked;
     session_->client = std::make_unique<Client>(options);
   }
@@ -241,6 +281,9 @@ class PyClient {
   std::unique_ptr<Work> issue(OpKind op, py::handle keys, py::handle values) {
     Session& s = *session_;
     s.require_open();
+    // Reading keys and buffers runs Python code (__index__, a tensor's methods, a collection)
+    // that may let another thread in, close() included: counted from here, the client stays.
+    ActiveCall call(s);
     s.reap_orphans();
     const Access access = op == OpKind::pull ? Access::write : Access::read;
     const char* what = op == OpKind::pull ? "pull target" : op == OpKind::push ? "push value" : "init value";
@@ -288,18 +331,19 @@ class PyClient {
       sources.assign(spans.begin(), spans.end());
       return op == OpKind::push ? client.push(key_list, sources) : client.init(key_list, sources);
     };
-    if (bytes < kReleaseGilBytes) {
+    // Issuing waits for room once the window is full: other Python threads must not wait with it.
+    if (bytes < kReleaseGilBytes && s.in_flight < s.window / 2) {
       pending.ticket = submit();
     } else {
-      ActiveCall call(s);
       py::gil_scoped_release unlocked;
       pending.ticket = submit();
     }
+    ++s.in_flight;
     return std::make_unique<Work>(session_, std::move(pending), what);
   }
 
-  void clock() { step(&Client::clock); }
-  void barrier() { step(&Client::barrier); }
+  void clock() { step(&Client::clock_async, "clock()"); }
+  void barrier() { step(&Client::barrier_async, "barrier()"); }
 
   std::uint64_t current_clock() const {
     session_->require_open();
@@ -310,6 +354,9 @@ class PyClient {
     return session_->client->num_servers();
   }
   bool closed() const { return session_->closing; }
+  std::optional<std::uint32_t> worker_id() const {
+    return worker_id_ == kNoWorker ? std::nullopt : std::optional<std::uint32_t>(worker_id_);
+  }
 
   py::dict staleness() const {
     session_->require_open();
@@ -335,6 +382,7 @@ class PyClient {
 
   void register_buffer(py::handle buffer) {
     session_->require_open();
+    ActiveCall call(*session_);  // HeldBuffer may run Python code
     HeldBuffer held(buffer.ptr(), Access::read, "register_buffer argument", static_cast<std::size_t>(-1));
     session_->client->register_buffer(held.data(), held.floats() * sizeof(float));
   }
@@ -345,10 +393,14 @@ class PyClient {
     Session& s = *session_;
     if (s.closing) return;
     s.closing = true;
-    // Calls in other threads finish or notice `closing` within one signal slice.
+    // Calls in other threads finish or notice `closing` within one signal slice (one blocked in
+    // a Python callback may take longer: Ctrl-C leaves this client closed, its memory with it).
     while (s.active > 0) {
-      py::gil_scoped_release unlocked;
-      std::this_thread::sleep_for(1ms);
+      {
+        py::gil_scoped_release unlocked;
+        std::this_thread::sleep_for(1ms);
+      }
+      if (PyErr_CheckSignals() != 0) throw py::error_already_set();
     }
     bool interrupted = false;
     std::optional<py::error_already_set> interrupt;  // Ctrl-C while completing: cancel the rest instead
@@ -369,47 +421,75 @@ class PyClient {
   }
 
  private:
-  // clock() and barrier(): first raises what a dropped Work's operation failed with.
-  void step(void (Client::*fn)()) {
+  // clock() and barrier(): first raises what a dropped Work's operation failed with, then waits
+  // in slices. Ctrl-C leaves the step in flight, completed by the client like a dropped Work
+  // (its error, if any, raised by the next clock(), barrier() or close()): the client stays
+  // usable, and a clock() interrupted still counts as this worker's step.
+  void step(Ticket (Client::*start)(), const char* what) {
     Session& s = *session_;
     s.require_open();
+    ActiveCall call(s);
     s.reap_orphans();
     s.raise_orphan_error();
-    ActiveCall call(s);
-    py::gil_scoped_release unlocked;
-    (s.client.get()->*fn)();
+    Pending pending;
+    {
+      py::gil_scoped_release unlocked;
+      pending.ticket = (s.client.get()->*start)();
+    }
+    ++s.in_flight;
+    std::optional<Error> failure;
+    switch (wait_ticket(s, pending.ticket, std::chrono::steady_clock::time_point::max(), /*watch_closing=*/true,
+                        failure)) {
+      case Waited::completed:
+        --s.in_flight;
+        if (failure) throw *failure;
+        return;
+      case Waited::interrupted:
+        s.orphans.push_back(std::move(pending));
+        throw py::error_already_set();
+      case Waited::closing:
+        s.orphans.push_back(std::move(pending));
+        throw Error(Errc::invalid_argument, std::string(what) + ": the client is being closed; it completes this step");
+      case Waited::timed_out:  // no deadline
+        break;
+    }
   }
 
   // Waits for every live and orphaned operation, in slices, watching for Ctrl-C. False if
-  // interrupted (the Python error is set).
+  // interrupted (the Python error is set). While it waits without the GIL, other threads may drop
+  // Works (which then move to the orphans): each completed ticket is looked up again afterwards.
   bool complete_all() {
     Session& s = *session_;
-    auto wait_one = [&](Ticket t, std::optional<Error>& failure) -> int {  // 1 done, 0 interrupted
-      for (;;) {
-        bool completed = false;
-        {
-          py::gil_scoped_release unlocked;
-          completed = wait_slice(*s.client, t, kSignalSlice, failure);
-        }
-        if (completed) return 1;
-        if (PyErr_CheckSignals() != 0) return 0;
-      }
-    };
-    while (s.live) {
+    while (s.live || !s.orphans.empty()) {
+      const Ticket t = s.live ? s.live->ticket() : s.orphans.front().ticket;
       std::optional<Error> failure;
-      if (!wait_one(s.live->ticket(), failure)) return false;
-      s.live->complete(failure);
-    }
-    while (!s.orphans.empty()) {
-      std::optional<Error> failure;
-      if (!wait_one(s.orphans.front().ticket, failure)) return false;
-      if (failure && !s.orphan_error) s.orphan_error = failure;
-      s.orphans.pop_front();
+      if (wait_ticket(s, t, std::chrono::steady_clock::time_point::max(), /*watch_closing=*/false, failure) !=
+          Waited::completed)
+        return false;
+      spend(t, failure);
     }
     return true;
   }
 
+  // The operation of ticket `t` completed: whoever holds it now (a live Work or the orphans).
+  void spend(Ticket t, const std::optional<Error>& failure) {
+    Session& s = *session_;
+    for (Work* w = s.live; w; w = w->next())
+      if (w->ticket() == t) {
+        w->complete(failure);
+        return;
+      }
+    for (auto it = s.orphans.begin(); it != s.orphans.end(); ++it)
+      if (it->ticket == t) {
+        if (failure && !s.orphan_error) s.orphan_error = failure;
+        s.orphans.erase(it);
+        --s.in_flight;
+        return;
+      }
+  }
+
   std::shared_ptr<Session> session_;
+  std::uint32_t worker_id_;
 };
 
 }  // namespace
@@ -483,6 +563,7 @@ void bind_client(py::module_& m) {
            "Completes what is in flight, tells the servers this worker finished (unless finished=False) and "
            "disconnects. Later calls raise pskv.InvalidArgument.")
       .def_property_readonly("closed", &PyClient::closed)
+      .def_property_readonly("worker_id", &PyClient::worker_id, "This client's worker id, or None if anonymous.")
       .def("__enter__", [](py::object self) { return self; })
       .def("__exit__", [](PyClient& c, py::handle type, py::handle, py::handle) {
         c.close(type.is_none());

@@ -205,18 +205,29 @@ class ClientImpl {
   }
 
   void clock() {
-    if (options_.worker_id == kNoWorker)
-      throw Error(Errc::invalid_argument, "clock() needs ClientOptions.worker_id (this client is anonymous)");
+    require_worker("clock()");
     const std::uint64_t next = clock_.load(std::memory_order_relaxed) + 1;
     send_clock(next);
     clock_.store(next, std::memory_order_relaxed);
   }
 
-  void barrier() {
-    if (options_.worker_id == kNoWorker)
-      throw Error(Errc::invalid_argument, "barrier() needs ClientOptions.worker_id (this client is anonymous)");
+  Ticket clock_async() {
+    require_worker("clock()");
+    const std::uint64_t next = clock_.load(std::memory_order_relaxed) + 1;
+    const Ticket t = issue(wire::Op::clock, {}, kNoValues, next);
+    clock_.store(next, std::memory_order_relaxed);
+    return t;
+  }
+
+  Ticket barrier_async() {
+    require_worker("barrier()");
     ++barrier_generation_;
-    wait(issue(wire::Op::barrier, {}, kNoValues, barrier_generation_, 0));
+    return issue(wire::Op::barrier, {}, kNoValues, barrier_generation_, 0);
+  }
+
+  void require_worker(const char* what) const {
+    if (options_.worker_id == kNoWorker)
+      throw Error(Errc::invalid_argument, std::string(what) + " needs ClientOptions.worker_id (this client is anonymous)");
   }
 
   std::string server_stats(std::size_t server) {
@@ -336,8 +347,10 @@ void Client::wait(Ticket ticket) { impl_->wait(ticket); }
 bool Client::wait_for(Ticket ticket, std::chrono::milliseconds timeout) { return impl_->wait_for(ticket, timeout); }
 bool Client::done(Ticket ticket) const { return impl_->done(ticket); }
 void Client::clock() { impl_->clock(); }
+Ticket Client::clock_async() { return impl_->clock_async(); }
+Ticket Client::barrier_async() { return impl_->barrier_async(); }
 std::uint64_t Client::current_clock() const noexcept { return impl_->current_clock(); }
-void Client::barrier() { impl_->barrier(); }
+void Client::barrier() { wait(barrier_async()); }
 void Client::register_buffer(void* data, std::size_t bytes) { impl_->register_buffer(data, bytes); }
 std::size_t Client::num_servers() const noexcept { return impl_->num_servers(); }
 StalenessStats Client::staleness() const { return impl_->staleness(); }

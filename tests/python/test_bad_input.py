@@ -119,6 +119,21 @@ def test_array_dropped_while_its_push_is_in_flight(client):
     assert (out == 3.0).all()
 
 
+def test_pull_target_dropped_while_its_pull_waits(bsp_pair):
+    # A push is sent before push() returns; a pull writes later, so it is the one whose target
+    # must outlive the caller's references. Here the pull waits at the BSP bound while its array
+    # and its Work are both dropped and the freed sizes handed out again.
+    _, w0, w1 = bsp_pair
+    w0.init(1, np.full(N, 6.0, np.float32)).wait()
+    w0.clock()
+    w0.pull(1, np.zeros(N, np.float32))  # neither the array nor the Work is kept
+    gc.collect()
+    decoys = [np.full(N, 9.0, np.float32) for _ in range(64)]
+    w1.clock()  # the pull lands now, in memory pskv still holds
+    w0.clock()  # reaps it (an error would be raised here)
+    assert all((d == 9.0).all() for d in decoys), "a dropped pull's values landed in memory handed out again"
+
+
 def test_use_after_close(server):
     c = pskv.Client(server.uri, worker_id=None)
     a = np.zeros(N, np.float32)
@@ -154,12 +169,97 @@ def test_ctrl_c_interrupts_a_wait_and_the_client_stays_usable(bsp_pair):
     timer.start()
     with pytest.raises(KeyboardInterrupt):
         work.wait()
-    print(f"KeyboardInterrupt {1000 * (time.monotonic() - sent[0]):.1f} ms after SIGINT")
+    after = time.monotonic() - sent[0]
+    print(f"KeyboardInterrupt {1000 * after:.1f} ms after SIGINT")
+    assert after < 10.0, "the wait was not interrupted: it ran until something else ended it"
     assert not work.done()  # still in flight, not lost
     w1.clock()
     assert work.wait()
     assert (x == 6.0).all()
     w0.push(1, x).wait()  # still usable
+
+
+def test_ctrl_c_interrupts_a_barrier_and_the_client_stays_usable(bsp_pair):
+    _, w0, w1 = bsp_pair
+    threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        w0.barrier()  # worker 1 never comes: only Ctrl-C ends it
+    assert time.monotonic() - t0 < 10.0
+    w1.barrier()  # meets the barrier worker 0 left in flight
+    w0.clock()    # reaps it; the client goes on
+    w1.clock()
+    x = np.zeros(N, np.float32)
+    w0.init(2, x).wait()
+    w0.pull(2, x).wait()
+
+
+def test_timeouts_of_any_size(client):
+    a = np.zeros(N, np.float32)
+    client.init(1, a).wait()
+    assert client.pull(1, a).wait(timeout=float("inf"))
+    assert client.pull(1, a).wait(timeout=1e300)
+    work = client.pull(1, a)
+    assert work.wait(timeout=-5) in (True, False)  # a look, as timeout=0; over tcp it may still be in flight
+    assert work.wait()
+    expect(pskv.InvalidArgument, "NaN", lambda: client.pull(1, a).wait(timeout=float("nan")))
+
+
+def test_close_from_another_thread_while_a_call_reads_its_arguments(server):
+    c = pskv.Client(server.uri)
+    a = np.zeros(N, np.float32)
+    c.init(1, a).wait()
+
+    class SlowKey:  # runs Python code inside push(): another thread gets the GIL meanwhile
+        def __index__(self):
+            time.sleep(0.3)
+            return 1
+
+    results = []
+
+    def push():
+        try:
+            results.append(c.push(SlowKey(), a))
+        except pskv.InvalidArgument as e:
+            results.append(e)
+
+    t = threading.Thread(target=push)
+    t.start()
+    time.sleep(0.1)
+    c.close()  # waits for the push being issued, then completes it
+    t.join()
+    assert len(results) == 1
+    if isinstance(results[0], pskv.Work):
+        assert results[0].done()
+    else:
+        assert "closed" in str(results[0])
+
+
+def test_close_completes_each_work_even_when_others_are_dropped_meanwhile(bsp_pair):
+    _, w0, w1 = bsp_pair
+    w0.init(1, np.full(N, 4.0, np.float32)).wait()
+    w0.clock()
+    a, b = np.zeros(N, np.float32), np.zeros(N, np.float32)
+    work_a = w0.pull(1, a)
+    work_b = w0.pull(1, b)  # both wait at the bound
+    failure = []
+
+    def close():
+        try:
+            w0.close()
+        except BaseException as e:
+            failure.append(e)
+
+    t = threading.Thread(target=close)
+    t.start()
+    time.sleep(0.2)  # close() is waiting for work_a without the GIL
+    del work_b
+    gc.collect()  # work_b's operation moves to the orphans while close() waits
+    w1.clock()
+    t.join(timeout=30)
+    assert not t.is_alive()
+    assert failure == [], failure
+    assert work_a.done() and (a == 4.0).all() and (b == 4.0).all()
 
 
 def test_server_dying_during_a_wait(transport):

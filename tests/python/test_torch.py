@@ -1,5 +1,6 @@
 """pskv.torch: same starting weights, both update modes, and a short 2-worker MNIST run."""
 
+import gc
 import json
 import os
 import subprocess
@@ -54,6 +55,78 @@ def test_workers_start_from_the_same_weights(transport):
             assert torch.equal(a, b)
         for c in clients:
             c.close()
+
+
+def test_a_worker_that_starts_late_still_starts_from_the_same_weights(transport):
+    # Worker 0 trains a step as soon as its optimizer exists; worker 1 arrives later. Pushes are
+    # applied as they come (only reads are bounded), so without the barrier at construction
+    # worker 1 would pull weights worker 0 had already moved.
+    with pskv.Server(server_uri(transport), workers=2, mode="bsp", rule="sgd", lr=0.5, arena_mb=16,
+                     wait_timeout=30.0) as s:
+        starts = [None, None]
+
+        def worker(w):
+            if w == 1:
+                threading.Event().wait(0.5)
+            with pskv.Client(s.uri, worker_id=w) as c:
+                m = small_model(10 + w)
+                opt = pt.DistributedOptimizer(m.named_parameters(), c)
+                starts[w] = [p.detach().clone() for p in m.parameters()]
+                x, y = batch(w)
+                opt.zero_grad()
+                F.cross_entropy(m(x), y).backward()
+                opt.step()
+
+        run_two_workers(worker)
+    for a, b in zip(*starts):
+        assert torch.equal(a, b), "the late worker started from weights the other had already moved"
+
+
+def test_a_second_backward_before_step_is_an_error_not_a_lost_gradient(server):
+    with pskv.Client(server.uri) as c:
+        m = small_model(4)
+        opt = pt.DistributedOptimizer(m.named_parameters(), c)
+        x, y = batch(1)
+        opt.zero_grad()
+        F.cross_entropy(m(x), y).backward()
+        with pytest.raises(RuntimeError, match="backward_passes_per_step"):
+            F.cross_entropy(m(x), y).backward()
+
+
+def test_accumulated_gradients_are_pushed_once_with_backward_passes_per_step(transport):
+    with pskv.Server(server_uri(transport), rule="sgd", lr=1.0, arena_mb=16) as s:
+        with pskv.Client(s.uri) as c:
+            m = small_model(8)
+            opt = pt.DistributedOptimizer(m.named_parameters(), c, backward_passes_per_step=2)
+            before = [p.detach().clone() for p in m.parameters()]
+            opt.zero_grad()
+            for seed in (1, 2):
+                x, y = batch(seed)
+                F.cross_entropy(m(x), y).backward()
+            total = [p.grad.clone() for p in m.parameters()]
+            opt.step()
+            for b, g, p in zip(before, total, m.parameters()):
+                torch.testing.assert_close(p.detach(), b - g)  # both passes' gradients, once
+
+
+def test_one_optimizer_per_parameter_and_dropped_ones_stop_pushing(transport):
+    with pskv.Server(server_uri(transport), rule="sgd", lr=1.0, arena_mb=16) as s:
+        with pskv.Client(s.uri) as c:
+            m = small_model(9)
+            first = pt.DistributedOptimizer(m.named_parameters(), c)
+            with pytest.raises(ValueError, match="another pskv.torch.DistributedOptimizer"):
+                pt.DistributedOptimizer(m.named_parameters(), c)
+            del first
+            gc.collect()
+            opt = pt.DistributedOptimizer(m.named_parameters(), c)  # the dropped one let go
+            before = [p.detach().clone() for p in m.parameters()]
+            x, y = batch(3)
+            opt.zero_grad()
+            F.cross_entropy(m(x), y).backward()
+            grads = [p.grad.clone() for p in m.parameters()]
+            opt.step()
+            for b, g, p in zip(before, grads, m.parameters()):
+                torch.testing.assert_close(p.detach(), b - g)  # applied once, not once per optimizer
 
 
 def sgd_on_mean_gradient(start, steps, lr):
