@@ -47,13 +47,13 @@ std::unique_ptr<Store> big_store(std::uint64_t keys, std::uint32_t floats) {
 void BM_SeqlockRead(benchmark::State& state) {
   static auto s = big_store(64, 16);
   float out[16];
-  SlotHeader* slot = s->find(7);
+  const SlotRef slot = s->find_ref(7);
   std::vector<float> g(16, 1.0f);
   for (auto _ : state) {
     if (state.thread_index() == 1) {
-      s->apply_slot(*slot, g.data(), s->rule(), 1.0f);
+      s->apply_slot(slot, g.data(), s->rule(), 1.0f);
     } else {
-      benchmark::DoNotOptimize(Store::read_slot(*slot, out, 16));
+      benchmark::DoNotOptimize(Store::read_slot(*slot.slot, out, 16));
     }
   }
   state.SetItemsProcessed(state.iterations());
@@ -65,14 +65,14 @@ void BM_StorePullBatch(benchmark::State& state) {
   const auto n = static_cast<std::size_t>(state.range(0));
   std::mt19937_64 rng(1);
   std::vector<Key> keys(n);
-  std::vector<SlotHeader*> slots(n);
+  std::vector<SlotRef> slots(n);
   std::vector<float> out(n * 16);
   for (auto _ : state) {
     state.PauseTiming();
     for (auto& k : keys) k = rng() % (1 << 20);
     state.ResumeTiming();
     s->find_batch(n, [&](std::size_t i) { return keys[i]; }, slots.data());
-    for (std::size_t i = 0; i < n; ++i) Store::read_slot(*slots[i], out.data() + i * 16, 16);
+    for (std::size_t i = 0; i < n; ++i) Store::read_slot(*slots[i].slot, out.data() + i * 16, 16);
   }
   state.SetItemsProcessed(state.iterations() * static_cast<std::int64_t>(n));
 }
@@ -82,14 +82,14 @@ void BM_StorePushBatch(benchmark::State& state) {
   const auto n = static_cast<std::size_t>(state.range(0));
   std::mt19937_64 rng(2);
   std::vector<Key> keys(n);
-  std::vector<SlotHeader*> slots(n);
+  std::vector<SlotRef> slots(n);
   std::vector<float> grad(16, 1.0f);
   for (auto _ : state) {
     state.PauseTiming();
     for (auto& k : keys) k = rng() % (1 << 20);
     state.ResumeTiming();
     s->find_batch(n, [&](std::size_t i) { return keys[i]; }, slots.data());
-    for (std::size_t i = 0; i < n; ++i) s->apply_slot(*slots[i], grad.data(), s->rule(), 1.0f);
+    for (std::size_t i = 0; i < n; ++i) s->apply_slot(slots[i], grad.data(), s->rule(), 1.0f);
   }
   state.SetItemsProcessed(state.iterations() * static_cast<std::int64_t>(n));
 }

@@ -94,13 +94,13 @@ Errc ShardEngine::init(std::span<const wire::KeyEntry> keys, const float* values
   return Errc::ok;
 }
 
-Errc ShardEngine::lookup(std::span<const wire::KeyEntry> keys, std::vector<SlotHeader*>& slots, std::string* why) const {
+Errc ShardEngine::lookup(std::span<const wire::KeyEntry> keys, std::vector<SlotRef>& slots, std::string* why) const {
   slots.resize(keys.size());
   store_->find_batch(keys.size(), [&](std::size_t i) { return keys[i].key; }, slots.data());
   for (std::size_t i = 0; i < keys.size(); ++i) {
-    const Errc e = !slots[i]                                       ? Errc::not_found
-                   : store_->length_of(*slots[i]) != keys[i].length ? Errc::length_mismatch
-                                                                   : Errc::ok;
+    const Errc e = !slots[i].slot                    ? Errc::not_found
+                   : slots[i].length != keys[i].length ? Errc::length_mismatch
+                                                       : Errc::ok;
     if (e != Errc::ok) {
       if (why) *why = key_error(e, keys[i].key, keys[i].length, *store_);
       return e;
@@ -113,7 +113,7 @@ Errc ShardEngine::push(std::uint32_t worker, std::uint64_t clock, std::span<cons
                        const float* values, std::string* why) {
   // Look everything up and validate the whole request first, so a bad key leaves nothing
   // half-applied; the lookups are pipelined and the slots stay cached for the apply pass.
-  thread_local std::vector<SlotHeader*> slots;
+  thread_local std::vector<SlotRef> slots;
   if (Errc e = lookup(keys, slots, why); e != Errc::ok) return e;
   if (sync_) {
     if (Errc e = check_worker(worker, why); e != Errc::ok) return e;
@@ -135,9 +135,10 @@ Errc ShardEngine::push(std::uint32_t worker, std::uint64_t clock, std::span<cons
   } else {
     const UpdateRuleConfig& rule = store_->rule();
     for (std::size_t i = 0; i < keys.size(); ++i) {
-      // Fails only where other processes share the store (shm): a lock held past the patience,
-      // or a slot header rewritten since the lookup. The keys before it stay applied.
-      if (const Errc e = store_->apply_slot(*slots[i], values, rule, 1.0f); e != Errc::ok) {
+      Store::prefetch_ahead(slots, i);
+      // Fails only where other processes share the store (shm): a lock held past the patience.
+      // The keys before it stay applied.
+      if (const Errc e = store_->apply_slot(slots[i], values, rule, 1.0f); e != Errc::ok) {
         if (why)
           *why = key_error(e, keys[i].key, keys[i].length, *store_) + " (" + std::to_string(i) + " of " +
                  std::to_string(keys.size()) + " keys of this push were applied)";
@@ -152,11 +153,12 @@ Errc ShardEngine::push(std::uint32_t worker, std::uint64_t clock, std::span<cons
 }
 
 Errc ShardEngine::pull(std::span<const wire::KeyEntry> keys, float* out, std::string* why) {
-  thread_local std::vector<SlotHeader*> slots;
+  thread_local std::vector<SlotRef> slots;
   if (Errc e = lookup(keys, slots, why); e != Errc::ok) return e;
   count_pulls(keys.size());
   for (std::size_t i = 0; i < keys.size(); ++i) {
-    store_->read_slot_or_lock(*slots[i], out, keys[i].length);
+    Store::prefetch_ahead(slots, i);
+    store_->read_slot_or_lock(slots[i], out);
     out += keys[i].length;
   }
   return Errc::ok;

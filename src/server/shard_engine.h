@@ -69,7 +69,7 @@ class ShardEngine {
   // For a push its transport applies in pieces as the values arrive (Store::apply_part, only
   // when pushes_apply_in_pieces(); count_pushes() once the keys are applied), and for a pull
   // checked before it is parked, so a parked pull holds only what it will be answered with.
-  Errc find_slots(std::span<const wire::KeyEntry> keys, std::vector<SlotHeader*>& slots, std::string* why) const {
+  Errc find_slots(std::span<const wire::KeyEntry> keys, std::vector<SlotRef>& slots, std::string* why) const {
     return lookup(keys, slots, why);
   }
   // Not in sync mode, where the workers' pushes are summed per step before anything is applied.
@@ -122,7 +122,7 @@ class ShardEngine {
     std::unique_ptr<Parked> op;
   };
   // Finds every key's slot (pipelined) and checks each exists with the requested length.
-  Errc lookup(std::span<const wire::KeyEntry> keys, std::vector<SlotHeader*>& slots, std::string* why) const;
+  Errc lookup(std::span<const wire::KeyEntry> keys, std::vector<SlotRef>& slots, std::string* why) const;
   void release_ready();
   void watchdog();
   std::string describe_laggard(std::uint64_t need) const;

@@ -47,8 +47,10 @@ void validate(const StoreOptions& o) {
     throw Error(Errc::invalid_argument, "stripe count " + std::to_string(o.stripes) + " is not a power of two");
   if (o.max_keys == 0 || o.max_keys > (1ull << 34))
     throw Error(Errc::invalid_argument, "max_keys must be in [1, 2^34], got " + std::to_string(o.max_keys));
-  if (o.arena_bytes < kCacheLine * 2 || o.arena_bytes > (1ull << 42))
-    throw Error(Errc::invalid_argument, "arena_bytes must be in [128, 2^42], got " + std::to_string(o.arena_bytes));
+  // A private record holds a slot's offset in 64-byte units in 32 bits (Store::Record).
+  if (o.arena_bytes < kCacheLine * 2 || o.arena_bytes > kMaxArenaBytes)
+    throw Error(Errc::invalid_argument, "arena_bytes must be in [128, 2^38] (256 GiB per server; shard over more "
+                                        "servers for more), got " + std::to_string(o.arena_bytes));
 }
 }  // namespace
 
@@ -57,7 +59,7 @@ Store::Store(std::unique_ptr<MemoryResource> memory, const Geometry& geometry, b
   index_ = reinterpret_cast<IndexEntry*>(base_ + g_.index_offset);
   index_mask_ = g_.index_capacity - 1;
   if (creator) {
-    static_assert(sizeof(Record) == 32);
+    static_assert(sizeof(Record) == 16);
     records_memory_ = std::make_unique<HeapMemory>(g_.index_capacity * sizeof(Record));
     records_ = reinterpret_cast<Record*>(records_memory_->data());
   }
@@ -145,7 +147,7 @@ std::unique_ptr<Store> Store::attach(std::unique_ptr<MemoryResource> memory) {
       g.stripes_offset % kCacheLine == 0 && g.index_offset % kCacheLine == 0 && g.values_offset % kCacheLine == 0 &&
       g.state_offset % kCacheLine == 0 && g.index_offset >= g.stripes_offset + std::uint64_t{g.stripes} * kCacheLine &&
       g.values_offset >= g.index_offset + g.index_capacity * sizeof(IndexEntry) && g.values_bytes >= 2 * kCacheLine &&
-      g.values_bytes <= (1ull << 42) && g.state_offset >= g.values_offset + g.values_bytes &&
+      g.values_bytes <= kMaxArenaBytes && g.state_offset >= g.values_offset + g.values_bytes &&
       g.state_bytes <= (1ull << 44) && g.state_offset + g.state_bytes <= g.total_bytes &&
       rule <= static_cast<std::uint8_t>(UpdateRule::adagrad);
   if (!sane) throw Error(Errc::protocol, "store header does not describe a store that fits its region");
@@ -162,46 +164,38 @@ std::uint64_t Store::key_count() const noexcept {
 }
 
 const Store::Record* Store::record_of(const SlotHeader& slot) const noexcept {
-  const std::uint64_t at = slot_offset(slot) + 1;
-  // Every lookup, read and apply resolves its slot here, several times per key of a batch: the
-  // hint makes that one access to a line find() just read, instead of a probe each time.
+  // For a slot pointer from elsewhere (an offset another process gave, a checkpoint walk); the
+  // hot paths carry the SlotRef find_batch made instead.
+  const std::uint64_t offset = slot_offset(slot) - g_.values_offset;  // wraps to huge below the arena
+  if (offset >= g_.values_bytes) return nullptr;
+  const std::uint64_t unit = offset / kCacheLine + 1;
   const std::uint64_t hint = slot.record_hint - 1;
-  if (hint <= index_mask_ && records_[hint].slot.load(std::memory_order_acquire) == at) return &records_[hint];
-  const Key key = slot.key;
-  for (std::uint64_t i = mix64(key) & index_mask_;; i = (i + 1) & index_mask_) {
-    const std::uint64_t s = records_[i].slot.load(std::memory_order_acquire);
-    if (s == 0) return nullptr;
-    if (records_[i].key == key) return s == at ? &records_[i] : nullptr;
-  }
+  if (hint <= index_mask_ && (records_[hint].where.load(std::memory_order_acquire) >> 32) == unit)
+    return &records_[hint];
+  const Record* r = find_record(slot.key);
+  return r && (r->where.load(std::memory_order_relaxed) >> 32) == unit ? r : nullptr;
 }
 
-bool Store::resolve(const SlotHeader& slot, Resolved* out) const noexcept {
+bool Store::resolve(const SlotHeader& slot, SlotRef* out) const noexcept {
   if (records_) {
     // The slot's own key word only finds the record; the record says what the slot is. A
     // rewritten key finds no record, or one for another slot: the slot is refused.
     const Record* r = record_of(slot);
     if (!r) return false;
-    out->length = r->length;
-    out->stripe = r->stripe;
-    out->state = g_.state_per_value ? reinterpret_cast<float*>(base_ + g_.state_offset + r->state_offset) : nullptr;
+    *out = ref_of(*r);
     return true;
   }
   const std::uint32_t length = slot.length;
   const Key key = slot.key;
   if (length == 0 || !holds(slot, length)) return false;
-  out->length = length;
-  out->stripe = stripe_of(key);
-  out->state = nullptr;
-  if (g_.state_per_value) {
-    const std::uint64_t at = slot.state_offset, bytes = std::uint64_t{g_.state_per_value} * length * sizeof(float);
-    if (at > g_.state_bytes || bytes > g_.state_bytes - at || at % sizeof(float) != 0) return false;
-    out->state = reinterpret_cast<float*>(base_ + g_.state_offset + at);
-  }
+  // The state's place follows from the slot's (never from the header's word), and lies inside
+  // the state arena whenever the slot lies inside the value arena.
+  *out = ref_at(slot_offset(slot) - g_.values_offset, length, key);
   return true;
 }
 
 std::uint32_t Store::length_of(const SlotHeader& slot) const noexcept {
-  Resolved r;
+  SlotRef r;
   return resolve(slot, &r) ? r.length : 0;
 }
 
@@ -217,46 +211,41 @@ Errc Store::create_slot(Key key, std::uint32_t length, const float* initial) {
   if (length == 0) return Errc::invalid_argument;
   if (!records_) return Errc::unsupported;
   std::lock_guard guard(create_mu_);
-  if (SlotHeader* existing = find(key)) return length_of(*existing) == length ? Errc::ok : Errc::length_mismatch;
+  if (const Record* existing = find_record(key))
+    return static_cast<std::uint32_t>(existing->where.load(std::memory_order_relaxed)) == length ? Errc::ok
+                                                                                                  : Errc::length_mismatch;
   if (key_count_.load(std::memory_order_relaxed) >= g_.max_keys) return Errc::capacity;
   const std::uint64_t bytes = slot_bytes(length);
   const std::uint64_t used = used_.load(std::memory_order_relaxed);
-  if (used + bytes > g_.values_bytes) return Errc::capacity;
-  const std::uint64_t state_floats = std::uint64_t{g_.state_per_value} * length;
-  const std::uint64_t state_bytes = align_up(state_floats * sizeof(float), kCacheLine);
-  const std::uint64_t state_used = state_used_.load(std::memory_order_relaxed);
-  if (state_used + state_bytes > g_.state_bytes) return Errc::capacity;
+  if (used + bytes > g_.values_bytes) return Errc::capacity;  // the state arena holds state_per_value x as much
 
-  const std::uint64_t offset = g_.values_offset + used;
-  auto* slot = new (base_ + offset) SlotHeader{};
+  const SlotRef ref = ref_at(used, length, key);
+  auto* slot = new (ref.slot) SlotHeader{};
   slot->key = key;
   slot->length = length;
-  slot->state_offset = state_used;
+  slot->state_offset = used * g_.state_per_value;
   if (initial)
     std::memcpy(slot->values(), initial, std::size_t{length} * sizeof(float));
   else
     std::memset(slot->values(), 0, std::size_t{length} * sizeof(float));
-  if (state_bytes) std::memset(base_ + g_.state_offset + state_used, 0, state_bytes);
-  state_used_.store(state_used + state_bytes, std::memory_order_relaxed);
+  if (ref.state) std::memset(ref.state, 0, std::size_t{length} * g_.state_per_value * sizeof(float));
   used_.store(used + bytes, std::memory_order_release);
   key_count_.fetch_add(1, std::memory_order_relaxed);
 
   std::uint64_t i = mix64(key) & index_mask_;
-  while (records_[i].slot.load(std::memory_order_relaxed) != kEmpty) i = (i + 1) & index_mask_;
+  while (records_[i].where.load(std::memory_order_relaxed) != kEmpty) i = (i + 1) & index_mask_;
   slot->record_hint = i + 1;
   records_[i].key = key;
-  records_[i].length = length;
-  records_[i].stripe = stripe_of(key);
-  records_[i].state_offset = state_used;
-  records_[i].slot.store(offset + 1, std::memory_order_release);
+  records_[i].where.store(where_of(used, length), std::memory_order_release);
   order_.push_back(&records_[i]);
 
   // The mirrors other processes read. The shared index may have been filled with garbage by
   // then: the probe is bounded, and a key it has no room for is still served from records_.
   Header& h = header();
-  h.state_used.store(state_used + state_bytes, std::memory_order_relaxed);
+  h.state_used.store((used + bytes) * g_.state_per_value, std::memory_order_relaxed);
   h.values_used.store(used + bytes, std::memory_order_release);
   h.key_count.store(key_count_.load(std::memory_order_relaxed), std::memory_order_relaxed);
+  const std::uint64_t offset = slot_offset(*slot);
   std::uint64_t j = mix64(key) & index_mask_, n = 0;
   while (index_[j].slot.load(std::memory_order_relaxed) != kEmpty && n++ <= index_mask_) j = (j + 1) & index_mask_;
   if (n <= index_mask_) {
@@ -288,13 +277,15 @@ ReadResult Store::read_slot(const SlotHeader& slot, float* out, std::size_t leng
   return {Errc::ok, version};
 }
 
-ReadResult Store::read_slot_or_lock(const SlotHeader& slot, float* out, std::size_t length) const noexcept {
+ReadResult Store::read_slot_or_lock(const SlotRef& ref, float* out) const noexcept {
+  const SlotHeader& slot = *ref.slot;
+  const std::size_t length = ref.length;
   std::uint64_t version = 0;
   for (int attempt = 0; !copy_if_unchanged(slot, out, length, &version); ++attempt) {
     if (attempt < 2) continue;
     // Bounded patience: a holder that is stopped (a SIGSTOPped shm worker) must not take this
     // thread with it; the optimistic copy is tried again in between.
-    SharedMutex& lock = stripe_lock(slot.key);
+    SharedMutex& lock = stripe_at(ref.stripe);
     if (lock.lock_for(SharedMutex::kAnonymousOwner, std::chrono::milliseconds(1))) {
       std::memcpy(out, slot.values(), length * sizeof(float));
       version = slot.seq.load(std::memory_order_relaxed);
@@ -318,37 +309,35 @@ std::uint64_t Store::stable_version(const SlotHeader& slot) noexcept {
 }
 
 ReadResult Store::pull(Key key, std::span<float> out) const noexcept {
-  const SlotHeader* slot = find(key);
-  if (!slot) return {Errc::not_found, 0};
-  if (length_of(*slot) != out.size()) return {Errc::length_mismatch, 0};
-  return read_slot(*slot, out.data(), out.size());
+  const SlotRef ref = find_ref(key);
+  if (!ref.slot) return {Errc::not_found, 0};
+  if (ref.length != out.size()) return {Errc::length_mismatch, 0};
+  return read_slot(*ref.slot, out.data(), out.size());
 }
 
-Errc Store::apply_slot(SlotHeader& slot, const float* grad, const UpdateRuleConfig& rule, float lr_scale) noexcept {
+Errc Store::apply_slot(const SlotRef& ref, const float* grad, const UpdateRuleConfig& rule, float lr_scale) noexcept {
   // The state arena was sized for the store's own rule; a rule needing more state cannot run.
   if (state_floats_per_value(rule.rule) > g_.state_per_value) return Errc::unsupported;
-  Resolved r;
-  if (!resolve(slot, &r)) return Errc::protocol;
-  SharedMutex& lock = stripe_at(r.stripe);
+  SharedMutex& lock = stripe_at(ref.stripe);
   if (!lock_stripe(lock)) return Errc::timeout;
   std::uint64_t step = 0;
-  apply_seqlocked(slot, r, rule, 0, grad, r.length, lr_scale, &step);
+  apply_seqlocked(ref, rule, 0, grad, ref.length, lr_scale, &step);
   lock.unlock();
   return Errc::ok;
 }
 
-void Store::apply_part(SlotHeader& slot, std::size_t begin, const float* grad, std::size_t n,
+void Store::apply_part(const SlotRef& ref, std::size_t begin, const float* grad, std::size_t n,
                        std::uint64_t* step) noexcept {
-  Resolved r;
-  if (!resolve(slot, &r) || begin > r.length || n > r.length - begin) return;
-  SharedMutex& lock = stripe_at(r.stripe);
+  if (begin > ref.length || n > ref.length - begin) return;
+  SharedMutex& lock = stripe_at(ref.stripe);
   if (!lock_stripe(lock)) return;
-  apply_seqlocked(slot, r, g_.rule, begin, grad, n, 1.0f, step);
+  apply_seqlocked(ref, g_.rule, begin, grad, n, 1.0f, step);
   lock.unlock();
 }
 
-void Store::apply_seqlocked(SlotHeader& slot, const Resolved& r, const UpdateRuleConfig& rule, std::size_t begin,
-                            const float* grad, std::size_t n, float lr_scale, std::uint64_t* step) noexcept {
+void Store::apply_seqlocked(const SlotRef& r, const UpdateRuleConfig& rule, std::size_t begin, const float* grad,
+                            std::size_t n, float lr_scale, std::uint64_t* step) noexcept {
+  SlotHeader& slot = *r.slot;
   float* state = state_floats_per_value(rule.rule) ? r.state : nullptr;
   const std::uint64_t seq = slot.seq.load(std::memory_order_relaxed);
   slot.seq.store(seq + 1, std::memory_order_relaxed);
@@ -359,14 +348,14 @@ void Store::apply_seqlocked(SlotHeader& slot, const Resolved& r, const UpdateRul
 }
 
 std::size_t Store::undo_floats(const SlotHeader& slot) const noexcept {
-  Resolved r;
+  SlotRef r;
   return resolve(slot, &r) ? std::size_t{r.length} * (1 + g_.state_per_value) : 0;
 }
 
 Errc Store::apply_logged(SlotHeader& slot, const float* grad, std::uint32_t length, float lr_scale, std::uint32_t owner,
                          UndoRecord& log, float* undo, std::size_t undo_capacity,
                          std::chrono::nanoseconds patience) noexcept {
-  Resolved r;
+  SlotRef r;
   if (!resolve(slot, &r) || r.length != length) return Errc::length_mismatch;
   const std::size_t state_count = std::size_t{length} * g_.state_per_value;
   if (length + state_count > undo_capacity) return Errc::length_mismatch;
@@ -385,7 +374,7 @@ Errc Store::apply_logged(SlotHeader& slot, const float* grad, std::uint32_t leng
   if (state_count) copy_floats(undo + length, r.state, state_count);
   log.phase.store(UndoPhase::saved, std::memory_order_release);
   std::uint64_t step = 0;
-  apply_seqlocked(slot, r, g_.rule, 0, grad, length, lr_scale, &step);
+  apply_seqlocked(r, g_.rule, 0, grad, length, lr_scale, &step);
   log.phase.store(UndoPhase::applied, std::memory_order_release);
   lock.unlock();
   log.phase.store(UndoPhase::idle, std::memory_order_release);
@@ -414,10 +403,10 @@ Store::Recovery Store::recover(UndoRecord& log, std::uint32_t owner, const float
   if (phase == UndoPhase::saved) {
     // Only a slot the index knows, on this stripe, is touched, with its trusted length.
     SlotHeader* slot = slot_at(offset);
-    Resolved r;
+    SlotRef r;
     if (slot && resolve(*slot, &r) && r.stripe == stripe &&
         std::size_t{r.length} * (1 + g_.state_per_value) <= undo_capacity) {
-      overwrite_slot(*slot, r, undo, undo + r.length, update_count);
+      overwrite_slot(r, undo, undo + r.length, update_count);
       done = Recovery::rolled_back;
     }
   }
@@ -440,8 +429,9 @@ SlotHeader* Store::slot_at(std::uint64_t offset) const noexcept {
   return find(candidate->key) == candidate ? candidate : nullptr;
 }
 
-void Store::overwrite_slot(SlotHeader& slot, const Resolved& r, const float* value, const float* state,
+void Store::overwrite_slot(const SlotRef& r, const float* value, const float* state,
                            std::uint64_t update_count) noexcept {
+  SlotHeader& slot = *r.slot;
   // An odd version is left by a writer that stopped half-way (recover); either way readers must
   // retry across the copy, and never see again a version they already validated against.
   std::uint64_t seq = slot.seq.load(std::memory_order_relaxed);
@@ -456,10 +446,10 @@ void Store::overwrite_slot(SlotHeader& slot, const Resolved& r, const float* val
 }
 
 Errc Store::apply(Key key, std::span<const float> grad, const UpdateRuleConfig& rule, float lr_scale) noexcept {
-  SlotHeader* slot = find(key);
-  if (!slot) return Errc::not_found;
-  if (length_of(*slot) != grad.size()) return Errc::length_mismatch;
-  return apply_slot(*slot, grad.data(), rule, lr_scale);
+  const SlotRef ref = find_ref(key);
+  if (!ref.slot) return Errc::not_found;
+  if (ref.length != grad.size()) return Errc::length_mismatch;
+  return apply_slot(ref, grad.data(), rule, lr_scale);
 }
 
 Errc Store::push(Key key, std::span<const float> grad, float lr_scale) noexcept {
@@ -471,7 +461,7 @@ std::uint32_t Store::state_floats(const SlotHeader& slot) const noexcept {
 }
 
 void Store::snapshot_slot(SlotHeader& slot, float* value, float* state, std::uint64_t* update_count) noexcept {
-  Resolved r;
+  SlotRef r;
   if (!resolve(slot, &r)) return;
   SharedMutex& lock = stripe_at(r.stripe);
   lock.lock();
@@ -484,12 +474,12 @@ void Store::snapshot_slot(SlotHeader& slot, float* value, float* state, std::uin
 Errc Store::restore_slot(Key key, std::span<const float> value, std::span<const float> state, std::uint64_t update_count) {
   if (Errc e = init(key, value); e != Errc::ok) return e;
   SlotHeader* slot = find(key);
-  Resolved r;
+  SlotRef r;
   if (!slot || !resolve(*slot, &r)) return Errc::protocol;
   if (state.size() != std::size_t{r.length} * g_.state_per_value) return Errc::length_mismatch;
   SharedMutex& lock = stripe_at(r.stripe);
   lock.lock();
-  overwrite_slot(*slot, r, value.data(), state.data(), update_count);
+  overwrite_slot(r, value.data(), state.data(), update_count);
   lock.unlock();
   return Errc::ok;
 }
@@ -499,8 +489,10 @@ std::vector<Store::SlotEntry> Store::slots_in_order() const {
   if (records_) {
     std::lock_guard guard(create_mu_);
     out.reserve(order_.size());
-    for (const Record* r : order_)
-      out.push_back({reinterpret_cast<SlotHeader*>(base_ + r->slot.load(std::memory_order_relaxed) - 1), r->key, r->length});
+    for (const Record* r : order_) {
+      const SlotRef ref = ref_of(*r);
+      out.push_back({ref.slot, r->key, ref.length});
+    }
     return out;
   }
   // An attached store follows the length words, each checked: a bad one ends the walk.

@@ -25,9 +25,12 @@ namespace pskv {
 
 using Key = std::uint64_t;
 
+// The largest value arena of one store (256 GiB): see Store::Record.
+inline constexpr std::uint64_t kMaxArenaBytes = 1ull << 38;
+
 struct StoreOptions {
   std::uint64_t max_keys = 1 << 16;          // key index capacity
-  std::uint64_t arena_bytes = 64ull << 20;   // values incl. 64 B slot headers
+  std::uint64_t arena_bytes = 64ull << 20;   // values incl. 64 B slot headers, at most kMaxArenaBytes
   std::uint32_t stripes = 1024;              // power of two
   UpdateRuleConfig rule{};
 };
@@ -37,7 +40,8 @@ struct alignas(64) SlotHeader {
   std::uint64_t key;
   std::uint32_t length;            // floats
   std::uint32_t flags;
-  std::uint64_t state_offset;      // into the state arena; unused when the rule has no state
+  std::uint64_t state_offset;      // into the state arena (state_per_value x the slot's offset in
+                                   // the value arena); unused when the rule has no state
   std::uint64_t update_count;      // updates applied so far (Adam's t)
   // The creating store's private record of this slot, plus 1: a hint that saves a hash probe
   // per access. It lies in memory others may write, so it is believed only when that record
@@ -105,6 +109,19 @@ struct UndoRecord {
   std::uint64_t update_count;  // and its update count
 };
 
+// A key as a Store trusts it, resolved once by find_batch (or resolve) and used by the later
+// passes of the same request without looking again: the slot, its length in floats, its stripe
+// and its optimizer state (null when the rule keeps none). On the creating Store every field
+// comes from its private record of the key, so nothing in it was read from shared memory; on an
+// attached Store from the slot header, checked against the arena. slot == nullptr: not found
+// (or refused: a header that does not check out). Plain data; valid for the Store's lifetime.
+struct SlotRef {
+  SlotHeader* slot = nullptr;
+  std::uint32_t length = 0;
+  std::uint32_t stripe = 0;
+  float* state = nullptr;
+};
+
 // Thread-safety: all member functions may be called concurrently from any thread, and from any
 // process that maps the same region. init/push/assign take the key's stripe lock (so must only be
 // called by processes whose death ends the job); apply_logged is for processes that may die, and
@@ -143,11 +160,8 @@ class Store {
   // lies inside the value arena with room for at least its header.
   SlotHeader* find(Key key) const noexcept {
     if (records_) {
-      for (std::uint64_t i = mix64(key) & index_mask_;; i = (i + 1) & index_mask_) {
-        const std::uint64_t slot = records_[i].slot.load(std::memory_order_acquire);
-        if (slot == 0) return nullptr;
-        if (records_[i].key == key) return reinterpret_cast<SlotHeader*>(base_ + slot - 1);
-      }
+      const Record* r = find_record(key);
+      return r ? slot_of(*r) : nullptr;
     }
     // The shared index: bounded (it may have been filled with garbage) and every offset checked.
     for (std::uint64_t i = mix64(key) & index_mask_, n = 0; n <= index_mask_; i = (i + 1) & index_mask_, ++n) {
@@ -163,30 +177,56 @@ class Store {
     return nullptr;
   }
 
-  // Looks up n keys (key_of(i) gives the i-th) into out[0..n). Software-pipelined: the index
-  // bucket of key i+16 is prefetched while key i is resolved, and each found slot's first two
-  // lines are prefetched for the pass that copies or updates them, so the cache misses of a
-  // large random batch overlap instead of adding up.
+  // Looks up n keys (key_of(i) gives the i-th) into out[0..n), each resolved once (SlotRef) so
+  // that the passes that check, copy or update them touch nothing but the slot itself.
+  // Software-pipelined: the index bucket of key i+32 is prefetched while key i is resolved, so
+  // the cache misses of a large random batch overlap instead of adding up; the passes over the
+  // slots pipeline theirs with prefetch_ahead. On an attached store the headers are read in a
+  // second pass, once the prefetches issued for them here have landed.
   template <class KeyOf>
-  void find_batch(std::size_t n, KeyOf&& key_of, SlotHeader** out) const noexcept {
+  void find_batch(std::size_t n, KeyOf&& key_of, SlotRef* out) const noexcept {
     constexpr std::size_t kAhead = 32;
     for (std::size_t i = 0; i < std::min(n, kAhead); ++i) prefetch_bucket(key_of(i));
     for (std::size_t i = 0; i < n; ++i) {
       if (i + kAhead < n) prefetch_bucket(key_of(i + kAhead));
-      out[i] = find(key_of(i));
-      if (out[i]) prefetch_slot(*out[i]);
+      if (records_) {
+        const Record* r = find_record(key_of(i));
+        out[i] = r ? ref_of(*r) : SlotRef{};
+      } else {
+        out[i].slot = find(key_of(i));
+        if (out[i].slot) prefetch_slot(*out[i].slot);
+      }
     }
+    if (!records_)
+      for (std::size_t i = 0; i < n; ++i)
+        if (out[i].slot && !resolve(*out[i].slot, &out[i])) out[i] = SlotRef{};
+  }
+  // One key, resolved (slot null if it does not exist).
+  SlotRef find_ref(Key key) const noexcept {
+    SlotRef r;
+    find_batch(1, [key](std::size_t) { return key; }, &r);
+    return r;
   }
   void prefetch_bucket(Key key) const noexcept {
     if (records_)
-      __builtin_prefetch(&records_[mix64(key) & index_mask_]);
+      prefetch(&records_[mix64(key) & index_mask_]);
     else
-      __builtin_prefetch(&index_[mix64(key) & index_mask_]);
+      prefetch(&index_[mix64(key) & index_mask_]);
   }
   // The header line and the first value line of a slot.
   static void prefetch_slot(const SlotHeader& slot) noexcept {
-    __builtin_prefetch(&slot);
-    __builtin_prefetch(reinterpret_cast<const char*>(&slot) + 64);
+    prefetch(&slot);
+    prefetch(reinterpret_cast<const char*>(&slot) + 64);
+  }
+  // For a pass that touches refs[0], refs[1], ... in turn: call before touching refs[i], so the
+  // misses of the slots kSlotsAhead further on are in flight meanwhile (a slot prefetched a
+  // whole batch earlier has left the near caches by the time it is used).
+  static void prefetch_ahead(std::span<const SlotRef> refs, std::size_t i) noexcept {
+    constexpr std::size_t kSlotsAhead = 16;
+    if (i == 0)
+      for (std::size_t j = 0; j < std::min(refs.size(), kSlotsAhead); ++j)
+        if (refs[j].slot) prefetch_slot(*refs[j].slot);
+    if (i + kSlotsAhead < refs.size() && refs[i + kSlotsAhead].slot) prefetch_slot(*refs[i + kSlotsAhead].slot);
   }
 
   // The key's length as this Store trusts it: the private record on the creating Store (0 if the
@@ -203,11 +243,11 @@ class Store {
   ReadResult pull(Key key, std::span<float> out) const noexcept;
   // `length` floats, which the caller checked against length_of (and holds, on an attached store).
   static ReadResult read_slot(const SlotHeader& slot, float* out, std::size_t length) noexcept;
-  // read_slot for a server thread, which may take the key's stripe lock: after a few copies
-  // spoiled by writers it copies under the lock, so a large value that writers keep changing
-  // (a push applied in pieces changes it every few microseconds) is still read. Not for
-  // processes that may die (a reader killed under the lock would leave it held).
-  ReadResult read_slot_or_lock(const SlotHeader& slot, float* out, std::size_t length) const noexcept;
+  // read_slot of ref.length floats for a server thread, which may take the key's stripe lock:
+  // after a few copies spoiled by writers it copies under the lock, so a large value that writers
+  // keep changing (a push applied in pieces changes it every few microseconds) is still read.
+  // Not for processes that may die (a reader killed under the lock would leave it held).
+  ReadResult read_slot_or_lock(const SlotRef& ref, float* out) const noexcept;
   // The slot's seqlock version once no writer is inside (even). Readers that copy the values
   // some other way compare it with seq afterwards (after an acquire fence) to detect a write.
   static std::uint64_t stable_version(const SlotHeader& slot) noexcept;
@@ -216,15 +256,15 @@ class Store {
   Errc push(Key key, std::span<const float> grad, float lr_scale = 1.0f) noexcept;
   // Applies an explicit rule (assign/add are the useful overrides).
   Errc apply(Key key, std::span<const float> grad, const UpdateRuleConfig& rule, float lr_scale = 1.0f) noexcept;
-  // `grad` holds length_of(slot) floats. Errc::timeout if the stripe lock stayed held past the
-  // lock patience (set_lock_patience), protocol if the slot's header was rewritten.
-  Errc apply_slot(SlotHeader& slot, const float* grad, const UpdateRuleConfig& rule, float lr_scale) noexcept;
+  // `grad` holds ref.length floats. Errc::timeout if the stripe lock stayed held past the lock
+  // patience (set_lock_patience).
+  Errc apply_slot(const SlotRef& ref, const float* grad, const UpdateRuleConfig& rule, float lr_scale) noexcept;
   // One piece of a push that is applied as it arrives rather than staged whole: the store's rule
   // over floats [begin, begin + n) of the slot, atomic for that piece only. `*step` 0 marks the
   // push's first piece, which counts the update and sets *step for the pieces after it, so every
   // piece of one push sees the same step (Adam's bias correction). A piece outside the slot's
-  // length, or a slot whose header was rewritten, is not applied.
-  void apply_part(SlotHeader& slot, std::size_t begin, const float* grad, std::size_t n, std::uint64_t* step) noexcept;
+  // length is not applied.
+  void apply_part(const SlotRef& ref, std::size_t begin, const float* grad, std::size_t n, std::uint64_t* step) noexcept;
   // How long a writer in this process waits for a stripe lock before apply_slot gives up with
   // Errc::timeout. Unbounded by default (every holder is a thread of this process, holding it
   // for one update); a server whose region other processes lock (shm) bounds it, so a holder
@@ -304,14 +344,18 @@ class Store {
     std::atomic<std::uint64_t> key;
     std::atomic<std::uint64_t> slot;  // offset of the SlotHeader from the region base + 1; 0 = empty
   };
-  // The creating Store's own record of a key, in private memory. Same publication as IndexEntry.
+  // The creating Store's own record of a key, in private memory: 16 bytes, as dense as the
+  // shared index, because a sparse batch's lookups are bound by how many of these miss the cache.
+  // The stripe is a hash of the key and the optimizer state sits at state_per_value times the
+  // slot's offset in the state arena (sized for exactly that), so neither needs storing.
+  // Publication as IndexEntry: `key` first, then `where` (release).
   struct Record {
-    std::atomic<std::uint64_t> slot;  // as IndexEntry::slot
     Key key;
-    std::uint32_t length;
-    std::uint32_t stripe;
-    std::uint64_t state_offset;  // into the state arena
+    std::atomic<std::uint64_t> where;  // (slot's offset in the value arena / 64 + 1) << 32 | length; 0 = empty
   };
+  static constexpr std::uint64_t where_of(std::uint64_t arena_offset, std::uint32_t length) noexcept {
+    return ((arena_offset / kCacheLine + 1) << 32) | length;
+  }
   // What every access computes addresses from; a private copy, never re-read from the region.
   struct Geometry {
     std::uint32_t stripes = 0;
@@ -320,16 +364,31 @@ class Store {
     UpdateRuleConfig rule{};
     std::uint32_t state_per_value = 0;  // optimizer-state floats per value float
   };
-  // A slot as this Store trusts it (see length_of).
-  struct Resolved {
-    std::uint32_t length;
-    std::uint32_t stripe;
-    float* state;  // nullptr when the rule keeps no state
-  };
   Store(std::unique_ptr<MemoryResource> memory, const Geometry& geometry, bool creator);
   Header& header() const noexcept { return *reinterpret_cast<Header*>(base_); }
-  bool resolve(const SlotHeader& slot, Resolved* out) const noexcept;
+  // A slot pointer from elsewhere (an offset another process gave, a checkpoint walk) as this
+  // Store trusts it (see length_of); false if it does not check out. Fills every field of *out.
+  bool resolve(const SlotHeader& slot, SlotRef* out) const noexcept;
   const Record* record_of(const SlotHeader& slot) const noexcept;
+  // The creating Store's record of `key`, from its private index (nullptr: no such key).
+  const Record* find_record(Key key) const noexcept {
+    for (std::uint64_t i = mix64(key) & index_mask_;; i = (i + 1) & index_mask_) {
+      if (records_[i].where.load(std::memory_order_acquire) == 0) return nullptr;
+      if (records_[i].key == key) return &records_[i];
+    }
+  }
+  // The slot `arena_offset` bytes into the value arena, with `length` floats, as trusted.
+  SlotRef ref_at(std::uint64_t arena_offset, std::uint32_t length, Key key) const noexcept {
+    return {reinterpret_cast<SlotHeader*>(base_ + g_.values_offset + arena_offset), length, stripe_of(key),
+            g_.state_per_value
+                ? reinterpret_cast<float*>(base_ + g_.state_offset + arena_offset * g_.state_per_value)
+                : nullptr};
+  }
+  SlotRef ref_of(const Record& r) const noexcept {
+    const std::uint64_t where = r.where.load(std::memory_order_relaxed);
+    return ref_at(((where >> 32) - 1) * kCacheLine, static_cast<std::uint32_t>(where), r.key);
+  }
+  SlotHeader* slot_of(const Record& r) const noexcept { return ref_of(r).slot; }
   std::vector<SlotEntry> slots_in_order() const;
   std::uint32_t stripe_of(Key key) const noexcept {
     return static_cast<std::uint32_t>((mix64(key) >> 40) & (g_.stripes - 1));
@@ -346,11 +405,11 @@ class Store {
   // `rule` over floats [begin, begin + n) under the stripe lock and the seqlock; *step 0 counts
   // the update and sets *step (apply_slot: the whole value; apply_part: one piece).
   // The caller holds the stripe lock.
-  void apply_seqlocked(SlotHeader& slot, const Resolved& r, const UpdateRuleConfig& rule, std::size_t begin,
+  void apply_seqlocked(const SlotRef& r, const UpdateRuleConfig& rule, std::size_t begin,
                        const float* grad, std::size_t n, float lr_scale, std::uint64_t* step) noexcept;
   // Replaces value, optimizer state and update count under the seqlock; the caller holds the
   // stripe lock.
-  void overwrite_slot(SlotHeader& slot, const Resolved& r, const float* value, const float* state,
+  void overwrite_slot(const SlotRef& r, const float* value, const float* state,
                       std::uint64_t update_count) noexcept;
 
   std::unique_ptr<MemoryResource> memory_;
@@ -365,7 +424,7 @@ class Store {
   Record* records_ = nullptr;
   mutable std::mutex create_mu_;                        // guards creation and order_
   std::vector<const Record*> order_;                    // in creation order
-  std::atomic<std::uint64_t> used_{0}, state_used_{0}, key_count_{0};
+  std::atomic<std::uint64_t> used_{0}, key_count_{0};
 };
 
 }  // namespace pskv

@@ -102,7 +102,7 @@ TEST(StoreConcurrency, ReaderOfAValueChangingPieceByPieceGetsWholePieces) {
   constexpr std::size_t kPiece = 4096, kPieces = 8, kLen = kPiece * kPieces;
   constexpr int kWriters = 2, kPushes = 300;
   ASSERT_EQ(s->init_zero(Key(3), kLen), Errc::ok);
-  SlotHeader& slot = *s->find(Key(3));
+  const SlotRef slot = s->find_ref(Key(3));
   std::atomic<int> writing{kWriters};
   std::vector<std::thread> writers;
   for (int w = 0; w < kWriters; ++w)
@@ -125,16 +125,16 @@ TEST(StoreConcurrency, ReaderOfAValueChangingPieceByPieceGetsWholePieces) {
   std::vector<float> out(kLen);
   int reads = 0;
   while (writing.load() > 0 || reads < 10) {
-    ASSERT_EQ(s->read_slot_or_lock(slot, out.data(), out.size()).status, Errc::ok);
+    ASSERT_EQ(s->read_slot_or_lock(slot, out.data()).status, Errc::ok);
     ++reads;
     for (std::size_t p = 0; p < kPieces; ++p)
       for (std::size_t i = 1; i < kPiece; ++i)
         ASSERT_EQ(out[p * kPiece + i], out[p * kPiece]) << "piece " << p << " torn at float " << i;
   }
   for (auto& t : writers) t.join();
-  ASSERT_EQ(s->read_slot_or_lock(slot, out.data(), out.size()).status, Errc::ok);
+  ASSERT_EQ(s->read_slot_or_lock(slot, out.data()).status, Errc::ok);
   for (float x : out) ASSERT_EQ(x, float(kWriters * kPushes));
-  EXPECT_EQ(slot.update_count, std::uint64_t(kWriters * kPushes));
+  EXPECT_EQ(slot.slot->update_count, std::uint64_t(kWriters * kPushes));
 }
 
 TEST(StoreConcurrency, ConcurrentCreationOfTheSameKeys) {

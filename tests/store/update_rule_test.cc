@@ -112,7 +112,7 @@ TEST_P(UpdateRuleTest, PiecesMatchAWholePush) {
   for (auto& x : init) x = dist(rng);
   ASSERT_EQ(store->init(Key(1), init), Errc::ok);
   ASSERT_EQ(store->init(Key(2), init), Errc::ok);
-  SlotHeader& slot = *store->find(Key(2));
+  const SlotRef slot = store->find_ref(Key(2));
   for (int step = 0; step < 6; ++step) {
     for (auto& x : grad) x = dist(rng);
     ASSERT_EQ(store->push(Key(1), grad), Errc::ok);

@@ -100,19 +100,19 @@ bool ShmConnection::bound_allows(std::uint64_t clock, std::uint64_t* observed) c
   return need == 0 || *observed >= need;
 }
 
-Errc ShmConnection::lookup(const Request& request, std::vector<SlotHeader*>& slots, std::string* why) const {
+Errc ShmConnection::lookup(const Request& request, std::vector<SlotRef>& slots, std::string* why) const {
   const std::size_t n = request.keys.size();
   slots.resize(n);
   store_->find_batch(n, [&](std::size_t i) { return request.keys[i].key; }, slots.data());
   for (std::size_t i = 0; i < n; ++i) {
     const KeySlice& k = request.keys[i];
-    if (!slots[i]) {
+    if (!slots[i].slot) {
       *why = "key " + std::to_string(k.key) + " does not exist on " + endpoint_ + ": init it before pushing or pulling";
       return Errc::not_found;
     }
     // Checked once here (inside the arena, the length asked for); the copy then uses k.length,
     // never the header's word again.
-    if (const std::uint32_t has = store_->length_of(*slots[i]); has != k.length) {
+    if (const std::uint32_t has = slots[i].length; has != k.length) {
       *why = "key " + std::to_string(k.key) + " has " + std::to_string(has) + " floats, the request says " +
              std::to_string(k.length);
       return Errc::length_mismatch;
@@ -122,14 +122,13 @@ Errc ShmConnection::lookup(const Request& request, std::vector<SlotHeader*>& slo
 }
 
 Errc ShmConnection::read_values(const Request& request, std::string* why) const {
-  thread_local std::vector<SlotHeader*> slots;
+  thread_local std::vector<SlotRef> slots;
   if (Errc e = lookup(request, slots, why); e != Errc::ok) return e;
   // Copying is the first touch of each slot's values: keep its misses in flight ahead of the copy.
-  constexpr std::size_t kAhead = 16;
   const std::size_t n = request.keys.size();
   for (std::size_t i = 0; i < n; ++i) {
-    if (i + kAhead < n) Store::prefetch_slot(*slots[i + kAhead]);
-    Store::read_slot(*slots[i], request.keys[i].data, request.keys[i].length);
+    Store::prefetch_ahead(slots, i);
+    Store::read_slot(*slots[i].slot, request.keys[i].data, request.keys[i].length);
   }
   return Errc::ok;
 }
@@ -161,7 +160,7 @@ bool ShmConnection::push_directly(Request& request) {
     }
     space_.notify_all();
   };
-  thread_local std::vector<SlotHeader*> slots;
+  thread_local std::vector<SlotRef> slots;
   std::string why;
   // Every key is checked before any is applied, as the server does: a bad key changes nothing.
   if (Errc e = lookup(request, slots, &why); e != Errc::ok) {
@@ -170,7 +169,7 @@ bool ShmConnection::push_directly(Request& request) {
     return true;
   }
   std::size_t undo_room = 0;
-  for (const SlotHeader* s : slots) undo_room = std::max(undo_room, store_->undo_floats(*s));
+  for (const SlotRef& s : slots) undo_room = std::max(undo_room, store_->undo_floats(*s.slot));
   if (undo_room * sizeof(float) > data_capacity_) {
     finish();
     return false;  // the ring path says whether the push itself fits
@@ -181,11 +180,12 @@ bool ShmConnection::push_directly(Request& request) {
   Errc status = Errc::ok;
   std::size_t applied = 0;
   for (; applied < slots.size(); ++applied) {
+    Store::prefetch_ahead(slots, applied);
     // A holder that died is repaired by the server's watchdog within about 100 ms; meanwhile
     // make sure there still is a server to do it.
     constexpr auto kTick = std::chrono::milliseconds(100);
     std::chrono::milliseconds waited{0};
-    while ((status = store_->apply_logged(*slots[applied], request.keys[applied].data, request.keys[applied].length,
+    while ((status = store_->apply_logged(*slots[applied].slot, request.keys[applied].data, request.keys[applied].length,
                                           1.0f, owner, slot_->undo, undo, data_capacity_ / sizeof(float), kTick)) ==
            Errc::timeout) {
       waited += kTick;

@@ -55,7 +55,7 @@ class ShmConnection final : public transport::Connection, private transport::Pol
   // Applies a push on this thread; false if it must go through the ring instead.
   bool push_directly(transport::Request& request);
   // Finds and checks every key of the request; returns the error text on failure.
-  Errc lookup(const transport::Request& request, std::vector<SlotHeader*>& slots, std::string* why) const;
+  Errc lookup(const transport::Request& request, std::vector<SlotRef>& slots, std::string* why) const;
   // Who holds a stripe lock, for error messages.
   std::string describe_owner(std::uint32_t owner) const;
   std::string server_gone() const;

@@ -120,7 +120,7 @@ struct LargeFrame {
   // could stay resident in the allocator after the frame, outside the budget).
   std::unique_ptr<HeapMemory> payload;
   // stream: where the apply is, and whether the keys were all found.
-  std::vector<SlotHeader*> slots;
+  std::vector<SlotRef> slots;
   Errc found = Errc::ok;
   std::string why;
   std::size_t key = 0;
@@ -953,7 +953,7 @@ TcpServer::Progress TcpServer::stream_push(Peer& peer) {
     const std::size_t want =
         std::min<std::uint64_t>({length - f.done_floats, kPushPieceFloats, in_floats}) * sizeof(float);
     if (f.found == Errc::ok)
-      store.apply_part(*f.slots[f.key], f.done_floats, reinterpret_cast<const float*>(in + peer.in_begin),
+      store.apply_part(f.slots[f.key], f.done_floats, reinterpret_cast<const float*>(in + peer.in_begin),
                        want / sizeof(float), &f.step);
     peer.in_begin += want;
     f.progress += want;
@@ -1031,7 +1031,7 @@ bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payl
     case wire::Op::pull: {
       if (engine_.pull_allowed(peer.worker, h.arg0)) return answer_pull(peer, h, peer.keys, /*owner=*/true);
       // Checked before it waits, so a parked pull holds only what it will be answered with.
-      thread_local std::vector<SlotHeader*> slots;
+      thread_local std::vector<SlotRef> slots;
       status = engine_.check_pull_clock(peer.worker, h.arg0, &why);
       if (status == Errc::ok) status = check_pull(peer, peer.keys, slots, nullptr, &why);
       if (status != Errc::ok) break;
@@ -1093,7 +1093,7 @@ std::unique_ptr<Parked> TcpServer::park(Peer& peer, const wire::FrameHeader& h, 
   return std::make_unique<ParkedRequest>(*this, peer.shared_from_this(), h, std::move(keys), std::move(hold));
 }
 
-Errc TcpServer::check_pull(const Peer& peer, std::span<const wire::KeyEntry> keys, std::vector<SlotHeader*>& slots,
+Errc TcpServer::check_pull(const Peer& peer, std::span<const wire::KeyEntry> keys, std::vector<SlotRef>& slots,
                            std::uint64_t* bytes, std::string* why) {
   // The reply is sized from the store's own records, once every key is found with the length
   // asked for, and never past the request limit: a short request cannot ask for a huge reply.
@@ -1115,7 +1115,7 @@ Errc TcpServer::check_pull(const Peer& peer, std::span<const wire::KeyEntry> key
 
 bool TcpServer::answer_pull(Peer& peer, const wire::FrameHeader& h, std::span<const wire::KeyEntry> keys,
                             bool owner) {
-  thread_local std::vector<SlotHeader*> slots;
+  thread_local std::vector<SlotRef> slots;
   std::string why;
   std::uint64_t bytes = 0;
   if (Errc e = check_pull(peer, keys, slots, &bytes, &why); e != Errc::ok) return send_error(peer, h, e, why);
@@ -1140,7 +1140,8 @@ bool TcpServer::answer_pull(Peer& peer, const wire::FrameHeader& h, std::span<co
   }
   float* out = payload;
   for (std::size_t i = 0; i < slots.size(); ++i) {
-    engine_.store().read_slot_or_lock(*slots[i], out, keys[i].length);
+    Store::prefetch_ahead(slots, i);
+    engine_.store().read_slot_or_lock(slots[i], out);
     out += keys[i].length;
   }
   r.payload = payload;
@@ -1153,16 +1154,18 @@ bool TcpServer::answer_pull(Peer& peer, const wire::FrameHeader& h, std::span<co
 }
 
 bool TcpServer::send_from_store(Peer& peer, const wire::FrameHeader& h, std::span<const wire::KeyEntry> keys,
-                                std::span<SlotHeader* const> slots, std::uint64_t floats) {
+                                std::span<const SlotRef> slots, std::uint64_t floats) {
   Reply r(reply_header(h, floats * sizeof(float), engine_.observed_bound()), nullptr, floats * sizeof(float));
   r.header.flags |= wire::kFromStore;
   r.from_store = true;
-  r.slots.assign(slots.begin(), slots.end());
+  r.slots.reserve(slots.size());
   r.versions.reserve(slots.size());
   r.store_iov.reserve(slots.size());
   for (std::size_t i = 0; i < slots.size(); ++i) {
-    r.versions.push_back(Store::stable_version(*slots[i]));
-    r.store_iov.push_back({const_cast<float*>(slots[i]->values()), std::size_t{keys[i].length} * sizeof(float)});
+    Store::prefetch_ahead(slots, i);
+    r.slots.push_back(slots[i].slot);
+    r.versions.push_back(Store::stable_version(*slots[i].slot));
+    r.store_iov.push_back({slots[i].slot->values(), std::size_t{keys[i].length} * sizeof(float)});
   }
   return send(peer, std::move(r));
 }

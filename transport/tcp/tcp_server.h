@@ -177,7 +177,7 @@ class TcpServer {
   bool answer_pull(Peer& peer, const wire::FrameHeader& h, std::span<const wire::KeyEntry> keys, bool owner);
   // Finds a pull's keys and sizes its reply from the store's records (*bytes), refusing one over
   // the request limit; counts nothing.
-  Errc check_pull(const Peer& peer, std::span<const wire::KeyEntry> keys, std::vector<SlotHeader*>& slots,
+  Errc check_pull(const Peer& peer, std::span<const wire::KeyEntry> keys, std::vector<SlotRef>& slots,
                   std::uint64_t* bytes, std::string* why);
   // A pull or barrier to answer later (counted against kMaxParkedPerConnection until it is, and
   // its parked_bytes against the memory budget); null if the budget cannot hold it.
@@ -186,7 +186,7 @@ class TcpServer {
   // Below this a pull reply is copied: the copy is cheap and the extra trailer write is not.
   static constexpr std::uint64_t kFromStoreBytes = 64u << 10;
   bool send_from_store(Peer& peer, const wire::FrameHeader& h, std::span<const wire::KeyEntry> keys,
-                       std::span<SlotHeader* const> slots, std::uint64_t floats);
+                       std::span<const SlotRef> slots, std::uint64_t floats);
   // A frame larger than the receive buffer, in its stages.
   bool begin_large_frame(Peer& peer, const wire::FrameHeader& h);
   Progress continue_large_frame(Peer& peer);
