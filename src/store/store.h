@@ -112,9 +112,11 @@ struct UndoRecord {
 // A key as a Store trusts it, resolved once by find_batch (or resolve) and used by the later
 // passes of the same request without looking again: the slot, its length in floats, its stripe
 // and its optimizer state (null when the rule keeps none). On the creating Store every field
-// comes from its private record of the key, so nothing in it was read from shared memory; on an
-// attached Store from the slot header, checked against the arena. slot == nullptr: not found
-// (or refused: a header that does not check out). Plain data; valid for the Store's lifetime.
+// comes from its private record of the key, so nothing in it was read from shared memory. On an
+// attached Store (a reader in another process) find_batch fills the slot and its length, read
+// from the header and checked against the arena, which is all a reader uses; resolve() fills the
+// rest. slot == nullptr: not found (or refused: a header that does not check out). Plain data;
+// valid for the Store's lifetime.
 struct SlotRef {
   SlotHeader* slot = nullptr;
   std::uint32_t length = 0;
@@ -181,25 +183,26 @@ class Store {
   // that the passes that check, copy or update them touch nothing but the slot itself.
   // Software-pipelined: the index bucket of key i+32 is prefetched while key i is resolved, so
   // the cache misses of a large random batch overlap instead of adding up; the passes over the
-  // slots pipeline theirs with prefetch_ahead. On an attached store the headers are read in a
-  // second pass, once the prefetches issued for them here have landed.
+  // slots pipeline theirs with prefetch_ahead. On an attached store, whose slot headers say
+  // what a slot is, each header is prefetched when its key is found and read kLag keys later.
   template <class KeyOf>
   void find_batch(std::size_t n, KeyOf&& key_of, SlotRef* out) const noexcept {
-    constexpr std::size_t kAhead = 32;
+    constexpr std::size_t kAhead = 32, kLag = 16;
     for (std::size_t i = 0; i < std::min(n, kAhead); ++i) prefetch_bucket(key_of(i));
     for (std::size_t i = 0; i < n; ++i) {
       if (i + kAhead < n) prefetch_bucket(key_of(i + kAhead));
       if (records_) {
         const Record* r = find_record(key_of(i));
         out[i] = r ? ref_of(*r) : SlotRef{};
-      } else {
-        out[i].slot = find(key_of(i));
-        if (out[i].slot) prefetch_slot(*out[i].slot);
+        continue;
       }
+      out[i] = SlotRef{};
+      out[i].slot = find(key_of(i));
+      if (out[i].slot) prefetch(out[i].slot);  // the header only: the passes after prefetch the values
+      if (i >= kLag) check_found(out[i - kLag]);
     }
     if (!records_)
-      for (std::size_t i = 0; i < n; ++i)
-        if (out[i].slot && !resolve(*out[i].slot, &out[i])) out[i] = SlotRef{};
+      for (std::size_t i = n > kLag ? n - kLag : 0; i < n; ++i) check_found(out[i]);
   }
   // One key, resolved (slot null if it does not exist).
   SlotRef find_ref(Key key) const noexcept {
@@ -369,6 +372,17 @@ class Store {
   // A slot pointer from elsewhere (an offset another process gave, a checkpoint walk) as this
   // Store trusts it (see length_of); false if it does not check out. Fills every field of *out.
   bool resolve(const SlotHeader& slot, SlotRef* out) const noexcept;
+  // find_batch on an attached store: a found slot's length from its header, checked against the
+  // arena (find already checked the slot's own offset), or the slot refused.
+  void check_found(SlotRef& ref) const noexcept {
+    if (!ref.slot) return;
+    const std::uint32_t length = ref.slot->length;
+    if (length == 0 || !holds(*ref.slot, length)) {
+      ref = SlotRef{};
+      return;
+    }
+    ref.length = length;
+  }
   const Record* record_of(const SlotHeader& slot) const noexcept;
   // The creating Store's record of `key`, from its private index (nullptr: no such key).
   const Record* find_record(Key key) const noexcept {
