@@ -123,6 +123,16 @@ def summary(a, result: dict, mode_name: str) -> str:
         "server_restarts": 0, "epoch_accuracy": [round(x, 4) for x in result["epoch_accuracy"]]})
 
 
+def local_optimizer(a, model: nn.Module) -> torch.optim.Optimizer:
+    """The torch optimizer matching --rule (what the servers apply with update="server"), for
+    --local and for update="worker"."""
+    if a.rule == "adam":
+        return torch.optim.Adam(model.parameters(), lr=a.lr)
+    if a.rule == "adagrad":
+        return torch.optim.Adagrad(model.parameters(), lr=a.lr)
+    return torch.optim.SGD(model.parameters(), lr=a.lr, momentum=a.momentum if a.rule == "momentum" else 0.0)
+
+
 # ---- training ----
 def train(a, worker: int, workers: int, client) -> dict:
     """One worker's loop (client None: --local). Worker 0 evaluates after each epoch; evaluation
@@ -135,10 +145,10 @@ def train(a, worker: int, workers: int, client) -> dict:
     tx, ty = load_split(a.data, "test", a.test_limit) if chief else (None, None)
     model = make_model(a.model)
     if client is None:
-        opt = torch.optim.SGD(model.parameters(), lr=a.lr)
+        opt = local_optimizer(a, model)
     elif a.update == "worker":
         opt = pt.DistributedOptimizer(model.named_parameters(), client, update="worker",
-                                      optimizer=torch.optim.SGD(model.parameters(), lr=a.lr))
+                                      optimizer=local_optimizer(a, model))
     else:
         opt = pt.DistributedOptimizer(model.named_parameters(), client)
     if client is not None:
