@@ -1,10 +1,13 @@
-"""python -m pskv.bench: pskv from Python next to pskv-bench (C++) against the same server.
+"""python -m pskv.bench: what Python costs over C++ for the same pskv operations.
 
-For each transport it starts one pskv-server, runs pskv-bench against it (--server), measures
-the same operations through pskv.Client, then runs pskv-bench again; the C++ figure is the
-mean of the two runs around the Python one, because this kind of machine drifts between runs.
-Printed: push/pull bandwidth of 1 MiB and 16 MiB values and the p50 of a 64-byte (16-float)
-pull, with Python/C++ ratios. --json prints one object per line.
+For each transport it starts one pskv-server and, on one pskv.Client, times the same loop (one
+operation in flight: push or pull, then wait) from Python and in C++ (Client._cpp_loop: the loop
+pskv-bench runs, in this process, on the same connection), alternating every --seconds for
+--rounds rounds. This kind of machine drifts by more between seconds than Python could cost, so
+each Python window is compared with the C++ window next to it, and the median of those ratios is
+printed with their range. Points: push/pull bandwidth of 1 MiB and 16 MiB values and the p50 of a
+64-byte (16-float) push and pull. --cpp-bench also runs pskv-bench against the server once, for
+reference. --json prints one object per line.
 """
 
 import argparse
@@ -40,65 +43,80 @@ def cpp_figures(uri: str, transport: str, seconds: float) -> dict:
     return figures
 
 
-def python_figures(uri: str, seconds: float, key_base: int) -> dict:
-    """The same points through pskv.Client: one operation in flight, as pskv-bench --depth 1."""
-    figures = {}
-    with Client(uri) as c:
-        for i, nbytes in enumerate(SIZES.values()):
-            key = key_base + i
-            value = np.ones(nbytes // 4, np.float32)
-            c.init(key, value).wait()
-            for op in ("push", "pull"):
-                call = c.push if op == "push" else c.pull
-                for _ in range(3):  # warm up
-                    call(key, value).wait()
-                latencies = []
-                start = time.perf_counter()
-                end = start + seconds
-                while True:
-                    t0 = time.perf_counter_ns()
-                    call(key, value).wait()
-                    latencies.append(time.perf_counter_ns() - t0)
-                    if time.perf_counter() >= end and len(latencies) >= 5:
-                        break
-                elapsed = time.perf_counter() - start
-                figures[(op, nbytes)] = (nbytes * len(latencies) / elapsed, statistics.median(latencies) / 1000)
-    return figures
+def python_window(c: Client, key: int, value: np.ndarray, op: str, seconds: float):
+    """(bytes/s, p50 us) of `op` from Python, one operation in flight."""
+    call = c.push if op == "push" else c.pull
+    latencies = []
+    start = time.perf_counter()
+    end = start + seconds
+    while True:
+        t0 = time.perf_counter_ns()
+        call(key, value).wait()
+        latencies.append(time.perf_counter_ns() - t0)
+        if time.perf_counter() >= end and len(latencies) >= 5:
+            break
+    elapsed = time.perf_counter() - start
+    return value.nbytes * len(latencies) / elapsed, statistics.median(latencies) / 1000
 
 
-def run(transports, seconds: float, as_json: bool) -> None:
+def run(transports, seconds: float, rounds: int, as_json: bool, with_cpp_bench: bool) -> None:
     for transport in transports:
+        ratios, differences = {}, {}
         with ServerGroup(1, transport, arena_mb=128, io_threads=1) as server:
             uri = server.uris[0]
-            before = cpp_figures(uri, transport, seconds)
-            py = python_figures(uri, seconds, key_base=1000)
-            after = cpp_figures(uri, transport, seconds)
+            reference = cpp_figures(uri, transport, seconds) if with_cpp_bench else {}
+            with Client(uri) as c:
+                for i, nbytes in enumerate(SIZES.values()):
+                    key, value = 1000 + i, np.ones(nbytes // 4, np.float32)
+                    c.init(key, value).wait()
+                    for op in ("push", "pull"):
+                        for _ in range(3):  # warm up both paths
+                            c._cpp_loop(key, value, op, 0.0)
+                            python_window(c, key, value, op, 0.0)
+                        for r in range(rounds):
+                            if r % 2 == 0:
+                                cpp = c._cpp_loop(key, value, op, seconds)
+                                py = python_window(c, key, value, op, seconds)
+                            else:
+                                py = python_window(c, key, value, op, seconds)
+                                cpp = c._cpp_loop(key, value, op, seconds)
+                            ratios.setdefault((op, nbytes), []).append(py[0] / cpp[0])
+                            differences.setdefault((op, nbytes), []).append(py[1] - cpp[1])
         if not as_json:
-            print(f"\n{transport} (server {uri}; C++ = mean of the pskv-bench runs before and after Python)")
-            print(f"{'op':5} {'size':>5}  {'python':>14}  {'C++':>14}  {'python/C++':>10}")
-        for (op, nbytes), (py_bw, py_p50) in py.items():
-            cpp_bw = (before[(op, nbytes)][0] + after[(op, nbytes)][0]) / 2
-            cpp_p50 = (before[(op, nbytes)][1] + after[(op, nbytes)][1]) / 2
+            print(f"\n{transport} (server {uri}; {rounds} alternating rounds of {seconds} s: median, and the range)")
+            print(f"{'op':5} {'size':>5}  {'python/C++ bandwidth':>22}  {'p50: python - C++':>24}")
+        for (op, nbytes), r in ratios.items():
             name = next(k for k, v in SIZES.items() if v == nbytes)
+            ratio, diff = statistics.median(r), statistics.median(differences[(op, nbytes)])
+            ref = reference.get((op, nbytes))
             if as_json:
-                print(json.dumps({"transport": transport, "op": op, "value_bytes": nbytes, "python_bytes_per_s": py_bw,
-                                  "cpp_bytes_per_s": cpp_bw, "bandwidth_ratio": py_bw / cpp_bw,
-                                  "python_p50_us": py_p50, "cpp_p50_us": cpp_p50,
-                                  "p50_difference_us": py_p50 - cpp_p50}))
-            elif nbytes == 64:
-                print(f"{op:5} {name:>5}  {py_p50:11.2f} us  {cpp_p50:11.2f} us  {py_p50 - cpp_p50:+8.2f} us (p50)")
-            else:
-                print(f"{op:5} {name:>5}  {py_bw / 1e9:9.2f} GB/s  {cpp_bw / 1e9:9.2f} GB/s  {py_bw / cpp_bw:10.3f}")
+                row = {"transport": transport, "op": op, "value_bytes": nbytes, "rounds": rounds,
+                       "bandwidth_ratio": ratio, "bandwidth_ratios": r, "p50_difference_us": diff,
+                       "p50_differences_us": differences[(op, nbytes)]}
+                if ref:
+                    row.update({"pskv_bench_bytes_per_s": ref[0], "pskv_bench_p50_us": ref[1]})
+                print(json.dumps(row))
+                continue
+            d = differences[(op, nbytes)]
+            line = (f"{op:5} {name:>5}  {ratio:8.3f} ({min(r):.2f}-{max(r):.2f})    "
+                    f"{diff:+8.2f} us ({min(d):+.2f} to {max(d):+.2f})")
+            if ref:
+                line += f"    pskv-bench: {ref[0] / 1e9:.2f} GB/s, p50 {ref[1]:.2f} us"
+            print(line)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m pskv.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--transports", default="shm,tcp", help="comma-separated: shm, tcp")
-    p.add_argument("--seconds", type=float, default=1.0, help="measuring time per point")
+    p.add_argument("--seconds", type=float, default=0.25, help="measuring time of each window")
+    p.add_argument("--rounds", type=int, default=9, help="alternating rounds of C++ and Python windows")
+    p.add_argument("--cpp-bench", action="store_true", help="also run pskv-bench against the server, for reference")
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
-    run([t for t in a.transports.split(",") if t], a.seconds, a.json)
+    if a.rounds < 1:
+        p.error("--rounds must be at least 1")
+    run([t for t in a.transports.split(",") if t], a.seconds, a.rounds, a.json, a.cpp_bench)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@
 // cancels every operation before the C++ client goes, and only then lets the buffers go.
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <deque>
@@ -142,12 +143,21 @@ class Work {
     if (state_ == State::in_flight) {
       if (session_->closing)
         throw Error(Errc::invalid_argument, std::string(op_) + ": the client is being closed; it completes this operation");
+      const auto deadline = deadline_after(timeout);  // validated even when not needed
       std::optional<Error> failure;
       Waited w;
+      // Often already complete (an shm pull copies inside submit): spend it without handing the
+      // GIL over and back, which a large operation has just done once around its submit.
+      if (session_->client->done(pending_.ticket) &&
+          wait_slice(*session_->client, pending_.ticket, std::chrono::milliseconds(0), failure)) {
+        complete(failure);
+        if (error_) throw *error_;
+        return true;
+      }
       {
         ActiveCall call(*session_);
         waiting_ = true;
-        w = wait_ticket(*session_, pending_.ticket, deadline_after(timeout), /*watch_closing=*/true, failure);
+        w = wait_ticket(*session_, pending_.ticket, deadline, /*watch_closing=*/true, failure);
         waiting_ = false;
       }
       switch (w) {
@@ -387,6 +397,38 @@ class PyClient {
     session_->client->register_buffer(held.data(), held.floats() * sizeof(float));
   }
 
+  // pskv.bench's C++ side: `op` ("push" or "pull") of `key` with `buffer`, one in flight, in a
+  // C++ loop for `seconds` on this client's own connections: what pskv-bench times, measured next
+  // to the Python loop in the same process. Returns (bytes per second, p50 in microseconds).
+  py::tuple cpp_loop(Key key, py::handle buffer, const std::string& op, double seconds) {
+    Session& s = *session_;
+    s.require_open();
+    if (op != "push" && op != "pull") throw Error(Errc::invalid_argument, "op must be 'push' or 'pull'");
+    ActiveCall call(s);
+    HeldBuffer held(buffer.ptr(), op == "pull" ? Access::write : Access::read, "bench buffer", static_cast<std::size_t>(-1));
+    const std::span<float> values(held.data(), held.floats());
+    std::vector<std::int64_t> latencies;
+    double elapsed = 0;
+    {
+      py::gil_scoped_release unlocked;
+      Client& c = *s.client;
+      const auto start = std::chrono::steady_clock::now();
+      const auto end = start + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                   std::chrono::duration<double>(seconds));
+      for (;;) {
+        const auto t0 = std::chrono::steady_clock::now();
+        c.wait(op == "push" ? c.push(key, std::span<const float>(values)) : c.pull(key, values));
+        const auto t1 = std::chrono::steady_clock::now();
+        latencies.push_back(std::chrono::duration_cast<std::chrono::nanoseconds>(t1 - t0).count());
+        if (t1 >= end && latencies.size() >= 5) break;
+      }
+      elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    }
+    std::nth_element(latencies.begin(), latencies.begin() + latencies.size() / 2, latencies.end());
+    const double p50_us = static_cast<double>(latencies[latencies.size() / 2]) / 1000;
+    return py::make_tuple(static_cast<double>(values.size_bytes()) * latencies.size() / elapsed, p50_us);
+  }
+
   // finished=False: like the C++ client destroyed by an exception (the job will not wait for a
   // worker that failed). Completes (finished) or cancels (not) every operation still in flight.
   void close(bool finished) {
@@ -557,6 +599,8 @@ void bind_client(py::module_& m) {
       .def("num_servers", &PyClient::num_servers)
       .def("staleness", &PyClient::staleness, "{'reads', 'max', 'histogram'}: staleness seen by bounded reads.")
       .def("server_stats", &PyClient::server_stats, py::arg("server"), "Server `server`'s counters, parsed from JSON.")
+      .def("_cpp_loop", &PyClient::cpp_loop, py::arg("key"), py::arg("buffer"), py::arg("op"), py::arg("seconds"),
+           "pskv.bench's C++ baseline: (bytes/s, p50 us) of a one-in-flight C++ loop on this client.")
       .def("register_buffer", &PyClient::register_buffer, py::arg("buffer"),
            "Announces memory later used for pushes or pulls (RDMA registers it once).")
       .def("close", &PyClient::close, py::arg("finished") = true,

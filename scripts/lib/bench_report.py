@@ -170,10 +170,11 @@ if attacks:
     lines += ["## Under attack: a healthy client while pskv-attack runs (scripts/attack-bench.sh)", "",
               "One fresh tcp server per attack (2 I/O threads, 512 MiB memory budget, 256 MiB request limit, "
               "2 s frame and handshake deadlines); the attacker uses 16 connections from 127.0.0.2 for the "
-              "whole window, the healthy client (pskv-bench, 4 KiB, 1 in flight) runs from 127.0.0.1 in its "
-              "middle. Peak RSS is the server's VmHWM at the end. The ratios compare with the same client "
-              "against a server under no attack, in the same run; the attack's own CPU use shares the "
-              "machine's 2 cores with both.", "",
+              "whole window (fast-streamer 2, streaming 32 MiB pushes; parked-flood 4, as worker 1 of a bsp "
+              "server whose worker 0 never comes), the healthy client (pskv-bench, 4 KiB, 1 in flight) runs "
+              "from 127.0.0.1 in its middle. Peak RSS is the server's VmHWM at the end. The ratios compare "
+              "with the same client against a server under no attack, in the same run; the attack's own CPU "
+              "use shares the machine's 2 cores with both.", "",
               "| attack | server alive | server peak RSS | healthy 4 KiB push p50 / p99 | pull p50 / p99 |",
               "|---|---|---|---|---|"]
     def cell(a, op):
