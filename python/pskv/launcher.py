@@ -58,7 +58,8 @@ def _flag(name: str, value) -> List[str]:
 
 
 class ServerGroup:
-    """`count` pskv-server processes serving shm://JOB-i or tcp://HOST:PORT (free ports).
+    """`count` pskv-server processes serving shm://JOB-i or tcp://HOST:PORT (free ports);
+    `uris` are what clients connect to, `processes` the children, `binary` the pskv-server run.
 
     Thread-safety: start and stop from one thread. The servers are stopped by stop(), by leaving a
     `with` block, when the group is garbage collected, at interpreter exit, and (SIGTERM from the
@@ -72,7 +73,7 @@ class ServerGroup:
             raise ValueError("count must be >= 1")
         if transport not in ("shm", "tcp", "rdma"):
             raise ValueError(f"transport must be shm, tcp or rdma, not {transport!r}")
-        binary = server_binary()
+        binary = self.binary = server_binary()
         job = job or f"py-{os.getpid()}-{id(self) & 0xffff:x}"
         self.processes: List[subprocess.Popen] = []
         self.uris: List[str] = []

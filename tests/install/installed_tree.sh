@@ -55,3 +55,23 @@ URI=$(pskv_server_uri "$WORK/server.out") || { echo "installed pskv-server did n
 got=$(env -u LD_LIBRARY_PATH "$WORK/consumer/build/consumer" "$URI")
 [ "$got" = 4 ] || { echo "consumer read $got, expected 4" >&2; exit 1; }
 echo "installed tree: pskv-server runs from a moved prefix; a find_package(pskv) consumer read $got"
+
+# The Python package, when the build made one: imported from the moved prefix by the system
+# python3, it finds libpskv and the installed pskv-server relative to itself.
+site=$(ls -d "$PREFIX"/lib/python3*/dist-packages 2>/dev/null | head -1)
+if [ -n "$site" ] && [ -d "$site/pskv" ]; then
+  py=$(env -u LD_LIBRARY_PATH -u PSKV_SERVER_BIN PYTHONPATH="$site" /usr/bin/python3 -c '
+import numpy as np, os, pskv, sys
+assert pskv.__file__.startswith(sys.argv[1]), pskv.__file__
+with pskv.launch(1, "tcp") as servers:
+    assert os.path.realpath(servers.binary).startswith(os.path.realpath(sys.argv[2])), servers.binary
+    with pskv.Client(servers.uris[0]) as c:
+        a = np.full(16, 2.0, np.float32)
+        c.init(5, a).wait()
+        c.push(5, a).wait()
+        c.pull(5, a).wait()
+        print(a[0])
+' "$site" "$PREFIX") || { echo "the installed pskv Python package did not work" >&2; exit 1; }
+  [ "$py" = 4.0 ] || { echo "the installed Python package read $py, expected 4.0" >&2; exit 1; }
+  echo "installed tree: the pskv Python package from the moved prefix launched its pskv-server and read $py"
+fi
