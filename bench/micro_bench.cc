@@ -6,7 +6,7 @@
 #include <random>
 #include <vector>
 
-#include "consistency/clock_table.h"
+#include "layout/clock_table.h"
 #include "store/store.h"
 #include "transport/wire.h"
 
@@ -53,7 +53,7 @@ void BM_SeqlockRead(benchmark::State& state) {
     if (state.thread_index() == 1) {
       s->apply_slot(slot, g.data(), s->rule(), 1.0f);
     } else {
-      benchmark::DoNotOptimize(Store::read_slot(*slot.slot, out, 16));
+      benchmark::DoNotOptimize(read_slot(*slot.slot, out, 16));
     }
   }
   state.SetItemsProcessed(state.iterations());
@@ -72,7 +72,7 @@ void BM_StorePullBatch(benchmark::State& state) {
     for (auto& k : keys) k = rng() % (1 << 20);
     state.ResumeTiming();
     s->find_batch(n, [&](std::size_t i) { return keys[i]; }, slots.data());
-    for (std::size_t i = 0; i < n; ++i) Store::read_slot(*slots[i].slot, out.data() + i * 16, 16);
+    for (std::size_t i = 0; i < n; ++i) read_slot(*slots[i].slot, out.data() + i * 16, 16);
   }
   state.SetItemsProcessed(state.iterations() * static_cast<std::int64_t>(n));
 }

@@ -754,11 +754,10 @@ int main(int argc, char** argv) {
       server_pids.push_back(spawn([&] {
         close(pipefd[0]);
         pskv::ServerOptions so;
-        so.uri = transport == "shm" ? "shm://bench-" + std::to_string(getppid()) + "-" + std::to_string(s)
-                                    : transport + "://127.0.0.1:0";
+        so.uri = transport == "shm" ? "shm://bench-" + std::to_string(getppid()) + "-" + std::to_string(s) + "?push=" + shm_push
+                 : transport == "tcp" ? "tcp://127.0.0.1:0?push=" + tcp_push
+                                      : transport + "://127.0.0.1:0";
         so.server_id = static_cast<std::uint32_t>(s);
-        so.shm_push = shm_push;
-        so.tcp_push = tcp_push;
         if (workload == "steps") {
           so.num_workers = static_cast<std::uint32_t>(workers);
           so.mode = *pskv::parse_consistency_mode(mode);

@@ -4,6 +4,7 @@
 #include <netinet/in.h>
 
 #include <charconv>
+#include <optional>
 
 #include "pskv/error.h"
 
@@ -43,6 +44,8 @@ std::string address_text(const sockaddr* address) {
 
 std::string host_text(const sockaddr* address) { return numeric_name(address).host; }
 
+bool named_scheme(std::string_view scheme) noexcept { return scheme == "shm" || scheme == "fake"; }
+
 Uri parse_uri(std::string_view text) {
   Uri u;
   const auto sep = text.find("://");
@@ -61,15 +64,15 @@ Uri parse_uri(std::string_view text) {
       query = amp == std::string_view::npos ? std::string_view{} : query.substr(amp + 1);
     }
   }
-  if (u.scheme == "shm") {
-    if (rest.empty() || rest.size() > 200) bad(text, "the shm name must have 1-200 characters");
+  if (u.scheme.empty()) bad(text, "no scheme");
+  if (named_scheme(u.scheme)) {
+    if (rest.empty() || rest.size() > 200) bad(text, "the " + u.scheme + " name must have 1-200 characters");
     for (char c : rest)
       if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.'))
-        bad(text, "the shm name may hold only letters, digits, '-', '_' and '.'");
+        bad(text, "the " + u.scheme + " name may hold only letters, digits, '-', '_' and '.'");
     u.name = std::string(rest);
     return u;
   }
-  if (u.scheme != "tcp" && u.scheme != "rdma") bad(text, "unknown scheme '" + u.scheme + "'");
   std::string_view host = rest, port;
   if (!rest.empty() && rest.front() == '[') {  // [v6]:port
     const auto close = rest.find(']');
@@ -96,7 +99,7 @@ std::string Uri::str() const {
   // Appends instead of operator+ chains: GCC 12 warns falsely (-Wrestrict) on those.
   std::string s = scheme;
   s.append("://");
-  if (scheme == "shm") {
+  if (named_scheme(scheme)) {
     s.append(name);
   } else {
     const bool v6 = host.find(':') != std::string::npos;
@@ -115,6 +118,51 @@ std::string Uri::str() const {
     sep = '&';
   }
   return s;
+}
+
+UriParams::UriParams(const Uri& uri) : uri_(uri), left_(uri.params) {}
+
+std::optional<std::string> UriParams::take(const std::string& name) {
+  const auto it = left_.find(name);
+  if (it == left_.end()) return std::nullopt;
+  std::string value = it->second;
+  left_.erase(it);
+  return value;
+}
+
+std::uint64_t UriParams::number(const std::string& name, std::uint64_t fallback, std::uint64_t min, std::uint64_t max) {
+  const auto value = take(name);
+  if (!value) return fallback;
+  std::uint64_t n = 0;
+  const auto [p, ec] = std::from_chars(value->data(), value->data() + value->size(), n);
+  if (ec != std::errc() || p != value->data() + value->size() || n < min || n > max)
+    throw Error(Errc::invalid_argument, uri_.scheme + " URI parameter " + name + "=" + *value + " must be a number in [" +
+                                            std::to_string(min) + ", " + std::to_string(max) + "]");
+  return n;
+}
+
+std::string UriParams::choice(const std::string& name, const std::string& fallback,
+                              std::initializer_list<std::string_view> allowed) {
+  const auto value = take(name);
+  if (!value) return fallback;
+  std::string list;
+  for (std::string_view a : allowed) {
+    if (*value == a) return *value;
+    list += (list.empty() ? "" : ", ") + std::string(a);
+  }
+  throw Error(Errc::invalid_argument, uri_.scheme + " URI parameter " + name + "=" + *value + " must be one of " + list);
+}
+
+std::string UriParams::text(const std::string& name, const std::string& fallback) {
+  return take(name).value_or(fallback);
+}
+
+void UriParams::finish() const {
+  if (left_.empty()) return;
+  std::string names;
+  for (const auto& [k, v] : left_) names += (names.empty() ? "" : ", ") + k;
+  throw Error(Errc::invalid_argument, uri_.scheme + "://: unknown URI parameter(s) " + names +
+                                          " (docs/protocol.md, \"Server URIs\", lists each backend's)");
 }
 
 }  // namespace pskv

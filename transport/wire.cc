@@ -1,6 +1,5 @@
 #include "transport/wire.h"
 
-#include <zlib.h>
 
 #include <cstring>
 
@@ -105,17 +104,6 @@ ParseResult parse_request(const std::byte* data, std::size_t avail, const Limits
   }
   out->payload = data + sizeof(FrameHeader) + key_bytes;
   return ParseResult::complete;
-}
-
-std::uint32_t crc32_update(std::uint32_t crc, const void* data, std::size_t bytes) noexcept {
-  const auto* p = static_cast<const Bytef*>(data);
-  while (bytes > 0) {
-    const auto n = static_cast<uInt>(std::min<std::size_t>(bytes, 1u << 30));
-    crc = static_cast<std::uint32_t>(::crc32(crc, p, n));
-    p += n;
-    bytes -= n;
-  }
-  return crc;
 }
 
 }  // namespace pskv::wire

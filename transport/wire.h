@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "layout/crc.h"
+#include "layout/key_entry.h"
 #include "pskv/error.h"
 
 namespace pskv::wire {
@@ -55,12 +57,7 @@ struct FrameHeader {
 };
 static_assert(sizeof(FrameHeader) == 48);
 
-struct KeyEntry {
-  std::uint64_t key;
-  std::uint32_t length;  // floats
-  std::uint32_t reserved;
-};
-static_assert(sizeof(KeyEntry) == 16);
+using pskv::KeyEntry;  // the key table's entries (layout/key_entry.h)
 
 // Limits every receiver enforces before it allocates anything a frame declares.
 struct Limits {
@@ -96,8 +93,8 @@ ParseResult parse_request(const std::byte* data, std::size_t avail, const Limits
 bool op_carries_values(Op op) noexcept;
 std::string_view op_name(std::uint16_t op) noexcept;
 
-// CRC-32 (zlib) over a sequence of buffers, for the optional checksum.
-std::uint32_t crc32_update(std::uint32_t crc, const void* data, std::size_t bytes) noexcept;
+// The optional checksum (flag kChecksum) is layout/crc.h's CRC-32.
+using pskv::crc32_update;
 
 inline FrameHeader make_header(Op op, std::uint64_t id, std::uint32_t num_keys, std::uint64_t payload_bytes,
                                std::uint64_t arg0 = 0, std::uint32_t arg1 = 0) {

@@ -247,7 +247,8 @@ TrainResult run_worker(const TrainConfig& c, int rank, const std::vector<std::st
 namespace {
 ServerOptions server_options(const TrainConfig& c, int server_id, const std::string& uri, bool restore) {
   ServerOptions so;
-  so.uri = uri;
+  // shm: one client slot per worker and a few for tools, each with room for a layer's push.
+  so.uri = uri.rfind("shm://", 0) == 0 ? uri + "?slots=" + std::to_string(c.workers + 4) + "&slot_mb=16" : uri;
   so.server_id = static_cast<std::uint32_t>(server_id);
   so.num_workers = static_cast<std::uint32_t>(c.workers);
   so.mode = c.mode;
@@ -261,8 +262,6 @@ ServerOptions server_options(const TrainConfig& c, int server_id, const std::str
   so.arena_bytes = 64ull << 20;
   so.max_keys = 4096;
   so.io_threads = 1;
-  so.shm_slots = static_cast<std::uint32_t>(c.workers) + 4;
-  so.shm_slot_bytes = 16ull << 20;
   so.checkpoint_dir = c.checkpoint_dir;
   so.auth_token_file = c.auth_token_file;
   so.checkpoint_interval = std::chrono::seconds(c.checkpoint_dir.empty() ? 0 : c.checkpoint_every_s);

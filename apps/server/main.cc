@@ -4,7 +4,9 @@
 #include <csignal>
 #include <cstdio>
 #include <iostream>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "pskv/error.h"
 #include "pskv/server.h"
@@ -69,19 +71,32 @@ int main(int argc, char** argv) {
                  "tcp: frame buffers and copied replies of all connections together, MiB; a request that would need "
                  "more is refused with 'capacity'")
       ->envname("PSKV_MEMORY_BUDGET_MB")->capture_default_str();
-  std::uint64_t shm_slot_mb = o.shm_slot_bytes >> 20;
-  app.add_option("--shm-slots", o.shm_slots, "shm: client slots (clients connected at once)")->envname("PSKV_SHM_SLOTS")
-      ->capture_default_str();
-  app.add_option("--shm-slot-mb", shm_slot_mb, "shm: per-client staging area for pushes, MiB (bounds one push)")
-      ->envname("PSKV_SHM_SLOT_MB")->capture_default_str();
-  app.add_option("--shm-push", o.shm_push,
-                 "shm: who applies a push: worker (the client, under the stripe lock, rolled back by the server if it "
-                 "dies mid-way) or server (a server thread, from the client's slot)")
-      ->envname("PSKV_SHM_PUSH")->check(CLI::IsMember({"worker", "server"}))->capture_default_str();
-  app.add_option("--tcp-push", o.tcp_push,
-                 "tcp: how a push larger than 256 KiB is applied: pieces (as it arrives, so a key longer than 256 KiB "
-                 "is atomic per 256 KiB piece) or whole (staged first, then applied atomically per key)")
-      ->envname("PSKV_TCP_PUSH")->check(CLI::IsMember({"pieces", "whole"}))->capture_default_str();
+  // Backend settings are URI parameters (docs/protocol.md, "Server URIs"); these flags (and their
+  // PSKV_* variables) are a shorter way to write them and are appended to --uri.
+  struct BackendFlag {
+    const char* scheme;
+    const char* param;
+    std::string value;
+    CLI::Option* option = nullptr;
+  };
+  std::vector<BackendFlag> backend = {{"shm", "slots", {}}, {"shm", "slot_mb", {}}, {"shm", "push", {}},
+                                      {"tcp", "push", {}},  {"rdma", "dev", {}},    {"rdma", "port", {}},
+                                      {"rdma", "gid", {}},  {"rdma", "depth", {}},  {"rdma", "recv_mb", {}}};
+  backend[0].option = app.add_option("--shm-slots", backend[0].value, "shm: client slots, clients connected at once (64); URI slots=")
+                          ->envname("PSKV_SHM_SLOTS");
+  backend[1].option = app.add_option("--shm-slot-mb", backend[1].value,
+                                     "shm: per-client staging area for pushes, MiB (32; bounds one push); URI slot_mb=")
+                          ->envname("PSKV_SHM_SLOT_MB");
+  backend[2].option = app.add_option("--shm-push", backend[2].value,
+                                     "shm: who applies a push: worker (the client, under the stripe lock, rolled back by "
+                                     "the server if it dies mid-way; the default) or server (a server thread, from the "
+                                     "client's slot); URI push=")
+                          ->envname("PSKV_SHM_PUSH")->check(CLI::IsMember({"worker", "server"}));
+  backend[3].option = app.add_option("--tcp-push", backend[3].value,
+                                     "tcp: how a push larger than 256 KiB is applied: pieces (as it arrives, so a key "
+                                     "longer than 256 KiB is atomic per 256 KiB piece; the default) or whole (staged "
+                                     "first, then applied atomically per key); URI push=")
+                          ->envname("PSKV_TCP_PUSH")->check(CLI::IsMember({"pieces", "whole"}));
   std::int64_t checkpoint_s = 0;
   app.add_option("--checkpoint-dir", o.checkpoint_dir, "Write this shard's checkpoint here (periodically and at exit)")
       ->envname("PSKV_CHECKPOINT_DIR");
@@ -92,22 +107,33 @@ int main(int argc, char** argv) {
   app.add_option("--auth-token-file", o.auth_token_file,
                  "tcp/rdma: shared secret (a chmod 600 file); every client must pass an HMAC-SHA256 challenge with it")
       ->envname("PSKV_AUTH_TOKEN_FILE");
-  std::uint64_t rdma_recv_mb = o.rdma_recv_bytes >> 20;
-  app.add_option("--rdma-device", o.rdma_device, "rdma: expected device (the URI's address picks it; a mismatch is an error)")
-      ->envname("PSKV_RDMA_DEVICE")->capture_default_str();
-  app.add_option("--rdma-ib-port", o.rdma_ib_port, "rdma: expected device port (-1: any)")->envname("PSKV_RDMA_IB_PORT")
-      ->capture_default_str();
-  app.add_option("--rdma-gid", o.rdma_gid_index, "rdma: expected GID index (-1: any)")->envname("PSKV_RDMA_GID")
-      ->capture_default_str();
-  app.add_option("--rdma-queue-depth", o.rdma_queue_depth, "rdma: requests in flight per client")
-      ->envname("PSKV_RDMA_QUEUE_DEPTH")->capture_default_str();
-  app.add_option("--rdma-recv-mb", rdma_recv_mb, "rdma: per-client receive region for pushes, MiB (bounds one push)")
-      ->envname("PSKV_RDMA_RECV_MB")->capture_default_str();
-  app.add_flag("--rdma-busy-poll", o.rdma_busy_poll, "rdma: spin on completion queues (lower latency, burns cores)")
+  backend[4].option = app.add_option("--rdma-device", backend[4].value,
+                                     "rdma: expected device (the URI's address picks it; a mismatch is an error); URI dev=")
+                          ->envname("PSKV_RDMA_DEVICE");
+  backend[5].option = app.add_option("--rdma-ib-port", backend[5].value, "rdma: expected device port; URI port=")
+                          ->envname("PSKV_RDMA_IB_PORT");
+  backend[6].option = app.add_option("--rdma-gid", backend[6].value, "rdma: expected GID index; URI gid=")
+                          ->envname("PSKV_RDMA_GID");
+  backend[7].option = app.add_option("--rdma-queue-depth", backend[7].value, "rdma: requests in flight per client (64); URI depth=")
+                          ->envname("PSKV_RDMA_QUEUE_DEPTH");
+  backend[8].option = app.add_option("--rdma-recv-mb", backend[8].value,
+                                     "rdma: per-client receive region for pushes, MiB (32; bounds one push); URI recv_mb=")
+                          ->envname("PSKV_RDMA_RECV_MB");
+  bool rdma_busy_poll = false;
+  app.add_flag("--rdma-busy-poll", rdma_busy_poll, "rdma: spin on completion queues (lower latency, burns cores); URI poll=busy")
       ->envname("PSKV_RDMA_BUSY_POLL");
   CLI11_PARSE(app, argc, argv);
-  o.shm_slot_bytes = shm_slot_mb << 20;
-  o.rdma_recv_bytes = rdma_recv_mb << 20;
+  if (rdma_busy_poll) backend.push_back({"rdma", "poll", "busy"});
+  const std::string scheme = o.uri.substr(0, o.uri.find("://"));
+  for (const BackendFlag& f : backend) {
+    if (f.value.empty()) continue;
+    if (scheme != f.scheme) {
+      std::fprintf(stderr, "pskv-server: %s applies to %s:// servers, not %s\n",
+                   f.option ? f.option->get_name().c_str() : "--rdma-busy-poll", f.scheme, o.uri.c_str());
+      return 2;
+    }
+    o.uri += (o.uri.find('?') == std::string::npos ? "?" : "&") + std::string(f.param) + "=" + f.value;
+  }
   o.checkpoint_interval = std::chrono::seconds(checkpoint_s);
 
   o.mode = *pskv::parse_consistency_mode(mode);

@@ -2,6 +2,7 @@
 #include <pybind11/stl.h>
 
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "client_binding.h"
@@ -53,8 +54,9 @@ void bind_server(py::module_& m) {
                        const std::string& straggler, std::uint64_t arena_mb, std::uint64_t max_keys,
                        std::uint32_t stripes, std::uint32_t io_threads, std::uint32_t max_connections,
                        std::uint64_t max_request_mb, const std::string& checkpoint_dir, double checkpoint_every,
-                       const std::string& restore_dir, const std::string& auth_token_file, std::uint32_t shm_slots,
-                       std::uint64_t shm_slot_mb, const std::string& shm_push, const std::string& tcp_push) {
+                       const std::string& restore_dir, const std::string& auth_token_file,
+                       std::optional<std::uint32_t> shm_slots, std::optional<std::uint64_t> shm_slot_mb,
+                       std::optional<std::string> shm_push, std::optional<std::string> tcp_push) {
              ServerOptions o;
              o.uri = uri;
              o.num_workers = workers;
@@ -83,10 +85,21 @@ void bind_server(py::module_& m) {
              o.checkpoint_interval = to_ms(checkpoint_every, "checkpoint_every");
              o.restore_dir = restore_dir;
              o.auth_token_file = auth_token_file;
-             o.shm_slots = shm_slots;
-             o.shm_slot_bytes = shm_slot_mb << 20;
-             o.shm_push = shm_push;
-             o.tcp_push = tcp_push;
+             // Backend settings travel as URI parameters; these keywords are a shorter way to write them.
+             const std::string scheme = uri.substr(0, uri.find("://"));
+             auto param = [&](const char* keyword, const char* for_scheme, const char* name,
+                              const std::optional<std::string>& value) {
+               if (!value) return;
+               if (scheme != for_scheme)
+                 throw Error(Errc::invalid_argument,
+                             std::string(keyword) + " applies to " + for_scheme + ":// servers, not " + uri);
+               o.uri += (o.uri.find('?') == std::string::npos ? "?" : "&") + std::string(name) + "=" + *value;
+             };
+             auto text = [](const auto& n) { return n ? std::optional<std::string>(std::to_string(*n)) : std::nullopt; };
+             param("shm_slots", "shm", "slots", text(shm_slots));
+             param("shm_slot_mb", "shm", "slot_mb", text(shm_slot_mb));
+             param("shm_push", "shm", "push", shm_push);
+             param("tcp_push", "tcp", "push", tcp_push);
              return std::make_unique<PyServer>(o);
            }),
            py::arg("uri") = d.uri, py::arg("workers") = d.num_workers, py::arg("mode") = std::string(to_string(d.mode)),
@@ -100,9 +113,8 @@ void bind_server(py::module_& m) {
            py::arg("io_threads") = d.io_threads, py::arg("max_connections") = d.max_connections,
            py::arg("max_request_mb") = d.max_request_bytes >> 20, py::arg("checkpoint_dir") = d.checkpoint_dir,
            py::arg("checkpoint_every") = seconds(d.checkpoint_interval), py::arg("restore_dir") = d.restore_dir,
-           py::arg("auth_token_file") = d.auth_token_file, py::arg("shm_slots") = d.shm_slots,
-           py::arg("shm_slot_mb") = d.shm_slot_bytes >> 20, py::arg("shm_push") = d.shm_push,
-           py::arg("tcp_push") = d.tcp_push)
+           py::arg("auth_token_file") = d.auth_token_file, py::arg("shm_slots") = py::none(),
+           py::arg("shm_slot_mb") = py::none(), py::arg("shm_push") = py::none(), py::arg("tcp_push") = py::none())
       .def_property_readonly("uri", &PyServer::uri, "The URI clients use (with the real port if 0 was asked).")
       .def("stats", &PyServer::stats, "The shard's counters, parsed from JSON.")
       .def("workers_finished", &PyServer::workers_finished, "True once every worker finished or was evicted.")

@@ -5,7 +5,7 @@
 #include <mutex>
 
 #include "client/placement.h"
-#include "consistency/clock_table.h"
+#include "layout/clock_table.h"
 #include "transport/transport.h"
 
 namespace pskv {

@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include "store/store.h"
+#include "layout/hash.h"
 
 namespace pskv {
 

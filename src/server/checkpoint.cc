@@ -6,9 +6,10 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <filesystem>
 #include <vector>
 
-#include "transport/wire.h"
+#include "layout/crc.h"
 
 namespace pskv {
 
@@ -101,6 +102,8 @@ std::string checkpoint_path(const std::string& dir, std::uint32_t server_id) {
 CheckpointInfo write_checkpoint(Store& store, const std::string& dir, std::uint32_t server_id) {
   const std::string final_path = checkpoint_path(dir, server_id);
   const std::string tmp_path = final_path + ".tmp";
+  std::error_code made;
+  std::filesystem::create_directories(dir, made);  // a failure shows as the file's, just below
   CheckpointInfo info;
   {
     Writer w(tmp_path);
@@ -113,7 +116,7 @@ CheckpointInfo write_checkpoint(Store& store, const std::string& dir, std::uint3
     h.started_unix_ns = static_cast<std::uint64_t>(
         std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch()).count());
     info.started_unix_ns = h.started_unix_ns;
-    h.crc = wire::crc32_update(0, &h, offsetof(FileHeader, crc));
+    h.crc = crc32_update(0, &h, offsetof(FileHeader, crc));
     w.put(&h, sizeof h);
     std::vector<float> value, state;
     std::uint32_t crc_of_crcs = 0;
@@ -126,13 +129,13 @@ CheckpointInfo write_checkpoint(Store& store, const std::string& dir, std::uint3
       state.assign(std::size_t{e.length} * state_floats_per_value(store.rule().rule), 0.0f);
       KeyHeader k{e.key, e.length, static_cast<std::uint32_t>(state.size()), 0, 0};
       store.snapshot_slot(*e.slot, value.data(), state.data(), &k.update_count);
-      k.crc = wire::crc32_update(0, &k, offsetof(KeyHeader, crc));
-      k.crc = wire::crc32_update(k.crc, value.data(), value.size() * sizeof(float));
-      k.crc = wire::crc32_update(k.crc, state.data(), state.size() * sizeof(float));
+      k.crc = crc32_update(0, &k, offsetof(KeyHeader, crc));
+      k.crc = crc32_update(k.crc, value.data(), value.size() * sizeof(float));
+      k.crc = crc32_update(k.crc, state.data(), state.size() * sizeof(float));
       w.put(&k, sizeof k);
       w.put(value.data(), value.size() * sizeof(float));
       w.put(state.data(), state.size() * sizeof(float));
-      crc_of_crcs = wire::crc32_update(crc_of_crcs, &k.crc, sizeof k.crc);
+      crc_of_crcs = crc32_update(crc_of_crcs, &k.crc, sizeof k.crc);
       ++written;
     });
     Footer f{};
@@ -167,7 +170,7 @@ CheckpointInfo parse_checkpoint(const std::uint8_t* data, std::size_t size, Stor
   FileHeader h;
   take(&h, sizeof h, "the header");
   if (std::memcmp(h.magic, kMagic, 8) != 0) throw corrupt("not a pskv checkpoint (bad magic)");
-  if (h.crc != wire::crc32_update(0, &h, offsetof(FileHeader, crc))) throw corrupt("header checksum mismatch");
+  if (h.crc != crc32_update(0, &h, offsetof(FileHeader, crc))) throw corrupt("header checksum mismatch");
   if (h.version != kVersion) throw corrupt("version " + std::to_string(h.version) + " is not readable by this build");
   if (store && h.rule != static_cast<std::uint32_t>(store->rule().rule))
     throw Error(Errc::invalid_argument, "checkpoint " + name + " was written with update rule " +
@@ -180,10 +183,10 @@ CheckpointInfo parse_checkpoint(const std::uint8_t* data, std::size_t size, Stor
     take(&k, sizeof k, "a key header");
     const std::uint64_t floats = std::uint64_t{k.length} + k.state_floats;
     if (k.length == 0 || floats * sizeof(float) > size - at) throw corrupt("key " + std::to_string(k.key) + " claims more data than the file holds");
-    std::uint32_t crc = wire::crc32_update(0, &k, offsetof(KeyHeader, crc));
-    crc = wire::crc32_update(crc, data + at, floats * sizeof(float));
+    std::uint32_t crc = crc32_update(0, &k, offsetof(KeyHeader, crc));
+    crc = crc32_update(crc, data + at, floats * sizeof(float));
     if (crc != k.crc) throw corrupt("checksum mismatch in key " + std::to_string(k.key));
-    crc_of_crcs = wire::crc32_update(crc_of_crcs, &k.crc, sizeof k.crc);
+    crc_of_crcs = crc32_update(crc_of_crcs, &k.crc, sizeof k.crc);
     if (store) {
       value.resize(k.length);
       state.resize(k.state_floats);

@@ -7,27 +7,14 @@
 #include <thread>
 
 #include "common/log.h"
+#include "engine/shard_engine.h"
 #include "server/checkpoint.h"
-
-#include "server/shard_engine.h"
-#include "transport/shm/shm_server.h"
-#include "transport/tcp/tcp_server.h"
+#include "transport/listener.h"
 #include "transport/uri.h"
-#if PSKV_WITH_RDMA
-#include "transport/rdma/rdma_server.h"
-#endif
 
 namespace pskv {
 namespace detail {
 namespace {
-// A ServerOptions field that names one of two behaviours; true for `first`.
-bool choose(const char* field, const std::string& value, const char* first, const char* second) {
-  if (value != first && value != second)
-    throw Error(Errc::invalid_argument, std::string(field) + " must be \"" + first + "\" or \"" + second + "\", got \"" +
-                                            value + "\"");
-  return value == first;
-}
-
 [[noreturn]] void reject(const std::string& why) { throw Error(Errc::invalid_argument, why); }
 
 bool finite_at_least(float v, float low) { return std::isfinite(v) && v >= low; }
@@ -70,11 +57,12 @@ void validate(const ServerOptions& o) {
 }
 }  // namespace
 
+// Thread-safety: construct and stop() from one thread; the accessors from any thread (they take
+// mu_, which stop() holds while it closes the listener).
 class ServerImpl {
  public:
-  explicit ServerImpl(const ServerOptions& o) : uri_(parse_uri(o.uri)), options_(o) {
+  explicit ServerImpl(const ServerOptions& o) : options_(o) {
     validate(o);
-    ShardEngine* engine = nullptr;
     EngineOptions e;
     e.store.arena_bytes = o.arena_bytes;
     e.store.max_keys = o.max_keys;
@@ -87,80 +75,37 @@ class ServerImpl {
     e.wait_timeout = o.wait_timeout;
     e.straggler = o.straggler;
     e.server_id = o.server_id;
-    wire::Limits limits;
-    limits.max_keys = o.max_keys_per_request;
-    limits.max_payload_bytes = o.max_request_bytes;
-    const std::shared_ptr<const auth::Token> token =
-        o.auth_token_file.empty() ? nullptr : auth::Token::load_file(o.auth_token_file);
-    const std::uint32_t cores = std::max(1u, std::thread::hardware_concurrency());
-    const std::uint32_t threads = o.io_threads ? o.io_threads : cores;
-    // shm clients always share this machine, and its server threads poll before they sleep: one
-    // per core left the clients' spinning waiters none, and two 64-byte pushers on 2 cores fell
-    // from ~900 K to ~25 K operations/s. Half the cores leaves the other half to the clients.
-    const std::uint32_t shm_threads = o.io_threads ? o.io_threads : std::max(1u, cores / 2);
-    auto prepare = [&](ShardEngine& engine) {
-      if (o.restore_dir.empty()) return;
+    transport::ListenOptions l;
+    l.server_id = o.server_id;
+    l.io_threads = o.io_threads;
+    l.max_connections = o.max_connections;
+    l.max_connections_per_address = o.max_connections_per_address;
+    l.handshake_timeout = o.handshake_timeout;
+    l.frame_timeout = o.frame_timeout;
+    l.memory_budget_bytes = o.memory_budget_bytes;
+    l.limits.max_keys = o.max_keys_per_request;
+    l.limits.max_payload_bytes = o.max_request_bytes;
+    if (!o.auth_token_file.empty()) l.token = auth::Token::load_file(o.auth_token_file);
+    listener_ = transport::listen(parse_uri(o.uri), l);
+    transport::EngineMemory memory = listener_->engine_memory(e);
+    engine_ = std::make_unique<ShardEngine>(e, std::move(memory.store), memory.clocks);
+    if (!o.restore_dir.empty()) {
       const std::string path = checkpoint_path(o.restore_dir, o.server_id);
-      const CheckpointInfo info = read_checkpoint(engine.store(), path);
+      const CheckpointInfo info = read_checkpoint(engine_->store(), path);
       log::info("checkpoint", "server " + std::to_string(o.server_id) + " restored " + std::to_string(info.keys) +
                                   " keys from " + path);
-    };
-    if (uri_.scheme == "tcp") {
-      const bool push_in_pieces = choose("tcp_push", o.tcp_push, "pieces", "whole");
-      engine_ = std::make_unique<ShardEngine>(e);
-      prepare(*engine_);
-      tcp_ = std::make_unique<tcp::TcpServer>(*engine_, uri_,
-                                              tcp::TcpServerOptions{.io_threads = threads,
-                                                                    .max_connections = o.max_connections,
-                                                                    .max_connections_per_address =
-                                                                        o.max_connections_per_address,
-                                                                    .frame_timeout = o.frame_timeout,
-                                                                    .handshake_timeout = o.handshake_timeout,
-                                                                    .memory_budget_bytes = o.memory_budget_bytes,
-                                                                    .limits = limits,
-                                                                    .push_in_pieces = push_in_pieces,
-                                                                    .token = token});
-      uri_.port = tcp_->port();
-      engine = engine_.get();
-    } else if (uri_.scheme == "shm") {
-      const bool worker_push = choose("shm_push", o.shm_push, "worker", "server");
-      shm_ = std::make_unique<shm::ShmServer>(
-          uri_.name, e,
-          shm::ShmServerOptions{.threads = shm_threads,
-                                .slots = o.shm_slots,
-                                .slot_data_bytes = o.shm_slot_bytes,
-                                .worker_push = worker_push},
-          prepare);
-      engine = &shm_->engine();
-#if PSKV_WITH_RDMA
-    } else if (uri_.scheme == "rdma") {
-      rdma_ = std::make_unique<rdma::RdmaServer>(uri_, e,
-                                                 rdma::RdmaServerOptions{.threads = threads,
-                                                                         .max_connections = o.max_connections,
-                                                                         .queue_depth = o.rdma_queue_depth,
-                                                                         .region_bytes = o.rdma_recv_bytes,
-                                                                         .device = o.rdma_device,
-                                                                         .ib_port = o.rdma_ib_port,
-                                                                         .gid_index = o.rdma_gid_index,
-                                                                         .busy_poll = o.rdma_busy_poll,
-                                                                         .limits = limits,
-                                                                         .token = token},
-                                                 prepare);
-      uri_.port = rdma_->port();
-      uri_.params.clear();  // the device choice is the server's; clients name their own
-      engine = &rdma_->engine();
-#endif
-    } else {
-      throw Error(Errc::unsupported, "the " + uri_.scheme + " transport is not available in this build");
     }
-    engine_view_ = engine;
+    listener_->start(*engine_);
+    uri_ = listener_->uri();
     if (!o.checkpoint_dir.empty() && o.checkpoint_interval.count() > 0)
       checkpointer_ = std::thread([this] { checkpoint_loop(); });
   }
 
+  ~ServerImpl() { stop(); }
+
   void checkpoint() {
     std::lock_guard lock(checkpoint_mu_);
-    write_checkpoint(engine_view_->store(), options_.checkpoint_dir, options_.server_id);
+    write_checkpoint(engine_->store(), options_.checkpoint_dir, options_.server_id);
   }
 
   void checkpoint_loop() {
@@ -176,8 +121,9 @@ class ServerImpl {
     }
   }
 
-  ~ServerImpl() { stop(); }
-
+  // The one stop sequence of every backend: stop accepting, drain (no request is applied after
+  // it), the final checkpoint (so it holds every acknowledged push), the engine's shutdown
+  // (parked requests get their error while the connections are still open), close.
   void stop() {
     {
       std::lock_guard lock(stop_mu_);
@@ -186,8 +132,8 @@ class ServerImpl {
     }
     stop_cv_.notify_all();
     if (checkpointer_.joinable()) checkpointer_.join();
-    if (tcp_) tcp_->stop();
-    // The final checkpoint sees every acknowledged push: the transports are drained first.
+    listener_->stop_accepting();
+    listener_->drain();
     if (!options_.checkpoint_dir.empty()) {
       try {
         checkpoint();
@@ -196,18 +142,24 @@ class ServerImpl {
                    "server " + std::to_string(options_.server_id) + ": final checkpoint failed: " + e.what());
       }
     }
-    if (shm_) shm_->stop();
-#if PSKV_WITH_RDMA
-    if (rdma_) rdma_->stop();
-#endif
-    if (engine_) engine_->shutdown();
+    engine_->shutdown();
+    std::lock_guard lock(mu_);
+    listener_->close();
+    closed_ = true;
   }
 
-  std::string uri() const { return uri_.str(); }
-  std::string stats_json() const { return shm_ ? shm_->stats_json() : engine_view_->stats_json(); }
-  std::string failure() const { return engine_view_->failure(); }
+  std::string uri() const { return uri_; }
+  std::string stats_json() const {
+    transport::ListenerStats extra;
+    {
+      std::lock_guard lock(mu_);
+      if (!closed_) extra = listener_->stats();
+    }
+    return engine_->stats_json(extra.external_pushes, extra.fields);
+  }
+  std::string failure() const { return engine_->failure(); }
   bool workers_finished() const {
-    ClockTable* clocks = engine_view_->clocks();
+    ClockTable* clocks = engine_->clocks();
     if (!clocks) return false;
     for (std::uint32_t w = 0; w < clocks->workers(); ++w)
       if (!clocks->evicted(w) && clocks->clock(w) != kClockDone) return false;
@@ -215,19 +167,16 @@ class ServerImpl {
   }
 
  private:
-  Uri uri_;
   ServerOptions options_;
-  ShardEngine* engine_view_ = nullptr;
-  std::mutex checkpoint_mu_, stop_mu_;
-  std::condition_variable stop_cv_;
-  bool stopping_ = false;
-  std::thread checkpointer_;
+  std::string uri_;
+  // The listener outlives the engine: it may own the engine's memory (the shm segment).
+  std::unique_ptr<transport::Listener> listener_;
   std::unique_ptr<ShardEngine> engine_;
-  std::unique_ptr<tcp::TcpServer> tcp_;
-  std::unique_ptr<shm::ShmServer> shm_;
-#if PSKV_WITH_RDMA
-  std::unique_ptr<rdma::RdmaServer> rdma_;
-#endif
+  std::mutex checkpoint_mu_, stop_mu_;
+  mutable std::mutex mu_;
+  std::condition_variable stop_cv_;
+  bool stopping_ = false, closed_ = false;
+  std::thread checkpointer_;
 };
 
 }  // namespace detail

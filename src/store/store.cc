@@ -11,11 +11,7 @@
 namespace pskv {
 
 namespace {
-constexpr std::uint64_t kMagic = 0x31565f564b53505bULL;  // "[PSKV_V1"
-// 2: the create lock left the shared header (only the creating process creates keys).
-constexpr std::uint32_t kLayoutVersion = 2;
 constexpr std::uint64_t kEmpty = 0;
-constexpr std::uint64_t kHeaderBlock = 256;
 }  // namespace
 
 
@@ -27,7 +23,7 @@ struct Layout {
 
 Layout layout_for(const StoreOptions& o) {
   Layout l{};
-  std::uint64_t off = kHeaderBlock;
+  std::uint64_t off = kStoreHeaderBlock;
   l.stripes_offset = off;
   off += std::uint64_t{o.stripes} * kCacheLine;
   l.index_offset = off;
@@ -72,7 +68,7 @@ std::size_t Store::required_bytes(const StoreOptions& options) {
 }
 
 std::unique_ptr<Store> Store::create(std::unique_ptr<MemoryResource> memory, const StoreOptions& options) {
-  static_assert(sizeof(Header) <= kHeaderBlock);
+  static_assert(sizeof(Header) <= kStoreHeaderBlock);
   static_assert(sizeof(IndexEntry) == 16);
   validate(options);
   if (!memory) throw Error(Errc::invalid_argument, "Store::create: no memory");
@@ -99,7 +95,7 @@ std::unique_ptr<Store> Store::create(std::unique_ptr<MemoryResource> memory, con
   // The index and locks must start zeroed; the arenas are written before they are published.
   std::memset(base, 0, l.values_offset);
   auto* h = new (base) Header{};
-  h->layout_version = kLayoutVersion;
+  h->layout_version = kStoreLayoutVersion;
   h->stripes = g.stripes;
   h->max_keys = g.max_keys;
   h->index_capacity = g.index_capacity;
@@ -113,7 +109,7 @@ std::unique_ptr<Store> Store::create(std::unique_ptr<MemoryResource> memory, con
   h->rule = g.rule;
   for (std::uint32_t i = 0; i < options.stripes; ++i) new (base + l.stripes_offset + i * kCacheLine) SharedMutex();
   std::atomic_thread_fence(std::memory_order_release);
-  std::atomic_ref<std::uint64_t>(h->magic).store(kMagic, std::memory_order_release);
+  std::atomic_ref<std::uint64_t>(h->magic).store(kStoreMagic, std::memory_order_release);
   return std::unique_ptr<Store>(new Store(std::move(memory), g, true));
 }
 
@@ -121,11 +117,11 @@ std::unique_ptr<Store> Store::attach(std::unique_ptr<MemoryResource> memory) {
   if (!memory || memory->size() < sizeof(Header))
     throw Error(Errc::invalid_argument, "Store::attach: region too small to hold a store");
   auto* h = reinterpret_cast<Header*>(memory->data());
-  if (std::atomic_ref<std::uint64_t>(h->magic).load(std::memory_order_acquire) != kMagic)
+  if (std::atomic_ref<std::uint64_t>(h->magic).load(std::memory_order_acquire) != kStoreMagic)
     throw Error(Errc::protocol, "region does not hold a pskv store (bad magic); was it created by pskv-server?");
-  if (h->layout_version != kLayoutVersion)
+  if (h->layout_version != kStoreLayoutVersion)
     throw Error(Errc::protocol, "store layout version " + std::to_string(h->layout_version) + " but this build reads " +
-                                    std::to_string(kLayoutVersion) + "; use matching pskv builds");
+                                    std::to_string(kStoreLayoutVersion) + "; use matching pskv builds");
   // Read once into private memory and checked as a whole; nothing is read from the header again.
   Geometry g;
   g.stripes = h->stripes;
@@ -262,20 +258,7 @@ Errc Store::init(Key key, std::span<const float> initial) {
 
 Errc Store::init_zero(Key key, std::uint32_t length) { return create_slot(key, length, nullptr); }
 
-bool Store::copy_if_unchanged(const SlotHeader& slot, float* out, std::size_t length, std::uint64_t* version) noexcept {
-  const std::uint64_t before = stable_version(slot);
-  seqlock_copy(out, slot.values(), length * sizeof(float));
-  std::atomic_thread_fence(std::memory_order_acquire);
-  *version = before;
-  return slot.seq.load(std::memory_order_relaxed) == before;
-}
 
-ReadResult Store::read_slot(const SlotHeader& slot, float* out, std::size_t length) noexcept {
-  std::uint64_t version = 0;
-  while (!copy_if_unchanged(slot, out, length, &version)) {
-  }
-  return {Errc::ok, version};
-}
 
 ReadResult Store::read_slot_or_lock(const SlotRef& ref, float* out) const noexcept {
   const SlotHeader& slot = *ref.slot;
@@ -296,23 +279,12 @@ ReadResult Store::read_slot_or_lock(const SlotRef& ref, float* out) const noexce
   return {Errc::ok, version};
 }
 
-std::uint64_t Store::stable_version(const SlotHeader& slot) noexcept {
-  // A writer inside holds the slot for at most one update: spin briefly, then yield.
-  for (unsigned attempt = 0;; ++attempt) {
-    const std::uint64_t v = slot.seq.load(std::memory_order_acquire);
-    if ((v & 1) == 0) return v;
-    if (attempt < 64)
-      cpu_relax();
-    else
-      std::this_thread::yield();
-  }
-}
 
 ReadResult Store::pull(Key key, std::span<float> out) const noexcept {
   const SlotRef ref = find_ref(key);
   if (!ref.slot) return {Errc::not_found, 0};
   if (ref.length != out.size()) return {Errc::length_mismatch, 0};
-  return read_slot(*ref.slot, out.data(), out.size());
+  return {Errc::ok, read_slot(*ref.slot, out.data(), out.size())};
 }
 
 Errc Store::apply_slot(const SlotRef& ref, const float* grad, const UpdateRuleConfig& rule, float lr_scale) noexcept {
@@ -353,8 +325,8 @@ std::size_t Store::undo_floats(const SlotHeader& slot) const noexcept {
 }
 
 Errc Store::apply_logged(SlotHeader& slot, const float* grad, std::uint32_t length, float lr_scale, std::uint32_t owner,
-                         UndoRecord& log, float* undo, std::size_t undo_capacity,
-                         std::chrono::nanoseconds patience) noexcept {
+                         UndoRecord& log, float* undo, std::size_t undo_capacity, std::chrono::nanoseconds patience,
+                         const std::atomic<std::uint32_t>* closing) noexcept {
   SlotRef r;
   if (!resolve(slot, &r) || r.length != length) return Errc::length_mismatch;
   const std::size_t state_count = std::size_t{length} * g_.state_per_value;
@@ -363,6 +335,10 @@ Errc Store::apply_logged(SlotHeader& slot, const float* grad, std::uint32_t leng
   log.slot_offset = slot_offset(slot);
   // Announced before the lock is taken, so that a recoverer knows which lock to look at.
   log.phase.store(UndoPhase::locking, std::memory_order_seq_cst);
+  if (closing && closing->load(std::memory_order_seq_cst) != 0) {
+    log.phase.store(UndoPhase::idle, std::memory_order_release);
+    return Errc::peer_failure;
+  }
   SharedMutex& lock = stripe_at(r.stripe);
   if (!lock.lock_for(owner, patience)) {
     log.phase.store(UndoPhase::idle, std::memory_order_release);

@@ -18,6 +18,9 @@
 
 #include "common/memory.h"
 #include "common/sync.h"
+#include "layout/hash.h"
+#include "layout/slot.h"
+#include "layout/store_format.h"
 #include "pskv/error.h"
 #include "pskv/update_rule.h"
 
@@ -35,61 +38,9 @@ struct StoreOptions {
   UpdateRuleConfig rule{};
 };
 
-struct alignas(64) SlotHeader {
-  std::atomic<std::uint64_t> seq;  // seqlock: odd while a writer is inside
-  std::uint64_t key;
-  std::uint32_t length;            // floats
-  std::uint32_t flags;
-  std::uint64_t state_offset;      // into the state arena (state_per_value x the slot's offset in
-                                   // the value arena); unused when the rule has no state
-  std::uint64_t update_count;      // updates applied so far (Adam's t)
-  // The creating store's private record of this slot, plus 1: a hint that saves a hash probe
-  // per access. It lies in memory others may write, so it is believed only when that record
-  // names this very slot (Store::record_of).
-  std::uint64_t record_hint;
-  std::uint64_t reserved[2];
 
-  float* values() noexcept { return reinterpret_cast<float*>(this + 1); }
-  const float* values() const noexcept { return reinterpret_cast<const float*>(this + 1); }
-};
-static_assert(sizeof(SlotHeader) == 64);
 
-inline constexpr std::size_t slot_bytes(std::uint32_t length) noexcept {
-  return sizeof(SlotHeader) + align_up(std::size_t{length} * sizeof(float), kCacheLine);
-}
 
-inline std::uint64_t mix64(std::uint64_t x) noexcept {
-  x ^= x >> 33;
-  x *= 0xff51afd7ed558ccdULL;
-  x ^= x >> 33;
-  x *= 0xc4ceb9fe1a85ec53ULL;
-  x ^= x >> 33;
-  return x;
-}
-
-// The store region's header, the layout another process attaches to. The fields before
-// values_used never change after Store::create; the counters after it are mirrors kept for
-// readers in other processes. Nobody, the creating process included, takes an address, size or
-// rule from it after create/attach: each Store keeps its own copy (Store::Geometry).
-struct alignas(64) StoreHeader {
-  std::uint64_t magic;
-  std::uint32_t layout_version;
-  std::uint32_t stripes;
-  std::uint64_t max_keys;
-  std::uint64_t index_capacity;  // power of two
-  std::uint64_t stripes_offset;
-  std::uint64_t index_offset;
-  std::uint64_t values_offset;
-  std::uint64_t values_bytes;
-  std::uint64_t state_offset;
-  std::uint64_t state_bytes;
-  std::uint64_t total_bytes;
-  UpdateRuleConfig rule;
-  alignas(64) std::atomic<std::uint64_t> values_used;
-  std::atomic<std::uint64_t> state_used;
-  std::atomic<std::uint64_t> key_count;
-};
-inline constexpr std::size_t kStoreFixedHeaderBytes = offsetof(StoreHeader, values_used);
 
 // Result of a read: the seqlock version the copy was validated against.
 struct ReadResult {
@@ -97,17 +48,6 @@ struct ReadResult {
   std::uint64_t version = 0;
 };
 
-// Undo record of one update made by a process that may be killed mid-way (a shm worker applying
-// its own push). It lives in memory that outlives the process, next to an undo buffer of
-// value + optimizer-state floats; Store::recover uses both to roll the update back.
-enum class UndoPhase : std::uint32_t { idle = 0, locking = 1, saved = 2, applied = 3 };
-struct UndoRecord {
-  std::atomic<UndoPhase> phase;
-  std::uint32_t stripe;        // the lock the writer takes or holds (phase != idle)
-  std::uint64_t slot_offset;   // SlotHeader, from the region base (phase saved)
-  std::uint64_t seq;           // the slot's seqlock before the update
-  std::uint64_t update_count;  // and its update count
-};
 
 // A key as a Store trusts it, resolved once by find_batch (or resolve) and used by the later
 // passes of the same request without looking again: the slot, its length in floats, its stripe
@@ -216,11 +156,6 @@ class Store {
     else
       prefetch(&index_[mix64(key) & index_mask_]);
   }
-  // The header line and the first value line of a slot.
-  static void prefetch_slot(const SlotHeader& slot) noexcept {
-    prefetch(&slot);
-    prefetch(reinterpret_cast<const char*>(&slot) + 64);
-  }
   // For a pass that touches refs[0], refs[1], ... in turn: call before touching refs[i], so the
   // misses of the slots kSlotsAhead further on are in flight meanwhile (a slot prefetched a
   // whole batch earlier has left the near caches by the time it is used).
@@ -244,16 +179,11 @@ class Store {
 
   // Copies the key's value into `out` (exact length required), validated by the seqlock.
   ReadResult pull(Key key, std::span<float> out) const noexcept;
-  // `length` floats, which the caller checked against length_of (and holds, on an attached store).
-  static ReadResult read_slot(const SlotHeader& slot, float* out, std::size_t length) noexcept;
   // read_slot of ref.length floats for a server thread, which may take the key's stripe lock:
   // after a few copies spoiled by writers it copies under the lock, so a large value that writers
   // keep changing (a push applied in pieces changes it every few microseconds) is still read.
   // Not for processes that may die (a reader killed under the lock would leave it held).
   ReadResult read_slot_or_lock(const SlotRef& ref, float* out) const noexcept;
-  // The slot's seqlock version once no writer is inside (even). Readers that copy the values
-  // some other way compare it with seq afterwards (after an acquire fence) to detect a write.
-  static std::uint64_t stable_version(const SlotHeader& slot) noexcept;
 
   // Applies the store's update rule with `grad`; lr is multiplied by lr_scale.
   Errc push(Key key, std::span<const float> grad, float lr_scale = 1.0f) noexcept;
@@ -278,9 +208,13 @@ class Store {
   // may die at any instant: the old value, state and count go to `undo` (undo_capacity floats)
   // and `log` says how far it got. `length` is the caller's checked length of the key: a slot
   // that no longer has it, or whose undo copy would not fit, gives length_mismatch. Errc::timeout
-  // if the stripe lock was still held after `patience`, with nothing changed.
+  // if the stripe lock was still held after `patience`, with nothing changed. `closing` (may be
+  // null): a word the region's owner sets when it stops taking updates; read after the record is
+  // announced (both seq_cst), so the owner either sees this update in progress and waits for it,
+  // or this update sees the word and gives up with Errc::peer_failure, with nothing changed.
   Errc apply_logged(SlotHeader& slot, const float* grad, std::uint32_t length, float lr_scale, std::uint32_t owner,
-                    UndoRecord& log, float* undo, std::size_t undo_capacity, std::chrono::nanoseconds patience) noexcept;
+                    UndoRecord& log, float* undo, std::size_t undo_capacity, std::chrono::nanoseconds patience,
+                    const std::atomic<std::uint32_t>* closing = nullptr) noexcept;
   // Value plus optimizer-state floats an undo copy of the slot takes (0 if it cannot be trusted).
   std::size_t undo_floats(const SlotHeader& slot) const noexcept;
   // The slot whose header is `offset` bytes from the region base, if the index knows one there;
@@ -341,12 +275,6 @@ class Store {
 
  private:
   using Header = StoreHeader;
-  // Lookups read `slot` (acquire) and then `key`; an insert writes `key` first and publishes
-  // with `slot` (release), so a reader that sees a slot sees its key. Never removed.
-  struct IndexEntry {
-    std::atomic<std::uint64_t> key;
-    std::atomic<std::uint64_t> slot;  // offset of the SlotHeader from the region base + 1; 0 = empty
-  };
   // The creating Store's own record of a key, in private memory: 16 bytes, as dense as the
   // shared index, because a sparse batch's lookups are bound by how many of these miss the cache.
   // The stripe is a hash of the key and the optimizer state sits at state_per_value times the
@@ -414,8 +342,6 @@ class Store {
   bool lock_stripe(SharedMutex& lock) const noexcept;
   std::uint64_t used_bytes_acquire() const noexcept;
   Errc create_slot(Key key, std::uint32_t length, const float* initial);
-  // One seqlock-validated copy of `length` floats; false if a writer got in (copy again).
-  static bool copy_if_unchanged(const SlotHeader& slot, float* out, std::size_t length, std::uint64_t* version) noexcept;
   // `rule` over floats [begin, begin + n) under the stripe lock and the seqlock; *step 0 counts
   // the update and sets *step (apply_slot: the whole value; apply_part: one piece).
   // The caller holds the stripe lock.

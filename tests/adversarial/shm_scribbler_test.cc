@@ -23,7 +23,7 @@
 #include <vector>
 
 #include "common/sync.h"
-#include "consistency/clock_table.h"
+#include "layout/clock_table.h"
 #include "pskv/client.h"
 #include "store/store.h"
 #include "support/process.h"

@@ -19,12 +19,14 @@ namespace {
 class InProcess : public ::testing::TestWithParam<std::string> {
  protected:
   std::string uri() const {
-    return GetParam() == "tcp" ? "tcp://127.0.0.1:0" : "shm://inproc-" + std::to_string(getpid());
+    const std::string name = "inproc-" + std::to_string(getpid());
+    if (GetParam() == "tcp") return "tcp://127.0.0.1:0";
+    if (GetParam() == "fake") return "fake://" + name;
+    return "shm://" + name + (GetParam() == "shm_ring" ? "?push=server" : "");
   }
   ServerOptions server_options() const {
     ServerOptions so;
     so.uri = uri();
-    if (GetParam() == "shm_ring") so.shm_push = "server";
     so.arena_bytes = 16 << 20;
     return so;
   }
@@ -256,7 +258,7 @@ TEST_P(InProcess, PushesFromOtherThreadsMayRaceTheClock) {
   EXPECT_EQ(c.current_clock(), 200u);
 }
 
-INSTANTIATE_TEST_SUITE_P(Backends, InProcess, ::testing::Values("tcp", "shm", "shm_ring"),
+INSTANTIATE_TEST_SUITE_P(Backends, InProcess, ::testing::Values("tcp", "shm", "shm_ring", "fake"),
                          [](const auto& info) { return info.param; });
 
 }  // namespace

@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include "transport/listener.h"
+#include "transport/transport.h"
 #include "transport/uri.h"
 
 namespace pskv {
@@ -75,9 +77,42 @@ TEST(Uri, ParsesEveryScheme) {
 }
 
 TEST(Uri, RejectsMalformed) {
-  for (const char* bad : {"127.0.0.1:9000", "udp://h:1", "tcp://h", "tcp://:1", "tcp://h:99999", "tcp://h:1x",
-                          "shm://", "shm://../etc/passwd", "shm://a b", "rdma://h:1?novalue"})
+  for (const char* bad : {"127.0.0.1:9000", "://h:1", "tcp://h", "tcp://:1", "tcp://h:99999", "tcp://h:1x",
+                          "shm://", "shm://../etc/passwd", "shm://a b", "fake://", "rdma://h:1?novalue"})
     EXPECT_THROW(parse_uri(bad), Error) << bad;
+}
+
+// Which schemes exist is the factories' business: an unknown one parses, and is refused there.
+TEST(Uri, UnknownSchemesAreRefusedByTheFactories) {
+  const Uri udp = parse_uri("udp://h:1");
+  try {
+    transport::connect(udp, {});
+    ADD_FAILURE() << "connect accepted udp://";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::unsupported);
+    EXPECT_NE(std::string(e.what()).find("no udp transport"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(transport::listen(udp, {}), Error);
+}
+
+// Backend settings are URI parameters: each taken once, within its bounds, and none unknown.
+TEST(Uri, ParamsAreCheckedAndUnknownOnesRefused) {
+  const Uri u = parse_uri("shm://job?slots=8&push=server&colour=blue");
+  UriParams p(u);
+  EXPECT_EQ(p.number("slots", 64, 1, 4096), 8u);
+  EXPECT_EQ(p.number("slot_mb", 32, 1, 4096), 32u);  // absent: the fallback
+  EXPECT_EQ(p.choice("push", "worker", {"worker", "server"}), "server");
+  try {
+    p.finish();
+    ADD_FAILURE() << "an unknown parameter was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("colour"), std::string::npos) << e.what();
+  }
+  UriParams q(parse_uri("shm://job?slots=0"));
+  EXPECT_THROW(q.number("slots", 64, 1, 4096), Error);
+  UriParams r(parse_uri("tcp://h:1?push=sideways"));
+  EXPECT_THROW(r.choice("push", "pieces", {"pieces", "whole"}), Error);
+  EXPECT_THROW(transport::listen(parse_uri("tcp://127.0.0.1:0?colour=blue"), {}), Error);
 }
 
 }  // namespace

@@ -9,7 +9,7 @@
 #include <algorithm>
 #include <cstring>
 
-#include "consistency/clock_table.h"
+#include "layout/clock_table.h"
 
 namespace pskv::rdma {
 

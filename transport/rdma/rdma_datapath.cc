@@ -32,7 +32,7 @@
 #include <cstring>
 
 #include "common/sync.h"
-#include "consistency/clock_table.h"
+#include "layout/clock_table.h"
 #include "store/store.h"
 #include "transport/rdma/rdma_connection.h"
 

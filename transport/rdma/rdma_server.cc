@@ -35,28 +35,23 @@ void ServerConn::release() {
   recv = RegisteredBuffer();
 }
 
-RdmaServer::RdmaServer(const Uri& uri, const EngineOptions& engine, const RdmaServerOptions& options,
-                       const std::function<void(ShardEngine&)>& prepare)
-    : options_(options) {
+RdmaServer::RdmaServer(const Uri& uri, ShardEngine& engine, const PinnedBuffer& clocks, const RdmaServerOptions& options)
+    : options_(options), engine_(&engine), clock_memory_(&clocks) {
   Uri shown = uri;
   shown.params.clear();
   endpoint_ = shown.str();
-  EndpointParams want = parse_params(uri);
-  if (!options.device.empty()) want.device = options.device;
-  if (options.ib_port >= 0) want.port = options.ib_port;
-  if (options.gid_index >= 0) want.gid_index = options.gid_index;
-  want.busy_poll = want.busy_poll || options.busy_poll;
-  options_.busy_poll = want.busy_poll;
+  EndpointParams want;
+  want.device = options.device;
+  want.port = options.ib_port;
+  want.gid_index = options.gid_index;
+  want.busy_poll = options.busy_poll;
   options_.threads = std::max(1u, options_.threads);
   options_.queue_depth = std::clamp(options_.queue_depth, 1u, 4096u);
   if (options_.region_bytes < 4096 || options_.region_bytes / kDescriptorAlign > UINT32_MAX)
-    throw Error(Errc::invalid_argument, "--rdma-recv-mb must be between 1 and 262143");
+    throw Error(Errc::invalid_argument, "the receive region (recv_mb) must be between 1 and 262143 MiB");
   prepare_process();
   require_device(endpoint_);
 
-  if (engine.num_workers > 0) clock_memory_ = PinnedBuffer(align_up(ClockTable::bytes_for(engine.num_workers), 4096));
-  engine_ = std::make_unique<ShardEngine>(engine, nullptr, engine.num_workers ? clock_memory_.data() : nullptr);
-  if (prepare) prepare(*engine_);
   try {
     if (!(events_ = rdma_create_event_channel())) {
       if (errno == ENODEV || errno == ENOENT) require_device(endpoint_);
@@ -101,30 +96,43 @@ RdmaServer::RdmaServer(const Uri& uri, const EngineOptions& engine, const RdmaSe
     Store& store = engine_->store();
     store_mr_ = MemoryRegion(pd_, store.region(), store.region_size(), IBV_ACCESS_REMOTE_READ,
                              "the store region, sized by --arena-mb and --max-keys");
-    if (engine.num_workers > 0)
-      clock_mr_ = MemoryRegion(pd_, clock_memory_.data(), clock_memory_.size(), IBV_ACCESS_REMOTE_READ, "the clock table");
+    if (clock_memory_->size() > 0)
+      clock_mr_ = MemoryRegion(pd_, clock_memory_->data(), clock_memory_->size(), IBV_ACCESS_REMOTE_READ, "the clock table");
     for (std::uint32_t t = 0; t < options_.threads; ++t) io_.push_back(std::make_unique<IoThread>(*this, ctx_));
     if (rdma_listen(listen_id_, kBacklog) != 0) throw Error(Errc::io, "rdma_listen on " + endpoint_ + ": " + errno_text(errno));
     if ((wake_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) < 0) throw Error(Errc::io, "eventfd: " + errno_text(errno));
   } catch (...) {
-    stop();
+    close();
     throw;
   }
   for (auto& io : io_) io->start();
   cm_thread_ = std::thread([this] { cm_loop(); });
 }
 
-RdmaServer::~RdmaServer() { stop(); }
+RdmaServer::~RdmaServer() {
+  stop_accepting();
+  drain();
+  close();
+}
 
-void RdmaServer::stop() {
-  if (stopping_.exchange(true)) return;
+void RdmaServer::stop_accepting() noexcept { accepting_.store(false); }
+
+void RdmaServer::drain() noexcept {
+  if (drained_) return;
+  drained_ = true;
+  stopping_.store(true);
   if (cm_thread_.joinable()) {
     const std::uint64_t one = 1;
     [[maybe_unused]] auto n = ::write(wake_fd_, &one, sizeof one);
     cm_thread_.join();
   }
   for (auto& io : io_) io->stop_and_join();
-  engine_->shutdown();
+}
+
+void RdmaServer::close() noexcept {
+  if (closed_) return;
+  closed_ = true;
+  drain();
   // Single-threaded from here: every connection's verbs objects, then their ids (no event is
   // outstanding: the cm thread acked all it took), then the listener and the shared objects.
   for (auto& io : io_) io->close_all();
@@ -207,6 +215,7 @@ void RdmaServer::refuse(rdma_cm_id* id, Errc status, const std::string& why) {
 
 void RdmaServer::on_connect_request(rdma_cm_event* ev) {
   rdma_cm_id* id = ev->id;
+  if (!accepting_.load()) return refuse(id, Errc::peer_failure, "the server is stopping");
   ConnectRequest req{};
   if (!ev->param.conn.private_data || ev->param.conn.private_data_len < sizeof req)
     return refuse(id, Errc::protocol, "not a pskv client: no connection data");
@@ -302,7 +311,7 @@ void RdmaServer::on_connect_request(rdma_cm_event* ev) {
   g.store_bytes = engine_->store().region_size();
   g.store_rkey = store_mr_.rkey();
   if (eo.num_workers > 0) {
-    g.clock_addr = reinterpret_cast<std::uint64_t>(clock_memory_.data());
+    g.clock_addr = reinterpret_cast<std::uint64_t>(clock_memory_->data());
     g.clock_bytes = ClockTable::bytes_for(eo.num_workers);
     g.clock_rkey = clock_mr_.rkey();
   }

@@ -19,7 +19,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "server/shard_engine.h"
+#include "engine/shard_engine.h"
 #include "transport/auth.h"
 #include "transport/rdma/verbs.h"
 #include "transport/uri.h"
@@ -45,19 +45,24 @@ struct RdmaServerOptions {
 class ServerConn;
 class IoThread;
 
-// Thread-safety: construct, then stop() or destroy from one thread; everything else is internal.
+// Thread-safety: construct, stop and destroy from one thread; everything else is internal.
 class RdmaServer {
  public:
-  // `prepare` runs on the engine before any client can connect (e.g. a restore).
-  RdmaServer(const Uri& uri, const EngineOptions& engine, const RdmaServerOptions& options,
-             const std::function<void(ShardEngine&)>& prepare = {});
+  // Serves `engine` (its store region is registered for remote reads) and `clocks`, the pinned
+  // memory its clock table lives in (empty without workers); both outlive this.
+  RdmaServer(const Uri& uri, ShardEngine& engine, const PinnedBuffer& clocks, const RdmaServerOptions& options);
   ~RdmaServer();
   RdmaServer(const RdmaServer&) = delete;
   RdmaServer& operator=(const RdmaServer&) = delete;
 
   std::uint16_t port() const noexcept { return port_; }
-  ShardEngine& engine() noexcept { return *engine_; }
-  void stop();
+  // The stop, in the order transport::Listener runs it: connect requests are refused ("the
+  // server is stopping"); then the connection manager and completion threads are joined, so no
+  // request is applied any more (parked ones wait for the engine's shutdown); then every
+  // connection's verbs objects, the registrations and the device are released.
+  void stop_accepting() noexcept;
+  void drain() noexcept;
+  void close() noexcept;
 
  private:
   friend class IoThread;
@@ -69,9 +74,8 @@ class RdmaServer {
 
   RdmaServerOptions options_;
   std::string endpoint_;
-  // Declared first, destroyed last: every registration below points into this memory.
-  PinnedBuffer clock_memory_;
-  std::unique_ptr<ShardEngine> engine_;
+  ShardEngine* engine_;
+  const PinnedBuffer* clock_memory_;  // registrations below point into it; it outlives them
   rdma_event_channel* events_ = nullptr;
   rdma_cm_id* listen_id_ = nullptr;
   ibv_context* ctx_ = nullptr;  // our own (see open_own_context)
@@ -83,6 +87,8 @@ class RdmaServer {
   std::uint16_t port_ = 0;
   int wake_fd_ = -1;
   std::atomic<bool> stopping_{false};
+  std::atomic<bool> accepting_{true};
+  bool drained_ = false, closed_ = false;
 
   std::vector<std::unique_ptr<IoThread>> io_;
   std::uint32_t next_io_ = 0;

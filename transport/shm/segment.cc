@@ -14,7 +14,7 @@
 #include <random>
 #include <sstream>
 
-#include "consistency/clock_table.h"
+#include "layout/clock_table.h"
 #include "pskv/error.h"
 
 namespace bip = boost::interprocess;
@@ -25,7 +25,7 @@ namespace {
 constexpr std::uint64_t kSegmentMagic = 0x474553564b53502eULL;  // ".PSKVSEG"
 // 2: ClientSlot::client_polling, 3: SegmentHeader::spinners, 4: ClientSlot::waiters_sleeping, waiter_word,
 // 5: ClientSlot::undo, worker_pushes, SegmentHeader::worker_push, recovered_pushes
-constexpr std::uint32_t kLayoutVersion = 5;
+constexpr std::uint32_t kLayoutVersion = 6;  // 6: accepting and closing
 
 class RegionView final : public MemoryResource {
  public:

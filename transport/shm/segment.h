@@ -93,6 +93,11 @@ struct alignas(64) SegmentHeader {
   std::uint64_t slot_data_bytes;
   std::uint64_t clock_offset, slots_offset, slot_stride, store_offset, store_bytes, total_bytes;
   alignas(64) std::atomic<std::uint32_t> ready;  // 1 once the server finished laying out
+  // The server's stop: 0 once it no longer accepts clients (new ones are refused a slot); `closing`
+  // 1 once it drains, after which no client may apply a push itself (the server's final
+  // checkpoint must hold every push acknowledged before it). Both only ever change this way.
+  std::atomic<std::uint32_t> accepting;
+  std::atomic<std::uint32_t> closing;
   alignas(64) std::atomic<std::uint32_t> doorbell[kMaxServerThreads];
   std::atomic<std::uint32_t> server_sleeping[kMaxServerThreads];
   // Client threads spinning on their slots, over all client processes: spinning is only worth

@@ -49,6 +49,8 @@ ShmConnection::ShmConnection(const Uri& uri, const transport::ConnectOptions& op
   const auto cores = std::max(1u, std::thread::hardware_concurrency());
   max_spinners_ = cores > g.server_threads ? cores - g.server_threads : 1;
 
+  if (header_->accepting.load(std::memory_order_acquire) == 0)
+    throw Error(Errc::peer_failure, endpoint_ + " is stopping and takes no new clients");
   const pid_t me = ::getpid();
   const std::uint64_t start = process_start_time(me);
   for (std::uint32_t i = 0; i < g.slots && !slot_; ++i) {
@@ -128,7 +130,7 @@ Errc ShmConnection::read_values(const Request& request, std::string* why) const 
   const std::size_t n = request.keys.size();
   for (std::size_t i = 0; i < n; ++i) {
     Store::prefetch_ahead(slots, i);
-    Store::read_slot(*slots[i].slot, request.keys[i].data, request.keys[i].length);
+    read_slot(*slots[i].slot, request.keys[i].data, request.keys[i].length);
   }
   return Errc::ok;
 }
@@ -186,8 +188,8 @@ bool ShmConnection::push_directly(Request& request) {
     constexpr auto kTick = std::chrono::milliseconds(100);
     std::chrono::milliseconds waited{0};
     while ((status = store_->apply_logged(*slots[applied].slot, request.keys[applied].data, request.keys[applied].length,
-                                          1.0f, owner, slot_->undo, undo, data_capacity_ / sizeof(float), kTick)) ==
-           Errc::timeout) {
+                                          1.0f, owner, slot_->undo, undo, data_capacity_ / sizeof(float), kTick,
+                                          &header_->closing)) == Errc::timeout) {
       waited += kTick;
       if (!segment_->server_alive()) status = Errc::peer_failure;
       if (status == Errc::peer_failure || waited >= patience) break;
@@ -199,7 +201,10 @@ bool ShmConnection::push_directly(Request& request) {
     const std::string lock = "key " + std::to_string(key) + "'s stripe lock";
     const std::string held = " held by " + describe_owner(store_->stripe_holder(key)) + "; " + std::to_string(applied) +
                              " of " + std::to_string(slots.size()) + " keys of this push were applied";
-    why = status == Errc::peer_failure     ? server_gone() + " (" + lock + " is" + held + ")"
+    const bool stopping = status == Errc::peer_failure && header_->closing.load() != 0;
+    why = stopping ? "the pskv server of " + endpoint_ + " is stopping and takes no more pushes; " + std::to_string(applied) +
+                         " of " + std::to_string(slots.size()) + " keys of this push were applied"
+          : status == Errc::peer_failure     ? server_gone() + " (" + lock + " is" + held + ")"
           : status == Errc::length_mismatch ? "key " + std::to_string(key) + "'s slot header in " + endpoint_ +
                                                   " no longer matches its length (overwritten?); " + std::to_string(applied) +
                                                   " of " + std::to_string(slots.size()) + " keys of this push were applied"

@@ -17,7 +17,7 @@
 #include <thread>
 #include <vector>
 
-#include "consistency/clock_table.h"
+#include "layout/clock_table.h"
 #include "store/store.h"
 #include "transport/shm/segment.h"
 #include "transport/transport.h"

@@ -27,53 +27,72 @@ class SlotParked final : public Parked {
   std::uint64_t seq_;
 };
 
-ShmServer::ShmServer(const std::string& name, const EngineOptions& engine, const ShmServerOptions& options,
-                     const std::function<void(ShardEngine&)>& prepare)
-    : options_(options) {
-  SegmentConfig c;
-  c.num_workers = engine.num_workers;
-  c.slots = options.slots;
-  c.server_threads = std::min(options.threads, kMaxServerThreads);
-  c.slot_data_bytes = options.slot_data_bytes;
-  c.worker_push = options.worker_push;
-  c.store_bytes = Store::required_bytes(engine.store);
-  c.mode = engine.mode;
-  c.staleness = engine.staleness;
-  c.sync_required = engine.sync_required;
-  c.wait_timeout_ms = static_cast<std::uint32_t>(engine.wait_timeout.count());
-  options_.threads = c.server_threads;
-  segment_ = Segment::create(name, c);
-  geo_ = segment_->geometry();
-  try {
-    engine_ = std::make_unique<ShardEngine>(engine, segment_->store_memory(),
-                                            engine.num_workers ? segment_->clock_memory() : nullptr);
-    // Clients take stripe locks too: a writer here waits for one a bounded time, so a client
-    // that hangs holding it costs that key an error, not a server thread (and every slot it serves).
-    engine_->store().set_lock_patience(std::min<std::chrono::nanoseconds>(engine.wait_timeout, std::chrono::seconds(1)));
-    if (prepare) prepare(*engine_);
-  } catch (...) {
-    segment_->remove();
-    throw;
-  }
-  blocked_ = std::make_unique<std::atomic<bool>[]>(c.slots);
-  ignored_ = std::make_unique<std::atomic<std::int32_t>[]>(c.slots);
-  segment_->header().ready.store(1, std::memory_order_release);
+ShmServer::ShmServer(Segment& segment, ShardEngine& engine, const ShmServerOptions& options)
+    : options_(options), segment_(&segment), geo_(segment.geometry()), engine_(&engine) {
+  options_.threads = geo_.server_threads;
+  // Clients take stripe locks too: a writer here waits for one a bounded time, so a client that
+  // hangs holding it costs that key an error, not a server thread (and every slot it serves).
+  engine_->store().set_lock_patience(lock_patience());
+  blocked_ = std::make_unique<std::atomic<bool>[]>(geo_.slots);
+  ignored_ = std::make_unique<std::atomic<std::int32_t>[]>(geo_.slots);
+  auto& h = segment_->header();
+  h.accepting.store(1, std::memory_order_release);
+  h.ready.store(1, std::memory_order_release);
   for (std::uint32_t t = 0; t < options_.threads; ++t) threads_.emplace_back([this, t] { serve(t); });
   watchdog_ = std::thread([this] { watchdog(); });
 }
 
-ShmServer::~ShmServer() { stop(); }
+ShmServer::~ShmServer() {
+  stop_accepting();
+  drain();
+  close();
+}
 
-void ShmServer::stop() {
-  if (stopping_.exchange(true)) return;
+std::chrono::nanoseconds ShmServer::lock_patience() const noexcept {
+  return std::min<std::chrono::nanoseconds>(std::chrono::milliseconds(geo_.wait_timeout_ms), std::chrono::seconds(1));
+}
+
+void ShmServer::stop_accepting() noexcept { segment_->header().accepting.store(0, std::memory_order_release); }
+
+void ShmServer::drain() noexcept {
+  if (drained_) return;
+  drained_ = true;
   auto& h = segment_->header();
+  // Pairs with Store::apply_logged: a client announces its update (undo phase, seq_cst) before it
+  // reads `closing` (seq_cst), so either it sees the word and applies nothing, or the loop below
+  // sees it in progress and waits for it to finish.
+  h.closing.store(1, std::memory_order_seq_cst);
+  const auto give_up = std::chrono::steady_clock::now() + lock_patience() + std::chrono::seconds(1);
+  for (std::uint32_t i = 0; i < geo_.slots; ++i) {
+    ClientSlot& s = segment_->slot(i);
+    // A client that died inside its push never had it acknowledged: the watchdog rolls it back.
+    while (s.undo.phase.load(std::memory_order_seq_cst) != UndoPhase::idle && s.owner_pid.load() > 0 &&
+           process_alive(s.owner_pid.load(), s.owner_start)) {
+      if (std::chrono::steady_clock::now() > give_up) {
+        log::warn("shm.drain", "server " + std::to_string(engine_->options().server_id) + ": " + who(i) +
+                                   " is still inside a push it applies itself; stopping without waiting for it "
+                                   "(the final checkpoint may miss that push)");
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+  }
+  stopping_.store(true);
   for (std::uint32_t t = 0; t < options_.threads; ++t) {
     h.doorbell[t].fetch_add(1);
     futex_wake_all(&h.doorbell[t]);
   }
   for (auto& t : threads_) t.join();
+  threads_.clear();
+}
+
+void ShmServer::close() noexcept {
+  if (closed_) return;
+  closed_ = true;
+  drain();
+  watchdog_stop_.store(true);
   if (watchdog_.joinable()) watchdog_.join();
-  engine_->shutdown();
+  auto& h = segment_->header();
   // Wake every client so that it notices the server is gone, then drop the name.
   for (std::uint32_t i = 0; i < geo_.slots; ++i) {
     segment_->slot(i).done_word.fetch_add(1);
@@ -83,13 +102,15 @@ void ShmServer::stop() {
   segment_->remove();
 }
 
-std::string ShmServer::stats_json() const {
-  std::uint64_t worker_pushes = 0;
-  for (std::uint32_t i = 0; i < geo_.slots; ++i)
-    worker_pushes += segment_->slot(i).worker_pushes.load(std::memory_order_relaxed);
-  return engine_->stats_json(worker_pushes, ",\"worker_pushes\":" + std::to_string(worker_pushes) +
-                                                ",\"recovered_pushes\":" +
-                                                std::to_string(segment_->header().recovered_pushes.load()));
+std::uint64_t ShmServer::worker_pushes() const noexcept {
+  std::uint64_t pushes = 0;
+  for (std::uint32_t i = 0; i < geo_.slots; ++i) pushes += segment_->slot(i).worker_pushes.load(std::memory_order_relaxed);
+  return pushes;
+}
+
+std::string ShmServer::stats_fields() const {
+  return ",\"worker_pushes\":" + std::to_string(worker_pushes()) +
+         ",\"recovered_pushes\":" + std::to_string(segment_->header().recovered_pushes.load());
 }
 
 void ShmServer::wake_thread(std::uint32_t i) {
@@ -168,7 +189,7 @@ bool ShmServer::process(std::uint32_t i, RingEntry& e, std::uint64_t seq) {
         }
         break;
       case wire::Op::stats:
-        why = stats_json();
+        why = engine_->stats_json(worker_pushes(), stats_fields());
         break;
       default:
         status = Errc::protocol;
@@ -249,7 +270,7 @@ void ShmServer::serve(std::uint32_t t) {
 void ShmServer::watchdog() {
   auto& h = segment_->header();
   std::uint32_t last_change = engine_->clocks() ? engine_->clocks()->change_count() : 0;
-  while (!stopping_.load()) {
+  while (!watchdog_stop_.load()) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
     for (std::uint32_t i = 0; i < geo_.slots; ++i) {
       ClientSlot& s = segment_->slot(i);

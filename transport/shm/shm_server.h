@@ -11,17 +11,13 @@
 #include <thread>
 #include <vector>
 
-#include "server/shard_engine.h"
+#include "engine/shard_engine.h"
 #include "transport/shm/segment.h"
 
 namespace pskv::shm {
 
 struct ShmServerOptions {
   std::uint32_t threads = 1;
-  std::uint32_t slots = 64;
-  std::uint64_t slot_data_bytes = 32ull << 20;
-  // Clients apply their own pushes (no hand-off to a server thread); false: through the ring.
-  bool worker_push = true;
 };
 
 // Trust: every client, and any other process of the job's user, can write the whole segment.
@@ -31,21 +27,28 @@ struct ShmServerOptions {
 // checked against those before use. A client that scribbles over its own slot gets errors (and
 // log lines), and when its ring no longer makes sense it is ignored until its slot is freed.
 //
-// Thread-safety: construct and destroy from one thread; stop() is idempotent. Server threads
+// Thread-safety: construct, stop and destroy from one thread (the listener's). Server threads
 // own disjoint sets of slots (i % threads); the watchdog thread frees slots of dead clients.
 class ShmServer {
  public:
-  // `prepare` runs on the engine before any client can see the segment (e.g. a restore).
-  ShmServer(const std::string& name, const EngineOptions& engine, const ShmServerOptions& options,
-            const std::function<void(ShardEngine&)>& prepare = {});
+  // Serves `engine`, whose store lives in `segment` (laid out by the caller); both outlive this.
+  // Clients are let in from here on.
+  ShmServer(Segment& segment, ShardEngine& engine, const ShmServerOptions& options);
   ~ShmServer();
   ShmServer(const ShmServer&) = delete;
   ShmServer& operator=(const ShmServer&) = delete;
 
-  ShardEngine& engine() noexcept { return *engine_; }
-  // The engine's stats plus the pushes clients applied themselves and those rolled back.
-  std::string stats_json() const;
-  void stop();
+  // New clients are refused a slot.
+  void stop_accepting() noexcept;
+  // No client applies a push itself any more, none is in the middle of one (those that are get
+  // a bounded time to finish), and the server threads have stopped: nothing changes the store
+  // after this but the engine's own shutdown and the watchdog's roll-backs of dead clients.
+  void drain() noexcept;
+  // The watchdog stops, every client is woken to find the server gone, and the name is removed.
+  void close() noexcept;
+  // Keys clients applied themselves, and the fields saying so (and how many were rolled back).
+  std::uint64_t worker_pushes() const noexcept;
+  std::string stats_fields() const;
 
  private:
   friend class SlotParked;
@@ -61,16 +64,20 @@ class ShmServer {
   void watchdog();
   // "client slot I (pid P)", for log lines.
   std::string who(std::uint32_t i);
+  // How long a server thread waits for a stripe lock a client holds.
+  std::chrono::nanoseconds lock_patience() const noexcept;
 
   ShmServerOptions options_;
-  std::unique_ptr<Segment> segment_;
+  Segment* segment_;
   SegmentGeometry geo_;  // private: what the server laid out, never re-read from the segment
-  std::unique_ptr<ShardEngine> engine_;
+  ShardEngine* engine_;
   std::unique_ptr<std::atomic<bool>[]> blocked_;  // slot has a parked request
   // The pid whose ring stopped making sense (published more than the ring holds): its slot is
   // not served until the slot changes hands. 0: none.
   std::unique_ptr<std::atomic<std::int32_t>[]> ignored_;
-  std::atomic<bool> stopping_{false};
+  std::atomic<bool> stopping_{false};        // server threads: stop (drain)
+  std::atomic<bool> watchdog_stop_{false};   // the watchdog keeps rolling back dead clients until close
+  bool drained_ = false, closed_ = false;
   std::vector<std::thread> threads_;
   std::thread watchdog_;
 };

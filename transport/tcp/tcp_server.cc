@@ -290,19 +290,36 @@ TcpServer::TcpServer(ShardEngine& engine, const Uri& uri, const TcpServerOptions
   for (std::uint32_t i = 0; i < options_.io_threads; ++i) threads_.emplace_back([this] { io_loop(); });
 }
 
-TcpServer::~TcpServer() { stop(); }
+TcpServer::~TcpServer() {
+  stop_accepting();
+  drain();
+  close();
+}
 
-void TcpServer::stop() {
+void TcpServer::stop_accepting() noexcept {
+  // Threads may be inside accept_ready: the descriptor stays open (closed with the rest) and
+  // the re-arm there fails harmlessly; connections arriving meanwhile wait in the backlog.
+  accepting_.store(false);
+  epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, listen_fd_.get(), nullptr);
+}
+
+void TcpServer::drain() noexcept {
   if (stopping_.exchange(true)) return;
   const std::uint64_t one = 1;
   [[maybe_unused]] auto n = ::write(wake_fd_.get(), &one, sizeof one);
   for (auto& t : threads_) t.join();
+  threads_.clear();
+}
+
+void TcpServer::close() noexcept {
+  drain();
   std::vector<std::shared_ptr<Peer>> all;
   {
     std::lock_guard lock(peers_mu_);
     for (auto& [fd, peer] : peers_) all.push_back(peer);
   }
   for (auto& peer : all) close_peer(*peer, "the server is stopping");
+  listen_fd_.reset();
 }
 
 std::chrono::nanoseconds TcpServer::frame_deadline(std::uint64_t bytes) const noexcept {
@@ -340,7 +357,7 @@ void TcpServer::io_loop() {
     if (n <= 0) continue;
     if (ev.data.u64 == kWakeTag) return;
     if (ev.data.u64 == kListenerTag) {
-      accept_ready();
+      if (accepting_.load()) accept_ready();
       continue;
     }
     std::shared_ptr<Peer> peer;
@@ -1164,7 +1181,7 @@ bool TcpServer::send_from_store(Peer& peer, const wire::FrameHeader& h, std::spa
   for (std::size_t i = 0; i < slots.size(); ++i) {
     Store::prefetch_ahead(slots, i);
     r.slots.push_back(slots[i].slot);
-    r.versions.push_back(Store::stable_version(*slots[i].slot));
+    r.versions.push_back(stable_version(*slots[i].slot));
     r.store_iov.push_back({slots[i].slot->values(), std::size_t{keys[i].length} * sizeof(float)});
   }
   return send(peer, std::move(r));

@@ -30,7 +30,7 @@
 #include <utility>
 #include <vector>
 
-#include "server/shard_engine.h"
+#include "engine/shard_engine.h"
 #include "transport/auth.h"
 #include "transport/tcp/socket.h"
 #include "transport/uri.h"
@@ -117,8 +117,8 @@ class BudgetHold {
   std::uint64_t bytes_ = 0;
 };
 
-// Thread-safety: construct, then stop() or destroy from one thread; stats_fields() from any
-// thread; everything else is internal.
+// Thread-safety: construct, stop and destroy from one thread; stats_fields() from any thread;
+// everything else is internal.
 class TcpServer {
  public:
   TcpServer(ShardEngine& engine, const Uri& uri, const TcpServerOptions& options);
@@ -127,7 +127,12 @@ class TcpServer {
   TcpServer& operator=(const TcpServer&) = delete;
 
   std::uint16_t port() const noexcept { return port_; }
-  void stop();
+  // The stop, in the order transport::Listener runs it: no new connection is accepted; then no
+  // request is read or applied any more (the I/O threads are joined; parked requests stay parked
+  // for the engine's shutdown to answer, on the calling thread); then every connection is closed.
+  void stop_accepting() noexcept;
+  void drain() noexcept;
+  void close() noexcept;
   std::uint64_t connections_refused() const noexcept { return refused_.load(); }
   // ,"name":value pairs for the stats document: connections, refusals, deadline closes, budget.
   std::string stats_fields() const;
@@ -241,6 +246,7 @@ class TcpServer {
   Fd spare_fd_;  // kept open to be given up when the process runs out of descriptors
   std::uint16_t port_ = 0;
   std::atomic<bool> stopping_{false};
+  std::atomic<bool> accepting_{true};
   std::atomic<std::uint64_t> refused_{0}, expired_{0}, over_budget_{0}, turns_yielded_{0};
   MemoryBudget budget_;
   std::atomic<std::int64_t> next_reap_ns_{0};

@@ -14,11 +14,11 @@
 #include <thread>
 #include <vector>
 
-#include "consistency/clock_table.h"
+#include "layout/clock_table.h"
 #include "pskv/types.h"
 #include "store/store.h"
 #include "store/sync_accumulator.h"
-#include "transport/wire.h"
+#include "layout/key_entry.h"
 
 namespace pskv {
 
@@ -62,14 +62,14 @@ class ShardEngine {
   ClockTable* clocks() noexcept { return clocks_.get(); }
 
   // Each returns ok or an Errc with a message in *why naming the key.
-  Errc init(std::span<const wire::KeyEntry> keys, const float* values, std::string* why);
-  Errc push(std::uint32_t worker, std::uint64_t clock, std::span<const wire::KeyEntry> keys, const float* values,
+  Errc init(std::span<const KeyEntry> keys, const float* values, std::string* why);
+  Errc push(std::uint32_t worker, std::uint64_t clock, std::span<const KeyEntry> keys, const float* values,
             std::string* why);
   // Finds every key's slot and checks it exists with the length asked for, counting nothing.
   // For a push its transport applies in pieces as the values arrive (Store::apply_part, only
   // when pushes_apply_in_pieces(); count_pushes() once the keys are applied), and for a pull
   // checked before it is parked, so a parked pull holds only what it will be answered with.
-  Errc find_slots(std::span<const wire::KeyEntry> keys, std::vector<SlotRef>& slots, std::string* why) const {
+  Errc find_slots(std::span<const KeyEntry> keys, std::vector<SlotRef>& slots, std::string* why) const {
     return lookup(keys, slots, why);
   }
   // Not in sync mode, where the workers' pushes are summed per step before anything is applied.
@@ -77,7 +77,7 @@ class ShardEngine {
   void count_pushes(std::uint64_t keys) noexcept { pushes_.fetch_add(keys, std::memory_order_relaxed); }
   void count_pulls(std::uint64_t keys) noexcept { pulls_.fetch_add(keys, std::memory_order_relaxed); }
   // Copies values under seqlock validation; checks every key before copying any.
-  Errc pull(std::span<const wire::KeyEntry> keys, float* out, std::string* why);
+  Errc pull(std::span<const KeyEntry> keys, float* out, std::string* why);
 
   // The clock a worker's reads are bounded by, and whether a read at `clock` may go ahead.
   std::uint64_t read_bound() const noexcept;
@@ -122,7 +122,7 @@ class ShardEngine {
     std::unique_ptr<Parked> op;
   };
   // Finds every key's slot (pipelined) and checks each exists with the requested length.
-  Errc lookup(std::span<const wire::KeyEntry> keys, std::vector<SlotRef>& slots, std::string* why) const;
+  Errc lookup(std::span<const KeyEntry> keys, std::vector<SlotRef>& slots, std::string* why) const;
   void release_ready();
   void watchdog();
   std::string describe_laggard(std::uint64_t need) const;

@@ -1,4 +1,4 @@
-#include "server/shard_engine.h"
+#include "engine/shard_engine.h"
 
 #include <algorithm>
 #include <sstream>
@@ -82,7 +82,7 @@ Errc ShardEngine::check_worker(std::uint32_t worker, std::string* why) const {
   return Errc::ok;
 }
 
-Errc ShardEngine::init(std::span<const wire::KeyEntry> keys, const float* values, std::string* why) {
+Errc ShardEngine::init(std::span<const KeyEntry> keys, const float* values, std::string* why) {
   for (const auto& k : keys) {
     const Errc e = store_->init(k.key, {values, k.length});
     if (e != Errc::ok) {
@@ -94,7 +94,7 @@ Errc ShardEngine::init(std::span<const wire::KeyEntry> keys, const float* values
   return Errc::ok;
 }
 
-Errc ShardEngine::lookup(std::span<const wire::KeyEntry> keys, std::vector<SlotRef>& slots, std::string* why) const {
+Errc ShardEngine::lookup(std::span<const KeyEntry> keys, std::vector<SlotRef>& slots, std::string* why) const {
   slots.resize(keys.size());
   store_->find_batch(keys.size(), [&](std::size_t i) { return keys[i].key; }, slots.data());
   for (std::size_t i = 0; i < keys.size(); ++i) {
@@ -109,7 +109,7 @@ Errc ShardEngine::lookup(std::span<const wire::KeyEntry> keys, std::vector<SlotR
   return Errc::ok;
 }
 
-Errc ShardEngine::push(std::uint32_t worker, std::uint64_t clock, std::span<const wire::KeyEntry> keys,
+Errc ShardEngine::push(std::uint32_t worker, std::uint64_t clock, std::span<const KeyEntry> keys,
                        const float* values, std::string* why) {
   // Look everything up and validate the whole request first, so a bad key leaves nothing
   // half-applied; the lookups are pipelined and the slots stay cached for the apply pass.
@@ -152,7 +152,7 @@ Errc ShardEngine::push(std::uint32_t worker, std::uint64_t clock, std::span<cons
   return Errc::ok;
 }
 
-Errc ShardEngine::pull(std::span<const wire::KeyEntry> keys, float* out, std::string* why) {
+Errc ShardEngine::pull(std::span<const KeyEntry> keys, float* out, std::string* why) {
   thread_local std::vector<SlotRef> slots;
   if (Errc e = lookup(keys, slots, why); e != Errc::ok) return e;
   count_pulls(keys.size());

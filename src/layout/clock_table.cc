@@ -1,4 +1,4 @@
-#include "consistency/clock_table.h"
+#include "layout/clock_table.h"
 
 #include <algorithm>
 #include <new>
