@@ -204,7 +204,7 @@ def server_options(a, workers: int) -> dict:
     return dict(workers=workers, mode="sync" if worker_update else a.mode,
                 staleness=0 if worker_update or a.mode == "bsp" else a.staleness,
                 rule="assign" if worker_update else a.rule, lr=a.lr, momentum=a.momentum,
-                wait_timeout=a.wait_timeout, arena_mb=64, io_threads=1, shm_slots=workers + 4, shm_slot_mb=16)
+                wait_timeout=a.wait_timeout, arena_mb=64, io_threads=1, shm_clients=workers + 4, shm_area_mb=16)
 
 
 def serve(a, index: int, uri: str, workers: int) -> None:

@@ -1,7 +1,7 @@
 // The transport interface. A client holds one Connection per server; the client layer splits
 // each user operation into one Request per server and tracks them with one Completion.
 // Control path (connect, register) and hot path (submit) are separate: connect() and
-// register_memory() may block and allocate; submit() must not allocate in steady state.
+// register_buffer() may block and allocate; submit() must not allocate in steady state.
 #pragma once
 
 #include <atomic>
@@ -115,7 +115,7 @@ struct ServerInfo {
   std::uint32_t num_workers = 0;
 };
 
-// Thread-safety: submit() and register_memory() may be called from any number of threads.
+// Thread-safety: submit() and register_buffer() may be called from any number of threads.
 class Connection {
  public:
   virtual ~Connection() = default;
@@ -123,7 +123,7 @@ class Connection {
   // and its slices must stay valid until the completion part is reported.
   virtual void submit(Request& request) = 0;
   // Announces a buffer that later requests will use (RDMA registers it); others ignore it.
-  virtual void register_memory(void* data, std::size_t bytes) { (void)data, (void)bytes; }
+  virtual void register_buffer(void* data, std::size_t bytes) { (void)data, (void)bytes; }
   virtual const ServerInfo& info() const noexcept = 0;
   virtual const std::string& endpoint() const noexcept = 0;
   // Backends whose answers a waiting thread can pick up itself return their Poller; the others

@@ -1,5 +1,5 @@
 // Endpoint URIs: SCHEME://host:port or SCHEME://name (shm, fake), each with ?key=value parameters:
-// tcp://10.0.0.1:9700, shm://job?slots=64, rdma://10.0.0.1:9700?dev=mlx5_0&port=1&gid=3. Which
+// tcp://10.0.0.1:9700, shm://job?clients=64, rdma://10.0.0.1:9700?dev=mlx5_0&port=1&gid=3. Which
 // schemes exist is the transport factories' business (transport/factory).
 #pragma once
 

@@ -35,7 +35,7 @@ enum class Op : std::uint16_t {
 enum Flags : std::uint16_t {
   kResponse = 1u << 0,
   kChecksum = 1u << 1,  // `checksum` covers the key table and payload (CRC-32)
-  kErrorText = 1u << 2, // response payload is a UTF-8 error message, not floats
+  kText = 1u << 2,      // response payload is UTF-8 text: an error message, or the stats JSON
   kAuthChallenge = 1u << 3,  // hello response: authenticate first; payload = server nonce | server proof
   // Pull request: the client takes values sent straight from the store. Pull reply: they were,
   // and a u32 follows the payload: 0 if the values were consistent, else ask again.

@@ -247,8 +247,8 @@ TrainResult run_worker(const TrainConfig& c, int rank, const std::vector<std::st
 namespace {
 ServerOptions server_options(const TrainConfig& c, int server_id, const std::string& uri, bool restore) {
   ServerOptions so;
-  // shm: one client slot per worker and a few for tools, each with room for a layer's push.
-  so.uri = uri.rfind("shm://", 0) == 0 ? uri + "?slots=" + std::to_string(c.workers + 4) + "&slot_mb=16" : uri;
+  // shm: one client area per worker and a few for tools, each with room for a layer's push.
+  so.uri = uri.rfind("shm://", 0) == 0 ? uri + "?clients=" + std::to_string(c.workers + 4) + "&area_mb=16" : uri;
   so.server_id = static_cast<std::uint32_t>(server_id);
   so.num_workers = static_cast<std::uint32_t>(c.workers);
   so.mode = c.mode;

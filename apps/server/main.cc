@@ -79,18 +79,19 @@ int main(int argc, char** argv) {
     std::string value;
     CLI::Option* option = nullptr;
   };
-  std::vector<BackendFlag> backend = {{"shm", "slots", {}}, {"shm", "slot_mb", {}}, {"shm", "push", {}},
+  std::vector<BackendFlag> backend = {{"shm", "clients", {}}, {"shm", "area_mb", {}}, {"shm", "push", {}},
                                       {"tcp", "push", {}},  {"rdma", "dev", {}},    {"rdma", "port", {}},
                                       {"rdma", "gid", {}},  {"rdma", "depth", {}},  {"rdma", "recv_mb", {}}};
-  backend[0].option = app.add_option("--shm-slots", backend[0].value, "shm: client slots, clients connected at once (64); URI slots=")
-                          ->envname("PSKV_SHM_SLOTS");
-  backend[1].option = app.add_option("--shm-slot-mb", backend[1].value,
-                                     "shm: per-client staging area for pushes, MiB (32; bounds one push); URI slot_mb=")
-                          ->envname("PSKV_SHM_SLOT_MB");
+  backend[0].option = app.add_option("--shm-clients,--shm-slots", backend[0].value,
+                                     "shm: client areas, clients connected at once (64); URI clients=")
+                          ->envname("PSKV_SHM_CLIENTS");
+  backend[1].option = app.add_option("--shm-area-mb,--shm-slot-mb", backend[1].value,
+                                     "shm: each client's staging area for pushes, MiB (32; bounds one push); URI area_mb=")
+                          ->envname("PSKV_SHM_AREA_MB");
   backend[2].option = app.add_option("--shm-push", backend[2].value,
                                      "shm: who applies a push: worker (the client, under the stripe lock, rolled back by "
                                      "the server if it dies mid-way; the default) or server (a server thread, from the "
-                                     "client's slot); URI push=")
+                                     "client's area); URI push=")
                           ->envname("PSKV_SHM_PUSH")->check(CLI::IsMember({"worker", "server"}));
   backend[3].option = app.add_option("--tcp-push", backend[3].value,
                                      "tcp: how a push larger than 256 KiB is applied: pieces (as it arrives, so a key "

@@ -93,8 +93,9 @@ class Client {
   // after wait() (which it then throws like). False: still in flight, the ticket stays valid and
   // must be waited again. Lets a caller that must stay responsive (Python's Ctrl-C) wait in slices.
   bool wait_for(Ticket ticket, std::chrono::milliseconds timeout);
-  // True when the operation has completed (wait() then returns or throws at once).
-  bool done(Ticket ticket) const;
+  // True when the operation has completed (wait() then returns or throws at once). Not const: it
+  // also polls the connections, so an answer that has landed is noticed without a wait().
+  bool done(Ticket ticket);
 
   // Ends this worker's step: the pushes issued before it are applied on every server before
   // the new clock is visible to anyone. Synchronous: wait(clock_async()).

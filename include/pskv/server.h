@@ -14,7 +14,7 @@ namespace pskv {
 struct ServerOptions {
   // tcp://host:port (port 0 picks one), shm://name, rdma://host:port, fake://name (in-process,
   // for tests), each with its backend's own ?key=value settings (docs/protocol.md, "Server
-  // URIs"): e.g. shm://job?slots=64&slot_mb=32&push=worker, tcp://0.0.0.0:9700?push=pieces.
+  // URIs"): e.g. shm://job?clients=64&area_mb=32&push=worker, tcp://0.0.0.0:9700?push=pieces.
   std::string uri = "tcp://127.0.0.1:9700";
   std::uint32_t server_id = 0;
   // Workers that clock against this server; 0 allows only anonymous ASP clients.

@@ -55,7 +55,7 @@ void bind_server(py::module_& m) {
                        std::uint32_t stripes, std::uint32_t io_threads, std::uint32_t max_connections,
                        std::uint64_t max_request_mb, const std::string& checkpoint_dir, double checkpoint_every,
                        const std::string& restore_dir, const std::string& auth_token_file,
-                       std::optional<std::uint32_t> shm_slots, std::optional<std::uint64_t> shm_slot_mb,
+                       std::optional<std::uint32_t> shm_clients, std::optional<std::uint64_t> shm_area_mb,
                        std::optional<std::string> shm_push, std::optional<std::string> tcp_push) {
              ServerOptions o;
              o.uri = uri;
@@ -96,8 +96,8 @@ void bind_server(py::module_& m) {
                o.uri += (o.uri.find('?') == std::string::npos ? "?" : "&") + std::string(name) + "=" + *value;
              };
              auto text = [](const auto& n) { return n ? std::optional<std::string>(std::to_string(*n)) : std::nullopt; };
-             param("shm_slots", "shm", "slots", text(shm_slots));
-             param("shm_slot_mb", "shm", "slot_mb", text(shm_slot_mb));
+             param("shm_clients", "shm", "clients", text(shm_clients));
+             param("shm_area_mb", "shm", "area_mb", text(shm_area_mb));
              param("shm_push", "shm", "push", shm_push);
              param("tcp_push", "tcp", "push", tcp_push);
              return std::make_unique<PyServer>(o);
@@ -113,8 +113,8 @@ void bind_server(py::module_& m) {
            py::arg("io_threads") = d.io_threads, py::arg("max_connections") = d.max_connections,
            py::arg("max_request_mb") = d.max_request_bytes >> 20, py::arg("checkpoint_dir") = d.checkpoint_dir,
            py::arg("checkpoint_every") = seconds(d.checkpoint_interval), py::arg("restore_dir") = d.restore_dir,
-           py::arg("auth_token_file") = d.auth_token_file, py::arg("shm_slots") = py::none(),
-           py::arg("shm_slot_mb") = py::none(), py::arg("shm_push") = py::none(), py::arg("tcp_push") = py::none())
+           py::arg("auth_token_file") = d.auth_token_file, py::arg("shm_clients") = py::none(),
+           py::arg("shm_area_mb") = py::none(), py::arg("shm_push") = py::none(), py::arg("tcp_push") = py::none())
       .def_property_readonly("uri", &PyServer::uri, "The URI clients use (with the real port if 0 was asked).")
       .def("stats", &PyServer::stats, "The shard's counters, parsed from JSON.")
       .def("workers_finished", &PyServer::workers_finished, "True once every worker finished or was evicted.")

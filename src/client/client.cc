@@ -238,7 +238,7 @@ class ClientImpl {
   }
 
   void register_buffer(void* data, std::size_t bytes) {
-    for (auto& c : connections_) c->register_memory(data, bytes);
+    for (auto& c : connections_) c->register_buffer(data, bytes);
   }
 
   StalenessStats staleness() const {
@@ -345,7 +345,7 @@ Ticket Client::pull(std::span<const Key> keys, std::span<const std::span<float>>
 void Client::disconnect() { impl_->disconnect(); }
 void Client::wait(Ticket ticket) { impl_->wait(ticket); }
 bool Client::wait_for(Ticket ticket, std::chrono::milliseconds timeout) { return impl_->wait_for(ticket, timeout); }
-bool Client::done(Ticket ticket) const { return impl_->done(ticket); }
+bool Client::done(Ticket ticket) { return impl_->done(ticket); }
 void Client::clock() { impl_->clock(); }
 Ticket Client::clock_async() { return impl_->clock_async(); }
 Ticket Client::barrier_async() { return impl_->barrier_async(); }

@@ -189,7 +189,7 @@ class Conn {
     Got got = Got::silent;
     wire::FrameHeader h{};
     std::vector<char> payload;  // kept whole up to 64 KiB; larger payloads are drained and dropped
-    std::string text() const { return (h.flags & wire::kErrorText) ? std::string(payload.begin(), payload.end()) : ""; }
+    std::string text() const { return (h.flags & wire::kText) ? std::string(payload.begin(), payload.end()) : ""; }
     // What came back, as the outcomes record it.
     const char* kind() const {
       return got == Got::closed ? "close" : got == Got::silent ? "silent" : h.status == 0 ? "ok" : "error";

@@ -5,7 +5,7 @@
 // client exactly.
 //
 // Out of scope by design: the store arena itself (values, seqlock words, stripe locks of keys the
-// healthy client uses) and the healthy client's own slot. A process that can write the segment
+// healthy client uses) and the healthy client's own area. A process that can write the segment
 // can change those directly; the promise is about the server process and the control paths of
 // the other clients (docs/RELIABILITY.md).
 #include <gtest/gtest.h>
@@ -36,7 +36,7 @@ using testing::fork_worker;
 using testing::ServerProcess;
 using testing::wait_pid;
 
-constexpr std::uint32_t kSlots = 6;
+constexpr std::uint32_t kAreas = 6;
 constexpr Key kAttackerKey = 100;
 constexpr std::uint32_t kAttackerLength = 64;
 struct HealthyKey {
@@ -52,7 +52,7 @@ std::string read_file(const std::string& path) {
   return s.str();
 }
 
-// A client that speaks the ring protocol by hand: it claims a slot itself and then writes
+// A client that speaks the ring protocol by hand: it claims a area itself and then writes
 // whatever it likes into the segment. Runs in a forked child; every wait is bounded, since a
 // server that refuses its garbage may never answer it.
 class Scribbler {
@@ -60,27 +60,27 @@ class Scribbler {
   explicit Scribbler(const std::string& name, std::uint32_t worker = kNoWorker) : seg_(shm::Segment::open(name)) {
     h_ = &seg_->header();
     // The true geometry, read before anything is overwritten.
-    slots_ = h_->slots;
-    area_ = h_->slot_data_bytes;
+    areas_ = h_->clients;
+    area_ = h_->area_bytes;
     store_ = Store::attach(seg_->store_memory());
     const pid_t me = getpid();
-    for (std::uint32_t i = 0; i < slots_ && !slot_; ++i) {
+    for (std::uint32_t i = 0; i < areas_ && !mine_; ++i) {
       std::int32_t expected = 0;
-      shm::ClientSlot& s = seg_->slot(i);
-      if (s.owner_pid.compare_exchange_strong(expected, shm::kClaimingSlot)) {
+      shm::ClientArea& s = seg_->area(i);
+      if (s.owner_pid.compare_exchange_strong(expected, shm::kClaimingArea)) {
         s.owner_start = shm::process_start_time(me);
         s.worker_id = worker;
         s.owner_pid.store(me, std::memory_order_release);
-        slot_ = &s;
+        mine_ = &s;
         index_ = i;
       }
     }
-    if (!slot_) throw Error(Errc::capacity, "scribbler: no free slot");
-    data_ = seg_->slot_data(index_);
+    if (!mine_) throw Error(Errc::capacity, "scribbler: no free area");
+    data_ = seg_->area_data(index_);
   }
 
   shm::SegmentHeader& header() { return *h_; }
-  shm::ClientSlot& slot() { return *slot_; }
+  shm::ClientArea& mine() { return *mine_; }
   std::byte* data() { return data_; }
   std::uint64_t area() const { return area_; }
   std::uint32_t index() const { return index_; }
@@ -92,8 +92,8 @@ class Scribbler {
   bool send(std::uint16_t op, std::uint32_t num_keys, std::uint64_t arg0, std::uint64_t data_offset,
             std::uint64_t payload_bytes, std::uint64_t data_bytes,
             std::chrono::milliseconds patience = std::chrono::milliseconds(300)) {
-    const std::uint64_t seq = slot_->head.load() + 1;
-    shm::RingEntry& e = slot_->ring[seq % shm::kRingEntries];
+    const std::uint64_t seq = mine_->head.load() + 1;
+    shm::RingEntry& e = mine_->ring[seq % shm::kRingEntries];
     e.seq = seq;
     e.op = op;
     e.num_keys = num_keys;
@@ -103,16 +103,16 @@ class Scribbler {
     e.data_bytes = data_bytes;
     e.status = 0;
     e.text_len = 0;
-    slot_->head.store(seq, std::memory_order_release);
+    mine_->head.store(seq, std::memory_order_release);
     return wait_answer(seq, patience);
   }
   bool wait_answer(std::uint64_t seq, std::chrono::milliseconds patience) {
     const auto until = std::chrono::steady_clock::now() + patience;
-    while (slot_->done.load(std::memory_order_acquire) < seq && std::chrono::steady_clock::now() < until) {
+    while (mine_->done.load(std::memory_order_acquire) < seq && std::chrono::steady_clock::now() < until) {
       ring_doorbells();
       std::this_thread::sleep_for(std::chrono::milliseconds(2));
     }
-    return slot_->done.load() >= seq;
+    return mine_->done.load() >= seq;
   }
   void ring_doorbells() {
     for (std::uint32_t t = 0; t < shm::kMaxServerThreads; ++t) {
@@ -139,8 +139,8 @@ class Scribbler {
   std::unique_ptr<shm::Segment> seg_;
   shm::SegmentHeader* h_ = nullptr;
   std::unique_ptr<Store> store_;
-  shm::ClientSlot* slot_ = nullptr;
-  std::uint32_t index_ = 0, slots_ = 0;
+  shm::ClientArea* mine_ = nullptr;
+  std::uint32_t index_ = 0, areas_ = 0;
   std::byte* data_ = nullptr;
   std::uint64_t area_ = 0;
 };
@@ -150,9 +150,9 @@ class Observer {
  public:
   explicit Observer(const std::string& name) : seg_(shm::Segment::open(name)) {
     store_ = Store::attach(seg_->store_memory());
-    area_ = seg_->header().slot_data_bytes;
+    area_ = seg_->header().area_bytes;
   }
-  std::int32_t owner(std::uint32_t slot) { return seg_->slot(slot).owner_pid.load(); }
+  std::int32_t owner(std::uint32_t area) { return seg_->area(area).owner_pid.load(); }
   // The clock table's own record of its worker count (checked by clients at connect).
   std::uint32_t& clock_table_workers() { return reinterpret_cast<std::uint32_t*>(seg_->clock_memory())[2]; }
   // The store header's fields that never change after the server laid the store out.
@@ -160,12 +160,12 @@ class Observer {
     const std::byte* p = store_->region();
     return {p, p + Store::kFixedHeaderBytes};
   }
-  // Free slots' whole areas (ClientSlot and data area).
+  // The free client areas, whole (ClientArea and data area).
   std::vector<std::byte> free_areas(std::uint32_t from) {
     std::vector<std::byte> out;
-    for (std::uint32_t i = from; i < kSlots; ++i) {
-      const auto* p = reinterpret_cast<const std::byte*>(&seg_->slot(i));
-      out.insert(out.end(), p, p + sizeof(shm::ClientSlot) + area_);
+    for (std::uint32_t i = from; i < kAreas; ++i) {
+      const auto* p = reinterpret_cast<const std::byte*>(&seg_->area(i));
+      out.insert(out.end(), p, p + sizeof(shm::ClientArea) + area_);
     }
     return out;
   }
@@ -182,22 +182,22 @@ class ShmScribbler : public ::testing::TestWithParam<std::string> {
   void SetUp() override {
     name_ = "scribble-" + std::to_string(getpid()) + "-" + std::to_string(++counter_);
     log_ = ::testing::TempDir() + "/" + name_ + ".log";
-    server_ = ServerProcess::start({"--uri", "shm://" + name_, "--io-threads", "1", "--shm-slots", std::to_string(kSlots),
-                                    "--shm-slot-mb", "1", "--workers", "2", "--mode", "bsp", "--wait-timeout-ms", "1000",
+    server_ = ServerProcess::start({"--uri", "shm://" + name_, "--io-threads", "1", "--shm-clients", std::to_string(kAreas),
+                                    "--shm-area-mb", "1", "--workers", "2", "--mode", "bsp", "--wait-timeout-ms", "1000",
                                     "--rule", "add", "--shm-push", GetParam()},
                                    log_);
     ClientOptions o;
     o.servers = {server_.uri};
-    healthy_ = std::make_unique<Client>(o);  // slot 0
+    healthy_ = std::make_unique<Client>(o);  // area 0
     for (const HealthyKey& k : kHealthy) healthy_->wait(healthy_->init(k.key, std::vector<float>(k.length, 0.0f)));
     healthy_->wait(healthy_->init(kAttackerKey, std::vector<float>(kAttackerLength, 0.0f)));
     ClientOptions w = o;
     w.worker_id = 0;
     w.io_timeout = std::chrono::milliseconds(5000);
-    worker_ = std::make_unique<Client>(w);  // slot 1: the bounded-wait checks
+    worker_ = std::make_unique<Client>(w);  // area 1: the bounded-wait checks
     observer_ = std::make_unique<Observer>(name_);
     fixed_ = observer_->store_header_fixed();
-    free_ = observer_->free_areas(3);  // the scribbler takes slot 2
+    free_ = observer_->free_areas(3);  // the scribbler takes area 2
     loop_ = std::thread([this] { healthy_loop(); });
   }
 
@@ -237,7 +237,7 @@ class ShmScribbler : public ::testing::TestWithParam<std::string> {
     }
   }
 
-  // Runs `attack` in a child with its own claimed slot, then checks every promise.
+  // Runs `attack` in a child with its own claimed area, then checks every promise.
   void attack(const std::function<void(Scribbler&)>& body, std::uint32_t worker = kNoWorker) {
     const std::string name = name_;
     const pid_t child = fork_worker([&]() -> int {
@@ -247,7 +247,7 @@ class ShmScribbler : public ::testing::TestWithParam<std::string> {
       return 0;
     });
     EXPECT_EQ(wait_pid(child, std::chrono::seconds(60)), 0) << "the scribbler itself failed";
-    // Its slot is freed by the server's watchdog once it noticed the death; the next scribbler
+    // Its area is freed by the server's watchdog once it noticed the death; the next scribbler
     // takes it again.
     const auto guard = std::chrono::steady_clock::now() + std::chrono::seconds(10);
     while (observer_->owner(2) != 0 && std::chrono::steady_clock::now() < guard)
@@ -286,7 +286,7 @@ class ShmScribbler : public ::testing::TestWithParam<std::string> {
   std::unique_ptr<Client> healthy_, worker_;
   std::unique_ptr<Observer> observer_;
   std::vector<std::byte> fixed_, free_;
-  std::uint32_t first_free_ = 3;  // slots from here on are nobody's
+  std::uint32_t first_free_ = 3;  // areas from here on are nobody's
   std::thread loop_;
   std::atomic<bool> stop_{false};
   std::atomic<std::uint64_t> rounds_{0};
@@ -305,14 +305,14 @@ TEST_P(ShmScribbler, SegmentGeometry) {
     const std::uint64_t own_area = static_cast<std::uint64_t>(s.data() - s.segment_base());
     const std::uint64_t store_at = static_cast<std::uint64_t>(s.store_base() - s.segment_base());
     // A raised data size, and a stats answer aimed at the store header and at 2^40.
-    h.slot_data_bytes = 1ull << 42;
+    h.area_bytes = 1ull << 42;
     s.send(static_cast<std::uint16_t>(wire::Op::stats), 0, 0, store_at - own_area, 0, 65536);
     s.send(static_cast<std::uint16_t>(wire::Op::stats), 0, 0, 1ull << 40, 0, 65536);
     s.send_one(wire::Op::push, kAttackerKey, kAttackerLength, 1.0f);
-    // Slot count, offsets and stride: every loop over the slots and every slot address.
+    // Area count, offsets and stride: every loop over the areas and every area address.
     for (const auto& [field, value] : std::vector<std::pair<std::uint64_t shm::SegmentHeader::*, std::uint64_t>>{
-             {&shm::SegmentHeader::slots_offset, 1ull << 50},
-             {&shm::SegmentHeader::slot_stride, 1ull << 40},
+             {&shm::SegmentHeader::areas_offset, 1ull << 50},
+             {&shm::SegmentHeader::area_stride, 1ull << 40},
              {&shm::SegmentHeader::clock_offset, ~0ull - 4095},
              {&shm::SegmentHeader::store_offset, 1ull << 45},
              {&shm::SegmentHeader::store_bytes, ~0ull},
@@ -321,12 +321,12 @@ TEST_P(ShmScribbler, SegmentGeometry) {
       s.stats();
       s.send_one(wire::Op::push, kAttackerKey, kAttackerLength, 1.0f);
     }
-    h.slots = 0xffffffffu;
+    h.clients = 0xffffffffu;
     h.server_threads = 0;
     h.num_workers = 0xffffffffu;
     h.wait_timeout_ms = 0xffffffffu;
     s.stats();
-    std::this_thread::sleep_for(std::chrono::milliseconds(400));  // the watchdog walks the slots every 100 ms
+    std::this_thread::sleep_for(std::chrono::milliseconds(400));  // the watchdog walks the areas every 100 ms
     h.server_threads = 1000;
     s.stats();
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
@@ -420,16 +420,16 @@ TEST_P(ShmScribbler, RingEntriesOutOfRange) {
     for (int i = 0; i < 4; ++i) keys[i] = {kHealthy[2].key, kHealthy[2].length, 0};
     s.send(static_cast<std::uint16_t>(wire::Op::init), 4, 0, 0, 64, area);
     // head far ahead of done, then done scribbled backwards and forwards.
-    s.slot().head.store(s.slot().done.load() + (1ull << 40));
+    s.mine().head.store(s.mine().done.load() + (1ull << 40));
     s.ring_doorbells();
     std::this_thread::sleep_for(std::chrono::milliseconds(300));
-    s.slot().done.store(~0ull - 5);
-    s.slot().head.store(~0ull);
+    s.mine().done.store(~0ull - 5);
+    s.mine().head.store(~0ull);
     s.ring_doorbells();
     std::this_thread::sleep_for(std::chrono::milliseconds(300));
   });
   const std::string log = this->log();
-  EXPECT_NE(log.find("slot 2"), std::string::npos) << log;
+  EXPECT_NE(log.find("client area 2"), std::string::npos) << log;
   EXPECT_NE(log.find("outside"), std::string::npos) << log;
 }
 
@@ -437,8 +437,8 @@ TEST_P(ShmScribbler, RingEntriesOutOfRange) {
 // them.
 TEST_P(ShmScribbler, UndoRecordsAndLocksLeftAtDeath) {
   attack([](Scribbler& s) {
-    UndoRecord& undo = s.slot().undo;
-    const std::uint32_t tag = shm::slot_owner_tag(s.index());
+    UndoRecord& undo = s.mine().undo;
+    const std::uint32_t tag = shm::area_owner_tag(s.index());
     // Holds the stripe lock of a healthy key, as a client dying inside a push would.
     SlotHeader* healthy = s.store().find(kHealthy[0].key);
     SlotHeader* own = s.store().find(kAttackerKey);
@@ -467,7 +467,7 @@ TEST_P(ShmScribbler, UndoRecordsAndLocksLeftAtDeath) {
   // A second one: saved phase naming its own key (rolled back, within its own key) and then
   // random phases.
   attack([](Scribbler& s) {
-    UndoRecord& undo = s.slot().undo;
+    UndoRecord& undo = s.mine().undo;
     SlotHeader* own = s.store().find(kAttackerKey);
     if (!own) std::exit(11);
     own->length = kAttackerLength;
@@ -475,7 +475,7 @@ TEST_P(ShmScribbler, UndoRecordsAndLocksLeftAtDeath) {
     const std::uint32_t stripe = static_cast<std::uint32_t>((mix64(kAttackerKey) >> 40) & (sh.stripes - 1));
     auto* lock = reinterpret_cast<std::atomic<std::uint32_t>*>(s.store_base() + sh.stripes_offset + stripe * 64);
     std::uint32_t expected = 0;
-    while (!lock->compare_exchange_weak(expected, shm::slot_owner_tag(s.index()) << 1)) expected = 0;
+    while (!lock->compare_exchange_weak(expected, shm::area_owner_tag(s.index()) << 1)) expected = 0;
     undo.stripe = stripe;
     undo.slot_offset = s.store().slot_offset(*own);
     undo.seq = own->seq.load();
@@ -493,7 +493,7 @@ TEST_P(ShmScribbler, UndoRecordsAndLocksLeftAtDeath) {
 TEST_P(ShmScribbler, ClockTableAndWaitTimeout) {
   const std::string name = name_;
   const std::uint32_t workers = observer_->clock_table_workers();
-  first_free_ = 4;  // the late client below takes slot 3
+  first_free_ = 4;  // the late client below takes area 3
   free_ = observer_->free_areas(first_free_);
   const pid_t parent = getpid();
   const pid_t child = fork_worker([&]() -> int {
@@ -552,18 +552,18 @@ TEST_P(ShmScribbler, ClockTableAndWaitTimeout) {
 TEST_P(ShmScribbler, RandomBytesOverItsOwnArea) {
   attack([](Scribbler& s) {
     std::mt19937_64 rng(42);
-    auto* begin = reinterpret_cast<std::byte*>(&s.slot());
-    const std::size_t bytes = sizeof(shm::ClientSlot) + s.area();
+    auto* begin = reinterpret_cast<std::byte*>(&s.mine());
+    const std::size_t bytes = sizeof(shm::ClientArea) + s.area();
     std::vector<std::byte> noise(bytes);
     const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(2);
     for (int round = 0; std::chrono::steady_clock::now() < until; ++round) {
       for (auto& b : noise) b = static_cast<std::byte>(rng());
       // Mostly-valid rounds keep the server reading entries; fully random ones hit every field.
-      const std::size_t from = round % 2 ? 0 : offsetof(shm::ClientSlot, ring);
-      std::memcpy(begin + from, noise.data() + from, round % 2 ? bytes : sizeof(shm::ClientSlot) - from);
-      s.slot().owner_pid.store(getpid());
-      s.slot().owner_start = shm::process_start_time(getpid());
-      if (round % 3 == 0) s.slot().head.store(s.slot().done.load() + 1 + rng() % 300);
+      const std::size_t from = round % 2 ? 0 : offsetof(shm::ClientArea, ring);
+      std::memcpy(begin + from, noise.data() + from, round % 2 ? bytes : sizeof(shm::ClientArea) - from);
+      s.mine().owner_pid.store(getpid());
+      s.mine().owner_start = shm::process_start_time(getpid());
+      if (round % 3 == 0) s.mine().head.store(s.mine().done.load() + 1 + rng() % 300);
       s.header().spinners.store(static_cast<std::uint32_t>(rng()));
       s.ring_doorbells();
       std::this_thread::sleep_for(std::chrono::milliseconds(20));

@@ -97,10 +97,10 @@ TEST(Uri, UnknownSchemesAreRefusedByTheFactories) {
 
 // Backend settings are URI parameters: each taken once, within its bounds, and none unknown.
 TEST(Uri, ParamsAreCheckedAndUnknownOnesRefused) {
-  const Uri u = parse_uri("shm://job?slots=8&push=server&colour=blue");
+  const Uri u = parse_uri("shm://job?clients=8&push=server&colour=blue");
   UriParams p(u);
-  EXPECT_EQ(p.number("slots", 64, 1, 4096), 8u);
-  EXPECT_EQ(p.number("slot_mb", 32, 1, 4096), 32u);  // absent: the fallback
+  EXPECT_EQ(p.number("clients", 64, 1, 4096), 8u);
+  EXPECT_EQ(p.number("area_mb", 32, 1, 4096), 32u);  // absent: the fallback
   EXPECT_EQ(p.choice("push", "worker", {"worker", "server"}), "server");
   try {
     p.finish();
@@ -108,8 +108,8 @@ TEST(Uri, ParamsAreCheckedAndUnknownOnesRefused) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("colour"), std::string::npos) << e.what();
   }
-  UriParams q(parse_uri("shm://job?slots=0"));
-  EXPECT_THROW(q.number("slots", 64, 1, 4096), Error);
+  UriParams q(parse_uri("shm://job?clients=0"));
+  EXPECT_THROW(q.number("clients", 64, 1, 4096), Error);
   UriParams r(parse_uri("tcp://h:1?push=sideways"));
   EXPECT_THROW(r.choice("push", "pieces", {"pieces", "whole"}), Error);
   EXPECT_THROW(transport::listen(parse_uri("tcp://127.0.0.1:0?colour=blue"), {}), Error);

@@ -1,4 +1,4 @@
-// The client's registration cache: buffers announced with Connection::register_memory() are
+// The client's registration cache: buffers announced with Connection::register_buffer() are
 // registered once (LOCAL_WRITE, so pulls may land in them) and found again by address.
 //
 // Only announced buffers are cached. A buffer used without announcement is registered on the

@@ -110,7 +110,7 @@ RdmaConnection::RdmaConnection(const Uri& uri, const transport::ConnectOptions& 
                                             std::to_string(server_.num_workers));
   credits_ = std::min(server_.credits, recv_depth_);
   cache_ = std::make_unique<MrCache>(verbs_->pd);
-  slots_.resize(options_.max_in_flight);
+  in_flight_.resize(options_.max_in_flight);
   for (std::uint32_t i = options_.max_in_flight; i-- > 0;) free_.push_back(i);
   wake_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (wake_fd_ < 0) throw Error(Errc::io, "eventfd: " + errno_text(errno));
@@ -128,8 +128,8 @@ RdmaConnection::~RdmaConnection() {
     fail_all(Errc::peer_failure, "the connection to " + endpoint_ + " was closed by the client");
     // Nobody polls any more: whatever still waits for a flush is released now (the queue pair
     // is in the error state, so the NIC no longer touches those buffers).
-    for (std::uint32_t i = 0; i < slots_.size(); ++i) {
-      slots_[i].chains = 0;
+    for (std::uint32_t i = 0; i < in_flight_.size(); ++i) {
+      in_flight_[i].chains = 0;
       maybe_release(i);
     }
   }
@@ -137,7 +137,7 @@ RdmaConnection::~RdmaConnection() {
   rdma_disconnect(verbs_->id);
   // Reverse order of creation: queue pair, then the memory it used, then CQ, PD, id, channel.
   verbs_->destroy_qp();
-  slots_.clear();
+  in_flight_.clear();
   cache_.reset();
   recv_ = RegisteredBuffer();
   verbs_.reset();
@@ -364,21 +364,21 @@ void RdmaConnection::authenticate(const auth::Proof& proof, Deadline deadline) {
   if (const int rc = ibv_post_recv(verbs_->qp, &rwr, &rbad); rc != 0) throw Error(Errc::io, "ibv_post_recv: " + errno_text(rc));
 }
 
-void RdmaConnection::register_memory(void* data, std::size_t bytes) { cache_->add(data, bytes); }
+void RdmaConnection::register_buffer(void* data, std::size_t bytes) { cache_->add(data, bytes); }
 
-void RdmaConnection::ensure_staging(Slot& slot, std::size_t bytes) {
-  if (slot.staging.size() >= bytes) return;
+void RdmaConnection::ensure_staging(InFlight& op, std::size_t bytes) {
+  if (op.staging.size() >= bytes) return;
   std::size_t size = 4096;
   while (size < bytes) size *= 2;
-  slot.staging = RegisteredBuffer(verbs_->pd, size, IBV_ACCESS_LOCAL_WRITE, "request staging");
+  op.staging = RegisteredBuffer(verbs_->pd, size, IBV_ACCESS_LOCAL_WRITE, "request staging");
 }
 
-std::uint32_t RdmaConnection::local_key(Slot& slot, const void* data, std::size_t bytes) {
+std::uint32_t RdmaConnection::local_key(InFlight& op, const void* data, std::size_t bytes) {
   if (const std::uint32_t lkey = cache_->find(data, bytes)) return lkey;
   if (bytes <= kBounceBytes) return 0;
-  slot.temporary.emplace_back(verbs_->pd, const_cast<void*>(data), bytes, IBV_ACCESS_LOCAL_WRITE,
+  op.temporary.emplace_back(verbs_->pd, const_cast<void*>(data), bytes, IBV_ACCESS_LOCAL_WRITE,
                               "an unregistered request buffer (call Client::register_buffer to register it once)");
-  return slot.temporary.back().lkey();
+  return op.temporary.back().lkey();
 }
 
 }  // namespace pskv::rdma

@@ -29,7 +29,7 @@
 
 namespace pskv::rdma {
 
-// Thread-safety: submit() and register_memory() may be called from any number of threads. One
+// Thread-safety: submit() and register_buffer() may be called from any number of threads. One
 // internal completion thread owns the completion queue; every piece of request state is
 // guarded by mu_, and work requests are posted under it, so the send queue accounting, the
 // credit count and the receive-region ring stay consistent.
@@ -39,7 +39,7 @@ class RdmaConnection final : public transport::Connection {
   ~RdmaConnection() override;
 
   void submit(transport::Request& request) override;
-  void register_memory(void* data, std::size_t bytes) override;
+  void register_buffer(void* data, std::size_t bytes) override;
   const transport::ServerInfo& info() const noexcept override { return info_; }
   const std::string& endpoint() const noexcept override { return endpoint_; }
 
@@ -79,7 +79,7 @@ class RdmaConnection final : public transport::Connection {
     std::uint32_t length = 0;
   };
 
-  struct Slot {
+  struct InFlight {
     transport::Request* request = nullptr;
     std::uint64_t id = 0;
     Phase phase = Phase::idle;
@@ -133,11 +133,11 @@ class RdmaConnection final : public transport::Connection {
   bool connect_once(const Uri& uri, Deadline deadline, std::string* refusal);
   // The server asked for the token and proved it: send our proof and receive the Grant.
   void authenticate(const auth::Proof& proof, Deadline deadline);
-  void ensure_staging(Slot& slot, std::size_t bytes);
+  void ensure_staging(InFlight& op, std::size_t bytes);
   // Finds the lkey of a caller buffer: cached registration, bounce (0), or a registration for
   // this request only.
-  std::uint32_t local_key(Slot& slot, const void* data, std::size_t bytes);
-  void prepare(Slot& slot);
+  std::uint32_t local_key(InFlight& op, const void* data, std::size_t bytes);
+  void prepare(InFlight& op);
 
   // --- hot path (rdma_datapath.cc) ---
   std::uint32_t acquire_slot(transport::Request* request);
@@ -148,8 +148,8 @@ class RdmaConnection final : public transport::Connection {
   void begin_reads(std::uint32_t index);
   bool post_clock_read(std::uint32_t index);
   bool post_round(std::uint32_t index);
-  void next_round(Slot& slot);
-  void assign_bounce(Slot& slot);
+  void next_round(InFlight& op);
+  void assign_bounce(InFlight& op);
   std::size_t clock_area() const noexcept;
   std::size_t max_piece() const noexcept;
   std::uint32_t reads_for(std::uint32_t length) const noexcept;
@@ -165,8 +165,8 @@ class RdmaConnection final : public transport::Connection {
   void fail_all(Errc status, const std::string& why);
   void flush_deliveries();
   std::uint32_t sq_free() const noexcept { return send_depth_ - sq_used_; }
-  bool bound_needed(const Slot& slot, std::uint64_t* need) const;
-  std::string key_text(const Slot& slot, std::uint32_t k) const;
+  bool bound_needed(const InFlight& op, std::uint64_t* need) const;
+  std::string key_text(const InFlight& op, std::uint32_t k) const;
 
   void completion_loop();
   int drain_cq();
@@ -192,7 +192,7 @@ class RdmaConnection final : public transport::Connection {
 
   std::mutex mu_;  // guards everything below
   std::condition_variable slot_free_;
-  std::vector<Slot> slots_;
+  std::vector<InFlight> in_flight_;
   std::vector<std::uint32_t> free_;
   std::uint64_t next_generation_ = 1;
   std::uint32_t credits_ = 0;

@@ -82,8 +82,8 @@ std::uint32_t RdmaConnection::reads_for(std::uint32_t length) const noexcept {
   return 2 + static_cast<std::uint32_t>(bytes > first ? (bytes - first + max_piece() - 1) / max_piece() : 0);
 }
 
-std::string RdmaConnection::key_text(const Slot& slot, std::uint32_t k) const {
-  return "key " + std::to_string(slot.request->keys[k].key);
+std::string RdmaConnection::key_text(const InFlight& op, std::uint32_t k) const {
+  return "key " + std::to_string(op.request->keys[k].key);
 }
 
 // --- submission -------------------------------------------------------------------------------
@@ -111,11 +111,11 @@ void RdmaConnection::submit(Request& request) {
     request.completion->complete_part(status, why);
     return;
   }
-  // The slot belongs to this thread until start(): registration and staging happen unlocked.
+  // The entry belongs to this thread until start(): registration and staging happen unlocked.
   Errc status = Errc::ok;
   std::string why;
   try {
-    prepare(slots_[index]);
+    prepare(in_flight_[index]);
   } catch (const Error& e) {
     status = e.code();
     why = message_of(e);
@@ -136,7 +136,7 @@ std::uint32_t RdmaConnection::acquire_slot(Request* request) {
   if (broken_) return UINT32_MAX;
   const std::uint32_t i = free_.back();
   free_.pop_back();
-  Slot& s = slots_[i];
+  InFlight& s = in_flight_[i];
   s.request = request;
   s.id = next_generation_++ * options_.max_in_flight + i;
   s.phase = Phase::preparing;
@@ -151,7 +151,7 @@ std::uint32_t RdmaConnection::acquire_slot(Request* request) {
   return i;
 }
 
-void RdmaConnection::prepare(Slot& s) {
+void RdmaConnection::prepare(InFlight& s) {
   const Request& r = *s.request;
   const auto keys = r.keys;
   s.temporary.clear();
@@ -275,7 +275,7 @@ void RdmaConnection::prepare(Slot& s) {
 }
 
 void RdmaConnection::start(std::uint32_t index) {
-  Slot& s = slots_[index];
+  InFlight& s = in_flight_[index];
   if (broken_) {
     finish(index, broken_status_, broken_why_);
     return;
@@ -310,7 +310,7 @@ void RdmaConnection::pump() {
   while (!read_queue_.empty() && !broken_) {
     const std::uint32_t i = read_queue_.front();
     read_queue_.pop_front();
-    const bool posted = slots_[i].phase == Phase::clock_queued ? post_clock_read(i) : post_round(i);
+    const bool posted = in_flight_[i].phase == Phase::clock_queued ? post_clock_read(i) : post_round(i);
     if (!posted) {
       read_queue_.push_front(i);
       break;
@@ -319,7 +319,7 @@ void RdmaConnection::pump() {
 }
 
 bool RdmaConnection::post_message(std::uint32_t index) {
-  Slot& s = slots_[index];
+  InFlight& s = in_flight_[index];
   if (credits_ == 0) return false;
   ibv_send_wr* bad = nullptr;
   std::uint32_t chain = 1;
@@ -382,7 +382,7 @@ bool RdmaConnection::post_message(std::uint32_t index) {
 }
 
 bool RdmaConnection::post_clock_read(std::uint32_t index) {
-  Slot& s = slots_[index];
+  InFlight& s = in_flight_[index];
   if (sq_free() < 1) return false;
   ibv_sge sge{reinterpret_cast<std::uint64_t>(s.staging.data()), static_cast<std::uint32_t>(server_.grant.clock_bytes),
               s.staging.mr.lkey()};
@@ -405,7 +405,7 @@ bool RdmaConnection::post_clock_read(std::uint32_t index) {
   return true;
 }
 
-void RdmaConnection::next_round(Slot& s) {
+void RdmaConnection::next_round(InFlight& s) {
   const auto keys = s.request->keys;
   s.round.clear();
   std::size_t bounced = 0;
@@ -425,7 +425,7 @@ void RdmaConnection::next_round(Slot& s) {
   assign_bounce(s);
 }
 
-void RdmaConnection::assign_bounce(Slot& s) {
+void RdmaConnection::assign_bounce(InFlight& s) {
   s.bounce_at.clear();
   std::uint32_t at = 0;
   for (std::uint32_t k : s.round) {
@@ -436,7 +436,7 @@ void RdmaConnection::assign_bounce(Slot& s) {
 }
 
 bool RdmaConnection::post_round(std::uint32_t index) {
-  Slot& s = slots_[index];
+  InFlight& s = in_flight_[index];
   const auto keys = s.request->keys;
   std::uint32_t chain = s.snapshot ? 1 : 0;
   for (std::uint32_t k : s.round) chain += reads_for(keys[k].length);
@@ -509,7 +509,7 @@ void RdmaConnection::post_recv(std::uint32_t buffer) {
 
 // --- the pull state machine --------------------------------------------------------------------
 
-bool RdmaConnection::bound_needed(const Slot& s, std::uint64_t* need) const {
+bool RdmaConnection::bound_needed(const InFlight& s, std::uint64_t* need) const {
   const std::uint64_t clock = s.request->arg0;
   if (!bounded_ || options_.worker_id == kNoWorker || clock <= staleness_) return false;
   *need = clock - staleness_;
@@ -517,7 +517,7 @@ bool RdmaConnection::bound_needed(const Slot& s, std::uint64_t* need) const {
 }
 
 void RdmaConnection::continue_pull(std::uint32_t index) {
-  Slot& s = slots_[index];
+  InFlight& s = in_flight_[index];
   // Program order: a pull sees this client's own earlier pushes, so it waits behind them.
   if (pushes_done_ < s.after_push) {
     s.phase = Phase::own_pushes;
@@ -572,7 +572,7 @@ void RdmaConnection::continue_pull(std::uint32_t index) {
 }
 
 void RdmaConnection::begin_reads(std::uint32_t index) {
-  Slot& s = slots_[index];
+  InFlight& s = in_flight_[index];
   // With a clock table, the first round also reads it (before the values), so the bound the
   // pull reports for staleness statistics is the one in force when it read.
   s.snapshot = server_.grant.clock_addr != 0 && options_.worker_id != kNoWorker && !s.have_bound;
@@ -583,7 +583,7 @@ void RdmaConnection::begin_reads(std::uint32_t index) {
 }
 
 void RdmaConnection::on_clock_read(std::uint32_t index) {
-  Slot& s = slots_[index];
+  InFlight& s = in_flight_[index];
   try {
     // A READ of the table is not one atomic snapshot, but every clock only grows and evictions
     // only lift the bound, so the bound computed from it is one that held by the READ's end.
@@ -598,7 +598,7 @@ void RdmaConnection::on_clock_read(std::uint32_t index) {
 }
 
 void RdmaConnection::round_done(std::uint32_t index) {
-  Slot& s = slots_[index];
+  InFlight& s = in_flight_[index];
   const auto keys = s.request->keys;
   if (s.snapshot) {
     s.snapshot = false;
@@ -683,8 +683,8 @@ void RdmaConnection::on_completion(const ibv_wc& wc) {
              "the connection to " + endpoint_ + " failed: " + wc_text(wc) +
                  (timed_out ? "; the server stopped acknowledging (did it die, or is the network down?)" : ""));
   }
-  if (kind == WrKind::inner || index >= slots_.size()) return;
-  Slot& s = slots_[index];
+  if (kind == WrKind::inner || index >= in_flight_.size()) return;
+  InFlight& s = in_flight_[index];
   sq_used_ -= std::min(sq_used_, wr_chain(wc.wr_id));
   if (s.chains > 0) --s.chains;
   if (broken_ || wc.status != IBV_WC_SUCCESS) {
@@ -724,7 +724,7 @@ void RdmaConnection::on_reply(std::uint32_t buffer, std::uint32_t bytes) {
     return;
   }
   const auto index = static_cast<std::uint32_t>(h.request_id % options_.max_in_flight);
-  Slot& s = slots_[index];
+  InFlight& s = in_flight_[index];
   if (!s.request || s.id != h.request_id || !s.awaiting_reply || h.op != static_cast<std::uint16_t>(s.sent_op)) {
     fail_all(Errc::protocol, endpoint_ + " answered request " + std::to_string(h.request_id) + " (" +
                                  std::string(wire::op_name(h.op)) + ") that is not outstanding");
@@ -734,7 +734,7 @@ void RdmaConnection::on_reply(std::uint32_t buffer, std::uint32_t bytes) {
   ++credits_;
   auto status = static_cast<Errc>(h.status);
   std::string text;
-  if (h.flags & wire::kErrorText) text.assign(reinterpret_cast<const char*>(p + kHeader), h.payload_bytes);
+  if (h.flags & wire::kText) text.assign(reinterpret_cast<const char*>(p + kHeader), h.payload_bytes);
   if (status != Errc::ok && text.empty()) text = std::string(errc_name(status));
   const wire::Op op = s.request->op;
   if (carries_values(op)) {
@@ -771,7 +771,7 @@ void RdmaConnection::on_reply(std::uint32_t buffer, std::uint32_t bytes) {
     return;
   }
   // LOOKUP: one entry per key asked, each checked against the region it claims to be in.
-  if (h.flags & wire::kErrorText || h.payload_bytes != s.lookup.size() * sizeof(LookupEntry)) {
+  if (h.flags & wire::kText || h.payload_bytes != s.lookup.size() * sizeof(LookupEntry)) {
     fail_all(Errc::protocol, endpoint_ + " answered a lookup of " + std::to_string(s.lookup.size()) + " keys with " +
                                  std::to_string(h.payload_bytes) + " bytes");
     return;
@@ -799,7 +799,7 @@ void RdmaConnection::on_reply(std::uint32_t buffer, std::uint32_t bytes) {
 void RdmaConnection::wake_own_push_waiters() {
   for (std::size_t i = 0; i < own_push_waiters_.size();) {
     const std::uint32_t index = own_push_waiters_[i];
-    if (slots_[index].after_push <= pushes_done_) {
+    if (in_flight_[index].after_push <= pushes_done_) {
       own_push_waiters_[i] = own_push_waiters_.back();
       own_push_waiters_.pop_back();
       continue_pull(index);
@@ -810,7 +810,7 @@ void RdmaConnection::wake_own_push_waiters() {
 }
 
 void RdmaConnection::finish(std::uint32_t index, Errc status, std::string why) {
-  Slot& s = slots_[index];
+  InFlight& s = in_flight_[index];
   if (s.phase == Phase::done) return;
   s.status = status;
   s.why = std::move(why);
@@ -819,7 +819,7 @@ void RdmaConnection::finish(std::uint32_t index, Errc status, std::string why) {
 }
 
 void RdmaConnection::maybe_release(std::uint32_t index) {
-  Slot& s = slots_[index];
+  InFlight& s = in_flight_[index];
   if (s.phase != Phase::done || s.chains > 0 || s.awaiting_reply || !s.request) return;
   const wire::Op op = s.request->op;
   const bool note = s.status == Errc::ok && (op == wire::Op::pull || op == wire::Op::clock);
@@ -839,16 +839,16 @@ void RdmaConnection::fail_all(Errc status, const std::string& why) {
   broken_status_ = status;
   broken_why_ = why;
   broken_at_ = Clock::now();
-  // The error state stops the NIC and flushes every posted work request; a slot whose buffers
+  // The error state stops the NIC and flushes every posted work request; an entry whose buffers
   // the NIC might still touch is released only when its flush completion arrives.
   // Should even that fail, the flush grace in on_tick still bounds the wait.
   ibv_qp_attr attr{};
   attr.qp_state = IBV_QPS_ERR;
   if (ibv_modify_qp(verbs_->qp, &attr, IBV_QP_STATE) != 0) broken_why_ += " (and the queue pair could not be stopped)";
-  for (std::uint32_t i = 0; i < slots_.size(); ++i) {
-    // A slot still being prepared is its submitter's: start() sees broken_ and finishes it.
-    if (!slots_[i].request || slots_[i].phase == Phase::preparing) continue;
-    slots_[i].awaiting_reply = false;
+  for (std::uint32_t i = 0; i < in_flight_.size(); ++i) {
+    // An entry still being prepared is its submitter's: start() sees broken_ and finishes it.
+    if (!in_flight_[i].request || in_flight_[i].phase == Phase::preparing) continue;
+    in_flight_[i].awaiting_reply = false;
     finish(i, status, why);
   }
   send_queue_.clear();
@@ -916,10 +916,10 @@ void RdmaConnection::handle_cm_events() {
 void RdmaConnection::on_tick(Clock::time_point now) {
   for (std::size_t i = 0; i < backoff_.size();) {
     const std::uint32_t index = backoff_[i];
-    if (slots_[index].retry_at <= now) {
+    if (in_flight_[index].retry_at <= now) {
       backoff_[i] = backoff_.back();
       backoff_.pop_back();
-      slots_[index].phase = Phase::read_queued;
+      in_flight_[index].phase = Phase::read_queued;
       read_queue_.push_back(index);
     } else {
       ++i;
@@ -927,14 +927,14 @@ void RdmaConnection::on_tick(Clock::time_point now) {
   }
   if (broken_ && now - broken_at_ > kFlushGrace) {
     // Flushes that never came: the queue pair is in the error state, release what waits.
-    for (std::uint32_t i = 0; i < slots_.size(); ++i)
-      if (slots_[i].chains > 0) {
-        slots_[i].chains = 0;
+    for (std::uint32_t i = 0; i < in_flight_.size(); ++i)
+      if (in_flight_[i].chains > 0) {
+        in_flight_[i].chains = 0;
         maybe_release(i);
       }
   }
   if (!broken_ && now - last_progress_ > options_.io_timeout) {
-    const bool outstanding = std::any_of(slots_.begin(), slots_.end(), [](const Slot& s) {
+    const bool outstanding = std::any_of(in_flight_.begin(), in_flight_.end(), [](const InFlight& s) {
       return s.request && (s.chains > 0 || s.awaiting_reply);
     });
     if (outstanding)
@@ -948,7 +948,7 @@ void RdmaConnection::on_tick(Clock::time_point now) {
 
 int RdmaConnection::tick_ms(Clock::time_point now) {
   auto next = now + std::chrono::milliseconds(kTickMs);
-  for (std::uint32_t index : backoff_) next = std::min(next, slots_[index].retry_at);
+  for (std::uint32_t index : backoff_) next = std::min(next, in_flight_[index].retry_at);
   return static_cast<int>(std::max<long long>(
       0, std::chrono::duration_cast<std::chrono::milliseconds>(next - now + std::chrono::microseconds(999)).count()));
 }

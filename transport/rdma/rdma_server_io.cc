@@ -321,7 +321,7 @@ bool IoThread::dispatch(ServerConn& c, const wire::FrameHeader& h) {
       return true;
     case wire::Op::stats: {
       const std::string json = engine_.stats_json();
-      return reply(c, h, Errc::ok, json.data(), json.size(), wire::kErrorText);
+      return reply(c, h, Errc::ok, json.data(), json.size(), wire::kText);
     }
     case wire::Op::push:
     case wire::Op::init:
@@ -441,7 +441,7 @@ bool IoThread::send_error(ServerConn& c, const wire::FrameHeader& req, Errc stat
     log::warn("rdma.bad-frame", "server " + std::to_string(engine_.options().server_id) + ": " + c.address + " sent a bad " +
                                     std::string(wire::op_name(req.op)) + ": " + why);
   const std::size_t n = std::min(why.size(), kControlBytes - kHeader);
-  return reply(c, req, status, why.data(), n, wire::kErrorText);
+  return reply(c, req, status, why.data(), n, wire::kText);
 }
 
 void IoThread::close(ServerConn& c) {

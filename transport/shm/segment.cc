@@ -23,8 +23,8 @@ namespace pskv::shm {
 
 namespace {
 constexpr std::uint64_t kSegmentMagic = 0x474553564b53502eULL;  // ".PSKVSEG"
-// 2: ClientSlot::client_polling, 3: SegmentHeader::spinners, 4: ClientSlot::waiters_sleeping, waiter_word,
-// 5: ClientSlot::undo, worker_pushes, SegmentHeader::worker_push, recovered_pushes
+// 2: ClientArea::client_polling, 3: SegmentHeader::spinners, 4: ClientArea::waiters_sleeping, waiter_word,
+// 5: ClientArea::undo, worker_pushes, SegmentHeader::worker_push, recovered_pushes
 constexpr std::uint32_t kLayoutVersion = 6;  // 6: accepting and closing
 
 class RegionView final : public MemoryResource {
@@ -133,15 +133,15 @@ bool process_alive(pid_t pid, std::uint64_t start_time) {
 std::unique_ptr<Segment> Segment::create(const std::string& name, const SegmentConfig& c) {
   if (c.server_threads == 0 || c.server_threads > kMaxServerThreads)
     throw Error(Errc::invalid_argument, "shm server threads must be 1.." + std::to_string(kMaxServerThreads));
-  if (c.slots == 0 || c.slots > 4096) throw Error(Errc::invalid_argument, "shm slots must be 1..4096");
+  if (c.clients == 0 || c.clients > 4096) throw Error(Errc::invalid_argument, "shm clients (client areas) must be 1..4096");
   const std::string object = segment_object_name(name);
 
   SegmentHeader layout{};
   layout.clock_offset = align_up(sizeof(SegmentHeader), 4096);
   const std::size_t clock_bytes = c.num_workers ? ClockTable::bytes_for(c.num_workers) : 0;
-  layout.slots_offset = align_up(layout.clock_offset + clock_bytes, 4096);
-  layout.slot_stride = align_up(sizeof(ClientSlot) + c.slot_data_bytes, 4096);
-  layout.store_offset = align_up(layout.slots_offset + std::uint64_t{c.slots} * layout.slot_stride, 4096);
+  layout.areas_offset = align_up(layout.clock_offset + clock_bytes, 4096);
+  layout.area_stride = align_up(sizeof(ClientArea) + c.area_bytes, 4096);
+  layout.store_offset = align_up(layout.areas_offset + std::uint64_t{c.clients} * layout.area_stride, 4096);
   layout.store_bytes = c.store_bytes;
   layout.total_bytes = align_up(layout.store_offset + c.store_bytes, 4096);
 
@@ -173,8 +173,8 @@ std::unique_ptr<Segment> Segment::create(const std::string& name, const SegmentC
   auto seg = std::unique_ptr<Segment>(new Segment());
   seg->name_ = name;
   seg->owner_ = true;
-  seg->geo_ = SegmentGeometry{c.num_workers, c.slots, c.server_threads, c.slot_data_bytes, layout.clock_offset,
-                              layout.slots_offset, layout.slot_stride, layout.store_offset, layout.store_bytes,
+  seg->geo_ = SegmentGeometry{c.num_workers, c.clients, c.server_threads, c.area_bytes, layout.clock_offset,
+                              layout.areas_offset, layout.area_stride, layout.store_offset, layout.store_bytes,
                               layout.total_bytes, c.mode, c.worker_push, c.staleness, c.sync_required, c.wait_timeout_ms};
   seg->size_ = layout.total_bytes;
   try {
@@ -189,23 +189,23 @@ std::unique_ptr<Segment> Segment::create(const std::string& name, const SegmentC
   h.server_start = process_start_time(h.server_pid);
   h.job_nonce = std::random_device{}() | (std::uint64_t{std::random_device{}()} << 32);
   h.num_workers = c.num_workers;
-  h.slots = c.slots;
+  h.clients = c.clients;
   h.server_threads = c.server_threads;
   h.mode = static_cast<std::uint8_t>(c.mode);
   h.worker_push = c.worker_push ? 1 : 0;
   h.staleness = c.staleness;
   h.sync_required = c.sync_required;
   h.wait_timeout_ms = c.wait_timeout_ms;
-  h.slot_data_bytes = c.slot_data_bytes;
+  h.area_bytes = c.area_bytes;
   h.clock_offset = layout.clock_offset;
-  h.slots_offset = layout.slots_offset;
-  h.slot_stride = layout.slot_stride;
+  h.areas_offset = layout.areas_offset;
+  h.area_stride = layout.area_stride;
   h.store_offset = layout.store_offset;
   h.store_bytes = layout.store_bytes;
   h.total_bytes = layout.total_bytes;
   seg->geo_.server_pid = h.server_pid;
   seg->geo_.server_start = h.server_start;
-  for (std::uint32_t i = 0; i < c.slots; ++i) new (&seg->slot(i)) ClientSlot{};
+  for (std::uint32_t i = 0; i < c.clients; ++i) new (&seg->area(i)) ClientArea{};
   std::atomic_ref<std::uint64_t>(h.magic).store(kSegmentMagic, std::memory_order_release);
   return seg;
 }
@@ -239,12 +239,12 @@ std::unique_ptr<Segment> Segment::open(const std::string& name) {
   // that rewrites the header afterwards cannot move this client's accesses.
   SegmentGeometry g;
   g.num_workers = h.num_workers;
-  g.slots = h.slots;
+  g.clients = h.clients;
   g.server_threads = h.server_threads;
-  g.slot_data_bytes = h.slot_data_bytes;
+  g.area_bytes = h.area_bytes;
   g.clock_offset = h.clock_offset;
-  g.slots_offset = h.slots_offset;
-  g.slot_stride = h.slot_stride;
+  g.areas_offset = h.areas_offset;
+  g.area_stride = h.area_stride;
   g.store_offset = h.store_offset;
   g.store_bytes = h.store_bytes;
   g.total_bytes = h.total_bytes;
@@ -257,12 +257,12 @@ std::unique_ptr<Segment> Segment::open(const std::string& name) {
   g.server_start = h.server_start;
   const std::uint64_t clock_bytes = g.num_workers ? ClockTable::bytes_for(g.num_workers) : 0;
   const bool sane =
-      g.slots >= 1 && g.slots <= 4096 && g.server_threads >= 1 && g.server_threads <= kMaxServerThreads &&
+      g.clients >= 1 && g.clients <= 4096 && g.server_threads >= 1 && g.server_threads <= kMaxServerThreads &&
       g.mode <= ConsistencyMode::sync && g.num_workers <= (1u << 20) && g.clock_offset >= sizeof(SegmentHeader) &&
-      g.clock_offset % 64 == 0 && g.slots_offset % 64 == 0 && g.slot_stride % 64 == 0 && g.store_offset % 64 == 0 &&
-      g.slots_offset >= g.clock_offset + clock_bytes && g.slot_data_bytes <= (1ull << 40) &&
-      g.slot_stride >= sizeof(ClientSlot) + g.slot_data_bytes && g.slot_stride <= (1ull << 41) &&
-      g.store_offset >= g.slots_offset + std::uint64_t{g.slots} * g.slot_stride && g.store_bytes <= size &&
+      g.clock_offset % 64 == 0 && g.areas_offset % 64 == 0 && g.area_stride % 64 == 0 && g.store_offset % 64 == 0 &&
+      g.areas_offset >= g.clock_offset + clock_bytes && g.area_bytes <= (1ull << 40) &&
+      g.area_stride >= sizeof(ClientArea) + g.area_bytes && g.area_stride <= (1ull << 41) &&
+      g.store_offset >= g.areas_offset + std::uint64_t{g.clients} * g.area_stride && g.store_bytes <= size &&
       g.store_offset <= size - g.store_bytes && g.total_bytes <= size;
   if (!sane) throw Error(Errc::protocol, "shm://" + name + " has a segment header that does not describe its own mapping");
   seg->geo_ = g;

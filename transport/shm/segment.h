@@ -1,10 +1,10 @@
 // The shared-memory segment of one shm:// server: header, clock table, one request ring per
 // client, and the store region, all in one Boost.Interprocess shared_memory_object.
 //
-//   SegmentHeader | ClockTable | ClientSlot x slots (ring + data area each) | Store region
+//   SegmentHeader | ClockTable | ClientArea x clients (ring + data area each) | Store region
 //
 // Clients pull straight from the store region under the seqlock. Pushes are applied by the
-// client itself under the stripe lock, with an undo record in its slot that the server's
+// client itself under the stripe lock, with an undo record in its area that the server's
 // watchdog rolls back if the client is killed mid-way (or, with worker_push off, they go through
 // the ring like everything else). Everything else that changes state (init, clock, barrier)
 // goes through the client's own ring and is applied by the server in ring order; a client
@@ -42,7 +42,7 @@ struct alignas(64) RingEntry {
   std::uint16_t reserved;
   std::uint32_t num_keys;
   std::uint64_t arg0;
-  std::uint64_t data_offset;   // into the slot's data area: key table, then payload
+  std::uint64_t data_offset;   // into the area's data part: key table, then payload
   std::uint64_t payload_bytes;
   // Response.
   std::uint32_t status;        // Errc
@@ -51,10 +51,10 @@ struct alignas(64) RingEntry {
   std::uint64_t data_bytes;    // bytes reserved at data_offset
 };
 
-inline constexpr std::int32_t kClaimingSlot = -1;  // owner_pid while a client fills in its identity
+inline constexpr std::int32_t kClaimingArea = -1;  // owner_pid while a client fills in its identity
 
-struct alignas(64) ClientSlot {
-  std::atomic<std::int32_t> owner_pid;  // 0: free; kClaimingSlot: being claimed
+struct alignas(64) ClientArea {
+  std::atomic<std::int32_t> owner_pid;  // 0: free; kClaimingArea: being claimed
   std::uint32_t worker_id;
   std::uint64_t owner_start;            // owner's start time, so a reused pid is not mistaken
   alignas(64) std::atomic<std::uint64_t> head;  // last published seq (client)
@@ -69,9 +69,9 @@ struct alignas(64) ClientSlot {
   std::atomic<std::uint32_t> waiter_word;       // futex: bumped on an answer while waiters sleep
   // A push the client applies itself (SegmentHeader::worker_push): how far it got, for the
   // watchdog to roll back if the client dies holding a stripe lock. Its undo buffer is the
-  // front of the slot's data area, which the ring does not use meanwhile.
+  // front of the area's data part, which the ring does not use meanwhile.
   alignas(64) UndoRecord undo;
-  std::atomic<std::uint64_t> worker_pushes;     // keys this slot's clients applied themselves
+  std::atomic<std::uint64_t> worker_pushes;     // keys this area's clients applied themselves
   alignas(64) RingEntry ring[kRingEntries];
 };
 
@@ -82,7 +82,7 @@ struct alignas(64) SegmentHeader {
   std::uint64_t server_start;  // /proc start time of the server process
   std::uint64_t job_nonce;     // random per server start
   std::uint32_t num_workers;
-  std::uint32_t slots;
+  std::uint32_t clients;
   std::uint32_t server_threads;
   std::uint8_t mode;           // ConsistencyMode
   std::uint8_t worker_push;    // 1: clients apply their own pushes under the stripe locks
@@ -90,42 +90,42 @@ struct alignas(64) SegmentHeader {
   std::uint32_t staleness;
   std::uint32_t sync_required;
   std::uint32_t wait_timeout_ms;
-  std::uint64_t slot_data_bytes;
-  std::uint64_t clock_offset, slots_offset, slot_stride, store_offset, store_bytes, total_bytes;
+  std::uint64_t area_bytes;
+  std::uint64_t clock_offset, areas_offset, area_stride, store_offset, store_bytes, total_bytes;
   alignas(64) std::atomic<std::uint32_t> ready;  // 1 once the server finished laying out
-  // The server's stop: 0 once it no longer accepts clients (new ones are refused a slot); `closing`
+  // The server's stop: 0 once it no longer accepts clients (new ones are refused an area); `closing`
   // 1 once it drains, after which no client may apply a push itself (the server's final
   // checkpoint must hold every push acknowledged before it). Both only ever change this way.
   std::atomic<std::uint32_t> accepting;
   std::atomic<std::uint32_t> closing;
   alignas(64) std::atomic<std::uint32_t> doorbell[kMaxServerThreads];
   std::atomic<std::uint32_t> server_sleeping[kMaxServerThreads];
-  // Client threads spinning on their slots, over all client processes: spinning is only worth
+  // Client threads spinning on their areas, over all client processes: spinning is only worth
   // it while a core is left for the server (ShmConnection::begin_polling).
   alignas(64) std::atomic<std::uint32_t> spinners;
   alignas(64) std::atomic<std::uint64_t> recovered_pushes;  // rolled back after their client died
 };
 
-// Wakes the slot's client threads asleep on waiter_word, if any; true if there were. Callers
+// Wakes the area's client threads asleep on waiter_word, if any; true if there were. Callers
 // fence (seq_cst) between what they published and this, pairing with the sleeper's fence in
 // ShmConnection::sleep_for_answers.
-inline bool wake_waiter_word(ClientSlot& s) noexcept {
+inline bool wake_waiter_word(ClientArea& s) noexcept {
   if (s.waiters_sleeping.load(std::memory_order_seq_cst) == 0) return false;
   s.waiter_word.fetch_add(1, std::memory_order_release);
   futex_wake_all(&s.waiter_word);
   return true;
 }
 
-// The stripe-lock owner tag of the clients of slot i (SharedMutex::kAnonymousOwner is the server),
+// The stripe-lock owner tag of the clients of area i (SharedMutex::kAnonymousOwner is the server),
 // and back.
-inline std::uint32_t slot_owner_tag(std::uint32_t slot) noexcept { return slot + 2; }
-inline std::uint32_t owner_tag_slot(std::uint32_t tag) noexcept { return tag - 2; }
+inline std::uint32_t area_owner_tag(std::uint32_t area) noexcept { return area + 2; }
+inline std::uint32_t owner_tag_area(std::uint32_t tag) noexcept { return tag - 2; }
 
 struct SegmentConfig {
   std::uint32_t num_workers = 0;
-  std::uint32_t slots = 64;
+  std::uint32_t clients = 64;
   std::uint32_t server_threads = 1;
-  std::uint64_t slot_data_bytes = 32ull << 20;
+  std::uint64_t area_bytes = 32ull << 20;
   std::uint64_t store_bytes = 0;
   ConsistencyMode mode = ConsistencyMode::asp;
   bool worker_push = true;
@@ -133,7 +133,7 @@ struct SegmentConfig {
 };
 
 // Decodes a ring entry the client wrote (the client may be hostile or half-dead, so every
-// field is checked against the slot's data area before use). On success fills `keys` and
+// field is checked against the area's data part before use). On success fills `keys` and
 // `payload` (pointing into `area`) and `op`, the op that was validated: callers must use it, not
 // re-read e.op, which the client could change in between. Shared by the server and the fuzzer.
 Errc decode_entry(const RingEntry& e, const std::byte* area, std::uint64_t area_bytes, std::vector<wire::KeyEntry>* keys,
@@ -146,11 +146,11 @@ bool process_alive(pid_t pid, std::uint64_t start_time);
 // The segment's layout and the job's settings as the server laid them out. The server fills it
 // from its own configuration and a client from the header once, checked against the mapping, at
 // open; neither reads the header's copy again, since any process of the job's user can rewrite
-// it (a raised slot count or data size must not move the server's or another client's accesses).
+// it (a raised client count or data size must not move the server's or another client's accesses).
 struct SegmentGeometry {
-  std::uint32_t num_workers = 0, slots = 0, server_threads = 1;
-  std::uint64_t slot_data_bytes = 0;
-  std::uint64_t clock_offset = 0, slots_offset = 0, slot_stride = 0, store_offset = 0, store_bytes = 0, total_bytes = 0;
+  std::uint32_t num_workers = 0, clients = 0, server_threads = 1;
+  std::uint64_t area_bytes = 0;
+  std::uint64_t clock_offset = 0, areas_offset = 0, area_stride = 0, store_offset = 0, store_bytes = 0, total_bytes = 0;
   ConsistencyMode mode = ConsistencyMode::asp;
   bool worker_push = false;
   std::uint32_t staleness = 0, sync_required = 0, wait_timeout_ms = 0;
@@ -174,11 +174,11 @@ class Segment {
   SegmentHeader& header() noexcept { return *reinterpret_cast<SegmentHeader*>(base_); }
   const SegmentGeometry& geometry() const noexcept { return geo_; }
   void* clock_memory() noexcept { return base_ + geo_.clock_offset; }
-  // i < geometry().slots.
-  ClientSlot& slot(std::uint32_t i) noexcept {
-    return *reinterpret_cast<ClientSlot*>(base_ + geo_.slots_offset + std::uint64_t{i} * geo_.slot_stride);
+  // i < geometry().clients.
+  ClientArea& area(std::uint32_t i) noexcept {
+    return *reinterpret_cast<ClientArea*>(base_ + geo_.areas_offset + std::uint64_t{i} * geo_.area_stride);
   }
-  std::byte* slot_data(std::uint32_t i) noexcept { return reinterpret_cast<std::byte*>(&slot(i)) + sizeof(ClientSlot); }
+  std::byte* area_data(std::uint32_t i) noexcept { return reinterpret_cast<std::byte*>(&area(i)) + sizeof(ClientArea); }
   // A non-owning view of the store region, valid while this Segment lives.
   std::unique_ptr<MemoryResource> store_memory();
   const std::string& name() const noexcept { return name_; }

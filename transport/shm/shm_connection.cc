@@ -40,7 +40,7 @@ ShmConnection::ShmConnection(const Uri& uri, const transport::ConnectOptions& op
   // Sync mode sums the workers' pushes on the server before applying them once.
   worker_push_ = g.worker_push && mode != ConsistencyMode::sync;
   info_.num_workers = g.num_workers;
-  data_capacity_ = g.slot_data_bytes;
+  data_capacity_ = g.area_bytes;
   server_threads_ = g.server_threads;
   // A wait the server bounds (tcp) also ends at the client's io_timeout; so does this one, since
   // nothing but the segment says what the server's timeout is.
@@ -53,29 +53,29 @@ ShmConnection::ShmConnection(const Uri& uri, const transport::ConnectOptions& op
     throw Error(Errc::peer_failure, endpoint_ + " is stopping and takes no new clients");
   const pid_t me = ::getpid();
   const std::uint64_t start = process_start_time(me);
-  for (std::uint32_t i = 0; i < g.slots && !slot_; ++i) {
+  for (std::uint32_t i = 0; i < g.clients && !area_; ++i) {
     std::int32_t expected = 0;
-    ClientSlot& s = segment_->slot(i);
+    ClientArea& s = segment_->area(i);
     // Claim through a sentinel: the server's watchdog must never see our pid with the previous
-    // owner's start time (it would think we died and hand the slot to someone else).
-    if (s.owner_pid.compare_exchange_strong(expected, kClaimingSlot)) {
+    // owner's start time (it would think we died and hand the area to someone else).
+    if (s.owner_pid.compare_exchange_strong(expected, kClaimingArea)) {
       s.owner_start = start;
       s.worker_id = options.worker_id;
       s.waits_on_clock.store(0);
       s.undo.phase.store(UndoPhase::idle);
       s.owner_pid.store(me, std::memory_order_release);
-      slot_ = &s;
-      slot_index_ = i;
+      area_ = &s;
+      area_index_ = i;
     }
   }
-  if (!slot_)
-    throw Error(Errc::capacity, endpoint_ + " has no free client slot (" + std::to_string(g.slots) +
-                                    " in use); restart the server with more --shm-slots");
-  data_ = segment_->slot_data(slot_index_);
-  next_seq_ = slot_->done.load(std::memory_order_acquire);
+  if (!area_)
+    throw Error(Errc::capacity, endpoint_ + " has no free client area (" + std::to_string(g.clients) +
+                                    " in use); restart the server with more --shm-clients");
+  data_ = segment_->area_data(area_index_);
+  next_seq_ = area_->done.load(std::memory_order_acquire);
   completed_.store(next_seq_);
-  slot_->client_polling.store(0);
-  slot_->head.store(next_seq_, std::memory_order_release);
+  area_->client_polling.store(0);
+  area_->head.store(next_seq_, std::memory_order_release);
   helper_ = std::thread([this] { helper_loop(); });
 }
 
@@ -84,15 +84,15 @@ ShmConnection::~ShmConnection() {
     std::lock_guard lock(mu_);
     stopping_ = true;
   }
-  slot_->done_word.fetch_add(1);
-  futex_wake_all(&slot_->done_word);
+  area_->done_word.fetch_add(1);
+  futex_wake_all(&area_->done_word);
   helper_.join();
   fail_everything(Errc::peer_failure, "the connection to " + endpoint_ + " was closed by the client");
-  // Let the server finish whatever was published, then give the slot back.
+  // Let the server finish whatever was published, then give the area back.
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
-  while (slot_->done.load() < slot_->head.load() && std::chrono::steady_clock::now() < deadline && segment_->server_alive())
+  while (area_->done.load() < area_->head.load() && std::chrono::steady_clock::now() < deadline && segment_->server_alive())
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  slot_->owner_pid.store(0, std::memory_order_release);
+  area_->owner_pid.store(0, std::memory_order_release);
 }
 
 bool ShmConnection::bound_allows(std::uint64_t clock, std::uint64_t* observed) const {
@@ -177,7 +177,7 @@ bool ShmConnection::push_directly(Request& request) {
     return false;  // the ring path says whether the push itself fits
   }
   auto* undo = reinterpret_cast<float*>(data_);
-  const std::uint32_t owner = slot_owner_tag(slot_index_);
+  const std::uint32_t owner = area_owner_tag(area_index_);
   const auto patience = wait_timeout_;
   Errc status = Errc::ok;
   std::size_t applied = 0;
@@ -188,7 +188,7 @@ bool ShmConnection::push_directly(Request& request) {
     constexpr auto kTick = std::chrono::milliseconds(100);
     std::chrono::milliseconds waited{0};
     while ((status = store_->apply_logged(*slots[applied].slot, request.keys[applied].data, request.keys[applied].length,
-                                          1.0f, owner, slot_->undo, undo, data_capacity_ / sizeof(float), kTick,
+                                          1.0f, owner, area_->undo, undo, data_capacity_ / sizeof(float), kTick,
                                           &header_->closing)) == Errc::timeout) {
       waited += kTick;
       if (!segment_->server_alive()) status = Errc::peer_failure;
@@ -210,7 +210,7 @@ bool ShmConnection::push_directly(Request& request) {
                                                   " of " + std::to_string(slots.size()) + " keys of this push were applied"
                                             : "waited " + std::to_string(patience.count()) + " ms for " + lock + "," + held;
   }
-  slot_->worker_pushes.store(slot_->worker_pushes.load(std::memory_order_relaxed) + applied, std::memory_order_relaxed);
+  area_->worker_pushes.store(area_->worker_pushes.load(std::memory_order_relaxed) + applied, std::memory_order_relaxed);
   finish();
   request.completion->complete_part(status, why);
   return true;
@@ -222,9 +222,9 @@ std::string ShmConnection::server_gone() const {
 
 std::string ShmConnection::describe_owner(std::uint32_t owner) const {
   if (owner == 0) return "nobody now";
-  const std::uint32_t slot = owner_tag_slot(owner);
-  if (owner == SharedMutex::kAnonymousOwner || slot >= segment_->geometry().slots) return "the server";
-  return "the client in slot " + std::to_string(slot) + ", pid " + std::to_string(segment_->slot(slot).owner_pid.load());
+  const std::uint32_t area = owner_tag_area(owner);
+  if (owner == SharedMutex::kAnonymousOwner || area >= segment_->geometry().clients) return "the server";
+  return "the client in area " + std::to_string(area) + ", pid " + std::to_string(segment_->area(area).owner_pid.load());
 }
 
 void ShmConnection::submit(Request& request) {
@@ -242,14 +242,14 @@ void ShmConnection::submit(Request& request) {
       return;
     }
     // Program order: a pull must see this client's own earlier pushes, so it waits behind them.
-    const bool own_pending = slot_->done.load(std::memory_order_acquire) < next_seq_;
+    const bool own_pending = area_->done.load(std::memory_order_acquire) < next_seq_;
     if (own_pending || !bound_allows(request.arg0, &observed)) {
       const auto now = std::chrono::steady_clock::now();
       parked_.push_back({&request, next_seq_, request.arg0, now + wait_timeout_, now + options_.io_timeout});
-      slot_->waits_on_clock.store(1);
+      area_->waits_on_clock.store(1);
       lock.unlock();
-      slot_->done_word.fetch_add(1);  // let the helper re-evaluate now
-      futex_wake_all(&slot_->done_word);
+      area_->done_word.fetch_add(1);  // let the helper re-evaluate now
+      futex_wake_all(&area_->done_word);
       return;
     }
   }
@@ -271,7 +271,7 @@ void ShmConnection::enqueue(Request& request) {
     request.completion->complete_part(
         Errc::capacity, "a " + std::string(wire::op_name(static_cast<std::uint16_t>(request.op))) + " of " +
                             std::to_string(need >> 20) + " MiB does not fit the " + std::to_string(data_capacity_ >> 20) +
-                            " MiB client slot of " + endpoint_ + ": raise the server's --shm-slot-mb or lower --chunk-floats");
+                            " MiB client area of " + endpoint_ + ": raise the server's --shm-area-mb or lower --chunk-floats");
     return;
   }
   std::unique_lock lock(mu_);
@@ -306,7 +306,7 @@ void ShmConnection::enqueue(Request& request) {
       out += std::size_t{k.length} * sizeof(float);
     }
   }
-  RingEntry& e = slot_->ring[seq % kRingEntries];
+  RingEntry& e = area_->ring[seq % kRingEntries];
   e.seq = seq;
   e.op = static_cast<std::uint16_t>(request.op);
   e.num_keys = static_cast<std::uint32_t>(request.keys.size());
@@ -320,16 +320,16 @@ void ShmConnection::enqueue(Request& request) {
   data_end_[seq % kRingEntries] = start + need;
   data_head_ = start + need;
   next_seq_ = seq;
-  slot_->head.store(seq, std::memory_order_release);
+  area_->head.store(seq, std::memory_order_release);
   lock.unlock();
-  const std::uint32_t t = slot_index_ % server_threads_;
+  const std::uint32_t t = area_index_ % server_threads_;
   header_->doorbell[t].fetch_add(1, std::memory_order_seq_cst);
   if (header_->server_sleeping[t].load(std::memory_order_seq_cst)) futex_wake(&header_->doorbell[t], 1);
 }
 
 bool ShmConnection::run_parked(std::chrono::steady_clock::time_point now) {
   // Called with mu_ held. Runs the parked pulls that may go, in order; fails expired ones.
-  const std::uint64_t done = slot_->done.load(std::memory_order_acquire);
+  const std::uint64_t done = area_->done.load(std::memory_order_acquire);
   bool waiting_on_clock = false;
   for (auto it = parked_.begin(); it != parked_.end();) {
     std::uint64_t observed = 0;
@@ -368,13 +368,13 @@ bool ShmConnection::run_parked(std::chrono::steady_clock::time_point now) {
     waiting_on_clock |= done >= it->after_seq;
     ++it;
   }
-  slot_->waits_on_clock.store(waiting_on_clock ? 1 : 0);
+  area_->waits_on_clock.store(waiting_on_clock ? 1 : 0);
   return !parked_.empty();
 }
 
 bool ShmConnection::complete_answered() {
   // The server's word is not trusted past what was published.
-  const std::uint64_t done = std::min(slot_->done.load(std::memory_order_acquire), next_seq_);
+  const std::uint64_t done = std::min(area_->done.load(std::memory_order_acquire), next_seq_);
   std::uint64_t seq = completed_.load(std::memory_order_relaxed);
   if (seq >= done) return false;
   // Completing under mu_ means no entry's space is handed out again before its answer was read.
@@ -382,7 +382,7 @@ bool ShmConnection::complete_answered() {
     ++seq;
     Request* request = pending_[seq % kRingEntries];
     pending_[seq % kRingEntries] = nullptr;
-    const RingEntry& e = slot_->ring[seq % kRingEntries];
+    const RingEntry& e = area_->ring[seq % kRingEntries];
     const auto status = static_cast<Errc>(e.status);
     // The answer sits in this client's own area; its words are still bounded by the area, so
     // that a scribbled entry costs this request its text, not this process.
@@ -401,7 +401,7 @@ bool ShmConnection::complete_answered() {
 }
 
 bool ShmConnection::answers_waiting() const noexcept {
-  return slot_->done.load(std::memory_order_acquire) > completed_.load(std::memory_order_relaxed);
+  return area_->done.load(std::memory_order_acquire) > completed_.load(std::memory_order_relaxed);
 }
 
 void ShmConnection::settle() {
@@ -426,12 +426,12 @@ bool ShmConnection::begin_polling() noexcept {
     header_->spinners.fetch_sub(1, std::memory_order_relaxed);
     return false;
   }
-  slot_->client_polling.fetch_add(1, std::memory_order_seq_cst);
+  area_->client_polling.fetch_add(1, std::memory_order_seq_cst);
   return true;
 }
 
 void ShmConnection::end_polling() noexcept {
-  slot_->client_polling.fetch_sub(1, std::memory_order_seq_cst);
+  area_->client_polling.fetch_sub(1, std::memory_order_seq_cst);
   header_->spinners.fetch_sub(1, std::memory_order_relaxed);
   // Pairs with the fence in ShmServer::publish: either the server saw no poller and woke the
   // helper, or this load sees its answer. Usually the spin already took everything: no lock.
@@ -446,14 +446,14 @@ bool ShmConnection::sleep_for_answers(const transport::Completion& c,
   // Pairs with the fences in ShmServer::publish and wake_sleeping_waiters: either the server or
   // the completer sees this sleeper and bumps waiter_word, or the loads after our fence see the
   // answer or the completion, and we do not sleep.
-  slot_->waiters_sleeping.fetch_add(1, std::memory_order_seq_cst);
-  const std::uint32_t word = slot_->waiter_word.load(std::memory_order_acquire);
+  area_->waiters_sleeping.fetch_add(1, std::memory_order_seq_cst);
+  const std::uint32_t word = area_->waiter_word.load(std::memory_order_acquire);
   std::atomic_thread_fence(std::memory_order_seq_cst);
   if (!c.done() && !answers_waiting()) {
     const auto left = until - std::chrono::steady_clock::now();
-    if (left > std::chrono::nanoseconds::zero()) futex_wait(&slot_->waiter_word, word, left);
+    if (left > std::chrono::nanoseconds::zero()) futex_wait(&area_->waiter_word, word, left);
   }
-  slot_->waiters_sleeping.fetch_sub(1, std::memory_order_seq_cst);
+  area_->waiters_sleeping.fetch_sub(1, std::memory_order_seq_cst);
   if (!answers_waiting()) return true;
   // The helper was not woken for this answer: do its part.
   std::lock_guard lock(mu_);
@@ -464,13 +464,13 @@ bool ShmConnection::sleep_for_answers(const transport::Completion& c,
 void ShmConnection::wake_sleeping_waiters() noexcept {
   // Orders the completions just made before the load, against the sleeper's fence.
   std::atomic_thread_fence(std::memory_order_seq_cst);
-  wake_waiter_word(*slot_);
+  wake_waiter_word(*area_);
 }
 
 void ShmConnection::helper_loop() {
   auto last_alive_check = std::chrono::steady_clock::now();
   for (;;) {
-    const std::uint32_t word = slot_->done_word.load(std::memory_order_acquire);
+    const std::uint32_t word = area_->done_word.load(std::memory_order_acquire);
     bool progressed, parked_left;
     {
       std::unique_lock lock(mu_);
@@ -489,9 +489,9 @@ void ShmConnection::helper_loop() {
     }
     if (progressed) continue;
     // Sleep until the server answers or a clock moves; tick to notice deadlines and server death.
-    slot_->client_sleeping.store(1);
-    futex_wait(&slot_->done_word, word, parked_left ? std::chrono::milliseconds(50) : std::chrono::milliseconds(500));
-    slot_->client_sleeping.store(0);
+    area_->client_sleeping.store(1);
+    futex_wait(&area_->done_word, word, parked_left ? std::chrono::milliseconds(50) : std::chrono::milliseconds(500));
+    area_->client_sleeping.store(0);
   }
 }
 

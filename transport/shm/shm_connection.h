@@ -1,11 +1,11 @@
 // Client side of the shared-memory backend. Pulls copy straight from the server's arena into
 // the caller's buffer under the seqlock (the one unavoidable copy, no round trip). Pushes are
 // applied by the calling thread itself under the stripe lock, the old value saved in this
-// client's own slot first so that the server can roll the push back if we die mid-way (when the
+// client's own area first so that the server can roll the push back if we die mid-way (when the
 // server allows it, outside sync mode, and once this client's earlier ring requests are
-// answered). Other pushes and control requests are copied once into this client's own slot and
+// answered). Other pushes and control requests are copied once into this client's own area and
 // published on its ring. A waiting thread picks up the server's answers itself, while it spins
-// or after the server woke it from the slot's waiter_word (Poller); otherwise a helper thread
+// or after the server woke it from the area's waiter_word (Poller); otherwise a helper thread
 // turns them into completions. The helper also runs pulls that had to wait for the consistency
 // bound or for this client's earlier pushes, and notices a dead server.
 #pragma once
@@ -29,7 +29,7 @@ namespace pskv::shm {
 // server's wait timeout as read then, clamped to this client's own io_timeout, whatever the
 // segment says later. Store offsets and lengths are checked against the Store's private copy of
 // its geometry. What another process can still do by writing the segment: change values, clocks
-// and this client's own slot, which the client reads as the server's word.
+// and this client's own area, which the client reads as the server's word.
 //
 // Thread-safety: submit() and the Poller calls from any number of threads; one internal helper
 // thread.
@@ -86,8 +86,8 @@ class ShmConnection final : public transport::Connection, private transport::Pol
   std::unique_ptr<Store> store_;
   std::unique_ptr<ClockTable> clocks_;
   SegmentHeader* header_ = nullptr;
-  ClientSlot* slot_ = nullptr;
-  std::uint32_t slot_index_ = 0;
+  ClientArea* area_ = nullptr;
+  std::uint32_t area_index_ = 0;
   std::byte* data_ = nullptr;
   std::uint64_t data_capacity_ = 0;
   std::uint32_t max_spinners_ = 1;  // spinning client threads this machine can afford

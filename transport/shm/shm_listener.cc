@@ -15,8 +15,8 @@ class ShmListener final : public transport::Listener {
  public:
   ShmListener(const Uri& uri, const transport::ListenOptions& options) : name_(uri.name) {
     UriParams p(uri);
-    slots_ = static_cast<std::uint32_t>(p.number("slots", 64, 1, 4096));
-    slot_bytes_ = p.number("slot_mb", 32, 1, 4096) << 20;
+    clients_ = static_cast<std::uint32_t>(p.number("clients", 64, 1, 4096));
+    area_bytes_ = p.number("area_mb", 32, 1, 4096) << 20;
     worker_push_ = p.choice("push", "worker", {"worker", "server"}) == "worker";
     p.finish();
     // Clients share this machine, and the server's threads poll before they sleep: one per core
@@ -30,9 +30,9 @@ class ShmListener final : public transport::Listener {
   transport::EngineMemory engine_memory(const EngineOptions& engine) override {
     SegmentConfig c;
     c.num_workers = engine.num_workers;
-    c.slots = slots_;
+    c.clients = clients_;
     c.server_threads = threads_;
-    c.slot_data_bytes = slot_bytes_;
+    c.area_bytes = area_bytes_;
     c.worker_push = worker_push_;
     c.store_bytes = Store::required_bytes(engine.store);
     c.mode = engine.mode;
@@ -69,8 +69,8 @@ class ShmListener final : public transport::Listener {
 
  private:
   std::string name_;
-  std::uint32_t slots_ = 64, threads_ = 1;
-  std::uint64_t slot_bytes_ = 32ull << 20;
+  std::uint32_t clients_ = 64, threads_ = 1;
+  std::uint64_t area_bytes_ = 32ull << 20;
   bool worker_push_ = true;
   // The server before the segment it serves goes away (members are destroyed in reverse).
   std::unique_ptr<Segment> segment_;

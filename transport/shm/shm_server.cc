@@ -9,21 +9,21 @@
 
 namespace pskv::shm {
 
-// A barrier parked in the engine: answering it unblocks its slot.
-class SlotParked final : public Parked {
+// A barrier parked in the engine: answering it unblocks its area.
+class AreaParked final : public Parked {
  public:
-  SlotParked(ShmServer& server, std::uint32_t slot, std::uint64_t seq) : server_(server), slot_(slot), seq_(seq) {}
+  AreaParked(ShmServer& server, std::uint32_t area, std::uint64_t seq) : server_(server), area_(area), seq_(seq) {}
   void resume(Errc status, const std::string& why) override {
-    RingEntry& e = server_.segment_->slot(slot_).ring[seq_ % kRingEntries];
-    server_.answer(slot_, e, status, why);
-    server_.publish(slot_, seq_);
-    server_.blocked_[slot_].store(false, std::memory_order_release);
-    server_.wake_thread(slot_);
+    RingEntry& e = server_.segment_->area(area_).ring[seq_ % kRingEntries];
+    server_.answer(area_, e, status, why);
+    server_.publish(area_, seq_);
+    server_.blocked_[area_].store(false, std::memory_order_release);
+    server_.wake_thread(area_);
   }
 
  private:
   ShmServer& server_;
-  std::uint32_t slot_;
+  std::uint32_t area_;
   std::uint64_t seq_;
 };
 
@@ -31,10 +31,10 @@ ShmServer::ShmServer(Segment& segment, ShardEngine& engine, const ShmServerOptio
     : options_(options), segment_(&segment), geo_(segment.geometry()), engine_(&engine) {
   options_.threads = geo_.server_threads;
   // Clients take stripe locks too: a writer here waits for one a bounded time, so a client that
-  // hangs holding it costs that key an error, not a server thread (and every slot it serves).
+  // hangs holding it costs that key an error, not a server thread (and every area it serves).
   engine_->store().set_lock_patience(lock_patience());
-  blocked_ = std::make_unique<std::atomic<bool>[]>(geo_.slots);
-  ignored_ = std::make_unique<std::atomic<std::int32_t>[]>(geo_.slots);
+  blocked_ = std::make_unique<std::atomic<bool>[]>(geo_.clients);
+  ignored_ = std::make_unique<std::atomic<std::int32_t>[]>(geo_.clients);
   auto& h = segment_->header();
   h.accepting.store(1, std::memory_order_release);
   h.ready.store(1, std::memory_order_release);
@@ -63,8 +63,8 @@ void ShmServer::drain() noexcept {
   // sees it in progress and waits for it to finish.
   h.closing.store(1, std::memory_order_seq_cst);
   const auto give_up = std::chrono::steady_clock::now() + lock_patience() + std::chrono::seconds(1);
-  for (std::uint32_t i = 0; i < geo_.slots; ++i) {
-    ClientSlot& s = segment_->slot(i);
+  for (std::uint32_t i = 0; i < geo_.clients; ++i) {
+    ClientArea& s = segment_->area(i);
     // A client that died inside its push never had it acknowledged: the watchdog rolls it back.
     while (s.undo.phase.load(std::memory_order_seq_cst) != UndoPhase::idle && s.owner_pid.load() > 0 &&
            process_alive(s.owner_pid.load(), s.owner_start)) {
@@ -94,9 +94,9 @@ void ShmServer::close() noexcept {
   if (watchdog_.joinable()) watchdog_.join();
   auto& h = segment_->header();
   // Wake every client so that it notices the server is gone, then drop the name.
-  for (std::uint32_t i = 0; i < geo_.slots; ++i) {
-    segment_->slot(i).done_word.fetch_add(1);
-    futex_wake_all(&segment_->slot(i).done_word);
+  for (std::uint32_t i = 0; i < geo_.clients; ++i) {
+    segment_->area(i).done_word.fetch_add(1);
+    futex_wake_all(&segment_->area(i).done_word);
   }
   std::atomic_ref<std::int32_t>(h.server_pid).store(0, std::memory_order_release);
   segment_->remove();
@@ -104,7 +104,7 @@ void ShmServer::close() noexcept {
 
 std::uint64_t ShmServer::worker_pushes() const noexcept {
   std::uint64_t pushes = 0;
-  for (std::uint32_t i = 0; i < geo_.slots; ++i) pushes += segment_->slot(i).worker_pushes.load(std::memory_order_relaxed);
+  for (std::uint32_t i = 0; i < geo_.clients; ++i) pushes += segment_->area(i).worker_pushes.load(std::memory_order_relaxed);
   return pushes;
 }
 
@@ -121,7 +121,7 @@ void ShmServer::wake_thread(std::uint32_t i) {
 }
 
 void ShmServer::publish(std::uint32_t i, std::uint64_t seq) {
-  ClientSlot& s = segment_->slot(i);
+  ClientArea& s = segment_->area(i);
   s.done.store(seq, std::memory_order_release);
   s.done_word.fetch_add(1, std::memory_order_release);
   // Pairs with ShmConnection::end_polling: a waiter that is polling picks the answer up itself,
@@ -135,8 +135,8 @@ void ShmServer::publish(std::uint32_t i, std::uint64_t seq) {
 }
 
 void ShmServer::wake_clock_waiters() {
-  for (std::uint32_t i = 0; i < geo_.slots; ++i) {
-    ClientSlot& s = segment_->slot(i);
+  for (std::uint32_t i = 0; i < geo_.clients; ++i) {
+    ClientArea& s = segment_->area(i);
     if (s.owner_pid.load(std::memory_order_relaxed) && s.waits_on_clock.load(std::memory_order_relaxed)) {
       s.done_word.fetch_add(1, std::memory_order_release);
       futex_wake_all(&s.done_word);
@@ -148,22 +148,22 @@ void ShmServer::answer(std::uint32_t i, RingEntry& e, Errc status, const std::st
   e.status = static_cast<std::uint32_t>(status);
   // The entry's offsets come from the client: write the text only inside its own data area, as
   // the server laid it out.
-  const std::uint64_t area = geo_.slot_data_bytes, offset = e.data_offset, room = e.data_bytes;
+  const std::uint64_t area = geo_.area_bytes, offset = e.data_offset, room = e.data_bytes;
   const std::size_t n = offset <= area && room <= area - offset ? std::min<std::size_t>(text.size(), room) : 0;
-  if (n) std::memcpy(segment_->slot_data(i) + offset, text.data(), n);
+  if (n) std::memcpy(segment_->area_data(i) + offset, text.data(), n);
   e.text_len = static_cast<std::uint32_t>(n);
 }
 
 bool ShmServer::process(std::uint32_t i, RingEntry& e, std::uint64_t seq) {
-  ClientSlot& slot = segment_->slot(i);
+  ClientArea& client = segment_->area(i);
   e.reply_arg0 = 0;
   thread_local std::vector<wire::KeyEntry> keys;
   const float* payload = nullptr;
   std::string why;
   wire::Op op = wire::Op::hello;
-  Errc status = decode_entry(e, segment_->slot_data(i), geo_.slot_data_bytes, &keys, &payload, &op, &why);
+  Errc status = decode_entry(e, segment_->area_data(i), geo_.area_bytes, &keys, &payload, &op, &why);
   if (status != Errc::ok) log::warn("shm.bad-entry", who(i) + ": ring entry " + std::to_string(seq) + " refused: " + why);
-  const std::uint32_t worker = slot.worker_id;
+  const std::uint32_t worker = client.worker_id;
   const std::uint64_t arg0 = e.arg0;
   if (status == Errc::ok) {
     switch (op) {
@@ -184,7 +184,7 @@ bool ShmServer::process(std::uint32_t i, RingEntry& e, std::uint64_t seq) {
         status = engine_->check_worker(worker, &why);
         if (status == Errc::ok) {
           blocked_[i].store(true, std::memory_order_release);
-          engine_->barrier(worker, arg0, std::make_unique<SlotParked>(*this, i, seq));
+          engine_->barrier(worker, arg0, std::make_unique<AreaParked>(*this, i, seq));
           return false;
         }
         break;
@@ -204,27 +204,27 @@ bool ShmServer::process(std::uint32_t i, RingEntry& e, std::uint64_t seq) {
 }
 
 std::string ShmServer::who(std::uint32_t i) {
-  return "client slot " + std::to_string(i) + " (pid " +
-         std::to_string(segment_->slot(i).owner_pid.load(std::memory_order_relaxed)) + ")";
+  return "client area " + std::to_string(i) + " (pid " +
+         std::to_string(segment_->area(i).owner_pid.load(std::memory_order_relaxed)) + ")";
 }
 
 bool ShmServer::drain(std::uint32_t i) {
-  ClientSlot& s = segment_->slot(i);
+  ClientArea& s = segment_->area(i);
   bool progressed = false;
   // At most one ring's worth per visit, so a client that keeps its ring full (or forges `head`)
-  // shares the thread with the other slots instead of holding it.
+  // shares the thread with the other areas instead of holding it.
   for (std::uint32_t n = 0; n < kRingEntries && !blocked_[i].load(std::memory_order_acquire); ++n) {
     const std::uint64_t done = s.done.load(std::memory_order_relaxed);
     const std::uint64_t head = s.head.load(std::memory_order_acquire);
     if (done >= head) break;
     if (head - done > kRingEntries) {
       // A client never publishes more than its ring holds: this one's words are garbage. Its
-      // requests are not read again until the slot changes hands (the watchdog frees it).
+      // requests are not read again until the area changes hands (the watchdog frees it).
       const std::int32_t pid = s.owner_pid.load(std::memory_order_relaxed);
-      ignored_[i].store(pid == 0 ? kClaimingSlot : pid, std::memory_order_relaxed);
+      ignored_[i].store(pid == 0 ? kClaimingArea : pid, std::memory_order_relaxed);
       log::warn("shm.bad-ring", who(i) + ": published request " + std::to_string(head) + " with " + std::to_string(done) +
                                     " answered, more than its ring's " + std::to_string(kRingEntries) +
-                                    " entries; its ring is ignored until the slot is released");
+                                    " entries; its ring is ignored until the area is released");
       break;
     }
     const std::uint64_t seq = done + 1;
@@ -238,14 +238,14 @@ bool ShmServer::drain(std::uint32_t i) {
 
 void ShmServer::serve(std::uint32_t t) {
   auto& h = segment_->header();
-  const std::uint32_t slots = geo_.slots;
+  const std::uint32_t areas = geo_.clients;
   auto served = [&](std::uint32_t i) {
-    const std::int32_t pid = segment_->slot(i).owner_pid.load(std::memory_order_relaxed);
+    const std::int32_t pid = segment_->area(i).owner_pid.load(std::memory_order_relaxed);
     return pid != 0 && pid != ignored_[i].load(std::memory_order_relaxed);
   };
   while (!stopping_.load(std::memory_order_relaxed)) {
     bool progressed = false;
-    for (std::uint32_t i = t; i < slots; i += options_.threads)
+    for (std::uint32_t i = t; i < areas; i += options_.threads)
       if (served(i)) progressed |= drain(i);
     if (progressed) continue;
     // Idle: spin briefly for the next request, then sleep on the doorbell. A client bumps the
@@ -254,8 +254,8 @@ void ShmServer::serve(std::uint32_t t) {
     bool any = false;
     for (int spin = 0; spin < 200 && !any; ++spin) {
       cpu_relax();
-      for (std::uint32_t i = t; i < slots && !any; i += options_.threads) {
-        ClientSlot& s = segment_->slot(i);
+      for (std::uint32_t i = t; i < areas && !any; i += options_.threads) {
+        ClientArea& s = segment_->area(i);
         any = served(i) && !blocked_[i].load(std::memory_order_relaxed) &&
               s.done.load(std::memory_order_relaxed) < s.head.load(std::memory_order_acquire);
       }
@@ -272,21 +272,21 @@ void ShmServer::watchdog() {
   std::uint32_t last_change = engine_->clocks() ? engine_->clocks()->change_count() : 0;
   while (!watchdog_stop_.load()) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    for (std::uint32_t i = 0; i < geo_.slots; ++i) {
-      ClientSlot& s = segment_->slot(i);
+    for (std::uint32_t i = 0; i < geo_.clients; ++i) {
+      ClientArea& s = segment_->area(i);
       const pid_t pid = s.owner_pid.load(std::memory_order_acquire);
       const bool ignored = pid == ignored_[i].load(std::memory_order_relaxed);
-      if (pid == 0 || (pid == kClaimingSlot && !ignored) || process_alive(pid, s.owner_start)) continue;
+      if (pid == 0 || (pid == kClaimingArea && !ignored) || process_alive(pid, s.owner_start)) continue;
       // The owner died. A push it was applying itself is rolled back and its stripe lock
       // released first: server threads and other clients may be waiting on that lock. Then any
       // other lock still tagged with it: a corrupt or hostile client may have left more.
-      const std::uint32_t tag = slot_owner_tag(i);
+      const std::uint32_t tag = area_owner_tag(i);
       const Store::Recovery r = engine_->store().recover(
-          s.undo, tag, reinterpret_cast<const float*>(segment_->slot_data(i)), geo_.slot_data_bytes / sizeof(float));
+          s.undo, tag, reinterpret_cast<const float*>(segment_->area_data(i)), geo_.area_bytes / sizeof(float));
       const std::uint32_t stray = engine_->store().release_locks_of(tag);
       if (r == Store::Recovery::rolled_back) h.recovered_pushes.fetch_add(1);
       if (r != Store::Recovery::nothing || stray)
-        log::warn("shm.recover", "client slot " + std::to_string(i) + " (pid " + std::to_string(pid) + ") died " +
+        log::warn("shm.recover", "client area " + std::to_string(i) + " (pid " + std::to_string(pid) + ") died " +
                                      (r == Store::Recovery::rolled_back ? "inside a push: rolled it back"
                                       : r == Store::Recovery::released  ? "holding a stripe lock: released it"
                                                                         : "") +
@@ -294,10 +294,10 @@ void ShmServer::watchdog() {
                                                   std::to_string(stray) + " more stripe locks it had left tagged"
                                             : ""));
       // Whatever it published is applied next (it was fully written before head moved); then
-      // the slot is freed for the next client. A ring that was being ignored is not.
+      // the area is freed for the next client. A ring that was being ignored is not.
       wake_thread(i);
       if (!ignored && (s.done.load() < s.head.load() || blocked_[i].load())) continue;
-      if (blocked_[i].load()) continue;  // its parked barrier still answers into the slot
+      if (blocked_[i].load()) continue;  // its parked barrier still answers into the area
       ignored_[i].store(0, std::memory_order_relaxed);
       // A client killed while it spun never said so: return its share of the spinner count
       // (a share no larger than its threads could hold; the word is the client's to scribble).

@@ -1,6 +1,6 @@
 // Server side of the shared-memory backend: threads that apply each client's ring in order,
 // sleeping on a futex doorbell when every ring is empty, and a watchdog that notices clients
-// that died, rolls back a push one left half-applied, releases its stripe lock and frees its slot.
+// that died, rolls back a push one left half-applied, releases its stripe lock and frees its area.
 #pragma once
 
 #include <atomic>
@@ -21,14 +21,14 @@ struct ShmServerOptions {
 };
 
 // Trust: every client, and any other process of the job's user, can write the whole segment.
-// The server takes the segment's geometry (slot count, offsets, stride, data size) from its own
+// The server takes the segment's geometry (client count, offsets, stride, data size) from its own
 // configuration, the store's from the Store's private copy, and each key's offset and length from
-// the Store's private records; ring entries, undo records and slot words are read once and
-// checked against those before use. A client that scribbles over its own slot gets errors (and
-// log lines), and when its ring no longer makes sense it is ignored until its slot is freed.
+// the Store's private records; ring entries, undo records and area words are read once and
+// checked against those before use. A client that scribbles over its own area gets errors (and
+// log lines), and when its ring no longer makes sense it is ignored until its area is freed.
 //
 // Thread-safety: construct, stop and destroy from one thread (the listener's). Server threads
-// own disjoint sets of slots (i % threads); the watchdog thread frees slots of dead clients.
+// own disjoint sets of areas (i % threads); the watchdog thread frees areas of dead clients.
 class ShmServer {
  public:
   // Serves `engine`, whose store lives in `segment` (laid out by the caller); both outlive this.
@@ -38,7 +38,7 @@ class ShmServer {
   ShmServer(const ShmServer&) = delete;
   ShmServer& operator=(const ShmServer&) = delete;
 
-  // New clients are refused a slot.
+  // New clients are refused an area.
   void stop_accepting() noexcept;
   // No client applies a push itself any more, none is in the middle of one (those that are get
   // a bounded time to finish), and the server threads have stopped: nothing changes the store
@@ -51,9 +51,9 @@ class ShmServer {
   std::string stats_fields() const;
 
  private:
-  friend class SlotParked;
+  friend class AreaParked;
   void serve(std::uint32_t thread);
-  // Answers ring entries of slot `i` until it is empty or blocked on a parked request.
+  // Answers ring entries of area `i` until it is empty or blocked on a parked request.
   bool drain(std::uint32_t i);
   // Returns false when the request was parked (answered later by resume()).
   bool process(std::uint32_t i, RingEntry& e, std::uint64_t seq);
@@ -62,7 +62,7 @@ class ShmServer {
   void wake_thread(std::uint32_t i);
   void wake_clock_waiters();
   void watchdog();
-  // "client slot I (pid P)", for log lines.
+  // "client area I (pid P)", for log lines.
   std::string who(std::uint32_t i);
   // How long a server thread waits for a stripe lock a client holds.
   std::chrono::nanoseconds lock_patience() const noexcept;
@@ -71,9 +71,9 @@ class ShmServer {
   Segment* segment_;
   SegmentGeometry geo_;  // private: what the server laid out, never re-read from the segment
   ShardEngine* engine_;
-  std::unique_ptr<std::atomic<bool>[]> blocked_;  // slot has a parked request
-  // The pid whose ring stopped making sense (published more than the ring holds): its slot is
-  // not served until the slot changes hands. 0: none.
+  std::unique_ptr<std::atomic<bool>[]> blocked_;  // the area has a parked request
+  // The pid whose ring stopped making sense (published more than the ring holds): its area is
+  // not served until the area changes hands. 0: none.
   std::unique_ptr<std::atomic<std::int32_t>[]> ignored_;
   std::atomic<bool> stopping_{false};        // server threads: stop (drain)
   std::atomic<bool> watchdog_stop_{false};   // the watchdog keeps rolling back dead clients until close

@@ -27,7 +27,7 @@ TcpConnection::TcpConnection(const Uri& uri, const transport::ConnectOptions& op
   fd_ = connect_tcp(uri.host, uri.port, options.connect_timeout);
   set_io_timeouts(fd_.get(), options.io_timeout, options.io_timeout);
   handshake();
-  slots_.resize(options_.max_in_flight);
+  in_flight_.resize(options_.max_in_flight);
   for (std::uint32_t i = options_.max_in_flight; i-- > 0;) free_.push_back(i);
   // Blocking reads return every second, so a server that goes quiet with requests outstanding
   // is declared gone after io_timeout, and readers look up from the socket now and then.
@@ -86,36 +86,36 @@ wire::FrameHeader TcpConnection::read_handshake_reply(const char* step) {
   return r;
 }
 
-std::uint32_t TcpConnection::acquire_slot(Request* request, std::uint64_t* id) {
-  std::unique_lock lock(slots_mu_);
-  // A full window is freed by answers; this thread waits on a slot, not on them, so the reader
+std::uint32_t TcpConnection::acquire_in_flight(Request* request, std::uint64_t* id) {
+  std::unique_lock lock(in_flight_mu_);
+  // A full window is freed by answers; this thread waits for a free entry, not on them, so the reader
   // thread must read them now rather than once they have sat unread for kReaderGrace.
   if (free_.empty()) rely_on_transport();
-  slot_free_.wait(lock, [&] { return !free_.empty() || broken_ || send_broken_; });
+  in_flight_free_.wait(lock, [&] { return !free_.empty() || broken_ || send_broken_; });
   if (broken_ || send_broken_) return UINT32_MAX;
   const std::uint32_t i = free_.back();
   free_.pop_back();
-  slots_[i].id = next_generation_++ * options_.max_in_flight + i;
-  slots_[i].request = request;
-  *id = slots_[i].id;
+  in_flight_[i].id = next_generation_++ * options_.max_in_flight + i;
+  in_flight_[i].request = request;
+  *id = in_flight_[i].id;
   // The server's silence is timed from the moment something is outstanding.
   if (outstanding_.fetch_add(1) == 0) quiet_since_ns_.store(steady_now_ns(), std::memory_order_relaxed);
   return i;
 }
 
-void TcpConnection::release_slot(std::uint32_t index) {
+void TcpConnection::release_in_flight(std::uint32_t index) {
   {
-    std::lock_guard lock(slots_mu_);
-    slots_[index].request = nullptr;
+    std::lock_guard lock(in_flight_mu_);
+    in_flight_[index].request = nullptr;
     free_.push_back(index);
     outstanding_.fetch_sub(1);
   }
-  slot_free_.notify_one();
+  in_flight_free_.notify_one();
 }
 
 void TcpConnection::submit(Request& request) {
   std::uint64_t id = 0;
-  const std::uint32_t index = acquire_slot(&request, &id);
+  const std::uint32_t index = acquire_in_flight(&request, &id);
   if (index == UINT32_MAX) {
     request.completion->complete_part(Errc::peer_failure, broken_why_);
     return;
@@ -138,7 +138,7 @@ void TcpConnection::submit(Request& request) {
     // with an error (say, a request over its size limit). Stop sending but keep reading: the
     // readers deliver the replies already in the socket, then fail the rest at end of stream.
     {
-      std::lock_guard lock(slots_mu_);
+      std::lock_guard lock(in_flight_mu_);
       send_broken_ = true;
       if (broken_why_.empty()) broken_why_ = why;
     }
@@ -147,8 +147,8 @@ void TcpConnection::submit(Request& request) {
 }
 
 IoResult TcpConnection::send_request(std::uint64_t id, const Request& request, std::uint16_t flags) {
-  // The key table belongs to the sending thread, not to the request's slot: the reply can arrive
-  // and the slot pass to another sender before this thread has even returned from writev.
+  // The key table belongs to the sending thread, not to the request's entry: the reply can arrive
+  // and the entry pass to another sender before this thread has even returned from writev.
   thread_local std::vector<wire::KeyEntry> entries;  // capacity persists across requests
   entries.clear();
   std::uint64_t payload = 0;
@@ -180,20 +180,20 @@ IoResult TcpConnection::send_request(std::uint64_t id, const Request& request, s
 void TcpConnection::fail_all(Errc status, const std::string& why) {
   std::vector<Request*> victims;
   {
-    std::lock_guard lock(slots_mu_);
+    std::lock_guard lock(in_flight_mu_);
     if (!broken_) {
       broken_ = true;
       if (!send_broken_) broken_why_ = why;
     }
-    for (std::uint32_t i = 0; i < slots_.size(); ++i)
-      if (slots_[i].request) {
-        victims.push_back(slots_[i].request);
-        slots_[i].request = nullptr;
+    for (std::uint32_t i = 0; i < in_flight_.size(); ++i)
+      if (in_flight_[i].request) {
+        victims.push_back(in_flight_[i].request);
+        in_flight_[i].request = nullptr;
         free_.push_back(i);
         outstanding_.fetch_sub(1);
       }
   }
-  slot_free_.notify_all();
+  in_flight_free_.notify_all();
   for (Request* r : victims) r->completion->complete_part(status, why);
   notify_followers();
 }
@@ -348,8 +348,8 @@ bool TcpConnection::receive_one(const wire::FrameHeader& h, std::string* why) {
   const std::uint32_t index = static_cast<std::uint32_t>(h.request_id % options_.max_in_flight);
   Request* request;
   {
-    std::lock_guard lock(slots_mu_);
-    request = slots_[index].id == h.request_id ? slots_[index].request : nullptr;
+    std::lock_guard lock(in_flight_mu_);
+    request = in_flight_[index].id == h.request_id ? in_flight_[index].request : nullptr;
   }
   if (!request) {
     *why = endpoint_ + " answered request " + std::to_string(h.request_id) + " that is not outstanding";
@@ -357,7 +357,7 @@ bool TcpConnection::receive_one(const wire::FrameHeader& h, std::string* why) {
   }
   Errc status = static_cast<Errc>(h.status);
   std::string message;
-  if (h.flags & wire::kErrorText) {
+  if (h.flags & wire::kText) {
     message.resize(h.payload_bytes);
     if (read_full(fd_.get(), message.data(), message.size()) != IoResult::ok) {
       *why = "lost the connection to " + endpoint_ + " while reading an error reply";
@@ -415,7 +415,7 @@ bool TcpConnection::receive_one(const wire::FrameHeader& h, std::string* why) {
   }
   if (h.op == static_cast<std::uint16_t>(wire::Op::pull) || h.op == static_cast<std::uint16_t>(wire::Op::clock))
     request->completion->note_bound(h.arg0);
-  release_slot(index);
+  release_in_flight(index);
   if (status != Errc::ok && message.empty()) message = std::string(errc_name(status));
   request->completion->complete_part(status, status == Errc::ok ? std::string_view{} : std::string_view(message));
   return true;

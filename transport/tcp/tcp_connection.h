@@ -65,7 +65,7 @@ class TcpConnection final : public transport::Connection, private transport::Pol
   bool still_alive();
   void notify_followers() noexcept;
   void wake_reader() noexcept;
-  struct Slot {
+  struct InFlight {
     transport::Request* request = nullptr;
     std::uint64_t id = 0;
   };
@@ -76,9 +76,9 @@ class TcpConnection final : public transport::Connection, private transport::Pol
   void reader_loop();
   bool receive_one(const wire::FrameHeader& h, std::string* why);
   void fail_all(Errc status, const std::string& why);
-  // Returns the slot's index (UINT32_MAX once broken) and its request id in *id.
-  std::uint32_t acquire_slot(transport::Request* request, std::uint64_t* id);
-  void release_slot(std::uint32_t index);
+  // Returns the entry's index (UINT32_MAX once broken) and its request id in *id.
+  std::uint32_t acquire_in_flight(transport::Request* request, std::uint64_t* id);
+  void release_in_flight(std::uint32_t index);
 
   transport::ConnectOptions options_;
   std::string endpoint_;
@@ -88,16 +88,16 @@ class TcpConnection final : public transport::Connection, private transport::Pol
   std::mutex send_mu_;
   std::vector<iovec> iov_;
 
-  std::mutex slots_mu_;
-  std::condition_variable slot_free_;
-  std::vector<Slot> slots_;
+  std::mutex in_flight_mu_;
+  std::condition_variable in_flight_free_;
+  std::vector<InFlight> in_flight_;
   std::vector<std::uint32_t> free_;
   std::uint64_t next_generation_ = 1;
   bool broken_ = false;
   bool send_broken_ = false;  // the server closed while we sent; replies may still be read
   std::string broken_why_;
 
-  std::atomic<std::uint32_t> outstanding_{0};  // requests holding a slot; changed under slots_mu_
+  std::atomic<std::uint32_t> outstanding_{0};  // requests holding an entry; changed under in_flight_mu_
   std::atomic<std::int64_t> quiet_since_ns_{0};  // steady_now_ns: last frame read, or last idle moment
 
   // The read side. header_, header_fill_ and recv_iov_ belong to its holder.

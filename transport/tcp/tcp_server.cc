@@ -532,7 +532,7 @@ void TcpServer::accept_ready() {
 
 void TcpServer::refuse_at_accept(int fd, const std::string& text) {
   Reply r(reply_header(wire::make_header(wire::Op::hello, 0, 0, 0), text.size()), text.data(), text.size());
-  r.header.flags |= wire::kErrorText;
+  r.header.flags |= wire::kText;
   r.header.status = static_cast<std::uint16_t>(Errc::capacity);
   r.write_some(fd);  // best effort: the socket is new, its buffer empty
 }
@@ -1085,7 +1085,7 @@ bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payl
     case wire::Op::stats: {
       const std::string json = engine_.stats_json(0, stats_fields());
       Reply r(reply_header(h, json.size()), json.data(), json.size());
-      r.header.flags |= wire::kErrorText;  // a text payload
+      r.header.flags |= wire::kText;  // a text payload
       return send(peer, std::move(r));
     }
     case wire::Op::lookup:
@@ -1224,7 +1224,7 @@ bool TcpServer::flush_locked(Peer& peer) {
 
 bool TcpServer::send_error(Peer& peer, const wire::FrameHeader& req, Errc status, const std::string& why) {
   Reply r(reply_header(req, why.size()), why.data(), why.size());
-  r.header.flags |= wire::kErrorText;
+  r.header.flags |= wire::kText;
   r.header.status = static_cast<std::uint16_t>(status);
   return send(peer, std::move(r));
 }
