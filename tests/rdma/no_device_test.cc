@@ -28,8 +28,8 @@ TEST(RdmaNoDevice, ClientAndServerSayWhatToDo) {
   if (device_present()) GTEST_SKIP() << "this machine has an RDMA device; the rdma tests cover it";
   ClientOptions o;
   o.servers = {"rdma://127.0.0.1:9700"};
-  o.connect_timeout = std::chrono::seconds(2);
-  const auto start = std::chrono::steady_clock::now();
+  // Fails at once, not after the connect timeout: waiting these 10 minutes would hit ctest's limit.
+  o.connect_timeout = std::chrono::minutes(10);
   try {
     Client c(o);
     ADD_FAILURE() << "a client connected over rdma without a device";
@@ -45,7 +45,6 @@ TEST(RdmaNoDevice, ClientAndServerSayWhatToDo) {
   } catch (const Error& e) {
     expect_clear_no_device_error(e);
   }
-  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(2)) << "fails at once, no waiting";
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <stdexcept>
 #include <thread>
@@ -161,6 +162,35 @@ long rss_kib(pid_t pid) { return status_field(pid, "VmRSS:"); }
 std::string read_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+namespace {
+
+// The state letter of /proc/PID/task/TID/stat ('R' running, 'S'/'D' blocked, ...); 0 if gone.
+char thread_state(const std::string& stat_path) {
+  std::ifstream in(stat_path);
+  std::string line;
+  if (!std::getline(in, line)) return 0;
+  const std::size_t close = line.rfind(')');
+  return close == std::string::npos || close + 2 >= line.size() ? 0 : line[close + 2];
+}
+
+}  // namespace
+
+int samples_all_threads_asleep(pid_t pid, int samples, pid_t except_tid) {
+  const std::string tasks = "/proc/" + std::to_string(pid) + "/task";
+  int asleep = 0;
+  for (int i = 0; i < samples; ++i) {
+    bool all = true;
+    for (const auto& entry : std::filesystem::directory_iterator(tasks)) {
+      if (entry.path().filename() == std::to_string(except_tid)) continue;
+      const char state = thread_state(entry.path() / "stat");
+      if (state == 'R') all = false;
+    }
+    asleep += all;
+    std::this_thread::sleep_for(std::chrono::microseconds(2500));
+  }
+  return asleep;
 }
 
 }  // namespace pskv::testing

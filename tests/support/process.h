@@ -53,4 +53,10 @@ std::string read_file(const std::string& path);
 long peak_rss_kib(pid_t pid);
 long rss_kib(pid_t pid);
 
+// How many of `samples` looks at a process, a few milliseconds apart, found every one of its
+// threads (but `except_tid`) blocked in the kernel rather than running. An idle server that
+// sleeps scores near `samples`; one that spins or ticks fast scores near 0. No timing bound:
+// the scheduler decides only how often a thread is caught in its rare wake-ups.
+int samples_all_threads_asleep(pid_t pid, int samples, pid_t except_tid = 0);
+
 }  // namespace pskv::testing

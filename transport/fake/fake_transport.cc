@@ -46,6 +46,19 @@ class Hub : public std::enable_shared_from_this<Hub> {
   ShardEngine& engine() noexcept { return engine_; }
   std::uint32_t server_id() const noexcept { return server_id_; }
 
+  void add_link(const std::shared_ptr<Link>& link) {
+    std::lock_guard lock(mu_);
+    std::erase_if(links_, [](const std::weak_ptr<Link>& l) { return l.expired(); });
+    links_.push_back(link);
+  }
+  std::vector<std::shared_ptr<Link>> links() {
+    std::lock_guard lock(mu_);
+    std::vector<std::shared_ptr<Link>> live;
+    for (const std::weak_ptr<Link>& l : links_)
+      if (std::shared_ptr<Link> p = l.lock()) live.push_back(std::move(p));
+    return live;
+  }
+
   bool submit(const std::shared_ptr<Link>& link, transport::Request& r) {
     std::lock_guard lock(mu_);
     if (closed_) return false;
@@ -216,6 +229,7 @@ class Hub : public std::enable_shared_from_this<Hub> {
   std::mutex mu_;
   std::condition_variable wake_;
   std::deque<Item> queue_;
+  std::vector<std::weak_ptr<Link>> links_;
   bool stopping_ = false, closed_ = false;
   std::thread thread_;
 };
@@ -237,29 +251,39 @@ class FakeConnection final : public transport::Connection {
     }
     link_->worker = o.worker_id;
     link_->max_in_flight = std::max(1u, o.max_in_flight);
+    hub_->add_link(link_);
     info_.server_id = hub_->server_id();
     info_.num_workers = engine.options().num_workers;
   }
   ~FakeConnection() override {
-    bool finished;
-    {
-      std::unique_lock lock(link_->mu);
-      link_->closed = true;  // nothing of ours is served or completed by the hub from here on
-      link_->idle.wait(lock, [&] { return link_->active == 0; });
-      // What is still queued or parked fails now (the hub skips it when its turn comes): its
-      // waiters must not wait for a connection that is gone.
-      for (transport::Request* r : link_->pending)
-        r->completion->complete_part(Errc::peer_failure, "the connection to " + endpoint_ + " was closed by the client");
-      link_->pending.clear();
-      finished = link_->finished;
-    }
-    if (link_->worker != kNoWorker) hub_->engine().worker_left(link_->worker, finished);
+    bool left;
+    const bool finished = close_link(*link_, "the connection to " + endpoint_ + " was closed by the client", &left);
+    if (link_->worker != kNoWorker && !left) hub_->engine().worker_left(link_->worker, finished);
+  }
+
+  // Marks the link closed, waits for the hub to leave it, and fails what is still queued or
+  // parked (the hub skips it when its turn comes): its waiters must not wait for a connection
+  // that is gone. Returns whether the worker announced it finished; *already_left whether the
+  // link had been closed before (by sever), so its worker has left already.
+  static bool close_link(Link& link, const std::string& why, bool* already_left) {
+    std::unique_lock lock(link.mu);
+    *already_left = link.closed;
+    link.closed = true;  // nothing of ours is served or completed by the hub from here on
+    link.idle.wait(lock, [&] { return link.active == 0; });
+    for (transport::Request* r : link.pending) r->completion->complete_part(Errc::peer_failure, why);
+    link.pending.clear();
+    link.room.notify_all();
+    return link.finished;
   }
 
   void submit(transport::Request& request) override {
     {
       std::unique_lock lock(link_->mu);
-      link_->room.wait(lock, [&] { return link_->pending.size() < link_->max_in_flight; });
+      link_->room.wait(lock, [&] { return link_->closed || link_->pending.size() < link_->max_in_flight; });
+      if (link_->closed) {
+        request.completion->complete_part(Errc::peer_failure, "the connection to " + endpoint_ + " was cut");
+        return;
+      }
       link_->pending.insert(&request);
     }
     if (!hub_->submit(link_, request)) {
@@ -333,6 +357,25 @@ std::unique_ptr<transport::Connection> connect(const Uri& uri, const transport::
 
 std::unique_ptr<transport::Listener> make_listener(const Uri& uri, const transport::ListenOptions& options) {
   return std::make_unique<FakeListener>(uri, options);
+}
+
+std::size_t sever(const std::string& name, std::uint32_t worker) {
+  std::shared_ptr<Hub> hub;
+  {
+    std::lock_guard lock(g_mu);
+    if (auto it = g_hubs.find(name); it != g_hubs.end()) hub = it->second;
+  }
+  if (!hub) return 0;
+  std::size_t cut = 0;
+  for (const std::shared_ptr<Link>& link : hub->links()) {
+    if (link->worker != worker) continue;
+    bool already_left;
+    FakeConnection::close_link(*link, "the connection to fake://" + name + " was cut", &already_left);
+    if (already_left) continue;
+    hub->engine().worker_left(worker, false);
+    ++cut;
+  }
+  return cut;
 }
 
 }  // namespace pskv::fake

@@ -7,7 +7,10 @@
 // memory, as a wire frame would carry them.
 #pragma once
 
+#include <cstddef>
+#include <cstdint>
 #include <memory>
+#include <string>
 
 #include "transport/listener.h"
 #include "transport/transport.h"
@@ -18,5 +21,10 @@ namespace pskv::fake {
 std::unique_ptr<transport::Connection> connect(const Uri& uri, const transport::ConnectOptions& options);
 // No URI parameters.
 std::unique_ptr<transport::Listener> make_listener(const Uri& uri, const transport::ListenOptions& options);
+
+// Cuts every connection of `worker` to the fake server `name` as its process dying would: the
+// worker leaves without having finished, and its requests in flight or submitted later fail with
+// peer_failure. How a test kills a worker that is a thread. Returns the connections cut.
+std::size_t sever(const std::string& name, std::uint32_t worker);
 
 }  // namespace pskv::fake
