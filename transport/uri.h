@@ -32,7 +32,8 @@ bool named_scheme(std::string_view scheme) noexcept;
 Uri parse_uri(std::string_view text);
 
 // A backend's reading of its URI's parameters: each taken at most once, with its bounds, and
-// finish() refusing any nobody took, naming them. Thread-safety: none (one reader).
+// finish() refusing any nobody took, naming them. Keeps its own copy of the URI, so it may be built
+// from a temporary. Thread-safety: none (one reader).
 class UriParams {
  public:
   explicit UriParams(const Uri& uri);
@@ -43,7 +44,7 @@ class UriParams {
 
  private:
   std::optional<std::string> take(const std::string& name);
-  const Uri& uri_;
+  Uri uri_;
   std::map<std::string, std::string> left_;
 };
 
