@@ -29,6 +29,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/json.h"
 #include "pskv/client.h"
 #include "pskv/error.h"
 #include "pskv/server.h"
@@ -656,6 +657,9 @@ std::vector<std::size_t> parse_sizes(const std::string& text) {
   return out;
 }
 
+// One result line of --json output.
+void print_json(const pskv::JsonObject& j) { std::printf("%s\n", j.str().c_str()); }
+
 std::string human(double bytes) {
   char buf[32];
   if (bytes >= 1e9) std::snprintf(buf, sizeof buf, "%.2f GB", bytes / 1e9);
@@ -858,15 +862,15 @@ int main(int argc, char** argv) {
   }
   const Bound* bounds[] = {&push_bound, &pull_bound};
   if (json) {
-    std::printf("{\"baseline\":\"tcp_stream\",\"bytes_per_s\":%.0f}\n", stream_bw);
-    std::printf("{\"baseline\":\"tcp_pingpong_64B\",\"p50_us\":%.2f}\n", pingpong_us);
-    std::printf("{\"baseline\":\"memcpy\",\"bytes_per_s\":%.0f}\n", memcpy_bw);
+    print_json(pskv::JsonObject().add("baseline", "tcp_stream").add("bytes_per_s", stream_bw, 0));
+    print_json(pskv::JsonObject().add("baseline", "tcp_pingpong_64B").add("p50_us", pingpong_us, 2));
+    print_json(pskv::JsonObject().add("baseline", "memcpy").add("bytes_per_s", memcpy_bw, 0));
     for (std::size_t si = 0; si < sizes.size(); ++si)
-      std::printf("{\"baseline\":\"memcpy\",\"value_bytes\":%zu,\"bytes_per_s\":%.0f}\n", sizes[si], memcpy_at[si]);
+      print_json(pskv::JsonObject().add("baseline", "memcpy").add("value_bytes", sizes[si]).add("bytes_per_s", memcpy_at[si], 0));
     for (const Bound* b : bounds)
       for (std::size_t si = 0; si < sizes.size(); ++si)
         if (b->at[si] > 0)
-          std::printf("{\"baseline\":\"%s\",\"value_bytes\":%zu,\"bytes_per_s\":%.0f}\n", b->name, sizes[si], b->at[si]);
+          print_json(pskv::JsonObject().add("baseline", b->name).add("value_bytes", sizes[si]).add("bytes_per_s", b->at[si], 0));
   } else {
     std::printf("baselines: loopback TCP stream %s/s, 64 B TCP ping-pong p50 %.1f us, memcpy 16 MiB %s/s\n",
                 human(stream_bw).c_str(), pingpong_us, human(memcpy_bw).c_str());
@@ -888,13 +892,23 @@ int main(int argc, char** argv) {
       const StepsResult r = measure_steps(targets, workers, size, steps, straggler_us);
       std::string hist;
       for (std::size_t b = 0; b < r.histogram.size(); ++b) hist += (b ? "," : "") + std::to_string(r.histogram[b]);
-      if (json)
-        std::printf("{\"transport\":\"%s\",\"workload\":\"steps\",\"mode\":\"%s\",\"staleness\":%u,"
-                    "\"sync_required\":%u,\"workers\":%d,\"servers\":%zu,\"value_bytes\":%zu,\"straggler_us\":%d,"
-                    "\"steps_per_s\":%.1f,\"p50_step_us\":%.1f,\"max_staleness\":%llu,\"staleness_histogram\":[%s]}\n",
-                    transport.c_str(), mode.c_str(), staleness, sync_required, workers, targets.size(), size, straggler_us,
-                    r.steps_per_s, r.p50_step_us, static_cast<unsigned long long>(r.max_staleness), hist.c_str());
-      else
+      if (json) {
+        const std::vector<std::uint64_t> histogram(r.histogram.begin(), r.histogram.end());
+        print_json(pskv::JsonObject()
+                       .add("transport", transport)
+                       .add("workload", "steps")
+                       .add("mode", mode)
+                       .add("staleness", staleness)
+                       .add("sync_required", sync_required)
+                       .add("workers", workers)
+                       .add("servers", targets.size())
+                       .add("value_bytes", size)
+                       .add("straggler_us", straggler_us)
+                       .add("steps_per_s", r.steps_per_s, 1)
+                       .add("p50_step_us", r.p50_step_us, 1)
+                       .add("max_staleness", r.max_staleness)
+                       .add("staleness_histogram", std::span<const std::uint64_t>(histogram)));
+      } else
         std::printf("%s %s s=%u workers=%d value=%zu B straggler=%d us: %.0f steps/s, p50 step %.0f us, max staleness %llu, "
                     "histogram [%s]\n",
                     transport.c_str(), mode.c_str(), staleness, workers, size, straggler_us, r.steps_per_s, r.p50_step_us,
@@ -914,14 +928,24 @@ int main(int argc, char** argv) {
           const SparsePoint p = measure_sparse(targets, op, draw, key_floats, batch_keys, clients, seconds);
           const double base = transport == "shm" ? memcpy_bw : stream_bw;
           if (json)
-            std::printf("{\"transport\":\"%s\",\"workload\":\"sparse\",\"dist\":\"%s\",\"op\":\"%s\",\"value_bytes\":%zu,"
-                        "\"batch_keys\":%zu,\"table_keys\":%llu,\"clients\":%d,\"servers\":%zu,\"ops\":%llu,"
-                        "\"keys_per_s\":%.0f,\"bytes_per_s\":%.0f,\"p50_us\":%.2f,\"p99_us\":%.2f,\"baseline\":\"%s\","
-                        "\"baseline_value\":%.0f,\"ratio\":%.4f}\n",
-                        transport.c_str(), dist.c_str(), op.c_str(), key_floats * 4, batch_keys,
-                        static_cast<unsigned long long>(table_keys), clients, targets.size(),
-                        static_cast<unsigned long long>(p.batches), p.keys_per_s, p.bytes_per_s, p.p50_us, p.p99_us,
-                        transport == "shm" ? "memcpy" : "tcp_stream", base, p.bytes_per_s / base);
+            print_json(pskv::JsonObject()
+                           .add("transport", transport)
+                           .add("workload", "sparse")
+                           .add("dist", dist)
+                           .add("op", op)
+                           .add("value_bytes", key_floats * 4)
+                           .add("batch_keys", batch_keys)
+                           .add("table_keys", table_keys)
+                           .add("clients", clients)
+                           .add("servers", targets.size())
+                           .add("ops", p.batches)
+                           .add("keys_per_s", p.keys_per_s, 0)
+                           .add("bytes_per_s", p.bytes_per_s, 0)
+                           .add("p50_us", p.p50_us, 2)
+                           .add("p99_us", p.p99_us, 2)
+                           .add("baseline", transport == "shm" ? "memcpy" : "tcp_stream")
+                           .add("baseline_value", base, 0)
+                           .add("ratio", p.bytes_per_s / base, 4));
           else
             std::printf("%-5s sparse %-7s %-5s %zu keys x %zu B, %d clients: %.2f M keys/s, batch p50 %.0f us p99 %.0f us\n",
                         transport.c_str(), dist.c_str(), op.c_str(), batch_keys, key_floats * 4, clients,
@@ -951,29 +975,38 @@ int main(int argc, char** argv) {
           const char* baseline = by_bandwidth ? (transport == "shm" ? "memcpy" : "tcp_stream") : "tcp_pingpong_64B";
           const double base = by_bandwidth ? percentile(p.round_baselines, 0.5) : pingpong_us;
           const double ratio = by_bandwidth ? percentile(p.round_ratios, 0.5) : p.p50_us / base;
-          char rounds_json[96] = "", rounds_text[64] = "";
+          pskv::JsonObject j;
+          j.add("transport", transport)
+              .add("workload", "dense")
+              .add("op", op)
+              .add("value_bytes", size)
+              .add("clients", clients)
+              .add("servers", targets.size())
+              .add("depth", depth)
+              .add("chunk_floats", g_client_defaults.chunk_floats)
+              .add("ops", p.ops)
+              .add("bytes_per_s", p.bytes_per_s, 0)
+              .add("p50_us", p.p50_us, 2)
+              .add("p99_us", p.p99_us, 2)
+              .add("baseline", baseline)
+              .add("baseline_value", base, 2)
+              .add("ratio", ratio, 4)
+              .add("allocs_per_op", p.allocs_per_op, 3);
+          char rounds_text[64] = "";
           if (by_bandwidth) {
             const auto [lo, hi] = std::minmax_element(p.round_ratios.begin(), p.round_ratios.end());
-            std::snprintf(rounds_json, sizeof rounds_json, ",\"rounds\":%zu,\"ratio_min\":%.4g,\"ratio_max\":%.4g",
-                          p.round_ratios.size(), *lo, *hi);
+            j.add("rounds", p.round_ratios.size()).add("ratio_min", *lo, 4).add("ratio_max", *hi, 4);
             std::snprintf(rounds_text, sizeof rounds_text, " (rounds %.2f-%.2fx)", *lo, *hi);
           }
           const Bound& b = op == "push" ? push_bound : pull_bound;
           const double bound = b.at[si];
-          char bound_json[160] = "", bound_text[64] = "";
+          char bound_text[64] = "";
           if (bound > 0) {
-            std::snprintf(bound_json, sizeof bound_json, ",\"bound\":\"%s\",\"bound_value\":%.0f,\"ratio_to_bound\":%.4g",
-                          b.name, bound, p.bytes_per_s / bound);
+            j.add("bound", b.name).add("bound_value", bound, 0).add("ratio_to_bound", p.bytes_per_s / bound, 4);
             std::snprintf(bound_text, sizeof bound_text, "  [%.2fx of %s bound]", p.bytes_per_s / bound, b.op);
           }
           if (json)
-            std::printf("{\"transport\":\"%s\",\"workload\":\"dense\",\"op\":\"%s\",\"value_bytes\":%zu,\"clients\":%d,"
-                        "\"servers\":%zu,\"depth\":%d,\"chunk_floats\":%" PRIu64 ",\"ops\":%" PRIu64 ",\"bytes_per_s\":%.0f,"
-                        "\"p50_us\":%.2f,\"p99_us\":%.2f,\"baseline\":\"%s\",\"baseline_value\":%.2f,\"ratio\":%.4g,"
-                        "\"allocs_per_op\":%.3f%s%s}\n",
-                        transport.c_str(), op.c_str(), size, clients, targets.size(), depth, g_client_defaults.chunk_floats,
-                        p.ops, p.bytes_per_s, p.p50_us, p.p99_us, baseline, base, ratio, p.allocs_per_op, rounds_json,
-                        bound_json);
+            print_json(j);
           else
             std::printf("%-5s %-5s %10zu %7d %10s/s %9.1f %9.1f  %.2fx %s%s%s%s  (%.2f allocs/op)\n", transport.c_str(),
                         op.c_str(), size, clients, human(p.bytes_per_s).c_str(), p.p50_us, p.p99_us, ratio, baseline,

@@ -23,6 +23,7 @@
 #include <memory>
 #include <string>
 
+#include "common/json.h"
 #include "common/memory.h"
 #include "transport/auth.h"
 #include "transport/uri.h"
@@ -58,10 +59,10 @@ struct EngineMemory {
 };
 
 // What a backend adds to the engine's stats: keys applied without the engine (shm clients apply
-// their own pushes) and more ,"name":value fields.
+// their own pushes) and fields of its own.
 struct ListenerStats {
   std::uint64_t external_pushes = 0;
-  std::string fields;
+  JsonObject fields;
 };
 
 // Thread-safety: the life-cycle calls come from one thread, in the order above (stop_accepting,

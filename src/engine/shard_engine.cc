@@ -384,25 +384,31 @@ EngineStats ShardEngine::stats() const {
   return s;
 }
 
-std::string ShardEngine::stats_json(std::uint64_t external_pushes, std::string_view extra_fields) const {
+std::string ShardEngine::stats_json(std::uint64_t external_pushes, const JsonObject& extra) const {
   EngineStats s = stats();
   s.pushes += external_pushes;
-  std::ostringstream os;
-  os << "{\"server_id\":" << options_.server_id << ",\"keys\":" << store_->key_count()
-     << ",\"value_bytes\":" << store_->value_bytes_used() << ",\"pushes\":" << s.pushes << ",\"pulls\":" << s.pulls
-     << ",\"clocks\":" << s.clocks << ",\"parked\":" << s.parked << ",\"timeouts\":" << s.timeouts
-     << ",\"evictions\":" << s.evictions << ",\"sync_applied_steps\":" << s.sync.applied_steps
-     << ",\"sync_dropped_late\":" << s.sync.dropped_late << ",\"mode\":\"" << to_string(options_.mode) << "\"";
+  JsonObject j;
+  j.add("server_id", options_.server_id)
+      .add("keys", store_->key_count())
+      .add("value_bytes", store_->value_bytes_used())
+      .add("pushes", s.pushes)
+      .add("pulls", s.pulls)
+      .add("clocks", s.clocks)
+      .add("parked", s.parked)
+      .add("timeouts", s.timeouts)
+      .add("evictions", s.evictions)
+      .add("sync_applied_steps", s.sync.applied_steps)
+      .add("sync_dropped_late", s.sync.dropped_late)
+      .add("mode", to_string(options_.mode));
   if (clocks_) {
-    os << ",\"clocks_by_worker\":[";
+    std::vector<std::int64_t> by_worker(clocks_->workers());
     for (std::uint32_t w = 0; w < clocks_->workers(); ++w) {
       const std::uint64_t c = clocks_->clock(w);
-      os << (w ? "," : "") << (c == kClockDone ? -1 : static_cast<long long>(c));
+      by_worker[w] = c == kClockDone ? -1 : static_cast<std::int64_t>(c);  // -1: finished
     }
-    os << "]";
+    j.add("clocks_by_worker", std::span<const std::int64_t>(by_worker));
   }
-  os << extra_fields << "}";
-  return os.str();
+  return j.merge(extra).str();
 }
 
 }  // namespace pskv

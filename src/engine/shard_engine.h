@@ -14,6 +14,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/json.h"
 #include "layout/clock_table.h"
 #include "pskv/types.h"
 #include "store/store.h"
@@ -109,7 +110,7 @@ class ShardEngine {
   EngineStats stats() const;
   // `external_pushes`: keys applied without the engine (shm clients applying their own pushes);
   // `extra_fields`: more ,"name":value pairs from the transport.
-  std::string stats_json(std::uint64_t external_pushes = 0, std::string_view extra_fields = {}) const;
+  std::string stats_json(std::uint64_t external_pushes = 0, const JsonObject& extra = {}) const;
   void shutdown();
 
  private:

@@ -108,9 +108,10 @@ std::uint64_t ShmServer::worker_pushes() const noexcept {
   return pushes;
 }
 
-std::string ShmServer::stats_fields() const {
-  return ",\"worker_pushes\":" + std::to_string(worker_pushes()) +
-         ",\"recovered_pushes\":" + std::to_string(segment_->header().recovered_pushes.load());
+JsonObject ShmServer::stats_fields() const {
+  JsonObject j;
+  j.add("worker_pushes", worker_pushes()).add("recovered_pushes", segment_->header().recovered_pushes.load());
+  return j;
 }
 
 void ShmServer::wake_thread(std::uint32_t i) {

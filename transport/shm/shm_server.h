@@ -48,7 +48,7 @@ class ShmServer {
   void close() noexcept;
   // Keys clients applied themselves, and the fields saying so (and how many were rolled back).
   std::uint64_t worker_pushes() const noexcept;
-  std::string stats_fields() const;
+  JsonObject stats_fields() const;
 
  private:
   friend class AreaParked;

@@ -326,19 +326,21 @@ std::chrono::nanoseconds TcpServer::frame_deadline(std::uint64_t bytes) const no
   return options_.frame_timeout + std::chrono::seconds(bytes / kFrameBytesPerSecond);
 }
 
-std::string TcpServer::stats_fields() const {
+JsonObject TcpServer::stats_fields() const {
   std::size_t connections = 0;
   {
     std::lock_guard lock(peers_mu_);
     connections = peers_.size();
   }
-  return ",\"tcp_connections\":" + std::to_string(connections) +
-         ",\"tcp_refused\":" + std::to_string(refused_.load()) +
-         ",\"tcp_expired\":" + std::to_string(expired_.load()) +
-         ",\"tcp_over_budget\":" + std::to_string(over_budget_.load()) +
-         ",\"tcp_turns_yielded\":" + std::to_string(turns_yielded_.load()) +
-         ",\"tcp_budget_used_bytes\":" + std::to_string(budget_.used()) +
-         ",\"tcp_budget_bytes\":" + std::to_string(budget_.limit());
+  JsonObject j;
+  j.add("tcp_connections", connections)
+      .add("tcp_refused", refused_.load())
+      .add("tcp_expired", expired_.load())
+      .add("tcp_over_budget", over_budget_.load())
+      .add("tcp_turns_yielded", turns_yielded_.load())
+      .add("tcp_budget_used_bytes", budget_.used())
+      .add("tcp_budget_bytes", budget_.limit());
+  return j;
 }
 
 bool MemoryBudget::take(std::uint64_t bytes) noexcept {

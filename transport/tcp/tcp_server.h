@@ -135,7 +135,7 @@ class TcpServer {
   void close() noexcept;
   std::uint64_t connections_refused() const noexcept { return refused_.load(); }
   // ,"name":value pairs for the stats document: connections, refusals, deadline closes, budget.
-  std::string stats_fields() const;
+  JsonObject stats_fields() const;
   // The largest piece a push is applied in (a whole receive buffer, 256 KiB): smaller pieces
   // cost more receive calls, larger ones fall out of L2 before they are applied.
   static constexpr std::size_t kPushPieceFloats = 64u << 10;
