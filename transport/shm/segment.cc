@@ -1,6 +1,5 @@
 #include "transport/shm/segment.h"
 
-#include <fcntl.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -38,28 +37,39 @@ class RegionView final : public MemoryResource {
   std::size_t n_;
 };
 
-// Maps the whole object ourselves (not through a mapped_region member) so the mapping outlives
-// nothing it should not and can be MAP_SHARED | MAP_NORESERVE.
-std::byte* map_object(const std::string& object, std::size_t size, bool create, ino_t* inode) {
-  const std::string path = "/dev/shm/" + object.substr(1);
-  const int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
-  if (fd < 0) throw Error(Errc::io, "cannot open " + path + ": " + std::strerror(errno));
-  struct stat st {};
-  if (::fstat(fd, &st) == 0) *inode = st.st_ino;
-  if (create && ::ftruncate(fd, static_cast<off_t>(size)) != 0) {
-    const int err = errno;
-    ::close(fd);
-    throw Error(Errc::capacity, "cannot size shared memory " + path + " to " + std::to_string(size >> 20) +
-                                    " MiB: " + std::strerror(err) + " (is /dev/shm large enough?)");
+// Opens the object and maps all of it through Boost.Interprocess, MAP_NORESERVE: a store of
+// hundreds of MiB is backed by pages only as they are touched, and a full /dev/shm then fails
+// those writes, not the mapping. The server (create) sizes it first.
+bip::mapped_region map_object(const std::string& object, std::size_t size, bool create, ino_t* inode) {
+  const std::string path = "/dev/shm" + object;
+  bip::shared_memory_object shm;
+  try {
+    shm = bip::shared_memory_object(bip::open_only, object.c_str(), bip::read_write);
+  } catch (const bip::interprocess_exception& e) {
+    throw Error(Errc::io, "cannot open " + path + ": " + e.what());
   }
-  void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_NORESERVE, fd, 0);
-  ::close(fd);
-  if (p == MAP_FAILED) throw Error(Errc::io, "cannot map " + path + ": " + std::strerror(errno));
+  struct stat st {};
+  if (::fstat(shm.get_mapping_handle().handle, &st) == 0) *inode = st.st_ino;
+  if (create) {
+    try {
+      shm.truncate(static_cast<bip::offset_t>(size));
+    } catch (const bip::interprocess_exception& e) {
+      throw Error(Errc::capacity, "cannot size shared memory " + path + " to " + std::to_string(size >> 20) +
+                                      " MiB: " + e.what() + " (is /dev/shm large enough?)");
+    }
+  }
+  bip::mapped_region region;
+  try {
+    region = bip::mapped_region(shm, bip::read_write, 0, size, nullptr, MAP_NORESERVE);
+  } catch (const bip::interprocess_exception& e) {
+    throw Error(Errc::io, "cannot map " + path + ": " + e.what());
+  }
   // Random lookups in a large store miss the TLB on nearly every key with 4 KiB pages (sparse
   // pulls from 2 clients: 12-16 M keys/s, with 2 MiB pages 16-23 M). Takes effect where the
   // admin allows it for /dev/shm (mount -o remount,huge=advise /dev/shm); harmless elsewhere.
-  ::madvise(p, size, MADV_HUGEPAGE);
-  return static_cast<std::byte*>(p);
+  // (mapped_region::advise has no huge-page advice.)
+  ::madvise(region.get_address(), size, MADV_HUGEPAGE);
+  return region;
 }
 }  // namespace
 
@@ -176,9 +186,9 @@ std::unique_ptr<Segment> Segment::create(const std::string& name, const SegmentC
   seg->geo_ = SegmentGeometry{c.num_workers, c.clients, c.server_threads, c.area_bytes, layout.clock_offset,
                               layout.areas_offset, layout.area_stride, layout.store_offset, layout.store_bytes,
                               layout.total_bytes, c.mode, c.worker_push, c.staleness, c.sync_required, c.wait_timeout_ms};
-  seg->size_ = layout.total_bytes;
   try {
-    seg->base_ = map_object(object, layout.total_bytes, true, &seg->inode_);
+    seg->region_ = std::make_unique<bip::mapped_region>(map_object(object, layout.total_bytes, true, &seg->inode_));
+    seg->base_ = static_cast<std::byte*>(seg->region_->get_address());
   } catch (...) {
     bip::shared_memory_object::remove(object.c_str());
     throw;
@@ -226,8 +236,8 @@ std::unique_ptr<Segment> Segment::open(const std::string& name) {
     throw Error(Errc::protocol, "shm://" + name + " is too small to be a pskv segment");
   auto seg = std::unique_ptr<Segment>(new Segment());
   seg->name_ = name;
-  seg->size_ = size;
-  seg->base_ = map_object(object, size, false, &seg->inode_);
+  seg->region_ = std::make_unique<bip::mapped_region>(map_object(object, size, false, &seg->inode_));
+  seg->base_ = static_cast<std::byte*>(seg->region_->get_address());
   auto& h = seg->header();
   if (std::atomic_ref<std::uint64_t>(h.magic).load(std::memory_order_acquire) != kSegmentMagic ||
       h.layout_version != kLayoutVersion || h.total_bytes > size)
@@ -269,9 +279,7 @@ std::unique_ptr<Segment> Segment::open(const std::string& name) {
   return seg;
 }
 
-Segment::~Segment() {
-  if (base_) ::munmap(base_, size_);
-}
+Segment::~Segment() = default;
 
 std::unique_ptr<MemoryResource> Segment::store_memory() {
   return std::make_unique<RegionView>(base_ + geo_.store_offset, geo_.store_bytes);

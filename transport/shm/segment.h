@@ -28,6 +28,10 @@
 #include "store/store.h"
 #include "transport/wire.h"
 
+namespace boost::interprocess {
+class mapped_region;
+}
+
 namespace pskv::shm {
 
 inline constexpr std::uint32_t kRingEntries = 256;
@@ -194,8 +198,8 @@ class Segment {
   Segment() = default;
   std::string name_;
   SegmentGeometry geo_;
-  std::byte* base_ = nullptr;
-  std::size_t size_ = 0;
+  std::unique_ptr<boost::interprocess::mapped_region> region_;  // unmapped with the Segment
+  std::byte* base_ = nullptr;                                   // region_'s address
   bool owner_ = false;
   ino_t inode_ = 0;  // of /dev/shm/<object> when mapped: the name may be reused by a later server
 };
