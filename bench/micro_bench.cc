@@ -71,7 +71,8 @@ void BM_StorePullBatch(benchmark::State& state) {
     state.PauseTiming();
     for (auto& k : keys) k = rng() % (1 << 20);
     state.ResumeTiming();
-    s->find_batch(n, [&](std::size_t i) { return keys[i]; }, slots.data());
+    s->find_batch(
+        n, [&](std::size_t i) { return keys[i]; }, slots.data());
     for (std::size_t i = 0; i < n; ++i) read_slot(*slots[i].slot, out.data() + i * 16, 16);
   }
   state.SetItemsProcessed(state.iterations() * static_cast<std::int64_t>(n));
@@ -88,7 +89,8 @@ void BM_StorePushBatch(benchmark::State& state) {
     state.PauseTiming();
     for (auto& k : keys) k = rng() % (1 << 20);
     state.ResumeTiming();
-    s->find_batch(n, [&](std::size_t i) { return keys[i]; }, slots.data());
+    s->find_batch(
+        n, [&](std::size_t i) { return keys[i]; }, slots.data());
     for (std::size_t i = 0; i < n; ++i) s->apply_slot(slots[i], grad.data(), s->rule(), 1.0f);
   }
   state.SetItemsProcessed(state.iterations() * static_cast<std::int64_t>(n));

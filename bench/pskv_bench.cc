@@ -1,7 +1,6 @@
 // pskv-bench: end-to-end push/pull bandwidth and latency per transport, next to the machine's
 // own limits measured in the same run (single-stream loopback TCP, 64-byte TCP ping-pong,
 // single-thread memcpy), so every figure is read as a ratio on a noisy machine.
-#include <CLI/CLI.hpp>
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -9,21 +8,22 @@
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#include <CLI/CLI.hpp>
 
 #include <algorithm>
-#include <cstdlib>
-#include <new>
 #include <array>
-#include <cmath>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
+#include <cinttypes>
+#include <cmath>
 #include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <mutex>
-#include <cerrno>
-#include <cinttypes>
-#include <cstdio>
-#include <cstring>
+#include <new>
 #include <random>
 #include <sstream>
 #include <thread>
@@ -50,8 +50,12 @@ void* operator new(std::size_t n) {
   if (void* p = std::malloc(n ? n : 1)) return p;
   throw std::bad_alloc();
 }
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+void operator delete(void* p) noexcept {
+  std::free(p);
+}
+void operator delete(void* p, std::size_t) noexcept {
+  std::free(p);
+}
 #pragma GCC diagnostic pop
 
 namespace {
@@ -72,7 +76,9 @@ pskv::ClientOptions client_options(const std::vector<std::string>& servers) {
   return o;
 }
 
-double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+double seconds_since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
 
 double percentile(std::vector<double>& v, double p) {
   if (v.empty()) return 0;
@@ -141,8 +147,7 @@ struct RpcShape {
   std::uint64_t depth = 1;          // requests in flight, each on its own value and buffer
   bool valid() const {
     return message_bytes >= sizeof(float) && message_bytes % sizeof(float) == 0 && message_bytes <= (1ull << 30) &&
-           piece_bytes >= sizeof(float) &&
-           piece_bytes <= message_bytes && depth >= 1 && depth <= 64;
+           piece_bytes >= sizeof(float) && piece_bytes <= message_bytes && depth >= 1 && depth <= 64;
   }
 };
 
@@ -165,7 +170,8 @@ void serve_rpc(int fd, const RpcShape& s) {
     std::vector<float>& value = values[i % s.depth];
     if (s.pull) {
       std::uint64_t request = 0;
-      if (read_full(fd, &request, sizeof request) != IoResult::ok || !write_all(fd, value.data(), s.message_bytes)) return;
+      if (read_full(fd, &request, sizeof request) != IoResult::ok || !write_all(fd, value.data(), s.message_bytes))
+        return;
       continue;
     }
     if (piece == floats) {
@@ -264,8 +270,8 @@ double tcp_rpc_bandwidth(std::uint16_t port, double seconds, const RpcShape& s) 
   std::vector<std::vector<char>> bufs(s.depth, std::vector<char>(s.message_bytes, 1));
   std::uint64_t issued = 0, done = 0;
   const auto issue = [&] {
-    const bool ok = s.pull ? write_all(fd, &issued, sizeof issued)
-                           : write_all(fd, bufs[issued % s.depth].data(), s.message_bytes);
+    const bool ok =
+        s.pull ? write_all(fd, &issued, sizeof issued) : write_all(fd, bufs[issued % s.depth].data(), s.message_bytes);
     ++issued;
     return ok;
   };
@@ -399,7 +405,8 @@ Point measure(const std::vector<std::string>& servers, const std::string& op, st
         std::vector<pskv::Key> keys(depth);
         std::vector<std::vector<float>> bufs(depth, std::vector<float>(floats, 0.0f));
         for (int d = 0; d < depth; ++d) {
-          keys[d] = (std::uint64_t{value_bytes} << 16) | (static_cast<std::uint64_t>(c) << 8) | static_cast<std::uint64_t>(d);
+          keys[d] =
+              (std::uint64_t{value_bytes} << 16) | (static_cast<std::uint64_t>(c) << 8) | static_cast<std::uint64_t>(d);
           client.register_buffer(bufs[d].data(), bufs[d].size() * sizeof(float));
           client.wait(client.init(keys[d], bufs[d]));
         }
@@ -416,14 +423,16 @@ Point measure(const std::vector<std::string>& servers, const std::string& op, st
             for (; issued < n + static_cast<std::uint64_t>(depth); ++issued) {
               const auto d = static_cast<std::size_t>(issued % static_cast<std::uint64_t>(depth));
               ring[d].second = Clock::now();  // before issuing: a push sends its values inside push()
-              ring[d].first = op == "push" ? client.push(keys[d], bufs[d]) : client.pull(keys[d], std::span<float>(bufs[d]));
+              ring[d].first =
+                  op == "push" ? client.push(keys[d], bufs[d]) : client.pull(keys[d], std::span<float>(bufs[d]));
             }
             const auto& oldest = ring[static_cast<std::size_t>(n % static_cast<std::uint64_t>(depth))];
             client.wait(oldest.first);
             if (lat[c].size() < lat[c].capacity()) lat[c].push_back(seconds_since(oldest.second) * 1e6);
             ++n;
           }
-          for (; n < issued; ++n) client.wait(ring[static_cast<std::size_t>(n % static_cast<std::uint64_t>(depth))].first);
+          for (; n < issued; ++n)
+            client.wait(ring[static_cast<std::size_t>(n % static_cast<std::uint64_t>(depth))].first);
           gate.finish();
           ++rounds_done;
         }
@@ -641,7 +650,8 @@ SparsePoint measure_sparse(const std::vector<std::string>& servers, const std::s
     batches += done[c];
   }
   const double keys_per_s = double(batches) * double(batch_keys) / wall;
-  return {keys_per_s, keys_per_s * double(floats * sizeof(float)), percentile(all, 0.5), percentile(all, 0.99), batches};
+  return {keys_per_s, keys_per_s * double(floats * sizeof(float)), percentile(all, 0.5), percentile(all, 0.99),
+          batches};
 }
 
 std::vector<std::size_t> parse_sizes(const std::string& text) {
@@ -650,43 +660,55 @@ std::vector<std::size_t> parse_sizes(const std::string& text) {
   std::string item;
   while (std::getline(ss, item, ',')) {
     std::size_t mult = 1;
-    if (!item.empty() && (item.back() == 'K' || item.back() == 'k')) mult = 1 << 10, item.pop_back();
-    else if (!item.empty() && (item.back() == 'M' || item.back() == 'm')) mult = 1 << 20, item.pop_back();
+    if (!item.empty() && (item.back() == 'K' || item.back() == 'k'))
+      mult = 1 << 10, item.pop_back();
+    else if (!item.empty() && (item.back() == 'M' || item.back() == 'm'))
+      mult = 1 << 20, item.pop_back();
     out.push_back(std::stoull(item) * mult);
   }
   return out;
 }
 
 // One result line of --json output.
-void print_json(const pskv::JsonObject& j) { std::printf("%s\n", j.str().c_str()); }
+void print_json(const pskv::JsonObject& j) {
+  std::printf("%s\n", j.str().c_str());
+}
 
 std::string human(double bytes) {
   char buf[32];
-  if (bytes >= 1e9) std::snprintf(buf, sizeof buf, "%.2f GB", bytes / 1e9);
-  else if (bytes >= 1e6) std::snprintf(buf, sizeof buf, "%.1f MB", bytes / 1e6);
-  else std::snprintf(buf, sizeof buf, "%.1f kB", bytes / 1e3);
+  if (bytes >= 1e9)
+    std::snprintf(buf, sizeof buf, "%.2f GB", bytes / 1e9);
+  else if (bytes >= 1e6)
+    std::snprintf(buf, sizeof buf, "%.1f MB", bytes / 1e6);
+  else
+    std::snprintf(buf, sizeof buf, "%.1f kB", bytes / 1e3);
   return buf;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"pskv-bench: push/pull bandwidth and latency per transport, as ratios to the machine's own limits "
-               "measured in the same run."};
+  CLI::App app{
+      "pskv-bench: push/pull bandwidth and latency per transport, as ratios to the machine's own limits "
+      "measured in the same run."};
   std::string transport = "tcp", sizes_text = "64,1K,4K,64K,1M,4M,16M", clients_text = "1,2", ops_text = "push,pull";
   std::vector<std::string> targets;
   int servers = 1;
   double seconds = 0.5;
   std::uint64_t max_ops = 200000;
   bool json = false;
-  app.add_option("--transport", transport, "tcp, shm or rdma")->capture_default_str()
+  app.add_option("--transport", transport, "tcp, shm or rdma")
+      ->capture_default_str()
       ->check(CLI::IsMember({"tcp", "shm", "rdma"}));
   std::string shm_push = "worker";
   app.add_option("--shm-push", shm_push, "shm servers it starts: who applies a push (worker or server, as pskv-server)")
-      ->capture_default_str()->check(CLI::IsMember({"worker", "server"}));
+      ->capture_default_str()
+      ->check(CLI::IsMember({"worker", "server"}));
   std::string tcp_push = "pieces";
-  app.add_option("--tcp-push", tcp_push, "tcp servers it starts: how a large push is applied (pieces or whole, as pskv-server)")
-      ->capture_default_str()->check(CLI::IsMember({"pieces", "whole"}));
+  app.add_option("--tcp-push", tcp_push,
+                 "tcp servers it starts: how a large push is applied (pieces or whole, as pskv-server)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"pieces", "whole"}));
   app.add_option("--sizes", sizes_text, "Value sizes in bytes (K/M suffixes)")->capture_default_str();
   app.add_option("--clients", clients_text, "Client counts to sweep")->capture_default_str();
   app.add_option("--ops", ops_text, "Operations to measure: push, pull")->capture_default_str();
@@ -697,7 +719,8 @@ int main(int argc, char** argv) {
       ->envname("PSKV_AUTH_TOKEN_FILE");
   int depth = 1;
   app.add_option("--depth", depth, "dense workload: operations each client keeps in flight (1: one at a time)")
-      ->capture_default_str()->check(CLI::Range(1, 64));
+      ->capture_default_str()
+      ->check(CLI::Range(1, 64));
   app.add_option("--chunk-floats", g_client_defaults.chunk_floats,
                  "Split values longer than this over all servers (0: never split)")
       ->capture_default_str();
@@ -707,13 +730,15 @@ int main(int argc, char** argv) {
   app.add_option("--rounds", rounds,
                  "dense workload, bandwidth points: split each point into this many rounds, each just after a "
                  "window of its baseline, and report the median of the rounds' ratios")
-      ->capture_default_str()->check(CLI::Range(1, 100));
+      ->capture_default_str()
+      ->check(CLI::Range(1, 100));
   app.add_flag("--json", json, "One JSON object per line instead of a table");
   std::string workload = "dense", mode = "asp";
   int workers = 4, steps = 300, straggler_us = 0;
   std::uint32_t staleness = 0, sync_required = 0;
   app.add_option("--workload", workload, "dense: push/pull sweep; steps: pull-push-clock training loop per mode")
-      ->capture_default_str()->check(CLI::IsMember({"dense", "steps", "sparse"}));
+      ->capture_default_str()
+      ->check(CLI::IsMember({"dense", "steps", "sparse"}));
   std::uint64_t table_keys = 1000000;
   std::size_t key_floats = 16, batch_keys = 1000;
   std::string dist = "uniform";
@@ -721,16 +746,20 @@ int main(int argc, char** argv) {
   app.add_option("--table-keys", table_keys, "sparse workload: keys in the table")->capture_default_str();
   app.add_option("--key-floats", key_floats, "sparse workload: floats per key")->capture_default_str();
   app.add_option("--batch-keys", batch_keys, "sparse workload: keys per push/pull")->capture_default_str();
-  app.add_option("--dist", dist, "sparse workload: uniform or zipf")->capture_default_str()
+  app.add_option("--dist", dist, "sparse workload: uniform or zipf")
+      ->capture_default_str()
       ->check(CLI::IsMember({"uniform", "zipf"}));
   app.add_option("--zipf-s", zipf_s, "sparse workload: Zipf exponent")->capture_default_str();
-  app.add_option("--mode", mode, "steps workload: asp, bsp, ssp or sync")->capture_default_str()
+  app.add_option("--mode", mode, "steps workload: asp, bsp, ssp or sync")
+      ->capture_default_str()
       ->check(CLI::IsMember({"asp", "bsp", "ssp", "sync"}));
   app.add_option("--staleness", staleness, "steps workload, ssp: the bound s")->capture_default_str();
   app.add_option("--sync-required", sync_required, "steps workload, sync: K of N (0 = N)")->capture_default_str();
-  app.add_option("--workers", workers, "steps workload: workers (threads, each with its own client)")->capture_default_str();
+  app.add_option("--workers", workers, "steps workload: workers (threads, each with its own client)")
+      ->capture_default_str();
   app.add_option("--steps", steps, "steps workload: steps per worker")->capture_default_str();
-  app.add_option("--straggler-us", straggler_us, "steps workload: worker 0 sleeps this long per step")->capture_default_str();
+  app.add_option("--straggler-us", straggler_us, "steps workload: worker 0 sleeps this long per step")
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
   const auto sizes = parse_sizes(sizes_text);
@@ -758,7 +787,8 @@ int main(int argc, char** argv) {
       server_pids.push_back(spawn([&] {
         close(pipefd[0]);
         pskv::ServerOptions so;
-        so.uri = transport == "shm" ? "shm://bench-" + std::to_string(getppid()) + "-" + std::to_string(s) + "?push=" + shm_push
+        so.uri = transport == "shm"
+                     ? "shm://bench-" + std::to_string(getppid()) + "-" + std::to_string(s) + "?push=" + shm_push
                  : transport == "tcp" ? "tcp://127.0.0.1:0?push=" + tcp_push
                                       : transport + "://127.0.0.1:0";
         so.server_id = static_cast<std::uint32_t>(s);
@@ -853,12 +883,16 @@ int main(int argc, char** argv) {
       push_bound.at[si] = best_of_3([&] { return copy_apply_bandwidth(size, 0.1); }, max);
     if (transport == "shm" || size < kBandwidthBytes) continue;
     RpcShape shape{.message_bytes = size,
-                   .piece_bytes = push_in_pieces ? std::min<std::uint64_t>(size, pskv::tcp::TcpServer::kPushPieceFloats * sizeof(float)) : size,
+                   .piece_bytes = push_in_pieces ? std::min<std::uint64_t>(
+                                                       size, pskv::tcp::TcpServer::kPushPieceFloats * sizeof(float))
+                                                 : size,
                    .pull = 0,
                    .depth = static_cast<std::uint64_t>(depth)};
-    if (measures("push")) push_bound.at[si] = best_of_3([&] { return tcp_rpc_bandwidth(peers.rpc_port, 0.4, shape); }, max);
+    if (measures("push"))
+      push_bound.at[si] = best_of_3([&] { return tcp_rpc_bandwidth(peers.rpc_port, 0.4, shape); }, max);
     shape.pull = 1;
-    if (measures("pull")) pull_bound.at[si] = best_of_3([&] { return tcp_rpc_bandwidth(peers.rpc_port, 0.4, shape); }, max);
+    if (measures("pull"))
+      pull_bound.at[si] = best_of_3([&] { return tcp_rpc_bandwidth(peers.rpc_port, 0.4, shape); }, max);
   }
   const Bound* bounds[] = {&push_bound, &pull_bound};
   if (json) {
@@ -866,11 +900,17 @@ int main(int argc, char** argv) {
     print_json(pskv::JsonObject().add("baseline", "tcp_pingpong_64B").add("p50_us", pingpong_us, 2));
     print_json(pskv::JsonObject().add("baseline", "memcpy").add("bytes_per_s", memcpy_bw, 0));
     for (std::size_t si = 0; si < sizes.size(); ++si)
-      print_json(pskv::JsonObject().add("baseline", "memcpy").add("value_bytes", sizes[si]).add("bytes_per_s", memcpy_at[si], 0));
+      print_json(pskv::JsonObject()
+                     .add("baseline", "memcpy")
+                     .add("value_bytes", sizes[si])
+                     .add("bytes_per_s", memcpy_at[si], 0));
     for (const Bound* b : bounds)
       for (std::size_t si = 0; si < sizes.size(); ++si)
         if (b->at[si] > 0)
-          print_json(pskv::JsonObject().add("baseline", b->name).add("value_bytes", sizes[si]).add("bytes_per_s", b->at[si], 0));
+          print_json(pskv::JsonObject()
+                         .add("baseline", b->name)
+                         .add("value_bytes", sizes[si])
+                         .add("bytes_per_s", b->at[si], 0));
   } else {
     std::printf("baselines: loopback TCP stream %s/s, 64 B TCP ping-pong p50 %.1f us, memcpy 16 MiB %s/s\n",
                 human(stream_bw).c_str(), pingpong_us, human(memcpy_bw).c_str());
@@ -879,8 +919,7 @@ int main(int argc, char** argv) {
     for (const Bound* b : bounds)
       for (std::size_t si = 0; si < sizes.size(); ++si)
         if (b->at[si] > 0)
-          std::printf("  %s bound (%s) %zu B: %s/s\n", b->op, b->what.c_str(), sizes[si],
-                      human(b->at[si]).c_str());
+          std::printf("  %s bound (%s) %zu B: %s/s\n", b->op, b->what.c_str(), sizes[si], human(b->at[si]).c_str());
     std::printf("%-5s %-5s %10s %7s %12s %9s %9s  %s\n", "tport", "op", "value", "clients", "bandwidth", "p50 us",
                 "p99 us", "ratio to baseline");
   }
@@ -909,10 +948,11 @@ int main(int argc, char** argv) {
                        .add("max_staleness", r.max_staleness)
                        .add("staleness_histogram", std::span<const std::uint64_t>(histogram)));
       } else
-        std::printf("%s %s s=%u workers=%d value=%zu B straggler=%d us: %.0f steps/s, p50 step %.0f us, max staleness %llu, "
-                    "histogram [%s]\n",
-                    transport.c_str(), mode.c_str(), staleness, workers, size, straggler_us, r.steps_per_s, r.p50_step_us,
-                    static_cast<unsigned long long>(r.max_staleness), hist.c_str());
+        std::printf(
+            "%s %s s=%u workers=%d value=%zu B straggler=%d us: %.0f steps/s, p50 step %.0f us, max staleness %llu, "
+            "histogram [%s]\n",
+            transport.c_str(), mode.c_str(), staleness, workers, size, straggler_us, r.steps_per_s, r.p50_step_us,
+            static_cast<unsigned long long>(r.max_staleness), hist.c_str());
     } catch (const std::exception& e) {
       std::fprintf(stderr, "pskv-bench: %s\n", e.what());
       rc = 1;
@@ -947,9 +987,10 @@ int main(int argc, char** argv) {
                            .add("baseline_value", base, 0)
                            .add("ratio", p.bytes_per_s / base, 4));
           else
-            std::printf("%-5s sparse %-7s %-5s %zu keys x %zu B, %d clients: %.2f M keys/s, batch p50 %.0f us p99 %.0f us\n",
-                        transport.c_str(), dist.c_str(), op.c_str(), batch_keys, key_floats * 4, clients,
-                        p.keys_per_s / 1e6, p.p50_us, p.p99_us);
+            std::printf(
+                "%-5s sparse %-7s %-5s %zu keys x %zu B, %d clients: %.2f M keys/s, batch p50 %.0f us p99 %.0f us\n",
+                transport.c_str(), dist.c_str(), op.c_str(), batch_keys, key_floats * 4, clients, p.keys_per_s / 1e6,
+                p.p50_us, p.p99_us);
           std::fflush(stdout);
         }
     } catch (const std::exception& e) {

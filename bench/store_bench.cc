@@ -2,7 +2,6 @@
 // vectorised "a += b" for push-add, so results read as ratios on a noisy machine.
 #include <benchmark/benchmark.h>
 
-
 #include <cstring>
 #include <memory>
 #include <random>
@@ -30,9 +29,13 @@ Store& shared_store(std::uint32_t stripes = 1024) {
   return *s;
 }
 
-Key key_for(std::int64_t bytes, int thread) { return (static_cast<Key>(bytes) << 8) | static_cast<Key>(thread); }
+Key key_for(std::int64_t bytes, int thread) {
+  return (static_cast<Key>(bytes) << 8) | static_cast<Key>(thread);
+}
 
-std::uint32_t floats(std::int64_t bytes) { return static_cast<std::uint32_t>(bytes / 4); }
+std::uint32_t floats(std::int64_t bytes) {
+  return static_cast<std::uint32_t>(bytes / 4);
+}
 
 void ensure(Store& s, Key k, std::uint32_t n) {
   if (s.init_zero(k, n) != Errc::ok) std::abort();

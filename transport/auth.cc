@@ -31,13 +31,13 @@ Nonce random_nonce() {
 }
 
 std::shared_ptr<const Token> Token::load_file(const std::string& path) {
-  struct stat st{};
+  struct stat st {};
   if (::stat(path.c_str(), &st) != 0)
     throw Error(Errc::permission, "auth token file " + path + ": " + std::strerror(errno));
   if (!S_ISREG(st.st_mode)) throw Error(Errc::permission, "auth token file " + path + " is not a regular file");
   if (st.st_mode & (S_IRWXG | S_IRWXO))
-    throw Error(Errc::permission, "auth token file " + path +
-                                      " is accessible by group or others; restrict it with chmod 600 " + path);
+    throw Error(Errc::permission,
+                "auth token file " + path + " is accessible by group or others; restrict it with chmod 600 " + path);
   std::ifstream in(path, std::ios::binary);
   if (!in) throw Error(Errc::permission, "cannot read auth token file " + path + ": " + std::strerror(errno));
   std::ostringstream bytes;
@@ -75,37 +75,48 @@ Proof Token::mac(const char* label, const Nonce& first, const Nonce& second) con
   return out;
 }
 
-Proof Token::server_proof(const Nonce& client, const Nonce& server) const { return mac("server", client, server); }
-Proof Token::client_proof(const Nonce& server, const Nonce& client) const { return mac("client", server, client); }
+Proof Token::server_proof(const Nonce& client, const Nonce& server) const {
+  return mac("server", client, server);
+}
+Proof Token::client_proof(const Nonce& server, const Nonce& client) const {
+  return mac("client", server, client);
+}
 
-bool proofs_equal(const Proof& a, const Proof& b) noexcept { return CRYPTO_memcmp(a.data(), b.data(), a.size()) == 0; }
+bool proofs_equal(const Proof& a, const Proof& b) noexcept {
+  return CRYPTO_memcmp(a.data(), b.data(), a.size()) == 0;
+}
 
 std::optional<Proof> answer(const Token* token, const Nonce& client_nonce, const std::uint8_t* server_nonce,
                             const std::uint8_t* server_proof, const std::string& endpoint) {
   if (!server_nonce) {
     if (token)
-      throw Error(Errc::permission, endpoint + " did not ask for authentication, but this client has a token: refusing "
-                                               "a server that cannot prove it (start it with the same --auth-token-file)");
+      throw Error(Errc::permission, endpoint +
+                                        " did not ask for authentication, but this client has a token: refusing "
+                                        "a server that cannot prove it (start it with the same --auth-token-file)");
     return std::nullopt;
   }
   if (!token)
-    throw Error(Errc::permission, endpoint + " requires authentication: give this client the server's token "
-                                             "(--auth-token-file or PSKV_AUTH_TOKEN_FILE)");
+    throw Error(Errc::permission, endpoint +
+                                      " requires authentication: give this client the server's token "
+                                      "(--auth-token-file or PSKV_AUTH_TOKEN_FILE)");
   Nonce nonce;
   Proof proof;
   std::memcpy(nonce.data(), server_nonce, kNonceBytes);
   std::memcpy(proof.data(), server_proof, kProofBytes);
   if (!proofs_equal(proof, token->server_proof(client_nonce, nonce)))
-    throw Error(Errc::permission, endpoint + " failed to prove it holds the token: it is not the server this "
-                                             "client's --auth-token-file belongs to");
+    throw Error(Errc::permission, endpoint +
+                                      " failed to prove it holds the token: it is not the server this "
+                                      "client's --auth-token-file belongs to");
   return token->client_proof(nonce, client_nonce);
 }
 
 std::string refuse(std::uint32_t server_id, const std::string& address, const std::string& what) {
-  log::warn("auth", "server " + std::to_string(server_id) + " refused unauthenticated peer " + address + ": it " + what);
+  log::warn("auth",
+            "server " + std::to_string(server_id) + " refused unauthenticated peer " + address + ": it " + what);
   // Short enough for an rdma_cm REJ (132 bytes of text) with the reasons used.
   return "authentication failed: this server requires a token (--auth-token-file or PSKV_AUTH_TOKEN_FILE); "
-         "this connection " + what;
+         "this connection " +
+         what;
 }
 
 }  // namespace pskv::auth

@@ -54,7 +54,8 @@ bool spin_for(const Completion& c, Poller* poller) noexcept {
   const SpinTicket ticket;
   if (!ticket || (poller && !poller->begin_polling())) return c.done();
   const double budget_us = t_typical_wait_us < 0 ? kMax : std::min(kMax, 2 * t_typical_wait_us + 5);
-  const auto until = std::chrono::steady_clock::now() + std::chrono::nanoseconds(static_cast<std::int64_t>(budget_us * 1000));
+  const auto until =
+      std::chrono::steady_clock::now() + std::chrono::nanoseconds(static_cast<std::int64_t>(budget_us * 1000));
   bool done = false;
   for (unsigned i = 0; !(done = c.done()); ++i) {
     if (poller)

@@ -14,8 +14,8 @@
 
 #include "pskv/error.h"
 #include "pskv/types.h"
-#include "transport/uri.h"
 #include "transport/auth.h"
+#include "transport/uri.h"
 #include "transport/wire.h"
 
 namespace pskv::transport {

@@ -26,8 +26,8 @@ NumericName numeric_name(const sockaddr* address) {
   NumericName n;
   if (!address) return n;
   n.v6 = address->sa_family == AF_INET6;
-  getnameinfo(address, n.v6 ? sizeof(sockaddr_in6) : sizeof(sockaddr_in), n.host, sizeof n.host, n.port,
-              sizeof n.port, NI_NUMERICHOST | NI_NUMERICSERV);
+  getnameinfo(address, n.v6 ? sizeof(sockaddr_in6) : sizeof(sockaddr_in), n.host, sizeof n.host, n.port, sizeof n.port,
+              NI_NUMERICHOST | NI_NUMERICSERV);
   return n;
 }
 }  // namespace
@@ -42,9 +42,13 @@ std::string address_text(const sockaddr* address) {
   return text;
 }
 
-std::string host_text(const sockaddr* address) { return numeric_name(address).host; }
+std::string host_text(const sockaddr* address) {
+  return numeric_name(address).host;
+}
 
-bool named_scheme(std::string_view scheme) noexcept { return scheme == "shm" || scheme == "fake"; }
+bool named_scheme(std::string_view scheme) noexcept {
+  return scheme == "shm" || scheme == "fake";
+}
 
 Uri parse_uri(std::string_view text) {
   Uri u;
@@ -59,7 +63,8 @@ Uri parse_uri(std::string_view text) {
       const auto amp = query.find('&');
       std::string_view kv = query.substr(0, amp);
       const auto eq = kv.find('=');
-      if (eq == std::string_view::npos || eq == 0) bad(text, "query parameter '" + std::string(kv) + "' is not key=value");
+      if (eq == std::string_view::npos || eq == 0)
+        bad(text, "query parameter '" + std::string(kv) + "' is not key=value");
       u.params[std::string(kv.substr(0, eq))] = std::string(kv.substr(eq + 1));
       query = amp == std::string_view::npos ? std::string_view{} : query.substr(amp + 1);
     }
@@ -136,8 +141,9 @@ std::uint64_t UriParams::number(const std::string& name, std::uint64_t fallback,
   std::uint64_t n = 0;
   const auto [p, ec] = std::from_chars(value->data(), value->data() + value->size(), n);
   if (ec != std::errc() || p != value->data() + value->size() || n < min || n > max)
-    throw Error(Errc::invalid_argument, uri_.scheme + " URI parameter " + name + "=" + *value + " must be a number in [" +
-                                            std::to_string(min) + ", " + std::to_string(max) + "]");
+    throw Error(Errc::invalid_argument, uri_.scheme + " URI parameter " + name + "=" + *value +
+                                            " must be a number in [" + std::to_string(min) + ", " +
+                                            std::to_string(max) + "]");
   return n;
 }
 
@@ -150,7 +156,8 @@ std::string UriParams::choice(const std::string& name, const std::string& fallba
     if (*value == a) return *value;
     list += (list.empty() ? "" : ", ") + std::string(a);
   }
-  throw Error(Errc::invalid_argument, uri_.scheme + " URI parameter " + name + "=" + *value + " must be one of " + list);
+  throw Error(Errc::invalid_argument,
+              uri_.scheme + " URI parameter " + name + "=" + *value + " must be one of " + list);
 }
 
 std::string UriParams::text(const std::string& name, const std::string& fallback) {

@@ -16,9 +16,9 @@ namespace pskv {
 
 struct Uri {
   std::string scheme;
-  std::string host;    // host:port schemes
+  std::string host;  // host:port schemes
   std::uint16_t port = 0;
-  std::string name;    // named schemes (named_scheme)
+  std::string name;  // named schemes (named_scheme)
   std::map<std::string, std::string> params;
 
   std::string str() const;
@@ -38,7 +38,8 @@ class UriParams {
  public:
   explicit UriParams(const Uri& uri);
   std::uint64_t number(const std::string& name, std::uint64_t fallback, std::uint64_t min, std::uint64_t max);
-  std::string choice(const std::string& name, const std::string& fallback, std::initializer_list<std::string_view> allowed);
+  std::string choice(const std::string& name, const std::string& fallback,
+                     std::initializer_list<std::string_view> allowed);
   std::string text(const std::string& name, const std::string& fallback);
   void finish() const;
 

@@ -1,24 +1,35 @@
 #include "transport/wire.h"
 
-
 #include <cstring>
 
 namespace pskv::wire {
 
-bool op_carries_values(Op op) noexcept { return op == Op::init || op == Op::push; }
+bool op_carries_values(Op op) noexcept {
+  return op == Op::init || op == Op::push;
+}
 
 std::string_view op_name(std::uint16_t op) noexcept {
   switch (static_cast<Op>(op)) {
-    case Op::hello: return "hello";
-    case Op::init: return "init";
-    case Op::push: return "push";
-    case Op::pull: return "pull";
-    case Op::clock: return "clock";
-    case Op::barrier: return "barrier";
-    case Op::stats: return "stats";
-    case Op::auth: return "auth";
-    case Op::lookup: return "lookup";
-    case Op::wait: return "wait";
+    case Op::hello:
+      return "hello";
+    case Op::init:
+      return "init";
+    case Op::push:
+      return "push";
+    case Op::pull:
+      return "pull";
+    case Op::clock:
+      return "clock";
+    case Op::barrier:
+      return "barrier";
+    case Op::stats:
+      return "stats";
+    case Op::auth:
+      return "auth";
+    case Op::lookup:
+      return "lookup";
+    case Op::wait:
+      return "wait";
   }
   return "unknown";
 }
@@ -29,11 +40,12 @@ Errc validate_header(const FrameHeader& h, const Limits& limits, bool expect_res
     return e;
   };
   if (h.magic != kMagic)
-    return fail(Errc::protocol, "bad magic 0x" + [&] {
-      char buf[16];
-      std::snprintf(buf, sizeof buf, "%08x", h.magic);
-      return std::string(buf);
-    }() + ": the peer does not speak the pskv protocol");
+    return fail(
+        Errc::protocol, "bad magic 0x" + [&] {
+          char buf[16];
+          std::snprintf(buf, sizeof buf, "%08x", h.magic);
+          return std::string(buf);
+        }() + ": the peer does not speak the pskv protocol");
   if (h.version != kVersion)
     return fail(Errc::protocol, "protocol version " + std::to_string(h.version) + ", this side speaks " +
                                     std::to_string(kVersion) + ": run matching pskv builds on clients and servers");
@@ -42,7 +54,8 @@ Errc validate_header(const FrameHeader& h, const Limits& limits, bool expect_res
     return fail(Errc::protocol, expect_response ? "expected a response frame" : "unexpected response frame");
   if (h.num_keys > limits.max_keys)
     return fail(Errc::capacity, "frame declares " + std::to_string(h.num_keys) + " keys; the limit is " +
-                                    std::to_string(limits.max_keys) + " (split the batch or raise --max-keys-per-request)");
+                                    std::to_string(limits.max_keys) +
+                                    " (split the batch or raise --max-keys-per-request)");
   if (h.payload_bytes > limits.max_payload_bytes)
     return fail(Errc::capacity, "frame declares " + std::to_string(h.payload_bytes) + " payload bytes; the limit is " +
                                     std::to_string(limits.max_payload_bytes) +
@@ -51,8 +64,8 @@ Errc validate_header(const FrameHeader& h, const Limits& limits, bool expect_res
     const Op op = static_cast<Op>(h.op);
     if (op == Op::hello) {
       if (h.payload_bytes != 0 && h.payload_bytes != kAuthNonceBytes)
-        return fail(Errc::protocol, "hello carries nothing or a " + std::to_string(kAuthNonceBytes) + "-byte nonce, not " +
-                                        std::to_string(h.payload_bytes) + " bytes");
+        return fail(Errc::protocol, "hello carries nothing or a " + std::to_string(kAuthNonceBytes) +
+                                        "-byte nonce, not " + std::to_string(h.payload_bytes) + " bytes");
     } else if (op == Op::auth) {
       if (h.payload_bytes != kAuthProofBytes)
         return fail(Errc::protocol, "auth carries a " + std::to_string(kAuthProofBytes) + "-byte proof, not " +

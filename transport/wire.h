@@ -34,8 +34,8 @@ enum class Op : std::uint16_t {
 
 enum Flags : std::uint16_t {
   kResponse = 1u << 0,
-  kChecksum = 1u << 1,  // `checksum` covers the key table and payload (CRC-32)
-  kText = 1u << 2,      // response payload is UTF-8 text: an error message, or the stats JSON
+  kChecksum = 1u << 1,       // `checksum` covers the key table and payload (CRC-32)
+  kText = 1u << 2,           // response payload is UTF-8 text: an error message, or the stats JSON
   kAuthChallenge = 1u << 3,  // hello response: authenticate first; payload = server nonce | server proof
   // Pull request: the client takes values sent straight from the store. Pull reply: they were,
   // and a u32 follows the payload: 0 if the values were consistent, else ask again.
@@ -84,7 +84,7 @@ Errc validate_keys(const FrameHeader& h, std::span<const KeyEntry> keys, std::st
 enum class ParseResult { need_more, complete, bad };
 struct ParsedFrame {
   FrameHeader header{};
-  std::uint64_t frame_bytes = 0;   // header + key table + payload, once the header was read
+  std::uint64_t frame_bytes = 0;  // header + key table + payload, once the header was read
   const std::byte* payload = nullptr;
 };
 ParseResult parse_request(const std::byte* data, std::size_t avail, const Limits& limits, ParsedFrame* out,
@@ -98,7 +98,8 @@ using pskv::crc32_update;
 
 inline FrameHeader make_header(Op op, std::uint64_t id, std::uint32_t num_keys, std::uint64_t payload_bytes,
                                std::uint64_t arg0 = 0, std::uint32_t arg1 = 0) {
-  return FrameHeader{kMagic, kVersion, static_cast<std::uint16_t>(op), id, num_keys, 0, 0, payload_bytes, arg0, arg1, 0};
+  return FrameHeader{kMagic, kVersion, static_cast<std::uint16_t>(op), id, num_keys, 0, 0, payload_bytes, arg0,
+                     arg1,   0};
 }
 
 }  // namespace pskv::wire

@@ -23,7 +23,8 @@ constexpr std::uint32_t kLabelsMagic = 0x00000801;  // unsigned byte, 1 dimensio
 constexpr std::string_view kFetchHint = "run scripts/fetch-data.sh to fetch fresh copies";
 constexpr std::size_t kChunk = std::size_t{1} << 20;
 
-[[noreturn]] void fail(Errc code, const std::string& path, const std::string& what, std::string_view todo = kFetchHint) {
+[[noreturn]] void fail(Errc code, const std::string& path, const std::string& what,
+                       std::string_view todo = kFetchHint) {
   throw Error(code, path + ": " + what + "; " + std::string(todo));
 }
 
@@ -47,7 +48,8 @@ class IdxReader {
     const auto status = std::filesystem::status(path, ec);
     if (status.type() == std::filesystem::file_type::not_found)
       fail(Errc::io, path, "no such file", "check the path, or run scripts/fetch-data.sh to fetch the data");
-    if (ec) fail(Errc::io, path, "cannot stat: " + ec.message(), "check the permissions of the file and its directories");
+    if (ec)
+      fail(Errc::io, path, "cannot stat: " + ec.message(), "check the permissions of the file and its directories");
     if (!std::filesystem::is_regular_file(status))
       fail(Errc::io, path, "not a regular file", "pass the path of an IDX file");
     const auto size = std::filesystem::file_size(path, ec);
@@ -127,7 +129,8 @@ class IdxReader {
     int err = Z_OK;
     const char* msg = gzerror(file_, &err);
     fail(err == Z_ERRNO ? Errc::io : Errc::invalid_argument, path_,
-         std::string(compressed_ ? "corrupt gzip data: " : "read error: ") + (err == Z_ERRNO ? std::strerror(errno) : msg));
+         std::string(compressed_ ? "corrupt gzip data: " : "read error: ") +
+             (err == Z_ERRNO ? std::strerror(errno) : msg));
   }
 
   std::string path_;
@@ -146,7 +149,8 @@ std::string magic_problem(std::uint32_t magic, std::uint32_t expected) {
 
 // The body must be exactly `expected` bytes. For a plain file that is known before reading, so
 // a short or long file is reported with both sizes; for gzip it shows while decompressing.
-void check_plain_size(const IdxReader& r, std::uint64_t header_bytes, std::uint64_t body_bytes, const std::string& shape) {
+void check_plain_size(const IdxReader& r, std::uint64_t header_bytes, std::uint64_t body_bytes,
+                      const std::string& shape) {
   if (r.compressed()) return;
   const std::uint64_t expected = header_bytes + body_bytes;
   if (r.file_size() < expected)
@@ -179,7 +183,8 @@ Images read_images(const std::string& path) {
   r.read_header(h, 4, 16);
   const std::uint64_t n = big_endian32(h + 4), rows = big_endian32(h + 8), cols = big_endian32(h + 12);
   const std::string shape = std::to_string(n) + " images of " + std::to_string(rows) + "x" + std::to_string(cols);
-  if (n == 0 || rows == 0 || cols == 0) fail(Errc::invalid_argument, path, "empty data set in the header (" + shape + ")");
+  if (n == 0 || rows == 0 || cols == 0)
+    fail(Errc::invalid_argument, path, "empty data set in the header (" + shape + ")");
   // rows*cols < 2^64 always; n*rows*cols may not be, and no such file can exist.
   if (rows * cols > std::numeric_limits<std::uint64_t>::max() / n)
     fail(Errc::invalid_argument, path, "impossible dimensions in the header (" + shape + ")");
@@ -253,8 +258,12 @@ DatasetKind parse_dataset_kind(std::string_view name) {
   throw Error(Errc::invalid_argument, "unknown data set '" + std::string(name) + "': use 'mnist' or 'fashion'");
 }
 
-std::string_view to_string(DatasetKind kind) noexcept { return kind == DatasetKind::mnist ? "mnist" : "fashion"; }
-std::string_view to_string(Split split) noexcept { return split == Split::train ? "train" : "test"; }
+std::string_view to_string(DatasetKind kind) noexcept {
+  return kind == DatasetKind::mnist ? "mnist" : "fashion";
+}
+std::string_view to_string(Split split) noexcept {
+  return split == Split::train ? "train" : "test";
+}
 
 Dataset load_idx(const std::string& images_path, const std::string& labels_path) {
   Images images = read_images(images_path);
@@ -281,9 +290,10 @@ Dataset load_dataset(const std::string& dir, Split split, DatasetKind kind) {
     labels = find_file(sub, labels_name);
   }
   if (!images || !labels)
-    throw Error(Errc::io, std::string(to_string(kind)) + " " + std::string(to_string(split)) + " set not found: looked for " +
-                              images_name + "[.gz] and " + labels_name + "[.gz] in " + root.string() + " and " +
-                              sub.string() + "; run scripts/fetch-data.sh, or pass the directory that holds them");
+    throw Error(Errc::io, std::string(to_string(kind)) + " " + std::string(to_string(split)) +
+                              " set not found: looked for " + images_name + "[.gz] and " + labels_name + "[.gz] in " +
+                              root.string() + " and " + sub.string() +
+                              "; run scripts/fetch-data.sh, or pass the directory that holds them");
   Dataset data = load_idx(*images, *labels);
   if (data.rows != kImageRows || data.cols != kImageCols)
     fail(Errc::invalid_argument, *images,
@@ -306,7 +316,8 @@ Dataset slice(const Dataset& data, std::size_t begin, std::size_t end) {
 
 Dataset shard(const Dataset& data, std::size_t worker, std::size_t num_workers) {
   if (num_workers == 0 || worker >= num_workers)
-    throw Error(Errc::invalid_argument, "shard: worker " + std::to_string(worker) + " of " + std::to_string(num_workers) +
+    throw Error(Errc::invalid_argument, "shard: worker " + std::to_string(worker) + " of " +
+                                            std::to_string(num_workers) +
                                             " workers is not valid; worker ranks run 0..num_workers-1");
   if (data.n < num_workers)
     throw Error(Errc::invalid_argument, "shard: " + std::to_string(data.n) + " samples cannot be split over " +

@@ -60,7 +60,6 @@ Dataset head(const Dataset& data, std::size_t n);
 
 // Copies the samples at `indices` into contiguous buffers (indices.size() images and labels),
 // which is how a trainer feeds a shuffled mini-batch to Model::forward_backward.
-void gather(const Dataset& data, std::span<const std::uint32_t> indices, float* images_out,
-            std::uint8_t* labels_out);
+void gather(const Dataset& data, std::span<const std::uint32_t> indices, float* images_out, std::uint8_t* labels_out);
 
 }  // namespace pskv::mnist

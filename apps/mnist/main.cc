@@ -13,60 +13,84 @@ using namespace pskv::mnist;
 
 int main(int argc, char** argv) {
   TrainConfig c;
-  CLI::App app{"pskv-mnist: data-parallel MNIST training with BSP, SSP or ASP through pskv servers.\n"
-               "Flags override PSKV_* environment variables, which override the defaults shown."};
+  CLI::App app{
+      "pskv-mnist: data-parallel MNIST training with BSP, SSP or ASP through pskv servers.\n"
+      "Flags override PSKV_* environment variables, which override the defaults shown."};
   app.get_formatter()->column_width(44);
   // A flag given twice takes the last value, so wrappers can pass defaults that users override.
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   std::string dataset = "mnist", mode = "ssp", straggler;
   app.add_flag("--launch", c.launch, "Fork --servers servers and --workers workers on this node");
   app.add_flag("--local", c.local, "Train in this process without a parameter server (baseline)");
-  app.add_flag("--compare-local", c.compare_local, "With --launch: also run --local with workers*threads threads and "
-                                                    "report the samples/s ratio");
+  app.add_flag("--compare-local", c.compare_local,
+               "With --launch: also run --local with workers*threads threads and "
+               "report the samples/s ratio");
   app.add_option("--data", c.data_dir, "Data directory (scripts/fetch-data.sh fills data/mnist and data/fashion)")
-      ->envname("PSKV_DATA")->capture_default_str();
-  app.add_option("--dataset", dataset, "mnist or fashion")->envname("PSKV_DATASET")->capture_default_str()
+      ->envname("PSKV_DATA")
+      ->capture_default_str();
+  app.add_option("--dataset", dataset, "mnist or fashion")
+      ->envname("PSKV_DATASET")
+      ->capture_default_str()
       ->check(CLI::IsMember({"mnist", "fashion"}));
-  app.add_option("--model", c.model, "mlp or cnn")->envname("PSKV_MODEL")->capture_default_str()
+  app.add_option("--model", c.model, "mlp or cnn")
+      ->envname("PSKV_MODEL")
+      ->capture_default_str()
       ->check(CLI::IsMember({"mlp", "cnn"}));
-  app.add_option("--epochs", c.epochs, "Passes over each worker's shard")->envname("PSKV_EPOCHS")->capture_default_str();
+  app.add_option("--epochs", c.epochs, "Passes over each worker's shard")
+      ->envname("PSKV_EPOCHS")
+      ->capture_default_str();
   app.add_option("--batch", c.batch, "Samples per step per worker")->envname("PSKV_BATCH")->capture_default_str();
   app.add_option("--lr", c.lr, "Learning rate (applied by the servers)")->envname("PSKV_LR")->capture_default_str();
   app.add_option("--threads", c.threads, "Compute threads per worker")->envname("PSKV_THREADS")->capture_default_str();
   app.add_option("--seed", c.seed, "Random seed")->envname("PSKV_SEED")->capture_default_str();
   app.add_option("--train-limit", c.train_limit, "Use only the first N training samples (0: all)")
-      ->envname("PSKV_TRAIN_LIMIT")->capture_default_str();
+      ->envname("PSKV_TRAIN_LIMIT")
+      ->capture_default_str();
   app.add_option("--test-limit", c.test_limit, "Evaluate on the first N test samples (0: all)")
-      ->envname("PSKV_TEST_LIMIT")->capture_default_str();
+      ->envname("PSKV_TEST_LIMIT")
+      ->capture_default_str();
   app.add_option("--evals-per-epoch", c.evals_per_epoch, "Test-set evaluations per epoch")
-      ->envname("PSKV_EVALS_PER_EPOCH")->capture_default_str();
-  app.add_option("--transport", c.transport, "shm, tcp or rdma")->envname("PSKV_TRANSPORT")->capture_default_str()
+      ->envname("PSKV_EVALS_PER_EPOCH")
+      ->capture_default_str();
+  app.add_option("--transport", c.transport, "shm, tcp or rdma")
+      ->envname("PSKV_TRANSPORT")
+      ->capture_default_str()
       ->check(CLI::IsMember({"shm", "tcp", "rdma"}));
   app.add_option("--servers", c.servers, "Server shards")->envname("PSKV_SERVERS")->capture_default_str();
   app.add_option("--workers", c.workers, "Workers")->envname("PSKV_WORKERS")->capture_default_str();
-  app.add_option("--mode", mode, "bsp, ssp, asp or sync")->envname("PSKV_MODE")->capture_default_str()
+  app.add_option("--mode", mode, "bsp, ssp, asp or sync")
+      ->envname("PSKV_MODE")
+      ->capture_default_str()
       ->check(CLI::IsMember({"bsp", "ssp", "asp", "sync"}));
   app.add_option("--staleness", c.staleness, "SSP bound s")->envname("PSKV_STALENESS")->capture_default_str();
   app.add_option("--backup-workers", c.backup_workers, "sync: apply each step from the first workers - b gradients")
-      ->envname("PSKV_BACKUP_WORKERS")->capture_default_str();
-  app.add_option("--rule", c.rule, "Server update rule: sgd, momentum, adam, adagrad")->envname("PSKV_RULE")
-      ->capture_default_str()->check(CLI::IsMember({"sgd", "momentum", "adam", "adagrad"}));
+      ->envname("PSKV_BACKUP_WORKERS")
+      ->capture_default_str();
+  app.add_option("--rule", c.rule, "Server update rule: sgd, momentum, adam, adagrad")
+      ->envname("PSKV_RULE")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"sgd", "momentum", "adam", "adagrad"}));
   app.add_option("--momentum", c.momentum, "Momentum coefficient")->envname("PSKV_MOMENTUM")->capture_default_str();
   app.add_option("--chunk-floats", c.chunk_floats, "Split tensors longer than this over all servers")
-      ->envname("PSKV_CHUNK_FLOATS")->capture_default_str();
+      ->envname("PSKV_CHUNK_FLOATS")
+      ->capture_default_str();
   app.add_option("--wait-timeout-ms", c.wait_timeout_ms, "How long a bounded read waits for a stalled worker")
-      ->envname("PSKV_WAIT_TIMEOUT_MS")->capture_default_str();
+      ->envname("PSKV_WAIT_TIMEOUT_MS")
+      ->capture_default_str();
   app.add_flag("--evict-stragglers", c.evict_stragglers, "Evict a worker stalled past the timeout instead of failing");
-  app.add_option("--host", c.host, "Address servers bind and workers dial (tcp/rdma)")->envname("PSKV_HOST")
+  app.add_option("--host", c.host, "Address servers bind and workers dial (tcp/rdma)")
+      ->envname("PSKV_HOST")
       ->capture_default_str();
   app.add_option("--port-base", c.port_base, "Server s listens on port-base + s (0 with --launch: free ports)")
-      ->envname("PSKV_PORT_BASE")->capture_default_str();
+      ->envname("PSKV_PORT_BASE")
+      ->capture_default_str();
   app.add_option("--hostfile", c.hostfile, "Cluster runs: one host per rank, servers first")->envname("PSKV_HOSTFILE");
   app.add_option("--job", c.job, "Name prefix for shm segments")->envname("PSKV_JOB");
   app.add_option("--checkpoint-dir", c.checkpoint_dir, "Servers checkpoint here; a dead server is restarted from it")
       ->envname("PSKV_CHECKPOINT_DIR");
   app.add_option("--checkpoint-every-s", c.checkpoint_every_s, "Seconds between checkpoints")
-      ->envname("PSKV_CHECKPOINT_EVERY_S")->capture_default_str();
+      ->envname("PSKV_CHECKPOINT_EVERY_S")
+      ->capture_default_str();
   app.add_flag("--restore", c.restore, "Servers start from the checkpoints in --checkpoint-dir");
   app.add_option("--auth-token-file", c.auth_token_file,
                  "tcp/rdma: shared secret (chmod 600) servers demand and workers prove (HMAC-SHA256)")
@@ -102,7 +126,8 @@ int main(int argc, char** argv) {
     if (c.local) {
       c.mode = ConsistencyMode::asp;
       const TrainResult r = run_local(c);
-      std::printf("final test accuracy %.2f%% (%.0f samples/s, %.1f s)\n", r.test_accuracy * 100, r.samples_per_s, r.wall_s);
+      std::printf("final test accuracy %.2f%% (%.0f samples/s, %.1f s)\n", r.test_accuracy * 100, r.samples_per_s,
+                  r.wall_s);
       if (c.json) std::printf("%s\n", result_json(c, r, "local").c_str());
       return 0;
     }
@@ -140,8 +165,8 @@ int main(int argc, char** argv) {
       if (worker != 0) c.quiet = true;
       const TrainResult r = run_worker(c, worker, uris);
       if (worker == 0) {
-        std::printf("final test accuracy %.2f%% (worker 0: %.0f samples/s, max staleness %llu)\n", r.test_accuracy * 100,
-                    r.samples_per_s, static_cast<unsigned long long>(r.max_staleness));
+        std::printf("final test accuracy %.2f%% (worker 0: %.0f samples/s, max staleness %llu)\n",
+                    r.test_accuracy * 100, r.samples_per_s, static_cast<unsigned long long>(r.max_staleness));
         if (c.json) std::printf("%s\n", result_json(c, r, std::string(to_string(c.mode))).c_str());
       }
       return 0;

@@ -1,9 +1,9 @@
 #include "apps/mnist/model.h"
 
-#include <Eigen/Core>
 #include <oneapi/tbb/blocked_range.h>
 #include <oneapi/tbb/parallel_for.h>
 #include <oneapi/tbb/task_arena.h>
+#include <Eigen/Core>
 
 #include <algorithm>
 #include <cmath>
@@ -24,7 +24,9 @@ using ConstVec = Eigen::Map<const Eigen::VectorXf>;
 using ConstRowVec = Eigen::Map<const Eigen::RowVectorXf>;
 
 // Eigen wants Index; every size here is far below its range.
-Eigen::Index ix(std::size_t n) { return static_cast<Eigen::Index>(n); }
+Eigen::Index ix(std::size_t n) {
+  return static_cast<Eigen::Index>(n);
+}
 
 std::uint64_t mix64(std::uint64_t x) noexcept {
   x ^= x >> 30;
@@ -101,7 +103,8 @@ class Layer {
 
 class Linear final : public Layer {
  public:
-  Linear(std::string name, std::size_t in, std::size_t out, Init init) : Layer(in, out), name_(std::move(name)), init_(init) {}
+  Linear(std::string name, std::size_t in, std::size_t out, Init init)
+      : Layer(in, out), name_(std::move(name)), init_(init) {}
   std::optional<ParamShape> shape() const override { return ParamShape{name_, in_ * out_, out_, in_, out_, init_}; }
 
   // A row-major [out][in] weight is a column-major in x out matrix, W^T.
@@ -132,8 +135,17 @@ class Linear final : public Layer {
 class Conv3x3 final : public Layer {
  public:
   Conv3x3(std::string name, std::size_t c, std::size_t oc, std::size_t h, std::size_t w, Init init)
-      : Layer(c * h * w, oc * (h - 2) * (w - 2)), name_(std::move(name)), c_(c), oc_(oc), h_(h), w_(w), oh_(h - 2),
-        ow_(w - 2), k_(c * 9), p_(oh_ * ow_), init_(init) {}
+      : Layer(c * h * w, oc * (h - 2) * (w - 2)),
+        name_(std::move(name)),
+        c_(c),
+        oc_(oc),
+        h_(h),
+        w_(w),
+        oh_(h - 2),
+        ow_(w - 2),
+        k_(c * 9),
+        p_(oh_ * ow_),
+        init_(init) {}
   std::optional<ParamShape> shape() const override { return ParamShape{name_, oc_ * k_, oc_, k_, oc_ * 9, init_}; }
   void reserve(Scratch& s, std::size_t) const override {
     s.f.resize(k_ * p_);
@@ -223,7 +235,8 @@ class Relu final : public Layer {
   void forward(const float* x, float* y, std::size_t n, Scratch&, const Pass&) const override {
     for (std::size_t i = 0; i < n * in_; ++i) y[i] = std::max(x[i], 0.0f);
   }
-  void backward(const float* x, const float* dy, float* dx, std::size_t n, Scratch&, const Pass&, float*) const override {
+  void backward(const float* x, const float* dy, float* dx, std::size_t n, Scratch&, const Pass&,
+                float*) const override {
     if (dx == nullptr) return;
     for (std::size_t i = 0; i < n * in_; ++i) dx[i] = x[i] > 0.0f ? dy[i] : 0.0f;
   }
@@ -232,7 +245,8 @@ class Relu final : public Layer {
 // 2x2 max pooling, stride 2 (PyTorch's F.max_pool2d(x, 2)): H and W must be even.
 class MaxPool2 final : public Layer {
  public:
-  MaxPool2(std::size_t c, std::size_t h, std::size_t w) : Layer(c * h * w, c * (h / 2) * (w / 2)), c_(c), h_(h), w_(w) {}
+  MaxPool2(std::size_t c, std::size_t h, std::size_t w)
+      : Layer(c * h * w, c * (h / 2) * (w / 2)), c_(c), h_(h), w_(w) {}
   void reserve(Scratch& s, std::size_t n) const override { s.idx.resize(n * out_); }
   void forward(const float* x, float* y, std::size_t n, Scratch& s, const Pass&) const override {
     const std::size_t oh = h_ / 2, ow = w_ / 2;
@@ -249,7 +263,8 @@ class MaxPool2 final : public Layer {
             s.idx[o] = static_cast<std::uint32_t>(best);
           }
   }
-  void backward(const float*, const float* dy, float* dx, std::size_t n, Scratch& s, const Pass&, float*) const override {
+  void backward(const float*, const float* dy, float* dx, std::size_t n, Scratch& s, const Pass&,
+                float*) const override {
     if (dx == nullptr) return;
     std::fill(dx, dx + n * in_, 0.0f);
     // Windows do not overlap, so each input gets at most one gradient.
@@ -284,7 +299,8 @@ class Dropout final : public Layer {
       }
     }
   }
-  void backward(const float*, const float* dy, float* dx, std::size_t n, Scratch& s, const Pass& p, float*) const override {
+  void backward(const float*, const float* dy, float* dx, std::size_t n, Scratch& s, const Pass& p,
+                float*) const override {
     if (dx == nullptr) return;
     if (!p.training) {
       std::copy(dy, dy + n * in_, dx);
@@ -309,8 +325,9 @@ constexpr std::size_t kAlignFloats = 16;  // 64 bytes: cache lines, and what RDM
 AlignedFloats aligned_zeros(std::size_t n) {
   const std::size_t bytes = std::max<std::size_t>(n, kAlignFloats) * sizeof(float);
   auto* p = static_cast<float*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64));
-  if (p == nullptr) throw Error(Errc::capacity, "out of memory allocating " + std::to_string(bytes) +
-                                                       " bytes of model parameters; free memory or use a smaller model");
+  if (p == nullptr)
+    throw Error(Errc::capacity, "out of memory allocating " + std::to_string(bytes) +
+                                    " bytes of model parameters; free memory or use a smaller model");
   std::memset(p, 0, bytes);
   return AlignedFloats(p);
 }
@@ -331,7 +348,9 @@ constexpr std::size_t kEvalSlice = 64;  // samples per thread per round in count
 class Network final : public Model {
  public:
   Network(std::string name, int threads, std::vector<std::unique_ptr<Layer>> layers)
-      : name_(std::move(name)), threads_(static_cast<std::size_t>(threads)), layers_(std::move(layers)),
+      : name_(std::move(name)),
+        threads_(static_cast<std::size_t>(threads)),
+        layers_(std::move(layers)),
         workspaces_(threads_) {
     std::size_t offset = 0;
     const auto take = [&](std::size_t size) {

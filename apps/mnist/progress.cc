@@ -39,13 +39,14 @@ void Progress::step(int epoch, int epochs, std::size_t step, std::size_t steps, 
   std::fflush(stdout);
 }
 
-void Progress::eval(int epoch, std::size_t step, std::uint64_t samples, float loss, double accuracy, double samples_per_s,
-                    std::uint64_t max_staleness) {
+void Progress::eval(int epoch, std::size_t step, std::uint64_t samples, float loss, double accuracy,
+                    double samples_per_s, std::uint64_t max_staleness) {
   last_accuracy_ = accuracy;
   const double t = elapsed_s();
   if (csv_) {
-    std::fprintf(csv_, "%.3f,%d,%zu,%llu,%.5f,%.5f,%.1f,%llu\n", t, epoch, step, static_cast<unsigned long long>(samples),
-                 loss, accuracy, samples_per_s, static_cast<unsigned long long>(max_staleness));
+    std::fprintf(csv_, "%.3f,%d,%zu,%llu,%.5f,%.5f,%.1f,%llu\n", t, epoch, step,
+                 static_cast<unsigned long long>(samples), loss, accuracy, samples_per_s,
+                 static_cast<unsigned long long>(max_staleness));
     std::fflush(csv_);
   }
   if (quiet_) return;

@@ -3,8 +3,8 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <signal.h>
-#include <sys/socket.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -30,7 +30,9 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+double since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
 
 struct Data {
   Dataset train, test;
@@ -40,7 +42,8 @@ Data load(const TrainConfig& c, int rank, int workers, bool need_test) {
   Data d;
   Dataset all = load_dataset(c.data_dir, Split::train, c.dataset);
   if (c.train_limit && c.train_limit < all.n) all = head(all, c.train_limit);
-  d.train = workers > 1 ? shard(all, static_cast<std::size_t>(rank), static_cast<std::size_t>(workers)) : std::move(all);
+  d.train =
+      workers > 1 ? shard(all, static_cast<std::size_t>(rank), static_cast<std::size_t>(workers)) : std::move(all);
   if (need_test) {
     d.test = load_dataset(c.data_dir, Split::test, c.dataset);
     if (c.test_limit && c.test_limit < d.test.n) d.test = head(d.test, c.test_limit);
@@ -81,7 +84,8 @@ class Batcher {
 void straggle(const TrainConfig& c, int rank, Clock::time_point compute_start) {
   if (rank != c.straggler_worker || c.straggler_factor <= 1.0) return;
   const auto compute = Clock::now() - compute_start;
-  std::this_thread::sleep_for(std::chrono::duration_cast<std::chrono::microseconds>(compute * (c.straggler_factor - 1.0)));
+  std::this_thread::sleep_for(
+      std::chrono::duration_cast<std::chrono::microseconds>(compute * (c.straggler_factor - 1.0)));
 }
 
 }  // namespace
@@ -95,8 +99,9 @@ std::string result_json(const TrainConfig& c, const TrainResult& r, const std::s
                 "\"target_accuracy\":%.4f,\"server_restarts\":%d}",
                 mode_name.c_str(), c.staleness, c.local ? "none" : c.transport.c_str(), c.local ? 1 : c.workers,
                 c.local ? 0 : c.servers, c.model.c_str(), std::string(to_string(c.dataset)).c_str(), c.epochs, c.batch,
-                double(c.lr), c.threads, r.test_accuracy, r.samples_per_s, static_cast<unsigned long long>(r.max_staleness),
-                r.wall_s, r.time_to_target_s, c.target_accuracy, r.reconnects);
+                double(c.lr), c.threads, r.test_accuracy, r.samples_per_s,
+                static_cast<unsigned long long>(r.max_staleness), r.wall_s, r.time_to_target_s, c.target_accuracy,
+                r.reconnects);
   return buf;
 }
 
@@ -124,7 +129,8 @@ TrainResult run_local(const TrainConfig& c) {
         const double acc = accuracy(*model, d.test);
         eval_s += since(e0);
         progress.eval(epoch, s + 1, r.samples, loss, acc, sps, 0);
-        if (c.target_accuracy > 0 && r.time_to_target_s < 0 && acc >= c.target_accuracy) r.time_to_target_s = since(start);
+        if (c.target_accuracy > 0 && r.time_to_target_s < 0 && acc >= c.target_accuracy)
+          r.time_to_target_s = since(start);
         r.test_accuracy = acc;
       }
     }
@@ -196,7 +202,8 @@ TrainResult run_worker(const TrainConfig& c, int rank, const std::vector<std::st
         batches.fill(s);
         client->wait(client->pull(keys, values));  // straight into the model's weights
         const auto compute_start = Clock::now();
-        const float loss = model->forward_backward(batches.images(), batches.labels(), static_cast<std::size_t>(c.batch));
+        const float loss =
+            model->forward_backward(batches.images(), batches.labels(), static_cast<std::size_t>(c.batch));
         straggle(c, rank, compute_start);
         // Straight from the model's gradients. The clock is ordered behind the push on every
         // backend, so one round trip covers both; the push ticket is done by the time clock()
@@ -214,7 +221,8 @@ TrainResult run_worker(const TrainConfig& c, int rank, const std::vector<std::st
             const auto e0 = Clock::now();
             const double acc = accuracy(*model, d.test);
             eval_s += since(e0);
-            progress.eval(epoch, s + 1, r.samples * static_cast<std::uint64_t>(c.workers), loss, acc, sps, r.max_staleness);
+            progress.eval(epoch, s + 1, r.samples * static_cast<std::uint64_t>(c.workers), loss, acc, sps,
+                          r.max_staleness);
             if (c.target_accuracy > 0 && r.time_to_target_s < 0 && acc >= c.target_accuracy)
               r.time_to_target_s = since(start);
           }
@@ -223,7 +231,8 @@ TrainResult run_worker(const TrainConfig& c, int rank, const std::vector<std::st
       } catch (const Error& e) {
         // A server restarting from its checkpoint shows up as a lost connection: reconnect and
         // redo this step. Anything else, or no checkpoints to come back from, ends the worker.
-        const bool recoverable = (e.code() == Errc::peer_failure || e.code() == Errc::timeout) && !c.checkpoint_dir.empty();
+        const bool recoverable =
+            (e.code() == Errc::peer_failure || e.code() == Errc::timeout) && !c.checkpoint_dir.empty();
         if (!recoverable || r.reconnects >= 20) throw;
         std::fprintf(stderr, "worker %d: %s; reconnecting\n", rank, e.what());
         ++r.reconnects;
@@ -343,7 +352,8 @@ TrainResult launch(const TrainConfig& c) {
   }
   std::vector<pid_t> servers(static_cast<std::size_t>(c.servers));
   auto start_server = [&](int s, bool restore) {
-    servers[static_cast<std::size_t>(s)] = fork_child([&, s] { return run_server(c, s, uris[static_cast<std::size_t>(s)], restore); });
+    servers[static_cast<std::size_t>(s)] =
+        fork_child([&, s] { return run_server(c, s, uris[static_cast<std::size_t>(s)], restore); });
   };
   for (int s = 0; s < c.servers; ++s) start_server(s, c.restore);
   if (!c.quiet)
@@ -352,7 +362,9 @@ TrainResult launch(const TrainConfig& c) {
                 c.mode == ConsistencyMode::ssp ? (" s=" + std::to_string(c.staleness)).c_str() : "", c.model.c_str(),
                 c.epochs);
   for (int s = 0; s < c.servers; ++s)
-    if (!c.quiet) std::printf("  server %d: pid %d at %s\n", s, servers[static_cast<std::size_t>(s)], uris[static_cast<std::size_t>(s)].c_str());
+    if (!c.quiet)
+      std::printf("  server %d: pid %d at %s\n", s, servers[static_cast<std::size_t>(s)],
+                  uris[static_cast<std::size_t>(s)].c_str());
   std::fflush(stdout);
 
   // Each worker reports its result as one line on a pipe.
@@ -365,9 +377,10 @@ TrainResult launch(const TrainConfig& c) {
       ::close(fds[0]);
       const TrainResult r = run_worker(c, w, uris);
       char line[256];
-      const int n = std::snprintf(line, sizeof line, "%.6f %.3f %llu %llu %.3f %.3f %d\n", r.test_accuracy, r.samples_per_s,
-                                  static_cast<unsigned long long>(r.samples), static_cast<unsigned long long>(r.max_staleness),
-                                  r.wall_s, r.time_to_target_s, r.reconnects);
+      const int n =
+          std::snprintf(line, sizeof line, "%.6f %.3f %llu %llu %.3f %.3f %d\n", r.test_accuracy, r.samples_per_s,
+                        static_cast<unsigned long long>(r.samples), static_cast<unsigned long long>(r.max_staleness),
+                        r.wall_s, r.time_to_target_s, r.reconnects);
       if (::write(fds[1], line, static_cast<std::size_t>(n)) != n) return 1;
       return 0;
     }));
@@ -439,7 +452,8 @@ TrainResult launch(const TrainConfig& c) {
   }
   job_result.samples_per_s = sps;
   job_result.reconnects = restarts;
-  if (failures > 0) throw Error(Errc::peer_failure, std::to_string(failures) + " worker(s) failed; see the messages above");
+  if (failures > 0)
+    throw Error(Errc::peer_failure, std::to_string(failures) + " worker(s) failed; see the messages above");
   return job_result;
 }
 

@@ -13,8 +13,9 @@
 
 int main(int argc, char** argv) {
   pskv::ServerOptions o;
-  CLI::App app{"pskv-server: one shard of the pskv parameter server.\n"
-               "Flags override PSKV_* environment variables, which override the defaults shown."};
+  CLI::App app{
+      "pskv-server: one shard of the pskv parameter server.\n"
+      "Flags override PSKV_* environment variables, which override the defaults shown."};
   app.get_formatter()->column_width(40);
   // A flag given twice takes the last value, so wrappers can pass defaults that users override.
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
@@ -22,55 +23,83 @@ int main(int argc, char** argv) {
   std::uint64_t arena_mb = o.arena_bytes >> 20, max_request_mb = o.max_request_bytes >> 20;
   std::int64_t wait_ms = o.wait_timeout.count();
   app.add_option("--uri", o.uri, "Endpoint: tcp://HOST:PORT (port 0 picks one), shm://NAME, rdma://HOST:PORT")
-      ->envname("PSKV_URI")->capture_default_str();
-  app.add_option("--server-id", o.server_id, "This shard's index among the servers")->envname("PSKV_SERVER_ID")->capture_default_str();
+      ->envname("PSKV_URI")
+      ->capture_default_str();
+  app.add_option("--server-id", o.server_id, "This shard's index among the servers")
+      ->envname("PSKV_SERVER_ID")
+      ->capture_default_str();
   app.add_option("--workers", o.num_workers, "Workers that clock against this server (0: anonymous ASP only)")
-      ->envname("PSKV_WORKERS")->capture_default_str();
-  app.add_option("--mode", mode, "Consistency: asp, bsp, ssp or sync")->envname("PSKV_MODE")->capture_default_str()
+      ->envname("PSKV_WORKERS")
+      ->capture_default_str();
+  app.add_option("--mode", mode, "Consistency: asp, bsp, ssp or sync")
+      ->envname("PSKV_MODE")
+      ->capture_default_str()
       ->check(CLI::IsMember({"asp", "bsp", "ssp", "sync"}));
   app.add_option("--staleness", o.staleness, "SSP bound s: a worker at clock c reads once min(clocks) >= c - s")
-      ->envname("PSKV_STALENESS")->capture_default_str();
+      ->envname("PSKV_STALENESS")
+      ->capture_default_str();
   app.add_option("--sync-required", o.sync_required, "Sync mode: apply a step once K of N gradients arrived (0 = N)")
-      ->envname("PSKV_SYNC_REQUIRED")->capture_default_str();
+      ->envname("PSKV_SYNC_REQUIRED")
+      ->capture_default_str();
   app.add_option("--wait-timeout-ms", wait_ms, "How long a bounded read or barrier waits for a stalled worker")
-      ->envname("PSKV_WAIT_TIMEOUT_MS")->capture_default_str();
+      ->envname("PSKV_WAIT_TIMEOUT_MS")
+      ->capture_default_str();
   app.add_option("--straggler-policy", straggler, "fail: waiting reads get an error; evict: drop the stalled worker")
-      ->envname("PSKV_STRAGGLER_POLICY")->capture_default_str()->check(CLI::IsMember({"fail", "evict"}));
-  app.add_option("--rule", rule, "Update rule: assign, add, sgd, momentum, adam, adagrad")->envname("PSKV_RULE")
-      ->capture_default_str()->check(CLI::IsMember({"assign", "add", "sgd", "momentum", "adam", "adagrad"}));
+      ->envname("PSKV_STRAGGLER_POLICY")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"fail", "evict"}));
+  app.add_option("--rule", rule, "Update rule: assign, add, sgd, momentum, adam, adagrad")
+      ->envname("PSKV_RULE")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"assign", "add", "sgd", "momentum", "adam", "adagrad"}));
   app.add_option("--lr", o.rule.lr, "Learning rate")->envname("PSKV_LR")->capture_default_str();
-  app.add_option("--momentum", o.rule.momentum, "Momentum coefficient")->envname("PSKV_MOMENTUM")->capture_default_str();
+  app.add_option("--momentum", o.rule.momentum, "Momentum coefficient")
+      ->envname("PSKV_MOMENTUM")
+      ->capture_default_str();
   app.add_option("--beta1", o.rule.beta1, "Adam beta1")->envname("PSKV_BETA1")->capture_default_str();
   app.add_option("--beta2", o.rule.beta2, "Adam beta2")->envname("PSKV_BETA2")->capture_default_str();
   app.add_option("--eps", o.rule.eps, "Adam/Adagrad epsilon")->envname("PSKV_EPS")->capture_default_str();
-  app.add_option("--weight-decay", o.rule.weight_decay, "L2 weight decay")->envname("PSKV_WEIGHT_DECAY")->capture_default_str();
+  app.add_option("--weight-decay", o.rule.weight_decay, "L2 weight decay")
+      ->envname("PSKV_WEIGHT_DECAY")
+      ->capture_default_str();
   app.add_option("--arena-mb", arena_mb, "Value arena size in MiB (optimizer state is sized to match)")
-      ->envname("PSKV_ARENA_MB")->capture_default_str();
+      ->envname("PSKV_ARENA_MB")
+      ->capture_default_str();
   app.add_option("--max-keys", o.max_keys, "Key index capacity")->envname("PSKV_MAX_KEYS")->capture_default_str();
   app.add_option("--stripes", o.stripes, "Lock stripes (power of two)")->envname("PSKV_STRIPES")->capture_default_str();
-  app.add_option("--io-threads", o.io_threads, "Request threads (0: one per core; shm: one per two cores, leaving the rest to its local clients)")->envname("PSKV_IO_THREADS")->capture_default_str();
+  app.add_option("--io-threads", o.io_threads,
+                 "Request threads (0: one per core; shm: one per two cores, leaving the rest to its local clients)")
+      ->envname("PSKV_IO_THREADS")
+      ->capture_default_str();
   app.add_option("--max-connections", o.max_connections, "Connections beyond this are refused with an error")
-      ->envname("PSKV_MAX_CONNECTIONS")->capture_default_str();
+      ->envname("PSKV_MAX_CONNECTIONS")
+      ->capture_default_str();
   app.add_option("--max-request-mb", max_request_mb, "Largest request payload accepted, MiB")
-      ->envname("PSKV_MAX_REQUEST_MB")->capture_default_str();
+      ->envname("PSKV_MAX_REQUEST_MB")
+      ->capture_default_str();
   app.add_option("--max-keys-per-request", o.max_keys_per_request, "Largest key table accepted")
-      ->envname("PSKV_MAX_KEYS_PER_REQUEST")->capture_default_str();
+      ->envname("PSKV_MAX_KEYS_PER_REQUEST")
+      ->capture_default_str();
   std::int64_t frame_ms = o.frame_timeout.count(), handshake_ms = o.handshake_timeout.count();
   std::uint64_t budget_mb = o.memory_budget_bytes >> 20;
   app.add_option("--max-connections-per-address", o.max_connections_per_address,
                  "tcp: connections from one IP address beyond this are refused")
-      ->envname("PSKV_MAX_CONNECTIONS_PER_ADDRESS")->capture_default_str();
+      ->envname("PSKV_MAX_CONNECTIONS_PER_ADDRESS")
+      ->capture_default_str();
   app.add_option("--handshake-timeout-ms", handshake_ms,
                  "tcp: a connection that has not finished hello (and the token challenge) by then is closed")
-      ->envname("PSKV_HANDSHAKE_TIMEOUT_MS")->capture_default_str();
+      ->envname("PSKV_HANDSHAKE_TIMEOUT_MS")
+      ->capture_default_str();
   app.add_option("--frame-timeout-ms", frame_ms,
                  "tcp: a request or reply not transferred whole within this (plus 1 s per 16 MiB) closes its "
                  "connection; a worker silent between requests is never closed for it")
-      ->envname("PSKV_FRAME_TIMEOUT_MS")->capture_default_str();
+      ->envname("PSKV_FRAME_TIMEOUT_MS")
+      ->capture_default_str();
   app.add_option("--memory-budget-mb", budget_mb,
                  "tcp: frame buffers and copied replies of all connections together, MiB; a request that would need "
                  "more is refused with 'capacity'")
-      ->envname("PSKV_MEMORY_BUDGET_MB")->capture_default_str();
+      ->envname("PSKV_MEMORY_BUDGET_MB")
+      ->capture_default_str();
   // Backend settings are URI parameters (docs/protocol.md, "Server URIs"); these flags (and their
   // PSKV_* variables) are a shorter way to write them and are appended to --uri.
   struct BackendFlag {
@@ -80,48 +109,57 @@ int main(int argc, char** argv) {
     CLI::Option* option = nullptr;
   };
   std::vector<BackendFlag> backend = {{"shm", "clients", {}}, {"shm", "area_mb", {}}, {"shm", "push", {}},
-                                      {"tcp", "push", {}},  {"rdma", "dev", {}},    {"rdma", "port", {}},
-                                      {"rdma", "gid", {}},  {"rdma", "depth", {}},  {"rdma", "recv_mb", {}}};
+                                      {"tcp", "push", {}},    {"rdma", "dev", {}},    {"rdma", "port", {}},
+                                      {"rdma", "gid", {}},    {"rdma", "depth", {}},  {"rdma", "recv_mb", {}}};
   backend[0].option = app.add_option("--shm-clients,--shm-slots", backend[0].value,
                                      "shm: client areas, clients connected at once (64); URI clients=")
                           ->envname("PSKV_SHM_CLIENTS");
-  backend[1].option = app.add_option("--shm-area-mb,--shm-slot-mb", backend[1].value,
-                                     "shm: each client's staging area for pushes, MiB (32; bounds one push); URI area_mb=")
-                          ->envname("PSKV_SHM_AREA_MB");
-  backend[2].option = app.add_option("--shm-push", backend[2].value,
-                                     "shm: who applies a push: worker (the client, under the stripe lock, rolled back by "
-                                     "the server if it dies mid-way; the default) or server (a server thread, from the "
-                                     "client's area); URI push=")
-                          ->envname("PSKV_SHM_PUSH")->check(CLI::IsMember({"worker", "server"}));
+  backend[1].option =
+      app.add_option("--shm-area-mb,--shm-slot-mb", backend[1].value,
+                     "shm: each client's staging area for pushes, MiB (32; bounds one push); URI area_mb=")
+          ->envname("PSKV_SHM_AREA_MB");
+  backend[2].option =
+      app.add_option("--shm-push", backend[2].value,
+                     "shm: who applies a push: worker (the client, under the stripe lock, rolled back by "
+                     "the server if it dies mid-way; the default) or server (a server thread, from the "
+                     "client's area); URI push=")
+          ->envname("PSKV_SHM_PUSH")
+          ->check(CLI::IsMember({"worker", "server"}));
   backend[3].option = app.add_option("--tcp-push", backend[3].value,
                                      "tcp: how a push larger than 256 KiB is applied: pieces (as it arrives, so a key "
                                      "longer than 256 KiB is atomic per 256 KiB piece; the default) or whole (staged "
                                      "first, then applied atomically per key); URI push=")
-                          ->envname("PSKV_TCP_PUSH")->check(CLI::IsMember({"pieces", "whole"}));
+                          ->envname("PSKV_TCP_PUSH")
+                          ->check(CLI::IsMember({"pieces", "whole"}));
   std::int64_t checkpoint_s = 0;
   app.add_option("--checkpoint-dir", o.checkpoint_dir, "Write this shard's checkpoint here (periodically and at exit)")
       ->envname("PSKV_CHECKPOINT_DIR");
   app.add_option("--checkpoint-every-s", checkpoint_s, "Seconds between checkpoints (0: only at exit)")
-      ->envname("PSKV_CHECKPOINT_EVERY_S")->capture_default_str();
+      ->envname("PSKV_CHECKPOINT_EVERY_S")
+      ->capture_default_str();
   app.add_option("--restore", o.restore_dir, "Load this shard from a checkpoint directory before serving")
       ->envname("PSKV_RESTORE");
   app.add_option("--auth-token-file", o.auth_token_file,
                  "tcp/rdma: shared secret (a chmod 600 file); every client must pass an HMAC-SHA256 challenge with it")
       ->envname("PSKV_AUTH_TOKEN_FILE");
-  backend[4].option = app.add_option("--rdma-device", backend[4].value,
-                                     "rdma: expected device (the URI's address picks it; a mismatch is an error); URI dev=")
-                          ->envname("PSKV_RDMA_DEVICE");
+  backend[4].option =
+      app.add_option("--rdma-device", backend[4].value,
+                     "rdma: expected device (the URI's address picks it; a mismatch is an error); URI dev=")
+          ->envname("PSKV_RDMA_DEVICE");
   backend[5].option = app.add_option("--rdma-ib-port", backend[5].value, "rdma: expected device port; URI port=")
                           ->envname("PSKV_RDMA_IB_PORT");
-  backend[6].option = app.add_option("--rdma-gid", backend[6].value, "rdma: expected GID index; URI gid=")
-                          ->envname("PSKV_RDMA_GID");
-  backend[7].option = app.add_option("--rdma-queue-depth", backend[7].value, "rdma: requests in flight per client (64); URI depth=")
-                          ->envname("PSKV_RDMA_QUEUE_DEPTH");
-  backend[8].option = app.add_option("--rdma-recv-mb", backend[8].value,
-                                     "rdma: per-client receive region for pushes, MiB (32; bounds one push); URI recv_mb=")
-                          ->envname("PSKV_RDMA_RECV_MB");
+  backend[6].option =
+      app.add_option("--rdma-gid", backend[6].value, "rdma: expected GID index; URI gid=")->envname("PSKV_RDMA_GID");
+  backend[7].option =
+      app.add_option("--rdma-queue-depth", backend[7].value, "rdma: requests in flight per client (64); URI depth=")
+          ->envname("PSKV_RDMA_QUEUE_DEPTH");
+  backend[8].option =
+      app.add_option("--rdma-recv-mb", backend[8].value,
+                     "rdma: per-client receive region for pushes, MiB (32; bounds one push); URI recv_mb=")
+          ->envname("PSKV_RDMA_RECV_MB");
   bool rdma_busy_poll = false;
-  app.add_flag("--rdma-busy-poll", rdma_busy_poll, "rdma: spin on completion queues (lower latency, burns cores); URI poll=busy")
+  app.add_flag("--rdma-busy-poll", rdma_busy_poll,
+               "rdma: spin on completion queues (lower latency, burns cores); URI poll=busy")
       ->envname("PSKV_RDMA_BUSY_POLL");
   CLI11_PARSE(app, argc, argv);
   if (rdma_busy_poll) backend.push_back({"rdma", "poll", "busy"});

@@ -39,8 +39,8 @@ struct ClientOptions {
   std::uint64_t chunk_floats = 1u << 18;
   std::chrono::milliseconds connect_timeout{10000};
   std::chrono::milliseconds io_timeout{30000};
-  std::uint32_t max_in_flight = 128;      // outstanding requests per server connection
-  bool checksum = false;                  // CRC-32 over every request and reply
+  std::uint32_t max_in_flight = 128;  // outstanding requests per server connection
+  bool checksum = false;              // CRC-32 over every request and reply
   // A worker that reconnects mid-job (e.g. after a server restarted from a checkpoint) passes
   // its clock here; it is announced to every server at connect, so bounded reads of the other
   // workers do not wait for clocks this worker already passed.

@@ -64,8 +64,8 @@ PyObject* get(PyObject* object, const char* name, bool call) {
 
 // Rejects unless tensor.<attribute> == expected (torch's dtypes and layouts are singletons, so
 // this is an identity test); the message is "is a <its value> tensor<why>".
-void require_attribute(PyObject* tensor, const char* attribute, PyObject* expected, const char* what,
-                       std::size_t index, const char* why) {
+void require_attribute(PyObject* tensor, const char* attribute, PyObject* expected, const char* what, std::size_t index,
+                       const char* why) {
   PyObject* value = get(tensor, attribute, false);
   const int equal = PyObject_RichCompareBool(value, expected, Py_EQ);
   if (equal < 0) PyErr_Clear();
@@ -104,13 +104,15 @@ HeldBuffer::HeldBuffer(PyObject* object, Access access, const char* what, std::s
       const std::string format = view_.format ? view_.format : "B";
       reset();
       reject(what, index,
-             "has element format '" + format + "', not float32 ('f'); pskv moves float32 only and never converts "
-             "(use .astype(numpy.float32), or .float() for a tensor)");
+             "has element format '" + format +
+                 "', not float32 ('f'); pskv moves float32 only and never converts "
+                 "(use .astype(numpy.float32), or .float() for a tensor)");
     }
     if (!PyBuffer_IsContiguous(&view_, 'C')) {
       reset();
-      reject(what, index, "is not C-contiguous; pass a contiguous array (numpy.ascontiguousarray) so it can be "
-                          "read or written in place");
+      reject(what, index,
+             "is not C-contiguous; pass a contiguous array (numpy.ascontiguousarray) so it can be "
+             "read or written in place");
     }
     if (access == Access::write && view_.readonly) {
       reset();
@@ -144,8 +146,10 @@ void HeldBuffer::from_tensor(PyObject* tensor, const char* what, std::size_t ind
   if (!on_cpu) {
     const std::string device_name = str_of(device);
     Py_DECREF(device);
-    reject(what, index, "is a tensor on " + device_name + "; pskv reads and writes CPU memory only (CUDA tensors "
-                        "are not supported): move it with .cpu() first");
+    reject(what, index,
+           "is a tensor on " + device_name +
+               "; pskv reads and writes CPU memory only (CUDA tensors "
+               "are not supported): move it with .cpu() first");
   }
   Py_DECREF(device);
   require_attribute(tensor, "dtype", torch.float32, what, index,

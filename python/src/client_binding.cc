@@ -81,11 +81,11 @@ Waited wait_ticket(Session& s, Ticket ticket, std::chrono::steady_clock::time_po
 // only once no such call is left.
 struct Session {
   std::unique_ptr<Client> client;
-  bool closing = false;  // no new calls; set by close()
-  int active = 0;        // calls that may release the GIL (Python callbacks included)
+  bool closing = false;       // no new calls; set by close()
+  int active = 0;             // calls that may release the GIL (Python callbacks included)
   std::size_t in_flight = 0;  // operations issued and not yet completed (live Works and orphans)
   std::size_t window = 1;     // ClientOptions.max_in_flight: past it, issuing waits for room
-  Work* live = nullptr;  // in-flight Works still referenced from Python (intrusive list)
+  Work* live = nullptr;       // in-flight Works still referenced from Python (intrusive list)
   std::deque<Pending> orphans;
   // The first failure of an operation whose Work was dropped unwaited: raised by the next
   // clock(), barrier() or close() so that it is not lost.
@@ -122,7 +122,8 @@ class ActiveCall {
 // (a second one gets an error rather than a wait on a ticket that may already be spent).
 class Work {
  public:
-  Work(std::shared_ptr<Session> session, Pending pending, const char* op) : session_(std::move(session)), pending_(std::move(pending)), op_(op) {
+  Work(std::shared_ptr<Session> session, Pending pending, const char* op)
+      : session_(std::move(session)), pending_(std::move(pending)), op_(op) {
     next_ = session_->live;
     if (next_) next_->prev_ = this;
     session_->live = this;
@@ -142,7 +143,8 @@ class Work {
       throw Error(Errc::invalid_argument, "another thread is already waiting for this pskv.Work");
     if (state_ == State::in_flight) {
       if (session_->closing)
-        throw Error(Errc::invalid_argument, std::string(op_) + ": the client is being closed; it completes this operation");
+        throw Error(Errc::invalid_argument,
+                    std::string(op_) + ": the client is being closed; it completes this operation");
       const auto deadline = deadline_after(timeout);  // validated even when not needed
       std::optional<Error> failure;
       Waited w;
@@ -161,11 +163,16 @@ class Work {
         waiting_ = false;
       }
       switch (w) {
-        case Waited::completed: complete(failure); break;
-        case Waited::timed_out: return false;
-        case Waited::interrupted: throw py::error_already_set();  // KeyboardInterrupt; still in flight
+        case Waited::completed:
+          complete(failure);
+          break;
+        case Waited::timed_out:
+          return false;
+        case Waited::interrupted:
+          throw py::error_already_set();  // KeyboardInterrupt; still in flight
         case Waited::closing:
-          throw Error(Errc::invalid_argument, std::string(op_) + ": the client is being closed; it completes this operation");
+          throw Error(Errc::invalid_argument,
+                      std::string(op_) + ": the client is being closed; it completes this operation");
       }
     }
     if (error_) throw *error_;
@@ -194,8 +201,10 @@ class Work {
 
  private:
   void unlink() {
-    if (prev_) prev_->next_ = next_;
-    else if (session_->live == this) session_->live = next_;
+    if (prev_)
+      prev_->next_ = next_;
+    else if (session_->live == this)
+      session_->live = next_;
     if (next_) next_->prev_ = prev_;
     prev_ = next_ = nullptr;
   }
@@ -234,8 +243,8 @@ Waited wait_ticket(Session& s, Ticket ticket, std::chrono::steady_clock::time_po
     // Looked at at least once, so a zero timeout still completes a finished operation.
     const auto left = std::max<std::chrono::steady_clock::duration>(std::chrono::steady_clock::duration::zero(),
                                                                     deadline - std::chrono::steady_clock::now());
-    const auto slice = std::chrono::ceil<std::chrono::milliseconds>(
-        std::min<std::chrono::steady_clock::duration>(kSignalSlice, left));
+    const auto slice =
+        std::chrono::ceil<std::chrono::milliseconds>(std::min<std::chrono::steady_clock::duration>(kSignalSlice, left));
     bool completed;
     {
       py::gil_scoped_release unlocked;
@@ -317,13 +326,13 @@ class PyClient {
     } else {
       const py::sequence key_seq = py::reinterpret_borrow<py::sequence>(keys);
       if (!PyList_Check(values.ptr()) && !PyTuple_Check(values.ptr()))
-        throw Error(Errc::invalid_argument, std::to_string(py::len(key_seq)) + " keys need a list (or tuple) of as many " +
-                                                what + "s, one per key");
+        throw Error(Errc::invalid_argument, std::to_string(py::len(key_seq)) +
+                                                " keys need a list (or tuple) of as many " + what + "s, one per key");
       const py::sequence value_seq = py::reinterpret_borrow<py::sequence>(values);
       const std::size_t n = py::len(key_seq);
       if (py::len(value_seq) != n)
-        throw Error(Errc::invalid_argument, std::to_string(n) + " keys but " + std::to_string(py::len(value_seq)) + " " +
-                                                what + "s; pass one per key");
+        throw Error(Errc::invalid_argument, std::to_string(n) + " keys but " + std::to_string(py::len(value_seq)) +
+                                                " " + what + "s; pass one per key");
       if (n == 0) throw Error(Errc::invalid_argument, "no keys given");
       pending.rest.reserve(n);
       for (std::size_t i = 0; i < n; ++i) {
@@ -405,7 +414,8 @@ class PyClient {
     s.require_open();
     if (op != "push" && op != "pull") throw Error(Errc::invalid_argument, "op must be 'push' or 'pull'");
     ActiveCall call(s);
-    HeldBuffer held(buffer.ptr(), op == "pull" ? Access::write : Access::read, "bench buffer", static_cast<std::size_t>(-1));
+    HeldBuffer held(buffer.ptr(), op == "pull" ? Access::write : Access::read, "bench buffer",
+                    static_cast<std::size_t>(-1));
     const std::span<float> values(held.data(), held.floats());
     std::vector<std::int64_t> latencies;
     double elapsed = 0;
@@ -456,7 +466,8 @@ class PyClient {
       if (!finished || interrupted) doomed->disconnect();
       doomed.reset();  // announces "finished" unless disconnected; ends whatever is still in flight
     }
-    while (s.live) s.live->complete(Error(Errc::invalid_argument, "the client was closed before this operation completed"));
+    while (s.live)
+      s.live->complete(Error(Errc::invalid_argument, "the client was closed before this operation completed"));
     s.orphans.clear();
     if (interrupt) throw *interrupt;
     s.raise_orphan_error();
@@ -480,8 +491,8 @@ class PyClient {
     }
     ++s.in_flight;
     std::optional<Error> failure;
-    switch (wait_ticket(s, pending.ticket, std::chrono::steady_clock::time_point::max(), /*watch_closing=*/true,
-                        failure)) {
+    switch (
+        wait_ticket(s, pending.ticket, std::chrono::steady_clock::time_point::max(), /*watch_closing=*/true, failure)) {
       case Waited::completed:
         --s.in_flight;
         if (failure) throw *failure;
@@ -581,18 +592,20 @@ void bind_client(py::module_& m) {
            }),
            py::arg("servers"), py::arg("worker_id") = py::none(),
            py::arg("partition") = d.partition == Partition::range ? "range" : "hash",
-           py::arg("range_keys") = d.range_keys,
-           py::arg("chunk_floats") = d.chunk_floats, py::arg("connect_timeout") = seconds(d.connect_timeout),
-           py::arg("io_timeout") = seconds(d.io_timeout), py::arg("max_in_flight") = d.max_in_flight,
-           py::arg("checksum") = d.checksum, py::arg("auth_token_file") = d.auth_token_file,
-           py::arg("initial_clock") = d.initial_clock)
-      .def("init", [](PyClient& c, py::handle k, py::handle v) { return c.issue(OpKind::init, k, v); },
-           py::arg("keys"), py::arg("values"),
-           "Creates keys with these values; the first initialiser wins. One key and one array, or lists.")
-      .def("push", [](PyClient& c, py::handle k, py::handle v) { return c.issue(OpKind::push, k, v); },
-           py::arg("keys"), py::arg("values"), "Sends values (read in place) to be applied by the servers' rule.")
-      .def("pull", [](PyClient& c, py::handle k, py::handle v) { return c.issue(OpKind::pull, k, v); },
-           py::arg("keys"), py::arg("out"), "Reads values straight into `out` (writable float32 arrays).")
+           py::arg("range_keys") = d.range_keys, py::arg("chunk_floats") = d.chunk_floats,
+           py::arg("connect_timeout") = seconds(d.connect_timeout), py::arg("io_timeout") = seconds(d.io_timeout),
+           py::arg("max_in_flight") = d.max_in_flight, py::arg("checksum") = d.checksum,
+           py::arg("auth_token_file") = d.auth_token_file, py::arg("initial_clock") = d.initial_clock)
+      .def(
+          "init", [](PyClient& c, py::handle k, py::handle v) { return c.issue(OpKind::init, k, v); }, py::arg("keys"),
+          py::arg("values"),
+          "Creates keys with these values; the first initialiser wins. One key and one array, or lists.")
+      .def(
+          "push", [](PyClient& c, py::handle k, py::handle v) { return c.issue(OpKind::push, k, v); }, py::arg("keys"),
+          py::arg("values"), "Sends values (read in place) to be applied by the servers' rule.")
+      .def(
+          "pull", [](PyClient& c, py::handle k, py::handle v) { return c.issue(OpKind::pull, k, v); }, py::arg("keys"),
+          py::arg("out"), "Reads values straight into `out` (writable float32 arrays).")
       .def("clock", &PyClient::clock, "Ends this worker's step (after its pushes are applied everywhere).")
       .def("barrier", &PyClient::barrier, "Waits until every live worker reached this barrier.")
       .def("current_clock", &PyClient::current_clock)

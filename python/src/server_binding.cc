@@ -61,7 +61,8 @@ void bind_server(py::module_& m) {
              o.uri = uri;
              o.num_workers = workers;
              const auto parsed_mode = parse_consistency_mode(mode);
-             if (!parsed_mode) throw Error(Errc::invalid_argument, "mode must be asp, bsp, ssp or sync, not '" + mode + "'");
+             if (!parsed_mode)
+               throw Error(Errc::invalid_argument, "mode must be asp, bsp, ssp or sync, not '" + mode + "'");
              o.mode = *parsed_mode;
              o.staleness = staleness;
              const auto parsed_rule = parse_update_rule(rule);
@@ -95,7 +96,9 @@ void bind_server(py::module_& m) {
                              std::string(keyword) + " applies to " + for_scheme + ":// servers, not " + uri);
                o.uri += (o.uri.find('?') == std::string::npos ? "?" : "&") + std::string(name) + "=" + *value;
              };
-             auto text = [](const auto& n) { return n ? std::optional<std::string>(std::to_string(*n)) : std::nullopt; };
+             auto text = [](const auto& n) {
+               return n ? std::optional<std::string>(std::to_string(*n)) : std::nullopt;
+             };
              param("shm_clients", "shm", "clients", text(shm_clients));
              param("shm_area_mb", "shm", "area_mb", text(shm_area_mb));
              param("shm_push", "shm", "push", shm_push);

@@ -45,7 +45,8 @@ class ConnectionsPoller final : public transport::Poller {
   // One thread cannot sleep on several servers' sockets or words at once (nor on one while
   // another connection answers); with more, the waiter sleeps on its completion instead and
   // the transports' own threads read the answers.
-  bool sleep_for_answers(const transport::Completion& c, std::chrono::steady_clock::time_point until) noexcept override {
+  bool sleep_for_answers(const transport::Completion& c,
+                         std::chrono::steady_clock::time_point until) noexcept override {
     if (connections_ == 1 && parts_.size() == 1) return parts_[0]->sleep_for_answers(c, until);
     for (auto* p : parts_) p->rely_on_transport();
     return false;
@@ -63,7 +64,8 @@ class ClientImpl {
 
  public:
   explicit ClientImpl(const ClientOptions& o) : options_(o) {
-    if (o.servers.empty()) throw Error(Errc::invalid_argument, "ClientOptions.servers is empty: name at least one server URI");
+    if (o.servers.empty())
+      throw Error(Errc::invalid_argument, "ClientOptions.servers is empty: name at least one server URI");
     placement_.servers = static_cast<std::uint32_t>(o.servers.size());
     placement_.partition = o.partition;
     placement_.range_keys = o.range_keys;
@@ -113,8 +115,8 @@ class ClientImpl {
   Ticket issue(wire::Op kind, std::span<const Key> keys, std::span<Span> values, std::uint64_t arg0,
                int only_server = -1, std::string* text_out = nullptr) {
     if (keys.size() != values.size())
-      throw Error(Errc::invalid_argument, std::to_string(keys.size()) + " keys but " + std::to_string(values.size()) +
-                                              " value buffers");
+      throw Error(Errc::invalid_argument,
+                  std::to_string(keys.size()) + " keys but " + std::to_string(values.size()) + " value buffers");
     const std::size_t servers = connections_.size();
     if (servers == 0) throw Error(Errc::invalid_argument, "this client was disconnected; create a new one");
     const auto acquired = acquire();  // not a structured binding: clang 14 cannot capture those
@@ -188,7 +190,8 @@ class ClientImpl {
     if (status == Errc::ok && op->kind == wire::Op::pull) record_staleness(op->clock_at_issue, op->completion.bound());
     const wire::Op kind = op->kind;
     release(ticket);
-    if (status != Errc::ok) throw Error(status, std::string(wire::op_name(static_cast<std::uint16_t>(kind))) + ": " + message);
+    if (status != Errc::ok)
+      throw Error(status, std::string(wire::op_name(static_cast<std::uint16_t>(kind))) + ": " + message);
   }
 
   // Drives the connections too: an answer that landed completes here, with nobody waiting.
@@ -227,7 +230,8 @@ class ClientImpl {
 
   void require_worker(const char* what) const {
     if (options_.worker_id == kNoWorker)
-      throw Error(Errc::invalid_argument, std::string(what) + " needs ClientOptions.worker_id (this client is anonymous)");
+      throw Error(Errc::invalid_argument,
+                  std::string(what) + " needs ClientOptions.worker_id (this client is anonymous)");
   }
 
   std::string server_stats(std::size_t server) {
@@ -342,18 +346,44 @@ Ticket Client::pull(std::span<const Key> keys, std::span<const std::span<float>>
   return impl_->issue(wire::Op::pull, keys, out, impl_->current_clock());
 }
 
-void Client::disconnect() { impl_->disconnect(); }
-void Client::wait(Ticket ticket) { impl_->wait(ticket); }
-bool Client::wait_for(Ticket ticket, std::chrono::milliseconds timeout) { return impl_->wait_for(ticket, timeout); }
-bool Client::done(Ticket ticket) { return impl_->done(ticket); }
-void Client::clock() { impl_->clock(); }
-Ticket Client::clock_async() { return impl_->clock_async(); }
-Ticket Client::barrier_async() { return impl_->barrier_async(); }
-std::uint64_t Client::current_clock() const noexcept { return impl_->current_clock(); }
-void Client::barrier() { wait(barrier_async()); }
-void Client::register_buffer(void* data, std::size_t bytes) { impl_->register_buffer(data, bytes); }
-std::size_t Client::num_servers() const noexcept { return impl_->num_servers(); }
-StalenessStats Client::staleness() const { return impl_->staleness(); }
-std::string Client::server_stats(std::size_t server) { return impl_->server_stats(server); }
+void Client::disconnect() {
+  impl_->disconnect();
+}
+void Client::wait(Ticket ticket) {
+  impl_->wait(ticket);
+}
+bool Client::wait_for(Ticket ticket, std::chrono::milliseconds timeout) {
+  return impl_->wait_for(ticket, timeout);
+}
+bool Client::done(Ticket ticket) {
+  return impl_->done(ticket);
+}
+void Client::clock() {
+  impl_->clock();
+}
+Ticket Client::clock_async() {
+  return impl_->clock_async();
+}
+Ticket Client::barrier_async() {
+  return impl_->barrier_async();
+}
+std::uint64_t Client::current_clock() const noexcept {
+  return impl_->current_clock();
+}
+void Client::barrier() {
+  wait(barrier_async());
+}
+void Client::register_buffer(void* data, std::size_t bytes) {
+  impl_->register_buffer(data, bytes);
+}
+std::size_t Client::num_servers() const noexcept {
+  return impl_->num_servers();
+}
+StalenessStats Client::staleness() const {
+  return impl_->staleness();
+}
+std::string Client::server_stats(std::size_t server) {
+  return impl_->server_stats(server);
+}
 
 }  // namespace pskv

@@ -40,26 +40,38 @@ std::function<void(std::string_view)> g_sink;
 
 const char* level_name(Level l) {
   switch (l) {
-    case Level::error: return "error";
-    case Level::warn: return "warn";
-    case Level::info: return "info";
-    case Level::debug: return "debug";
+    case Level::error:
+      return "error";
+    case Level::warn:
+      return "warn";
+    case Level::info:
+      return "info";
+    case Level::debug:
+      return "debug";
   }
   return "?";
 }
 
 }  // namespace
 
-void set_level(Level l) { g_level.store(static_cast<int>(l)); }
-Level level() { return static_cast<Level>(g_level.load()); }
-bool enabled(Level l) { return static_cast<int>(l) <= g_level.load(std::memory_order_relaxed); }
+void set_level(Level l) {
+  g_level.store(static_cast<int>(l));
+}
+Level level() {
+  return static_cast<Level>(g_level.load());
+}
+bool enabled(Level l) {
+  return static_cast<int>(l) <= g_level.load(std::memory_order_relaxed);
+}
 
 void set_sink(std::function<void(std::string_view)> sink) {
   std::lock_guard lock(g_mu);
   g_sink = std::move(sink);
 }
 
-unsigned long long suppressed() { return g_suppressed.load(); }
+unsigned long long suppressed() {
+  return g_suppressed.load();
+}
 
 void write(Level l, std::string_view category, std::string_view message) {
   if (!enabled(l)) return;

@@ -32,10 +32,18 @@ void set_sink(std::function<void(std::string_view)> sink);
 // Writes `message` unless the level is off or `category` is over its rate.
 void write(Level level, std::string_view category, std::string_view message);
 
-inline void error(std::string_view category, std::string_view message) { write(Level::error, category, message); }
-inline void warn(std::string_view category, std::string_view message) { write(Level::warn, category, message); }
-inline void info(std::string_view category, std::string_view message) { write(Level::info, category, message); }
-inline void debug(std::string_view category, std::string_view message) { write(Level::debug, category, message); }
+inline void error(std::string_view category, std::string_view message) {
+  write(Level::error, category, message);
+}
+inline void warn(std::string_view category, std::string_view message) {
+  write(Level::warn, category, message);
+}
+inline void info(std::string_view category, std::string_view message) {
+  write(Level::info, category, message);
+}
+inline void debug(std::string_view category, std::string_view message) {
+  write(Level::debug, category, message);
+}
 
 // Lines suppressed by the rate limit since start (all categories), for tests and stats.
 unsigned long long suppressed();

@@ -37,7 +37,9 @@ class HeapMemory final : public MemoryResource {
 };
 
 inline constexpr std::size_t kCacheLine = 64;
-constexpr std::size_t align_up(std::size_t n, std::size_t a) noexcept { return (n + a - 1) / a * a; }
+constexpr std::size_t align_up(std::size_t n, std::size_t a) noexcept {
+  return (n + a - 1) / a * a;
+}
 
 // A software prefetch for reading. Through this helper, not __builtin_prefetch directly: GCC 12
 // deletes a __builtin_prefetch whose address it computes from a hash like mix64 (seen at -O1 and

@@ -30,8 +30,7 @@ SpinTicket::~SpinTicket() {
   if (granted_ && --t_tickets == 0) g_spinning_threads.fetch_sub(1, std::memory_order_relaxed);
 }
 
-bool futex_wait(std::atomic<std::uint32_t>* word, std::uint32_t expected,
-                std::chrono::nanoseconds timeout) noexcept {
+bool futex_wait(std::atomic<std::uint32_t>* word, std::uint32_t expected, std::chrono::nanoseconds timeout) noexcept {
   timespec ts{};
   timespec* tsp = nullptr;
   if (timeout != std::chrono::nanoseconds::max()) {
@@ -40,8 +39,7 @@ bool futex_wait(std::atomic<std::uint32_t>* word, std::uint32_t expected,
     ts.tv_nsec = static_cast<long>(timeout.count() % 1'000'000'000);
     tsp = &ts;
   }
-  long rc = syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(word), FUTEX_WAIT, expected, tsp,
-                    nullptr, 0);
+  long rc = syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(word), FUTEX_WAIT, expected, tsp, nullptr, 0);
   return !(rc == -1 && errno == ETIMEDOUT);
 }
 

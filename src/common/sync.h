@@ -41,7 +41,8 @@ inline void cpu_relax() noexcept {
 // The steady clock in nanoseconds, for timestamps kept in atomics (or in shared memory: it is
 // CLOCK_MONOTONIC, the same in every process).
 inline std::int64_t steady_now_ns() noexcept {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
 }
 
 // The right to busy-wait. At most one thread per two cores of this process holds one at a time:
@@ -66,7 +67,9 @@ class SpinTicket {
 bool futex_wait(std::atomic<std::uint32_t>* word, std::uint32_t expected,
                 std::chrono::nanoseconds timeout = std::chrono::nanoseconds::max()) noexcept;
 void futex_wake(std::atomic<std::uint32_t>* word, int count) noexcept;
-inline void futex_wake_all(std::atomic<std::uint32_t>* word) noexcept { futex_wake(word, 1 << 30); }
+inline void futex_wake_all(std::atomic<std::uint32_t>* word) noexcept {
+  futex_wake(word, 1 << 30);
+}
 
 // Copies memory that a seqlock writer may be modifying. The caller validates the copy with the
 // sequence number afterwards, so the race is benign by design; under TSan the copy is hidden

@@ -4,10 +4,14 @@ namespace pskv {
 
 std::string_view to_string(ConsistencyMode mode) noexcept {
   switch (mode) {
-    case ConsistencyMode::asp: return "asp";
-    case ConsistencyMode::bsp: return "bsp";
-    case ConsistencyMode::ssp: return "ssp";
-    case ConsistencyMode::sync: return "sync";
+    case ConsistencyMode::asp:
+      return "asp";
+    case ConsistencyMode::bsp:
+      return "bsp";
+    case ConsistencyMode::ssp:
+      return "ssp";
+    case ConsistencyMode::sync:
+      return "sync";
   }
   return "unknown";
 }

@@ -9,29 +9,34 @@ namespace {
 std::string key_error(Errc e, std::uint64_t key, std::uint32_t length, const Store& store) {
   const std::string k = "key " + std::to_string(key);
   switch (e) {
-    case Errc::not_found: return k + " does not exist on this server: init it before pushing or pulling";
+    case Errc::not_found:
+      return k + " does not exist on this server: init it before pushing or pulling";
     case Errc::length_mismatch: {
       const SlotHeader* s = store.find(key);
       const std::uint32_t has = s ? store.length_of(*s) : 0;
-      if (has == 0) return k + "'s slot header in shared memory was overwritten by another process; the server no longer touches it";
+      if (has == 0)
+        return k +
+               "'s slot header in shared memory was overwritten by another process; the server no longer touches it";
       return k + " has " + std::to_string(has) + " floats, the request says " + std::to_string(length);
     }
     case Errc::protocol:
       return k + "'s slot header in shared memory was overwritten by another process; the server no longer touches it";
     case Errc::timeout:
-      return k + ": its stripe lock stayed held by another process past the server's patience (a client that hangs "
-                 "inside a push?); nothing of this key was applied";
+      return k +
+             ": its stripe lock stayed held by another process past the server's patience (a client that hangs "
+             "inside a push?); nothing of this key was applied";
     case Errc::capacity:
       return k + ": the server is full (" + std::to_string(store.key_count()) + " keys, " +
              std::to_string(store.value_bytes_used() >> 20) + " MiB used): raise --arena-mb or --max-keys";
-    case Errc::unsupported: return k + ": the update rule needs optimizer state this store was not sized for";
-    default: return k + ": " + std::string(errc_name(e));
+    case Errc::unsupported:
+      return k + ": the update rule needs optimizer state this store was not sized for";
+    default:
+      return k + ": " + std::string(errc_name(e));
   }
 }
 }  // namespace
 
-ShardEngine::ShardEngine(const EngineOptions& options, std::unique_ptr<MemoryResource> store_memory,
-                         void* clock_memory)
+ShardEngine::ShardEngine(const EngineOptions& options, std::unique_ptr<MemoryResource> store_memory, void* clock_memory)
     : options_(options) {
   if (!store_memory) store_memory = std::make_unique<HeapMemory>(Store::required_bytes(options.store));
   store_ = Store::create(std::move(store_memory), options.store);
@@ -53,7 +58,9 @@ ShardEngine::ShardEngine(const EngineOptions& options, std::unique_ptr<MemoryRes
   watchdog_ = std::thread([this] { watchdog(); });
 }
 
-ShardEngine::~ShardEngine() { shutdown(); }
+ShardEngine::~ShardEngine() {
+  shutdown();
+}
 
 void ShardEngine::shutdown() {
   std::vector<Waiter> orphans;
@@ -70,7 +77,8 @@ void ShardEngine::shutdown() {
 
 Errc ShardEngine::check_worker(std::uint32_t worker, std::string* why) const {
   if (!clocks_) {
-    if (why) *why = "this server runs without worker clocks (--workers 0); clock, barrier and bounded reads need --workers N";
+    if (why)
+      *why = "this server runs without worker clocks (--workers 0); clock, barrier and bounded reads need --workers N";
     return Errc::invalid_argument;
   }
   if (worker >= clocks_->workers()) {
@@ -96,9 +104,10 @@ Errc ShardEngine::init(std::span<const KeyEntry> keys, const float* values, std:
 
 Errc ShardEngine::lookup(std::span<const KeyEntry> keys, std::vector<SlotRef>& slots, std::string* why) const {
   slots.resize(keys.size());
-  store_->find_batch(keys.size(), [&](std::size_t i) { return keys[i].key; }, slots.data());
+  store_->find_batch(
+      keys.size(), [&](std::size_t i) { return keys[i].key; }, slots.data());
   for (std::size_t i = 0; i < keys.size(); ++i) {
-    const Errc e = !slots[i].slot                    ? Errc::not_found
+    const Errc e = !slots[i].slot                      ? Errc::not_found
                    : slots[i].length != keys[i].length ? Errc::length_mismatch
                                                        : Errc::ok;
     if (e != Errc::ok) {
@@ -109,8 +118,8 @@ Errc ShardEngine::lookup(std::span<const KeyEntry> keys, std::vector<SlotRef>& s
   return Errc::ok;
 }
 
-Errc ShardEngine::push(std::uint32_t worker, std::uint64_t clock, std::span<const KeyEntry> keys,
-                       const float* values, std::string* why) {
+Errc ShardEngine::push(std::uint32_t worker, std::uint64_t clock, std::span<const KeyEntry> keys, const float* values,
+                       std::string* why) {
   // Look everything up and validate the whole request first, so a bad key leaves nothing
   // half-applied; the lookups are pipelined and the slots stay cached for the apply pass.
   thread_local std::vector<SlotRef> slots;
@@ -165,8 +174,9 @@ Errc ShardEngine::pull(std::span<const KeyEntry> keys, float* out, std::string* 
 }
 
 std::uint32_t ShardEngine::quorum() const noexcept {
-  return options_.mode == ConsistencyMode::sync ? (options_.sync_required ? options_.sync_required : options_.num_workers)
-                                                : 0;
+  return options_.mode == ConsistencyMode::sync
+             ? (options_.sync_required ? options_.sync_required : options_.num_workers)
+             : 0;
 }
 
 std::uint64_t ShardEngine::read_bound() const noexcept {
@@ -206,8 +216,8 @@ Errc ShardEngine::check_pull_clock(std::uint32_t worker, std::uint64_t clock, st
   const std::uint64_t announced = clocks_->clock(worker);
   if (clock <= announced) return Errc::ok;
   if (why)
-    *why = "worker " + std::to_string(worker) + " pulled at clock " + std::to_string(clock) + " but has announced clock " +
-           std::to_string(announced) + "; a pull carries the worker's current clock";
+    *why = "worker " + std::to_string(worker) + " pulled at clock " + std::to_string(clock) +
+           " but has announced clock " + std::to_string(announced) + "; a pull carries the worker's current clock";
   return Errc::invalid_argument;
 }
 
@@ -262,8 +272,8 @@ void ShardEngine::barrier(std::uint32_t worker, std::uint64_t generation, std::u
   {
     std::lock_guard lock(mu_);
     barrier_gen_[worker] = std::max(barrier_gen_[worker], generation);
-    waiters_.push_back(Waiter{0, worker, true, generation,
-                              std::chrono::steady_clock::now() + options_.wait_timeout, std::move(op)});
+    waiters_.push_back(
+        Waiter{0, worker, true, generation, std::chrono::steady_clock::now() + options_.wait_timeout, std::move(op)});
   }
   cv_.notify_all();
   release_ready();

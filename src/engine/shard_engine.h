@@ -16,10 +16,10 @@
 
 #include "common/json.h"
 #include "layout/clock_table.h"
+#include "layout/key_entry.h"
 #include "pskv/types.h"
 #include "store/store.h"
 #include "store/sync_accumulator.h"
-#include "layout/key_entry.h"
 
 namespace pskv {
 
@@ -27,8 +27,8 @@ struct EngineOptions {
   StoreOptions store;
   std::uint32_t num_workers = 0;  // 0: no worker clocks (ASP only, anonymous clients)
   ConsistencyMode mode = ConsistencyMode::asp;
-  std::uint32_t staleness = 0;     // ssp only
-  std::uint32_t sync_required = 0; // sync only: K of N (0 = N)
+  std::uint32_t staleness = 0;      // ssp only
+  std::uint32_t sync_required = 0;  // sync only: K of N (0 = N)
   std::chrono::milliseconds wait_timeout{10000};
   StragglerPolicy straggler = StragglerPolicy::fail;
   std::uint32_t server_id = 0;

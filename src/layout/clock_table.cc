@@ -113,7 +113,11 @@ std::int64_t ClockTable::last_progress_ns(std::uint32_t worker) const noexcept {
   return entries_[worker].progress_ns.load(std::memory_order_relaxed);
 }
 
-std::atomic<std::uint32_t>& ClockTable::change_word() noexcept { return header_->changes; }
-std::uint32_t ClockTable::change_count() const noexcept { return header_->changes.load(std::memory_order_acquire); }
+std::atomic<std::uint32_t>& ClockTable::change_word() noexcept {
+  return header_->changes;
+}
+std::uint32_t ClockTable::change_count() const noexcept {
+  return header_->changes.load(std::memory_order_acquire);
+}
 
 }  // namespace pskv

@@ -19,11 +19,11 @@ namespace pskv {
 struct alignas(64) SlotHeader {
   std::atomic<std::uint64_t> seq;  // odd while a writer is inside
   std::uint64_t key;
-  std::uint32_t length;            // floats
+  std::uint32_t length;  // floats
   std::uint32_t flags;
-  std::uint64_t state_offset;      // into the state arena: state_per_value x the slot's offset in
-                                   // the value arena (unused when the rule keeps no state)
-  std::uint64_t update_count;      // updates applied so far (Adam's t)
+  std::uint64_t state_offset;  // into the state arena: state_per_value x the slot's offset in
+                               // the value arena (unused when the rule keeps no state)
+  std::uint64_t update_count;  // updates applied so far (Adam's t)
   // The creating store's private record of this slot, plus 1: a hint that saves a probe for a
   // slot pointer that reached the server some other way. It lies in memory others may write,
   // so it is believed only when that record names this very slot.

@@ -114,7 +114,8 @@ CheckpointInfo write_checkpoint(Store& store, const std::string& dir, std::uint3
     h.rule = static_cast<std::uint32_t>(store.rule().rule);
     h.keys = store.key_count();
     h.started_unix_ns = static_cast<std::uint64_t>(
-        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch()).count());
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch())
+            .count());
     info.started_unix_ns = h.started_unix_ns;
     h.crc = crc32_update(0, &h, offsetof(FileHeader, crc));
     w.put(&h, sizeof h);
@@ -147,7 +148,8 @@ CheckpointInfo write_checkpoint(Store& store, const std::string& dir, std::uint3
     info.keys = written;
     info.bytes = w.bytes();
   }
-  if (::rename(tmp_path.c_str(), final_path.c_str()) != 0) io_fail("cannot rename checkpoint into place at", final_path);
+  if (::rename(tmp_path.c_str(), final_path.c_str()) != 0)
+    io_fail("cannot rename checkpoint into place at", final_path);
   const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (dfd >= 0) {
     ::fsync(dfd);  // makes the rename itself durable
@@ -182,7 +184,8 @@ CheckpointInfo parse_checkpoint(const std::uint8_t* data, std::size_t size, Stor
     KeyHeader k;
     take(&k, sizeof k, "a key header");
     const std::uint64_t floats = std::uint64_t{k.length} + k.state_floats;
-    if (k.length == 0 || floats * sizeof(float) > size - at) throw corrupt("key " + std::to_string(k.key) + " claims more data than the file holds");
+    if (k.length == 0 || floats * sizeof(float) > size - at)
+      throw corrupt("key " + std::to_string(k.key) + " claims more data than the file holds");
     std::uint32_t crc = crc32_update(0, &k, offsetof(KeyHeader, crc));
     crc = crc32_update(crc, data + at, floats * sizeof(float));
     if (crc != k.crc) throw corrupt("checksum mismatch in key " + std::to_string(k.key));
@@ -193,7 +196,8 @@ CheckpointInfo parse_checkpoint(const std::uint8_t* data, std::size_t size, Stor
       take(value.data(), value.size() * sizeof(float), "values");
       take(state.data(), state.size() * sizeof(float), "state");
       if (Errc e = store->restore_slot(k.key, value, state, k.update_count); e != Errc::ok)
-        throw Error(e, "cannot restore key " + std::to_string(k.key) + " from " + name + ": " + std::string(errc_name(e)) +
+        throw Error(e, "cannot restore key " + std::to_string(k.key) + " from " + name + ": " +
+                           std::string(errc_name(e)) +
                            " (is the server's --arena-mb/--max-keys large enough, and the --rule the same?)");
     } else {
       at += floats * sizeof(float);

@@ -15,9 +15,13 @@
 namespace pskv {
 namespace detail {
 namespace {
-[[noreturn]] void reject(const std::string& why) { throw Error(Errc::invalid_argument, why); }
+[[noreturn]] void reject(const std::string& why) {
+  throw Error(Errc::invalid_argument, why);
+}
 
-bool finite_at_least(float v, float low) { return std::isfinite(v) && v >= low; }
+bool finite_at_least(float v, float low) {
+  return std::isfinite(v) && v >= low;
+}
 
 // Options that would make the server wait forever, compute NaNs or silently ignore what was
 // asked are refused before anything starts, naming the flag.
@@ -183,10 +187,20 @@ class ServerImpl {
 
 Server::Server(const ServerOptions& options) : impl_(std::make_unique<detail::ServerImpl>(options)) {}
 Server::~Server() = default;
-std::string Server::uri() const { return impl_->uri(); }
-std::string Server::stats_json() const { return impl_->stats_json(); }
-bool Server::workers_finished() const { return impl_->workers_finished(); }
-std::string Server::failure() const { return impl_->failure(); }
-void Server::stop() { impl_->stop(); }
+std::string Server::uri() const {
+  return impl_->uri();
+}
+std::string Server::stats_json() const {
+  return impl_->stats_json();
+}
+bool Server::workers_finished() const {
+  return impl_->workers_finished();
+}
+std::string Server::failure() const {
+  return impl_->failure();
+}
+void Server::stop() {
+  impl_->stop();
+}
 
 }  // namespace pskv

@@ -14,8 +14,6 @@ namespace {
 constexpr std::uint64_t kEmpty = 0;
 }  // namespace
 
-
-
 namespace {
 struct Layout {
   std::uint64_t stripes_offset, index_offset, index_capacity, values_offset, state_offset, state_bytes, total;
@@ -45,8 +43,10 @@ void validate(const StoreOptions& o) {
     throw Error(Errc::invalid_argument, "max_keys must be in [1, 2^34], got " + std::to_string(o.max_keys));
   // A private record holds a slot's offset in 64-byte units in 32 bits (Store::Record).
   if (o.arena_bytes < kCacheLine * 2 || o.arena_bytes > kMaxArenaBytes)
-    throw Error(Errc::invalid_argument, "arena_bytes must be in [128, 2^38] (256 GiB per server; shard over more "
-                                        "servers for more), got " + std::to_string(o.arena_bytes));
+    throw Error(Errc::invalid_argument,
+                "arena_bytes must be in [128, 2^38] (256 GiB per server; shard over more "
+                "servers for more), got " +
+                    std::to_string(o.arena_bytes));
 }
 }  // namespace
 
@@ -74,8 +74,8 @@ std::unique_ptr<Store> Store::create(std::unique_ptr<MemoryResource> memory, con
   if (!memory) throw Error(Errc::invalid_argument, "Store::create: no memory");
   const Layout l = layout_for(options);
   if (memory->size() < l.total)
-    throw Error(Errc::capacity, "store region has " + std::to_string(memory->size()) + " bytes, needs " +
-                                    std::to_string(l.total));
+    throw Error(Errc::capacity,
+                "store region has " + std::to_string(memory->size()) + " bytes, needs " + std::to_string(l.total));
   if (reinterpret_cast<std::uintptr_t>(memory->data()) % kCacheLine != 0)
     throw Error(Errc::invalid_argument, "store region is not 64-byte aligned");
   Geometry g;
@@ -208,8 +208,9 @@ Errc Store::create_slot(Key key, std::uint32_t length, const float* initial) {
   if (!records_) return Errc::unsupported;
   std::lock_guard guard(create_mu_);
   if (const Record* existing = find_record(key))
-    return static_cast<std::uint32_t>(existing->where.load(std::memory_order_relaxed)) == length ? Errc::ok
-                                                                                                  : Errc::length_mismatch;
+    return static_cast<std::uint32_t>(existing->where.load(std::memory_order_relaxed)) == length
+               ? Errc::ok
+               : Errc::length_mismatch;
   if (key_count_.load(std::memory_order_relaxed) >= g_.max_keys) return Errc::capacity;
   const std::uint64_t bytes = slot_bytes(length);
   const std::uint64_t used = used_.load(std::memory_order_relaxed);
@@ -256,9 +257,9 @@ Errc Store::init(Key key, std::span<const float> initial) {
   return create_slot(key, static_cast<std::uint32_t>(initial.size()), initial.data());
 }
 
-Errc Store::init_zero(Key key, std::uint32_t length) { return create_slot(key, length, nullptr); }
-
-
+Errc Store::init_zero(Key key, std::uint32_t length) {
+  return create_slot(key, length, nullptr);
+}
 
 ReadResult Store::read_slot_or_lock(const SlotRef& ref, float* out) const noexcept {
   const SlotHeader& slot = *ref.slot;
@@ -278,7 +279,6 @@ ReadResult Store::read_slot_or_lock(const SlotRef& ref, float* out) const noexce
   }
   return {Errc::ok, version};
 }
-
 
 ReadResult Store::pull(Key key, std::span<float> out) const noexcept {
   const SlotRef ref = find_ref(key);
@@ -447,7 +447,8 @@ void Store::snapshot_slot(SlotHeader& slot, float* value, float* state, std::uin
   lock.unlock();
 }
 
-Errc Store::restore_slot(Key key, std::span<const float> value, std::span<const float> state, std::uint64_t update_count) {
+Errc Store::restore_slot(Key key, std::span<const float> value, std::span<const float> state,
+                         std::uint64_t update_count) {
   if (Errc e = init(key, value); e != Errc::ok) return e;
   SlotHeader* slot = find(key);
   SlotRef r;

@@ -32,22 +32,17 @@ using Key = std::uint64_t;
 inline constexpr std::uint64_t kMaxArenaBytes = 1ull << 38;
 
 struct StoreOptions {
-  std::uint64_t max_keys = 1 << 16;          // key index capacity
-  std::uint64_t arena_bytes = 64ull << 20;   // values incl. 64 B slot headers, at most kMaxArenaBytes
-  std::uint32_t stripes = 1024;              // power of two
+  std::uint64_t max_keys = 1 << 16;         // key index capacity
+  std::uint64_t arena_bytes = 64ull << 20;  // values incl. 64 B slot headers, at most kMaxArenaBytes
+  std::uint32_t stripes = 1024;             // power of two
   UpdateRuleConfig rule{};
 };
-
-
-
-
 
 // Result of a read: the seqlock version the copy was validated against.
 struct ReadResult {
   Errc status = Errc::ok;
   std::uint64_t version = 0;
 };
-
 
 // A key as a Store trusts it, resolved once by find_batch (or resolve) and used by the later
 // passes of the same request without looking again: the slot, its length in floats, its stripe
@@ -147,7 +142,8 @@ class Store {
   // One key, resolved (slot null if it does not exist).
   SlotRef find_ref(Key key) const noexcept {
     SlotRef r;
-    find_batch(1, [key](std::size_t) { return key; }, &r);
+    find_batch(
+        1, [key](std::size_t) { return key; }, &r);
     return r;
   }
   void prefetch_bucket(Key key) const noexcept {
@@ -197,7 +193,8 @@ class Store {
   // push's first piece, which counts the update and sets *step for the pieces after it, so every
   // piece of one push sees the same step (Adam's bias correction). A piece outside the slot's
   // length is not applied.
-  void apply_part(const SlotRef& ref, std::size_t begin, const float* grad, std::size_t n, std::uint64_t* step) noexcept;
+  void apply_part(const SlotRef& ref, std::size_t begin, const float* grad, std::size_t n,
+                  std::uint64_t* step) noexcept;
   // How long a writer in this process waits for a stripe lock before apply_slot gives up with
   // Errc::timeout. Unbounded by default (every holder is a thread of this process, holding it
   // for one update); a server whose region other processes lock (shm) bounds it, so a holder
@@ -233,7 +230,8 @@ class Store {
 
   // Batches: keys[i] <-> values[i]. Stops at the first failure and returns its index in
   // *failed_at (keys before it are done). One stripe lock acquisition per key.
-  Errc pull_batch(std::span<const Key> keys, std::span<const std::span<float>> out, std::size_t* failed_at = nullptr) const noexcept;
+  Errc pull_batch(std::span<const Key> keys, std::span<const std::span<float>> out,
+                  std::size_t* failed_at = nullptr) const noexcept;
   Errc push_batch(std::span<const Key> keys, std::span<const std::span<const float>> grads, float lr_scale = 1.0f,
                   std::size_t* failed_at = nullptr) noexcept;
 
@@ -322,9 +320,8 @@ class Store {
   // The slot `arena_offset` bytes into the value arena, with `length` floats, as trusted.
   SlotRef ref_at(std::uint64_t arena_offset, std::uint32_t length, Key key) const noexcept {
     return {reinterpret_cast<SlotHeader*>(base_ + g_.values_offset + arena_offset), length, stripe_of(key),
-            g_.state_per_value
-                ? reinterpret_cast<float*>(base_ + g_.state_offset + arena_offset * g_.state_per_value)
-                : nullptr};
+            g_.state_per_value ? reinterpret_cast<float*>(base_ + g_.state_offset + arena_offset * g_.state_per_value)
+                               : nullptr};
   }
   SlotRef ref_of(const Record& r) const noexcept {
     const std::uint64_t where = r.where.load(std::memory_order_relaxed);
@@ -345,12 +342,11 @@ class Store {
   // `rule` over floats [begin, begin + n) under the stripe lock and the seqlock; *step 0 counts
   // the update and sets *step (apply_slot: the whole value; apply_part: one piece).
   // The caller holds the stripe lock.
-  void apply_seqlocked(const SlotRef& r, const UpdateRuleConfig& rule, std::size_t begin,
-                       const float* grad, std::size_t n, float lr_scale, std::uint64_t* step) noexcept;
+  void apply_seqlocked(const SlotRef& r, const UpdateRuleConfig& rule, std::size_t begin, const float* grad,
+                       std::size_t n, float lr_scale, std::uint64_t* step) noexcept;
   // Replaces value, optimizer state and update count under the seqlock; the caller holds the
   // stripe lock.
-  void overwrite_slot(const SlotRef& r, const float* value, const float* state,
-                      std::uint64_t update_count) noexcept;
+  void overwrite_slot(const SlotRef& r, const float* value, const float* state, std::uint64_t update_count) noexcept;
 
   std::unique_ptr<MemoryResource> memory_;
   // Immutable after construction; cached so hot paths make no virtual calls.
@@ -362,8 +358,8 @@ class Store {
   // Creating Store only (null/unused on an attached one).
   std::unique_ptr<MemoryResource> records_memory_;
   Record* records_ = nullptr;
-  mutable std::mutex create_mu_;                        // guards creation and order_
-  std::vector<const Record*> order_;                    // in creation order
+  mutable std::mutex create_mu_;      // guards creation and order_
+  std::vector<const Record*> order_;  // in creation order
   std::atomic<std::uint64_t> used_{0}, key_count_{0};
 };
 

@@ -64,8 +64,8 @@ SyncOutcome SyncAccumulator::add(Key key, std::uint32_t worker, std::uint64_t st
 
 Errc SyncAccumulator::apply_ready(Key key, KeyState& st, SyncStats& stats) {
   for (;;) {
-    auto it = std::find_if(st.pending.begin(), st.pending.end(),
-                           [&](const Pending& p) { return p.step == st.next_step; });
+    auto it =
+        std::find_if(st.pending.begin(), st.pending.end(), [&](const Pending& p) { return p.step == st.next_step; });
     if (it == st.pending.end() || it->count < options_.required) return Errc::ok;
     const float inv = 1.0f / static_cast<float>(it->count);
     for (float& x : it->sum) x *= inv;

@@ -17,10 +17,10 @@
 namespace pskv {
 
 struct SyncOptions {
-  std::uint32_t num_workers = 1;   // N
-  std::uint32_t required = 0;      // K; 0 means N
-  bool linear_lr_scaling = true;   // lr * K when applying the mean of K gradients
-  std::uint32_t window = 4;        // steps ahead of the oldest pending one that may be buffered
+  std::uint32_t num_workers = 1;  // N
+  std::uint32_t required = 0;     // K; 0 means N
+  bool linear_lr_scaling = true;  // lr * K when applying the mean of K gradients
+  std::uint32_t window = 4;       // steps ahead of the oldest pending one that may be buffered
 };
 
 enum class SyncOutcome : std::uint8_t {

@@ -16,8 +16,8 @@ namespace pskv {
 namespace {
 using Arr = Eigen::Map<Eigen::ArrayXf>;
 using ConstArr = Eigen::Map<const Eigen::ArrayXf>;
-constexpr std::size_t kAlign = 16;                 // floats per cache line
-constexpr std::size_t kGrainFloats = 64u << 10;    // 256 KiB per task
+constexpr std::size_t kAlign = 16;               // floats per cache line
+constexpr std::size_t kGrainFloats = 64u << 10;  // 256 KiB per task
 
 // The streaming kernel behind `add` and plain `sgd`: v -= lr * g (add is lr = -1, which gives
 // exactly v + g). Eigen's `v += g` ran at 15-20 GB/s on a hot 1 MiB value where this runs at
@@ -156,7 +156,9 @@ void copy_floats(float* dst, const float* src, std::size_t n) noexcept {
   });
 }
 
-void use_baseline_kernels(bool baseline) noexcept { g_use_avx2.store(g_cpu_has_avx2 && !baseline); }
+void use_baseline_kernels(bool baseline) noexcept {
+  g_use_avx2.store(g_cpu_has_avx2 && !baseline);
+}
 
 void apply_update(const UpdateRuleConfig& r, float* value, float* state, const float* grad, std::size_t n,
                   std::uint64_t step, float lr_scale) noexcept {

@@ -20,9 +20,8 @@ void apply_update(const UpdateRuleConfig& rule, float* value, float* state, cons
                   std::uint64_t step, float lr_scale) noexcept;
 // The same over floats [begin, begin + n) of a value of `length` floats, whose state is laid out
 // for all `length`: one piece of a push, applied as it arrives.
-void apply_update_part(const UpdateRuleConfig& rule, float* value, float* state, std::size_t length,
-                       std::size_t begin, const float* grad, std::size_t n, std::uint64_t step,
-                       float lr_scale) noexcept;
+void apply_update_part(const UpdateRuleConfig& rule, float* value, float* state, std::size_t length, std::size_t begin,
+                       const float* grad, std::size_t n, std::uint64_t step, float lr_scale) noexcept;
 
 // memcpy of n floats, spread over the cores like apply_update for large n.
 void copy_floats(float* dst, const float* src, std::size_t n) noexcept;

@@ -4,12 +4,18 @@ namespace pskv {
 
 std::string_view to_string(UpdateRule rule) noexcept {
   switch (rule) {
-    case UpdateRule::assign: return "assign";
-    case UpdateRule::add: return "add";
-    case UpdateRule::sgd: return "sgd";
-    case UpdateRule::momentum: return "momentum";
-    case UpdateRule::adam: return "adam";
-    case UpdateRule::adagrad: return "adagrad";
+    case UpdateRule::assign:
+      return "assign";
+    case UpdateRule::add:
+      return "add";
+    case UpdateRule::sgd:
+      return "sgd";
+    case UpdateRule::momentum:
+      return "momentum";
+    case UpdateRule::adam:
+      return "adam";
+    case UpdateRule::adagrad:
+      return "adagrad";
   }
   return "unknown";
 }
@@ -24,9 +30,12 @@ std::optional<UpdateRule> parse_update_rule(std::string_view name) noexcept {
 std::uint32_t state_floats_per_value(UpdateRule rule) noexcept {
   switch (rule) {
     case UpdateRule::momentum:
-    case UpdateRule::adagrad: return 1;
-    case UpdateRule::adam: return 2;
-    default: return 0;
+    case UpdateRule::adagrad:
+      return 1;
+    case UpdateRule::adam:
+      return 2;
+    default:
+      return 0;
   }
 }
 

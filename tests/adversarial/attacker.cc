@@ -54,11 +54,11 @@ struct Options {
   double seconds = 4;
   std::string source = "127.0.0.2";
   std::string token_file;
-  std::uint64_t key = 0xBA17;         // a real key of key_floats floats (the bait)
+  std::uint64_t key = 0xBA17;  // a real key of key_floats floats (the bait)
   std::uint32_t key_floats = 1u << 20;
-  std::uint32_t repeat = 16384;       // repeated-key-pull: occurrences of the key in one pull
-  std::uint32_t pull_entries = 4;     // huge-pull-lengths: entries of 2^32-1 floats
-  std::uint64_t frame_mb = 200;       // unauth-large / budget-flood: frame size
+  std::uint32_t repeat = 16384;                   // repeated-key-pull: occurrences of the key in one pull
+  std::uint32_t pull_entries = 4;                 // huge-pull-lengths: entries of 2^32-1 floats
+  std::uint64_t frame_mb = 200;                   // unauth-large / budget-flood: frame size
   std::uint32_t max_keys_per_request = 1u << 20;  // the server's limits, to step just over them
   std::uint64_t max_request_mb = 256;
   int hold_ms = 0;
@@ -69,25 +69,25 @@ struct Options {
 // What the server did, counted over all connections. Thread-safety: every member is atomic or
 // guarded by `mu`; lanes update it concurrently, main reads it after joining them.
 struct Stats {
-  std::atomic<std::uint64_t> connections{0};        // TCP connections established
+  std::atomic<std::uint64_t> connections{0};  // TCP connections established
   std::atomic<std::uint64_t> connect_failures{0};
-  std::atomic<std::uint64_t> handshakes{0};         // hello (and auth) completed
+  std::atomic<std::uint64_t> handshakes{0};  // hello (and auth) completed
   std::atomic<std::uint64_t> handshake_failures{0};
-  std::atomic<std::uint64_t> frames_sent{0};        // attack frames (or fragments) written
+  std::atomic<std::uint64_t> frames_sent{0};  // attack frames (or fragments) written
   std::atomic<std::uint64_t> bytes_sent{0};
-  std::atomic<std::uint64_t> replies_ok{0};         // status 0 to an attack frame
-  std::atomic<std::uint64_t> replies_error{0};      // an error frame
-  std::atomic<std::uint64_t> refused_capacity{0};   // an error frame with status capacity
-  std::atomic<std::uint64_t> closed_by_server{0};   // EOF or RST seen
-  std::atomic<std::uint64_t> silent{0};             // neither a reply nor a close within the wait
-  std::atomic<std::uint64_t> accepted{0};           // an ok the server must never give for this attack
-  std::atomic<std::uint64_t> expected_ok{0};        // legitimate frames mixed in, served correctly
-  std::atomic<std::uint64_t> expected_bad{0};       // legitimate frames mixed in, not served correctly
-  std::atomic<std::uint64_t> still_open_at_end{0};  // attack connections the server never closed
-  std::atomic<std::uint64_t> longest_open_ms{0};    // of connections the server should have closed
+  std::atomic<std::uint64_t> replies_ok{0};              // status 0 to an attack frame
+  std::atomic<std::uint64_t> replies_error{0};           // an error frame
+  std::atomic<std::uint64_t> refused_capacity{0};        // an error frame with status capacity
+  std::atomic<std::uint64_t> closed_by_server{0};        // EOF or RST seen
+  std::atomic<std::uint64_t> silent{0};                  // neither a reply nor a close within the wait
+  std::atomic<std::uint64_t> accepted{0};                // an ok the server must never give for this attack
+  std::atomic<std::uint64_t> expected_ok{0};             // legitimate frames mixed in, served correctly
+  std::atomic<std::uint64_t> expected_bad{0};            // legitimate frames mixed in, not served correctly
+  std::atomic<std::uint64_t> still_open_at_end{0};       // attack connections the server never closed
+  std::atomic<std::uint64_t> longest_open_ms{0};         // of connections the server should have closed
   std::atomic<std::uint64_t> max_bytes_before_close{0};  // unauth-large: most bytes one frame got in
-  std::atomic<std::uint64_t> full_frames{0};        // unauth-large: frames the server read to the end
-  std::atomic<std::uint64_t> cuts{0};               // truncation: cut frames sent, over all lanes
+  std::atomic<std::uint64_t> full_frames{0};             // unauth-large: frames the server read to the end
+  std::atomic<std::uint64_t> cuts{0};                    // truncation: cut frames sent, over all lanes
   std::mutex mu;
   std::map<std::string, std::set<std::string>> outcomes;  // case -> what happened (bad-header-fields...)
 
@@ -115,9 +115,12 @@ Clock::time_point g_end;
 std::shared_ptr<const auth::Token> g_token;
 sockaddr_in g_target{}, g_source{};
 
-bool time_left() { return Clock::now() < g_end; }
+bool time_left() {
+  return Clock::now() < g_end;
+}
 int ms_left() {
-  return static_cast<int>(std::max<std::int64_t>(0, std::chrono::duration_cast<milliseconds>(g_end - Clock::now()).count()));
+  return static_cast<int>(
+      std::max<std::int64_t>(0, std::chrono::duration_cast<milliseconds>(g_end - Clock::now()).count()));
 }
 
 // Sockets parked at the deadline, so the attack stays in force until the summary is out and
@@ -183,7 +186,6 @@ class Conn {
     return send_all(f.data(), f.size());
   }
 
-
   enum class Got { reply, closed, silent };
   struct Reply {
     Got got = Got::silent;
@@ -209,7 +211,8 @@ class Conn {
     if (body > (256ull << 20)) return r;
     const std::size_t keep = body <= (64u << 10) ? body : 0;
     r.payload.resize(keep);
-    if (keep && !read_exact(r.payload.data(), keep, milliseconds(10000))) r.got = peer_closed_ ? Got::closed : Got::silent;
+    if (keep && !read_exact(r.payload.data(), keep, milliseconds(10000)))
+      r.got = peer_closed_ ? Got::closed : Got::silent;
     if (!keep) {
       std::vector<char> sink(1u << 20);
       while (body > 0 && r.got == Got::reply) {
@@ -314,7 +317,8 @@ std::vector<std::byte> frame(const wire::FrameHeader& h, std::span<const wire::K
 
 std::vector<std::byte> hello_frame(const auth::Nonce* nonce, std::uint64_t worker = kNoWorker) {
   const std::size_t n = nonce ? nonce->size() : 0;
-  return frame(wire::make_header(wire::Op::hello, 1, 0, n, worker, wire::kVersion), {}, nonce ? nonce->data() : nullptr, n);
+  return frame(wire::make_header(wire::Op::hello, 1, 0, n, worker, wire::kVersion), {}, nonce ? nonce->data() : nullptr,
+               n);
 }
 
 std::vector<std::byte> auth_frame(const std::uint8_t* proof) {
@@ -377,14 +381,17 @@ void run_lanes(int n, F lane) {
   for (auto& t : threads) t.join();
 }
 
-void note_open(const Conn& c) { g_stats.note_max(g_stats.longest_open_ms, static_cast<std::uint64_t>(c.age().count())); }
+void note_open(const Conn& c) {
+  g_stats.note_max(g_stats.longest_open_ms, static_cast<std::uint64_t>(c.age().count()));
+}
 
 // Waits, without reading, until the server closes `c` or `wait` passes or the attack ends.
 // True if the server closed it.
 bool hold(Conn& c, milliseconds wait) {
   const auto until = std::min(Clock::now() + wait, g_end);
   while (Clock::now() < until) {
-    const auto step = std::min<std::int64_t>(200, std::chrono::duration_cast<milliseconds>(until - Clock::now()).count());
+    const auto step =
+        std::min<std::int64_t>(200, std::chrono::duration_cast<milliseconds>(until - Clock::now()).count());
     if (c.hung_up(milliseconds(std::max<std::int64_t>(step, 1)))) {
       g_stats.closed_by_server++;
       note_open(c);
@@ -433,7 +440,7 @@ void repeated_key_pull(int lane) {
       const auto r = c->judge(c->read_reply(milliseconds(10000)), /*ok_is_wrong=*/!small);
       if (small && r.got == Conn::Got::reply)
         (r.h.status == 0 && r.h.payload_bytes == 4ull * g.key_floats * sizeof(float) ? g_stats.expected_ok
-                                                                                      : g_stats.expected_bad)++;
+                                                                                     : g_stats.expected_bad)++;
       if (r.got != Conn::Got::reply || (r.h.status == 0 && !small)) break;
     }
     if (!time_left()) c->park();
@@ -449,8 +456,8 @@ void slowloris(int lane, bool after_hello) {
     if (!c) continue;
     if (after_hello && !handshake(*c)) continue;
     const wire::KeyEntry key{g.key, 1u << 18, 0};  // a 1 MiB push
-    const auto f = frame(wire::make_header(wire::Op::push, 7, 1, std::uint64_t{key.length} * sizeof(float)),
-                         std::span(&key, 1));
+    const auto f =
+        frame(wire::make_header(wire::Op::push, 7, 1, std::uint64_t{key.length} * sizeof(float)), std::span(&key, 1));
     const bool half_header = after_hello && lane % 2 == 1;
     const std::size_t first = half_header ? sizeof(wire::FrameHeader) / 2 : sizeof(wire::FrameHeader);
     g_stats.frames_sent++;
@@ -572,7 +579,8 @@ void parked_flood(int lane) {
     const Key own = 0xF1000000ull + static_cast<Key>(lane);
     const float zero = 0.0f;
     const wire::KeyEntry one{own, 1, 0};
-    const auto init = frame(wire::make_header(wire::Op::init, 2, 1, sizeof zero), std::span(&one, 1), &zero, sizeof zero);
+    const auto init =
+        frame(wire::make_header(wire::Op::init, 2, 1, sizeof zero), std::span(&one, 1), &zero, sizeof zero);
     const auto clock = frame(wire::make_header(wire::Op::clock, 3, 0, 0, /*clock=*/5));
     if (!c->send_frame(init) || c->read_reply(milliseconds(3000)).got != Conn::Got::reply) continue;
     if (!c->send_frame(clock) || c->read_reply(milliseconds(3000)).got != Conn::Got::reply) continue;
@@ -581,8 +589,8 @@ void parked_flood(int lane) {
     std::thread reader([&] { drain_replies(*c, stop); });
     const std::vector<wire::KeyEntry> table(g.repeat, one);
     for (std::uint64_t id = 10; id < 10 + 1024 && time_left(); ++id) {
-      wire::FrameHeader h = wire::make_header(wire::Op::pull, id, static_cast<std::uint32_t>(table.size()), 0,
-                                              id % 2 ? 5 : (1ull << 60));
+      wire::FrameHeader h =
+          wire::make_header(wire::Op::pull, id, static_cast<std::uint32_t>(table.size()), 0, id % 2 ? 5 : (1ull << 60));
       g_stats.frames_sent++;
       if (!c->send_all(&h, sizeof h) || !c->send_all(table.data(), table.size() * sizeof(wire::KeyEntry))) break;
     }
@@ -601,8 +609,10 @@ void idle_flood(int lane, int lanes) {
   auto top_up = [&](int at_most) {
     for (int i = 0; i < at_most && static_cast<int>(conns.size()) < mine && opened < kMaxRounds && time_left(); ++i) {
       ++opened;
-      if (auto c = Conn::open()) conns.push_back(std::move(*c));
-      else break;  // refused or out of ports: try again on the next pass
+      if (auto c = Conn::open())
+        conns.push_back(std::move(*c));
+      else
+        break;  // refused or out of ports: try again on the next pass
     }
   };
   top_up(mine);
@@ -688,8 +698,10 @@ void replayed_proof(int lane, const Capture& cap) {
     auto c = Conn::open();
     if (!c) continue;
     const int how = (round + lane) % 4;
-    const char* name = how == 0 ? "same-nonce-old-proof" : how == 1 ? "reflected-old-server-proof"
-                       : how == 2 ? "proof-without-hello" : "reflected-own-server-proof";
+    const char* name = how == 0   ? "same-nonce-old-proof"
+                       : how == 1 ? "reflected-old-server-proof"
+                       : how == 2 ? "proof-without-hello"
+                                  : "reflected-own-server-proof";
     Conn::Reply r;
     if (how == 2) {
       c->send_frame(auth_frame(cap.client_proof.data()));
@@ -837,7 +849,8 @@ std::vector<BadCase> bad_cases() {
   }
   v.push_back({"payload-mismatch", true, true, false,
                frame(wire::make_header(wire::Op::push, 3, 1, 20), std::span(&key, 1), four, 20)});
-  v.push_back({"zero-length-key", true, true, false, frame(wire::make_header(wire::Op::push, 3, 1, 0), std::span(&zero, 1))});
+  v.push_back(
+      {"zero-length-key", true, true, false, frame(wire::make_header(wire::Op::push, 3, 1, 0), std::span(&zero, 1))});
   {
     wire::FrameHeader h = wire::make_header(wire::Op::pull, 3, 1, 0);
     h.flags = wire::kChecksum;
@@ -917,10 +930,22 @@ void second_hello(int lane) {
     std::vector<std::byte> f;
     const char* name = "";
     switch (how) {
-      case 0: name = "same"; f = hello_frame(g_token ? &nonce : nullptr); break;
-      case 1: name = "worker-0"; f = hello_frame(g_token ? &nonce : nullptr, 0); break;
-      case 2: name = "worker-huge"; f = hello_frame(g_token ? &nonce : nullptr, 0xFFFFFFF0u); break;
-      case 3: name = "with-nonce"; f = hello_frame(&nonce); break;
+      case 0:
+        name = "same";
+        f = hello_frame(g_token ? &nonce : nullptr);
+        break;
+      case 1:
+        name = "worker-0";
+        f = hello_frame(g_token ? &nonce : nullptr, 0);
+        break;
+      case 2:
+        name = "worker-huge";
+        f = hello_frame(g_token ? &nonce : nullptr, 0xFFFFFFF0u);
+        break;
+      case 3:
+        name = "with-nonce";
+        f = hello_frame(&nonce);
+        break;
       default: {
         name = "version-2";
         wire::FrameHeader h = wire::make_header(wire::Op::hello, 1, 0, 0, kNoWorker, 2);
@@ -950,9 +975,14 @@ void connect_flood(int lane) {
       continue;
     }
     switch ((round + lane) % 3) {
-      case 0: break;
-      case 1: c->reset_on_close(); break;
-      default: handshake(*c); c->reset_on_close();
+      case 0:
+        break;
+      case 1:
+        c->reset_on_close();
+        break;
+      default:
+        handshake(*c);
+        c->reset_on_close();
     }
   }
 }
@@ -1093,8 +1123,9 @@ void print_summary() {
 
 int main(int argc, char** argv) {
   using namespace pskv::attack;
-  CLI::App app{"pskv-attack: throws one class of hostile or broken peer behaviour at a pskv-server tcp:// endpoint\n"
-               "on 127.0.0.0/8 and prints a JSON summary of what the server did."};
+  CLI::App app{
+      "pskv-attack: throws one class of hostile or broken peer behaviour at a pskv-server tcp:// endpoint\n"
+      "on 127.0.0.0/8 and prints a JSON summary of what the server did."};
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   app.add_option("--uri", g.uri, "Target: tcp://127.x.y.z:PORT")->required();
   app.add_option("--attack", g.attack, "What to throw")->required()->check(CLI::IsMember([] {
@@ -1102,25 +1133,34 @@ int main(int argc, char** argv) {
     for (const Kind& k : kKinds) names.push_back(k.name);
     return names;
   }()));
-  app.add_option("--connections", g.connections, "Connections (or lanes) at once")->capture_default_str()
+  app.add_option("--connections", g.connections, "Connections (or lanes) at once")
+      ->capture_default_str()
       ->check(CLI::Range(1, 4096));
   app.add_option("--seconds", g.seconds, "How long to attack")->capture_default_str()->check(CLI::Range(0.1, 600.0));
   app.add_option("--source-address", g.source, "Local address to attack from (127.0.0.0/8)")->capture_default_str();
-  app.add_option("--auth-token-file", g.token_file, "Token, to get past authentication (replayed-proof captures a real handshake with it)");
+  app.add_option("--auth-token-file", g.token_file,
+                 "Token, to get past authentication (replayed-proof captures a real handshake with it)");
   app.add_option("--key", g.key, "A real key on the server (created here if missing)")->capture_default_str();
-  app.add_option("--key-floats", g.key_floats, "Its length in floats")->capture_default_str()->check(CLI::Range(1u, 1u << 26));
-  app.add_option("--repeat", g.repeat, "repeated-key-pull: occurrences of the key in one pull")->capture_default_str()
+  app.add_option("--key-floats", g.key_floats, "Its length in floats")
+      ->capture_default_str()
+      ->check(CLI::Range(1u, 1u << 26));
+  app.add_option("--repeat", g.repeat, "repeated-key-pull: occurrences of the key in one pull")
+      ->capture_default_str()
       ->check(CLI::Range(1u, 1u << 20));
   app.add_option("--pull-entries", g.pull_entries, "huge-pull-lengths: entries of 2^32-1 floats (at least 2)")
-      ->capture_default_str()->check(CLI::Range(2u, 1024u));
-  app.add_option("--frame-mb", g.frame_mb, "unauth-large, budget-flood: frame size in MiB")->capture_default_str()
+      ->capture_default_str()
+      ->check(CLI::Range(2u, 1024u));
+  app.add_option("--frame-mb", g.frame_mb, "unauth-large, budget-flood: frame size in MiB")
+      ->capture_default_str()
       ->check(CLI::Range(1, 4096));
-  app.add_option("--max-keys-per-request", g.max_keys_per_request, "The server's limit (bad-header-fields steps over it)")
+  app.add_option("--max-keys-per-request", g.max_keys_per_request,
+                 "The server's limit (bad-header-fields steps over it)")
       ->capture_default_str();
   app.add_option("--max-request-mb", g.max_request_mb, "The server's limit (bad-header-fields steps over it)")
       ->capture_default_str();
   app.add_option("--hold-ms", g.hold_ms, "Keep the attack's sockets open this long after the summary")
-      ->capture_default_str()->check(CLI::Range(0, 60000));
+      ->capture_default_str()
+      ->check(CLI::Range(0, 60000));
   app.add_option("--count", g.count, "connect-flood: stop after this many connections in all (0: run for --seconds)")
       ->capture_default_str();
   app.add_option("--seed", g.seed, "Randomness (random-bytes, slowloris intervals)")->capture_default_str();

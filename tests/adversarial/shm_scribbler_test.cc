@@ -130,8 +130,8 @@ class Scribbler {
     const std::uint64_t fits = std::min<std::uint64_t>(length, (area_ - sizeof(wire::KeyEntry)) / sizeof(float));
     if (values)
       for (std::uint64_t i = 0; i < fits; ++i) reinterpret_cast<float*>(data_ + sizeof(wire::KeyEntry))[i] = value;
-    return send(static_cast<std::uint16_t>(op), 1, arg0, 0,
-                payload, align_up(std::max<std::uint64_t>(sizeof(wire::KeyEntry) + payload, 512), 64));
+    return send(static_cast<std::uint16_t>(op), 1, arg0, 0, payload,
+                align_up(std::max<std::uint64_t>(sizeof(wire::KeyEntry) + payload, 512), 64));
   }
   bool stats() { return send(static_cast<std::uint16_t>(wire::Op::stats), 0, 0, 0, 0, 65536); }
 
@@ -182,10 +182,10 @@ class ShmScribbler : public ::testing::TestWithParam<std::string> {
   void SetUp() override {
     name_ = "scribble-" + std::to_string(getpid()) + "-" + std::to_string(++counter_);
     log_ = ::testing::TempDir() + "/" + name_ + ".log";
-    server_ = ServerProcess::start({"--uri", "shm://" + name_, "--io-threads", "1", "--shm-clients", std::to_string(kAreas),
-                                    "--shm-area-mb", "1", "--workers", "2", "--mode", "bsp", "--wait-timeout-ms", "1000",
-                                    "--rule", "add", "--shm-push", GetParam()},
-                                   log_);
+    server_ = ServerProcess::start(
+        {"--uri", "shm://" + name_, "--io-threads", "1", "--shm-clients", std::to_string(kAreas), "--shm-area-mb", "1",
+         "--workers", "2", "--mode", "bsp", "--wait-timeout-ms", "1000", "--rule", "add", "--shm-push", GetParam()},
+        log_);
     ClientOptions o;
     o.servers = {server_.uri};
     healthy_ = std::make_unique<Client>(o);  // area 0
@@ -393,7 +393,7 @@ TEST_P(ShmScribbler, SlotHeaderAndIndexOfItsOwnKey) {
     for (std::uint64_t i = 0; i < sh.index_capacity; ++i) {
       if (index[2 * i].load() != kAttackerKey) continue;
       for (std::uint64_t where : std::vector<std::uint64_t>{std::uint64_t{1} << 50, 1, sh.index_offset + 1,
-                                                           sh.values_offset + sh.values_bytes - 63}) {
+                                                            sh.values_offset + sh.values_bytes - 63}) {
         index[2 * i + 1].store(where);
         s.send_one(wire::Op::push, kAttackerKey, kAttackerLength, 1.0f);
         s.send_one(wire::Op::init, kAttackerKey, kAttackerLength, 1.0f);
@@ -517,7 +517,8 @@ TEST_P(ShmScribbler, ClockTableAndWaitTimeout) {
   auto bounded_read_ends = [&](Client& c) {
     const Ticket t = c.pull(kHealthy[0].key, out);
     const auto guard = std::chrono::steady_clock::now() + std::chrono::seconds(14);
-    while (!c.done(t) && std::chrono::steady_clock::now() < guard) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    while (!c.done(t) && std::chrono::steady_clock::now() < guard)
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
     EXPECT_TRUE(c.done(t)) << "a bounded read waited past every timeout";
     if (!c.done(t)) return;
     try {

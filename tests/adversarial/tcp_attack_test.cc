@@ -49,8 +49,8 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
 using testing::Process;
-using testing::ServerProcess;
 using testing::read_file;
+using testing::ServerProcess;
 using testing::stats_field;  // the attacker's summary is flat JSON too
 using testing::TokenFile;
 
@@ -66,7 +66,9 @@ constexpr Key kBait = 0xBA17;
 constexpr std::uint32_t kBaitFloats = 1u << 20;
 const char* const kAttackerAddress = "127.0.0.2";
 
-std::string tail(const std::string& s, std::size_t n = 3000) { return s.size() <= n ? s : s.substr(s.size() - n); }
+std::string tail(const std::string& s, std::size_t n = 3000) {
+  return s.size() <= n ? s : s.substr(s.size() - n);
+}
 
 // What the attacker recorded for one case ("error+close|close"); empty when missing.
 std::string outcome(const std::string& json, const std::string& name) {
@@ -202,10 +204,22 @@ class TcpAttack : public ::testing::Test {
   // Runs the attack while the healthy client works, checks everything every attack must leave
   // intact (see the file comment) and returns the attacker's summary.
   std::string attack(const Attack& a) {
-    std::vector<std::string> args{"--uri", server_.uri, "--attack", a.kind, "--connections",
-                                  std::to_string(a.connections), "--seconds", std::to_string(a.seconds),
-                                  "--source-address", kAttackerAddress, "--key", std::to_string(kBait),
-                                  "--key-floats", std::to_string(kBaitFloats), "--hold-ms", "10000"};
+    std::vector<std::string> args{"--uri",
+                                  server_.uri,
+                                  "--attack",
+                                  a.kind,
+                                  "--connections",
+                                  std::to_string(a.connections),
+                                  "--seconds",
+                                  std::to_string(a.seconds),
+                                  "--source-address",
+                                  kAttackerAddress,
+                                  "--key",
+                                  std::to_string(kBait),
+                                  "--key-floats",
+                                  std::to_string(kBaitFloats),
+                                  "--hold-ms",
+                                  "10000"};
     if (a.attacker_uses_token) args.insert(args.end(), {"--auth-token-file", token_file_.path});
     args.insert(args.end(), a.args.begin(), a.args.end());
     const auto t0 = Clock::now();
@@ -394,8 +408,7 @@ TEST_F(TcpAttack, PeersThatNeverReadHoldUpNobody) {
 // fills, yet a client with the token still gets in (the oldest connection without a handshake
 // makes room), and the idle ones are closed at the handshake deadline.
 TEST_F(TcpAttack, IdleFloodDoesNotLockOutClientsWithTheToken) {
-  ASSERT_NO_FATAL_FAILURE(
-      start(/*token=*/true, {"--max-connections", "64", "--max-connections-per-address", "1000"}));
+  ASSERT_NO_FATAL_FAILURE(start(/*token=*/true, {"--max-connections", "64", "--max-connections-per-address", "1000"}));
   const std::string s = attack({"idle-flood", 150, 5});
   EXPECT_GT(stats_field(s, "closed_by_server"), 0) << s;
   expect_logged({"did not finish hello", "made room for a new connection"});
@@ -461,7 +474,8 @@ TEST_F(TcpAttack, LargeFramesBeforeAuthenticationAreRefusedAfterTheirHeader) {
   ASSERT_NO_FATAL_FAILURE(start(/*token=*/true));
   const std::string s = attack({"unauth-large", 4, 4, {"--frame-mb", "48"}});
   EXPECT_EQ(stats_field(s, "accepted"), 0) << s;
-  EXPECT_EQ(stats_field(s, "full_frames"), 0) << "the server read a whole 48 MiB frame from an unauthenticated peer: " << s;
+  EXPECT_EQ(stats_field(s, "full_frames"), 0)
+      << "the server read a whole 48 MiB frame from an unauthenticated peer: " << s;
   expect_logged({"before hello", "before authenticating"});
 }
 
@@ -478,8 +492,8 @@ TEST_F(TcpAttack, ReplayedAndReflectedProofsAreRefused) {
   ASSERT_NO_FATAL_FAILURE(start(/*token=*/true));
   const std::string s = attack({"replayed-proof", 4, 3, {}, true});
   EXPECT_EQ(stats_field(s, "accepted"), 0) << s;
-  for (const char* how : {"same-nonce-old-proof", "reflected-old-server-proof", "proof-without-hello",
-                          "reflected-own-server-proof"}) {
+  for (const char* how :
+       {"same-nonce-old-proof", "reflected-old-server-proof", "proof-without-hello", "reflected-own-server-proof"}) {
     const auto seen = split(outcome(s, how));
     EXPECT_FALSE(seen.empty()) << how << " was never tried: " << s;
     EXPECT_FALSE(seen.count("ok") || seen.count("silent")) << how << ": " << outcome(s, how);
@@ -508,15 +522,24 @@ TEST_F(TcpAttack, EachMalformedHeaderFieldIsRefused) {
   const std::set<std::string> error_close{"error+close"}, close_any{"close", "error+close"},
       any_error{"error+close", "error+open"};
   const std::vector<std::pair<const char*, const std::set<std::string>*>> cases{
-      {"magic-before-hello", &close_any},    {"magic", &close_any},
-      {"version", &error_close},             {"op-zero", &error_close},
-      {"op-unknown", &error_close},          {"op-ffff", &error_close},
-      {"flags-response", &error_close},      {"flags-all", &error_close},
-      {"num-keys-over-limit", &error_close}, {"num-keys-max", &error_close},
-      {"payload-over-limit", &error_close},  {"payload-2^63", &error_close},
-      {"payload-not-whole-floats", &error_close}, {"pull-with-payload", &error_close},
-      {"hello-with-64-byte-payload", &close_any}, {"payload-mismatch", &any_error},
-      {"zero-length-key", &any_error},       {"checksum-wrong", &any_error}};
+      {"magic-before-hello", &close_any},
+      {"magic", &close_any},
+      {"version", &error_close},
+      {"op-zero", &error_close},
+      {"op-unknown", &error_close},
+      {"op-ffff", &error_close},
+      {"flags-response", &error_close},
+      {"flags-all", &error_close},
+      {"num-keys-over-limit", &error_close},
+      {"num-keys-max", &error_close},
+      {"payload-over-limit", &error_close},
+      {"payload-2^63", &error_close},
+      {"payload-not-whole-floats", &error_close},
+      {"pull-with-payload", &error_close},
+      {"hello-with-64-byte-payload", &close_any},
+      {"payload-mismatch", &any_error},
+      {"zero-length-key", &any_error},
+      {"checksum-wrong", &any_error}};
   for (const auto& [name, allowed] : cases) {
     const auto seen = split(outcome(s, name));
     EXPECT_FALSE(seen.empty()) << name << " was never tried: " << s;
@@ -530,9 +553,8 @@ TEST_F(TcpAttack, EachMalformedHeaderFieldIsRefused) {
 // closes every half-closed connection.
 TEST_F(TcpAttack, FramesCutAtEveryByteApplyNothingAndAreClosed) {
   ASSERT_NO_FATAL_FAILURE(start());
-  const std::string s = attack({"truncation", 4, 3,
-                                {"--key", std::to_string(kHealthyKey), "--key-floats",
-                                         std::to_string(kHealthyFloats)}});
+  const std::string s = attack(
+      {"truncation", 4, 3, {"--key", std::to_string(kHealthyKey), "--key-floats", std::to_string(kHealthyFloats)}});
   EXPECT_GE(stats_field(s, "cuts"), double(48 + (48 + 16 + 4 * kHealthyFloats) + (48 + 16)))
       << "not every cut was made: " << s;
   EXPECT_EQ(stats_field(s, "silent"), 0) << "a half-closed connection was left open: " << s;

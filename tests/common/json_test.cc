@@ -20,8 +20,9 @@ TEST(JsonObject, FieldsInOrderWithEveryKindOfValue) {
       .add("fixed", 2.0 / 3.0, 2)
       .add("name", "tcp")
       .add("clocks", std::span<const std::int64_t>(clocks));
-  EXPECT_EQ(j.str(),
-            R"({"n":18446744073709551615,"neg":-7,"yes":true,"ratio":0.25,"fixed":0.67,"name":"tcp","clocks":[3,-1,0]})");
+  EXPECT_EQ(
+      j.str(),
+      R"({"n":18446744073709551615,"neg":-7,"yes":true,"ratio":0.25,"fixed":0.67,"name":"tcp","clocks":[3,-1,0]})");
 }
 
 TEST(JsonObject, StringsAreEscapedAndNonFiniteNumbersAreNull) {

@@ -1,6 +1,6 @@
+#include "common/log.h"
 #include <chrono>
 #include <thread>
-#include "common/log.h"
 
 #include <gtest/gtest.h>
 

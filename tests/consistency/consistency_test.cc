@@ -53,15 +53,24 @@ ServerOptions in_process_options(const std::string& uri, const std::vector<std::
   for (std::size_t i = 0; i + 1 < args.size(); i += 2) {
     const std::string& flag = args[i];
     const std::string& value = args[i + 1];
-    if (flag == "--workers") o.num_workers = std::stoul(value);
-    else if (flag == "--mode") o.mode = *parse_consistency_mode(value);
-    else if (flag == "--staleness") o.staleness = std::stoul(value);
-    else if (flag == "--sync-required") o.sync_required = std::stoul(value);
-    else if (flag == "--rule") o.rule.rule = *parse_update_rule(value);
-    else if (flag == "--lr") o.rule.lr = std::stof(value);
-    else if (flag == "--wait-timeout-ms") o.wait_timeout = std::chrono::milliseconds(std::stol(value));
-    else if (flag == "--straggler-policy") o.straggler = value == "evict" ? StragglerPolicy::evict : StragglerPolicy::fail;
-    else throw std::invalid_argument("in_process_options does not know " + flag);
+    if (flag == "--workers")
+      o.num_workers = std::stoul(value);
+    else if (flag == "--mode")
+      o.mode = *parse_consistency_mode(value);
+    else if (flag == "--staleness")
+      o.staleness = std::stoul(value);
+    else if (flag == "--sync-required")
+      o.sync_required = std::stoul(value);
+    else if (flag == "--rule")
+      o.rule.rule = *parse_update_rule(value);
+    else if (flag == "--lr")
+      o.rule.lr = std::stof(value);
+    else if (flag == "--wait-timeout-ms")
+      o.wait_timeout = std::chrono::milliseconds(std::stol(value));
+    else if (flag == "--straggler-policy")
+      o.straggler = value == "evict" ? StragglerPolicy::evict : StragglerPolicy::fail;
+    else
+      throw std::invalid_argument("in_process_options does not know " + flag);
   }
   return o;
 }
@@ -87,9 +96,15 @@ class Consistency : public ::testing::TestWithParam<std::string> {
     PSKV_REQUIRE_RDMA();
 #endif
   }
-  bool rdma() const { return GetParam() == "rdma"; }
-  Margins margins() const { return rdma() ? Margins{1500, 3000} : Margins{800, 1500}; }
-  bool in_process() const { return GetParam() == "fake"; }
+  bool rdma() const {
+    return GetParam() == "rdma";
+  }
+  Margins margins() const {
+    return rdma() ? Margins{1500, 3000} : Margins{800, 1500};
+  }
+  bool in_process() const {
+    return GetParam() == "fake";
+  }
   TestServer start(std::vector<std::string> args) {
     TestServer s;
     if (in_process()) {
@@ -163,7 +178,9 @@ class Consistency : public ::testing::TestWithParam<std::string> {
     }
     EXPECT_GE(fake::sever(s.uri.substr(std::string("fake://").size()), worker_id), 1u);
   }
-  int killed_status() const { return in_process() ? 1 : 128 + SIGKILL; }
+  int killed_status() const {
+    return in_process() ? 1 : 128 + SIGKILL;
+  }
   int n_ = 0;
 };
 
@@ -209,10 +226,18 @@ void checker_workload(Consistency* t, const std::string& mode, int s) {
   munmap(max_staleness, sizeof(std::atomic<std::uint64_t>));
 }
 
-TEST_P(Consistency, BspReadsSeeEveryEarlierStep) { checker_workload(this, "bsp", 0); }
-TEST_P(Consistency, SspStaleness1) { checker_workload(this, "ssp", 1); }
-TEST_P(Consistency, SspStaleness3) { checker_workload(this, "ssp", 3); }
-TEST_P(Consistency, AspNeverWaitsAndStillCountsEverything) { checker_workload(this, "asp", -1); }
+TEST_P(Consistency, BspReadsSeeEveryEarlierStep) {
+  checker_workload(this, "bsp", 0);
+}
+TEST_P(Consistency, SspStaleness1) {
+  checker_workload(this, "ssp", 1);
+}
+TEST_P(Consistency, SspStaleness3) {
+  checker_workload(this, "ssp", 3);
+}
+TEST_P(Consistency, AspNeverWaitsAndStillCountsEverything) {
+  checker_workload(this, "asp", -1);
+}
 
 // Worker 0 stalls at clock 0 until released. Under SSP(s) worker 1's reads at clocks 0..s must
 // complete while it stalls, and its read at s + 1 must wait for worker 0's first clock; under ASP
@@ -253,8 +278,8 @@ void runner_test(Consistency* t, const std::string& mode, int s) {
   const auto deadline = Clock::now() + std::chrono::minutes(1);
   while (read_event[allowed - 1].load() == 0 && Clock::now() < deadline)
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  EXPECT_NE(read_event[allowed - 1].load(), 0) << "worker 1's read at clock " << allowed - 1
-                                               << " never completed while worker 0 stalled at clock 0";
+  EXPECT_NE(read_event[allowed - 1].load(), 0)
+      << "worker 1's read at clock " << allowed - 1 << " never completed while worker 0 stalled at clock 0";
   std::this_thread::sleep_for(std::chrono::milliseconds(t->margins().stall_ms));
   shared[1].store(1);
   EXPECT_EQ(t->join(fast), 0);
@@ -268,9 +293,15 @@ void runner_test(Consistency* t, const std::string& mode, int s) {
   munmap(shared, (4 + kSteps) * sizeof(std::atomic<std::int64_t>));
 }
 
-TEST_P(Consistency, SspBlocksAWorkerThatRunsAhead) { runner_test(this, "ssp", 2); }
-TEST_P(Consistency, BspBlocksAWorkerThatRunsAhead) { runner_test(this, "bsp", 0); }
-TEST_P(Consistency, AspLetsAWorkerRunAhead) { runner_test(this, "asp", 0); }
+TEST_P(Consistency, SspBlocksAWorkerThatRunsAhead) {
+  runner_test(this, "ssp", 2);
+}
+TEST_P(Consistency, BspBlocksAWorkerThatRunsAhead) {
+  runner_test(this, "bsp", 0);
+}
+TEST_P(Consistency, AspLetsAWorkerRunAhead) {
+  runner_test(this, "asp", 0);
+}
 
 // Sync aggregation with backup workers: with K=2 of N=3 and worker 2 always behind, each step is
 // applied exactly once from the two fast workers' mean; the laggard's gradients (1000) arrive
@@ -307,7 +338,8 @@ TEST_P(Consistency, SyncAggregationAppliesOneMeanPerStepAndDropsLateGradients) {
   }
   const std::string stats = check.server_stats(0);
   EXPECT_NE(stats.find("\"sync_applied_steps\":" + std::to_string(2 * kSteps)), std::string::npos) << stats;
-  EXPECT_EQ(stats.find("\"sync_dropped_late\":0,"), std::string::npos) << "the laggard's gradients were dropped: " << stats;
+  EXPECT_EQ(stats.find("\"sync_dropped_late\":0,"), std::string::npos)
+      << "the laggard's gradients were dropped: " << stats;
 }
 
 // A worker that goes away mid-run, killed or failing with an exception (its client must then not
@@ -362,8 +394,12 @@ void departure_test(Consistency* t, const std::string& policy, Departure how) {
   munmap(victim_clock, sizeof(std::atomic<int>));
 }
 
-TEST_P(Consistency, KilledWorkerFailsSurvivorsWithItsName) { departure_test(this, "fail", Departure::killed); }
-TEST_P(Consistency, KilledWorkerIsEvictedAndTheJobGoesOn) { departure_test(this, "evict", Departure::killed); }
+TEST_P(Consistency, KilledWorkerFailsSurvivorsWithItsName) {
+  departure_test(this, "fail", Departure::killed);
+}
+TEST_P(Consistency, KilledWorkerIsEvictedAndTheJobGoesOn) {
+  departure_test(this, "evict", Departure::killed);
+}
 TEST_P(Consistency, WorkerEndedByAnExceptionFailsSurvivorsWithItsName) {
   departure_test(this, "fail", Departure::threw);
 }

@@ -33,7 +33,8 @@ int trials() {
 
 std::uint64_t now_unix_ns() {
   return static_cast<std::uint64_t>(
-      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch()).count());
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch())
+          .count());
 }
 
 template <class T>
@@ -46,11 +47,13 @@ class Fault : public ::testing::TestWithParam<std::string> {
  public:
   std::string uri(const std::string& tag, int trial, int server) {
     if (GetParam() == "tcp") return "tcp://127.0.0.1:" + std::to_string(port_for(server));
-    return "shm://fault-" + tag + "-" + std::to_string(getpid()) + "-" + std::to_string(trial) + "-" + std::to_string(server);
+    return "shm://fault-" + tag + "-" + std::to_string(getpid()) + "-" + std::to_string(trial) + "-" +
+           std::to_string(server);
   }
   // Fixed ports per test process so that a restarted server comes back at the same address.
   int port_for(int server) {
-    while (ports_.size() <= static_cast<std::size_t>(server)) ports_.push_back(20000 + (getpid() * 7 + int(ports_.size()) * 101) % 40000);
+    while (ports_.size() <= static_cast<std::size_t>(server))
+      ports_.push_back(20000 + (getpid() * 7 + int(ports_.size()) * 101) % 40000);
     return ports_[static_cast<std::size_t>(server)];
   }
   std::vector<int> ports_;
@@ -117,7 +120,8 @@ TEST_P(Fault, ServerKilledRestartsFromItsCheckpoint) {
   std::mt19937 rng(7);
   const int n = std::max(2, trials() / 2);  // each trial needs a checkpoint first: ~2 s each
   for (int trial = 0; trial < n; ++trial) {
-    const fs::path dir = fs::temp_directory_path() / ("pskv-fault-" + std::to_string(getpid()) + "-" + std::to_string(trial));
+    const fs::path dir =
+        fs::temp_directory_path() / ("pskv-fault-" + std::to_string(getpid()) + "-" + std::to_string(trial));
     fs::create_directories(dir);
     std::vector<ServerProcess> servers;
     for (int s = 0; s < 2; ++s)
@@ -135,7 +139,7 @@ TEST_P(Fault, ServerKilledRestartsFromItsCheckpoint) {
       for (Key k = 0; k < kKeys; ++k) admin.wait(admin.init(k, zeros));
     }
     constexpr std::size_t kMaxOps = 200000;
-    auto* ack_ns = shared<std::uint64_t>(2 * kMaxOps);  // when each worker's i-th push was acknowledged
+    auto* ack_ns = shared<std::uint64_t>(2 * kMaxOps);     // when each worker's i-th push was acknowledged
     auto* counts = shared<std::atomic<std::uint64_t>>(4);  // [w]: acked, [2+w]: sent
     std::vector<pid_t> pids;
     for (int w = 0; w < 2; ++w)
@@ -169,15 +173,18 @@ TEST_P(Fault, ServerKilledRestartsFromItsCheckpoint) {
 
     std::ifstream in(ckpt, std::ios::binary);
     std::vector<char> bytes{std::istreambuf_iterator<char>(in), {}};
-    const CheckpointInfo info = parse_checkpoint(reinterpret_cast<const std::uint8_t*>(bytes.data()), bytes.size(), nullptr, ckpt);
+    const CheckpointInfo info =
+        parse_checkpoint(reinterpret_cast<const std::uint8_t*>(bytes.data()), bytes.size(), nullptr, ckpt);
     std::uint64_t acked_before_ckpt = 0;
     for (int w = 0; w < 2; ++w)
-      for (std::size_t i = 0; i < counts[w].load(); ++i) acked_before_ckpt += ack_ns[std::size_t(w) * kMaxOps + i] < info.started_unix_ns;
+      for (std::size_t i = 0; i < counts[w].load(); ++i)
+        acked_before_ckpt += ack_ns[std::size_t(w) * kMaxOps + i] < info.started_unix_ns;
     const std::uint64_t acked = counts[0].load() + counts[1].load(), sent = counts[2].load() + counts[3].load();
 
     if (GetParam() == "shm") ::unlink(("/dev/shm/pskv-" + uri("s", trial, victim).substr(6)).c_str());
-    servers[std::size_t(victim)] = ServerProcess::start({"--uri", uri("s", trial, victim), "--server-id", std::to_string(victim),
-                                                         "--restore", dir.string(), "--checkpoint-dir", dir.string()});
+    servers[std::size_t(victim)] =
+        ServerProcess::start({"--uri", uri("s", trial, victim), "--server-id", std::to_string(victim), "--restore",
+                              dir.string(), "--checkpoint-dir", dir.string()});
     Client check(o);
     std::vector<float> out(16);
     for (Key k = 0; k < kKeys; ++k) {
@@ -236,7 +243,8 @@ TEST_P(Fault, KillDuringCheckpointWriteKeepsThePreviousOne) {
       std::ifstream in(path, std::ios::binary);
       std::vector<char> bytes{std::istreambuf_iterator<char>(in), {}};
       try {
-        return parse_checkpoint(reinterpret_cast<const std::uint8_t*>(bytes.data()), bytes.size(), nullptr, path).keys == 96;
+        return parse_checkpoint(reinterpret_cast<const std::uint8_t*>(bytes.data()), bytes.size(), nullptr, path)
+                   .keys == 96;
       } catch (const Error&) {
         return false;
       }

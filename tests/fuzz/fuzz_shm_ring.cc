@@ -26,8 +26,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     // What the server would read must be inside the area.
     std::uint64_t floats = 0;
     for (const auto& k : keys) floats += k.length;
-    if (wire::op_carries_values(op) &&
-        reinterpret_cast<const std::byte*>(payload + floats) > base + area_bytes)
+    if (wire::op_carries_values(op) && reinterpret_cast<const std::byte*>(payload + floats) > base + area_bytes)
       __builtin_trap();
   }
   return 0;

@@ -16,7 +16,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     ParsedFrame f;
     pskv::Errc status = pskv::Errc::ok;
     std::string why;
-    const auto r = parse_request(reinterpret_cast<const std::byte*>(data + at), size - at, limits, &f, &keys, &status, &why);
+    const auto r =
+        parse_request(reinterpret_cast<const std::byte*>(data + at), size - at, limits, &f, &keys, &status, &why);
     if (r != ParseResult::complete) break;
     // The payload must lie inside what was parsed.
     if (f.payload + f.header.payload_bytes > reinterpret_cast<const std::byte*>(data + size)) __builtin_trap();

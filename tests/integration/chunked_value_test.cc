@@ -40,10 +40,10 @@ class ChunkedValue : public ::testing::TestWithParam<std::string> {
         uris_.push_back(in_process_.back()->uri());
         continue;
       }
-      const std::string uri = GetParam() == "tcp" ? "tcp://127.0.0.1:0"
-                                                  : "shm://chunks-" + std::to_string(::getpid()) + "-" + id;
-      processes_.push_back(testing::ServerProcess::start(
-          {"--uri", uri, "--server-id", id, "--io-threads", "2", "--rule", "assign"}));
+      const std::string uri =
+          GetParam() == "tcp" ? "tcp://127.0.0.1:0" : "shm://chunks-" + std::to_string(::getpid()) + "-" + id;
+      processes_.push_back(
+          testing::ServerProcess::start({"--uri", uri, "--server-id", id, "--io-threads", "2", "--rule", "assign"}));
       uris_.push_back(processes_.back().uri);
     }
   }

@@ -4,12 +4,12 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <sys/mman.h>
 #include <algorithm>
 #include <atomic>
 #include <fstream>
-#include <sstream>
-#include <sys/mman.h>
 #include <random>
+#include <sstream>
 #include <thread>
 
 #include "pskv/client.h"
@@ -21,17 +21,20 @@
 namespace pskv {
 namespace {
 
+using testing::expect_nothing_lost;
 using testing::fork_worker;
 using testing::ServerProcess;
-using testing::wait_pid;
-using testing::expect_nothing_lost;
 using testing::stats_field;
+using testing::wait_pid;
 
-std::string unique_name(const char* tag) { return std::string(tag) + "-" + std::to_string(getpid()); }
+std::string unique_name(const char* tag) {
+  return std::string(tag) + "-" + std::to_string(getpid());
+}
 
 ServerProcess start_shm(const std::string& name, std::vector<std::string> extra = {}) {
   std::vector<std::string> args{"--uri", "shm://" + name};
-  if (std::find(extra.begin(), extra.end(), "--io-threads") == extra.end()) extra.insert(extra.end(), {"--io-threads", "1"});
+  if (std::find(extra.begin(), extra.end(), "--io-threads") == extra.end())
+    extra.insert(extra.end(), {"--io-threads", "1"});
   args.insert(args.end(), extra.begin(), extra.end());
   return ServerProcess::start(args);
 }
@@ -101,7 +104,7 @@ TEST_P(ShmPush, NothingLostWith16Processes) {
 struct KillTrials {
   int trials;
   Key keys;
-  std::uint32_t length;       // floats per key
+  std::uint32_t length;        // floats per key
   std::uint32_t max_delay_us;  // a victim is killed up to this long after it starts
   bool after_first_push;       // ... after its first push rather than after its fork
   unsigned seed;
@@ -116,7 +119,8 @@ bool stop_inside_a_push(shm::Segment& segment, pid_t victim, std::mt19937& rng) 
   shm::ClientArea* area = nullptr;
   for (std::uint32_t i = 0; i < segment.geometry().clients && !area; ++i)
     if (segment.area(i).owner_pid.load() == victim) area = &segment.area(i);
-  return area && testing::stop_when(victim, [&] { return area->undo.phase.load() == UndoPhase::saved; }, rng);
+  return area && testing::stop_when(
+                     victim, [&] { return area->undo.phase.load() == UndoPhase::saved; }, rng);
 }
 
 // Victims that push forever are SIGKILLed one after another at random instants, while a
@@ -160,10 +164,12 @@ void run_kill_trials(const ClientOptions& o, const KillTrials& t) {
         victim_pushes->fetch_add(1);
       }
     });
-    while (t.after_first_push && victim_pushes->load() == 0) std::this_thread::sleep_for(std::chrono::microseconds(100));
+    while (t.after_first_push && victim_pushes->load() == 0)
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
     std::this_thread::sleep_for(std::chrono::microseconds(200 + rng() % t.max_delay_us));
     if (segment) {
-      EXPECT_TRUE(stop_inside_a_push(*segment, victim, rng)) << "victim " << victim << " was never caught inside a push";
+      EXPECT_TRUE(stop_inside_a_push(*segment, victim, rng))
+          << "victim " << victim << " was never caught inside a push";
     }
     kill(victim, SIGKILL);
     EXPECT_EQ(wait_pid(victim), 128 + SIGKILL);
@@ -188,7 +194,9 @@ void run_kill_trials(const ClientOptions& o, const KillTrials& t) {
 // in its copy into the ring, in its undo copy or apply, and between pushes.
 TEST_P(ShmPush, SigkillOfPushingWorkersLeavesTheStoreUsable) {
   auto server = start("kill");
-  run_kill_trials(shm_client(server.uri), {.trials = 50, .keys = 4, .length = 16384, .max_delay_us = 20000, .after_first_push = false, .seed = 12345});
+  run_kill_trials(
+      shm_client(server.uri),
+      {.trials = 50, .keys = 4, .length = 16384, .max_delay_us = 20000, .after_first_push = false, .seed = 12345});
 }
 
 // Workers that apply their own pushes are killed while they hold a stripe lock with a value
@@ -199,8 +207,13 @@ TEST(ShmIntegration, SigkillInsideAWorkerAppliedPushIsRolledBack) {
   auto server = start_shm(name, {"--shm-push", "worker"});
   const ClientOptions o = shm_client(server.uri);
   constexpr int kTrials = 20;
-  run_kill_trials(o, {.trials = kTrials, .keys = 2, .length = 1u << 19, .max_delay_us = 3000, .after_first_push = true,
-                      .seed = 99, .catch_in_segment = name.c_str()});
+  run_kill_trials(o, {.trials = kTrials,
+                      .keys = 2,
+                      .length = 1u << 19,
+                      .max_delay_us = 3000,
+                      .after_first_push = true,
+                      .seed = 99,
+                      .catch_in_segment = name.c_str()});
   Client check(o);
   const std::string stats = check.server_stats(0);
   EXPECT_EQ(stats_field(stats, "recovered_pushes"), kTrials) << stats;
@@ -355,8 +368,8 @@ TEST(ShmIntegration, IdleServerAndClientsSleep) {
     asleep += all_asleep();
     std::this_thread::sleep_for(std::chrono::microseconds(2500));
   }
-  EXPECT_GE(asleep, kSamples * 9 / 10) << "server threads or client helpers were awake in "
-                                       << kSamples - asleep << " of " << kSamples << " samples while idle";
+  EXPECT_GE(asleep, kSamples * 9 / 10) << "server threads or client helpers were awake in " << kSamples - asleep
+                                       << " of " << kSamples << " samples while idle";
 }
 
 TEST(ShmIntegration, BadNamesAreRejected) {

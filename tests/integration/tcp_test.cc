@@ -20,8 +20,8 @@
 #include "support/raw_peer.h"
 #include "support/stats.h"
 #include "support/stop.h"
-#include "support/workloads.h"
 #include "support/token_file.h"
+#include "support/workloads.h"
 #include "transport/tcp/socket.h"
 #include "transport/tcp/tcp_server.h"
 #include "transport/uri.h"
@@ -30,14 +30,14 @@
 namespace pskv {
 namespace {
 
-using testing::fork_worker;
-using testing::ServerProcess;
-using testing::wait_pid;
 using testing::expect_nothing_lost;
 using testing::expect_permission_error;
-using testing::TokenFile;
+using testing::fork_worker;
 using testing::RawPeer;
 using testing::read_file;
+using testing::ServerProcess;
+using testing::TokenFile;
+using testing::wait_pid;
 
 std::vector<ServerProcess> start_servers(int n, std::vector<std::string> extra = {}, const std::string& log = {}) {
   std::vector<ServerProcess> servers;
@@ -48,7 +48,6 @@ std::vector<ServerProcess> start_servers(int n, std::vector<std::string> extra =
   }
   return servers;
 }
-
 
 ClientOptions options_for(const std::vector<ServerProcess>& servers) {
   ClientOptions o;
@@ -149,9 +148,8 @@ void pull_during_pushes(const std::string& tcp_push, const std::function<void(co
 
 // Staged whole, a 4 MiB push is applied at once: no pull may mix two pushes.
 TEST(TcpIntegration, LargePullsDuringWholePushesAreNeverTorn) {
-  pull_during_pushes("whole", [](const std::vector<float>& big) {
-    ASSERT_TRUE(testing::one_push(big)) << "torn read";
-  });
+  pull_during_pushes("whole",
+                     [](const std::vector<float>& big) { ASSERT_TRUE(testing::one_push(big)) << "torn read"; });
 }
 
 // Applied in pieces as it arrives (the default), a 4 MiB push may be seen half applied, but
@@ -159,9 +157,7 @@ TEST(TcpIntegration, LargePullsDuringWholePushesAreNeverTorn) {
 // some point and the older push's after it. Pieces are as large as what has arrived, so the
 // point may be any float.
 TEST(TcpIntegration, LargePullsDuringPushesInPiecesSeeTheNewerPushAsAPrefix) {
-  pull_during_pushes("pieces", [](const std::vector<float>& big) {
-    ASSERT_TRUE(testing::newer_push_then_older(big));
-  });
+  pull_during_pushes("pieces", [](const std::vector<float>& big) { ASSERT_TRUE(testing::newer_push_then_older(big)); });
 }
 
 // One push frame of keys below, at and above the piece size, pipelined with small requests
@@ -183,7 +179,8 @@ TEST(TcpIntegration, MixedKeysInALargePushAllLand) {
       for (std::size_t j = 0; j < lengths[i]; ++j) values[i][j] = float(j % 251);
       grads.emplace_back(lengths[i], float(i + 1));
     }
-    std::vector<std::span<const float>> value_spans(values.begin(), values.end()), grad_spans(grads.begin(), grads.end());
+    std::vector<std::span<const float>> value_spans(values.begin(), values.end()),
+        grad_spans(grads.begin(), grads.end());
     c.wait(c.init(std::span<const Key>(keys), std::span<const std::span<const float>>(value_spans)));
     std::vector<float> one(8, 1.0f), small(8);
     c.wait(c.init(Key(7), std::vector<float>(8, 0.0f)));
@@ -668,7 +665,8 @@ TEST(TcpIntegration, KeysUpToAPieceInALargePushAreAppliedWhole) {
     const std::vector<float> ones_long(kLong, 1.0f), ones_piece(kPiece, 1.0f);
     const std::vector<Key> keys{Key(1), Key(2)};
     const std::vector<std::span<const float>> values{ones_long, ones_piece};
-    for (int i = 0; i < kPushes; ++i) c.wait(c.push(std::span<const Key>(keys), std::span<const std::span<const float>>(values)));
+    for (int i = 0; i < kPushes; ++i)
+      c.wait(c.push(std::span<const Key>(keys), std::span<const std::span<const float>>(values)));
     return 0;
   });
   Client c(o);
@@ -775,8 +773,6 @@ TEST(TcpIntegration, FramesFillingTheReceiveBufferToTheLastByteAreAllServed) {
   c.wait(c.pull(Key(3), out));
   EXPECT_EQ(out, std::vector<float>(kFloats, float(kFrames)));
 }
-
-
 
 class TcpAuth : public ::testing::Test {
  protected:
@@ -950,7 +946,8 @@ TEST_F(TcpHungServer, TimesOutTheThreadWaitingOnIt) {
 TEST_F(TcpHungServer, TimesOutRequestsNobodyWaitsFor) {
   const Ticket t = client_->push(Key(1), value_);
   const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-  while (!client_->done(t) && std::chrono::steady_clock::now() < give_up) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  while (!client_->done(t) && std::chrono::steady_clock::now() < give_up)
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
   ASSERT_TRUE(client_->done(t)) << "an unanswered request nobody waits for was never failed";
   expect_timeout(*client_, t);
 }
@@ -980,8 +977,8 @@ TEST(TcpCheckpoint, ServerRestartsFromItsCheckpoint) {
   std::vector<float> v(1000);
   for (std::size_t i = 0; i < v.size(); ++i) v[i] = float(i);
   {
-    auto server = ServerProcess::start({"--uri", "tcp://127.0.0.1:0", "--rule", "momentum", "--lr", "0.5",
-                                        "--checkpoint-dir", dir});
+    auto server = ServerProcess::start(
+        {"--uri", "tcp://127.0.0.1:0", "--rule", "momentum", "--lr", "0.5", "--checkpoint-dir", dir});
     ClientOptions o;
     o.servers = {server.uri};
     Client c(o);
@@ -992,8 +989,8 @@ TEST(TcpCheckpoint, ServerRestartsFromItsCheckpoint) {
     server.process.signal(SIGTERM);  // writes the final checkpoint
     ASSERT_EQ(server.process.wait(), 0);
   }
-  auto server = ServerProcess::start({"--uri", "tcp://127.0.0.1:0", "--rule", "momentum", "--lr", "0.5",
-                                      "--restore", dir});
+  auto server =
+      ServerProcess::start({"--uri", "tcp://127.0.0.1:0", "--rule", "momentum", "--lr", "0.5", "--restore", dir});
   ClientOptions o;
   o.servers = {server.uri};
   Client c(o);

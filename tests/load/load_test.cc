@@ -35,14 +35,14 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using testing::fork_worker;
 using testing::ServerProcess;
-using testing::wait_pid;
 using testing::stats_field;
+using testing::wait_pid;
 
 constexpr int kProcesses = 4;
 constexpr int kThreadsPerProcess = 16;
 constexpr int kClients = kProcesses * kThreadsPerProcess;
-constexpr int kKeys = 4;              // shared by every client: maximum contention
-constexpr std::size_t kLen = 64;      // floats per key; a torn read shows unequal floats
+constexpr int kKeys = 4;          // shared by every client: maximum contention
+constexpr std::size_t kLen = 64;  // floats per key; a torn read shows unequal floats
 constexpr Key kFirstKey = 100;
 
 long ops_per_client() {
@@ -55,10 +55,16 @@ long ops_per_client() {
 
 // Operation i of client c: even i push +1 to push_key, odd i pull pull_key. The pattern spreads
 // every client over every key, so the expected final values are known exactly.
-int push_key(int c, long i) { return static_cast<int>((c * 7 + i / 2) % kKeys); }
-int pull_key(int c, long i) { return static_cast<int>((c * 3 + i / 2 + 1) % kKeys); }
+int push_key(int c, long i) {
+  return static_cast<int>((c * 7 + i / 2) % kKeys);
+}
+int pull_key(int c, long i) {
+  return static_cast<int>((c * 3 + i / 2 + 1) % kKeys);
+}
 
-double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+double seconds_since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
 
 // Lives in a MAP_SHARED mapping made before fork, so the parent can watch the children.
 struct Shared {
@@ -125,7 +131,8 @@ bool run_client(const ClientOptions& o, int c, long ops, Shared* shared) {
     counted_done = true;
     // Stay connected until the parent has measured the server with every connection open.
     const auto deadline = Clock::now() + std::chrono::seconds(120);
-    while (!shared->release.load() && Clock::now() < deadline) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    while (!shared->release.load() && Clock::now() < deadline)
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
     return true;
   } catch (const std::exception& e) {
     report(shared, "client " + std::to_string(c) + ": " + e.what());
@@ -213,9 +220,10 @@ TEST(Load, SixtyFourClientsLoseNothingAndServerMemoryStaysBounded) {
   const double total_ops = double(kClients) * double(ops);
   std::printf("load: %d clients x %ld ops = %.0f ops in %.1f s (%.0f ops/s, warm-up done at %.1f s)\n", kClients, ops,
               total_ops, run_s, total_ops / run_s, warm_s);
-  std::printf("load: server VmRSS idle %ld KiB, after warm-up %ld KiB, at the end %ld KiB (growth %ld KiB), "
-              "peak VmHWM %ld KiB\n",
-              rss_idle, rss_warm, rss_end, rss_end - rss_warm, peak);
+  std::printf(
+      "load: server VmRSS idle %ld KiB, after warm-up %ld KiB, at the end %ld KiB (growth %ld KiB), "
+      "peak VmHWM %ld KiB\n",
+      rss_idle, rss_warm, rss_end, rss_end - rss_warm, peak);
   RecordProperty("ops_per_s", std::to_string(static_cast<long>(total_ops / run_s)));
   RecordProperty("server_rss_warm_kib", std::to_string(rss_warm));
   RecordProperty("server_rss_end_kib", std::to_string(rss_end));

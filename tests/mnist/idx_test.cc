@@ -42,8 +42,8 @@ Bytes labels_file(std::initializer_list<unsigned char> labels) {
 class IdxTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = fs::temp_directory_path() /
-           ("pskv-idx-" + std::to_string(::getpid()) + "-" + ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    dir_ = fs::temp_directory_path() / ("pskv-idx-" + std::to_string(::getpid()) + "-" +
+                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
     fs::remove_all(dir_);
     fs::create_directories(dir_);
   }
@@ -58,7 +58,8 @@ class IdxTest : public ::testing::Test {
       EXPECT_EQ(gzwrite(f, bytes.data(), static_cast<unsigned>(bytes.size())), static_cast<int>(bytes.size()));
       EXPECT_EQ(gzclose(f), Z_OK);
     } else {
-      std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+      std::ofstream(path, std::ios::binary)
+          .write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
     }
     return path;
   }
@@ -73,7 +74,8 @@ void expect_error(const std::function<void()>& f, Errc code, std::initializer_li
     ADD_FAILURE() << "no exception";
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), code) << e.what();
-    for (const auto& p : parts) EXPECT_NE(std::string(e.what()).find(p), std::string::npos) << "'" << p << "' not in: " << e.what();
+    for (const auto& p : parts)
+      EXPECT_NE(std::string(e.what()).find(p), std::string::npos) << "'" << p << "' not in: " << e.what();
   }
 }
 
@@ -82,7 +84,8 @@ void expect_matches(const Dataset& d, std::uint32_t n, std::uint32_t rows, std::
   EXPECT_EQ(d.rows, rows);
   EXPECT_EQ(d.cols, cols);
   ASSERT_EQ(d.images.size(), std::size_t{n} * rows * cols);
-  for (std::uint32_t i = 0; i < n * rows * cols; ++i) EXPECT_FLOAT_EQ(d.images[i], static_cast<float>(i * 7 % 256) / 255.0f);
+  for (std::uint32_t i = 0; i < n * rows * cols; ++i)
+    EXPECT_FLOAT_EQ(d.images[i], static_cast<float>(i * 7 % 256) / 255.0f);
   EXPECT_EQ(d.labels, std::vector<std::uint8_t>(labels.end() - n, labels.end()));
 }
 
@@ -142,11 +145,13 @@ TEST_F(IdxTest, WrongMagic) {
 
 TEST_F(IdxTest, TruncatedHeader) {
   const std::string p = write("i", Bytes{0, 0, 8});
-  expect_error([&] { load_idx(p, p); }, Errc::invalid_argument, {p, "truncated", "ends after 3 bytes", "inside the magic number"});
+  expect_error([&] { load_idx(p, p); }, Errc::invalid_argument,
+               {p, "truncated", "ends after 3 bytes", "inside the magic number"});
   Bytes header_only = images_file(1, 2, 2);
   header_only.resize(10);
   const std::string q = write("j", header_only);
-  expect_error([&] { load_idx(q, q); }, Errc::invalid_argument, {q, "truncated", "ends after 10 bytes", "inside the 16-byte IDX header"});
+  expect_error([&] { load_idx(q, q); }, Errc::invalid_argument,
+               {q, "truncated", "ends after 10 bytes", "inside the 16-byte IDX header"});
 }
 
 TEST_F(IdxTest, TruncatedBody) {

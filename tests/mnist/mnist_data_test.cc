@@ -20,12 +20,13 @@ std::string data_dir() {
 
 bool present(DatasetKind kind) {
   const auto dir = std::filesystem::path(data_dir()) / std::string(to_string(kind));
-  return std::filesystem::exists(dir / "train-images-idx3-ubyte") || std::filesystem::exists(dir / "train-images-idx3-ubyte.gz");
+  return std::filesystem::exists(dir / "train-images-idx3-ubyte") ||
+         std::filesystem::exists(dir / "train-images-idx3-ubyte.gz");
 }
 
-#define SKIP_WITHOUT(kind)                                                                                  \
-  if (!present(kind))                                                                                       \
-  GTEST_SKIP() << to_string(kind) << " data not found under " << data_dir()                                 \
+#define SKIP_WITHOUT(kind)                                                  \
+  if (!present(kind))                                                       \
+  GTEST_SKIP() << to_string(kind) << " data not found under " << data_dir() \
                << " (run scripts/fetch-data.sh, or set PSKV_DATA_DIR); skipping the real-data test"
 
 void expect_standard_shapes(DatasetKind kind) {
@@ -62,12 +63,14 @@ TEST(RealData, MlpSgdOnASliceOfMnist) {
   for (std::size_t at = 0; at + batch <= train.n; at += batch)
     losses.push_back(sgd_step(*model, train.image(at), train.labels.data() + at, batch, 0.1f));
   const auto mean = [&](std::size_t from, std::size_t to) {
-    return std::accumulate(losses.begin() + static_cast<std::ptrdiff_t>(from), losses.begin() + static_cast<std::ptrdiff_t>(to), 0.0) /
+    return std::accumulate(losses.begin() + static_cast<std::ptrdiff_t>(from),
+                           losses.begin() + static_cast<std::ptrdiff_t>(to), 0.0) /
            static_cast<double>(to - from);
   };
   EXPECT_LT(mean(losses.size() - 20, losses.size()), 0.25 * mean(0, 20));
   // One pass over 8000 images: a healthy MLP is well past 85% here.
-  const double accuracy = static_cast<double>(model->count_correct(test.images.data(), test.labels.data(), test.n)) / static_cast<double>(test.n);
+  const double accuracy = static_cast<double>(model->count_correct(test.images.data(), test.labels.data(), test.n)) /
+                          static_cast<double>(test.n);
   std::printf("MLP, one pass over 8000 MNIST images: test accuracy %.3f\n", accuracy);
   EXPECT_GT(accuracy, 0.85);
 }

@@ -4,8 +4,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
 #include <cstdint>
+#include <cstdio>
 #include <numeric>
 #include <random>
 
@@ -75,12 +75,23 @@ TEST(Model, FactoryRejectsBadArguments) {
 TEST(Model, ParamBlocksAreStableAlignedAndPyTorchShaped) {
   const std::vector<std::pair<std::string, std::vector<std::pair<std::string, std::size_t>>>> expected{
       {"mlp",
-       {{"fc1.weight", 784 * 256}, {"fc1.bias", 256}, {"fc2.weight", 256 * 128}, {"fc2.bias", 128},
-        {"fc3.weight", 128 * 10}, {"fc3.bias", 10}}},
+       {{"fc1.weight", 784 * 256},
+        {"fc1.bias", 256},
+        {"fc2.weight", 256 * 128},
+        {"fc2.bias", 128},
+        {"fc3.weight", 128 * 10},
+        {"fc3.bias", 10}}},
       {"cnn",
-       {{"conv1.weight", 32 * 9}, {"conv1.bias", 32}, {"conv2.weight", 64 * 32 * 9}, {"conv2.bias", 64},
-        {"fc1.weight", 9216 * 128}, {"fc1.bias", 128}, {"fc2.weight", 128 * 20}, {"fc2.bias", 20},
-        {"fc3.weight", 20 * 10}, {"fc3.bias", 10}}},
+       {{"conv1.weight", 32 * 9},
+        {"conv1.bias", 32},
+        {"conv2.weight", 64 * 32 * 9},
+        {"conv2.bias", 64},
+        {"fc1.weight", 9216 * 128},
+        {"fc1.bias", 128},
+        {"fc2.weight", 128 * 20},
+        {"fc2.bias", 20},
+        {"fc3.weight", 20 * 10},
+        {"fc3.bias", 10}}},
   };
   for (const auto& [name, blocks] : expected) {
     auto m = make_model(name, 1);
@@ -199,19 +210,26 @@ void gradient_check(const char* name, std::size_t batch, int per_block) {
           tried += std::to_string(numeric);
         }
         if (ok) {
-          central_at_first_step += eps == 1e-2f && std::abs((up - down) / (2.0 * eps) - exact) <= 1e-2 * std::abs(exact) + slack;
+          central_at_first_step +=
+              eps == 1e-2f && std::abs((up - down) / (2.0 * eps) - exact) <= 1e-2 * std::abs(exact) + slack;
           break;
         }
       }
-      EXPECT_TRUE(ok) << name << " " << block.name << "[" << i << "]: analytic " << exact << ", numeric (central, forward, backward at steps 1e-2, 3e-3, 1e-3):" << tried;
+      EXPECT_TRUE(ok) << name << " " << block.name << "[" << i << "]: analytic " << exact
+                      << ", numeric (central, forward, backward at steps 1e-2, 3e-3, 1e-3):" << tried;
     }
     base += block.size;
   }
-  std::printf("%s: %zu of %zu coordinates matched the central difference at step 1e-2\n", name, central_at_first_step, checked);
+  std::printf("%s: %zu of %zu coordinates matched the central difference at step 1e-2\n", name, central_at_first_step,
+              checked);
 }
 
-TEST(Model, MlpGradientMatchesFiniteDifferences) { gradient_check("mlp", 4, 6); }
-TEST(Model, CnnGradientMatchesFiniteDifferences) { gradient_check("cnn", 2, 4); }
+TEST(Model, MlpGradientMatchesFiniteDifferences) {
+  gradient_check("mlp", 4, 6);
+}
+TEST(Model, CnnGradientMatchesFiniteDifferences) {
+  gradient_check("cnn", 2, 4);
+}
 
 // Splitting a batch over threads changes only the summation order, dropout masks included.
 TEST(Model, ThreadsGiveTheSameResult) {
@@ -263,7 +281,8 @@ TEST(Model, CnnDropoutDrawsFreshMasksOnlyInTraining) {
 }
 
 double mean(const std::vector<float>& v, std::size_t from, std::size_t to) {
-  return std::accumulate(v.begin() + static_cast<std::ptrdiff_t>(from), v.begin() + static_cast<std::ptrdiff_t>(to), 0.0) /
+  return std::accumulate(v.begin() + static_cast<std::ptrdiff_t>(from), v.begin() + static_cast<std::ptrdiff_t>(to),
+                         0.0) /
          static_cast<double>(to - from);
 }
 

@@ -27,9 +27,11 @@ std::string rdma_skip_reason() {
 
 ServerProcess start_rdma_server(std::vector<std::string> extra) {
   // Small defaults: the VM has 2 GiB and a server pins its whole store and receive regions.
-  const std::vector<std::pair<std::string, std::string>> defaults{
-      {"--uri", "rdma://" + rdma_ip() + ":0"}, {"--io-threads", "2"}, {"--arena-mb", "48"},
-      {"--max-keys", "4096"}, {"--rdma-recv-mb", "24"}};
+  const std::vector<std::pair<std::string, std::string>> defaults{{"--uri", "rdma://" + rdma_ip() + ":0"},
+                                                                  {"--io-threads", "2"},
+                                                                  {"--arena-mb", "48"},
+                                                                  {"--max-keys", "4096"},
+                                                                  {"--rdma-recv-mb", "24"}};
   std::vector<std::string> args = extra;
   for (const auto& [flag, value] : defaults)
     if (std::find(extra.begin(), extra.end(), flag) == extra.end()) args.insert(args.end(), {flag, value});

@@ -21,10 +21,10 @@ ClientOptions rdma_client(const std::vector<std::string>& uris);
 
 }  // namespace pskv::testing
 
-#define PSKV_REQUIRE_RDMA()                                                 \
-  do {                                                                      \
+#define PSKV_REQUIRE_RDMA()                                                                             \
+  do {                                                                                                  \
     if (const std::string why = ::pskv::testing::rdma_skip_reason(); !why.empty()) GTEST_SKIP() << why; \
-    ASSERT_TRUE(::pskv::testing::rdma_device_present())                     \
-        << "RDMA_VM is set but no RDMA device is visible: the VM failed to create rxe0"; \
-    ASSERT_FALSE(::pskv::testing::rdma_ip().empty()) << "set RXE_IP to the RDMA interface's address"; \
+    ASSERT_TRUE(::pskv::testing::rdma_device_present())                                                 \
+        << "RDMA_VM is set but no RDMA device is visible: the VM failed to create rxe0";                \
+    ASSERT_FALSE(::pskv::testing::rdma_ip().empty()) << "set RXE_IP to the RDMA interface's address";   \
   } while (0)

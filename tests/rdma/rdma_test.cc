@@ -1,10 +1,10 @@
 // The RDMA backend end to end, on a real (Soft-RoCE) device: pskv-server processes serving
 // rdma://$RXE_IP:0, clients in forked processes, values through real RDMA READs and WRITEs.
-#include <gtest/gtest.h>
-#include <rdma/rdma_cma.h>
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <gtest/gtest.h>
 #include <netdb.h>
+#include <rdma/rdma_cma.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -110,9 +110,14 @@ TEST(Rdma, NothingLostWithFourClientProcesses) {
   std::vector<ServerProcess> servers;
   servers.push_back(start_rdma_server());
   servers.push_back(start_rdma_server({"--server-id", "1"}));
-  expect_nothing_lost(rdma_client({servers[0].uri, servers[1].uri}),
-                      {.clients = 4, .pushes = 200, .keys = 8, .length = 100, .batch = 16, .pull_between_batches = true,
-                       .register_every_other = true, .worker_limit = std::chrono::seconds(300)});
+  expect_nothing_lost(rdma_client({servers[0].uri, servers[1].uri}), {.clients = 4,
+                                                                      .pushes = 200,
+                                                                      .keys = 8,
+                                                                      .length = 100,
+                                                                      .batch = 16,
+                                                                      .pull_between_batches = true,
+                                                                      .register_every_other = true,
+                                                                      .worker_limit = std::chrono::seconds(300)});
 }
 
 // Writers assign all-equal vectors while readers pull the same keys with real RDMA READs: a
@@ -130,7 +135,7 @@ TEST(Rdma, ConcurrentPullsDuringPushesAreNeverTorn) {
     admin.wait(admin.init(Key(2), std::vector<float>(kSmall, 0.0f)));
   }
   auto* stop = shared_array<std::atomic<int>>(1);
-  auto* reads = shared_array<std::atomic<long>>(2);     // [0] reads, [1] distinct values seen changing
+  auto* reads = shared_array<std::atomic<long>>(2);  // [0] reads, [1] distinct values seen changing
   auto* torn = shared_array<std::atomic<long>>(1);
   std::vector<pid_t> writers, readers;
   for (int w = 0; w < 2; ++w)
@@ -309,7 +314,8 @@ class RawPeer {
     ch_ = rdma_create_event_channel();
     if (!ch_ || rdma_create_id(ch_, &id_, nullptr, RDMA_PS_TCP) != 0) throw std::runtime_error("rdma_cm");
     addrinfo* ai = nullptr;
-    if (getaddrinfo(u.host.c_str(), std::to_string(u.port).c_str(), nullptr, &ai) != 0) throw std::runtime_error("addr");
+    if (getaddrinfo(u.host.c_str(), std::to_string(u.port).c_str(), nullptr, &ai) != 0)
+      throw std::runtime_error("addr");
     const int rc = rdma_resolve_addr(id_, nullptr, ai->ai_addr, 5000);
     freeaddrinfo(ai);
     if (rc != 0) throw std::runtime_error("resolve");
@@ -326,8 +332,8 @@ class RawPeer {
     for (std::uint32_t i = 8; i < 16; ++i) post_recv(i);
     if (rdma_resolve_route(id_, 5000) != 0) throw std::runtime_error("route");
     expect_event(RDMA_CM_EVENT_ROUTE_RESOLVED);
-    rdma::ConnectRequest req{rdma::kCmMagic, wire::kVersion, rdma::kRdmaVersion, kNoWorker, 8,
-                             claims_token ? rdma::kHasToken : 0u, {}};
+    rdma::ConnectRequest req{
+        rdma::kCmMagic, wire::kVersion, rdma::kRdmaVersion, kNoWorker, 8, claims_token ? rdma::kHasToken : 0u, {}};
     rdma_conn_param p{};
     p.private_data = &req;
     p.private_data_len = sizeof req;
@@ -594,10 +600,10 @@ TEST(Rdma, IdleProcessesSleepAndBusyPollingWorks) {
     constexpr int kSamples = 400;
     const int server_asleep = testing::samples_all_threads_asleep(server.process.pid(), kSamples);
     const int me_asleep = testing::samples_all_threads_asleep(getpid(), kSamples, static_cast<pid_t>(::gettid()));
-    EXPECT_GE(server_asleep, kSamples * 9 / 10) << "the idle server had a thread running in "
-                                                << kSamples - server_asleep << " of " << kSamples << " looks";
-    EXPECT_GE(me_asleep, kSamples * 9 / 10) << "the idle client had a thread running in " << kSamples - me_asleep
-                                            << " of " << kSamples << " looks";
+    EXPECT_GE(server_asleep, kSamples * 9 / 10)
+        << "the idle server had a thread running in " << kSamples - server_asleep << " of " << kSamples << " looks";
+    EXPECT_GE(me_asleep, kSamples * 9 / 10)
+        << "the idle client had a thread running in " << kSamples - me_asleep << " of " << kSamples << " looks";
   }
   auto busy = start_rdma_server({"--rdma-busy-poll"});
   Client c(rdma_client({busy.uri + "?poll=busy"}));

@@ -61,7 +61,8 @@ TEST(Store, SlotsAreCacheAlignedAndContiguous) {
     const SlotHeader& slot = *e.slot;
     EXPECT_EQ(e.length, slot.length);
     EXPECT_EQ(reinterpret_cast<std::uintptr_t>(slot.values()) % 64, 0u);
-    EXPECT_EQ(reinterpret_cast<const std::byte*>(&slot) - s->value_arena(), static_cast<std::ptrdiff_t>(expected_offset));
+    EXPECT_EQ(reinterpret_cast<const std::byte*>(&slot) - s->value_arena(),
+              static_cast<std::ptrdiff_t>(expected_offset));
     expected_offset += slot_bytes(e.length);
     ++n;
   });
@@ -173,7 +174,8 @@ TEST(Store, ApplyLoggedMatchesApply) {
   ASSERT_EQ(undo.size(), 15u);  // value + Adam's m and s
   for (int step = 0; step < 3; ++step) {
     ASSERT_EQ(a->push(3, g), Errc::ok);
-    ASSERT_EQ(b->apply_logged(*slot, g.data(), 5, 1.0f, 9, log, undo.data(), undo.size(), std::chrono::nanoseconds(0)), Errc::ok);
+    ASSERT_EQ(b->apply_logged(*slot, g.data(), 5, 1.0f, 9, log, undo.data(), undo.size(), std::chrono::nanoseconds(0)),
+              Errc::ok);
   }
   EXPECT_EQ(log.phase.load(), UndoPhase::idle);
   EXPECT_EQ(b->stripe_holder(3), 0u);
@@ -272,11 +274,11 @@ TEST(Store, RecoverRollsBackAnUpdateCutShortBySigkill) {
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
     const Store::Recovery r = store->recover(*log, owner, undo, kLen);
     waiter.join();
-    const Store::Recovery expected = !holds                     ? Store::Recovery::nothing
+    const Store::Recovery expected = !holds                      ? Store::Recovery::nothing
                                      : phase == UndoPhase::saved ? Store::Recovery::rolled_back
                                                                  : Store::Recovery::released;
-    EXPECT_EQ(r, expected) << "trial " << trial << ", killed in phase " << int(phase) << (holds ? " holding" : " not holding")
-                           << " the lock";
+    EXPECT_EQ(r, expected) << "trial " << trial << ", killed in phase " << int(phase)
+                           << (holds ? " holding" : " not holding") << " the lock";
     rolled_back += r == Store::Recovery::rolled_back;
     EXPECT_EQ(log->phase.load(), UndoPhase::idle);
     EXPECT_EQ(store->stripe_holder(5), 0u);
@@ -316,9 +318,9 @@ TEST(Store, SlotAtAcceptsOnlyRealSlots) {
   const std::uint64_t first = s->slot_offset(*s->find(1)), second = s->slot_offset(*s->find(2));
   EXPECT_EQ(s->slot_at(first), s->find(1));
   EXPECT_EQ(s->slot_at(second), s->find(2));
-  EXPECT_EQ(s->slot_at(0), nullptr);                // the store header
-  EXPECT_EQ(s->slot_at(first + 8), nullptr);        // not line-aligned
-  EXPECT_EQ(s->slot_at(first + 64), nullptr);       // inside a slot's values
+  EXPECT_EQ(s->slot_at(0), nullptr);                        // the store header
+  EXPECT_EQ(s->slot_at(first + 8), nullptr);                // not line-aligned
+  EXPECT_EQ(s->slot_at(first + 64), nullptr);               // inside a slot's values
   EXPECT_EQ(s->slot_at(second + slot_bytes(40)), nullptr);  // past the used arena
   EXPECT_EQ(s->slot_at(~0ull - 63), nullptr);
 }

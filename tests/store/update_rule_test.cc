@@ -23,9 +23,15 @@ struct Reference {
       double g = grad[i];
       if (r.rule != UpdateRule::assign && r.rule != UpdateRule::add) g += double{r.weight_decay} * v[i];
       switch (r.rule) {
-        case UpdateRule::assign: v[i] = grad[i]; break;
-        case UpdateRule::add: v[i] += grad[i]; break;
-        case UpdateRule::sgd: v[i] -= lr * g; break;
+        case UpdateRule::assign:
+          v[i] = grad[i];
+          break;
+        case UpdateRule::add:
+          v[i] += grad[i];
+          break;
+        case UpdateRule::sgd:
+          v[i] -= lr * g;
+          break;
         case UpdateRule::momentum:
           m[i] = r.momentum * m[i] + g;
           v[i] -= lr * m[i];
@@ -89,7 +95,8 @@ TEST_P(UpdateRuleTest, MatchesScalarReference) {
     }
     ASSERT_EQ(store->pull(Key(n), out).status, Errc::ok);
     for (std::size_t i = 0; i < n; ++i)
-      ASSERT_NEAR(out[i], ref.v[i], 2e-4 * (1 + std::abs(ref.v[i]))) << "element " << i << " rule " << to_string(c.rule);
+      ASSERT_NEAR(out[i], ref.v[i], 2e-4 * (1 + std::abs(ref.v[i])))
+          << "element " << i << " rule " << to_string(c.rule);
   }
 }
 
@@ -127,21 +134,23 @@ TEST_P(UpdateRuleTest, PiecesMatchAWholePush) {
   // Equal but for the last bit or two: near an unaligned cut Eigen evaluates Adam's and Adagrad's
   // square roots and quotients on the scalar path instead of the vector one.
   for (std::size_t i = 0; i < n; ++i)
-    ASSERT_NEAR(pieces[i], whole[i], 1e-6 * (1 + std::abs(whole[i]))) << "element " << i << " rule " << to_string(c.rule);
+    ASSERT_NEAR(pieces[i], whole[i], 1e-6 * (1 + std::abs(whole[i])))
+        << "element " << i << " rule " << to_string(c.rule);
 }
 
-INSTANTIATE_TEST_SUITE_P(AllRules, UpdateRuleTest,
-                         ::testing::Combine(::testing::Values(Case{UpdateRule::assign, 0}, Case{UpdateRule::add, 0},
-                                                              Case{UpdateRule::sgd, 0}, Case{UpdateRule::sgd, 0.01f},
-                                                              Case{UpdateRule::momentum, 0}, Case{UpdateRule::momentum, 0.01f},
-                                                              Case{UpdateRule::adam, 0}, Case{UpdateRule::adam, 0.01f},
-                                                              Case{UpdateRule::adagrad, 0}, Case{UpdateRule::adagrad, 0.01f}),
-                                            ::testing::Bool()),
-                         [](const auto& info) {
-                           const Case c = std::get<0>(info.param);
-                           return std::string(to_string(c.rule)) + (c.weight_decay != 0 ? "_wd" : "") +
-                                  (std::get<1>(info.param) ? "_baseline" : "");
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    AllRules, UpdateRuleTest,
+    ::testing::Combine(::testing::Values(Case{UpdateRule::assign, 0}, Case{UpdateRule::add, 0},
+                                         Case{UpdateRule::sgd, 0}, Case{UpdateRule::sgd, 0.01f},
+                                         Case{UpdateRule::momentum, 0}, Case{UpdateRule::momentum, 0.01f},
+                                         Case{UpdateRule::adam, 0}, Case{UpdateRule::adam, 0.01f},
+                                         Case{UpdateRule::adagrad, 0}, Case{UpdateRule::adagrad, 0.01f}),
+                       ::testing::Bool()),
+    [](const auto& info) {
+      const Case c = std::get<0>(info.param);
+      return std::string(to_string(c.rule)) + (c.weight_decay != 0 ? "_wd" : "") +
+             (std::get<1>(info.param) ? "_baseline" : "");
+    });
 
 TEST(UpdateRuleNames, RoundTrip) {
   for (auto r : {UpdateRule::assign, UpdateRule::add, UpdateRule::sgd, UpdateRule::momentum, UpdateRule::adam,

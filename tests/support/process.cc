@@ -73,7 +73,8 @@ std::string Process::read_line(std::chrono::milliseconds timeout) {
       buffer_.erase(0, nl + 1);
       return line;
     }
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
     if (left.count() <= 0) return {};
     pollfd p{out_fd_, POLLIN, 0};
     if (poll(&p, 1, static_cast<int>(left.count())) <= 0) return {};
@@ -156,8 +157,12 @@ long status_field(pid_t pid, const char* field) {
 }
 }  // namespace
 
-long peak_rss_kib(pid_t pid) { return status_field(pid, "VmHWM:"); }
-long rss_kib(pid_t pid) { return status_field(pid, "VmRSS:"); }
+long peak_rss_kib(pid_t pid) {
+  return status_field(pid, "VmHWM:");
+}
+long rss_kib(pid_t pid) {
+  return status_field(pid, "VmRSS:");
+}
 
 std::string read_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);

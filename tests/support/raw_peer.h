@@ -45,7 +45,8 @@ class RawPeer {
     wire::FrameHeader r{};
     if (tcp::read_full(fd_.get(), &r, sizeof r) != tcp::IoResult::ok) return {-1, "closed"};
     std::string text(r.payload_bytes, '\0');
-    if (!text.empty() && tcp::read_full(fd_.get(), text.data(), text.size()) != tcp::IoResult::ok) return {-1, "closed"};
+    if (!text.empty() && tcp::read_full(fd_.get(), text.data(), text.size()) != tcp::IoResult::ok)
+      return {-1, "closed"};
     return {r.status, text};
   }
   bool closed_by_server() {

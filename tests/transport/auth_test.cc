@@ -47,7 +47,9 @@ TEST(AuthProof, DirectionsNoncesAndTokensAllChangeTheProof) {
   EXPECT_TRUE(proofs_equal(t.client_proof(a, b), Token("0123456789abcdef-secret").client_proof(a, b)));
 }
 
-TEST(AuthNonce, IsFreshEachTime) { EXPECT_NE(random_nonce(), random_nonce()); }
+TEST(AuthNonce, IsFreshEachTime) {
+  EXPECT_NE(random_nonce(), random_nonce());
+}
 
 TEST(AuthTokenFile, TrailingNewlineIsNotPartOfTheToken) {
   TokenFile f("0123456789abcdef-secret\n", 0600);

@@ -77,8 +77,8 @@ TEST(Uri, ParsesEveryScheme) {
 }
 
 TEST(Uri, RejectsMalformed) {
-  for (const char* bad : {"127.0.0.1:9000", "://h:1", "tcp://h", "tcp://:1", "tcp://h:99999", "tcp://h:1x",
-                          "shm://", "shm://../etc/passwd", "shm://a b", "fake://", "rdma://h:1?novalue"})
+  for (const char* bad : {"127.0.0.1:9000", "://h:1", "tcp://h", "tcp://:1", "tcp://h:99999", "tcp://h:1x", "shm://",
+                          "shm://../etc/passwd", "shm://a b", "fake://", "rdma://h:1?novalue"})
     EXPECT_THROW(parse_uri(bad), Error) << bad;
 }
 

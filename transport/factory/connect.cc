@@ -16,8 +16,9 @@ std::unique_ptr<Connection> connect(const Uri& uri, const ConnectOptions& option
 #if PSKV_WITH_RDMA
   if (uri.scheme == "rdma") return std::make_unique<rdma::RdmaConnection>(uri, options);
 #endif
-  throw Error(Errc::unsupported, "no " + uri.scheme + " transport in this build (" + uri.str() +
-                                     "): use tcp://, shm://, rdma:// (when built with rdma-core) or fake:// (in-process)");
+  throw Error(Errc::unsupported,
+              "no " + uri.scheme + " transport in this build (" + uri.str() +
+                  "): use tcp://, shm://, rdma:// (when built with rdma-core) or fake:// (in-process)");
 }
 
 }  // namespace pskv::transport

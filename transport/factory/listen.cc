@@ -16,8 +16,9 @@ std::unique_ptr<Listener> listen(const Uri& uri, const ListenOptions& options) {
 #if PSKV_WITH_RDMA
   if (uri.scheme == "rdma") return rdma::make_listener(uri, options);
 #endif
-  throw Error(Errc::unsupported, "no " + uri.scheme + " transport in this build (" + uri.str() +
-                                     "): serve tcp://, shm://, rdma:// (when built with rdma-core) or fake:// (in-process)");
+  throw Error(Errc::unsupported,
+              "no " + uri.scheme + " transport in this build (" + uri.str() +
+                  "): serve tcp://, shm://, rdma:// (when built with rdma-core) or fake:// (in-process)");
 }
 
 }  // namespace pskv::transport

@@ -20,11 +20,11 @@ class Hub;
 struct Link {
   std::mutex mu;
   std::condition_variable idle;
-  bool closed = false;        // the connection is gone: its requests are not touched any more
-  std::uint32_t active = 0;   // requests being served right now (outside `mu`)
+  bool closed = false;                    // the connection is gone: its requests are not touched any more
+  std::uint32_t active = 0;               // requests being served right now (outside `mu`)
   std::set<transport::Request*> pending;  // submitted, not yet completed
   std::uint32_t worker = kNoWorker;
-  bool finished = false;      // announced clock kClockDone
+  bool finished = false;  // announced clock kClockDone
   std::uint32_t max_in_flight = 128;
   std::condition_variable room;
 };
@@ -351,7 +351,8 @@ std::unique_ptr<transport::Connection> connect(const Uri& uri, const transport::
     std::lock_guard lock(g_mu);
     if (auto it = g_hubs.find(uri.name); it != g_hubs.end()) hub = it->second;
   }
-  if (!hub) throw Error(Errc::peer_failure, "no fake server " + uri.str() + " in this process (fake:// is in-process only)");
+  if (!hub)
+    throw Error(Errc::peer_failure, "no fake server " + uri.str() + " in this process (fake:// is in-process only)");
   return std::make_unique<FakeConnection>(std::move(hub), uri, options);
 }
 

@@ -91,8 +91,9 @@ RdmaConnection::RdmaConnection(const Uri& uri, const transport::ConnectOptions& 
     std::this_thread::sleep_for(pause);
     pause = std::min(pause * 2, std::chrono::milliseconds(500));
   }
-  if (const auto proof = auth::answer(options_.token.get(), client_nonce_,
-                                      server_.flags & kAuthRequired ? server_.nonce : nullptr, server_.proof, endpoint_))
+  if (const auto proof =
+          auth::answer(options_.token.get(), client_nonce_, server_.flags & kAuthRequired ? server_.nonce : nullptr,
+                       server_.proof, endpoint_))
     authenticate(*proof, deadline);
   if (server_.grant.region_bytes < kDescriptorAlign ||
       (server_.num_workers && server_.grant.clock_bytes != ClockTable::bytes_for(server_.num_workers)))
@@ -105,8 +106,8 @@ RdmaConnection::RdmaConnection(const Uri& uri, const transport::ConnectOptions& 
   bounded_ = server_.num_workers > 0 && mode != ConsistencyMode::asp;
   staleness_ = mode == ConsistencyMode::ssp ? server_.staleness : 0;
   if (options_.worker_id != kNoWorker && options_.worker_id >= server_.num_workers)
-    throw Error(Errc::invalid_argument, "worker id " + std::to_string(options_.worker_id) + " is out of range: " +
-                                            endpoint_ + " was started with --workers " +
+    throw Error(Errc::invalid_argument, "worker id " + std::to_string(options_.worker_id) +
+                                            " is out of range: " + endpoint_ + " was started with --workers " +
                                             std::to_string(server_.num_workers));
   credits_ = std::min(server_.credits, recv_depth_);
   cache_ = std::make_unique<MrCache>(verbs_->pd);
@@ -170,7 +171,8 @@ bool RdmaConnection::connect_once(const Uri& uri, Deadline deadline, std::string
                                             "); use the address of the server's RDMA interface (in the Soft-RoCE VM: "
                                             "$RXE_IP, not 127.0.0.1)");
       case RDMA_CM_EVENT_ROUTE_ERROR:
-        throw Error(Errc::peer_failure, endpoint_ + ": no RDMA route to " + uri.host + " (" + errno_text(-ev->status) + ")");
+        throw Error(Errc::peer_failure,
+                    endpoint_ + ": no RDMA route to " + uri.host + " (" + errno_text(-ev->status) + ")");
       case RDMA_CM_EVENT_UNREACHABLE:
         throw Error(Errc::peer_failure, endpoint_ + " is unreachable over RDMA (" + std::string(step) +
                                             " got no response); is the server host up?");
@@ -198,14 +200,16 @@ bool RdmaConnection::connect_once(const Uri& uri, Deadline deadline, std::string
   send_depth_ = std::min<std::uint32_t>(send_depth_, static_cast<std::uint32_t>(dev.max_qp_wr));
   max_sge_ = std::min<std::uint32_t>({kMaxGather, static_cast<std::uint32_t>(dev.max_sge),
                                       static_cast<std::uint32_t>(dev.max_sge_rd ? dev.max_sge_rd : dev.max_sge)});
-  if (max_sge_ < 2) throw Error(Errc::unsupported, endpoint_ + ": the RDMA device supports fewer than 2 SGEs per request");
+  if (max_sge_ < 2)
+    throw Error(Errc::unsupported, endpoint_ + ": the RDMA device supports fewer than 2 SGEs per request");
   const int cqe = std::min<int>(dev.max_cqe, static_cast<int>(send_depth_ + recv_depth_));
   ibv_port_attr port{};
   if (ibv_query_port(ctx, v->id->port_num, &port) != 0) throw Error(Errc::io, "ibv_query_port: " + errno_text(errno));
   max_message_ = port.max_msg_sz;
 
   if (!(v->pd = ibv_alloc_pd(ctx))) throw Error(Errc::io, "ibv_alloc_pd: " + errno_text(errno));
-  if (!(v->channel = ibv_create_comp_channel(ctx))) throw Error(Errc::io, "ibv_create_comp_channel: " + errno_text(errno));
+  if (!(v->channel = ibv_create_comp_channel(ctx)))
+    throw Error(Errc::io, "ibv_create_comp_channel: " + errno_text(errno));
   set_nonblocking(v->channel->fd);
   if (!(v->cq = ibv_create_cq(ctx, cqe, nullptr, v->channel, 0)))
     throw Error(Errc::io, "ibv_create_cq(" + std::to_string(cqe) + "): " + errno_text(errno));
@@ -236,7 +240,8 @@ bool RdmaConnection::connect_once(const Uri& uri, Deadline deadline, std::string
     wr.wr_id = make_wr_id(WrKind::recv, i);
     wr.sg_list = &sge;
     wr.num_sge = 1;
-    if (const int rc = ibv_post_recv(v->qp, &wr, &bad); rc != 0) throw Error(Errc::io, "ibv_post_recv: " + errno_text(rc));
+    if (const int rc = ibv_post_recv(v->qp, &wr, &bad); rc != 0)
+      throw Error(Errc::io, "ibv_post_recv: " + errno_text(rc));
   }
 
   ConnectRequest req{kCmMagic, wire::kVersion, kRdmaVersion, options_.worker_id, recv_depth_, 0, {}};
@@ -253,12 +258,14 @@ bool RdmaConnection::connect_once(const Uri& uri, Deadline deadline, std::string
   param.retry_count = kRetryCount;
   param.rnr_retry_count = kRnrRetry;
   param.qp_num = v->qp->qp_num;
-  if (rdma_connect(v->id, &param) != 0) throw Error(Errc::peer_failure, "rdma_connect to " + endpoint_ + ": " + errno_text(errno));
+  if (rdma_connect(v->id, &param) != 0)
+    throw Error(Errc::peer_failure, "rdma_connect to " + endpoint_ + ": " + errno_text(errno));
 
   rdma_cm_event* raw = next_cm_event(v->events, deadline);
   if (!raw)
     throw Error(Errc::timeout, endpoint_ + " did not accept the connection within " +
-                                   std::to_string(options_.connect_timeout.count()) + " ms; is the server overloaded or hung?");
+                                   std::to_string(options_.connect_timeout.count()) +
+                                   " ms; is the server overloaded or hung?");
   CmEvent ev{raw};
   if (raw->event == RDMA_CM_EVENT_REJECTED) {
     const void* data = raw->param.conn.private_data;
@@ -267,10 +274,11 @@ bool RdmaConnection::connect_once(const Uri& uri, Deadline deadline, std::string
       std::memcpy(&r, data, sizeof r);
       if (r.magic == kCmMagic)
         throw Error(static_cast<Errc>(r.status),
-                    endpoint_ + " refused the connection: " + std::string(r.text, std::min<std::size_t>(r.length, sizeof r.text)));
+                    endpoint_ + " refused the connection: " +
+                        std::string(r.text, std::min<std::size_t>(r.length, sizeof r.text)));
     }
     *refusal = raw->status == kIbCmRejInvalidServiceId ? std::string("rejected: no listener on that port")
-                                                        : "rejected with IB CM reason " + std::to_string(raw->status);
+                                                       : "rejected with IB CM reason " + std::to_string(raw->status);
     return false;
   }
   // With a queue pair of our own, rdma_cm reports the server's answer as CONNECT_RESPONSE and
@@ -288,15 +296,17 @@ bool RdmaConnection::connect_once(const Uri& uri, Deadline deadline, std::string
     throw Error(Errc::protocol, endpoint_ + " is not a pskv rdma server (bad magic in its accept data)");
   if (server_.wire_version != wire::kVersion || server_.rdma_version != kRdmaVersion)
     throw Error(Errc::protocol, endpoint_ + " speaks protocol " + std::to_string(server_.wire_version) + "/rdma " +
-                                    std::to_string(server_.rdma_version) + ", this client " + std::to_string(wire::kVersion) +
-                                    "/rdma " + std::to_string(kRdmaVersion) + ": run matching pskv builds");
+                                    std::to_string(server_.rdma_version) + ", this client " +
+                                    std::to_string(wire::kVersion) + "/rdma " + std::to_string(kRdmaVersion) +
+                                    ": run matching pskv builds");
   if (server_.credits == 0 || server_.control_bytes != kControlBytes)
     throw Error(Errc::protocol, endpoint_ + " sent inconsistent connection data (credits " +
                                     std::to_string(server_.credits) + ", control buffers " +
                                     std::to_string(server_.control_bytes) + " bytes)");
   move_qp(v->id, v->qp, IBV_QPS_RTR, endpoint_);
   move_qp(v->id, v->qp, IBV_QPS_RTS, endpoint_);
-  if (rdma_establish(v->id) != 0) throw Error(Errc::peer_failure, "rdma_establish with " + endpoint_ + ": " + errno_text(errno));
+  if (rdma_establish(v->id) != 0)
+    throw Error(Errc::peer_failure, "rdma_establish with " + endpoint_ + ": " + errno_text(errno));
   verbs_ = std::move(v);
   recv_ = std::move(recv);
   return true;
@@ -349,22 +359,27 @@ void RdmaConnection::authenticate(const auth::Proof& proof, Deadline deadline) {
   std::memcpy(&r, p, kHeader);
   if (Errc e = wire::validate_header(r, options_.limits, true, &why); e != Errc::ok)
     throw Error(e, "authentication reply from " + endpoint_ + ": " + why);
-  if (r.payload_bytes > reply_bytes - kHeader) throw Error(Errc::protocol, endpoint_ + " sent a truncated authentication reply");
+  if (r.payload_bytes > reply_bytes - kHeader)
+    throw Error(Errc::protocol, endpoint_ + " sent a truncated authentication reply");
   if (r.status != 0)
-    throw Error(static_cast<Errc>(r.status),
-                endpoint_ + " refused the connection: " +
-                    std::string(reinterpret_cast<const char*>(p + kHeader), std::min<std::uint64_t>(r.payload_bytes, 4096)));
-  if (r.payload_bytes != sizeof(Grant)) throw Error(Errc::protocol, endpoint_ + " sent a malformed authentication reply");
+    throw Error(static_cast<Errc>(r.status), endpoint_ + " refused the connection: " +
+                                                 std::string(reinterpret_cast<const char*>(p + kHeader),
+                                                             std::min<std::uint64_t>(r.payload_bytes, 4096)));
+  if (r.payload_bytes != sizeof(Grant))
+    throw Error(Errc::protocol, endpoint_ + " sent a malformed authentication reply");
   std::memcpy(&server_.grant, p + kHeader, sizeof(Grant));
   ibv_sge rsge{reinterpret_cast<std::uint64_t>(p), static_cast<std::uint32_t>(kControlBytes), recv_.mr.lkey()};
   ibv_recv_wr rwr{}, *rbad = nullptr;
   rwr.wr_id = make_wr_id(WrKind::recv, reply);
   rwr.sg_list = &rsge;
   rwr.num_sge = 1;
-  if (const int rc = ibv_post_recv(verbs_->qp, &rwr, &rbad); rc != 0) throw Error(Errc::io, "ibv_post_recv: " + errno_text(rc));
+  if (const int rc = ibv_post_recv(verbs_->qp, &rwr, &rbad); rc != 0)
+    throw Error(Errc::io, "ibv_post_recv: " + errno_text(rc));
 }
 
-void RdmaConnection::register_buffer(void* data, std::size_t bytes) { cache_->add(data, bytes); }
+void RdmaConnection::register_buffer(void* data, std::size_t bytes) {
+  cache_->add(data, bytes);
+}
 
 void RdmaConnection::ensure_staging(InFlight& op, std::size_t bytes) {
   if (op.staging.size() >= bytes) return;
@@ -377,7 +392,7 @@ std::uint32_t RdmaConnection::local_key(InFlight& op, const void* data, std::siz
   if (const std::uint32_t lkey = cache_->find(data, bytes)) return lkey;
   if (bytes <= kBounceBytes) return 0;
   op.temporary.emplace_back(verbs_->pd, const_cast<void*>(data), bytes, IBV_ACCESS_LOCAL_WRITE,
-                              "an unregistered request buffer (call Client::register_buffer to register it once)");
+                            "an unregistered request buffer (call Client::register_buffer to register it once)");
   return op.temporary.back().lkey();
 }
 

@@ -68,9 +68,9 @@ class RdmaConnection final : public transport::Connection {
     own_pushes,    // a pull waits until this client's earlier pushes are applied
     clock_queued,  // a pull waits for send queue room to read the clock table
     clock_read,    // a pull reads the clock table to learn the bound
-    read_queued,  // a pull round waits for send queue room
-    reading,      // a pull round of READs is in flight
-    backoff,      // a pull waits to re-read slots that writers kept changing
+    read_queued,   // a pull round waits for send queue room
+    reading,       // a pull round of READs is in flight
+    backoff,       // a pull waits to re-read slots that writers kept changing
     done,
   };
 
@@ -96,12 +96,12 @@ class RdmaConnection final : public transport::Connection {
     std::vector<ibv_sge> gather;
     std::vector<std::uint32_t> wr_groups;
     // pull
-    std::vector<RemoteSlot> remote;       // per key
-    std::vector<std::uint32_t> lkeys;     // per key: the destination's lkey; 0 = bounce via staging
-    std::vector<std::uint32_t> lookup;    // key indices the LOOKUP in flight asks about
-    std::vector<std::uint32_t> round;     // key indices of the READ round in flight
-    std::vector<std::uint32_t> bounce_at; // per round position: offset of its bounce area
-    std::uint32_t round_end = 0;          // keys before this are done once `round` is
+    std::vector<RemoteSlot> remote;        // per key
+    std::vector<std::uint32_t> lkeys;      // per key: the destination's lkey; 0 = bounce via staging
+    std::vector<std::uint32_t> lookup;     // key indices the LOOKUP in flight asks about
+    std::vector<std::uint32_t> round;      // key indices of the READ round in flight
+    std::vector<std::uint32_t> bounce_at;  // per round position: offset of its bounce area
+    std::uint32_t round_end = 0;           // keys before this are done once `round` is
     std::uint32_t torn_rounds = 0;
     std::uint64_t after_push = 0;
     std::uint64_t bound = 0;
@@ -109,7 +109,7 @@ class RdmaConnection final : public transport::Connection {
     bool snapshot = false;  // the next round also reads the clock table
     bool tried_clock_read = false;
     Clock::time_point started{}, retry_at{};
-    RegisteredBuffer staging;  // descriptors, control frames, READ scratch, bounce copies
+    RegisteredBuffer staging;             // descriptors, control frames, READ scratch, bounce copies
     std::vector<MemoryRegion> temporary;  // per-request registrations of unannounced buffers
   };
 
@@ -198,7 +198,7 @@ class RdmaConnection final : public transport::Connection {
   std::uint32_t credits_ = 0;
   std::uint32_t sq_used_ = 0;
   Clock::time_point last_progress_{};  // of the last completion or post
-  std::vector<ibv_send_wr> wrs_;      // scratch for building chains
+  std::vector<ibv_send_wr> wrs_;       // scratch for building chains
   std::vector<ibv_sge> sges_;
   std::deque<std::uint32_t> send_queue_;  // in submission order: a clock never passes its pushes
   std::deque<std::uint32_t> read_queue_;

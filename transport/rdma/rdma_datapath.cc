@@ -58,14 +58,19 @@ struct SlotImage {
   std::uint64_t key;
   std::uint32_t length;
 };
-static_assert(offsetof(SlotHeader, seq) == offsetof(SlotImage, seq) && offsetof(SlotHeader, key) == offsetof(SlotImage, key) &&
+static_assert(offsetof(SlotHeader, seq) == offsetof(SlotImage, seq) &&
+              offsetof(SlotHeader, key) == offsetof(SlotImage, key) &&
               offsetof(SlotHeader, length) == offsetof(SlotImage, length));
 
-bool carries_values(wire::Op op) { return op == wire::Op::push || op == wire::Op::init; }
+bool carries_values(wire::Op op) {
+  return op == wire::Op::push || op == wire::Op::init;
+}
 
 }  // namespace
 
-std::size_t RdmaConnection::clock_area() const noexcept { return align_up(server_.grant.clock_bytes, kCacheLine); }
+std::size_t RdmaConnection::clock_area() const noexcept {
+  return align_up(server_.grant.clock_bytes, kCacheLine);
+}
 
 std::size_t RdmaConnection::bounce_base() const noexcept {
   return align_up(clock_area() + std::size_t{kMaxRoundKeys} * (kSlotHeader + sizeof(std::uint64_t)), kCacheLine);
@@ -98,8 +103,9 @@ void RdmaConnection::submit(Request& request) {
     case wire::Op::stats:
       break;
     default:
-      request.completion->complete_part(Errc::unsupported, "op " + std::string(wire::op_name(static_cast<std::uint16_t>(request.op))) +
-                                                               " is not a client request on rdma://");
+      request.completion->complete_part(Errc::unsupported,
+                                        "op " + std::string(wire::op_name(static_cast<std::uint16_t>(request.op))) +
+                                            " is not a client request on rdma://");
       return;
   }
   const std::uint32_t index = acquire_slot(&request);
@@ -194,14 +200,15 @@ void RdmaConnection::prepare(InFlight& s) {
            " keys and " + std::to_string(payload >> 20) + " MiB";
   };
   if (n > server_.max_keys)
-    throw Error(Errc::capacity, what() + " exceeds the " + std::to_string(server_.max_keys) + "-key limit of " + endpoint_ +
-                                    " (split the batch or raise --max-keys-per-request)");
+    throw Error(Errc::capacity, what() + " exceeds the " + std::to_string(server_.max_keys) + "-key limit of " +
+                                    endpoint_ + " (split the batch or raise --max-keys-per-request)");
   if (payload > server_.max_payload_bytes)
     throw Error(Errc::capacity, what() + " exceeds the request limit of " + endpoint_ +
                                     " (raise --max-request-mb or lower --chunk-floats)");
   if (align_up(s.message_total, kDescriptorAlign) > server_.grant.region_bytes)
     throw Error(Errc::capacity, what() + " does not fit the " + std::to_string(server_.grant.region_bytes >> 20) +
-                                    " MiB receive region of " + endpoint_ + ": raise the server's --rdma-recv-mb or lower --chunk-floats");
+                                    " MiB receive region of " + endpoint_ +
+                                    ": raise the server's --rdma-recv-mb or lower --chunk-floats");
   // Registered slices are gathered in place (zero copy); small unannounced ones are copied next
   // to the descriptor. A push of very many registered slices would need more gather entries
   // than the send queue holds, so then everything is copied into staging.
@@ -269,8 +276,9 @@ void RdmaConnection::prepare(InFlight& s) {
   }
   s.wr_groups.push_back(count);
   if (s.wr_groups.size() > send_depth_ / 2)
-    throw Error(Errc::capacity, what() + " needs " + std::to_string(s.wr_groups.size()) + " RDMA WRITEs, more than the send queue of " +
-                                    endpoint_ + " holds (lower --chunk-floats or split the batch)");
+    throw Error(Errc::capacity, what() + " needs " + std::to_string(s.wr_groups.size()) +
+                                    " RDMA WRITEs, more than the send queue of " + endpoint_ +
+                                    " holds (lower --chunk-floats or split the batch)");
   s.sent_op = r.op;
 }
 
@@ -459,14 +467,16 @@ bool RdmaConnection::post_round(std::uint32_t index) {
     ++w;
   };
   if (s.snapshot) {
-    sges_[g++] = {reinterpret_cast<std::uint64_t>(staging), static_cast<std::uint32_t>(server_.grant.clock_bytes), skey};
+    sges_[g++] = {reinterpret_cast<std::uint64_t>(staging), static_cast<std::uint32_t>(server_.grant.clock_bytes),
+                  skey};
     read(server_.grant.clock_addr, server_.grant.clock_rkey, 1);
   }
   for (std::size_t j = 0; j < s.round.size(); ++j) {
     const std::uint32_t k = s.round[j];
     const std::uint64_t remote = server_.grant.store_addr + s.remote[k].offset;
     const std::size_t bytes = std::size_t{keys[k].length} * sizeof(float);
-    auto* dest = s.lkeys[k] != 0 ? reinterpret_cast<std::byte*>(keys[k].data) : staging + bounce_base() + s.bounce_at[j];
+    auto* dest =
+        s.lkeys[k] != 0 ? reinterpret_cast<std::byte*>(keys[k].data) : staging + bounce_base() + s.bounce_at[j];
     const std::uint32_t dkey = s.lkeys[k] != 0 ? s.lkeys[k] : skey;
     std::size_t done = std::min(bytes, max_piece() - kSlotHeader);
     sges_[g++] = {reinterpret_cast<std::uint64_t>(staging + headers + j * kSlotHeader), kSlotHeader, skey};
@@ -478,7 +488,8 @@ bool RdmaConnection::post_round(std::uint32_t index) {
       read(remote + kSlotHeader + done, server_.grant.store_rkey, 1);
       done += len;
     }
-    sges_[g++] = {reinterpret_cast<std::uint64_t>(staging + seqs + j * sizeof(std::uint64_t)), sizeof(std::uint64_t), skey};
+    sges_[g++] = {reinterpret_cast<std::uint64_t>(staging + seqs + j * sizeof(std::uint64_t)), sizeof(std::uint64_t),
+                  skey};
     read(remote, server_.grant.store_rkey, 1);
   }
   ibv_send_wr& last = wrs_[chain - 1];
@@ -615,9 +626,9 @@ void RdmaConnection::round_done(std::uint32_t index) {
     std::memcpy(&image, staging + headers + j * kSlotHeader, sizeof image);
     std::memcpy(&seq2, staging + seqs + j * sizeof seq2, sizeof seq2);
     if (image.key != keys[k].key || image.length != keys[k].length) {
-      finish(index, Errc::protocol, "the slot " + endpoint_ + " named for " + key_text(s, k) + " holds key " +
-                                        std::to_string(image.key) + " with " + std::to_string(image.length) +
-                                        " floats: the server's store is not what it advertised");
+      finish(index, Errc::protocol,
+             "the slot " + endpoint_ + " named for " + key_text(s, k) + " holds key " + std::to_string(image.key) +
+                 " with " + std::to_string(image.length) + " floats: the server's store is not what it advertised");
       return;
     }
     if ((image.seq & 1) != 0 || image.seq != seq2) {
@@ -651,7 +662,8 @@ void RdmaConnection::round_done(std::uint32_t index) {
                " ms; writers never left it alone long enough (push less often or split the key)");
   } else {
     const auto shift = std::min<std::uint32_t>(s.torn_rounds - kImmediateRetries, 8);
-    s.retry_at = now + std::min<std::chrono::microseconds>(std::chrono::microseconds(50L << shift), std::chrono::milliseconds(10));
+    s.retry_at = now + std::min<std::chrono::microseconds>(std::chrono::microseconds(50L << shift),
+                                                           std::chrono::milliseconds(10));
     s.phase = Phase::backoff;
     backoff_.push_back(index);
   }
@@ -666,11 +678,13 @@ void RdmaConnection::on_completion(const ibv_wc& wc) {
   if (kind == WrKind::recv) {
     if (broken_) return;
     if (wc.status != IBV_WC_SUCCESS) {
-      fail_all(Errc::peer_failure, "the connection to " + endpoint_ + " failed: " + wc_text(wc) + "; did the server die?");
+      fail_all(Errc::peer_failure,
+               "the connection to " + endpoint_ + " failed: " + wc_text(wc) + "; did the server die?");
       return;
     }
     if (wc.opcode != IBV_WC_RECV || index >= recv_depth_) {
-      fail_all(Errc::protocol, endpoint_ + " sent something other than a reply (opcode " + std::to_string(wc.opcode) + ")");
+      fail_all(Errc::protocol,
+               endpoint_ + " sent something other than a reply (opcode " + std::to_string(wc.opcode) + ")");
       return;
     }
     on_reply(index, wc.byte_len);
@@ -710,7 +724,8 @@ void RdmaConnection::on_reply(std::uint32_t buffer, std::uint32_t bytes) {
   wire::FrameHeader h;
   std::string why;
   if (bytes < kHeader) {
-    fail_all(Errc::protocol, endpoint_ + " sent a " + std::to_string(bytes) + "-byte reply, shorter than a frame header");
+    fail_all(Errc::protocol,
+             endpoint_ + " sent a " + std::to_string(bytes) + "-byte reply, shorter than a frame header");
     return;
   }
   std::memcpy(&h, p, kHeader);
@@ -782,7 +797,8 @@ void RdmaConnection::on_reply(std::uint32_t buffer, std::uint32_t bytes) {
     std::memcpy(&e, p + kHeader + j * sizeof e, sizeof e);
     const std::uint32_t k = s.lookup[j];
     if (e.offset == 0) {
-      finish(index, Errc::not_found, key_text(s, k) + " does not exist on " + endpoint_ + ": init it before pushing or pulling");
+      finish(index, Errc::not_found,
+             key_text(s, k) + " does not exist on " + endpoint_ + ": init it before pushing or pulling");
       return;
     }
     if (e.offset % kCacheLine != 0 || e.length == 0 || e.offset + slot_bytes(e.length) > server_.grant.store_bytes) {

@@ -106,8 +106,14 @@ enum class WrKind : std::uint8_t { recv = 1, inner, send_end, clock_end, round_e
 inline std::uint64_t make_wr_id(WrKind kind, std::uint32_t index, std::uint32_t chain = 0) {
   return (std::uint64_t{static_cast<std::uint8_t>(kind)} << 56) | (std::uint64_t{chain & 0xffffff} << 32) | index;
 }
-inline WrKind wr_kind(std::uint64_t wr_id) { return static_cast<WrKind>(wr_id >> 56); }
-inline std::uint32_t wr_chain(std::uint64_t wr_id) { return static_cast<std::uint32_t>(wr_id >> 32) & 0xffffff; }
-inline std::uint32_t wr_index(std::uint64_t wr_id) { return static_cast<std::uint32_t>(wr_id); }
+inline WrKind wr_kind(std::uint64_t wr_id) {
+  return static_cast<WrKind>(wr_id >> 56);
+}
+inline std::uint32_t wr_chain(std::uint64_t wr_id) {
+  return static_cast<std::uint32_t>(wr_id >> 32) & 0xffffff;
+}
+inline std::uint32_t wr_index(std::uint64_t wr_id) {
+  return static_cast<std::uint32_t>(wr_id);
+}
 
 }  // namespace pskv::rdma

@@ -35,7 +35,8 @@ void ServerConn::release() {
   recv = RegisteredBuffer();
 }
 
-RdmaServer::RdmaServer(const Uri& uri, ShardEngine& engine, const PinnedBuffer& clocks, const RdmaServerOptions& options)
+RdmaServer::RdmaServer(const Uri& uri, ShardEngine& engine, const PinnedBuffer& clocks,
+                       const RdmaServerOptions& options)
     : options_(options), engine_(&engine), clock_memory_(&clocks) {
   Uri shown = uri;
   shown.params.clear();
@@ -97,9 +98,11 @@ RdmaServer::RdmaServer(const Uri& uri, ShardEngine& engine, const PinnedBuffer& 
     store_mr_ = MemoryRegion(pd_, store.region(), store.region_size(), IBV_ACCESS_REMOTE_READ,
                              "the store region, sized by --arena-mb and --max-keys");
     if (clock_memory_->size() > 0)
-      clock_mr_ = MemoryRegion(pd_, clock_memory_->data(), clock_memory_->size(), IBV_ACCESS_REMOTE_READ, "the clock table");
+      clock_mr_ =
+          MemoryRegion(pd_, clock_memory_->data(), clock_memory_->size(), IBV_ACCESS_REMOTE_READ, "the clock table");
     for (std::uint32_t t = 0; t < options_.threads; ++t) io_.push_back(std::make_unique<IoThread>(*this, ctx_));
-    if (rdma_listen(listen_id_, kBacklog) != 0) throw Error(Errc::io, "rdma_listen on " + endpoint_ + ": " + errno_text(errno));
+    if (rdma_listen(listen_id_, kBacklog) != 0)
+      throw Error(Errc::io, "rdma_listen on " + endpoint_ + ": " + errno_text(errno));
     if ((wake_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) < 0) throw Error(Errc::io, "eventfd: " + errno_text(errno));
   } catch (...) {
     close();
@@ -115,7 +118,9 @@ RdmaServer::~RdmaServer() {
   close();
 }
 
-void RdmaServer::stop_accepting() noexcept { accepting_.store(false); }
+void RdmaServer::stop_accepting() noexcept {
+  accepting_.store(false);
+}
 
 void RdmaServer::drain() noexcept {
   if (drained_) return;
@@ -222,9 +227,10 @@ void RdmaServer::on_connect_request(rdma_cm_event* ev) {
   std::memcpy(&req, ev->param.conn.private_data, sizeof req);
   if (req.magic != kCmMagic) return refuse(id, Errc::protocol, "not a pskv client: bad magic in its connection data");
   if (req.wire_version != wire::kVersion || req.rdma_version != kRdmaVersion)
-    return refuse(id, Errc::protocol, "client speaks protocol " + std::to_string(req.wire_version) + "/rdma " +
-                                          std::to_string(req.rdma_version) + ", server " + std::to_string(wire::kVersion) +
-                                          "/rdma " + std::to_string(kRdmaVersion) + ": use matching pskv builds");
+    return refuse(id, Errc::protocol,
+                  "client speaks protocol " + std::to_string(req.wire_version) + "/rdma " +
+                      std::to_string(req.rdma_version) + ", server " + std::to_string(wire::kVersion) + "/rdma " +
+                      std::to_string(kRdmaVersion) + ": use matching pskv builds");
   const std::string address = address_text(rdma_get_peer_addr(id));
   if (options_.token && !(req.flags & kHasToken))
     return refuse(id, Errc::permission, auth::refuse(engine_->options().server_id, address, "has no token"));
@@ -232,11 +238,12 @@ void RdmaServer::on_connect_request(rdma_cm_event* ev) {
   if (req.worker_id != kNoWorker && engine_->check_worker(req.worker_id, &why) != Errc::ok)
     return refuse(id, Errc::invalid_argument, why);
   if (conns_.size() >= options_.max_connections)
-    return refuse(id, Errc::capacity, "the server already has " + std::to_string(conns_.size()) +
-                                          " connections (--max-connections); try again later or raise the limit");
+    return refuse(id, Errc::capacity,
+                  "the server already has " + std::to_string(conns_.size()) +
+                      " connections (--max-connections); try again later or raise the limit");
   if (!id->verbs || device_name_ != ibv_get_device_name(id->verbs->device))
-    return refuse(id, Errc::unsupported, "this server serves device " + device_name_ +
-                                             " only; connect to an address on that device");
+    return refuse(id, Errc::unsupported,
+                  "this server serves device " + device_name_ + " only; connect to an address on that device");
 
   auto conn = std::make_shared<ServerConn>();
   conn->id = id;
@@ -287,7 +294,8 @@ void RdmaServer::on_connect_request(rdma_cm_event* ev) {
     move_qp(id, conn->qp, IBV_QPS_RTS, endpoint_);
     if (!options_.busy_poll)
       for (ibv_cq* cq : {conn->send_cq, conn->recv_cq})
-        if (const int rc = ibv_req_notify_cq(cq, 0); rc != 0) throw Error(Errc::io, "ibv_req_notify_cq: " + errno_text(rc));
+        if (const int rc = ibv_req_notify_cq(cq, 0); rc != 0)
+          throw Error(Errc::io, "ibv_req_notify_cq: " + errno_text(rc));
   } catch (const Error& e) {
     conn->release();
     return refuse(id, e.code(), message_of(e));

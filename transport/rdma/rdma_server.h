@@ -28,9 +28,9 @@
 namespace pskv::rdma {
 
 struct RdmaServerOptions {
-  std::uint32_t threads = 1;           // completion threads
+  std::uint32_t threads = 1;  // completion threads
   std::uint32_t max_connections = 1024;
-  std::uint32_t queue_depth = 64;      // receive buffers per client: its messages in flight
+  std::uint32_t queue_depth = 64;            // receive buffers per client: its messages in flight
   std::uint64_t region_bytes = 32ull << 20;  // per-client receive region: bounds one push
   // Checked against the device rdma_cm routes the URI's address to (URI dev=/port=/gid= too).
   std::string device;

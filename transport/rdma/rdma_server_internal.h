@@ -21,14 +21,14 @@ class ServerConn : public std::enable_shared_from_this<ServerConn> {
 
   rdma_cm_id* id = nullptr;
   IoThread* owner = nullptr;
-  std::uint32_t depth = 0;  // receive buffers = the client's credits; twice as many reply buffers
+  std::uint32_t depth = 0;           // receive buffers = the client's credits; twice as many reply buffers
   std::uint32_t worker = kNoWorker;  // set once admitted (at accept, or after the challenge)
   std::uint32_t hello_worker = kNoWorker;
   // With a token: nothing but AUTH is served until the client's proof matched.
   bool authenticated = false;
   auth::Nonce client_nonce{}, server_nonce{};
-  Grant grant{};        // the remote keys, withheld until authenticated
-  std::string address;  // the peer's host:port, for the log
+  Grant grant{};          // the remote keys, withheld until authenticated
+  std::string address;    // the peer's host:port, for the log
   bool finished = false;  // the worker announced clock = done, so leaving is clean
   std::atomic<bool> closed{false};
   ibv_cq* send_cq = nullptr;

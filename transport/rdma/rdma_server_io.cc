@@ -38,7 +38,8 @@ class ParkedReply final : public Parked {
 }  // namespace
 
 IoThread::IoThread(RdmaServer& server, ibv_context* ctx) : server_(server), engine_(*server.engine_) {
-  if (!(channel_ = ibv_create_comp_channel(ctx))) throw Error(Errc::io, "ibv_create_comp_channel: " + errno_text(errno));
+  if (!(channel_ = ibv_create_comp_channel(ctx)))
+    throw Error(Errc::io, "ibv_create_comp_channel: " + errno_text(errno));
   wake_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (wake_fd_ < 0) {
     ibv_destroy_comp_channel(channel_);
@@ -147,7 +148,8 @@ void IoThread::loop() {
     }
     if (busy)
       for (auto& c : polled)
-        if (!c->closed.load() && std::find(active_.begin(), active_.end(), c.get()) == active_.end()) active_.push_back(c.get());
+        if (!c->closed.load() && std::find(active_.begin(), active_.end(), c.get()) == active_.end())
+          active_.push_back(c.get());
     // Round-robin over connections with work, a budget each, so one busy client cannot starve others.
     for (std::size_t i = 0; i < active_.size();) {
       ServerConn* c = active_[i];
@@ -265,8 +267,9 @@ bool IoThread::handle_control(ServerConn& c, std::uint32_t buffer, std::uint32_t
   }
   const std::uint64_t key_bytes = std::uint64_t{h.num_keys} * sizeof(wire::KeyEntry);
   if (kHeader + key_bytes + h.payload_bytes != bytes) {
-    send_error(c, h, Errc::protocol, "the frame declares " + std::to_string(key_bytes + h.payload_bytes) +
-                                         " bytes after its header, the message has " + std::to_string(bytes - kHeader));
+    send_error(c, h, Errc::protocol,
+               "the frame declares " + std::to_string(key_bytes + h.payload_bytes) +
+                   " bytes after its header, the message has " + std::to_string(bytes - kHeader));
     return false;
   }
   c.keys.resize(h.num_keys);
@@ -277,8 +280,9 @@ bool IoThread::handle_control(ServerConn& c, std::uint32_t buffer, std::uint32_t
   // Everything needed is copied out: the buffer can take the next message before we answer.
   if (!post_recv(c, buffer)) return false;
   if (!c.authenticated)
-    return is_auth ? authenticate(c, h, proof)
-                   : refuse_unauthenticated(c, &h, "sent " + std::string(wire::op_name(h.op)) + " before authenticating");
+    return is_auth
+               ? authenticate(c, h, proof)
+               : refuse_unauthenticated(c, &h, "sent " + std::string(wire::op_name(h.op)) + " before authenticating");
   if (is_auth) return refuse_unauthenticated(c, &h, "authenticated twice");
   if (Errc e = wire::validate_keys(h, c.keys, &why); e != Errc::ok) {
     send_error(c, h, e, why);
@@ -292,8 +296,9 @@ bool IoThread::dispatch(ServerConn& c, const wire::FrameHeader& h) {
   switch (static_cast<wire::Op>(h.op)) {
     case wire::Op::lookup: {
       if (h.num_keys > kLookupBatch)
-        return send_error(c, h, Errc::capacity, "a lookup of " + std::to_string(h.num_keys) + " keys; at most " +
-                                                    std::to_string(kLookupBatch) + " fit one reply");
+        return send_error(c, h, Errc::capacity,
+                          "a lookup of " + std::to_string(h.num_keys) + " keys; at most " +
+                              std::to_string(kLookupBatch) + " fit one reply");
       Store& store = engine_.store();
       c.lookups.resize(h.num_keys);
       for (std::size_t i = 0; i < c.keys.size(); ++i) {
@@ -303,8 +308,7 @@ bool IoThread::dispatch(ServerConn& c, const wire::FrameHeader& h) {
       return reply(c, h, Errc::ok, c.lookups.data(), c.lookups.size() * sizeof(LookupEntry));
     }
     case wire::Op::wait:
-      if (engine_.pull_allowed(c.worker, h.arg0))
-        return reply(c, h, Errc::ok, nullptr, 0, 0, engine_.observed_bound());
+      if (engine_.pull_allowed(c.worker, h.arg0)) return reply(c, h, Errc::ok, nullptr, 0, 0, engine_.observed_bound());
       engine_.park_pull(c.worker, h.arg0, std::make_unique<ParkedReply>(c.shared_from_this(), h));
       return true;
     case wire::Op::clock: {
@@ -325,12 +329,14 @@ bool IoThread::dispatch(ServerConn& c, const wire::FrameHeader& h) {
     }
     case wire::Op::push:
     case wire::Op::init:
-      return send_error(c, h, Errc::protocol, std::string(wire::op_name(h.op)) +
-                                                  " values travel by RDMA WRITE into the receive region, not in a SEND");
+      return send_error(
+          c, h, Errc::protocol,
+          std::string(wire::op_name(h.op)) + " values travel by RDMA WRITE into the receive region, not in a SEND");
     case wire::Op::hello:
     case wire::Op::pull:
     case wire::Op::auth:  // handled before dispatch
-      return send_error(c, h, Errc::unsupported, std::string(wire::op_name(h.op)) + " is not an rdma:// control message");
+      return send_error(c, h, Errc::unsupported,
+                        std::string(wire::op_name(h.op)) + " is not an rdma:// control message");
   }
   return send_error(c, h, Errc::protocol, "unknown op " + std::to_string(h.op));
 }
@@ -370,8 +376,9 @@ bool IoThread::handle_push(ServerConn& c, std::uint32_t imm) {
   }
   const std::uint64_t key_bytes = std::uint64_t{h.num_keys} * sizeof(wire::KeyEntry);
   if (key_bytes + h.payload_bytes > region - offset - kHeader) {
-    send_error(c, h, Errc::protocol, "the push declares " + std::to_string(key_bytes + h.payload_bytes) +
-                                         " bytes past the end of the receive region");
+    send_error(c, h, Errc::protocol,
+               "the push declares " + std::to_string(key_bytes + h.payload_bytes) +
+                   " bytes past the end of the receive region");
     return false;
   }
   // The key table is copied: the client can still write its region, and lengths must not
@@ -386,10 +393,11 @@ bool IoThread::handle_push(ServerConn& c, std::uint32_t imm) {
   if (h.flags & wire::kChecksum) {
     std::uint32_t crc = wire::crc32_update(0, c.keys.data(), key_bytes);
     crc = wire::crc32_update(crc, values, h.payload_bytes);
-    if (crc != h.checksum) return send_error(c, h, Errc::protocol, "checksum mismatch: the push was corrupted in transit");
+    if (crc != h.checksum)
+      return send_error(c, h, Errc::protocol, "checksum mismatch: the push was corrupted in transit");
   }
-  const Errc status = op == wire::Op::init ? engine_.init(c.keys, values, &why)
-                                           : engine_.push(c.worker, h.arg0, c.keys, values, &why);
+  const Errc status =
+      op == wire::Op::init ? engine_.init(c.keys, values, &why) : engine_.push(c.worker, h.arg0, c.keys, values, &why);
   if (status != Errc::ok) return send_error(c, h, status, why);
   return reply(c, h, Errc::ok, nullptr, 0);
 }
@@ -411,8 +419,9 @@ std::uint32_t IoThread::take_send_buffer(ServerConn& c, std::chrono::millisecond
 bool IoThread::reply(ServerConn& c, const wire::FrameHeader& req, Errc status, const void* payload, std::size_t bytes,
                      std::uint16_t flags, std::uint64_t arg0, std::uint32_t arg1) {
   if (bytes > kControlBytes - kHeader)
-    return send_error(c, req, Errc::capacity, "the reply of " + std::to_string(bytes) + " bytes exceeds the " +
-                                                  std::to_string(kControlBytes) + "-byte control buffer");
+    return send_error(c, req, Errc::capacity,
+                      "the reply of " + std::to_string(bytes) + " bytes exceeds the " + std::to_string(kControlBytes) +
+                          "-byte control buffer");
   const std::uint32_t b = take_send_buffer(c, std::chrono::seconds(1));
   if (b == UINT32_MAX) return false;
   std::byte* out = c.send.data() + std::size_t{b} * kControlBytes;
@@ -438,8 +447,8 @@ bool IoThread::reply(ServerConn& c, const wire::FrameHeader& req, Errc status, c
 bool IoThread::send_error(ServerConn& c, const wire::FrameHeader& req, Errc status, const std::string& why) {
   // A malformed frame ends its connection: the operator should see who sent it and why.
   if (status == Errc::protocol)
-    log::warn("rdma.bad-frame", "server " + std::to_string(engine_.options().server_id) + ": " + c.address + " sent a bad " +
-                                    std::string(wire::op_name(req.op)) + ": " + why);
+    log::warn("rdma.bad-frame", "server " + std::to_string(engine_.options().server_id) + ": " + c.address +
+                                    " sent a bad " + std::string(wire::op_name(req.op)) + ": " + why);
   const std::size_t n = std::min(why.size(), kControlBytes - kHeader);
   return reply(c, req, status, why.data(), n, wire::kText);
 }

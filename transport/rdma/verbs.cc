@@ -19,8 +19,7 @@ void prepare_process() {
   std::call_once(once, [] {
     // A failure leaves fork-unsafe (but working) verbs; there is nothing better to do than say so.
     if (const int rc = ibv_fork_init(); rc != 0)
-      std::fprintf(stderr, "pskv rdma: ibv_fork_init failed (%s); do not fork() after connecting\n",
-                   std::strerror(rc));
+      std::fprintf(stderr, "pskv rdma: ibv_fork_init failed (%s); do not fork() after connecting\n", std::strerror(rc));
   });
 }
 
@@ -41,7 +40,8 @@ EndpointParams parse_params(const Uri& uri) {
     int value = -1;
     auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), value);
     if (ec != std::errc() || end != v.data() + v.size() || value < 0 || value > max)
-      throw Error(Errc::invalid_argument, "bad " + key + "=" + v + " in " + uri.str() + ": expected 0-" + std::to_string(max));
+      throw Error(Errc::invalid_argument,
+                  "bad " + key + "=" + v + " in " + uri.str() + ": expected 0-" + std::to_string(max));
     return value;
   };
   for (const auto& [k, v] : uri.params) {
@@ -53,7 +53,8 @@ EndpointParams parse_params(const Uri& uri) {
       p.gid_index = number(k, v, 65535);
     } else if (k == "poll") {
       if (v != "busy" && v != "event")
-        throw Error(Errc::invalid_argument, "bad poll=" + v + " in " + uri.str() + ": expected poll=busy or poll=event");
+        throw Error(Errc::invalid_argument,
+                    "bad poll=" + v + " in " + uri.str() + ": expected poll=busy or poll=event");
       p.busy_poll = v == "busy";
     } else {
       throw Error(Errc::invalid_argument, "unknown parameter '" + k + "' in " + uri.str() +
@@ -67,9 +68,12 @@ namespace {
 
 const char* gid_type_name(std::uint32_t type) {
   switch (type) {
-    case IBV_GID_TYPE_IB: return "IB";
-    case IBV_GID_TYPE_ROCE_V1: return "RoCE v1";
-    case IBV_GID_TYPE_ROCE_V2: return "RoCE v2";
+    case IBV_GID_TYPE_IB:
+      return "IB";
+    case IBV_GID_TYPE_ROCE_V1:
+      return "RoCE v1";
+    case IBV_GID_TYPE_ROCE_V2:
+      return "RoCE v2";
   }
   return "unknown type";
 }
@@ -119,8 +123,9 @@ void check_and_log_device(rdma_cm_id* id, ibv_context* ctx, const EndpointParams
   const std::string chosen = "device " + device + " port " + std::to_string(port) + " gid " +
                              (gid_index < 0 ? std::string("?") : std::to_string(gid_index));
   auto mismatch = [&](const std::string& asked) {
-    throw Error(Errc::invalid_argument, endpoint + ": " + asked + " was asked for, but rdma_cm routes that address over " +
-                                            chosen + "; use an IP address of the wanted device and port (see `rdma link`)");
+    throw Error(Errc::invalid_argument, endpoint + ": " + asked +
+                                            " was asked for, but rdma_cm routes that address over " + chosen +
+                                            "; use an IP address of the wanted device and port (see `rdma link`)");
   };
   if (!want.device.empty() && want.device != device) mismatch("dev=" + want.device);
   if (want.port >= 0 && want.port != port) mismatch("port=" + std::to_string(want.port));
@@ -157,8 +162,10 @@ void move_qp(rdma_cm_id* id, ibv_qp* qp, ibv_qp_state state, const std::string& 
   int mask = 0;
   attr.qp_state = state;
   if (rdma_init_qp_attr(id, &attr, &mask) != 0)
-    throw Error(Errc::peer_failure, endpoint + ": rdma_init_qp_attr(" + std::to_string(state) + "): " + errno_text(errno));
-  if (state == IBV_QPS_INIT) attr.qp_access_flags |= IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_WRITE;
+    throw Error(Errc::peer_failure,
+                endpoint + ": rdma_init_qp_attr(" + std::to_string(state) + "): " + errno_text(errno));
+  if (state == IBV_QPS_INIT)
+    attr.qp_access_flags |= IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_WRITE;
   if (const int rc = ibv_modify_qp(qp, &attr, mask); rc != 0)
     throw Error(Errc::io, endpoint + ": ibv_modify_qp to state " + std::to_string(state) + ": " + errno_text(rc));
 }
@@ -181,7 +188,8 @@ sockaddr_storage resolve_host(const std::string& host, std::uint16_t port, bool 
 PinnedBuffer::PinnedBuffer(std::size_t bytes) : size_(bytes) {
   void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED)
-    throw Error(Errc::capacity, "cannot map " + std::to_string(bytes) + " bytes for RDMA buffers (" + errno_text(errno) + ")");
+    throw Error(Errc::capacity,
+                "cannot map " + std::to_string(bytes) + " bytes for RDMA buffers (" + errno_text(errno) + ")");
   data_ = static_cast<std::byte*>(p);
 }
 
@@ -201,11 +209,13 @@ PinnedBuffer& PinnedBuffer::operator=(PinnedBuffer&& o) noexcept {
 }
 
 void throw_registration_error(int err, std::size_t bytes, const std::string& what) {
-  const std::string base = "ibv_reg_mr of " + std::to_string(bytes) + " bytes (" + what + ") failed: " + errno_text(err);
+  const std::string base =
+      "ibv_reg_mr of " + std::to_string(bytes) + " bytes (" + what + ") failed: " + errno_text(err);
   if (err == ENOMEM || err == EPERM || err == EACCES)
-    throw Error(Errc::permission, base +
-                                      ": the locked-memory limit is too low; raise the memlock limit: ulimit -l unlimited "
-                                      "(or memlock in /etc/security/limits.conf, LimitMEMLOCK= for systemd services)");
+    throw Error(Errc::permission,
+                base +
+                    ": the locked-memory limit is too low; raise the memlock limit: ulimit -l unlimited "
+                    "(or memlock in /etc/security/limits.conf, LimitMEMLOCK= for systemd services)");
   throw Error(Errc::io, base);
 }
 
@@ -229,7 +239,8 @@ rdma_cm_event* next_cm_event(rdma_event_channel* channel, Deadline deadline) {
     if (rdma_get_cm_event(channel, &ev) == 0) return ev;
     if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
       throw Error(Errc::io, "rdma_get_cm_event: " + errno_text(errno));
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
     if (left.count() <= 0) return nullptr;
     pollfd p{channel->fd, POLLIN, 0};
     ::poll(&p, 1, static_cast<int>(std::min<long long>(left.count() + 1, 1000)));
@@ -248,20 +259,40 @@ void set_nonblocking(int fd) {
     throw Error(Errc::io, "fcntl(O_NONBLOCK): " + errno_text(errno));
 }
 
-std::string errno_text(int err) { return std::strerror(err); }
+std::string errno_text(int err) {
+  return std::strerror(err);
+}
 
 std::string wc_text(const ibv_wc& wc) {
   std::string name;
   switch (wc.status) {
-    case IBV_WC_RETRY_EXC_ERR: name = "RETRY_EXC_ERR"; break;
-    case IBV_WC_RNR_RETRY_EXC_ERR: name = "RNR_RETRY_EXC_ERR"; break;
-    case IBV_WC_REM_ACCESS_ERR: name = "REM_ACCESS_ERR"; break;
-    case IBV_WC_REM_INV_REQ_ERR: name = "REM_INV_REQ_ERR"; break;
-    case IBV_WC_REM_OP_ERR: name = "REM_OP_ERR"; break;
-    case IBV_WC_LOC_PROT_ERR: name = "LOC_PROT_ERR"; break;
-    case IBV_WC_LOC_LEN_ERR: name = "LOC_LEN_ERR"; break;
-    case IBV_WC_WR_FLUSH_ERR: name = "WR_FLUSH_ERR"; break;
-    default: name = "status " + std::to_string(wc.status); break;
+    case IBV_WC_RETRY_EXC_ERR:
+      name = "RETRY_EXC_ERR";
+      break;
+    case IBV_WC_RNR_RETRY_EXC_ERR:
+      name = "RNR_RETRY_EXC_ERR";
+      break;
+    case IBV_WC_REM_ACCESS_ERR:
+      name = "REM_ACCESS_ERR";
+      break;
+    case IBV_WC_REM_INV_REQ_ERR:
+      name = "REM_INV_REQ_ERR";
+      break;
+    case IBV_WC_REM_OP_ERR:
+      name = "REM_OP_ERR";
+      break;
+    case IBV_WC_LOC_PROT_ERR:
+      name = "LOC_PROT_ERR";
+      break;
+    case IBV_WC_LOC_LEN_ERR:
+      name = "LOC_LEN_ERR";
+      break;
+    case IBV_WC_WR_FLUSH_ERR:
+      name = "WR_FLUSH_ERR";
+      break;
+    default:
+      name = "status " + std::to_string(wc.status);
+      break;
   }
   return name + " (" + ibv_wc_status_str(wc.status) + ")";
 }

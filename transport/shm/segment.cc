@@ -73,10 +73,12 @@ bip::mapped_region map_object(const std::string& object, std::size_t size, bool 
 }
 }  // namespace
 
-std::string segment_object_name(const std::string& name) { return "/pskv-" + name; }
+std::string segment_object_name(const std::string& name) {
+  return "/pskv-" + name;
+}
 
-Errc decode_entry(const RingEntry& e, const std::byte* area, std::uint64_t area_bytes, std::vector<wire::KeyEntry>* keys,
-                  const float** payload, wire::Op* op_out, std::string* why) {
+Errc decode_entry(const RingEntry& e, const std::byte* area, std::uint64_t area_bytes,
+                  std::vector<wire::KeyEntry>* keys, const float** payload, wire::Op* op_out, std::string* why) {
   // Read each field once: the client can change them under us.
   const std::uint64_t data_offset = e.data_offset, data_bytes = e.data_bytes, payload_bytes = e.payload_bytes;
   const std::uint32_t num_keys = e.num_keys;
@@ -128,7 +130,9 @@ ProcessStat read_process_stat(pid_t pid) {
 }
 }  // namespace
 
-std::uint64_t process_start_time(pid_t pid) { return read_process_stat(pid).start_time; }
+std::uint64_t process_start_time(pid_t pid) {
+  return read_process_stat(pid).start_time;
+}
 
 bool process_alive(pid_t pid, std::uint64_t start_time) {
   if (pid <= 0) return false;
@@ -143,7 +147,8 @@ bool process_alive(pid_t pid, std::uint64_t start_time) {
 std::unique_ptr<Segment> Segment::create(const std::string& name, const SegmentConfig& c) {
   if (c.server_threads == 0 || c.server_threads > kMaxServerThreads)
     throw Error(Errc::invalid_argument, "shm server threads must be 1.." + std::to_string(kMaxServerThreads));
-  if (c.clients == 0 || c.clients > 4096) throw Error(Errc::invalid_argument, "shm clients (client areas) must be 1..4096");
+  if (c.clients == 0 || c.clients > 4096)
+    throw Error(Errc::invalid_argument, "shm clients (client areas) must be 1..4096");
   const std::string object = segment_object_name(name);
 
   SegmentHeader layout{};
@@ -183,9 +188,21 @@ std::unique_ptr<Segment> Segment::create(const std::string& name, const SegmentC
   auto seg = std::unique_ptr<Segment>(new Segment());
   seg->name_ = name;
   seg->owner_ = true;
-  seg->geo_ = SegmentGeometry{c.num_workers, c.clients, c.server_threads, c.area_bytes, layout.clock_offset,
-                              layout.areas_offset, layout.area_stride, layout.store_offset, layout.store_bytes,
-                              layout.total_bytes, c.mode, c.worker_push, c.staleness, c.sync_required, c.wait_timeout_ms};
+  seg->geo_ = SegmentGeometry{c.num_workers,
+                              c.clients,
+                              c.server_threads,
+                              c.area_bytes,
+                              layout.clock_offset,
+                              layout.areas_offset,
+                              layout.area_stride,
+                              layout.store_offset,
+                              layout.store_bytes,
+                              layout.total_bytes,
+                              c.mode,
+                              c.worker_push,
+                              c.staleness,
+                              c.sync_required,
+                              c.wait_timeout_ms};
   try {
     seg->region_ = std::make_unique<bip::mapped_region>(map_object(object, layout.total_bytes, true, &seg->inode_));
     seg->base_ = static_cast<std::byte*>(seg->region_->get_address());
@@ -232,8 +249,7 @@ std::unique_ptr<Segment> Segment::open(const std::string& name) {
     throw Error(Errc::peer_failure, "no pskv server at shm://" + name + " (/dev/shm" + object +
                                         " does not exist); start pskv-server --uri shm://" + name + " first");
   }
-  if (size < sizeof(SegmentHeader))
-    throw Error(Errc::protocol, "shm://" + name + " is too small to be a pskv segment");
+  if (size < sizeof(SegmentHeader)) throw Error(Errc::protocol, "shm://" + name + " is too small to be a pskv segment");
   auto seg = std::unique_ptr<Segment>(new Segment());
   seg->name_ = name;
   seg->region_ = std::make_unique<bip::mapped_region>(map_object(object, size, false, &seg->inode_));
@@ -274,7 +290,8 @@ std::unique_ptr<Segment> Segment::open(const std::string& name) {
       g.area_stride >= sizeof(ClientArea) + g.area_bytes && g.area_stride <= (1ull << 41) &&
       g.store_offset >= g.areas_offset + std::uint64_t{g.clients} * g.area_stride && g.store_bytes <= size &&
       g.store_offset <= size - g.store_bytes && g.total_bytes <= size;
-  if (!sane) throw Error(Errc::protocol, "shm://" + name + " has a segment header that does not describe its own mapping");
+  if (!sane)
+    throw Error(Errc::protocol, "shm://" + name + " has a segment header that does not describe its own mapping");
   seg->geo_ = g;
   return seg;
 }
@@ -292,6 +309,8 @@ bool Segment::server_alive() {
   return ::stat(("/dev/shm/" + segment_object_name(name_).substr(1)).c_str(), &st) == 0 && st.st_ino == inode_;
 }
 
-void Segment::remove() { bip::shared_memory_object::remove(segment_object_name(name_).c_str()); }
+void Segment::remove() {
+  bip::shared_memory_object::remove(segment_object_name(name_).c_str());
+}
 
 }  // namespace pskv::shm

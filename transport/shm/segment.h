@@ -46,13 +46,13 @@ struct alignas(64) RingEntry {
   std::uint16_t reserved;
   std::uint32_t num_keys;
   std::uint64_t arg0;
-  std::uint64_t data_offset;   // into the area's data part: key table, then payload
+  std::uint64_t data_offset;  // into the area's data part: key table, then payload
   std::uint64_t payload_bytes;
   // Response.
-  std::uint32_t status;        // Errc
-  std::uint32_t text_len;      // error text (or stats JSON) at data_offset, up to data_bytes
+  std::uint32_t status;    // Errc
+  std::uint32_t text_len;  // error text (or stats JSON) at data_offset, up to data_bytes
   std::uint64_t reply_arg0;
-  std::uint64_t data_bytes;    // bytes reserved at data_offset
+  std::uint64_t data_bytes;  // bytes reserved at data_offset
 };
 
 inline constexpr std::int32_t kClaimingArea = -1;  // owner_pid while a client fills in its identity
@@ -60,22 +60,22 @@ inline constexpr std::int32_t kClaimingArea = -1;  // owner_pid while a client f
 struct alignas(64) ClientArea {
   std::atomic<std::int32_t> owner_pid;  // 0: free; kClaimingArea: being claimed
   std::uint32_t worker_id;
-  std::uint64_t owner_start;            // owner's start time, so a reused pid is not mistaken
+  std::uint64_t owner_start;                    // owner's start time, so a reused pid is not mistaken
   alignas(64) std::atomic<std::uint64_t> head;  // last published seq (client)
   alignas(64) std::atomic<std::uint64_t> done;  // last answered seq (server)
   std::atomic<std::uint32_t> done_word;         // futex: bumped on every answer and clock change
   std::atomic<std::uint32_t> client_sleeping;
-  std::atomic<std::uint32_t> client_polling;    // waiters reading `done` themselves: no wake needed
-  std::atomic<std::uint32_t> waits_on_clock;    // the client has pulls parked on the bound
+  std::atomic<std::uint32_t> client_polling;  // waiters reading `done` themselves: no wake needed
+  std::atomic<std::uint32_t> waits_on_clock;  // the client has pulls parked on the bound
   // Client threads asleep on waiter_word, waiting for an answer themselves rather than through
   // the helper: the server then wakes them directly, one hand-off instead of two.
   std::atomic<std::uint32_t> waiters_sleeping;
-  std::atomic<std::uint32_t> waiter_word;       // futex: bumped on an answer while waiters sleep
+  std::atomic<std::uint32_t> waiter_word;  // futex: bumped on an answer while waiters sleep
   // A push the client applies itself (SegmentHeader::worker_push): how far it got, for the
   // watchdog to roll back if the client dies holding a stripe lock. Its undo buffer is the
   // front of the area's data part, which the ring does not use meanwhile.
   alignas(64) UndoRecord undo;
-  std::atomic<std::uint64_t> worker_pushes;     // keys this area's clients applied themselves
+  std::atomic<std::uint64_t> worker_pushes;  // keys this area's clients applied themselves
   alignas(64) RingEntry ring[kRingEntries];
 };
 
@@ -88,8 +88,8 @@ struct alignas(64) SegmentHeader {
   std::uint32_t num_workers;
   std::uint32_t clients;
   std::uint32_t server_threads;
-  std::uint8_t mode;           // ConsistencyMode
-  std::uint8_t worker_push;    // 1: clients apply their own pushes under the stripe locks
+  std::uint8_t mode;         // ConsistencyMode
+  std::uint8_t worker_push;  // 1: clients apply their own pushes under the stripe locks
   std::uint8_t reserved8[2];
   std::uint32_t staleness;
   std::uint32_t sync_required;
@@ -122,8 +122,12 @@ inline bool wake_waiter_word(ClientArea& s) noexcept {
 
 // The stripe-lock owner tag of the clients of area i (SharedMutex::kAnonymousOwner is the server),
 // and back.
-inline std::uint32_t area_owner_tag(std::uint32_t area) noexcept { return area + 2; }
-inline std::uint32_t owner_tag_area(std::uint32_t tag) noexcept { return tag - 2; }
+inline std::uint32_t area_owner_tag(std::uint32_t area) noexcept {
+  return area + 2;
+}
+inline std::uint32_t owner_tag_area(std::uint32_t tag) noexcept {
+  return tag - 2;
+}
 
 struct SegmentConfig {
   std::uint32_t num_workers = 0;
@@ -140,8 +144,8 @@ struct SegmentConfig {
 // field is checked against the area's data part before use). On success fills `keys` and
 // `payload` (pointing into `area`) and `op`, the op that was validated: callers must use it, not
 // re-read e.op, which the client could change in between. Shared by the server and the fuzzer.
-Errc decode_entry(const RingEntry& e, const std::byte* area, std::uint64_t area_bytes, std::vector<wire::KeyEntry>* keys,
-                  const float** payload, wire::Op* op, std::string* why);
+Errc decode_entry(const RingEntry& e, const std::byte* area, std::uint64_t area_bytes,
+                  std::vector<wire::KeyEntry>* keys, const float** payload, wire::Op* op, std::string* why);
 
 // Process identity that survives pid reuse: pid plus its start time.
 std::uint64_t process_start_time(pid_t pid);

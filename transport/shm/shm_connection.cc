@@ -90,7 +90,8 @@ ShmConnection::~ShmConnection() {
   fail_everything(Errc::peer_failure, "the connection to " + endpoint_ + " was closed by the client");
   // Let the server finish whatever was published, then give the area back.
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
-  while (area_->done.load() < area_->head.load() && std::chrono::steady_clock::now() < deadline && segment_->server_alive())
+  while (area_->done.load() < area_->head.load() && std::chrono::steady_clock::now() < deadline &&
+         segment_->server_alive())
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   area_->owner_pid.store(0, std::memory_order_release);
 }
@@ -105,7 +106,8 @@ bool ShmConnection::bound_allows(std::uint64_t clock, std::uint64_t* observed) c
 Errc ShmConnection::lookup(const Request& request, std::vector<SlotRef>& slots, std::string* why) const {
   const std::size_t n = request.keys.size();
   slots.resize(n);
-  store_->find_batch(n, [&](std::size_t i) { return request.keys[i].key; }, slots.data());
+  store_->find_batch(
+      n, [&](std::size_t i) { return request.keys[i].key; }, slots.data());
   for (std::size_t i = 0; i < n; ++i) {
     const KeySlice& k = request.keys[i];
     if (!slots[i].slot) {
@@ -187,9 +189,9 @@ bool ShmConnection::push_directly(Request& request) {
     // make sure there still is a server to do it.
     constexpr auto kTick = std::chrono::milliseconds(100);
     std::chrono::milliseconds waited{0};
-    while ((status = store_->apply_logged(*slots[applied].slot, request.keys[applied].data, request.keys[applied].length,
-                                          1.0f, owner, area_->undo, undo, data_capacity_ / sizeof(float), kTick,
-                                          &header_->closing)) == Errc::timeout) {
+    while ((status = store_->apply_logged(*slots[applied].slot, request.keys[applied].data,
+                                          request.keys[applied].length, 1.0f, owner, area_->undo, undo,
+                                          data_capacity_ / sizeof(float), kTick, &header_->closing)) == Errc::timeout) {
       waited += kTick;
       if (!segment_->server_alive()) status = Errc::peer_failure;
       if (status == Errc::peer_failure || waited >= patience) break;
@@ -202,13 +204,15 @@ bool ShmConnection::push_directly(Request& request) {
     const std::string held = " held by " + describe_owner(store_->stripe_holder(key)) + "; " + std::to_string(applied) +
                              " of " + std::to_string(slots.size()) + " keys of this push were applied";
     const bool stopping = status == Errc::peer_failure && header_->closing.load() != 0;
-    why = stopping ? "the pskv server of " + endpoint_ + " is stopping and takes no more pushes; " + std::to_string(applied) +
-                         " of " + std::to_string(slots.size()) + " keys of this push were applied"
-          : status == Errc::peer_failure     ? server_gone() + " (" + lock + " is" + held + ")"
-          : status == Errc::length_mismatch ? "key " + std::to_string(key) + "'s slot header in " + endpoint_ +
-                                                  " no longer matches its length (overwritten?); " + std::to_string(applied) +
-                                                  " of " + std::to_string(slots.size()) + " keys of this push were applied"
-                                            : "waited " + std::to_string(patience.count()) + " ms for " + lock + "," + held;
+    why = stopping
+              ? "the pskv server of " + endpoint_ + " is stopping and takes no more pushes; " +
+                    std::to_string(applied) + " of " + std::to_string(slots.size()) + " keys of this push were applied"
+          : status == Errc::peer_failure ? server_gone() + " (" + lock + " is" + held + ")"
+          : status == Errc::length_mismatch
+              ? "key " + std::to_string(key) + "'s slot header in " + endpoint_ +
+                    " no longer matches its length (overwritten?); " + std::to_string(applied) + " of " +
+                    std::to_string(slots.size()) + " keys of this push were applied"
+              : "waited " + std::to_string(patience.count()) + " ms for " + lock + "," + held;
   }
   area_->worker_pushes.store(area_->worker_pushes.load(std::memory_order_relaxed) + applied, std::memory_order_relaxed);
   finish();
@@ -217,14 +221,16 @@ bool ShmConnection::push_directly(Request& request) {
 }
 
 std::string ShmConnection::server_gone() const {
-  return "the pskv server of " + endpoint_ + " (pid " + std::to_string(segment_->geometry().server_pid) + ") is gone; did it die?";
+  return "the pskv server of " + endpoint_ + " (pid " + std::to_string(segment_->geometry().server_pid) +
+         ") is gone; did it die?";
 }
 
 std::string ShmConnection::describe_owner(std::uint32_t owner) const {
   if (owner == 0) return "nobody now";
   const std::uint32_t area = owner_tag_area(owner);
   if (owner == SharedMutex::kAnonymousOwner || area >= segment_->geometry().clients) return "the server";
-  return "the client in area " + std::to_string(area) + ", pid " + std::to_string(segment_->area(area).owner_pid.load());
+  return "the client in area " + std::to_string(area) + ", pid " +
+         std::to_string(segment_->area(area).owner_pid.load());
 }
 
 void ShmConnection::submit(Request& request) {
@@ -266,12 +272,14 @@ void ShmConnection::enqueue(Request& request) {
   if (!values) payload = 0;
   const std::uint64_t key_bytes = request.keys.size() * sizeof(wire::KeyEntry);
   // Room for the answer's text too (stats JSON, error messages).
-  const std::uint64_t need = align_up(std::max<std::uint64_t>(key_bytes + payload, request.op == wire::Op::stats ? 65536 : 512), 64);
+  const std::uint64_t need =
+      align_up(std::max<std::uint64_t>(key_bytes + payload, request.op == wire::Op::stats ? 65536 : 512), 64);
   if (need > data_capacity_) {
     request.completion->complete_part(
         Errc::capacity, "a " + std::string(wire::op_name(static_cast<std::uint16_t>(request.op))) + " of " +
-                            std::to_string(need >> 20) + " MiB does not fit the " + std::to_string(data_capacity_ >> 20) +
-                            " MiB client area of " + endpoint_ + ": raise the server's --shm-area-mb or lower --chunk-floats");
+                            std::to_string(need >> 20) + " MiB does not fit the " +
+                            std::to_string(data_capacity_ >> 20) + " MiB client area of " + endpoint_ +
+                            ": raise the server's --shm-area-mb or lower --chunk-floats");
     return;
   }
   std::unique_lock lock(mu_);
@@ -355,9 +363,10 @@ bool ShmConnection::run_parked(std::chrono::steady_clock::time_point now) {
           std::clamp<std::int64_t>((steady_now_ns() - clocks_->last_progress_ns(slowest)) / 1'000'000, 0, timeout_ms);
       if (idle_ms >= timeout_ms || now >= it->give_up) {
         std::ostringstream why;
-        why << "waited " << std::chrono::duration_cast<std::chrono::milliseconds>(now - (it->give_up - options_.io_timeout)).count()
-            << " ms: worker " << slowest << " is at clock " << b << " (needed " << need << ", last progress "
-            << idle_ms << " ms ago); it may have died or stalled (raise --wait-timeout-ms or the client's io timeout, "
+        why << "waited "
+            << std::chrono::duration_cast<std::chrono::milliseconds>(now - (it->give_up - options_.io_timeout)).count()
+            << " ms: worker " << slowest << " is at clock " << b << " (needed " << need << ", last progress " << idle_ms
+            << " ms ago); it may have died or stalled (raise --wait-timeout-ms or the client's io timeout, "
             << "or run the server with --straggler-policy evict)";
         it->request->completion->complete_part(Errc::timeout, why.str());
         it = parked_.erase(it);

@@ -101,11 +101,11 @@ class ShmConnection final : public transport::Connection, private transport::Pol
 
   std::mutex mu_;  // guards everything below
   std::condition_variable space_;
-  std::uint64_t next_seq_ = 0;        // last published seq
+  std::uint64_t next_seq_ = 0;  // last published seq
   // Last seq turned into a completion; its ring entry and data may be reused. Written under
   // mu_, read without it by poll() to skip the lock when nothing new was answered.
   std::atomic<std::uint64_t> completed_{0};
-  std::uint64_t data_head_ = 0;       // monotonically increasing byte positions in the area
+  std::uint64_t data_head_ = 0;  // monotonically increasing byte positions in the area
   std::uint64_t data_tail_ = 0;
   transport::Request* pending_[kRingEntries] = {};
   std::uint64_t data_end_[kRingEntries] = {};

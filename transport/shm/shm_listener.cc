@@ -64,7 +64,8 @@ class ShmListener final : public transport::Listener {
     segment_.reset();
   }
   transport::ListenerStats stats() const override {
-    return server_ ? transport::ListenerStats{server_->worker_pushes(), server_->stats_fields()} : transport::ListenerStats{};
+    return server_ ? transport::ListenerStats{server_->worker_pushes(), server_->stats_fields()}
+                   : transport::ListenerStats{};
   }
 
  private:

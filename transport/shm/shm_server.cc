@@ -52,7 +52,9 @@ std::chrono::nanoseconds ShmServer::lock_patience() const noexcept {
   return std::min<std::chrono::nanoseconds>(std::chrono::milliseconds(geo_.wait_timeout_ms), std::chrono::seconds(1));
 }
 
-void ShmServer::stop_accepting() noexcept { segment_->header().accepting.store(0, std::memory_order_release); }
+void ShmServer::stop_accepting() noexcept {
+  segment_->header().accepting.store(0, std::memory_order_release);
+}
 
 void ShmServer::drain() noexcept {
   if (drained_) return;
@@ -104,7 +106,8 @@ void ShmServer::close() noexcept {
 
 std::uint64_t ShmServer::worker_pushes() const noexcept {
   std::uint64_t pushes = 0;
-  for (std::uint32_t i = 0; i < geo_.clients; ++i) pushes += segment_->area(i).worker_pushes.load(std::memory_order_relaxed);
+  for (std::uint32_t i = 0; i < geo_.clients; ++i)
+    pushes += segment_->area(i).worker_pushes.load(std::memory_order_relaxed);
   return pushes;
 }
 
@@ -163,7 +166,8 @@ bool ShmServer::process(std::uint32_t i, RingEntry& e, std::uint64_t seq) {
   std::string why;
   wire::Op op = wire::Op::hello;
   Errc status = decode_entry(e, segment_->area_data(i), geo_.area_bytes, &keys, &payload, &op, &why);
-  if (status != Errc::ok) log::warn("shm.bad-entry", who(i) + ": ring entry " + std::to_string(seq) + " refused: " + why);
+  if (status != Errc::ok)
+    log::warn("shm.bad-entry", who(i) + ": ring entry " + std::to_string(seq) + " refused: " + why);
   const std::uint32_t worker = client.worker_id;
   const std::uint64_t arg0 = e.arg0;
   if (status == Errc::ok) {
@@ -223,8 +227,9 @@ bool ShmServer::drain(std::uint32_t i) {
       // requests are not read again until the area changes hands (the watchdog frees it).
       const std::int32_t pid = s.owner_pid.load(std::memory_order_relaxed);
       ignored_[i].store(pid == 0 ? kClaimingArea : pid, std::memory_order_relaxed);
-      log::warn("shm.bad-ring", who(i) + ": published request " + std::to_string(head) + " with " + std::to_string(done) +
-                                    " answered, more than its ring's " + std::to_string(kRingEntries) +
+      log::warn("shm.bad-ring", who(i) + ": published request " + std::to_string(head) + " with " +
+                                    std::to_string(done) + " answered, more than its ring's " +
+                                    std::to_string(kRingEntries) +
                                     " entries; its ring is ignored until the area is released");
       break;
     }

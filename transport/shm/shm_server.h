@@ -75,8 +75,8 @@ class ShmServer {
   // The pid whose ring stopped making sense (published more than the ring holds): its area is
   // not served until the area changes hands. 0: none.
   std::unique_ptr<std::atomic<std::int32_t>[]> ignored_;
-  std::atomic<bool> stopping_{false};        // server threads: stop (drain)
-  std::atomic<bool> watchdog_stop_{false};   // the watchdog keeps rolling back dead clients until close
+  std::atomic<bool> stopping_{false};       // server threads: stop (drain)
+  std::atomic<bool> watchdog_stop_{false};  // the watchdog keeps rolling back dead clients until close
   bool drained_ = false, closed_ = false;
   std::vector<std::thread> threads_;
   std::thread watchdog_;

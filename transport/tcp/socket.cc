@@ -150,7 +150,9 @@ void advance(iovec*& iov, int& count, std::size_t n) noexcept {
 }
 }  // namespace
 
-bool nothing_waiting(ssize_t n) noexcept { return n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK); }
+bool nothing_waiting(ssize_t n) noexcept {
+  return n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK);
+}
 
 IoResult read_full(int fd, void* data, std::size_t bytes, std::chrono::nanoseconds spin) noexcept {
   iovec iov{data, bytes};
@@ -189,7 +191,8 @@ ssize_t receive_into(int fd, iovec* iov, int count, std::chrono::nanoseconds spi
 IoResult readv_full(int fd, iovec* iov, int count, std::chrono::nanoseconds spin) noexcept {
   while (count > 0 && iov->iov_len == 0) ++iov, --count;
   while (count > 0) {
-    const ssize_t n = spin.count() > 0 ? receive_into(fd, iov, count, spin) : ::readv(fd, iov, std::min(count, IOV_MAX));
+    const ssize_t n =
+        spin.count() > 0 ? receive_into(fd, iov, count, spin) : ::readv(fd, iov, std::min(count, IOV_MAX));
     if (n <= 0) {
       if (n < 0 && errno == EINTR) continue;
       return classify(n);
@@ -233,10 +236,14 @@ IoResult writev_full(int fd, iovec* iov, int count, bool more) noexcept {
 
 std::string io_result_text(IoResult r) {
   switch (r) {
-    case IoResult::ok: return "ok";
-    case IoResult::closed: return "connection closed by peer";
-    case IoResult::timeout: return "timed out";
-    case IoResult::error: return std::strerror(errno);
+    case IoResult::ok:
+      return "ok";
+    case IoResult::closed:
+      return "connection closed by peer";
+    case IoResult::timeout:
+      return "timed out";
+    case IoResult::error:
+      return std::strerror(errno);
   }
   return "?";
 }

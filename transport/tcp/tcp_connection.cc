@@ -53,7 +53,8 @@ void TcpConnection::handshake() {
   wire::FrameHeader r = read_handshake_reply("hello");
   std::uint8_t challenge[auth::kNonceBytes + auth::kProofBytes];
   const bool challenged = r.flags & wire::kAuthChallenge;
-  if (challenged && (r.payload_bytes != sizeof challenge || read_full(fd_.get(), challenge, sizeof challenge) != IoResult::ok))
+  if (challenged &&
+      (r.payload_bytes != sizeof challenge || read_full(fd_.get(), challenge, sizeof challenge) != IoResult::ok))
     throw Error(Errc::protocol, endpoint_ + " sent a malformed authentication challenge");
   if (const auto proof = auth::answer(options_.token.get(), client_nonce, challenged ? challenge : nullptr,
                                       challenge + auth::kNonceBytes, endpoint_)) {
@@ -222,7 +223,8 @@ void TcpConnection::poll() noexcept {
   release_read_side();
 }
 
-bool TcpConnection::sleep_for_answers(const transport::Completion& c, std::chrono::steady_clock::time_point until) noexcept {
+bool TcpConnection::sleep_for_answers(const transport::Completion& c,
+                                      std::chrono::steady_clock::time_point until) noexcept {
   if (take_read_side() || follow(c, until)) {
     read_frames(ReadUntil::done, &c, until);
     release_read_side();
@@ -273,7 +275,8 @@ void TcpConnection::reader_loop() {
       continue;
     }
     reader_sleeps_long_.store(true);
-    if (outstanding_.load() == 0 && !summoned_.load() && !stopping_.load()) futex_wait(&reader_word_, word, kReceiveTick);
+    if (outstanding_.load() == 0 && !summoned_.load() && !stopping_.load())
+      futex_wait(&reader_word_, word, kReceiveTick);
     reader_sleeps_long_.store(false);
   }
 }
@@ -314,7 +317,8 @@ TcpConnection::HeaderRead TcpConnection::read_header(bool block) {
   auto* const bytes = reinterpret_cast<char*>(&header_);
   while (header_fill_ < sizeof header_) {
     // MSG_WAITALL: one call per header while blocking; the receive tick can still cut it short.
-    const ssize_t n = ::recv(fd_.get(), bytes + header_fill_, sizeof header_ - header_fill_, block ? MSG_WAITALL : MSG_DONTWAIT);
+    const ssize_t n =
+        ::recv(fd_.get(), bytes + header_fill_, sizeof header_ - header_fill_, block ? MSG_WAITALL : MSG_DONTWAIT);
     if (n > 0) {
       header_fill_ += static_cast<std::size_t>(n);
       continue;
@@ -333,7 +337,8 @@ bool TcpConnection::still_alive() {
     quiet_since_ns_.store(now, std::memory_order_relaxed);
     return true;
   }
-  if (now - quiet_since_ns_.load(std::memory_order_relaxed) <= std::chrono::nanoseconds(options_.io_timeout).count()) return true;
+  if (now - quiet_since_ns_.load(std::memory_order_relaxed) <= std::chrono::nanoseconds(options_.io_timeout).count())
+    return true;
   fail_all(Errc::timeout, endpoint_ + " sent nothing for " + std::to_string(options_.io_timeout.count()) +
                               " ms with requests outstanding; the server is hung or unreachable");
   return false;

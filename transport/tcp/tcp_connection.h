@@ -97,7 +97,7 @@ class TcpConnection final : public transport::Connection, private transport::Pol
   bool send_broken_ = false;  // the server closed while we sent; replies may still be read
   std::string broken_why_;
 
-  std::atomic<std::uint32_t> outstanding_{0};  // requests holding an entry; changed under in_flight_mu_
+  std::atomic<std::uint32_t> outstanding_{0};    // requests holding an entry; changed under in_flight_mu_
   std::atomic<std::int64_t> quiet_since_ns_{0};  // steady_now_ns: last frame read, or last idle moment
 
   // The read side. header_, header_fill_ and recv_iov_ belong to its holder.

@@ -3,8 +3,8 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/epoll.h>
-#include <sys/resource.h>
 #include <sys/eventfd.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -30,7 +30,7 @@ struct Reply {
   wire::FrameHeader header{};
   const void* payload = nullptr;
   std::uint64_t payload_bytes = 0;
-  std::vector<char> owned;          // the payload once it had to be kept
+  std::vector<char> owned;                   // the payload once it had to be kept
   std::unique_ptr<HeapMemory> owned_values;  // a large payload built for this reply alone
   // Sent straight from the store's slots, then a u32: 0 if no slot's seqlock moved across the
   // send, 1 if a push got in and the client must ask again.
@@ -39,8 +39,8 @@ struct Reply {
   std::vector<SlotHeader*> slots;
   std::vector<std::uint64_t> versions;
   std::uint32_t torn = 0;
-  std::uint64_t sent = 0;     // of header, payload and trailer
-  BudgetHold charged;  // budget this reply holds, given back with it
+  std::uint64_t sent = 0;  // of header, payload and trailer
+  BudgetHold charged;      // budget this reply holds, given back with it
   std::int64_t deadline_ns = 0;
 
   std::uint64_t total() const noexcept { return sizeof header + payload_bytes + (from_store ? sizeof torn : 0); }
@@ -110,9 +110,9 @@ struct LargeFrame {
   Stage stage = Stage::none;
   wire::FrameHeader h{};
   std::int64_t started_ns = 0;
-  std::uint64_t progress = 0;    // bytes of the frame taken so far, whatever the stage
-  std::uint64_t key_have = 0;    // bytes of the key table in peer.keys
-  std::uint64_t have = 0;        // payload bytes in `payload` (body) or dropped (discard)
+  std::uint64_t progress = 0;  // bytes of the frame taken so far, whatever the stage
+  std::uint64_t key_have = 0;  // bytes of the key table in peer.keys
+  std::uint64_t have = 0;      // payload bytes in `payload` (body) or dropped (discard)
   BudgetHold charged;
   // Mapped at the declared size but never written ahead of the bytes: pages are backed as data
   // arrives, so a peer that declares much and sends little holds little memory; the buffer is
@@ -136,10 +136,15 @@ struct LargeFrame {
 class Peer : public std::enable_shared_from_this<Peer> {
  public:
   Peer(int fd, std::uint32_t generation, std::string address, std::string host)
-      : fd(fd), generation(generation), address(std::move(address)), host(std::move(host)),
+      : fd(fd),
+        generation(generation),
+        address(std::move(address)),
+        host(std::move(host)),
         accepted_ns(steady_now_ns()) {}
 
-  std::uint64_t tag() const noexcept { return (std::uint64_t{generation} << 32) | static_cast<std::uint32_t>(fd.get()); }
+  std::uint64_t tag() const noexcept {
+    return (std::uint64_t{generation} << 32) | static_cast<std::uint32_t>(fd.get());
+  }
   std::string who() const {
     return worker == kNoWorker ? address : address + " (worker " + std::to_string(worker) + ")";
   }
@@ -154,7 +159,7 @@ class Peer : public std::enable_shared_from_this<Peer> {
   // Under mu.
   bool closed = false;
   bool owned = false;
-  bool backlog = false;  // buffered requests wait for the connection to be served again
+  bool backlog = false;    // buffered requests wait for the connection to be served again
   bool mid_frame = false;  // a large frame is half read: it is read on, paused or not
   std::uint32_t parked = 0;
   std::uint64_t queued_bytes = 0;
@@ -169,7 +174,7 @@ class Peer : public std::enable_shared_from_this<Peer> {
 
   // Owner only.
   bool said_hello = false;
-  bool authenticated = false;  // passed the token challenge (or the server has no token)
+  bool authenticated = false;              // passed the token challenge (or the server has no token)
   std::uint32_t hello_worker = kNoWorker;  // admitted once authenticated
   auth::Nonce client_nonce{}, server_nonce{};
   bool finished = false;  // the worker announced it is done (clock = kClockDone)
@@ -194,7 +199,8 @@ class Peer : public std::enable_shared_from_this<Peer> {
   }
 };
 
-static_assert(TcpServer::kPushPieceFloats * sizeof(float) <= Peer::kInBytes, "a push piece must fit the receive buffer");
+static_assert(TcpServer::kPushPieceFloats * sizeof(float) <= Peer::kInBytes,
+              "a push piece must fit the receive buffer");
 
 namespace {
 
@@ -209,8 +215,7 @@ constexpr std::size_t kKeepBufferBytes = 1u << 20;
 
 wire::FrameHeader reply_header(const wire::FrameHeader& req, std::uint64_t payload_bytes, std::uint64_t arg0 = 0,
                                std::uint32_t arg1 = 0) {
-  wire::FrameHeader h =
-      wire::make_header(static_cast<wire::Op>(req.op), req.request_id, 0, payload_bytes, arg0, arg1);
+  wire::FrameHeader h = wire::make_header(static_cast<wire::Op>(req.op), req.request_id, 0, payload_bytes, arg0, arg1);
   h.flags = wire::kResponse;
   return h;
 }
@@ -464,7 +469,8 @@ void TcpServer::accept_ready() {
   for (;;) {
     sockaddr_storage from{};
     socklen_t from_len = sizeof from;
-    const int fd = ::accept4(listen_fd_.get(), reinterpret_cast<sockaddr*>(&from), &from_len, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    const int fd =
+        ::accept4(listen_fd_.get(), reinterpret_cast<sockaddr*>(&from), &from_len, SOCK_CLOEXEC | SOCK_NONBLOCK);
     if (fd < 0) {
       if (errno == EINTR || errno == ECONNABORTED || errno == EPROTO) continue;
       if ((errno == EMFILE || errno == ENFILE) && shed_one_connection()) continue;
@@ -484,8 +490,8 @@ void TcpServer::accept_ready() {
       std::lock_guard lock(peers_mu_);
       std::uint32_t& mine = per_address_[peer->host];
       if (mine >= options_.max_connections_per_address) {
-        refusal = "already has " + std::to_string(mine) +
-                  " connections from its address (--max-connections-per-address)";
+        refusal =
+            "already has " + std::to_string(mine) + " connections from its address (--max-connections-per-address)";
       } else if (peers_.size() >= options_.max_connections) {
         // Connections already expired are on their way out and do not count. Otherwise the
         // oldest connection still in its handshake makes room: a flood of sockets that never
@@ -512,11 +518,12 @@ void TcpServer::accept_ready() {
         per_address_.erase(peer->host);
       }
     }
-    if (evict) expire(*evict, "made room for a new connection: the server was full and it had not finished its handshake");
+    if (evict)
+      expire(*evict, "made room for a new connection: the server was full and it had not finished its handshake");
     if (!refusal.empty()) {
       refused_.fetch_add(1);
-      log::warn("tcp.refused", "server " + std::to_string(engine_.options().server_id) + " refused " +
-                                   peer->address + ": it " + refusal);
+      log::warn("tcp.refused", "server " + std::to_string(engine_.options().server_id) + " refused " + peer->address +
+                                   ": it " + refusal);
       refuse_at_accept(fd, "the server refused this connection: it " + refusal);
       continue;  // ~Peer closes it
     }
@@ -589,9 +596,9 @@ std::uint32_t TcpServer::interest_locked(const Peer& peer) const {
   // Requests are read again once the peer has taken most of what is queued for it, and once
   // fewer than the cap of its pulls are parked (hang-ups are reported regardless).
   const bool replies_pending = !peer.out.empty();
-  const bool reading = !(replies_pending && (peer.queued_bytes > kPauseQueuedBytes ||
-                                             peer.out.size() > kPauseQueuedReplies)) &&
-                       peer.parked < kMaxParkedPerConnection;
+  const bool reading =
+      !(replies_pending && (peer.queued_bytes > kPauseQueuedBytes || peer.out.size() > kPauseQueuedReplies)) &&
+      peer.parked < kMaxParkedPerConnection;
   std::uint32_t events = replies_pending ? static_cast<std::uint32_t>(EPOLLOUT) : 0u;
   if (reading) events |= EPOLLIN | EPOLLRDHUP;
   // EPOLLOUT fires at once on an idle socket: the wake-up requests left buffered need.
@@ -656,8 +663,8 @@ void TcpServer::close_peer(Peer& peer, const std::string& reason) {
   const std::uint32_t worker = peer.worker;
   const bool clean = peer.finished;
   if (!peer.expired.empty() || (!clean && worker != kNoWorker) || !peer.handshaken.load())
-    log::info("tcp.closed", "server " + std::to_string(engine_.options().server_id) + " closed " + peer.who() + ": " +
-                                why);
+    log::info("tcp.closed",
+              "server " + std::to_string(engine_.options().server_id) + " closed " + peer.who() + ": " + why);
   if (worker != kNoWorker) engine_.worker_left(worker, clean);
 }
 
@@ -774,8 +781,8 @@ bool TcpServer::before_handshake(Peer& peer, const wire::FrameHeader& h) {
     return refuse(peer, h, "sent " + std::string(wire::op_name(h.op)) + " before authenticating (" + frame + ")");
   refused_.fetch_add(1, std::memory_order_relaxed);
   const std::string what = "sent " + std::string(wire::op_name(h.op)) + " before hello (" + frame + ")";
-  log::warn("tcp.refused", "server " + std::to_string(engine_.options().server_id) + " refused " + peer.address +
-                               ": it " + what);
+  log::warn("tcp.refused",
+            "server " + std::to_string(engine_.options().server_id) + " refused " + peer.address + ": it " + what);
   if (h.magic == wire::kMagic)
     send_error(peer, h, Errc::protocol, "the first request on a connection must be hello; this one " + what);
   return false;
@@ -1009,8 +1016,9 @@ bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payl
     case wire::Op::hello: {
       if (peer.said_hello) return refuse(peer, h, "said hello twice");
       if (h.arg1 != wire::kVersion) {
-        send_error(peer, h, Errc::protocol, "client speaks protocol " + std::to_string(h.arg1) + ", server " +
-                                                std::to_string(wire::kVersion) + ": use matching pskv builds");
+        send_error(peer, h, Errc::protocol,
+                   "client speaks protocol " + std::to_string(h.arg1) + ", server " + std::to_string(wire::kVersion) +
+                       ": use matching pskv builds");
         return false;
       }
       peer.said_hello = true;
@@ -1132,8 +1140,7 @@ Errc TcpServer::check_pull(const Peer& peer, std::span<const wire::KeyEntry> key
   return Errc::ok;
 }
 
-bool TcpServer::answer_pull(Peer& peer, const wire::FrameHeader& h, std::span<const wire::KeyEntry> keys,
-                            bool owner) {
+bool TcpServer::answer_pull(Peer& peer, const wire::FrameHeader& h, std::span<const wire::KeyEntry> keys, bool owner) {
   thread_local std::vector<SlotRef> slots;
   std::string why;
   std::uint64_t bytes = 0;
@@ -1149,7 +1156,8 @@ bool TcpServer::answer_pull(Peer& peer, const wire::FrameHeader& h, std::span<co
     if (peer.reply.size() < floats) peer.reply.resize(Peer::kInBytes / sizeof(float));
     payload = peer.reply.data();
   } else if (bytes > 0) {
-    if (!r.charged.take(budget_, bytes)) return send_error(peer, h, Errc::capacity, over_budget(peer, bytes, "pull reply"));
+    if (!r.charged.take(budget_, bytes))
+      return send_error(peer, h, Errc::capacity, over_budget(peer, bytes, "pull reply"));
     try {
       r.owned_values = std::make_unique<HeapMemory>(bytes, "a pull's reply", false);
     } catch (const std::exception& e) {
@@ -1240,8 +1248,8 @@ bool TcpServer::admit(Peer& peer, const wire::FrameHeader& h) {
   const std::uint32_t worker = peer.hello_worker;
   if (worker != kNoWorker) {
     if (Errc e = engine_.check_worker(worker, &why); e != Errc::ok) {
-      log::warn("tcp.refused", "server " + std::to_string(engine_.options().server_id) + " refused " + peer.address +
-                                   ": " + why);
+      log::warn("tcp.refused",
+                "server " + std::to_string(engine_.options().server_id) + " refused " + peer.address + ": " + why);
       send_error(peer, h, e, why);
       return false;
     }

@@ -75,7 +75,9 @@ class MemoryBudget {
   explicit MemoryBudget(std::uint64_t limit) : limit_(limit) {}
   // Takes `bytes` if they fit.
   bool take(std::uint64_t bytes) noexcept;
-  void give(std::uint64_t bytes) noexcept { if (bytes) used_.fetch_sub(bytes, std::memory_order_relaxed); }
+  void give(std::uint64_t bytes) noexcept {
+    if (bytes) used_.fetch_sub(bytes, std::memory_order_relaxed);
+  }
   std::uint64_t used() const noexcept { return used_.load(std::memory_order_relaxed); }
   std::uint64_t limit() const noexcept { return limit_; }
 
@@ -229,7 +231,6 @@ class TcpServer {
   // are queued, EPOLLIN unless reading is paused. armed_locked() adds what re-arming needs.
   std::uint32_t interest_locked(const Peer& peer) const;
   std::uint32_t armed_locked(const Peer& peer) const;
-
 
   void close_peer(Peer& peer, const std::string& reason);
   // Closes a connection another thread may own: shuts the socket so its owner sees the end.
