@@ -261,7 +261,7 @@ lines += ["## Plots", "", "![bandwidth](bench/bandwidth.png)", "", "![sparse](be
 # ab-servers.md: scripts/ab-servers.sh) are kept in docs/bench/*.md, so that regenerating this
 # report does not drop them.
 bench_dir = os.path.join(os.path.dirname(report), "bench")
-for name in ("python.md", "ab-servers.md"):
+for name in ("python.md", "ab-servers.md", "analysis.md"):
     section = os.path.join(bench_dir, name)
     if os.path.exists(section):
         lines += [open(section).read().rstrip(), ""]
