@@ -129,6 +129,10 @@ class Store {
       if (records_) {
         const Record* r = find_record(key_of(i));
         out[i] = r ? ref_of(*r) : SlotRef{};
+        // Started now, the slot's misses overlap the lookups' instead of waiting for the pass
+        // that uses it, whose prefetch_ahead alone keeps only 16 in flight (a 1,000-key pull
+        // over tcp spent most of its time there).
+        if (r) prefetch_slot(*out[i].slot);
         continue;
       }
       out[i] = SlotRef{};
