@@ -7,9 +7,11 @@
             c.init(7, w).wait()                 # the first initialiser wins
             c.push(7, np.ones(1000, np.float32)).wait()
             c.pull(7, w).wait()                 # lands in w's own memory
+            c.pull(7, w, async_op=False)        # the same, blocking: no Work, returns None
 
 Arrays are float32, C-contiguous, CPU (numpy, memoryview, array('f'), torch.Tensor); they are read
-and written in place, never converted. push/pull return a Work: wait(timeout=None), done().
+and written in place, never converted. push/pull return a Work: wait(timeout=None), done(); with async_op=False (as in
+torch.distributed) they wait and return None.
 pskv.torch has the PyTorch optimizer; pskv.launch starts pskv-server processes.
 """
 

@@ -1,7 +1,8 @@
 """python -m pskv.bench: what Python costs over C++ for the same pskv operations.
 
 For each transport it starts one pskv-server and, on one pskv.Client, times the same loop (one
-operation in flight: push or pull, then wait) from Python and in C++ (Client._cpp_loop: the loop
+operation in flight: push or pull, then wait) from Python, in both forms (op(...).wait() and
+op(..., async_op=False)), and in C++ (Client._cpp_loop: the loop
 pskv-bench runs, in this process, on the same connection), alternating every --seconds for
 --rounds rounds. This kind of machine drifts by more between seconds than Python could cost, so
 each Python window is compared with the C++ window next to it, and the median of those ratios is
@@ -43,18 +44,35 @@ def cpp_figures(uri: str, transport: str, seconds: float) -> dict:
     return figures
 
 
-def python_window(c: Client, key: int, value: np.ndarray, op: str, seconds: float):
-    """(bytes/s, p50 us) of `op` from Python, one operation in flight."""
+FORMS = ("wait", "blocking")  # op(...).wait(), and op(..., async_op=False)
+
+
+def python_window(c: Client, key: int, value: np.ndarray, op: str, form: str, seconds: float):
+    """(bytes/s, p50 us) of `op` from Python, one operation in flight, in either form. The loop
+    does what Client._cpp_loop does, no more: two clock reads per operation, the second one
+    also deciding when to stop."""
     call = c.push if op == "push" else c.pull
+    now = time.perf_counter_ns
     latencies = []
+    record = latencies.append
     start = time.perf_counter()
-    end = start + seconds
-    while True:
-        t0 = time.perf_counter_ns()
-        call(key, value).wait()
-        latencies.append(time.perf_counter_ns() - t0)
-        if time.perf_counter() >= end and len(latencies) >= 5:
-            break
+    end = now() + int(seconds * 1e9)
+    if form == "wait":
+        while True:
+            t0 = now()
+            call(key, value).wait()
+            t1 = now()
+            record(t1 - t0)
+            if t1 >= end and len(latencies) >= 5:
+                break
+    else:
+        while True:
+            t0 = now()
+            call(key, value, async_op=False)
+            t1 = now()
+            record(t1 - t0)
+            if t1 >= end and len(latencies) >= 5:
+                break
     elapsed = time.perf_counter() - start
     return value.nbytes * len(latencies) / elapsed, statistics.median(latencies) / 1000
 
@@ -70,35 +88,37 @@ def run(transports, seconds: float, rounds: int, as_json: bool, with_cpp_bench: 
                     key, value = 1000 + i, np.ones(nbytes // 4, np.float32)
                     c.init(key, value).wait()
                     for op in ("push", "pull"):
-                        for _ in range(3):  # warm up both paths
+                        for _ in range(3):  # warm up every path
                             c._cpp_loop(key, value, op, 0.0)
-                            python_window(c, key, value, op, 0.0)
+                            for form in FORMS:
+                                python_window(c, key, value, op, form, 0.0)
                         for r in range(rounds):
-                            if r % 2 == 0:
-                                cpp = c._cpp_loop(key, value, op, seconds)
-                                py = python_window(c, key, value, op, seconds)
-                            else:
-                                py = python_window(c, key, value, op, seconds)
-                                cpp = c._cpp_loop(key, value, op, seconds)
-                            ratios.setdefault((op, nbytes), []).append(py[0] / cpp[0])
-                            differences.setdefault((op, nbytes), []).append(py[1] - cpp[1])
+                            for form in FORMS:
+                                if r % 2 == 0:
+                                    cpp = c._cpp_loop(key, value, op, seconds)
+                                    py = python_window(c, key, value, op, form, seconds)
+                                else:
+                                    py = python_window(c, key, value, op, form, seconds)
+                                    cpp = c._cpp_loop(key, value, op, seconds)
+                                ratios.setdefault((op, nbytes, form), []).append(py[0] / cpp[0])
+                                differences.setdefault((op, nbytes, form), []).append(py[1] - cpp[1])
         if not as_json:
             print(f"\n{transport} (server {uri}; {rounds} alternating rounds of {seconds} s: median, and the range)")
-            print(f"{'op':5} {'size':>5}  {'python/C++ bandwidth':>22}  {'p50: python - C++':>24}")
-        for (op, nbytes), r in ratios.items():
+            print(f"{'op':5} {'size':>5} {'form':8}  {'python/C++ bandwidth':>22}  {'p50: python - C++':>24}")
+        for (op, nbytes, form), r in ratios.items():
             name = next(k for k, v in SIZES.items() if v == nbytes)
-            ratio, diff = statistics.median(r), statistics.median(differences[(op, nbytes)])
+            ratio, diff = statistics.median(r), statistics.median(differences[(op, nbytes, form)])
             ref = reference.get((op, nbytes))
             if as_json:
-                row = {"transport": transport, "op": op, "value_bytes": nbytes, "rounds": rounds,
+                row = {"transport": transport, "op": op, "value_bytes": nbytes, "form": form, "rounds": rounds,
                        "bandwidth_ratio": ratio, "bandwidth_ratios": r, "p50_difference_us": diff,
-                       "p50_differences_us": differences[(op, nbytes)]}
+                       "p50_differences_us": differences[(op, nbytes, form)]}
                 if ref:
                     row.update({"pskv_bench_bytes_per_s": ref[0], "pskv_bench_p50_us": ref[1]})
                 print(json.dumps(row))
                 continue
-            d = differences[(op, nbytes)]
-            line = (f"{op:5} {name:>5}  {ratio:8.3f} ({min(r):.2f}-{max(r):.2f})    "
+            d = differences[(op, nbytes, form)]
+            line = (f"{op:5} {name:>5} {form:8}  {ratio:8.3f} ({min(r):.2f}-{max(r):.2f})    "
                     f"{diff:+8.2f} us ({min(d):+.2f} to {max(d):+.2f})")
             if ref:
                 line += f"    pskv-bench: {ref[0] / 1e9:.2f} GB/s, p50 {ref[1]:.2f} us"

@@ -126,10 +126,10 @@ class DistributedOptimizer:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)  # stable tensors: pushes read them, pulls may land in them
         # Same starting point everywhere: the first initialiser of each key wins, everyone pulls it.
-        client.init(self.weight_keys, [p.data for p in self.params]).wait()
+        client.init(self.weight_keys, [p.data for p in self.params], async_op=False)
         if update == "worker":
-            client.init(self.grad_keys, [torch.zeros_like(p) for p in self.params]).wait()
-        client.pull(self.weight_keys, [p.data for p in self.params]).wait()
+            client.init(self.grad_keys, [torch.zeros_like(p) for p in self.params], async_op=False)
+        client.pull(self.weight_keys, [p.data for p in self.params], async_op=False)
         # No worker pushes before every worker has pulled the starting weights: under BSP and SSP
         # only reads are bounded, so an early push would otherwise reach a slower worker's pull.
         if client.worker_id is not None:
@@ -201,14 +201,14 @@ class DistributedOptimizer:
         if self.update == "server":
             self.pull_weights()
         else:
-            self.client.pull(self.grad_keys, [p.grad for p in self.params]).wait()
+            self.client.pull(self.grad_keys, [p.grad for p in self.params], async_op=False)
             self.optimizer.step()
         self.steps += 1
         return loss
 
     def pull_weights(self) -> None:
         """Brings the servers' weights into the parameters (update="server"; e.g. before evaluating)."""
-        self.client.pull(self.weight_keys, [p.data for p in self.params]).wait()
+        self.client.pull(self.weight_keys, [p.data for p in self.params], async_op=False)
 
     def staleness(self) -> Dict[str, object]:
         """What bounded reads observed: {'reads', 'max', 'histogram'} (clocks behind)."""

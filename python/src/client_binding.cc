@@ -297,7 +297,9 @@ class PyClient {
     session_->client = std::make_unique<Client>(options);
   }
 
-  std::unique_ptr<Work> issue(OpKind op, py::handle keys, py::handle values) {
+  // async_op=False (torch.distributed's spelling): waits here and returns None. No Work object is
+  // made, and a large operation hands the GIL over once around both its send and its wait.
+  py::object issue(OpKind op, py::handle keys, py::handle values, bool async_op) {
     Session& s = *session_;
     s.require_open();
     // Reading keys and buffers runs Python code (__index__, a tensor's methods, a collection)
@@ -351,14 +353,47 @@ class PyClient {
       return op == OpKind::push ? client.push(key_list, sources) : client.init(key_list, sources);
     };
     // Issuing waits for room once the window is full: other Python threads must not wait with it.
-    if (bytes < kReleaseGilBytes && s.in_flight < s.window / 2) {
+    const bool keep_gil = bytes < kReleaseGilBytes && s.in_flight < s.window / 2;
+    if (async_op) {
+      if (keep_gil) {
+        pending.ticket = submit();
+      } else {
+        py::gil_scoped_release unlocked;
+        pending.ticket = submit();
+      }
+      ++s.in_flight;
+      return py::cast(std::make_unique<Work>(session_, std::move(pending), what));
+    }
+    std::optional<Error> failure;
+    bool completed;
+    if (keep_gil) {
       pending.ticket = submit();
+      completed = client.done(pending.ticket) && wait_slice(client, pending.ticket, 0ms, failure);
     } else {
       py::gil_scoped_release unlocked;
       pending.ticket = submit();
+      completed = wait_slice(client, pending.ticket, kSignalSlice, failure);
     }
     ++s.in_flight;
-    return std::make_unique<Work>(session_, std::move(pending), what);
+    if (!completed) {
+      switch (wait_ticket(s, pending.ticket, std::chrono::steady_clock::time_point::max(), /*watch_closing=*/true,
+                          failure)) {
+        case Waited::completed:
+          break;
+        case Waited::interrupted:  // still in flight: the session completes it, as for a dropped Work
+          s.orphans.push_back(std::move(pending));
+          throw py::error_already_set();
+        case Waited::closing:
+          s.orphans.push_back(std::move(pending));
+          throw Error(Errc::invalid_argument,
+                      std::string(what) + ": the client is being closed; it completes this operation");
+        case Waited::timed_out:  // no deadline
+          break;
+      }
+    }
+    --s.in_flight;
+    if (failure) throw *failure;
+    return py::none();
   }
 
   void clock() { step(&Client::clock_async, "clock()"); }
@@ -597,15 +632,23 @@ void bind_client(py::module_& m) {
            py::arg("max_in_flight") = d.max_in_flight, py::arg("checksum") = d.checksum,
            py::arg("auth_token_file") = d.auth_token_file, py::arg("initial_clock") = d.initial_clock)
       .def(
-          "init", [](PyClient& c, py::handle k, py::handle v) { return c.issue(OpKind::init, k, v); }, py::arg("keys"),
-          py::arg("values"),
-          "Creates keys with these values; the first initialiser wins. One key and one array, or lists.")
+          "init",
+          [](PyClient& c, py::handle k, py::handle v, bool async_op) { return c.issue(OpKind::init, k, v, async_op); },
+          py::arg("keys"), py::arg("values"), py::kw_only(), py::arg("async_op") = true,
+          "Creates keys with these values; the first initialiser wins. One key and one array, or lists. "
+          "Returns a Work, or with async_op=False waits and returns None.")
       .def(
-          "push", [](PyClient& c, py::handle k, py::handle v) { return c.issue(OpKind::push, k, v); }, py::arg("keys"),
-          py::arg("values"), "Sends values (read in place) to be applied by the servers' rule.")
+          "push",
+          [](PyClient& c, py::handle k, py::handle v, bool async_op) { return c.issue(OpKind::push, k, v, async_op); },
+          py::arg("keys"), py::arg("values"), py::kw_only(), py::arg("async_op") = true,
+          "Sends values (read in place) to be applied by the servers' rule. Returns a Work, or with "
+          "async_op=False waits (Ctrl-C as in Work.wait) and returns None.")
       .def(
-          "pull", [](PyClient& c, py::handle k, py::handle v) { return c.issue(OpKind::pull, k, v); }, py::arg("keys"),
-          py::arg("out"), "Reads values straight into `out` (writable float32 arrays).")
+          "pull",
+          [](PyClient& c, py::handle k, py::handle v, bool async_op) { return c.issue(OpKind::pull, k, v, async_op); },
+          py::arg("keys"), py::arg("out"), py::kw_only(), py::arg("async_op") = true,
+          "Reads values straight into `out` (writable float32 arrays). Returns a Work, or with "
+          "async_op=False waits (Ctrl-C as in Work.wait) and returns None.")
       .def("clock", &PyClient::clock, "Ends this worker's step (after its pushes are applied everywhere).")
       .def("barrier", &PyClient::barrier, "Waits until every live worker reached this barrier.")
       .def("current_clock", &PyClient::current_clock)

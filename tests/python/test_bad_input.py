@@ -101,6 +101,8 @@ def test_keys_out_of_range_or_not_integers(ready, key):
 
 def test_unknown_key(ready):
     expect(pskv.NotFound, "init it", lambda: ready.pull(99, np.zeros(N, np.float32)).wait())
+    expect(pskv.NotFound, "init it", lambda: ready.pull(99, np.zeros(N, np.float32), async_op=False))
+    expect(pskv.NotFound, "init it", lambda: ready.pull(99, np.zeros(1 << 20, np.float32), async_op=False))
 
 
 def test_array_dropped_while_its_push_is_in_flight(client):
@@ -177,6 +179,26 @@ def test_ctrl_c_interrupts_a_wait_and_the_client_stays_usable(bsp_pair):
     assert work.wait()
     assert (x == 6.0).all()
     w0.push(1, x).wait()  # still usable
+
+
+def test_ctrl_c_interrupts_a_blocking_pull_and_its_target_stays_held(bsp_pair):
+    _, w0, w1 = bsp_pair
+    w0.init(1, np.full(N, 7.0, np.float32)).wait()
+    w0.clock()
+    threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        w0.pull(1, np.zeros(N, np.float32), async_op=False)  # blocked until w1 clocks
+    assert time.monotonic() - t0 < 10.0
+    gc.collect()
+    decoys = [np.full(N, 9.0, np.float32) for _ in range(64)]
+    w1.clock()  # the interrupted pull lands now, in memory pskv still holds
+    w0.clock()  # reaps it
+    assert all((d == 9.0).all() for d in decoys), "an interrupted pull's values landed in memory handed out again"
+    w1.clock()
+    x = np.zeros(N, np.float32)
+    w0.pull(1, x, async_op=False)  # still usable
+    assert (x == 7.0).all()
 
 
 def test_ctrl_c_interrupts_a_barrier_and_the_client_stays_usable(bsp_pair):

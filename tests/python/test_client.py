@@ -18,6 +18,23 @@ def test_push_pull_one_key(client):
     assert (w == 3.0).all()
 
 
+def test_blocking_form_waits_and_returns_none(client):
+    w = np.zeros(1000, np.float32)
+    assert client.init(8, np.full(1000, 2.0, np.float32), async_op=False) is None
+    assert client.push(8, np.ones(1000, np.float32), async_op=False) is None
+    pointer = w.ctypes.data
+    assert client.pull(8, w, async_op=False) is None
+    assert (w == 3.0).all() and w.ctypes.data == pointer
+    big = np.zeros(1 << 18, np.float32)  # 1 MiB: the path that hands the GIL over around send and wait
+    client.init([9, 10], [big, big], async_op=False)
+    client.push([9, 10], [big + 1, big + 2], async_op=False)
+    out = [np.empty_like(big), np.empty_like(big)]
+    client.pull([9, 10], out, async_op=False)
+    assert (out[0] == 1.0).all() and (out[1] == 2.0).all()
+    with pytest.raises(TypeError):
+        client.pull(8, w, False)  # keyword only, as in torch.distributed
+
+
 def test_many_keys_of_different_lengths(client):
     keys = [1, 2, 3, 2**63 + 5]
     values = [np.arange(n, dtype=np.float32) for n in (1, 17, 4096, 3)]
@@ -80,6 +97,8 @@ def test_no_allocation_per_operation_beyond_the_handle(client):
     for _ in range(20):  # warm up caches, free lists, thread-local scratch
         client.push(9, v).wait()
         client.pull(9, out).wait()
+        client.push(9, v, async_op=False)
+        client.pull(9, out, async_op=False)
     tracemalloc.start()
     try:
         tracemalloc.reset_peak()
@@ -93,6 +112,17 @@ def test_no_allocation_per_operation_beyond_the_handle(client):
     # Each operation allocates its Work handle and frees it; nothing stays and nothing array-sized appears.
     assert after - before < 4096, f"{after - before} bytes kept over 400 operations"
     assert peak - before < 16384, f"peak {peak - before} bytes above the start"
+    tracemalloc.start()
+    try:
+        before, _ = tracemalloc.get_traced_memory()
+        for _ in range(200):
+            client.push(9, v, async_op=False)
+            client.pull(9, out, async_op=False)
+        after, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    # The blocking form makes no handle at all: nothing kept beyond the first tracing's own noise.
+    assert after - before < 4096 and peak - before < 4096, f"kept {after - before}, peak {peak - before} bytes"
 
 
 def test_work_done_wait_timeout_and_staleness(bsp_pair):
@@ -149,6 +179,18 @@ def test_gil_is_released_while_a_pull_waits_at_the_bound(bsp_pair):
     work.wait()
     t.join()
     assert spins == [200_000] and (x == 4.0).all()
+
+
+def test_gil_is_released_while_a_blocking_pull_waits_at_the_bound(bsp_pair):
+    _, w0, w1 = bsp_pair
+    x = np.zeros(16, np.float32)
+    w0.init(1, np.full(16, 5.0, np.float32)).wait()
+    w0.clock()
+    t = threading.Thread(target=lambda: (sum(range(200_000)), w1.clock()))
+    t.start()
+    w0.pull(1, x, async_op=False)  # completes only once the other Python thread has run
+    t.join()
+    assert (x == 5.0).all()
 
 
 def test_with_announces_finished_only_on_a_normal_exit(transport):
