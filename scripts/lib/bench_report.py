@@ -20,8 +20,20 @@ round_counts = sorted({r["rounds"] for t in ("tcp", "shm") for r in load("dense-
                        if r.get("workload") == "dense" and "rounds" in r})
 rounds_text = " or ".join(map(str, round_counts)) or "several"
 
+def measured_on():
+    # The runs' date, not the report's: regenerating the report for a section measured apart
+    # (python.md, analysis.md) must not re-date the tables. Runs not yet committed are today's.
+    def git(*args):
+        r = subprocess.run(["git", "-C", out_dir, *args], capture_output=True, text=True)
+        return r.stdout.strip() if r.returncode == 0 else None
+    runs = [f for f in os.listdir(out_dir) if f.endswith(".jsonl")]
+    if runs and git("status", "--porcelain", "--", *runs) == "":
+        return git("log", "-1", "--format=%cs", "--", *runs) or datetime.date.today()
+    return datetime.date.today()
+
+
 lines = ["# pskv benchmarks", "",
-         f"Produced by `scripts/bench.sh` on {datetime.date.today()} ({platform.machine()}, {os.cpu_count()} cores, "
+         f"Produced by `scripts/bench.sh` (the newest run of {measured_on()}; {platform.machine()}, {os.cpu_count()} cores, "
          "a shared and noisy VM). Every result is next to a limit of this machine measured in the same run: "
          "single-stream loopback TCP (`tcp_stream`), a 64-byte TCP ping-pong (`tcp_pingpong_64B`) and single-thread "
          "memcpy at the same size (`memcpy`). Read the ratios; absolute figures drift from run to run.", "",

@@ -1,5 +1,6 @@
 """pskv.Client over shm and tcp: the API, in-place (zero-copy) transfers and consistency waits."""
 
+import inspect
 import threading
 import tracemalloc
 
@@ -31,8 +32,34 @@ def test_blocking_form_waits_and_returns_none(client):
     out = [np.empty_like(big), np.empty_like(big)]
     client.pull([9, 10], out, async_op=False)
     assert (out[0] == 1.0).all() and (out[1] == 2.0).all()
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="takes 2 positional arguments"):
         client.pull(8, w, False)  # keyword only, as in torch.distributed
+
+
+def test_arguments_by_keyword_and_their_errors(client):
+    # push, pull and init parse their own arguments (not through pybind11): the same rules.
+    w = np.zeros(4, np.float32)
+    client.init(keys=11, values=np.full(4, 1.0, np.float32), async_op=False)
+    client.push(11, values=np.ones(4, np.float32)).wait()
+    assert client.pull(out=w, keys=11, async_op=0) is None
+    assert (w == 2.0).all()
+    for call, message in [(lambda: client.pull(11), "missing required argument 'out'"),
+                          (lambda: client.push(values=w), "missing required argument 'keys'"),
+                          (lambda: client.pull(11, w, outt=w), "unexpected keyword argument 'outt'"),
+                          (lambda: client.pull(11, w, out=w), "multiple values for argument 'out'"),
+                          (lambda: client.init(11, w, 1, 2), "takes 2 positional arguments but 4 were given")]:
+        with pytest.raises(TypeError, match=message):
+            call()
+    work = client.pull(11, w)
+    assert work.wait(timeout=5) and work.wait(5.0) and work.wait(None) and work.wait()
+    for call, message in [(lambda: work.wait(1, 2), "takes 1 positional argument but 2 were given"),
+                          (lambda: work.wait(time=1), "unexpected keyword argument 'time'"),
+                          (lambda: work.wait("1"), "must be real number")]:
+        with pytest.raises(TypeError, match=message):
+            call()
+    with pytest.raises(pskv.InvalidArgument, match="float32"):
+        client.pull(11, np.zeros(4, np.float64), async_op=False)  # pskv's errors still come through
+    assert str(inspect.signature(pskv.Client.pull)) == "(self, /, keys, out, *, async_op=True)"
 
 
 def test_many_keys_of_different_lengths(client):
