@@ -117,30 +117,31 @@ class Store {
   // Looks up n keys (key_of(i) gives the i-th) into out[0..n), each resolved once (SlotRef) so
   // that the passes that check, copy or update them touch nothing but the slot itself.
   // Software-pipelined: the index bucket of key i+32 is prefetched while key i is resolved, so
-  // the cache misses of a large random batch overlap instead of adding up. Each found slot's
-  // header and first value line are prefetched at once: left to the pass that uses them, whose
-  // prefetch_ahead keeps only 16 in flight, those misses cost a 1,000-key sparse batch 20-30%
-  // (tcp and shm both, measured). On an attached store, whose slot headers say what a slot is,
-  // the headers are checked in a pass of their own once every key is found: checked inside the
-  // loop, each read waited for its miss and an shm push batch ran 5-10% slower (measured).
+  // the cache misses of a large random batch overlap instead of adding up; the passes over the
+  // slots pipeline theirs with prefetch_ahead. On an attached store, whose slot headers say
+  // what a slot is, each header is prefetched when its key is found and read kLag keys later.
   template <class KeyOf>
   void find_batch(std::size_t n, KeyOf&& key_of, SlotRef* out) const noexcept {
-    constexpr std::size_t kAhead = 32;
+    constexpr std::size_t kAhead = 32, kLag = 16;
     for (std::size_t i = 0; i < std::min(n, kAhead); ++i) prefetch_bucket(key_of(i));
     for (std::size_t i = 0; i < n; ++i) {
       if (i + kAhead < n) prefetch_bucket(key_of(i + kAhead));
       if (records_) {
         const Record* r = find_record(key_of(i));
         out[i] = r ? ref_of(*r) : SlotRef{};
+        // Started now, the slot's misses overlap the lookups' instead of waiting for the pass
+        // that uses it, whose prefetch_ahead alone keeps only 16 in flight (a 1,000-key pull
+        // over tcp spent most of its time there).
         if (r) prefetch_slot(*out[i].slot);
         continue;
       }
       out[i] = SlotRef{};
       out[i].slot = find(key_of(i));
-      if (out[i].slot) prefetch_slot(*out[i].slot);
+      if (out[i].slot) prefetch(out[i].slot);  // the header only: the passes after prefetch the values
+      if (i >= kLag) check_found(out[i - kLag]);
     }
     if (!records_)
-      for (std::size_t i = 0; i < n; ++i) check_found(out[i]);
+      for (std::size_t i = n > kLag ? n - kLag : 0; i < n; ++i) check_found(out[i]);
   }
   // One key, resolved (slot null if it does not exist).
   SlotRef find_ref(Key key) const noexcept {
