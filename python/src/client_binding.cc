@@ -622,17 +622,10 @@ bool parse_args(const char* function, std::span<const char* const> names, std::s
   return true;
 }
 
-// Sets the Python error for the exception being handled, as pybind11's dispatcher would (the
-// module's pskv.Error translator first). Call only inside a catch block.
+// Sets the Python error for the exception being handled, as pybind11's dispatcher would: the
+// module's pskv.Error translator first, then pybind11's own (which restores an
+// error_already_set and maps the std exceptions). Call only inside a catch block.
 void raise_current_exception() noexcept {
-  try {
-    throw;
-  } catch (const py::error_already_set& e) {
-    // A copy is restored: restoring the caught object itself would leave it without its error.
-    py::error_already_set(e).restore();
-    return;
-  } catch (...) {
-  }
   if (py::detail::apply_exception_translators(py::detail::get_local_internals().registered_exception_translators))
     return;
   if (py::detail::apply_exception_translators(py::detail::get_internals().registered_exception_translators)) return;
