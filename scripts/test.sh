@@ -40,7 +40,7 @@ cmake --build "$BUILD" -j "$JOBS"
 step "release tests"
 ctest --test-dir "$BUILD" --output-on-failure -j "$JOBS" -L 'unit|concurrency|integration|consistency'
 # Serial; what also carries `integration` (shm_scribbler_test) already ran in the line above.
-ctest --test-dir "$BUILD" --output-on-failure -L 'mnist|load|netns|fault|adversarial' -LE integration
+ctest --test-dir "$BUILD" --output-on-failure -L 'mnist|load|netns|fault|replication|adversarial' -LE integration
 
 step "python tests (pskv package, pytest)"
 # The module must exist (PSKV_BUILD_PYTHON=ON above fails the configure without pybind11), and

@@ -119,7 +119,7 @@ Errc ShardEngine::lookup(std::span<const KeyEntry> keys, std::vector<SlotRef>& s
 }
 
 Errc ShardEngine::push(std::uint32_t worker, std::uint64_t clock, std::span<const KeyEntry> keys, const float* values,
-                       std::string* why) {
+                       std::string* why, const UndoLog* undo) {
   // Look everything up and validate the whole request first, so a bad key leaves nothing
   // half-applied; the lookups are pipelined and the slots stay cached for the apply pass.
   thread_local std::vector<SlotRef> slots;
@@ -147,7 +147,10 @@ Errc ShardEngine::push(std::uint32_t worker, std::uint64_t clock, std::span<cons
       Store::prefetch_ahead(slots, i);
       // Fails only where other processes share the store (shm): a lock held past the patience.
       // The keys before it stay applied.
-      if (const Errc e = store_->apply_slot(slots[i], values, rule, 1.0f); e != Errc::ok) {
+      const Errc e = undo ? store_->apply_logged(*slots[i].slot, values, slots[i].length, 1.0f, undo->owner,
+                                                 *undo->record, undo->buffer, undo->capacity, undo->patience)
+                          : store_->apply_slot(slots[i], values, rule, 1.0f);
+      if (e != Errc::ok) {
         if (why)
           *why = key_error(e, keys[i].key, keys[i].length, *store_) + " (" + std::to_string(i) + " of " +
                  std::to_string(keys.size()) + " keys of this push were applied)";

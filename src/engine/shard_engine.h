@@ -64,8 +64,11 @@ class ShardEngine {
 
   // Each returns ok or an Errc with a message in *why naming the key.
   Errc init(std::span<const KeyEntry> keys, const float* values, std::string* why);
+  // With `undo` (shm: the server thread's log in the segment), each key is applied through
+  // Store::apply_logged, so a successor can roll back the one a death cut short. Sync mode sums
+  // before it applies and ignores it.
   Errc push(std::uint32_t worker, std::uint64_t clock, std::span<const KeyEntry> keys, const float* values,
-            std::string* why);
+            std::string* why, const UndoLog* undo = nullptr);
   // Finds every key's slot and checks it exists with the length asked for, counting nothing.
   // For a push its transport applies in pieces as the values arrive (Store::apply_part, only
   // when pushes_apply_in_pieces(); count_pushes() once the keys are applied), and for a pull

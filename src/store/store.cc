@@ -1,5 +1,6 @@
 #include "store/store.h"
 
+#include <algorithm>
 #include <bit>
 #include <cstring>
 #include <new>
@@ -480,6 +481,56 @@ std::vector<Store::SlotEntry> Store::slots_in_order() const {
     if (length == 0 || slot_bytes(length) > used - off) break;
     out.push_back({slot, slot->key, length});
     off += slot_bytes(length);
+  }
+  return out;
+}
+
+std::vector<Store::Adoptable> Store::adoptable_slots(std::vector<std::string>* refused) const {
+  struct Published {
+    std::uint64_t at;  // offset in the value arena
+    Key key;
+  };
+  std::vector<Published> published;
+  for (std::uint64_t i = 0; i <= index_mask_; ++i) {
+    const std::uint64_t slot = index_[i].slot.load(std::memory_order_acquire);
+    if (slot == kEmpty) continue;
+    const Key key = index_[i].key.load(std::memory_order_relaxed);
+    const std::uint64_t at = slot - 1 - g_.values_offset;  // wraps to huge below the arena
+    if (at > g_.values_bytes - sizeof(SlotHeader) || at % kCacheLine != 0) {
+      refused->push_back("index entry " + std::to_string(i) + " (key " + std::to_string(key) +
+                         ") points outside the value arena");
+      continue;
+    }
+    published.push_back({at, key});
+  }
+  std::sort(published.begin(), published.end(), [](const Published& a, const Published& b) { return a.at < b.at; });
+  std::vector<Adoptable> out;
+  out.reserve(published.size());
+  std::uint64_t expected = 0;  // where the next slot starts
+  for (std::size_t i = 0; i < published.size(); ++i) {
+    const Published& p = published[i];
+    const auto* slot = reinterpret_cast<const SlotHeader*>(base_ + g_.values_offset + p.at);
+    const std::uint32_t length = slot->length;
+    const std::uint64_t end = i + 1 < published.size() ? published[i + 1].at : g_.values_bytes;
+    const std::string k = "key " + std::to_string(p.key);
+    // Each accepted slot ends exactly where the next published one starts, so a gap is a slot whose
+    // index entry was lost (its key is unknown), never an overlap.
+    if (p.at != expected)
+      refused->push_back("arena bytes " + std::to_string(expected) + " to " + std::to_string(p.at) +
+                         " hold no published key (an index entry was overwritten?)");
+    if (slot->key != p.key)
+      refused->push_back(k + ": its slot header names key " + std::to_string(slot->key));
+    else if (length == 0 || slot_bytes(length) > end - p.at ||
+             (i + 1 < published.size() && slot_bytes(length) != end - p.at))
+      refused->push_back(k + ": its slot header's length " + std::to_string(length) + " floats does not fit the " +
+                         std::to_string(end - p.at) + " bytes up to the next slot");
+    else {
+      out.push_back({p.key, ref_at(p.at, length, p.key)});
+      expected = p.at + slot_bytes(length);
+      continue;
+    }
+    // A refused slot still ends where the next one starts, so one bad header costs one key.
+    expected = end;
   }
   return out;
 }

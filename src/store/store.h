@@ -14,6 +14,7 @@
 #include <memory>
 #include <mutex>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "common/memory.h"
@@ -36,6 +37,17 @@ struct StoreOptions {
   std::uint64_t arena_bytes = 64ull << 20;  // values incl. 64 B slot headers, at most kMaxArenaBytes
   std::uint32_t stripes = 1024;             // power of two
   UpdateRuleConfig rule{};
+};
+
+// Where a writer that may die (a shm client, or a shm server a successor may adopt) leaves what
+// Store::apply_logged needs to roll its update back: its lock owner tag, the undo record, and a
+// buffer of `capacity` floats for the old value and optimizer state.
+struct UndoLog {
+  std::uint32_t owner = 0;
+  UndoRecord* record = nullptr;
+  float* buffer = nullptr;
+  std::size_t capacity = 0;
+  std::chrono::nanoseconds patience{0};  // how long to wait for the stripe lock
 };
 
 // Result of a read: the seqlock version the copy was validated against.
@@ -274,6 +286,19 @@ class Store {
   void for_each_slot(F&& visit) const {
     for (const SlotEntry& e : slots_in_order()) visit(e);
   }
+
+  // A dead server's store, attached by the server that takes it over: every key the shared index
+  // publishes whose slot checks out. Slots are carved from the arena one after another, so the
+  // published ones must tile it from its start: each begins where the one before ends, holds the
+  // length its header says and carries its index entry's key. A key that does not fit this is left
+  // out and described in *refused (the region is writable by every process of the job's user); an
+  // index entry past the last slot is a creation cut short by the death. Call only while no
+  // process writes the region.
+  struct Adoptable {
+    Key key;
+    SlotRef ref;
+  };
+  std::vector<Adoptable> adoptable_slots(std::vector<std::string>* refused) const;
 
  private:
   using Header = StoreHeader;

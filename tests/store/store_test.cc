@@ -118,6 +118,50 @@ TEST(Store, AttachSeesTheSameData) {
   EXPECT_THROW(Store::attach(std::make_unique<View>(reinterpret_cast<std::byte*>(bad.data()), 256)), Error);
 }
 
+// A successor adopting a dead server's store takes every published key whose slot checks out; a
+// rewritten length, key word or index entry costs only that key, never the ones after it.
+TEST(Store, AdoptableSlotsCostAScribbledKeyOnlyItself) {
+  StoreOptions o;
+  o.rule.rule = UpdateRule::momentum;
+  auto mem = std::make_unique<HeapMemory>(Store::required_bytes(o));
+  std::byte* base = mem->data();
+  const std::size_t size = mem->size();
+  auto s = Store::create(std::move(mem), o);
+  for (Key k = 0; k < 8; ++k) ASSERT_EQ(s->init(k, std::vector<float>(20 + k, float(k))), Errc::ok);
+  struct View final : MemoryResource {
+    std::byte* p;
+    std::size_t n;
+    View(std::byte* p, std::size_t n) : p(p), n(n) {}
+    std::byte* data() noexcept override { return p; }
+    std::size_t size() const noexcept override { return n; }
+  };
+  {
+    auto old = Store::attach(std::make_unique<View>(base, size));
+    std::vector<std::string> refused;
+    const auto all = old->adoptable_slots(&refused);
+    EXPECT_TRUE(refused.empty());
+    ASSERT_EQ(all.size(), 8u);
+    for (Key k = 0; k < 8; ++k) {
+      EXPECT_EQ(all[k].key, k);  // creation order
+      EXPECT_EQ(all[k].ref.length, 20 + k);
+      EXPECT_EQ(all[k].ref.slot->values()[0], float(k));
+      EXPECT_NE(all[k].ref.state, nullptr);
+    }
+  }
+  s->find(2)->length = 1000;  // runs into key 3
+  s->find(4)->key = 99;       // names another key
+  s->find(6)->length = 0;     // nothing
+  auto old = Store::attach(std::make_unique<View>(base, size));
+  std::vector<std::string> refused;
+  const auto kept = old->adoptable_slots(&refused);
+  std::vector<Key> keys;
+  for (const auto& a : kept) keys.push_back(a.key);
+  EXPECT_EQ(keys, (std::vector<Key>{0, 1, 3, 5, 7}));
+  ASSERT_EQ(refused.size(), 3u);
+  EXPECT_NE(refused[0].find("key 2"), std::string::npos) << refused[0];
+  EXPECT_NE(refused[1].find("names key 99"), std::string::npos) << refused[1];
+}
+
 TEST(Store, BatchOperations) {
   auto s = make_store();
   std::vector<Key> keys{1, 2, 3};

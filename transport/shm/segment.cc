@@ -24,7 +24,8 @@ namespace {
 constexpr std::uint64_t kSegmentMagic = 0x474553564b53502eULL;  // ".PSKVSEG"
 // 2: ClientArea::client_polling, 3: SegmentHeader::spinners, 4: ClientArea::waiters_sleeping, waiter_word,
 // 5: ClientArea::undo, worker_pushes, SegmentHeader::worker_push, recovered_pushes
-constexpr std::uint32_t kLayoutVersion = 6;  // 6: accepting and closing
+// 6: accepting and closing
+constexpr std::uint32_t kLayoutVersion = 7;  // 7: server_undo
 
 class RegionView final : public MemoryResource {
  public:
@@ -158,7 +159,12 @@ std::unique_ptr<Segment> Segment::create(const std::string& name, const SegmentC
   layout.area_stride = align_up(sizeof(ClientArea) + c.area_bytes, 4096);
   layout.store_offset = align_up(layout.areas_offset + std::uint64_t{c.clients} * layout.area_stride, 4096);
   layout.store_bytes = c.store_bytes;
-  layout.total_bytes = align_up(layout.store_offset + c.store_bytes, 4096);
+  // Each server thread's undo buffer holds the largest value a ring entry can carry (its whole
+  // data area) with that value's optimizer state.
+  const std::uint64_t undo_offset = align_up(layout.store_offset + c.store_bytes, 4096);
+  const std::uint64_t undo_bytes =
+      c.server_undo ? align_up(c.area_bytes * (1 + std::uint64_t{c.state_per_value}), 4096) : 0;
+  layout.total_bytes = undo_offset + std::uint64_t{c.server_threads} * undo_bytes;
 
   for (int attempt = 0;; ++attempt) {
     try {
@@ -198,6 +204,8 @@ std::unique_ptr<Segment> Segment::create(const std::string& name, const SegmentC
                               layout.store_offset,
                               layout.store_bytes,
                               layout.total_bytes,
+                              undo_offset,
+                              undo_bytes,
                               c.mode,
                               c.worker_push,
                               c.staleness,
@@ -230,6 +238,8 @@ std::unique_ptr<Segment> Segment::create(const std::string& name, const SegmentC
   h.store_offset = layout.store_offset;
   h.store_bytes = layout.store_bytes;
   h.total_bytes = layout.total_bytes;
+  h.server_undo_offset = undo_offset;
+  h.server_undo_bytes = undo_bytes;
   seg->geo_.server_pid = h.server_pid;
   seg->geo_.server_start = h.server_start;
   for (std::uint32_t i = 0; i < c.clients; ++i) new (&seg->area(i)) ClientArea{};
@@ -238,6 +248,14 @@ std::unique_ptr<Segment> Segment::create(const std::string& name, const SegmentC
 }
 
 std::unique_ptr<Segment> Segment::open(const std::string& name) {
+  return open_checked(name, true);
+}
+
+std::unique_ptr<Segment> Segment::open_left_by_dead_server(const std::string& name) {
+  return open_checked(name, false);
+}
+
+std::unique_ptr<Segment> Segment::open_checked(const std::string& name, bool server_must_live) {
   const std::string object = segment_object_name(name);
   std::size_t size = 0;
   try {
@@ -246,6 +264,7 @@ std::unique_ptr<Segment> Segment::open(const std::string& name) {
     shm.get_size(n);
     size = static_cast<std::size_t>(n);
   } catch (const bip::interprocess_exception&) {
+    if (!server_must_live) return nullptr;
     throw Error(Errc::peer_failure, "no pskv server at shm://" + name + " (/dev/shm" + object +
                                         " does not exist); start pskv-server --uri shm://" + name + " first");
   }
@@ -258,9 +277,14 @@ std::unique_ptr<Segment> Segment::open(const std::string& name) {
   if (std::atomic_ref<std::uint64_t>(h.magic).load(std::memory_order_acquire) != kSegmentMagic ||
       h.layout_version != kLayoutVersion || h.total_bytes > size)
     throw Error(Errc::protocol, "shm://" + name + " does not hold a pskv segment of this version");
-  if (!process_alive(h.server_pid, h.server_start))
+  const bool alive = process_alive(h.server_pid, h.server_start);
+  if (server_must_live && !alive)
     throw Error(Errc::stale_resource, "shm://" + name + " was left by pskv-server pid " + std::to_string(h.server_pid) +
                                           ", which is no longer running; restart the server (it reclaims the name)");
+  if (!server_must_live && alive)
+    throw Error(Errc::stale_resource, "shm://" + name + " is in use by a running pskv-server (pid " +
+                                          std::to_string(h.server_pid) +
+                                          "); stop it before another adopts its segment");
   // One copy of the header, checked once: every later access goes through it, so a process
   // that rewrites the header afterwards cannot move this client's accesses.
   SegmentGeometry g;
@@ -274,6 +298,8 @@ std::unique_ptr<Segment> Segment::open(const std::string& name) {
   g.store_offset = h.store_offset;
   g.store_bytes = h.store_bytes;
   g.total_bytes = h.total_bytes;
+  g.server_undo_offset = h.server_undo_offset;
+  g.server_undo_bytes = h.server_undo_bytes;
   g.mode = static_cast<ConsistencyMode>(h.mode);
   g.worker_push = h.worker_push != 0;
   g.staleness = h.staleness;
@@ -289,7 +315,10 @@ std::unique_ptr<Segment> Segment::open(const std::string& name) {
       g.areas_offset >= g.clock_offset + clock_bytes && g.area_bytes <= (1ull << 40) &&
       g.area_stride >= sizeof(ClientArea) + g.area_bytes && g.area_stride <= (1ull << 41) &&
       g.store_offset >= g.areas_offset + std::uint64_t{g.clients} * g.area_stride && g.store_bytes <= size &&
-      g.store_offset <= size - g.store_bytes && g.total_bytes <= size;
+      g.store_offset <= size - g.store_bytes && g.total_bytes <= size && g.server_undo_offset % 64 == 0 &&
+      g.server_undo_bytes % 64 == 0 && g.server_undo_bytes <= (1ull << 44) &&
+      g.server_undo_offset >= g.store_offset + g.store_bytes && g.server_undo_offset <= size &&
+      std::uint64_t{g.server_threads} * g.server_undo_bytes <= size - g.server_undo_offset;
   if (!sane)
     throw Error(Errc::protocol, "shm://" + name + " has a segment header that does not describe its own mapping");
   seg->geo_ = g;

@@ -96,6 +96,7 @@ struct alignas(64) SegmentHeader {
   std::uint32_t wait_timeout_ms;
   std::uint64_t area_bytes;
   std::uint64_t clock_offset, areas_offset, area_stride, store_offset, store_bytes, total_bytes;
+  std::uint64_t server_undo_offset, server_undo_bytes;
   alignas(64) std::atomic<std::uint32_t> ready;  // 1 once the server finished laying out
   // The server's stop: 0 once it no longer accepts clients (new ones are refused an area); `closing`
   // 1 once it drains, after which no client may apply a push itself (the server's final
@@ -108,6 +109,10 @@ struct alignas(64) SegmentHeader {
   // it while a core is left for the server (ShmConnection::begin_polling).
   alignas(64) std::atomic<std::uint32_t> spinners;
   alignas(64) std::atomic<std::uint64_t> recovered_pushes;  // rolled back after their client died
+  // A push a server thread applies (the ring path) is logged like a client's own, so that a
+  // successor can roll it back if the server dies inside it (shm://NAME?adopt=1); the buffers
+  // follow the store (SegmentGeometry::server_undo_offset).
+  alignas(64) UndoRecord server_undo[kMaxServerThreads];
 };
 
 // Wakes the area's client threads asleep on waiter_word, if any; true if there were. Callers
@@ -128,6 +133,10 @@ inline std::uint32_t area_owner_tag(std::uint32_t area) noexcept {
 inline std::uint32_t owner_tag_area(std::uint32_t tag) noexcept {
   return tag - 2;
 }
+// The tag of server thread t: its locks are released by the successor that adopts the segment.
+inline std::uint32_t server_thread_owner_tag(std::uint32_t t) noexcept {
+  return 8192 + t;
+}
 
 struct SegmentConfig {
   std::uint32_t num_workers = 0;
@@ -135,6 +144,11 @@ struct SegmentConfig {
   std::uint32_t server_threads = 1;
   std::uint64_t area_bytes = 32ull << 20;
   std::uint64_t store_bytes = 0;
+  // The server logs the pushes it applies (ring path), so that a successor can roll back the one
+  // its death cuts short (adopt=1); state_per_value (optimizer-state floats per value float)
+  // sizes the undo buffers.
+  bool server_undo = false;
+  std::uint32_t state_per_value = 0;
   ConsistencyMode mode = ConsistencyMode::asp;
   bool worker_push = true;
   std::uint32_t staleness = 0, sync_required = 0, wait_timeout_ms = 10000;
@@ -159,6 +173,9 @@ struct SegmentGeometry {
   std::uint32_t num_workers = 0, clients = 0, server_threads = 1;
   std::uint64_t area_bytes = 0;
   std::uint64_t clock_offset = 0, areas_offset = 0, area_stride = 0, store_offset = 0, store_bytes = 0, total_bytes = 0;
+  // One undo buffer per server thread, after the store: a ring push's value and its state
+  // (server_undo_bytes 0: the server does not log its pushes).
+  std::uint64_t server_undo_offset = 0, server_undo_bytes = 0;
   ConsistencyMode mode = ConsistencyMode::asp;
   bool worker_push = false;
   std::uint32_t staleness = 0, sync_required = 0, wait_timeout_ms = 0;
@@ -175,6 +192,9 @@ class Segment {
   static std::unique_ptr<Segment> create(const std::string& name, const SegmentConfig& config);
   // Client: opens an existing segment and checks that its server is alive.
   static std::unique_ptr<Segment> open(const std::string& name);
+  // A successor (shm://NAME?adopt=1): the segment a dead server left under `name`, checked as
+  // open() checks it; nullptr when there is none. One whose server still runs is an error.
+  static std::unique_ptr<Segment> open_left_by_dead_server(const std::string& name);
   ~Segment();
 
   // The shared header: for its atomics (doorbells, counters). Its layout fields are for
@@ -187,6 +207,10 @@ class Segment {
     return *reinterpret_cast<ClientArea*>(base_ + geo_.areas_offset + std::uint64_t{i} * geo_.area_stride);
   }
   std::byte* area_data(std::uint32_t i) noexcept { return reinterpret_cast<std::byte*>(&area(i)) + sizeof(ClientArea); }
+  // t < geometry().server_threads: server thread t's undo buffer, server_undo_bytes long.
+  float* server_undo_buffer(std::uint32_t t) noexcept {
+    return reinterpret_cast<float*>(base_ + geo_.server_undo_offset + std::uint64_t{t} * geo_.server_undo_bytes);
+  }
   // A non-owning view of the store region, valid while this Segment lives.
   std::unique_ptr<MemoryResource> store_memory();
   const std::string& name() const noexcept { return name_; }
@@ -200,6 +224,7 @@ class Segment {
 
  private:
   Segment() = default;
+  static std::unique_ptr<Segment> open_checked(const std::string& name, bool server_must_live);
   std::string name_;
   SegmentGeometry geo_;
   std::unique_ptr<boost::interprocess::mapped_region> region_;  // unmapped with the Segment

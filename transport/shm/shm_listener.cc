@@ -4,6 +4,7 @@
 #include <thread>
 
 #include "engine/shard_engine.h"
+#include "transport/shm/adoption.h"
 #include "transport/shm/segment.h"
 #include "transport/shm/shm_server.h"
 
@@ -18,6 +19,7 @@ class ShmListener final : public transport::Listener {
     clients_ = static_cast<std::uint32_t>(p.number("clients", 64, 1, 4096));
     area_bytes_ = p.number("area_mb", 32, 1, 4096) << 20;
     worker_push_ = p.choice("push", "worker", {"worker", "server"}) == "worker";
+    adopt_ = p.number("adopt", 0, 0, 1) == 1;
     p.finish();
     // Clients share this machine, and the server's threads poll before they sleep: one per core
     // left the clients' spinning waiters none, and two 64-byte pushers on 2 cores fell from
@@ -35,16 +37,27 @@ class ShmListener final : public transport::Listener {
     c.area_bytes = area_bytes_;
     c.worker_push = worker_push_;
     c.store_bytes = Store::required_bytes(engine.store);
+    c.state_per_value = state_floats_per_value(engine.store.rule.rule);
+    // A segment meant to be adopted pays for it: pushes the server applies are logged first
+    // (docs/BENCHMARKS.md has the cost); pushes clients apply themselves are logged anyway.
+    c.server_undo = adopt_;
     c.mode = engine.mode;
     c.staleness = engine.staleness;
     c.sync_required = engine.sync_required;
     c.wait_timeout_ms = static_cast<std::uint32_t>(engine.wait_timeout.count());
+    // Before create(), which reclaims a dead server's name: the old mapping outlives it.
+    if (adopt_) predecessor_ = Predecessor::take(name_, std::chrono::milliseconds(c.wait_timeout_ms));
     segment_ = Segment::create(name_, c);
     return {segment_->store_memory(), engine.num_workers ? segment_->clock_memory() : nullptr};
   }
 
   void start(ShardEngine& engine) override {
-    server_ = std::make_unique<ShmServer>(*segment_, engine, ShmServerOptions{.threads = threads_});
+    if (predecessor_) {
+      adopted_ = predecessor_->copy_into(engine).fields();
+      predecessor_.reset();
+    }
+    server_ =
+        std::make_unique<ShmServer>(*segment_, engine, ShmServerOptions{.threads = threads_, .extra_stats = adopted_});
   }
 
   std::string uri() const override { return "shm://" + name_; }
@@ -73,6 +86,9 @@ class ShmListener final : public transport::Listener {
   std::uint32_t clients_ = 64, threads_ = 1;
   std::uint64_t area_bytes_ = 32ull << 20;
   bool worker_push_ = true;
+  bool adopt_ = false;
+  std::unique_ptr<Predecessor> predecessor_;  // between engine_memory() and start()
+  JsonObject adopted_;                        // what was taken over, for stats
   // The server before the segment it serves goes away (members are destroyed in reverse).
   std::unique_ptr<Segment> segment_;
   std::unique_ptr<ShmServer> server_;

@@ -114,6 +114,7 @@ std::uint64_t ShmServer::worker_pushes() const noexcept {
 JsonObject ShmServer::stats_fields() const {
   JsonObject j;
   j.add("worker_pushes", worker_pushes()).add("recovered_pushes", segment_->header().recovered_pushes.load());
+  j.merge(options_.extra_stats);
   return j;
 }
 
@@ -175,9 +176,13 @@ bool ShmServer::process(std::uint32_t i, RingEntry& e, std::uint64_t seq) {
       case wire::Op::init:
         status = engine_->init(keys, payload, &why);
         break;
-      case wire::Op::push:
-        status = engine_->push(worker, arg0, keys, payload, &why);
+      case wire::Op::push: {
+        const std::uint32_t t = i % options_.threads;
+        const UndoLog undo{server_thread_owner_tag(t), &segment_->header().server_undo[t],
+                           segment_->server_undo_buffer(t), geo_.server_undo_bytes / sizeof(float), lock_patience()};
+        status = engine_->push(worker, arg0, keys, payload, &why, geo_.server_undo_bytes ? &undo : nullptr);
         break;
+      }
       case wire::Op::clock:
         status = engine_->check_worker(worker, &why);
         if (status == Errc::ok) {

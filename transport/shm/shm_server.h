@@ -18,6 +18,7 @@ namespace pskv::shm {
 
 struct ShmServerOptions {
   std::uint32_t threads = 1;
+  JsonObject extra_stats;  // fields of the listener's own (what it adopted), for stats requests
 };
 
 // Trust: every client, and any other process of the job's user, can write the whole segment.

@@ -1,0 +1,173 @@
+#include "transport/shm/adoption.h"
+
+#include <fcntl.h>
+#include <stdio.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "common/log.h"
+#include "layout/clock_table.h"
+
+namespace pskv::shm {
+
+JsonObject AdoptionReport::fields() const {
+  JsonObject j;
+  j.add("adopted_from_pid", predecessor_pid)
+      .add("adopted_keys", keys)
+      .add("adopted_value_bytes", value_bytes)
+      .add("adopted_rolled_back", rolled_back)
+      .add("adopted_refused", refused)
+      .add("adopted_torn", torn)
+      .add("adopted_clocks", clocks)
+      .add("adopted_ms", milliseconds, 1);
+  return j;
+}
+
+Predecessor::~Predecessor() {
+  if (aside_.empty()) return;
+  if (copied_) {
+    ::unlink(aside_.c_str());
+    return;
+  }
+  // Not copied: this server failed to start. Back under its name (unless a segment took it since).
+  if (::renameat2(AT_FDCWD, aside_.c_str(), AT_FDCWD, name_.c_str(), RENAME_NOREPLACE) != 0)
+    log::warn("shm.adopt", "the dead server's segment stays at " + aside_ + " (" + std::strerror(errno) +
+                               "); move it back to " + name_ + " to adopt it, or remove it");
+}
+
+std::unique_ptr<Predecessor> Predecessor::take(const std::string& name, std::chrono::milliseconds patience) {
+  const auto began = std::chrono::steady_clock::now();
+  std::unique_ptr<Segment> segment = Segment::open_left_by_dead_server(name);
+  if (!segment) return nullptr;
+  auto p = std::unique_ptr<Predecessor>(new Predecessor());
+  p->began_ = began;
+  const SegmentGeometry& g = segment->geometry();
+  p->report_.predecessor_pid = g.server_pid;
+  const std::string dead = "pskv-server pid " + std::to_string(g.server_pid);
+  auto& h = segment->header();
+  h.accepting.store(0, std::memory_order_seq_cst);
+  h.closing.store(1, std::memory_order_seq_cst);
+
+  // Pushes clients announced before they could see `closing` finish (or are rolled back below).
+  const auto give_up = began + patience + std::chrono::seconds(1);
+  std::vector<bool> live(g.clients, false);
+  for (std::uint32_t i = 0; i < g.clients; ++i) {
+    ClientArea& s = segment->area(i);
+    for (;;) {
+      const std::int32_t pid = s.owner_pid.load(std::memory_order_acquire);
+      live[i] = pid > 0 && process_alive(pid, s.owner_start);
+      if (!live[i] || s.undo.phase.load(std::memory_order_seq_cst) == UndoPhase::idle) break;
+      if (std::chrono::steady_clock::now() > give_up) {
+        log::warn("shm.adopt", "client area " + std::to_string(i) + " (pid " + std::to_string(pid) +
+                                   ") of the dead server is still inside a push it applies itself; rolling it back "
+                                   "(that push was never acknowledged by a live server)");
+        live[i] = false;
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+  }
+
+  try {
+    p->store_ = Store::attach(segment->store_memory());
+  } catch (const Error& e) {
+    throw Error(e.code(), "cannot adopt the segment " + dead + " left at shm://" + name + ": " + e.what());
+  }
+  Store& store = *p->store_;
+  // What dead processes left: a client's half-applied push rolled back from its undo record, its
+  // stripe locks and the dead server's released. A live client is idle and fenced.
+  for (std::uint32_t i = 0; i < g.clients; ++i) {
+    if (live[i]) continue;
+    ClientArea& s = segment->area(i);
+    const std::uint32_t tag = area_owner_tag(i);
+    const Store::Recovery r =
+        store.recover(s.undo, tag, reinterpret_cast<const float*>(segment->area_data(i)), g.area_bytes / sizeof(float));
+    if (r == Store::Recovery::rolled_back) ++p->report_.rolled_back;
+    store.release_locks_of(tag);
+  }
+  // The dead server's own threads: a ring push one of them was applying, and their locks.
+  for (std::uint32_t t = 0; t < g.server_threads; ++t) {
+    const std::uint32_t tag = server_thread_owner_tag(t);
+    const Store::Recovery r =
+        store.recover(h.server_undo[t], tag, segment->server_undo_buffer(t), g.server_undo_bytes / sizeof(float));
+    if (r == Store::Recovery::rolled_back) ++p->report_.rolled_back;
+    store.release_locks_of(tag);
+  }
+  store.release_locks_of(SharedMutex::kAnonymousOwner);
+
+  std::vector<std::string> refused;
+  p->slots_ = store.adoptable_slots(&refused);
+  p->report_.refused = refused.size();
+  for (const std::string& why : refused) log::warn("shm.adopt", "not adopted from " + dead + ": " + why);
+  for (const Store::Adoptable& a : p->slots_)
+    if (a.ref.slot->seq.load(std::memory_order_acquire) & 1) {
+      ++p->report_.torn;
+      log::warn("shm.adopt", "key " + std::to_string(a.key) + " was left inside an update by " + dead +
+                                 " that no undo record covers; adopted as it is");
+    }
+  // Out of the way of this server's own segment, kept until its keys are copied.
+  p->name_ = "/dev/shm" + segment_object_name(name);
+  p->aside_ = p->name_ + ".adopting-" + std::to_string(::getpid());
+  if (::rename(p->name_.c_str(), p->aside_.c_str()) != 0)
+    throw Error(Errc::io, "cannot move the dead server's segment " + p->name_ + " aside: " + std::strerror(errno));
+  p->segment_ = std::move(segment);
+  return p;
+}
+
+AdoptionReport Predecessor::copy_into(ShardEngine& engine) {
+  Store& to = engine.store();
+  const Store& from = *store_;
+  const std::string dead = "pskv-server pid " + std::to_string(report_.predecessor_pid);
+  if (to.rule().rule != from.rule().rule)
+    throw Error(Errc::invalid_argument, "the segment of " + dead + " keeps the optimizer state of rule '" +
+                                            std::string(to_string(from.rule().rule)) + "', this server's rule is '" +
+                                            std::string(to_string(to.rule().rule)) + "': restart with --rule " +
+                                            std::string(to_string(from.rule().rule)) + " to adopt it");
+  for (const Store::Adoptable& a : slots_) {
+    const SlotHeader& slot = *a.ref.slot;
+    const std::span<const float> value(slot.values(), a.ref.length);
+    const std::span<const float> state(a.ref.state, a.ref.state ? from.state_floats(slot) : 0);
+    if (const Errc e = to.restore_slot(a.key, value, state, slot.update_count); e != Errc::ok)
+      throw Error(e, "cannot adopt key " + std::to_string(a.key) + " (" + std::to_string(a.ref.length) +
+                         " floats) from " + dead + ": " +
+                         (e == Errc::capacity ? "this server is smaller; start it with the dead one's --arena-mb "
+                                                "and --max-keys"
+                                              : std::string(errc_name(e))));
+    ++report_.keys;
+    report_.value_bytes += std::uint64_t{a.ref.length} * sizeof(float);
+  }
+  const SegmentGeometry& g = segment_->geometry();
+  if (ClockTable* clocks = engine.clocks(); clocks && g.num_workers) {
+    try {
+      const ClockTable old(segment_->clock_memory(), g.num_workers, false);
+      if (old.workers() != clocks->workers())
+        throw Error(Errc::invalid_argument, "it had " + std::to_string(old.workers()) + " workers, this server has " +
+                                                std::to_string(clocks->workers()));
+      for (std::uint32_t w = 0; w < old.workers(); ++w) {
+        if (old.evicted(w))
+          clocks->evict(w);
+        else
+          clocks->advance_to(w, old.clock(w));
+        ++report_.clocks;
+      }
+    } catch (const Error& e) {
+      log::warn("shm.adopt", "the workers' clocks of " + dead + " were not adopted (" + e.what() +
+                                 "): workers announce theirs again when they reconnect");
+    }
+  }
+  copied_ = true;
+  report_.milliseconds = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - began_).count();
+  log::info("shm.adopt", "adopted " + std::to_string(report_.keys) + " keys (" +
+                             std::to_string(report_.value_bytes >> 20) + " MiB of values) and " +
+                             std::to_string(report_.clocks) + " worker clocks from the segment of " + dead + " in " +
+                             std::to_string(static_cast<long long>(report_.milliseconds)) + " ms; " +
+                             std::to_string(report_.rolled_back) + " half-applied pushes rolled back, " +
+                             std::to_string(report_.refused) + " keys refused");
+  return report_;
+}
+
+}  // namespace pskv::shm
