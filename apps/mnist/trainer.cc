@@ -256,8 +256,10 @@ TrainResult run_worker(const TrainConfig& c, int rank, const std::vector<std::st
 namespace {
 ServerOptions server_options(const TrainConfig& c, int server_id, const std::string& uri, bool restore) {
   ServerOptions so;
-  // shm: one client area per worker and a few for tools, each with room for a layer's push.
-  so.uri = uri.rfind("shm://", 0) == 0 ? uri + "?clients=" + std::to_string(c.workers + 4) + "&area_mb=16" : uri;
+  // shm: one client area per worker and a few for tools, each with room for a layer's push; a
+  // server restarted after a kill adopts its predecessor's segment and loses nothing.
+  so.uri =
+      uri.rfind("shm://", 0) == 0 ? uri + "?clients=" + std::to_string(c.workers + 4) + "&area_mb=16&adopt=1" : uri;
   so.server_id = static_cast<std::uint32_t>(server_id);
   so.num_workers = static_cast<std::uint32_t>(c.workers);
   so.mode = c.mode;
@@ -413,10 +415,11 @@ TrainResult launch(const TrainConfig& c) {
     const int id = static_cast<int>(s - servers.begin());
     // Only a server that was killed is restarted; one that stopped on its own (the job failed)
     // is not.
-    if (!c.checkpoint_dir.empty() && workers_left > 0 && WIFSIGNALED(status)) {
+    const bool adopts = uris[static_cast<std::size_t>(id)].rfind("shm://", 0) == 0;
+    if ((adopts || !c.checkpoint_dir.empty()) && workers_left > 0 && WIFSIGNALED(status)) {
       std::fprintf(stderr, "pskv-mnist: server %d died (%s %d); restarting it from %s\n", id,
                    WIFEXITED(status) ? "exit" : "signal", WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status),
-                   c.checkpoint_dir.c_str());
+                   adopts ? "its shared-memory segment" : c.checkpoint_dir.c_str());
       ++restarts;
       start_server(id, true);
     } else if (workers_left > 0) {

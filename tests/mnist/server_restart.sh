@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# kill -9 a server mid-training: the launcher restarts it from its last checkpoint (--restore),
-# the workers reconnect, and training still reaches the accuracy floor (ctest label `mnist`).
+# kill -9 a server mid-training: the launcher restarts it from its last checkpoint (--restore; an
+# shm server then adopts its predecessor's segment, which is newer), the workers reconnect, and
+# training still reaches the accuracy floor (ctest label `mnist`).
 #   server_restart.sh PSKV_MNIST_BINARY DATA_DIR TRANSPORT
 set -euo pipefail
 bin=$1 data=$2 transport=$3
@@ -27,6 +28,10 @@ echo "killed server 1 (pid $pid) mid-training"
 wait "$job" || { cat "$log"; echo "the job failed after the server kill" >&2; exit 1; }
 cat "$log"
 grep -q "restarting it from" "$log" || { echo "the launcher did not restart the server" >&2; exit 1; }
+# shm: the restarted server takes over its predecessor's segment (nothing since the checkpoint lost).
+if [ "$transport" = shm ]; then
+  grep -q "shm.adopt: adopted [1-9][0-9]* keys" "$log" || { echo "the restarted shm server adopted nothing" >&2; exit 1; }
+fi
 acc=$(grep '^{' "$log" | tail -1 | sed -n 's/.*"test_accuracy":\([0-9.]*\).*/\1/p')
 restarts=$(grep '^{' "$log" | tail -1 | sed -n 's/.*"server_restarts":\([0-9]*\).*/\1/p')
 [ "$restarts" -ge 1 ] || { echo "no restart recorded" >&2; exit 1; }
