@@ -5,7 +5,7 @@
 namespace pskv::wire {
 
 bool op_carries_values(Op op) noexcept {
-  return op == Op::init || op == Op::push;
+  return op == Op::init || op == Op::push || op == Op::replicate;
 }
 
 std::string_view op_name(std::uint16_t op) noexcept {
@@ -30,6 +30,12 @@ std::string_view op_name(std::uint16_t op) noexcept {
       return "lookup";
     case Op::wait:
       return "wait";
+    case Op::replicate:
+      return "replicate";
+    case Op::replica_pull:
+      return "replica_pull";
+    case Op::replica_index:
+      return "replica_index";
   }
   return "unknown";
 }

@@ -30,6 +30,24 @@ enum class Op : std::uint16_t {
   auth = 8,     // payload: the client's proof; reply as hello's (tcp) or the rdma::Grant (rdma)
   lookup = 9,   // rdma: keys; reply payload: one rdma::LookupEntry (slot offset, length) per key
   wait = 10,    // rdma: arg0 = the worker's clock; answered once a read at that clock may go; reply arg0 = the bound
+  // Replication between servers (tcp; docs/protocol.md, "Replication"). arg0 = the origin: the
+  // server whose keys these are. A key's record is [update count (2 floats) | value | state].
+  replicate = 11,      // keys + records: the origin's state of those keys; arg1 = kReplicaSyncing/kReplicaSynced
+                       // with no keys: a full transfer begins / is complete
+  replica_pull = 12,   // keys (record lengths); reply: their records from this server's replica of the origin
+  replica_index = 13,  // reply: text payload, a ReplicaIndex header and one ReplicaIndexEntry per key
+};
+
+inline constexpr std::uint32_t kReplicaSyncing = 1, kReplicaSynced = 2;
+// replica_index reply: whether this replica holds a complete copy of the origin, then its keys.
+struct ReplicaIndexHeader {
+  std::uint32_t synced;
+  std::uint32_t reserved;
+  std::uint64_t keys;
+};
+struct ReplicaIndexEntry {
+  std::uint64_t key;
+  std::uint64_t length;  // value floats
 };
 
 enum Flags : std::uint16_t {

@@ -142,6 +142,17 @@ int main(int argc, char** argv) {
   app.add_option("--auth-token-file", o.auth_token_file,
                  "tcp/rdma: shared secret (a chmod 600 file); every client must pass an HMAC-SHA256 challenge with it")
       ->envname("PSKV_AUTH_TOKEN_FILE");
+  app.add_option("--replicas", o.replicas,
+                 "tcp: servers holding each key (this one and the next R-1 of --peers); a push is acknowledged once "
+                 "every live one applied it")
+      ->envname("PSKV_REPLICAS")
+      ->check(CLI::Range(1, 16))
+      ->capture_default_str();
+  app.add_option("--peers", o.peers, "Every server's URI in server-id order, this one's included (with --replicas)")
+      ->delimiter(',')
+      ->envname("PSKV_PEERS");
+  app.add_flag("--rejoin", o.rejoin,
+               "Restarting after a failure: take this server's keys back from a synced replica before serving");
   backend[4].option =
       app.add_option("--rdma-device", backend[4].value,
                      "rdma: expected device (the URI's address picks it; a mismatch is an error); URI dev=")

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "pskv/types.h"
 #include "pskv/update_rule.h"
@@ -50,6 +51,14 @@ struct ServerOptions {
   // tcp/rdma: a file holding a shared secret (mode 0600). Every connection must then pass an
   // HMAC-SHA256 challenge before it is served; refused peers are logged. shm:// ignores it.
   std::string auth_token_file;
+  // Replication (tcp): every server's keys are also kept by the next replicas - 1 servers of
+  // `peers` (every server's URI, in server-id order, the same list on every server and in the
+  // clients' ClientOptions::servers). An init or push is acknowledged once every live replica
+  // holds it. `rejoin`: this server restarts after a failure and takes its keys back from a
+  // synced replica before serving (docs/ARCHITECTURE.md, "Replication").
+  std::uint32_t replicas = 1;
+  std::vector<std::string> peers;
+  bool rejoin = false;
 };
 
 namespace detail {

@@ -1,6 +1,7 @@
 #include "engine/shard_engine.h"
 
 #include <algorithm>
+#include <cstring>
 #include <sstream>
 
 namespace pskv {
@@ -51,6 +52,13 @@ ShardEngine::ShardEngine(const EngineOptions& options, std::unique_ptr<MemoryRes
   } else if (options.mode != ConsistencyMode::asp) {
     throw Error(Errc::invalid_argument, std::string("mode ") + std::string(to_string(options.mode)) +
                                             " needs the number of workers (--workers N)");
+  }
+  spv_ = state_floats_per_value(options.store.rule.rule);
+  for (std::uint32_t origin : options.replica_of) {
+    auto r = std::make_unique<Replica>();
+    r->origin = origin;
+    r->store = Store::create(std::make_unique<HeapMemory>(Store::required_bytes(options.store)), options.store);
+    replicas_.push_back(std::move(r));
   }
   if (options.mode == ConsistencyMode::sync)
     sync_ = std::make_unique<SyncAccumulator>(
@@ -397,6 +405,106 @@ EngineStats ShardEngine::stats() const {
   return s;
 }
 
+ShardEngine::Replica* ShardEngine::replica(std::uint32_t origin, std::string* why) const {
+  for (const auto& r : replicas_)
+    if (r->origin == origin) return r.get();
+  if (why)
+    *why = "server " + std::to_string(options_.server_id) + " keeps no replica of server " + std::to_string(origin) +
+           " (check --peers and --replicas: every server must be started with the same ones)";
+  return nullptr;
+}
+
+Errc ShardEngine::put_records(Store& store, std::span<const KeyEntry> keys, const float* records, bool newer_only,
+                              std::string* why) {
+  // Every record's length is checked before any is written.
+  for (const KeyEntry& k : keys)
+    if (k.length <= 2 || (k.length - 2) % (1 + spv_) != 0) {
+      if (why)
+        *why = "key " + std::to_string(k.key) + ": a record of " + std::to_string(k.length) +
+               " floats is not 2 + length x " + std::to_string(1 + spv_) + " (are the servers' --rule the same?)";
+      return Errc::protocol;
+    }
+  for (const KeyEntry& k : keys) {
+    std::uint64_t count = 0;
+    std::memcpy(&count, records, sizeof count);
+    const std::uint32_t length = (k.length - 2) / (1 + spv_);
+    const std::span<const float> value(records + 2, length);
+    const std::span<const float> state(records + 2 + length, std::size_t{length} * spv_);
+    const Errc e =
+        newer_only ? store.put_if_newer(k.key, value, state, count) : store.restore_slot(k.key, value, state, count);
+    if (e != Errc::ok) {
+      if (why) *why = key_error(e, k.key, length, store);
+      return e;
+    }
+    records += k.length;
+  }
+  return Errc::ok;
+}
+
+Errc ShardEngine::apply_replica(std::uint32_t origin, std::span<const KeyEntry> keys, const float* records,
+                                std::string* why) {
+  Replica* r = replica(origin, why);
+  if (!r) return Errc::invalid_argument;
+  return put_records(*r->store, keys, records, true, why);
+}
+
+Errc ShardEngine::mark_replica(std::uint32_t origin, ReplicaMark mark, std::string* why) {
+  Replica* r = replica(origin, why);
+  if (!r) return Errc::invalid_argument;
+  r->mark.store(static_cast<std::uint32_t>(mark), std::memory_order_release);
+  return Errc::ok;
+}
+
+Errc ShardEngine::restore_records(std::span<const KeyEntry> keys, const float* records, std::string* why) {
+  return put_records(*store_, keys, records, false, why);
+}
+
+Errc ShardEngine::read_records(std::uint32_t origin, std::span<const KeyEntry> keys, float* out, std::string* why) {
+  Store* store = store_.get();
+  if (origin != options_.server_id) {
+    Replica* r = replica(origin, why);
+    if (!r) return Errc::invalid_argument;
+    store = r->store.get();
+  }
+  // Checked first, so a bad key answers nothing.
+  thread_local std::vector<SlotHeader*> slots;
+  slots.assign(keys.size(), nullptr);
+  for (std::size_t i = 0; i < keys.size(); ++i) {
+    SlotHeader* slot = store->find(keys[i].key);
+    const std::uint32_t length = slot ? store->length_of(*slot) : 0;
+    if (!slot || record_floats(length) != keys[i].length) {
+      if (why)
+        *why = "key " + std::to_string(keys[i].key) + (slot ? " has another length" : " is not held") +
+               " in the replica of server " + std::to_string(origin);
+      return slot ? Errc::length_mismatch : Errc::not_found;
+    }
+    slots[i] = slot;
+  }
+  for (std::size_t i = 0; i < keys.size(); ++i) {
+    const std::uint32_t length = (keys[i].length - 2) / (1 + spv_);
+    std::uint64_t count = 0;
+    store->snapshot_slot(*slots[i], out + 2, out + 2 + length, &count);
+    std::memcpy(out, &count, sizeof count);
+    out += keys[i].length;
+  }
+  return Errc::ok;
+}
+
+Errc ShardEngine::replica_keys(std::uint32_t origin, std::vector<std::pair<Key, std::uint32_t>>* keys, bool* synced,
+                               std::string* why) {
+  Store* store = store_.get();
+  *synced = true;
+  if (origin != options_.server_id) {
+    Replica* r = replica(origin, why);
+    if (!r) return Errc::invalid_argument;
+    store = r->store.get();
+    *synced = r->mark.load(std::memory_order_acquire) == static_cast<std::uint32_t>(ReplicaMark::synced);
+  }
+  keys->clear();
+  store->for_each_slot([&](const Store::SlotEntry& e) { keys->emplace_back(e.key, e.length); });
+  return Errc::ok;
+}
+
 std::string ShardEngine::stats_json(std::uint64_t external_pushes, const JsonObject& extra) const {
   EngineStats s = stats();
   s.pushes += external_pushes;
@@ -421,6 +529,15 @@ std::string ShardEngine::stats_json(std::uint64_t external_pushes, const JsonObj
     }
     j.add("clocks_by_worker", std::span<const std::int64_t>(by_worker));
   }
+  for (const auto& r : replicas_) {
+    const std::string at = "replica_of_" + std::to_string(r->origin);
+    const std::uint32_t mark = r->mark.load(std::memory_order_acquire);
+    j.add(at + "_keys", r->store->key_count())
+        .add(at + "_state", mark == static_cast<std::uint32_t>(ReplicaMark::synced)    ? "synced"
+                            : mark == static_cast<std::uint32_t>(ReplicaMark::syncing) ? "syncing"
+                                                                                       : "empty");
+  }
+  if (replicator_) j.merge(replicator_->stats());
   return j.merge(extra).str();
 }
 

@@ -23,6 +23,11 @@
 
 namespace pskv {
 
+// How far a replica is from holding all of its origin's keys: a full transfer from the origin
+// marks it syncing, then synced once every key has arrived (the values of the wire's
+// kReplicaSyncing / kReplicaSynced).
+enum class ReplicaMark : std::uint32_t { syncing = 1, synced = 2 };
+
 struct EngineOptions {
   StoreOptions store;
   std::uint32_t num_workers = 0;  // 0: no worker clocks (ASP only, anonymous clients)
@@ -32,6 +37,8 @@ struct EngineOptions {
   std::chrono::milliseconds wait_timeout{10000};
   StragglerPolicy straggler = StragglerPolicy::fail;
   std::uint32_t server_id = 0;
+  // Servers whose keys this one keeps a replica of (--replicas: its predecessors on the ring).
+  std::vector<std::uint32_t> replica_of;
 };
 
 // A deferred reply. resume() runs exactly once, on an engine or transport thread, never under
@@ -41,6 +48,18 @@ class Parked {
   virtual ~Parked() = default;
   // status ok: the wait is over and the reply may be produced. Otherwise `why` explains.
   virtual void resume(Errc status, const std::string& why) = 0;
+};
+
+// The origin's side of replication (src/server/replicator.h): once an init or push is applied,
+// the state of its keys is shipped to the live replicas and the reply waits for them.
+// Thread-safety: ship() from any thread.
+class Replicator {
+ public:
+  virtual ~Replicator() = default;
+  // `keys` were just applied here; `reply` resumes (ok) once every live replica holds them. A
+  // replica that fails meanwhile is no longer live and is not waited for.
+  virtual void ship(std::span<const KeyEntry> keys, std::unique_ptr<Parked> reply) = 0;
+  virtual JsonObject stats() const = 0;
 };
 
 struct EngineStats {
@@ -106,6 +125,24 @@ class ShardEngine {
   // Completes when all live workers reached generation `generation`.
   void barrier(std::uint32_t worker, std::uint64_t generation, std::unique_ptr<Parked> op);
 
+  // Replication. A key's record is [update count as 2 floats | value | optimizer state]:
+  // record_floats(length) floats.
+  std::uint64_t record_floats(std::uint32_t length) const noexcept { return 2 + std::uint64_t{length} * (1 + spv_); }
+  // This server's replica of `origin` (one of options().replica_of) takes the records.
+  Errc apply_replica(std::uint32_t origin, std::span<const KeyEntry> keys, const float* records, std::string* why);
+  Errc mark_replica(std::uint32_t origin, ReplicaMark mark, std::string* why);
+  // The records of `keys` (lengths are record lengths) from the replica of `origin`, or from this
+  // server's own store when origin is its own id.
+  Errc read_records(std::uint32_t origin, std::span<const KeyEntry> keys, float* out, std::string* why);
+  // Every key of the replica of `origin` (or of this server's own store) with its value length,
+  // and whether that replica is synced (the own store always is).
+  Errc replica_keys(std::uint32_t origin, std::vector<std::pair<Key, std::uint32_t>>* keys, bool* synced,
+                    std::string* why);
+  // The own store takes the records (a rejoining server restoring its keys from a replica).
+  Errc restore_records(std::span<const KeyEntry> keys, const float* records, std::string* why);
+  void set_replicator(Replicator* replicator) noexcept { replicator_ = replicator; }
+  Replicator* replicator() const noexcept { return replicator_; }
+
   Errc check_worker(std::uint32_t worker, std::string* why) const;
   // Under the fail policy, why the job can no longer make progress (a worker died or stalled
   // past the timeout); empty while it can.
@@ -138,6 +175,18 @@ class ShardEngine {
   std::vector<std::byte> clock_storage_;
   std::unique_ptr<ClockTable> clocks_;
   std::unique_ptr<SyncAccumulator> sync_;
+  std::uint32_t spv_ = 0;  // optimizer-state floats per value float
+  struct Replica {
+    std::uint32_t origin;
+    std::unique_ptr<Store> store;
+    std::atomic<std::uint32_t> mark{0};  // ReplicaMark, 0 before any transfer
+  };
+  std::vector<std::unique_ptr<Replica>> replicas_;
+  Replicator* replicator_ = nullptr;
+  Replica* replica(std::uint32_t origin, std::string* why) const;
+  // Writes records into `store` (put_if_newer, or restore_slot for the own store).
+  Errc put_records(Store& store, std::span<const KeyEntry> keys, const float* records, bool newer_only,
+                   std::string* why);
 
   mutable std::mutex mu_;
   std::condition_variable cv_;

@@ -9,6 +9,7 @@
 #include "common/log.h"
 #include "engine/shard_engine.h"
 #include "server/checkpoint.h"
+#include "server/replicator.h"
 #include "transport/listener.h"
 #include "transport/uri.h"
 
@@ -55,6 +56,22 @@ void validate(const ServerOptions& o) {
   if (o.max_connections_per_address == 0) reject("--max-connections-per-address must be positive");
   if (o.max_request_bytes == 0) reject("--max-request-mb must be positive");
   if (o.max_keys_per_request == 0) reject("--max-keys-per-request must be positive");
+  if (o.replicas == 0) reject("--replicas must be at least 1");
+  if (o.replicas > 1 || o.rejoin) {
+    if (o.peers.size() < o.replicas)
+      reject("--replicas " + to_string(o.replicas) + " needs --peers listing every server (at least " +
+             to_string(o.replicas) + "), got " + to_string(o.peers.size()));
+    if (o.server_id >= o.peers.size())
+      reject("--server-id " + to_string(o.server_id) + " is not an index into --peers (" + to_string(o.peers.size()) +
+             " servers)");
+    if (o.uri.rfind("tcp://", 0) != 0)
+      reject(
+          "--replicas runs over tcp:// only for now (shm:// servers adopt their predecessor's segment with "
+          "shm://NAME?adopt=1 instead)");
+    if (o.rejoin && o.replicas < 2) reject("--rejoin takes the keys back from replicas: it needs --replicas 2 or more");
+    if (o.mode == ConsistencyMode::sync)
+      reject("--replicas does not replicate sync mode's partial sums yet; use asp, ssp or bsp");
+  }
   if (o.memory_budget_bytes < o.max_request_bytes)
     reject("--memory-budget-mb (" + to_string(o.memory_budget_bytes >> 20) + ") must be at least --max-request-mb (" +
            to_string(o.max_request_bytes >> 20) + "), or a largest request could never be served");
@@ -79,6 +96,18 @@ class ServerImpl {
     e.wait_timeout = o.wait_timeout;
     e.straggler = o.straggler;
     e.server_id = o.server_id;
+    // This server keeps the keys of the replicas - 1 servers before it on the ring; its own are
+    // kept by the ones after it.
+    ReplicatorOptions r;
+    r.server_id = o.server_id;
+    r.io_timeout = o.frame_timeout;
+    r.max_request_bytes = o.max_request_bytes;
+    const auto servers = static_cast<std::uint32_t>(o.peers.size());
+    for (std::uint32_t j = 1; j < o.replicas; ++j) {
+      e.replica_of.push_back((o.server_id + servers - j) % servers);
+      const std::uint32_t next = (o.server_id + j) % servers;
+      r.replicas.push_back({next, o.peers[next]});
+    }
     transport::ListenOptions l;
     l.server_id = o.server_id;
     l.io_threads = o.io_threads;
@@ -90,6 +119,7 @@ class ServerImpl {
     l.limits.max_keys = o.max_keys_per_request;
     l.limits.max_payload_bytes = o.max_request_bytes;
     if (!o.auth_token_file.empty()) l.token = auth::Token::load_file(o.auth_token_file);
+    r.token = l.token;
     listener_ = transport::listen(parse_uri(o.uri), l);
     transport::EngineMemory memory = listener_->engine_memory(e);
     engine_ = std::make_unique<ShardEngine>(e, std::move(memory.store), memory.clocks);
@@ -98,6 +128,17 @@ class ServerImpl {
       const CheckpointInfo info = read_checkpoint(engine_->store(), path);
       log::info("checkpoint", "server " + std::to_string(o.server_id) + " restored " + std::to_string(info.keys) +
                                   " keys from " + path);
+    }
+    if (o.rejoin) {
+      const RejoinReport got = rejoin_from_replicas(*engine_, r, std::chrono::milliseconds(o.wait_timeout) * 3);
+      log::info("replication", "server " + std::to_string(o.server_id) + " rejoined: " + std::to_string(got.keys) +
+                                   " keys (" + std::to_string(got.bytes >> 20) + " MiB) from server " +
+                                   std::to_string(got.from) + " in " +
+                                   std::to_string(static_cast<long long>(got.milliseconds)) + " ms");
+    }
+    if (!r.replicas.empty()) {
+      replicator_ = std::make_unique<TcpReplicator>(*engine_, r);
+      engine_->set_replicator(replicator_.get());
     }
     listener_->start(*engine_);
     uri_ = listener_->uri();
@@ -138,6 +179,8 @@ class ServerImpl {
     if (checkpointer_.joinable()) checkpointer_.join();
     listener_->stop_accepting();
     listener_->drain();
+    // Replies waiting for the replicas are answered while their connections are still open.
+    if (replicator_) replicator_->stop();
     if (!options_.checkpoint_dir.empty()) {
       try {
         checkpoint();
@@ -176,6 +219,7 @@ class ServerImpl {
   // The listener outlives the engine: it may own the engine's memory (the shm segment).
   std::unique_ptr<transport::Listener> listener_;
   std::unique_ptr<ShardEngine> engine_;
+  std::unique_ptr<TcpReplicator> replicator_;  // stopped before the listener closes
   std::mutex checkpoint_mu_, stop_mu_;
   mutable std::mutex mu_;
   std::condition_variable stop_cv_;

@@ -462,6 +462,20 @@ Errc Store::restore_slot(Key key, std::span<const float> value, std::span<const 
   return Errc::ok;
 }
 
+Errc Store::put_if_newer(Key key, std::span<const float> value, std::span<const float> state,
+                         std::uint64_t update_count) {
+  if (value.size() > UINT32_MAX) return Errc::invalid_argument;
+  if (Errc e = create_slot(key, static_cast<std::uint32_t>(value.size()), nullptr); e != Errc::ok) return e;
+  const SlotRef r = find_ref(key);
+  if (!r.slot) return Errc::protocol;
+  if (state.size() != std::size_t{r.length} * g_.state_per_value) return Errc::length_mismatch;
+  SharedMutex& lock = stripe_at(r.stripe);
+  lock.lock();
+  if (update_count >= r.slot->update_count) overwrite_slot(r, value.data(), state.data(), update_count);
+  lock.unlock();
+  return Errc::ok;
+}
+
 std::vector<Store::SlotEntry> Store::slots_in_order() const {
   std::vector<SlotEntry> out;
   if (records_) {

@@ -257,6 +257,10 @@ class Store {
   std::uint32_t state_floats(const SlotHeader& slot) const noexcept;
   void snapshot_slot(SlotHeader& slot, float* value, float* state, std::uint64_t* update_count) noexcept;
   Errc restore_slot(Key key, std::span<const float> value, std::span<const float> state, std::uint64_t update_count);
+  // A replica's write: the key (created if missing) takes this value, state and count unless it
+  // already holds a later update (a higher count). Records of one key may arrive in any order and
+  // more than once; the latest wins, so a replica ends with its origin's very bytes.
+  Errc put_if_newer(Key key, std::span<const float> value, std::span<const float> state, std::uint64_t update_count);
 
   const UpdateRuleConfig& rule() const noexcept { return g_.rule; }
   std::uint32_t stripes() const noexcept { return g_.stripes; }

@@ -337,6 +337,11 @@ bool IoThread::dispatch(ServerConn& c, const wire::FrameHeader& h) {
     case wire::Op::auth:  // handled before dispatch
       return send_error(c, h, Errc::unsupported,
                         std::string(wire::op_name(h.op)) + " is not an rdma:// control message");
+    case wire::Op::replicate:
+    case wire::Op::replica_pull:
+    case wire::Op::replica_index:
+      return send_error(c, h, Errc::unsupported,
+                        "replication between servers runs over tcp:// (--peers); rdma:// does not carry it yet");
   }
   return send_error(c, h, Errc::protocol, "unknown op " + std::to_string(h.op));
 }

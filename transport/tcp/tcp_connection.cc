@@ -375,7 +375,7 @@ bool TcpConnection::receive_one(const wire::FrameHeader& h, std::string* why) {
         status = Errc::protocol;
     }
   } else if (h.payload_bytes > 0) {
-    if (request->op != wire::Op::pull) {
+    if (request->op != wire::Op::pull && request->op != wire::Op::replica_pull) {
       *why = endpoint_ + " sent a payload with a " + std::string(wire::op_name(h.op)) + " reply";
       return false;
     }

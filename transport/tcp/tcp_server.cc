@@ -991,7 +991,7 @@ TcpServer::Progress TcpServer::stream_push(Peer& peer) {
     }
   }
   engine_.count_pushes(f.applied);
-  const bool ok = f.found != Errc::ok ? send_error(peer, f.h, f.found, f.why) : send_empty(peer, f.h);
+  const bool ok = f.found != Errc::ok ? send_error(peer, f.h, f.found, f.why) : answer_applied(peer, f.h);
   return ok ? Progress::done : Progress::close;
 }
 
@@ -1051,10 +1051,47 @@ bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payl
     }
     case wire::Op::init:
       status = engine_.init(peer.keys, payload, &why);
+      if (status == Errc::ok) return answer_applied(peer, h);
       break;
     case wire::Op::push:
       status = engine_.push(peer.worker, h.arg0, peer.keys, payload, &why);
+      if (status == Errc::ok) return answer_applied(peer, h);
       break;
+    case wire::Op::replicate: {
+      const auto origin = static_cast<std::uint32_t>(h.arg0);
+      if (h.num_keys != 0)
+        status = engine_.apply_replica(origin, peer.keys, payload, &why);
+      else if (h.arg1 == wire::kReplicaSyncing || h.arg1 == wire::kReplicaSynced)
+        status = engine_.mark_replica(origin, static_cast<ReplicaMark>(h.arg1), &why);
+      else {
+        status = Errc::protocol;
+        why = "replicate without keys marks a transfer's start or end, not " + std::to_string(h.arg1);
+      }
+      break;
+    }
+    case wire::Op::replica_pull:
+      return answer_records(peer, h);
+    case wire::Op::replica_index: {
+      std::vector<std::pair<Key, std::uint32_t>> keys;
+      bool synced = false;
+      status = engine_.replica_keys(static_cast<std::uint32_t>(h.arg0), &keys, &synced, &why);
+      if (status != Errc::ok) break;
+      const wire::ReplicaIndexHeader head{synced ? 1u : 0u, 0, keys.size()};
+      std::string bytes(sizeof head + keys.size() * sizeof(wire::ReplicaIndexEntry), '\0');
+      std::memcpy(bytes.data(), &head, sizeof head);
+      for (std::size_t i = 0; i < keys.size(); ++i) {
+        const wire::ReplicaIndexEntry e{keys[i].first, keys[i].second};
+        std::memcpy(bytes.data() + sizeof head + i * sizeof e, &e, sizeof e);
+      }
+      if (bytes.size() > options_.limits.max_payload_bytes) {
+        status = Errc::capacity;
+        why = "the index of " + std::to_string(keys.size()) + " keys exceeds --max-request-mb";
+        break;
+      }
+      Reply r(reply_header(h, bytes.size()), bytes.data(), bytes.size());
+      r.header.flags |= wire::kText;  // opaque bytes the requester asked for, read as a text payload
+      return send(peer, std::move(r));
+    }
     case wire::Op::pull: {
       if (engine_.pull_allowed(peer.worker, h.arg0)) return answer_pull(peer, h, peer.keys, /*owner=*/true);
       // Checked before it waits, so a parked pull holds only what it will be answered with.
@@ -1106,6 +1143,35 @@ bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payl
   }
   if (status != Errc::ok) return send_error(peer, h, status, why);
   return send_empty(peer, h);
+}
+
+bool TcpServer::answer_applied(Peer& peer, const wire::FrameHeader& h) {
+  Replicator* replicator = engine_.replicator();
+  if (!replicator) return send_empty(peer, h);
+  // The reply waits until every live replica holds these keys.
+  std::unique_ptr<Parked> parked = park(peer, h, {});
+  if (!parked)
+    return send_error(peer, h, Errc::capacity,
+                      "applied, but " + over_budget(peer, parked_bytes(0), "reply waiting for the replicas"));
+  replicator->ship(peer.keys, std::move(parked));
+  return true;
+}
+
+bool TcpServer::answer_records(Peer& peer, const wire::FrameHeader& h) {
+  std::uint64_t floats = 0;
+  for (const wire::KeyEntry& k : peer.keys) floats += k.length;
+  if (floats * sizeof(float) > options_.limits.max_payload_bytes)
+    return send_error(peer, h, Errc::capacity,
+                      "replica_pull asks for " + std::to_string(floats * sizeof(float)) +
+                          " bytes, more than --max-request-mb; ask for fewer keys at a time");
+  BudgetHold hold;
+  if (!hold.take(budget_, floats * sizeof(float)))
+    return send_error(peer, h, Errc::capacity, over_budget(peer, floats * sizeof(float), "replica_pull reply"));
+  std::vector<float> out(floats);
+  std::string why;
+  if (Errc e = engine_.read_records(static_cast<std::uint32_t>(h.arg0), peer.keys, out.data(), &why); e != Errc::ok)
+    return send_error(peer, h, e, why);
+  return send(peer, Reply(reply_header(h, floats * sizeof(float)), out.data(), floats * sizeof(float)));
 }
 
 std::uint64_t TcpServer::parked_bytes(std::size_t keys) noexcept {

@@ -190,6 +190,11 @@ class TcpServer {
   // its parked_bytes against the memory budget); null if the budget cannot hold it.
   std::unique_ptr<Parked> park(Peer& peer, const wire::FrameHeader& h, std::vector<wire::KeyEntry> keys);
   static std::uint64_t parked_bytes(std::size_t keys) noexcept;
+  // The reply to an init or push that was applied: at once, or once every live replica holds its
+  // keys (--replicas).
+  bool answer_applied(Peer& peer, const wire::FrameHeader& h);
+  // replica_pull: the records of peer.keys from the replica of the origin (h.arg0).
+  bool answer_records(Peer& peer, const wire::FrameHeader& h);
   // Below this a pull reply is copied: the copy is cheap and the extra trailer write is not.
   static constexpr std::uint64_t kFromStoreBytes = 64u << 10;
   bool send_from_store(Peer& peer, const wire::FrameHeader& h, std::span<const wire::KeyEntry> keys,

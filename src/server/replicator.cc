@@ -1,0 +1,395 @@
+#include "server/replicator.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "common/log.h"
+#include "transport/uri.h"
+
+namespace pskv {
+
+namespace {
+// A request to a replica carries at most this many keys and bytes of records, well inside the
+// replica's own limits (the same flags as this server's).
+constexpr std::size_t kRequestKeys = 1u << 16;
+constexpr std::uint64_t kTransferBytes = 16ull << 20;  // per request of a full transfer or rejoin
+
+std::shared_ptr<transport::Connection> connect_to(const ReplicaPeer& peer, const ReplicatorOptions& o,
+                                                  std::chrono::milliseconds connect_timeout) {
+  transport::ConnectOptions c;
+  c.connect_timeout = connect_timeout;
+  c.io_timeout = o.io_timeout;
+  c.max_in_flight = 64;
+  c.limits.max_payload_bytes = o.max_request_bytes;
+  c.token = o.token;
+  return std::shared_ptr<transport::Connection>(transport::connect(parse_uri(peer.uri), c));
+}
+
+// Waits for `c` however long its connection takes: the connection's io timeout bounds it.
+void wait_done(transport::Completion& c) {
+  while (!c.wait(std::chrono::steady_clock::now() + std::chrono::seconds(1))) {
+  }
+}
+
+// Cuts [0, n) into runs of at most kRequestKeys keys and `max_bytes` of records (a single larger
+// key gets a run of its own).
+std::vector<std::pair<std::size_t, std::size_t>> cut(std::span<const KeyEntry> keys, std::uint64_t max_bytes) {
+  std::vector<std::pair<std::size_t, std::size_t>> runs;
+  std::size_t begin = 0;
+  std::uint64_t bytes = 0;
+  for (std::size_t i = 0; i < keys.size(); ++i) {
+    const std::uint64_t b = std::uint64_t{keys[i].length} * sizeof(float);
+    if (i > begin && (i - begin == kRequestKeys || bytes + b > max_bytes)) {
+      runs.emplace_back(begin, i);
+      begin = i;
+      bytes = 0;
+    }
+    bytes += b;
+  }
+  if (begin < keys.size()) runs.emplace_back(begin, keys.size());
+  return runs;
+}
+}  // namespace
+
+TcpReplicator::TcpReplicator(ShardEngine& engine, const ReplicatorOptions& options)
+    : engine_(engine), options_(options) {
+  for (const ReplicaPeer& p : options_.replicas) {
+    auto r = std::make_unique<Replica>();
+    r->peer = p;
+    replicas_.push_back(std::move(r));
+  }
+  for (auto& r : replicas_) r->keeper = std::thread([this, rp = r.get()] { keeper(*rp); });
+  acker_ = std::thread([this] { acker(); });
+}
+
+TcpReplicator::~TcpReplicator() {
+  stop();
+}
+
+std::vector<std::pair<std::size_t, std::size_t>> TcpReplicator::snapshot(std::span<const KeyEntry> keys, Shipment* s) {
+  s->keys.resize(keys.size());
+  std::uint64_t floats = 0;
+  for (std::size_t i = 0; i < keys.size(); ++i) {
+    s->keys[i] = {keys[i].key, static_cast<std::uint32_t>(engine_.record_floats(keys[i].length)), 0};
+    floats += s->keys[i].length;
+  }
+  s->records.resize(floats);
+  std::string why;
+  if (engine_.read_records(options_.server_id, s->keys, s->records.data(), &why) != Errc::ok)
+    throw Error(Errc::protocol, "reading the records to replicate: " + why);
+  s->slices.resize(keys.size());
+  float* at = s->records.data();
+  for (std::size_t i = 0; i < keys.size(); ++i) {
+    s->slices[i] = {s->keys[i].key, s->keys[i].length, at};
+    at += s->keys[i].length;
+  }
+  return cut(s->keys, options_.max_request_bytes / 2);
+}
+
+bool TcpReplicator::submit(Shipment& s, Shipment::Leg& leg,
+                           const std::vector<std::pair<std::size_t, std::size_t>>& ranges, std::uint32_t arg1) {
+  leg.requests.resize(ranges.empty() ? 1 : ranges.size());
+  leg.done.reset(static_cast<std::uint32_t>(leg.requests.size()));
+  for (std::size_t i = 0; i < leg.requests.size(); ++i) {
+    transport::Request& q = leg.requests[i];
+    q.op = wire::Op::replicate;
+    q.arg0 = options_.server_id;
+    q.arg1 = arg1;
+    if (!ranges.empty())
+      q.keys =
+          std::span<const transport::KeySlice>(s.slices).subspan(ranges[i].first, ranges[i].second - ranges[i].first);
+    q.completion = &leg.done;
+    try {
+      leg.conn->submit(q);
+    } catch (const Error& e) {
+      for (std::size_t j = i; j < leg.requests.size(); ++j) leg.done.complete_part(e.code(), e.what());
+      return false;
+    }
+  }
+  return true;
+}
+
+void TcpReplicator::ship(std::span<const KeyEntry> keys, std::unique_ptr<Parked> reply) {
+  auto s = std::make_unique<Shipment>();
+  s->reply = std::move(reply);
+  std::vector<std::pair<std::size_t, std::size_t>> ranges;
+  try {
+    ranges = snapshot(keys, s.get());
+  } catch (const Error& e) {
+    s->reply->resume(Errc::protocol, std::string("applied here, but not replicated: ") + e.what());
+    return;
+  }
+  std::uint64_t bytes = s->records.size() * sizeof(float);
+  for (auto& r : replicas_) {
+    std::shared_ptr<transport::Connection> conn;
+    int state;
+    {
+      std::lock_guard lock(r->mu);
+      conn = r->conn;
+      state = r->state.load(std::memory_order_acquire);
+    }
+    if (state == static_cast<int>(State::down)) continue;
+    Shipment::Leg& leg = s->legs.emplace_back();
+    leg.replica = r.get();
+    if (!conn) continue;  // pending: its full transfer will carry these keys
+    leg.conn = std::move(conn);
+    submit(*s, leg, ranges, 0);
+    r->shipped_bytes.fetch_add(bytes, std::memory_order_relaxed);
+  }
+  if (s->legs.empty()) {
+    s->reply->resume(Errc::ok, {});
+    return;
+  }
+  {
+    std::lock_guard lock(queue_mu_);
+    queue_.push_back(std::move(s));
+  }
+  queue_cv_.notify_one();
+}
+
+void TcpReplicator::drop(Replica& r, const std::string& why) {
+  std::lock_guard lock(r.mu);
+  if (r.state.load() == static_cast<int>(State::down)) return;
+  r.state.store(static_cast<int>(State::down), std::memory_order_release);
+  r.conn.reset();
+  r.failures.fetch_add(1, std::memory_order_relaxed);
+  log::warn("replication", "server " + std::to_string(options_.server_id) + ": replica server " +
+                               std::to_string(r.peer.id) + " (" + r.peer.uri + ") dropped: " + why +
+                               "; acknowledging without it until it is back and synced");
+}
+
+void TcpReplicator::acker() {
+  for (;;) {
+    std::unique_ptr<Shipment> s;
+    {
+      std::unique_lock lock(queue_mu_);
+      queue_cv_.wait(lock, [&] { return !queue_.empty() || stopping_.load(); });
+      if (queue_.empty()) return;
+      s = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    // Replicas answer in order, so waiting for the oldest shipment first costs nothing.
+    for (Shipment::Leg& leg : s->legs) {
+      if (!leg.conn) {
+        // A pending replica: until its first full transfer is complete, or it is declared down.
+        // (Had it gone down and come back meanwhile, its new transfer carries these keys too.)
+        int state;
+        while ((state = leg.replica->state.load(std::memory_order_acquire)) != static_cast<int>(State::synced) &&
+               state != static_cast<int>(State::down) && !stopping_.load())
+          std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        continue;
+      }
+      wait_done(leg.done);
+      if (leg.done.status() != Errc::ok) drop(*leg.replica, leg.done.message());
+    }
+    // Every live replica holds the keys; one that failed is no longer live.
+    s->reply->resume(Errc::ok, {});
+  }
+}
+
+bool TcpReplicator::full_transfer(Replica& r, const std::shared_ptr<transport::Connection>& conn) {
+  auto mark = [&](std::uint32_t arg1) {
+    Shipment s;
+    Shipment::Leg& leg = s.legs.emplace_back();
+    leg.replica = &r;
+    leg.conn = conn;
+    submit(s, leg, {}, arg1);
+    wait_done(leg.done);
+    return leg.done.status() == Errc::ok ? std::string() : leg.done.message();
+  };
+  if (std::string why = mark(wire::kReplicaSyncing); !why.empty()) {
+    drop(r, why);
+    return false;
+  }
+  std::vector<std::pair<Key, std::uint32_t>> keys;
+  bool synced = false;
+  std::string why;
+  engine_.replica_keys(options_.server_id, &keys, &synced, &why);
+  std::vector<KeyEntry> entries;
+  for (std::size_t begin = 0; begin < keys.size() && !stopping_.load();) {
+    entries.clear();
+    std::uint64_t bytes = 0;
+    for (; begin < keys.size() && entries.size() < kRequestKeys; ++begin) {
+      const std::uint64_t b = engine_.record_floats(keys[begin].second) * sizeof(float);
+      if (!entries.empty() && bytes + b > kTransferBytes) break;
+      entries.push_back({keys[begin].first, keys[begin].second, 0});
+      bytes += b;
+    }
+    Shipment s;
+    const auto ranges = snapshot(entries, &s);
+    Shipment::Leg& leg = s.legs.emplace_back();
+    leg.replica = &r;
+    leg.conn = conn;
+    submit(s, leg, ranges, 0);
+    wait_done(leg.done);
+    if (leg.done.status() != Errc::ok) {
+      drop(r, leg.done.message());
+      return false;
+    }
+  }
+  if (stopping_.load()) return false;
+  if (std::string err = mark(wire::kReplicaSynced); !err.empty()) {
+    drop(r, err);
+    return false;
+  }
+  r.transfers.fetch_add(1, std::memory_order_relaxed);
+  return true;
+}
+
+void TcpReplicator::keeper(Replica& r) {
+  bool said_unreachable = false;
+  const auto started = std::chrono::steady_clock::now();
+  while (!stopping_.load()) {
+    if (r.state.load(std::memory_order_acquire) == static_cast<int>(State::pending) &&
+        std::chrono::steady_clock::now() - started > options_.io_timeout) {
+      int pending = static_cast<int>(State::pending);
+      if (r.state.compare_exchange_strong(pending, static_cast<int>(State::down)))
+        log::warn("replication", "server " + std::to_string(options_.server_id) + ": replica server " +
+                                     std::to_string(r.peer.id) + " (" + r.peer.uri + ") unreachable for " +
+                                     std::to_string(options_.io_timeout.count()) +
+                                     " ms since this server started; acknowledging without it until it is synced");
+    }
+    const int now = r.state.load(std::memory_order_acquire);
+    if (now != static_cast<int>(State::down) && now != static_cast<int>(State::pending)) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      continue;
+    }
+    std::shared_ptr<transport::Connection> conn;
+    try {
+      conn = connect_to(r.peer, options_, std::chrono::milliseconds(1000));
+    } catch (const Error& e) {
+      if (!said_unreachable && r.state.load() == static_cast<int>(State::down))
+        log::warn("replication", "server " + std::to_string(options_.server_id) + ": replica server " +
+                                     std::to_string(r.peer.id) + " unreachable (" + e.what() + "); retrying");
+      said_unreachable = true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      continue;
+    }
+    said_unreachable = false;
+    {
+      // Live from here: shipments go to it while the transfer runs, so it misses nothing.
+      std::lock_guard lock(r.mu);
+      r.conn = conn;
+      r.state.store(static_cast<int>(State::syncing), std::memory_order_release);
+    }
+    // A shipment that found it pending now waits for the transfer to be synced or fail (down).
+    if (!full_transfer(r, conn)) continue;
+    int syncing = static_cast<int>(State::syncing);
+    if (r.state.compare_exchange_strong(syncing, static_cast<int>(State::synced)))
+      log::info("replication", "server " + std::to_string(options_.server_id) + ": replica server " +
+                                   std::to_string(r.peer.id) + " synced");
+  }
+}
+
+void TcpReplicator::stop() noexcept {
+  if (stopped_) return;
+  stopped_ = true;
+  stopping_.store(true);
+  queue_cv_.notify_all();
+  if (acker_.joinable()) acker_.join();  // it finishes the queue first
+  for (auto& r : replicas_)
+    if (r->keeper.joinable()) r->keeper.join();
+  std::lock_guard lock(queue_mu_);
+  for (auto& s : queue_) s->reply->resume(Errc::peer_failure, "the server is stopping");
+  queue_.clear();
+}
+
+JsonObject TcpReplicator::stats() const {
+  JsonObject j;
+  j.add("replicas", replicas_.size() + 1);
+  for (const auto& r : replicas_) {
+    const std::string at = "replica_" + std::to_string(r->peer.id);
+    const int state = r->state.load(std::memory_order_acquire);
+    j.add(at + "_state", state == static_cast<int>(State::synced)    ? "synced"
+                         : state == static_cast<int>(State::syncing) ? "syncing"
+                         : state == static_cast<int>(State::pending) ? "pending"
+                                                                     : "down")
+        .add(at + "_shipped_bytes", r->shipped_bytes.load(std::memory_order_relaxed))
+        .add(at + "_transfers", r->transfers.load(std::memory_order_relaxed))
+        .add(at + "_failures", r->failures.load(std::memory_order_relaxed));
+  }
+  return j;
+}
+
+RejoinReport rejoin_from_replicas(ShardEngine& engine, const ReplicatorOptions& options,
+                                  std::chrono::milliseconds patience) {
+  const auto began = std::chrono::steady_clock::now();
+  const auto give_up = began + patience;
+  std::string tried;
+  for (;;) {
+    for (const ReplicaPeer& peer : options.replicas) {
+      std::string why;
+      try {
+        auto conn = connect_to(peer, options, std::chrono::milliseconds(1000));
+        std::string index;
+        transport::Completion done;
+        done.reset(1);
+        transport::Request q;
+        q.op = wire::Op::replica_index;
+        q.arg0 = options.server_id;
+        q.completion = &done;
+        q.text_out = &index;
+        conn->submit(q);
+        wait_done(done);
+        if (done.status() != Errc::ok) throw Error(done.status(), done.message());
+        wire::ReplicaIndexHeader head{};
+        if (index.size() < sizeof head) throw Error(Errc::protocol, "a short replica index");
+        std::memcpy(&head, index.data(), sizeof head);
+        if (head.keys != (index.size() - sizeof head) / sizeof(wire::ReplicaIndexEntry) ||
+            (index.size() - sizeof head) % sizeof(wire::ReplicaIndexEntry) != 0)
+          throw Error(Errc::protocol, "a replica index whose size does not match its key count");
+        if (!head.synced) throw Error(Errc::peer_failure, "its replica is not synced (it never received all keys)");
+        std::vector<KeyEntry> keys(head.keys);
+        for (std::size_t i = 0; i < keys.size(); ++i) {
+          wire::ReplicaIndexEntry e{};
+          std::memcpy(&e, index.data() + sizeof head + i * sizeof e, sizeof e);
+          if (e.length == 0 || e.length > (1ull << 31))
+            throw Error(Errc::protocol, "key " + std::to_string(e.key) + " has an impossible length");
+          keys[i] = {e.key, static_cast<std::uint32_t>(engine.record_floats(static_cast<std::uint32_t>(e.length))), 0};
+        }
+        RejoinReport report;
+        report.from = peer.id;
+        std::vector<float> records;
+        std::vector<transport::KeySlice> slices;
+        for (const auto& [begin, end] : cut(keys, kTransferBytes)) {
+          std::uint64_t floats = 0;
+          for (std::size_t i = begin; i < end; ++i) floats += keys[i].length;
+          records.resize(floats);
+          slices.clear();
+          float* at = records.data();
+          for (std::size_t i = begin; i < end; ++i) {
+            slices.push_back({keys[i].key, keys[i].length, at});
+            at += keys[i].length;
+          }
+          transport::Request pull;
+          pull.op = wire::Op::replica_pull;
+          pull.arg0 = options.server_id;
+          pull.keys = slices;
+          pull.completion = &done;
+          done.reset(1);
+          conn->submit(pull);
+          wait_done(done);
+          if (done.status() != Errc::ok) throw Error(done.status(), done.message());
+          const std::span<const KeyEntry> part(keys.data() + begin, end - begin);
+          if (Errc e = engine.restore_records(part, records.data(), &why); e != Errc::ok) throw Error(e, why);
+          report.keys += end - begin;
+          report.bytes += floats * sizeof(float);
+        }
+        report.milliseconds =
+            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - began).count();
+        return report;
+      } catch (const Error& e) {
+        why = e.what();
+      }
+      tried += (tried.empty() ? "" : "; ") + ("server " + std::to_string(peer.id) + " (" + peer.uri + "): " + why);
+    }
+    if (std::chrono::steady_clock::now() > give_up)
+      throw Error(Errc::peer_failure, "--rejoin: no replica of server " + std::to_string(options.server_id) +
+                                          "'s keys is reachable and synced within " + std::to_string(patience.count()) +
+                                          " ms (" + tried + ")");
+    tried.clear();
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+}
+
+}  // namespace pskv

@@ -1,0 +1,122 @@
+// Replication of a server's keys to the next servers on the ring (--replicas R --peers ...): the
+// origin side, which ships the state of every key it applies, and the rejoin of a restarted
+// server, which takes its keys back from a replica before it serves. docs/ARCHITECTURE.md,
+// "Replication", says why state is shipped rather than operations, and what is not done yet.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "engine/shard_engine.h"
+#include "transport/transport.h"
+
+namespace pskv {
+
+struct ReplicaPeer {
+  std::uint32_t id = 0;
+  std::string uri;
+};
+
+struct ReplicatorOptions {
+  std::uint32_t server_id = 0;
+  std::vector<ReplicaPeer> replicas;  // the servers that keep this one's keys, in ring order
+  std::shared_ptr<const auth::Token> token;
+  // A replica silent this long with shipments outstanding is dropped (and reconnected).
+  std::chrono::milliseconds io_timeout{5000};
+  std::uint64_t max_request_bytes = 256ull << 20;
+};
+
+// Ships the state of each key an init or push applied here (its record: update count, value,
+// optimizer state, read under the stripe lock) to every live replica, and resumes the request's
+// reply once they all hold it. Replicas keep the latest record of each key (Store::put_if_newer),
+// so records may cross and repeat and every replica still ends with this server's very bytes.
+//
+// A replica is live from the moment it (re)connects: a keeper thread per replica connects, marks
+// the replica syncing, sends every key (a full transfer, concurrent with the shipments), and
+// marks it synced. A replica whose connection fails is dropped (the acknowledgements go on
+// without it: a dead replica no longer counts) and its keeper reconnects. One not yet reached
+// since this server started is waited for (up to the io timeout): servers of a job start one by
+// one, and acknowledging before the replica has the keys would promise what it cannot keep.
+//
+// Thread-safety: ship() and stats() from any thread; stop() once, from the server's stop.
+class TcpReplicator final : public Replicator {
+ public:
+  TcpReplicator(ShardEngine& engine, const ReplicatorOptions& options);
+  ~TcpReplicator() override;
+  TcpReplicator(const TcpReplicator&) = delete;
+  TcpReplicator& operator=(const TcpReplicator&) = delete;
+
+  void ship(std::span<const KeyEntry> keys, std::unique_ptr<Parked> reply) override;
+  JsonObject stats() const override;
+  // Waits (up to the io timeout) for the acknowledgements of what was shipped, resumes every
+  // waiting reply, and stops the threads. Call after the listener drained, before it closes.
+  void stop() noexcept;
+
+ private:
+  // pending: not reached since this server started; what is shipped meanwhile waits until it is
+  // synced (its full transfer carries those keys), or until it has stayed unreachable past the
+  // io timeout and is declared down.
+  enum class State : int { down = 0, syncing = 1, synced = 2, pending = 3 };
+  struct Replica {
+    ReplicaPeer peer;
+    mutable std::mutex mu;
+    std::shared_ptr<transport::Connection> conn;  // null while down
+    std::atomic<int> state{static_cast<int>(State::pending)};
+    std::atomic<std::uint64_t> shipped_bytes{0}, transfers{0}, failures{0};
+    std::thread keeper;
+  };
+  // One request's records, in flight to every live replica.
+  struct Shipment {
+    std::vector<KeyEntry> keys;  // record lengths
+    std::vector<float> records;
+    std::vector<transport::KeySlice> slices;
+    struct Leg {
+      Replica* replica;
+      std::shared_ptr<transport::Connection> conn;  // null: wait for the pending replica's sync
+      std::vector<transport::Request> requests;
+      transport::Completion done;
+    };
+    std::deque<Leg> legs;
+    std::unique_ptr<Parked> reply;
+  };
+  // Snapshots `keys` (value lengths) of the own store into s->records and s->slices, cut into
+  // requests under the size limit; returns the requests' key ranges.
+  std::vector<std::pair<std::size_t, std::size_t>> snapshot(std::span<const KeyEntry> keys, Shipment* s);
+  // Submits every request of `leg`; false if the connection refused them at once.
+  bool submit(Shipment& s, Shipment::Leg& leg, const std::vector<std::pair<std::size_t, std::size_t>>& ranges,
+              std::uint32_t arg1);
+  void drop(Replica& r, const std::string& why);
+  void keeper(Replica& r);
+  bool full_transfer(Replica& r, const std::shared_ptr<transport::Connection>& conn);
+  void acker();
+
+  ShardEngine& engine_;
+  ReplicatorOptions options_;
+  std::vector<std::unique_ptr<Replica>> replicas_;
+  std::mutex queue_mu_;
+  std::condition_variable queue_cv_;
+  std::deque<std::unique_ptr<Shipment>> queue_;  // in shipping order
+  std::atomic<bool> stopping_{false};
+  bool stopped_ = false;
+  std::thread acker_;
+};
+
+// A restarted server (--rejoin) takes its keys back from the first replica that holds all of
+// them (synced), before it serves anyone. Throws Error naming the replicas tried when none does.
+struct RejoinReport {
+  std::uint32_t from = 0;
+  std::uint64_t keys = 0, bytes = 0;
+  double milliseconds = 0;
+};
+RejoinReport rejoin_from_replicas(ShardEngine& engine, const ReplicatorOptions& options,
+                                  std::chrono::milliseconds patience);
+
+}  // namespace pskv

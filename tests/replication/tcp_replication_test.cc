@@ -1,0 +1,274 @@
+// Replication over tcp (--replicas R --peers ...): every replica ends with its origin's very bytes
+// (values, optimizer state, update counts), and a server SIGKILLed at a random instant under load
+// comes back with --rejoin holding every push it acknowledged: nothing lost, nothing applied twice.
+#include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <random>
+#include <thread>
+
+#include "pskv/client.h"
+#include "support/process.h"
+#include "support/stats.h"
+#include "transport/transport.h"
+#include "transport/uri.h"
+
+namespace pskv {
+namespace {
+
+using testing::fork_worker;
+using testing::ServerProcess;
+using testing::wait_pid;
+
+int trials() {
+  const char* v = std::getenv("PSKV_FAULT_TRIALS");
+  return v ? std::max(1, std::atoi(v)) : 20;
+}
+
+template <class T>
+T* shared(std::size_t n) {
+  void* p = mmap(nullptr, sizeof(T) * n, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  return new (p) T[n]();
+}
+
+// A ring of `n` tcp servers on fixed ports, so that a restarted one comes back at its address.
+class Ring {
+ public:
+  // `salt` keeps rings of different trials on different ports: a port just closed may linger.
+  Ring(int n, std::uint32_t replicas, std::vector<std::string> extra, int salt)
+      : replicas_(replicas), extra_(std::move(extra)) {
+    for (int s = 0; s < n; ++s)
+      uris_.push_back("tcp://127.0.0.1:" + std::to_string(20000 + (getpid() * 13 + s * 101 + salt * 331) % 40000));
+    for (int s = 0; s < n; ++s) servers_.push_back(start(s, false));
+  }
+  ServerProcess start(int s, bool rejoin) {
+    std::string peers;
+    for (const auto& u : uris_) {
+      if (!peers.empty()) peers += ',';
+      peers += u;
+    }
+    std::vector<std::string> args = {"--uri",      uris_[std::size_t(s)],     "--server-id", std::to_string(s),
+                                     "--replicas", std::to_string(replicas_), "--peers",     peers};
+    args.insert(args.end(), extra_.begin(), extra_.end());
+    if (rejoin) args.push_back("--rejoin");
+    return ServerProcess::start(args);
+  }
+  void kill(int s) {
+    servers_[std::size_t(s)].process.signal(SIGKILL);
+    servers_[std::size_t(s)].process.wait();
+  }
+  void restart(int s) { servers_[std::size_t(s)] = start(s, true); }
+  const std::vector<std::string>& uris() const { return uris_; }
+  int size() const { return static_cast<int>(uris_.size()); }
+
+ private:
+  std::uint32_t replicas_;
+  std::vector<std::string> extra_, uris_;
+  std::vector<ServerProcess> servers_;
+};
+
+// The records (update count, value, state) of `keys` as server `at` holds them for `origin`.
+std::vector<float> records(const std::string& uri, std::uint32_t origin, const std::vector<Key>& keys,
+                           std::uint32_t record_floats) {
+  transport::ConnectOptions c;
+  auto conn = transport::connect(parse_uri(uri), c);
+  std::vector<float> out(keys.size() * record_floats);
+  std::vector<transport::KeySlice> slices;
+  for (std::size_t i = 0; i < keys.size(); ++i)
+    slices.push_back({keys[i], record_floats, out.data() + i * record_floats});
+  transport::Completion done;
+  done.reset(1);
+  transport::Request q;
+  q.op = wire::Op::replica_pull;
+  q.arg0 = origin;
+  q.keys = slices;
+  q.completion = &done;
+  conn->submit(q);
+  EXPECT_TRUE(done.wait(std::chrono::steady_clock::now() + std::chrono::seconds(20)));
+  EXPECT_EQ(done.status(), Errc::ok) << done.message();
+  return out;
+}
+
+// Waits until every server reports each of its replicas synced.
+void wait_synced(const Ring& ring, std::uint32_t replicas) {
+  ClientOptions o;
+  o.servers = ring.uris();
+  Client c(o);
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  for (int s = 0; s < ring.size(); ++s)
+    for (std::uint32_t j = 1; j < replicas; ++j) {
+      const std::string field = "\"replica_" + std::to_string((s + int(j)) % ring.size()) + "_state\":\"synced\"";
+      while (c.server_stats(std::size_t(s)).find(field) == std::string::npos) {
+        ASSERT_LT(std::chrono::steady_clock::now(), give_up)
+            << "server " << s << ": " << c.server_stats(std::size_t(s));
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+    }
+}
+
+// Every key of every server, read from the server and from each of its replicas, byte for byte.
+void expect_replicas_equal(const Ring& ring, std::uint32_t replicas, std::uint32_t length,
+                           std::uint32_t state_per_value) {
+  const std::uint32_t record = 2 + length * (1 + state_per_value);
+  const auto n = static_cast<std::uint32_t>(ring.size());
+  // Placement is the client's: each server says which keys it holds through its own index.
+  for (std::uint32_t s = 0; s < n; ++s) {
+    transport::ConnectOptions c;
+    auto conn = transport::connect(parse_uri(ring.uris()[s]), c);
+    std::string index;
+    transport::Completion done;
+    done.reset(1);
+    transport::Request q;
+    q.op = wire::Op::replica_index;
+    q.arg0 = s;
+    q.completion = &done;
+    q.text_out = &index;
+    conn->submit(q);
+    ASSERT_TRUE(done.wait(std::chrono::steady_clock::now() + std::chrono::seconds(20)));
+    ASSERT_EQ(done.status(), Errc::ok) << done.message();
+    wire::ReplicaIndexHeader head{};
+    std::memcpy(&head, index.data(), sizeof head);
+    std::vector<Key> held;
+    for (std::uint64_t i = 0; i < head.keys; ++i) {
+      wire::ReplicaIndexEntry e{};
+      std::memcpy(&e, index.data() + sizeof head + i * sizeof e, sizeof e);
+      held.push_back(e.key);
+    }
+    ASSERT_FALSE(held.empty()) << "server " << s << " holds no key";
+    const std::vector<float> own = records(ring.uris()[s], s, held, record);
+    for (std::uint32_t j = 1; j < replicas; ++j) {
+      const std::vector<float> copy = records(ring.uris()[(s + j) % n], s, held, record);
+      ASSERT_EQ(own.size(), copy.size());
+      EXPECT_EQ(std::memcmp(own.data(), copy.data(), own.size() * sizeof(float)), 0)
+          << "server " << (s + j) % n << "'s replica of server " << s << " differs from it";
+    }
+  }
+}
+
+TEST(TcpReplication, ReplicasHoldTheOriginsVeryBytes) {
+  constexpr std::uint32_t kReplicas = 3;
+  Ring ring(3, kReplicas, {"--rule", "adam", "--lr", "0.01"}, 1);
+  ClientOptions o;
+  o.servers = ring.uris();
+  Client c(o);
+  constexpr Key kKeys = 60;
+  constexpr std::uint32_t kLen = 100;
+  std::mt19937 rng(5);
+  std::normal_distribution<float> g;
+  std::vector<float> v(kLen);
+  for (Key k = 0; k < kKeys; ++k) {
+    for (float& x : v) x = g(rng);
+    c.wait(c.init(k, v));
+  }
+  for (int step = 0; step < 20; ++step)
+    for (Key k = 0; k < kKeys; ++k) {
+      for (float& x : v) x = g(rng);
+      c.wait(c.push(k, v));
+    }
+  wait_synced(ring, kReplicas);
+  expect_replicas_equal(ring, kReplicas, kLen, 2);
+}
+
+class TcpReplicationFault : public ::testing::TestWithParam<std::uint32_t> {};
+
+// Three workers push +1 to 12 keys over 3 servers (every push touches every server) and
+// reconnect whenever a server fails them. One server (two with R=3) is SIGKILLed at a random
+// instant and restarted with --rejoin. Each key must hold at least every acknowledged push and at
+// most those plus one per failed push; once all is synced, every replica equals its origin.
+TEST_P(TcpReplicationFault, KilledServersRejoinAndLoseNoAcknowledgedPush) {
+  const std::uint32_t replicas = GetParam();
+  std::mt19937 rng(replicas * 31);
+  constexpr int kWorkers = 3;
+  constexpr Key kKeys = 12;
+  constexpr std::size_t kLen = 4096;
+  const int n = std::max(2, trials() / 2);
+  for (int trial = 0; trial < n; ++trial) {
+    Ring ring(3, replicas, {"--rule", "add", "--frame-timeout-ms", "2000"}, 2 + trial * 4 + int(replicas));
+    ClientOptions o;
+    o.servers = ring.uris();
+    o.io_timeout = std::chrono::seconds(5);
+    o.connect_timeout = std::chrono::seconds(2);
+    std::vector<Key> keys(kKeys);
+    for (Key k = 0; k < kKeys; ++k) keys[k] = k;
+    {
+      Client admin(o);
+      const std::vector<float> zeros(kLen, 0.0f);
+      for (Key k = 0; k < kKeys; ++k) admin.wait(admin.init(k, zeros));
+    }
+    auto* counts = shared<std::atomic<std::uint64_t>>(2 * kWorkers);  // acknowledged, failed after sending
+    auto* stop = shared<std::atomic<int>>(1);
+    std::vector<pid_t> pids;
+    for (int w = 0; w < kWorkers; ++w)
+      pids.push_back(fork_worker([&, w] {
+        const std::vector<float> one(kLen, 1.0f);
+        const std::vector<std::span<const float>> values(kKeys, std::span<const float>(one));
+        std::unique_ptr<Client> c;
+        auto reconnect_by = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+        while (stop->load() == 0) {
+          bool sent = false;
+          try {
+            if (!c) {
+              c = std::make_unique<Client>(o);
+              reconnect_by = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+            }
+            sent = true;
+            c->wait(c->push(keys, values));
+            counts[2 * w].fetch_add(1);
+          } catch (const Error& e) {
+            if (sent) counts[2 * w + 1].fetch_add(1);
+            if (c) c->disconnect();
+            c.reset();
+            if (std::chrono::steady_clock::now() > reconnect_by) {
+              std::fprintf(stderr, "worker %d: no way back within 60 s: %s\n", w, e.what());
+              return 1;
+            }
+            std::this_thread::sleep_for(std::chrono::milliseconds(5));
+          }
+        }
+        return 0;
+      }));
+    std::this_thread::sleep_for(std::chrono::milliseconds(100 + rng() % 300));
+    const int first = static_cast<int>(rng() % 3);
+    std::vector<int> victims = {first};
+    if (replicas == 3 && trial % 2 == 1) victims.push_back((first + 1 + int(rng() % 2)) % 3);
+    for (int v : victims) ring.kill(v);
+    std::this_thread::sleep_for(std::chrono::milliseconds(rng() % 200));
+    for (int v : victims) ring.restart(v);
+    std::this_thread::sleep_for(std::chrono::milliseconds(200 + rng() % 200));
+    stop->store(1);
+    for (pid_t p : pids) ASSERT_EQ(wait_pid(p, std::chrono::seconds(120)), 0) << "a worker failed, trial " << trial;
+
+    std::uint64_t acked = 0, failed = 0;
+    for (int w = 0; w < kWorkers; ++w) {
+      acked += counts[2 * w].load();
+      failed += counts[2 * w + 1].load();
+    }
+    Client check(o);
+    std::vector<float> out(kLen);
+    for (Key k = 0; k < kKeys; ++k) {
+      check.wait(check.pull(k, out));
+      for (float x : out) ASSERT_EQ(x, out[0]) << "key " << k << " is torn, trial " << trial;
+      EXPECT_GE(out[0], float(acked)) << "key " << k << " lost acknowledged pushes, trial " << trial << " (killed "
+                                      << victims.size() << ")";
+      EXPECT_LE(out[0], float(acked + failed)) << "key " << k << " holds a push applied twice, trial " << trial;
+    }
+    wait_synced(ring, replicas);
+    expect_replicas_equal(ring, replicas, kLen, 0);
+    munmap(counts, 2 * kWorkers * sizeof(std::atomic<std::uint64_t>));
+    munmap(stop, sizeof(std::atomic<int>));
+  }
+}
+
+std::string replicas_name(const ::testing::TestParamInfo<std::uint32_t>& info) {
+  std::string name = "R";
+  name += static_cast<char>('0' + info.param);
+  return name;
+}
+INSTANTIATE_TEST_SUITE_P(Replicas, TcpReplicationFault, ::testing::Values(2u, 3u), replicas_name);
+
+}  // namespace
+}  // namespace pskv
