@@ -687,6 +687,20 @@ std::string human(double bytes) {
 
 }  // namespace
 
+// A loopback port nobody holds right now (bound to port 0 and released): replicas must know each
+// other's addresses before they start. Good enough on one node, which is all the bench starts.
+int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+  socklen_t len = sizeof a;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
 int main(int argc, char** argv) {
   CLI::App app{
       "pskv-bench: push/pull bandwidth and latency per transport, as ratios to the machine's own limits "
@@ -713,6 +727,11 @@ int main(int argc, char** argv) {
   app.add_option("--clients", clients_text, "Client counts to sweep")->capture_default_str();
   app.add_option("--ops", ops_text, "Operations to measure: push, pull")->capture_default_str();
   app.add_option("--servers", servers, "Servers to start (ignored with --server)")->capture_default_str();
+  std::uint32_t replicas = 1;
+  app.add_option("--replicas", replicas,
+                 "tcp servers it starts: each key held by this many of them (as pskv-server --replicas)")
+      ->check(CLI::Range(1, 16))
+      ->capture_default_str();
   app.add_option("--server", targets, "Target existing servers instead of starting them (repeat per server)");
   app.add_option("--auth-token-file", g_client_defaults.auth_token_file,
                  "Token file for --server targets that demand authentication")
@@ -776,6 +795,14 @@ int main(int argc, char** argv) {
   RawPeers peers;
   peers.start();
   std::vector<pid_t> server_pids;
+  if (replicas > 1 && (transport != "tcp" || replicas > static_cast<std::uint32_t>(servers) || !targets.empty())) {
+    std::fprintf(stderr, "pskv-bench: --replicas needs --transport tcp, servers it starts, and --servers >= it\n");
+    return 2;
+  }
+  // Replicas connect to each other, so every server's address is fixed before any starts.
+  std::vector<std::string> ring;
+  if (replicas > 1)
+    for (int s = 0; s < servers; ++s) ring.push_back("tcp://127.0.0.1:" + std::to_string(free_port()));
   if (targets.empty()) {
     const std::size_t biggest = *std::max_element(sizes.begin(), sizes.end());
     const int max_clients = *std::max_element(client_counts.begin(), client_counts.end());
@@ -792,6 +819,11 @@ int main(int argc, char** argv) {
                  : transport == "tcp" ? "tcp://127.0.0.1:0?push=" + tcp_push
                                       : transport + "://127.0.0.1:0";
         so.server_id = static_cast<std::uint32_t>(s);
+        if (replicas > 1) {
+          so.uri = ring[static_cast<std::size_t>(s)] + "?push=" + tcp_push;
+          so.replicas = replicas;
+          so.peers = ring;
+        }
         if (workload == "steps") {
           so.num_workers = static_cast<std::uint32_t>(workers);
           so.mode = *pskv::parse_consistency_mode(mode);
@@ -941,6 +973,7 @@ int main(int argc, char** argv) {
                        .add("sync_required", sync_required)
                        .add("workers", workers)
                        .add("servers", targets.size())
+                       .add("replicas", replicas)
                        .add("value_bytes", size)
                        .add("straggler_us", straggler_us)
                        .add("steps_per_s", r.steps_per_s, 1)
@@ -978,6 +1011,7 @@ int main(int argc, char** argv) {
                            .add("table_keys", table_keys)
                            .add("clients", clients)
                            .add("servers", targets.size())
+                           .add("replicas", replicas)
                            .add("ops", p.batches)
                            .add("keys_per_s", p.keys_per_s, 0)
                            .add("bytes_per_s", p.bytes_per_s, 0)
@@ -1023,6 +1057,7 @@ int main(int argc, char** argv) {
               .add("value_bytes", size)
               .add("clients", clients)
               .add("servers", targets.size())
+              .add("replicas", replicas)
               .add("depth", depth)
               .add("chunk_floats", g_client_defaults.chunk_floats)
               .add("ops", p.ops)

@@ -54,6 +54,9 @@ ShardEngine::ShardEngine(const EngineOptions& options, std::unique_ptr<MemoryRes
                                             " needs the number of workers (--workers N)");
   }
   spv_ = state_floats_per_value(options.store.rule.rule);
+  epoch_ = static_cast<std::uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch())
+          .count());
   for (std::uint32_t origin : options.replica_of) {
     auto r = std::make_unique<Replica>();
     r->origin = origin;
@@ -414,24 +417,23 @@ ShardEngine::Replica* ShardEngine::replica(std::uint32_t origin, std::string* wh
   return nullptr;
 }
 
-Errc ShardEngine::put_records(Store& store, std::span<const KeyEntry> keys, const float* records, bool newer_only,
-                              std::string* why) {
+Errc ShardEngine::put_records(Store& store, std::span<const KeyEntry> keys, const float* records, std::string* why) {
   // Every record's length is checked before any is written.
+  constexpr std::uint32_t h = kRecordHeaderFloats;
   for (const KeyEntry& k : keys)
-    if (k.length <= 2 || (k.length - 2) % (1 + spv_) != 0) {
+    if (k.length <= h || (k.length - h) % (1 + spv_) != 0) {
       if (why)
-        *why = "key " + std::to_string(k.key) + ": a record of " + std::to_string(k.length) +
-               " floats is not 2 + length x " + std::to_string(1 + spv_) + " (are the servers' --rule the same?)";
+        *why = "key " + std::to_string(k.key) + ": a record of " + std::to_string(k.length) + " floats is not " +
+               std::to_string(h) + " + length x " + std::to_string(1 + spv_) + " (are the servers' --rule the same?)";
       return Errc::protocol;
     }
   for (const KeyEntry& k : keys) {
-    std::uint64_t count = 0;
-    std::memcpy(&count, records, sizeof count);
-    const std::uint32_t length = (k.length - 2) / (1 + spv_);
-    const std::span<const float> value(records + 2, length);
-    const std::span<const float> state(records + 2 + length, std::size_t{length} * spv_);
-    const Errc e =
-        newer_only ? store.put_if_newer(k.key, value, state, count) : store.restore_slot(k.key, value, state, count);
+    std::uint64_t head[3];  // epoch, seq, update count
+    std::memcpy(head, records, sizeof head);
+    const std::uint32_t length = (k.length - h) / (1 + spv_);
+    const std::span<const float> value(records + h, length);
+    const std::span<const float> state(records + h + length, std::size_t{length} * spv_);
+    const Errc e = store.put_if_newer(k.key, value, state, head[2], head[0], head[1]);
     if (e != Errc::ok) {
       if (why) *why = key_error(e, k.key, length, store);
       return e;
@@ -445,7 +447,7 @@ Errc ShardEngine::apply_replica(std::uint32_t origin, std::span<const KeyEntry> 
                                 std::string* why) {
   Replica* r = replica(origin, why);
   if (!r) return Errc::invalid_argument;
-  return put_records(*r->store, keys, records, true, why);
+  return put_records(*r->store, keys, records, why);
 }
 
 Errc ShardEngine::mark_replica(std::uint32_t origin, ReplicaMark mark, std::string* why) {
@@ -456,7 +458,7 @@ Errc ShardEngine::mark_replica(std::uint32_t origin, ReplicaMark mark, std::stri
 }
 
 Errc ShardEngine::restore_records(std::span<const KeyEntry> keys, const float* records, std::string* why) {
-  return put_records(*store_, keys, records, false, why);
+  return put_records(*store_, keys, records, why);
 }
 
 Errc ShardEngine::read_records(std::uint32_t origin, std::span<const KeyEntry> keys, float* out, std::string* why) {
@@ -480,11 +482,17 @@ Errc ShardEngine::read_records(std::uint32_t origin, std::span<const KeyEntry> k
     }
     slots[i] = slot;
   }
+  const bool own = store == store_.get();
   for (std::size_t i = 0; i < keys.size(); ++i) {
-    const std::uint32_t length = (keys[i].length - 2) / (1 + spv_);
-    std::uint64_t count = 0;
-    store->snapshot_slot(*slots[i], out + 2, out + 2 + length, &count);
-    std::memcpy(out, &count, sizeof count);
+    constexpr std::uint32_t h = kRecordHeaderFloats;
+    const std::uint32_t length = (keys[i].length - h) / (1 + spv_);
+    std::uint64_t head[3] = {epoch_, 0, 0}, origin[2] = {0, 0};  // epoch, seq, update count
+    store->snapshot_slot(*slots[i], out + h, out + h + length, &head[2], &head[1], origin);
+    if (!own) {
+      head[0] = origin[0];
+      head[1] = origin[1];
+    }
+    std::memcpy(out, head, sizeof head);
     out += keys[i].length;
   }
   return Errc::ok;

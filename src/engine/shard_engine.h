@@ -125,9 +125,13 @@ class ShardEngine {
   // Completes when all live workers reached generation `generation`.
   void barrier(std::uint32_t worker, std::uint64_t generation, std::unique_ptr<Parked> op);
 
-  // Replication. A key's record is [update count as 2 floats | value | optimizer state]:
-  // record_floats(length) floats.
-  std::uint64_t record_floats(std::uint32_t length) const noexcept { return 2 + std::uint64_t{length} * (1 + spv_); }
+  // Replication. A key's record is [its version: the origin's epoch and seqlock version | update
+  // count | value | optimizer state], the three words as 2 floats each: record_floats(length)
+  // floats. The epoch is the origin's start time (ns), so a restarted origin's records are newer.
+  static constexpr std::uint32_t kRecordHeaderFloats = 6;
+  std::uint64_t record_floats(std::uint32_t length) const noexcept {
+    return kRecordHeaderFloats + std::uint64_t{length} * (1 + spv_);
+  }
   // This server's replica of `origin` (one of options().replica_of) takes the records.
   Errc apply_replica(std::uint32_t origin, std::span<const KeyEntry> keys, const float* records, std::string* why);
   Errc mark_replica(std::uint32_t origin, ReplicaMark mark, std::string* why);
@@ -138,7 +142,8 @@ class ShardEngine {
   // and whether that replica is synced (the own store always is).
   Errc replica_keys(std::uint32_t origin, std::vector<std::pair<Key, std::uint32_t>>* keys, bool* synced,
                     std::string* why);
-  // The own store takes the records (a rejoining server restoring its keys from a replica).
+  // The own store takes the records where they are newer than what it holds (a rejoining server
+  // restoring its keys from its replicas).
   Errc restore_records(std::span<const KeyEntry> keys, const float* records, std::string* why);
   void set_replicator(Replicator* replicator) noexcept { replicator_ = replicator; }
   Replicator* replicator() const noexcept { return replicator_; }
@@ -175,7 +180,8 @@ class ShardEngine {
   std::vector<std::byte> clock_storage_;
   std::unique_ptr<ClockTable> clocks_;
   std::unique_ptr<SyncAccumulator> sync_;
-  std::uint32_t spv_ = 0;  // optimizer-state floats per value float
+  std::uint32_t spv_ = 0;    // optimizer-state floats per value float
+  std::uint64_t epoch_ = 0;  // this server's start (system clock, ns): the version of its records
   struct Replica {
     std::uint32_t origin;
     std::unique_ptr<Store> store;
@@ -184,9 +190,8 @@ class ShardEngine {
   std::vector<std::unique_ptr<Replica>> replicas_;
   Replicator* replicator_ = nullptr;
   Replica* replica(std::uint32_t origin, std::string* why) const;
-  // Writes records into `store` (put_if_newer, or restore_slot for the own store).
-  Errc put_records(Store& store, std::span<const KeyEntry> keys, const float* records, bool newer_only,
-                   std::string* why);
+  // Writes the records into `store` where they are newer (Store::put_if_newer).
+  Errc put_records(Store& store, std::span<const KeyEntry> keys, const float* records, std::string* why);
 
   mutable std::mutex mu_;
   std::condition_variable cv_;

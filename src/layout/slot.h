@@ -28,7 +28,10 @@ struct alignas(64) SlotHeader {
   // slot pointer that reached the server some other way. It lies in memory others may write,
   // so it is believed only when that record names this very slot.
   std::uint64_t record_hint;
-  std::uint64_t reserved[2];
+  // In a replica's store (server heap only, never shared): the version of its origin's record
+  // that the slot holds, compared by Store::put_if_newer. Zero elsewhere.
+  std::uint64_t origin_epoch;
+  std::uint64_t origin_seq;
 
   float* values() noexcept { return reinterpret_cast<float*>(this + 1); }
   const float* values() const noexcept { return reinterpret_cast<const float*>(this + 1); }

@@ -19,15 +19,18 @@ std::shared_ptr<transport::Connection> connect_to(const ReplicaPeer& peer, const
   transport::ConnectOptions c;
   c.connect_timeout = connect_timeout;
   c.io_timeout = o.io_timeout;
-  c.max_in_flight = 64;
+  c.max_in_flight = 1024;  // a full window blocks the io thread shipping into it (docs: "Replication")
   c.limits.max_payload_bytes = o.max_request_bytes;
   c.token = o.token;
   return std::shared_ptr<transport::Connection>(transport::connect(parse_uri(peer.uri), c));
 }
 
-// Waits for `c` however long its connection takes: the connection's io timeout bounds it.
-void wait_done(transport::Completion& c) {
-  while (!c.wait(std::chrono::steady_clock::now() + std::chrono::seconds(1))) {
+// Waits for `c` however long its connection takes: the connection's io timeout bounds it. The
+// waiting thread reads the answer itself through the connection's poller (otherwise the tcp
+// connection's own reader picks it up only after 2 ms).
+void wait_done(transport::Completion& c, transport::Connection* conn) {
+  transport::Poller* poller = conn ? conn->poller() : nullptr;
+  while (!c.wait(std::chrono::steady_clock::now() + std::chrono::seconds(1), poller)) {
   }
 }
 
@@ -73,12 +76,16 @@ std::vector<std::pair<std::size_t, std::size_t>> TcpReplicator::snapshot(std::sp
     s->keys[i] = {keys[i].key, static_cast<std::uint32_t>(engine_.record_floats(keys[i].length)), 0};
     floats += s->keys[i].length;
   }
-  s->records.resize(floats);
+  if (s->capacity < floats) {
+    s->records.reset(new float[floats]);  // uninitialised: read_records writes every float
+    s->capacity = floats;
+  }
+  s->record_floats = floats;
   std::string why;
-  if (engine_.read_records(options_.server_id, s->keys, s->records.data(), &why) != Errc::ok)
+  if (engine_.read_records(options_.server_id, s->keys, s->records.get(), &why) != Errc::ok)
     throw Error(Errc::protocol, "reading the records to replicate: " + why);
   s->slices.resize(keys.size());
-  float* at = s->records.data();
+  float* at = s->records.get();
   for (std::size_t i = 0; i < keys.size(); ++i) {
     s->slices[i] = {s->keys[i].key, s->keys[i].length, at};
     at += s->keys[i].length;
@@ -109,17 +116,40 @@ bool TcpReplicator::submit(Shipment& s, Shipment::Leg& leg,
   return true;
 }
 
+std::unique_ptr<TcpReplicator::Shipment> TcpReplicator::take_shipment() {
+  {
+    std::lock_guard lock(pool_mu_);
+    if (!pool_.empty()) {
+      auto s = std::move(pool_.back());
+      pool_.pop_back();
+      return s;
+    }
+  }
+  return std::make_unique<Shipment>();
+}
+
+void TcpReplicator::give_back(std::unique_ptr<Shipment> s) {
+  constexpr std::size_t kPooled = 8;
+  constexpr std::uint64_t kPooledFloats = 16ull << 20;  // 64 MiB: larger buffers go back to the system
+  s->legs.clear();
+  s->reply.reset();
+  if (s->capacity > kPooledFloats) return;
+  std::lock_guard lock(pool_mu_);
+  if (pool_.size() < kPooled) pool_.push_back(std::move(s));
+}
+
 void TcpReplicator::ship(std::span<const KeyEntry> keys, std::unique_ptr<Parked> reply) {
-  auto s = std::make_unique<Shipment>();
+  auto s = take_shipment();
   s->reply = std::move(reply);
   std::vector<std::pair<std::size_t, std::size_t>> ranges;
   try {
     ranges = snapshot(keys, s.get());
   } catch (const Error& e) {
     s->reply->resume(Errc::protocol, std::string("applied here, but not replicated: ") + e.what());
+    give_back(std::move(s));
     return;
   }
-  std::uint64_t bytes = s->records.size() * sizeof(float);
+  const std::uint64_t bytes = s->record_floats * sizeof(float);
   for (auto& r : replicas_) {
     std::shared_ptr<transport::Connection> conn;
     int state;
@@ -138,6 +168,7 @@ void TcpReplicator::ship(std::span<const KeyEntry> keys, std::unique_ptr<Parked>
   }
   if (s->legs.empty()) {
     s->reply->resume(Errc::ok, {});
+    give_back(std::move(s));
     return;
   }
   {
@@ -147,9 +178,10 @@ void TcpReplicator::ship(std::span<const KeyEntry> keys, std::unique_ptr<Parked>
   queue_cv_.notify_one();
 }
 
-void TcpReplicator::drop(Replica& r, const std::string& why) {
+void TcpReplicator::drop(Replica& r, const transport::Connection* conn, const std::string& why) {
   std::lock_guard lock(r.mu);
-  if (r.state.load() == static_cast<int>(State::down)) return;
+  // A late failure of a connection already replaced says nothing about the current one.
+  if (r.state.load() == static_cast<int>(State::down) || (conn && r.conn.get() != conn)) return;
   r.state.store(static_cast<int>(State::down), std::memory_order_release);
   r.conn.reset();
   r.failures.fetch_add(1, std::memory_order_relaxed);
@@ -179,11 +211,20 @@ void TcpReplicator::acker() {
           std::this_thread::sleep_for(std::chrono::milliseconds(1));
         continue;
       }
-      wait_done(leg.done);
-      if (leg.done.status() != Errc::ok) drop(*leg.replica, leg.done.message());
+      wait_done(leg.done, leg.conn.get());
+      if (leg.done.status() != Errc::ok) drop(*leg.replica, leg.conn.get(), leg.done.message());
     }
-    // Every live replica holds the keys; one that failed is no longer live.
-    s->reply->resume(Errc::ok, {});
+    // Every live replica holds the keys; one that failed is no longer live. (A stop cut short
+    // the wait for a pending one: not acknowledged.)
+    bool cut_short = false;
+    for (const Shipment::Leg& leg : s->legs)
+      cut_short |= !leg.conn && leg.replica->state.load() != static_cast<int>(State::synced) &&
+                   leg.replica->state.load() != static_cast<int>(State::down);
+    if (cut_short)
+      s->reply->resume(Errc::peer_failure, "the server stopped before its replicas held this update");
+    else
+      s->reply->resume(Errc::ok, {});
+    give_back(std::move(s));
   }
 }
 
@@ -194,11 +235,11 @@ bool TcpReplicator::full_transfer(Replica& r, const std::shared_ptr<transport::C
     leg.replica = &r;
     leg.conn = conn;
     submit(s, leg, {}, arg1);
-    wait_done(leg.done);
+    wait_done(leg.done, leg.conn.get());
     return leg.done.status() == Errc::ok ? std::string() : leg.done.message();
   };
   if (std::string why = mark(wire::kReplicaSyncing); !why.empty()) {
-    drop(r, why);
+    drop(r, conn.get(), why);
     return false;
   }
   std::vector<std::pair<Key, std::uint32_t>> keys;
@@ -221,15 +262,15 @@ bool TcpReplicator::full_transfer(Replica& r, const std::shared_ptr<transport::C
     leg.replica = &r;
     leg.conn = conn;
     submit(s, leg, ranges, 0);
-    wait_done(leg.done);
+    wait_done(leg.done, leg.conn.get());
     if (leg.done.status() != Errc::ok) {
-      drop(r, leg.done.message());
+      drop(r, conn.get(), leg.done.message());
       return false;
     }
   }
   if (stopping_.load()) return false;
   if (std::string err = mark(wire::kReplicaSynced); !err.empty()) {
-    drop(r, err);
+    drop(r, conn.get(), err);
     return false;
   }
   r.transfers.fetch_add(1, std::memory_order_relaxed);
@@ -273,7 +314,16 @@ void TcpReplicator::keeper(Replica& r) {
       r.state.store(static_cast<int>(State::syncing), std::memory_order_release);
     }
     // A shipment that found it pending now waits for the transfer to be synced or fail (down).
-    if (!full_transfer(r, conn)) continue;
+    bool synced = false;
+    try {
+      synced = full_transfer(r, conn);
+    } catch (const std::exception& e) {
+      drop(r, conn.get(), std::string("full transfer failed: ") + e.what());
+    }
+    if (!synced) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));  // no tight loop on a replica that refuses
+      continue;
+    }
     int syncing = static_cast<int>(State::syncing);
     if (r.state.compare_exchange_strong(syncing, static_cast<int>(State::synced)))
       log::info("replication", "server " + std::to_string(options_.server_id) + ": replica server " +
@@ -311,83 +361,96 @@ JsonObject TcpReplicator::stats() const {
   return j;
 }
 
+namespace {
+// Takes every record of `peer`'s replica of this server into the engine's store (newest wins).
+// Throws Error when the replica cannot be read or is not synced.
+void take_replica(ShardEngine& engine, const ReplicaPeer& peer, const ReplicatorOptions& options,
+                  RejoinReport* report) {
+  auto conn = connect_to(peer, options, std::chrono::milliseconds(1000));
+  std::string index;
+  transport::Completion done;
+  done.reset(1);
+  transport::Request q;
+  q.op = wire::Op::replica_index;
+  q.arg0 = options.server_id;
+  q.completion = &done;
+  q.text_out = &index;
+  conn->submit(q);
+  wait_done(done, conn.get());
+  if (done.status() != Errc::ok) throw Error(done.status(), done.message());
+  wire::ReplicaIndexHeader head{};
+  if (index.size() < sizeof head) throw Error(Errc::protocol, "a short replica index");
+  std::memcpy(&head, index.data(), sizeof head);
+  if ((index.size() - sizeof head) % sizeof(wire::ReplicaIndexEntry) != 0 ||
+      head.keys != (index.size() - sizeof head) / sizeof(wire::ReplicaIndexEntry))
+    throw Error(Errc::protocol, "a replica index whose size does not match its key count");
+  if (!head.synced) throw Error(Errc::peer_failure, "its replica is not synced (it never received all keys)");
+  std::vector<KeyEntry> keys(head.keys);
+  for (std::size_t i = 0; i < keys.size(); ++i) {
+    wire::ReplicaIndexEntry e{};
+    std::memcpy(&e, index.data() + sizeof head + i * sizeof e, sizeof e);
+    const std::uint64_t floats = e.length ? engine.record_floats(static_cast<std::uint32_t>(e.length)) : 0;
+    if (e.length == 0 || e.length > UINT32_MAX || floats * sizeof(float) > options.max_request_bytes)
+      throw Error(Errc::protocol, "key " + std::to_string(e.key) + " has an impossible length");
+    keys[i] = {e.key, static_cast<std::uint32_t>(floats), 0};
+  }
+  std::vector<float> records;
+  std::vector<transport::KeySlice> slices;
+  std::string why;
+  for (const auto& [begin, end] : cut(keys, kTransferBytes)) {
+    std::uint64_t floats = 0;
+    for (std::size_t i = begin; i < end; ++i) floats += keys[i].length;
+    records.assign(floats, 0.0f);
+    slices.clear();
+    float* at = records.data();
+    for (std::size_t i = begin; i < end; ++i) {
+      slices.push_back({keys[i].key, keys[i].length, at});
+      at += keys[i].length;
+    }
+    transport::Request pull;
+    pull.op = wire::Op::replica_pull;
+    pull.arg0 = options.server_id;
+    pull.keys = slices;
+    pull.completion = &done;
+    done.reset(1);
+    conn->submit(pull);
+    wait_done(done, conn.get());
+    if (done.status() != Errc::ok) throw Error(done.status(), done.message());
+    const std::span<const KeyEntry> part(keys.data() + begin, end - begin);
+    if (Errc e = engine.restore_records(part, records.data(), &why); e != Errc::ok) throw Error(e, why);
+    report->keys += end - begin;
+    report->bytes += floats * sizeof(float);
+  }
+}
+}  // namespace
+
 RejoinReport rejoin_from_replicas(ShardEngine& engine, const ReplicatorOptions& options,
                                   std::chrono::milliseconds patience) {
   const auto began = std::chrono::steady_clock::now();
   const auto give_up = began + patience;
-  std::string tried;
   for (;;) {
+    // Every reachable synced replica is read and the newest record of each key kept: a replica
+    // this server dropped (a timeout) may still say synced while it missed what the others hold.
+    RejoinReport report;
+    std::string tried;
     for (const ReplicaPeer& peer : options.replicas) {
-      std::string why;
       try {
-        auto conn = connect_to(peer, options, std::chrono::milliseconds(1000));
-        std::string index;
-        transport::Completion done;
-        done.reset(1);
-        transport::Request q;
-        q.op = wire::Op::replica_index;
-        q.arg0 = options.server_id;
-        q.completion = &done;
-        q.text_out = &index;
-        conn->submit(q);
-        wait_done(done);
-        if (done.status() != Errc::ok) throw Error(done.status(), done.message());
-        wire::ReplicaIndexHeader head{};
-        if (index.size() < sizeof head) throw Error(Errc::protocol, "a short replica index");
-        std::memcpy(&head, index.data(), sizeof head);
-        if (head.keys != (index.size() - sizeof head) / sizeof(wire::ReplicaIndexEntry) ||
-            (index.size() - sizeof head) % sizeof(wire::ReplicaIndexEntry) != 0)
-          throw Error(Errc::protocol, "a replica index whose size does not match its key count");
-        if (!head.synced) throw Error(Errc::peer_failure, "its replica is not synced (it never received all keys)");
-        std::vector<KeyEntry> keys(head.keys);
-        for (std::size_t i = 0; i < keys.size(); ++i) {
-          wire::ReplicaIndexEntry e{};
-          std::memcpy(&e, index.data() + sizeof head + i * sizeof e, sizeof e);
-          if (e.length == 0 || e.length > (1ull << 31))
-            throw Error(Errc::protocol, "key " + std::to_string(e.key) + " has an impossible length");
-          keys[i] = {e.key, static_cast<std::uint32_t>(engine.record_floats(static_cast<std::uint32_t>(e.length))), 0};
-        }
-        RejoinReport report;
-        report.from = peer.id;
-        std::vector<float> records;
-        std::vector<transport::KeySlice> slices;
-        for (const auto& [begin, end] : cut(keys, kTransferBytes)) {
-          std::uint64_t floats = 0;
-          for (std::size_t i = begin; i < end; ++i) floats += keys[i].length;
-          records.resize(floats);
-          slices.clear();
-          float* at = records.data();
-          for (std::size_t i = begin; i < end; ++i) {
-            slices.push_back({keys[i].key, keys[i].length, at});
-            at += keys[i].length;
-          }
-          transport::Request pull;
-          pull.op = wire::Op::replica_pull;
-          pull.arg0 = options.server_id;
-          pull.keys = slices;
-          pull.completion = &done;
-          done.reset(1);
-          conn->submit(pull);
-          wait_done(done);
-          if (done.status() != Errc::ok) throw Error(done.status(), done.message());
-          const std::span<const KeyEntry> part(keys.data() + begin, end - begin);
-          if (Errc e = engine.restore_records(part, records.data(), &why); e != Errc::ok) throw Error(e, why);
-          report.keys += end - begin;
-          report.bytes += floats * sizeof(float);
-        }
-        report.milliseconds =
-            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - began).count();
-        return report;
+        take_replica(engine, peer, options, &report);
+        report.from.push_back(peer.id);
       } catch (const Error& e) {
-        why = e.what();
+        tried +=
+            (tried.empty() ? "" : "; ") + ("server " + std::to_string(peer.id) + " (" + peer.uri + "): " + e.what());
       }
-      tried += (tried.empty() ? "" : "; ") + ("server " + std::to_string(peer.id) + " (" + peer.uri + "): " + why);
+    }
+    if (!report.from.empty()) {
+      report.milliseconds = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - began).count();
+      if (!tried.empty()) log::warn("replication", "--rejoin: not read: " + tried);
+      return report;
     }
     if (std::chrono::steady_clock::now() > give_up)
       throw Error(Errc::peer_failure, "--rejoin: no replica of server " + std::to_string(options.server_id) +
                                           "'s keys is reachable and synced within " + std::to_string(patience.count()) +
                                           " ms (" + tried + ")");
-    tried.clear();
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
   }
 }

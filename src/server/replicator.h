@@ -76,7 +76,10 @@ class TcpReplicator final : public Replicator {
   // One request's records, in flight to every live replica.
   struct Shipment {
     std::vector<KeyEntry> keys;  // record lengths
-    std::vector<float> records;
+    // Reused from shipment to shipment (see pool_): a fresh megabyte costs its page faults and,
+    // in a vector, a pass of zeroes, each as much as the copy itself.
+    std::unique_ptr<float[]> records;
+    std::uint64_t record_floats = 0, capacity = 0;
     std::vector<transport::KeySlice> slices;
     struct Leg {
       Replica* replica;
@@ -93,7 +96,8 @@ class TcpReplicator final : public Replicator {
   // Submits every request of `leg`; false if the connection refused them at once.
   bool submit(Shipment& s, Shipment::Leg& leg, const std::vector<std::pair<std::size_t, std::size_t>>& ranges,
               std::uint32_t arg1);
-  void drop(Replica& r, const std::string& why);
+  // Marks `r` down, unless `conn` (when given) is no longer its connection.
+  void drop(Replica& r, const transport::Connection* conn, const std::string& why);
   void keeper(Replica& r);
   bool full_transfer(Replica& r, const std::shared_ptr<transport::Connection>& conn);
   void acker();
@@ -104,15 +108,20 @@ class TcpReplicator final : public Replicator {
   std::mutex queue_mu_;
   std::condition_variable queue_cv_;
   std::deque<std::unique_ptr<Shipment>> queue_;  // in shipping order
+  std::mutex pool_mu_;
+  std::vector<std::unique_ptr<Shipment>> pool_;  // shipments done with, their buffers kept
+  std::unique_ptr<Shipment> take_shipment();
+  void give_back(std::unique_ptr<Shipment> s);
   std::atomic<bool> stopping_{false};
   bool stopped_ = false;
   std::thread acker_;
 };
 
-// A restarted server (--rejoin) takes its keys back from the first replica that holds all of
-// them (synced), before it serves anyone. Throws Error naming the replicas tried when none does.
+// A restarted server (--rejoin) takes its keys back from its replicas before it serves anyone:
+// from every reachable one that holds all of them (synced), keeping each key's newest record.
+// Throws Error naming the replicas tried when none does.
 struct RejoinReport {
-  std::uint32_t from = 0;
+  std::vector<std::uint32_t> from;
   std::uint64_t keys = 0, bytes = 0;
   double milliseconds = 0;
 };

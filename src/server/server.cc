@@ -132,8 +132,8 @@ class ServerImpl {
     if (o.rejoin) {
       const RejoinReport got = rejoin_from_replicas(*engine_, r, std::chrono::milliseconds(o.wait_timeout) * 3);
       log::info("replication", "server " + std::to_string(o.server_id) + " rejoined: " + std::to_string(got.keys) +
-                                   " keys (" + std::to_string(got.bytes >> 20) + " MiB) from server " +
-                                   std::to_string(got.from) + " in " +
+                                   " records (" + std::to_string(got.bytes >> 20) + " MiB) from " +
+                                   std::to_string(got.from.size()) + " replicas in " +
                                    std::to_string(static_cast<long long>(got.milliseconds)) + " ms");
     }
     if (!r.replicas.empty()) {

@@ -6,6 +6,7 @@
 #include <new>
 #include <string>
 #include <thread>
+#include <unordered_set>
 
 #include "store/update_kernels.h"
 
@@ -437,7 +438,8 @@ std::uint32_t Store::state_floats(const SlotHeader& slot) const noexcept {
   return g_.state_per_value * length_of(slot);
 }
 
-void Store::snapshot_slot(SlotHeader& slot, float* value, float* state, std::uint64_t* update_count) noexcept {
+void Store::snapshot_slot(SlotHeader& slot, float* value, float* state, std::uint64_t* update_count, std::uint64_t* seq,
+                          std::uint64_t* origin) noexcept {
   SlotRef r;
   if (!resolve(slot, &r)) return;
   SharedMutex& lock = stripe_at(r.stripe);
@@ -445,6 +447,11 @@ void Store::snapshot_slot(SlotHeader& slot, float* value, float* state, std::uin
   std::memcpy(value, slot.values(), std::size_t{r.length} * sizeof(float));
   if (r.state) std::memcpy(state, r.state, std::size_t{r.length} * g_.state_per_value * sizeof(float));
   *update_count = slot.update_count;
+  if (seq) *seq = slot.seq.load(std::memory_order_relaxed);  // even: writers hold the lock while it is odd
+  if (origin) {
+    origin[0] = slot.origin_epoch;
+    origin[1] = slot.origin_seq;
+  }
   lock.unlock();
 }
 
@@ -463,7 +470,7 @@ Errc Store::restore_slot(Key key, std::span<const float> value, std::span<const 
 }
 
 Errc Store::put_if_newer(Key key, std::span<const float> value, std::span<const float> state,
-                         std::uint64_t update_count) {
+                         std::uint64_t update_count, std::uint64_t origin_epoch, std::uint64_t origin_seq) {
   if (value.size() > UINT32_MAX) return Errc::invalid_argument;
   if (Errc e = create_slot(key, static_cast<std::uint32_t>(value.size()), nullptr); e != Errc::ok) return e;
   const SlotRef r = find_ref(key);
@@ -471,7 +478,12 @@ Errc Store::put_if_newer(Key key, std::span<const float> value, std::span<const 
   if (state.size() != std::size_t{r.length} * g_.state_per_value) return Errc::length_mismatch;
   SharedMutex& lock = stripe_at(r.stripe);
   lock.lock();
-  if (update_count >= r.slot->update_count) overwrite_slot(r, value.data(), state.data(), update_count);
+  SlotHeader& slot = *r.slot;
+  if (origin_epoch > slot.origin_epoch || (origin_epoch == slot.origin_epoch && origin_seq > slot.origin_seq)) {
+    overwrite_slot(r, value.data(), state.data(), update_count);
+    slot.origin_epoch = origin_epoch;
+    slot.origin_seq = origin_seq;
+  }
   lock.unlock();
   return Errc::ok;
 }
@@ -518,6 +530,7 @@ std::vector<Store::Adoptable> Store::adoptable_slots(std::vector<std::string>* r
     published.push_back({at, key});
   }
   std::sort(published.begin(), published.end(), [](const Published& a, const Published& b) { return a.at < b.at; });
+  std::vector<Key> seen;  // a key published twice (a scribbled index) is taken once, at its first slot
   std::vector<Adoptable> out;
   out.reserve(published.size());
   std::uint64_t expected = 0;  // where the next slot starts
@@ -539,12 +552,28 @@ std::vector<Store::Adoptable> Store::adoptable_slots(std::vector<std::string>* r
       refused->push_back(k + ": its slot header's length " + std::to_string(length) + " floats does not fit the " +
                          std::to_string(end - p.at) + " bytes up to the next slot");
     else {
-      out.push_back({p.key, ref_at(p.at, length, p.key)});
       expected = p.at + slot_bytes(length);
+      seen.push_back(p.key);
+      out.push_back({p.key, ref_at(p.at, length, p.key)});
       continue;
     }
     // A refused slot still ends where the next one starts, so one bad header costs one key.
     expected = end;
+  }
+  // Duplicates: keep each key's first slot in the arena (the one created first).
+  std::vector<Key> sorted = seen;
+  std::sort(sorted.begin(), sorted.end());
+  if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end()) {
+    std::vector<Adoptable> unique;
+    std::unordered_set<Key> taken;
+    for (const Adoptable& a : out) {
+      if (!taken.insert(a.key).second) {
+        refused->push_back("key " + std::to_string(a.key) + ": published again at a later slot");
+        continue;
+      }
+      unique.push_back(a);
+    }
+    out.swap(unique);
   }
   return out;
 }

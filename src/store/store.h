@@ -255,12 +255,19 @@ class Store {
   // update count (taken under the stripe lock, since optimizer state has no seqlock), and the
   // reverse for restore. `state` must hold state_floats(slot) floats (may be null when that is 0).
   std::uint32_t state_floats(const SlotHeader& slot) const noexcept;
-  void snapshot_slot(SlotHeader& slot, float* value, float* state, std::uint64_t* update_count) noexcept;
+  // `seq`, if given, gets the slot's seqlock version the copy is of: it moves with every write
+  // (every piece of a push applied in pieces), so it orders copies that the update count cannot.
+  // `origin`, if given, gets the slot's origin_epoch and origin_seq (a replica's store).
+  void snapshot_slot(SlotHeader& slot, float* value, float* state, std::uint64_t* update_count,
+                     std::uint64_t* seq = nullptr, std::uint64_t* origin = nullptr) noexcept;
   Errc restore_slot(Key key, std::span<const float> value, std::span<const float> state, std::uint64_t update_count);
   // A replica's write: the key (created if missing) takes this value, state and count unless it
-  // already holds a later update (a higher count). Records of one key may arrive in any order and
-  // more than once; the latest wins, so a replica ends with its origin's very bytes.
-  Errc put_if_newer(Key key, std::span<const float> value, std::span<const float> state, std::uint64_t update_count);
+  // already holds a later version of it: versions are (origin_epoch, origin_seq), the origin's
+  // start time and the seqlock version of its copy, compared in that order. Records of one key
+  // may arrive in any order and more than once; the latest wins, so a replica ends with its
+  // origin's very bytes, and a restarted origin's records win over its former life's.
+  Errc put_if_newer(Key key, std::span<const float> value, std::span<const float> state, std::uint64_t update_count,
+                    std::uint64_t origin_epoch, std::uint64_t origin_seq);
 
   const UpdateRuleConfig& rule() const noexcept { return g_.rule; }
   std::uint32_t stripes() const noexcept { return g_.stripes; }

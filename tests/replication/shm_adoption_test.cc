@@ -77,6 +77,7 @@ TEST_P(ShmAdoption, AKilledServerIsAdoptedAndLosesNoAcknowledgedPush) {
     auto* counts = shared<std::atomic<std::uint64_t>>(3 * kWorkers);
     auto* stop = shared<std::atomic<int>>(1);
     std::vector<pid_t> pids;
+    const testing::KillOnExit reap(pids);
     for (int w = 0; w < kWorkers; ++w)
       pids.push_back(fork_worker([&, w] {
         const std::vector<float> one(kLen, 1.0f);

@@ -136,6 +136,14 @@ int wait_pid(pid_t pid, std::chrono::milliseconds timeout) {
   }
 }
 
+KillOnExit::~KillOnExit() {
+  for (pid_t pid : pids_)
+    if (pid > 0 && ::waitpid(pid, nullptr, WNOHANG) == 0) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, nullptr, 0);
+    }
+}
+
 ServerProcess ServerProcess::start(const std::vector<std::string>& args, const std::string& stderr_path) {
   ServerProcess s{Process(PSKV_SERVER_BIN, args, stderr_path), {}};
   const std::string line = s.process.read_line();

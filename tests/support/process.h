@@ -39,6 +39,19 @@ class Process {
 pid_t fork_worker(const std::function<int()>& body);
 int wait_pid(pid_t pid, std::chrono::milliseconds timeout = std::chrono::seconds(120));
 
+// SIGKILLs and reaps whichever of `pids` still run when it goes out of scope, so that a test that
+// fails half-way (an ASSERT returns) leaves no forked worker behind to load the machine.
+class KillOnExit {
+ public:
+  explicit KillOnExit(const std::vector<pid_t>& pids) : pids_(pids) {}
+  ~KillOnExit();
+  KillOnExit(const KillOnExit&) = delete;
+  KillOnExit& operator=(const KillOnExit&) = delete;
+
+ private:
+  const std::vector<pid_t>& pids_;
+};
+
 // A pskv-server started with `args`; its URI is read from its first line of output.
 struct ServerProcess {
   Process process;

@@ -45,6 +45,14 @@ std::unique_ptr<Predecessor> Predecessor::take(const std::string& name, std::chr
   if (!segment) return nullptr;
   auto p = std::unique_ptr<Predecessor>(new Predecessor());
   p->began_ = began;
+  // Claimed first, by moving it aside: of two successors started at once only one gets it (the
+  // other finds no segment, or its own rename fails), and the name is free for this server's own.
+  p->name_ = "/dev/shm" + segment_object_name(name);
+  p->aside_ = p->name_ + ".adopting-" + std::to_string(::getpid());
+  if (::rename(p->name_.c_str(), p->aside_.c_str()) != 0) {
+    if (errno == ENOENT) return nullptr;
+    throw Error(Errc::io, "cannot move the dead server's segment " + p->name_ + " aside: " + std::strerror(errno));
+  }
   const SegmentGeometry& g = segment->geometry();
   p->report_.predecessor_pid = g.server_pid;
   const std::string dead = "pskv-server pid " + std::to_string(g.server_pid);
@@ -109,11 +117,6 @@ std::unique_ptr<Predecessor> Predecessor::take(const std::string& name, std::chr
       log::warn("shm.adopt", "key " + std::to_string(a.key) + " was left inside an update by " + dead +
                                  " that no undo record covers; adopted as it is");
     }
-  // Out of the way of this server's own segment, kept until its keys are copied.
-  p->name_ = "/dev/shm" + segment_object_name(name);
-  p->aside_ = p->name_ + ".adopting-" + std::to_string(::getpid());
-  if (::rename(p->name_.c_str(), p->aside_.c_str()) != 0)
-    throw Error(Errc::io, "cannot move the dead server's segment " + p->name_ + " aside: " + std::strerror(errno));
   p->segment_ = std::move(segment);
   return p;
 }

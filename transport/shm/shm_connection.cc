@@ -214,6 +214,15 @@ bool ShmConnection::push_directly(Request& request) {
                     std::to_string(slots.size()) + " keys of this push were applied"
               : "waited " + std::to_string(patience.count()) + " ms for " + lock + "," + held;
   }
+  // A successor adopting the segment of a dead server rolls back, after its patience, a push a
+  // stalled client is still inside; such a push must not be acknowledged when the client resumes.
+  // The adopter sets `closing` before it waits, so a push that ends after that says so.
+  if (status == Errc::ok && header_->closing.load(std::memory_order_seq_cst) != 0) {
+    status = Errc::peer_failure;
+    why = "the pskv server of " + endpoint_ +
+          " stopped (or died) while this push was applied; it may have landed "
+          "but is not acknowledged";
+  }
   area_->worker_pushes.store(area_->worker_pushes.load(std::memory_order_relaxed) + applied, std::memory_order_relaxed);
   finish();
   request.completion->complete_part(status, why);

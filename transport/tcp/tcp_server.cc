@@ -1050,6 +1050,17 @@ bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payl
       return admit(peer, h);
     }
     case wire::Op::init:
+      // A key whose record could not cross to a replica in one request is refused before it exists.
+      if (engine_.replicator())
+        for (const wire::KeyEntry& k : peer.keys)
+          if (engine_.record_floats(k.length) * sizeof(float) > options_.limits.max_payload_bytes / 2) {
+            return send_error(peer, h, Errc::capacity,
+                              "key " + std::to_string(k.key) + " of " + std::to_string(k.length) +
+                                  " floats is too large to replicate with --max-request-mb " +
+                                  std::to_string(options_.limits.max_payload_bytes >> 20) +
+                                  " (its record, with optimizer state, must fit half of it); raise it or lower "
+                                  "the client's chunk_floats");
+          }
       status = engine_.init(peer.keys, payload, &why);
       if (status == Errc::ok) return answer_applied(peer, h);
       break;
@@ -1148,12 +1159,10 @@ bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payl
 bool TcpServer::answer_applied(Peer& peer, const wire::FrameHeader& h) {
   Replicator* replicator = engine_.replicator();
   if (!replicator) return send_empty(peer, h);
-  // The reply waits until every live replica holds these keys.
-  std::unique_ptr<Parked> parked = park(peer, h, {});
-  if (!parked)
-    return send_error(peer, h, Errc::capacity,
-                      "applied, but " + over_budget(peer, parked_bytes(0), "reply waiting for the replicas"));
-  replicator->ship(peer.keys, std::move(parked));
+  // The reply waits until every live replica holds these keys. It is parked whatever the budget
+  // says: the push is applied and must reach the replicas, and a connection never has more than
+  // kMaxParkedPerConnection parked (its reading pauses).
+  replicator->ship(peer.keys, park(peer, h, {}, /*charge=*/false));
   return true;
 }
 
@@ -1178,9 +1187,10 @@ std::uint64_t TcpServer::parked_bytes(std::size_t keys) noexcept {
   return sizeof(ParkedRequest) + keys * sizeof(wire::KeyEntry);
 }
 
-std::unique_ptr<Parked> TcpServer::park(Peer& peer, const wire::FrameHeader& h, std::vector<wire::KeyEntry> keys) {
+std::unique_ptr<Parked> TcpServer::park(Peer& peer, const wire::FrameHeader& h, std::vector<wire::KeyEntry> keys,
+                                        bool charge) {
   BudgetHold hold;
-  if (!hold.take(budget_, parked_bytes(keys.size()))) return nullptr;
+  if (charge && !hold.take(budget_, parked_bytes(keys.size()))) return nullptr;
   std::lock_guard lock(peer.mu);
   ++peer.parked;
   return std::make_unique<ParkedRequest>(*this, peer.shared_from_this(), h, std::move(keys), std::move(hold));

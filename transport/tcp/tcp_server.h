@@ -188,7 +188,8 @@ class TcpServer {
                   std::uint64_t* bytes, std::string* why);
   // A pull or barrier to answer later (counted against kMaxParkedPerConnection until it is, and
   // its parked_bytes against the memory budget); null if the budget cannot hold it.
-  std::unique_ptr<Parked> park(Peer& peer, const wire::FrameHeader& h, std::vector<wire::KeyEntry> keys);
+  std::unique_ptr<Parked> park(Peer& peer, const wire::FrameHeader& h, std::vector<wire::KeyEntry> keys,
+                               bool charge = true);
   static std::uint64_t parked_bytes(std::size_t keys) noexcept;
   // The reply to an init or push that was applied: at once, or once every live replica holds its
   // keys (--replicas).
