@@ -92,6 +92,11 @@ int main(int argc, char** argv) {
       ->envname("PSKV_CHECKPOINT_EVERY_S")
       ->capture_default_str();
   app.add_flag("--restore", c.restore, "Servers start from the checkpoints in --checkpoint-dir");
+  app.add_option("--replicas", c.replicas,
+                 "tcp: servers holding each key (pskv-server --replicas); a killed server is restarted and takes "
+                 "its keys back from its replicas")
+      ->check(CLI::Range(1, 16))
+      ->capture_default_str();
   app.add_option("--auth-token-file", c.auth_token_file,
                  "tcp/rdma: shared secret (chmod 600) servers demand and workers prove (HMAC-SHA256)")
       ->envname("PSKV_AUTH_TOKEN_FILE");
@@ -116,6 +121,11 @@ int main(int argc, char** argv) {
     c.straggler_factor = std::stod(straggler.substr(colon + 1));
   }
   if (c.mode == ConsistencyMode::bsp) c.staleness = 0;
+  if (c.replicas > 1 && (c.transport != "tcp" || c.replicas > c.servers)) {
+    std::fprintf(stderr, "pskv-mnist: --replicas %d needs --transport tcp and at least as many --servers\n",
+                 c.replicas);
+    return 2;
+  }
   if (c.checkpoint_dir.empty() && c.restore) {
     std::fprintf(stderr, "pskv-mnist: --restore needs --checkpoint-dir\n");
     return 2;
@@ -159,7 +169,7 @@ int main(int argc, char** argv) {
       const auto uris = cluster_servers(c);
       if (rank < c.servers) {
         std::fprintf(stderr, "pskv-mnist: rank %d serves %s\n", rank, uris[static_cast<std::size_t>(rank)].c_str());
-        return run_server(c, rank, uris[static_cast<std::size_t>(rank)], c.restore);
+        return run_server(c, rank, uris, c.restore);
       }
       const int worker = rank - c.servers;
       if (worker != 0) c.quiet = true;

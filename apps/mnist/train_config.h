@@ -51,6 +51,7 @@ struct TrainConfig {
   std::string auth_token_file;
   int checkpoint_every_s = 10;
   bool restore = false;
+  int replicas = 1;  // tcp: servers holding each key; a killed server rejoins from its replicas
 
   // Output.
   std::string csv;

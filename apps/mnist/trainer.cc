@@ -254,8 +254,9 @@ TrainResult run_worker(const TrainConfig& c, int rank, const std::vector<std::st
 }
 
 namespace {
-ServerOptions server_options(const TrainConfig& c, int server_id, const std::string& uri, bool restore) {
+ServerOptions server_options(const TrainConfig& c, int server_id, const std::vector<std::string>& uris, bool restore) {
   ServerOptions so;
+  const std::string& uri = uris[static_cast<std::size_t>(server_id)];
   // shm: one client area per worker and a few for tools, each with room for a layer's push; a
   // server restarted after a kill adopts its predecessor's segment and loses nothing.
   so.uri =
@@ -277,17 +278,22 @@ ServerOptions server_options(const TrainConfig& c, int server_id, const std::str
   so.auth_token_file = c.auth_token_file;
   so.checkpoint_interval = std::chrono::seconds(c.checkpoint_dir.empty() ? 0 : c.checkpoint_every_s);
   if (restore) so.restore_dir = c.checkpoint_dir;
+  if (c.replicas > 1) {
+    so.replicas = static_cast<std::uint32_t>(c.replicas);
+    so.peers = uris;
+    so.rejoin = restore;
+  }
   return so;
 }
 }  // namespace
 
-int run_server(const TrainConfig& c, int server_id, const std::string& uri, bool restore) {
+int run_server(const TrainConfig& c, int server_id, const std::vector<std::string>& uris, bool restore) {
   sigset_t stop;
   sigemptyset(&stop);
   sigaddset(&stop, SIGTERM);
   sigaddset(&stop, SIGINT);
   pthread_sigmask(SIG_BLOCK, &stop, nullptr);
-  Server server(server_options(c, server_id, uri, restore));
+  Server server(server_options(c, server_id, uris, restore));
   if (!c.quiet) std::fprintf(stderr, "server %d serving %s\n", server_id, server.uri().c_str());
   const timespec tick{0, 200'000'000};
   std::chrono::steady_clock::time_point failed_at{};
@@ -354,8 +360,7 @@ TrainResult launch(const TrainConfig& c) {
   }
   std::vector<pid_t> servers(static_cast<std::size_t>(c.servers));
   auto start_server = [&](int s, bool restore) {
-    servers[static_cast<std::size_t>(s)] =
-        fork_child([&, s] { return run_server(c, s, uris[static_cast<std::size_t>(s)], restore); });
+    servers[static_cast<std::size_t>(s)] = fork_child([&, s] { return run_server(c, s, uris, restore); });
   };
   for (int s = 0; s < c.servers; ++s) start_server(s, c.restore);
   if (!c.quiet)
@@ -416,10 +421,12 @@ TrainResult launch(const TrainConfig& c) {
     // Only a server that was killed is restarted; one that stopped on its own (the job failed)
     // is not.
     const bool adopts = uris[static_cast<std::size_t>(id)].rfind("shm://", 0) == 0;
-    if ((adopts || !c.checkpoint_dir.empty()) && workers_left > 0 && WIFSIGNALED(status)) {
+    if ((adopts || c.replicas > 1 || !c.checkpoint_dir.empty()) && workers_left > 0 && WIFSIGNALED(status)) {
       std::fprintf(stderr, "pskv-mnist: server %d died (%s %d); restarting it from %s\n", id,
                    WIFEXITED(status) ? "exit" : "signal", WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status),
-                   adopts ? "its shared-memory segment" : c.checkpoint_dir.c_str());
+                   adopts           ? "its shared-memory segment"
+                   : c.replicas > 1 ? "its replicas"
+                                    : c.checkpoint_dir.c_str());
       ++restarts;
       start_server(id, true);
     } else if (workers_left > 0) {

@@ -17,7 +17,9 @@ TrainResult run_worker(const TrainConfig& c, int rank, const std::vector<std::st
 
 // One server shard; returns 0 when every worker finished or on SIGTERM/SIGINT, non-zero when
 // the job failed (a worker died or stalled under the fail policy).
-int run_server(const TrainConfig& c, int server_id, const std::string& uri, bool restore);
+// Serves shard `server_id` of `uris` (every server's URI). `restart`: after a failure, from the
+// checkpoint (--checkpoint-dir) and, with --replicas, from the replicas.
+int run_server(const TrainConfig& c, int server_id, const std::vector<std::string>& uris, bool restart);
 
 // Forks servers and workers on this node, supervises them (a dead server is restarted from
 // its checkpoint when checkpoints are on) and returns the job's summary.

@@ -168,12 +168,18 @@ int main(int argc, char** argv) {
       app.add_option("--rdma-recv-mb", backend[8].value,
                      "rdma: per-client receive region for pushes, MiB (32; bounds one push); URI recv_mb=")
           ->envname("PSKV_RDMA_RECV_MB");
+  bool shm_adopt = false;
+  app.add_flag("--shm-adopt", shm_adopt,
+               "shm: take over the segment a dead server left under this name (every key, optimizer state and "
+               "clock), and log the pushes this server applies so that its own successor can; URI adopt=1")
+      ->envname("PSKV_SHM_ADOPT");
   bool rdma_busy_poll = false;
   app.add_flag("--rdma-busy-poll", rdma_busy_poll,
                "rdma: spin on completion queues (lower latency, burns cores); URI poll=busy")
       ->envname("PSKV_RDMA_BUSY_POLL");
   CLI11_PARSE(app, argc, argv);
   if (rdma_busy_poll) backend.push_back({"rdma", "poll", "busy"});
+  if (shm_adopt) backend.push_back({"shm", "adopt", "1", app.get_option("--shm-adopt")});
   const std::string scheme = o.uri.substr(0, o.uri.find("://"));
   for (const BackendFlag& f : backend) {
     if (f.value.empty()) continue;

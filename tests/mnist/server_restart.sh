@@ -2,15 +2,17 @@
 # kill -9 a server mid-training: the launcher restarts it from its last checkpoint (--restore; an
 # shm server then adopts its predecessor's segment, which is newer), the workers reconnect, and
 # training still reaches the accuracy floor (ctest label `mnist`).
-#   server_restart.sh PSKV_MNIST_BINARY DATA_DIR TRANSPORT
+#   server_restart.sh PSKV_MNIST_BINARY DATA_DIR TRANSPORT [REPLICAS]
+# With REPLICAS (tcp), the servers keep each other's keys and the restarted one rejoins from them.
 set -euo pipefail
-bin=$1 data=$2 transport=$3
+bin=$1 data=$2 transport=$3 replicas=${4:-1}
 floor=0.85
 dir=$(mktemp -d /tmp/pskv-mnist-ckpt.XXXXXX)
 log=$dir/log
 trap 'rm -rf "$dir"' EXIT
 "$bin" --launch --servers 2 --workers 2 --transport "$transport" --mode ssp --staleness 2 --data "$data" \
   --train-limit 12000 --test-limit 5000 --epochs 3 --checkpoint-dir "$dir" --checkpoint-every-s 1 --json \
+  --replicas "$replicas" \
   >"$log" 2>&1 &
 job=$!
 # The launcher prints each server's pid; kill server 1 once it has written a checkpoint that
@@ -29,6 +31,9 @@ wait "$job" || { cat "$log"; echo "the job failed after the server kill" >&2; ex
 cat "$log"
 grep -q "restarting it from" "$log" || { echo "the launcher did not restart the server" >&2; exit 1; }
 # shm: the restarted server takes over its predecessor's segment (nothing since the checkpoint lost).
+if [ "$replicas" -gt 1 ]; then
+  grep -q "replication: server 1 rejoined" "$log" || { echo "the restarted server did not rejoin from its replicas" >&2; exit 1; }
+fi
 if [ "$transport" = shm ]; then
   grep -q "shm.adopt: adopted [1-9][0-9]* keys" "$log" || { echo "the restarted shm server adopted nothing" >&2; exit 1; }
 fi

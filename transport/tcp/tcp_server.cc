@@ -190,6 +190,11 @@ class Peer : public std::enable_shared_from_this<Peer> {
   std::vector<wire::KeyEntry> keys;
   std::vector<float> reply;  // small pull replies (up to kInBytes)
   LargeFrame large;
+  // The staging buffer of this connection's last large `replicate` frame, kept (and charged to
+  // the budget) for the next: an origin ships every push's records over one connection, and a
+  // fresh mapping per frame cost a page fault per 4 KiB, more than copying the records in.
+  std::unique_ptr<HeapMemory> replica_body;
+  BudgetHold replica_body_charged;
   char* in_bytes() { return reinterpret_cast<char*>(in.get()); }
   void compact() {
     if (in_begin == 0) return;
@@ -816,6 +821,14 @@ TcpServer::Progress TcpServer::continue_large_frame(Peer& peer) {
   auto finish = [&] {
     f.charged.reset();
     f.stage = LargeFrame::Stage::none;
+    if (f.payload && static_cast<wire::Op>(f.h.op) == wire::Op::replicate &&
+        (!peer.replica_body || peer.replica_body->size() < f.payload->size())) {
+      BudgetHold hold;
+      if (hold.take(budget_, f.payload->size())) {
+        peer.replica_body = std::move(f.payload);
+        peer.replica_body_charged = std::move(hold);
+      }
+    }
     f.payload.reset();
     give_back_if_large(peer.keys);
     peer.in_deadline_ns.store(0, std::memory_order_relaxed);
@@ -875,6 +888,11 @@ TcpServer::Progress TcpServer::continue_large_frame(Peer& peer) {
       case LargeFrame::Stage::body: {
         const std::uint64_t total = f.h.payload_bytes;
         if (f.have < total) {
+          if (!f.payload && static_cast<wire::Op>(f.h.op) == wire::Op::replicate && peer.replica_body &&
+              peer.replica_body->size() >= total) {
+            f.payload = std::move(peer.replica_body);
+            peer.replica_body_charged.reset();
+          }
           if (!f.payload) f.payload = std::make_unique<HeapMemory>(total, "a request's payload", false);  // may throw
           const ssize_t n = take(reinterpret_cast<char*>(f.payload->data()) + f.have, total - f.have);
           if (n < 0) return Progress::close;
