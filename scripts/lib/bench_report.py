@@ -270,10 +270,10 @@ for script in gp:
     subprocess.run(["gnuplot"], input=script.encode(), check=True)
 lines += ["## Plots", "", "![bandwidth](bench/bandwidth.png)", "", "![sparse](bench/sparse-keys.png)", ""]
 # Sections measured apart (python.md: python -m pskv.bench and examples/pytorch_mnist.py;
-# ab-servers.md: scripts/ab-servers.sh) are kept in docs/bench/*.md, so that regenerating this
-# report does not drop them.
+# ab-servers.md: scripts/ab-servers.sh; replication.md: scripts/replication-bench.sh) are kept in
+# docs/bench/*.md, so that regenerating this report does not drop them.
 bench_dir = os.path.join(os.path.dirname(report), "bench")
-for name in ("python.md", "ab-servers.md", "analysis.md"):
+for name in ("python.md", "ab-servers.md", "replication.md", "analysis.md"):
     section = os.path.join(bench_dir, name)
     if os.path.exists(section):
         lines += [open(section).read().rstrip(), ""]
