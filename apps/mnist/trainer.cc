@@ -335,16 +335,26 @@ pid_t fork_child(const std::function<int()>& body) {
 }
 
 int free_port() {
-  // Bind port 0 and release it: good enough on a single node, which is all --launch serves.
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
-  socklen_t len = sizeof a;
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  ::close(fd);
-  return ntohs(a.sin_port);
+  // A port below the ephemeral range that binds now: a killed server is restarted at the same
+  // port, and one in the ephemeral range could meanwhile be taken by a client connection as its
+  // local port. Single node only, which is all --launch serves.
+  int low = 32768, high = 60999;
+  std::ifstream("/proc/sys/net/ipv4/ip_local_port_range") >> low >> high;
+  const int first = 10000, span = std::max(1, low - first);
+  static int next = static_cast<int>(::getpid() * 37 % span);
+  for (int tries = 0; tries < span; ++tries) {
+    const int port = first + (next++ % span);
+    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) break;
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a.sin_port = htons(static_cast<std::uint16_t>(port));
+    const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0;
+    ::close(fd);
+    if (ok) return port;
+  }
+  throw Error(Errc::io, "no free loopback port below the ephemeral range; pass --port-base");
 }
 
 }  // namespace

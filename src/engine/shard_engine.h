@@ -56,8 +56,15 @@ class Parked {
 class Replicator {
  public:
   virtual ~Replicator() = default;
-  // `keys` were just applied here; `reply` resumes (ok) once every live replica holds them. A
-  // replica that fails meanwhile is no longer live and is not waited for.
+  // Room for the records of an init or push of `keys`, taken before it is applied, so that a
+  // refusal leaves nothing applied: false while the records in flight to the replicas would pass
+  // their bound. ship() gives the room back once the replicas have answered; release() gives it
+  // back for a request that failed before it was shipped.
+  virtual bool reserve(std::span<const KeyEntry> keys) = 0;
+  virtual void release(std::span<const KeyEntry> keys) = 0;
+  // `keys` were just applied here (after reserve()); `reply` resumes (ok) once every live replica
+  // holds them. A replica that fails meanwhile is no longer live and is not waited for. A null
+  // `reply`: ship the keys' state, answer nobody (a push cut short after some pieces applied).
   virtual void ship(std::span<const KeyEntry> keys, std::unique_ptr<Parked> reply) = 0;
   virtual JsonObject stats() const = 0;
 };

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <utility>
 
 #include "common/log.h"
 #include "transport/uri.h"
@@ -61,7 +62,10 @@ TcpReplicator::TcpReplicator(ShardEngine& engine, const ReplicatorOptions& optio
     r->peer = p;
     replicas_.push_back(std::move(r));
   }
-  for (auto& r : replicas_) r->keeper = std::thread([this, rp = r.get()] { keeper(*rp); });
+  for (auto& r : replicas_) {
+    r->keeper = std::thread([this, rp = r.get()] { keeper(*rp); });
+    r->sender = std::thread([this, rp = r.get()] { sender(*rp); });
+  }
   acker_ = std::thread([this] { acker(); });
 }
 
@@ -93,12 +97,13 @@ std::vector<std::pair<std::size_t, std::size_t>> TcpReplicator::snapshot(std::sp
   return cut(s->keys, options_.max_request_bytes / 2);
 }
 
-bool TcpReplicator::submit(Shipment& s, Shipment::Leg& leg,
-                           const std::vector<std::pair<std::size_t, std::size_t>>& ranges, std::uint32_t arg1) {
+void TcpReplicator::prepare(Shipment& s, Leg& leg, const std::vector<std::pair<std::size_t, std::size_t>>& ranges,
+                            std::uint32_t arg1) {
   leg.requests.resize(ranges.empty() ? 1 : ranges.size());
   leg.done.reset(static_cast<std::uint32_t>(leg.requests.size()));
   for (std::size_t i = 0; i < leg.requests.size(); ++i) {
     transport::Request& q = leg.requests[i];
+    q = transport::Request{};
     q.op = wire::Op::replicate;
     q.arg0 = options_.server_id;
     q.arg1 = arg1;
@@ -106,14 +111,40 @@ bool TcpReplicator::submit(Shipment& s, Shipment::Leg& leg,
       q.keys =
           std::span<const transport::KeySlice>(s.slices).subspan(ranges[i].first, ranges[i].second - ranges[i].first);
     q.completion = &leg.done;
+  }
+}
+
+void TcpReplicator::send(Leg& leg) noexcept {
+  // Once the last request is submitted its answer may complete the leg, and the acker give the
+  // shipment (this leg with it) back to the pool, before submit() has even returned here: nothing
+  // of `leg` may be read after the last submit, not even the request count.
+  const std::size_t n = leg.requests.size();
+  transport::Request* requests = leg.requests.data();
+  const std::shared_ptr<transport::Connection> conn = leg.conn;  // the leg may hold the last reference
+  transport::Completion& done = leg.done;
+  for (std::size_t i = 0; i < n; ++i) {
     try {
-      leg.conn->submit(q);
-    } catch (const Error& e) {
-      for (std::size_t j = i; j < leg.requests.size(); ++j) leg.done.complete_part(e.code(), e.what());
-      return false;
+      conn->submit(requests[i]);
+    } catch (const std::exception& e) {
+      // Requests i.. were never submitted, so the leg is not complete and still alive.
+      for (std::size_t j = i; j < n; ++j) done.complete_part(Errc::peer_failure, e.what());
+      return;
     }
   }
-  return true;
+}
+
+void TcpReplicator::sender(Replica& r) {
+  for (;;) {
+    Leg* leg;
+    {
+      std::unique_lock lock(r.out_mu);
+      r.out_cv.wait(lock, [&] { return !r.outbox.empty() || senders_stop_.load(); });
+      if (r.outbox.empty()) return;
+      leg = r.outbox.front();
+      r.outbox.pop_front();
+    }
+    send(*leg);
+  }
 }
 
 std::unique_ptr<TcpReplicator::Shipment> TcpReplicator::take_shipment() {
@@ -129,6 +160,7 @@ std::unique_ptr<TcpReplicator::Shipment> TcpReplicator::take_shipment() {
 }
 
 void TcpReplicator::give_back(std::unique_ptr<Shipment> s) {
+  reserved_bytes_.fetch_sub(std::exchange(s->reserved, 0), std::memory_order_relaxed);
   constexpr std::size_t kPooled = 8;
   constexpr std::uint64_t kPooledFloats = 16ull << 20;  // 64 MiB: larger buffers go back to the system
   s->legs.clear();
@@ -138,14 +170,41 @@ void TcpReplicator::give_back(std::unique_ptr<Shipment> s) {
   if (pool_.size() < kPooled) pool_.push_back(std::move(s));
 }
 
+std::uint64_t TcpReplicator::record_bytes(std::span<const KeyEntry> keys) const noexcept {
+  std::uint64_t bytes = 0;
+  for (const KeyEntry& k : keys) bytes += engine_.record_floats(k.length) * sizeof(float);
+  return bytes;
+}
+
+bool TcpReplicator::reserve(std::span<const KeyEntry> keys) {
+  const std::uint64_t bytes = record_bytes(keys);
+  std::uint64_t now = reserved_bytes_.load(std::memory_order_relaxed);
+  do {
+    // One request alone is always let through (it fits a request, checked at init).
+    if (now != 0 && now + bytes > options_.max_in_flight_bytes) return false;
+  } while (!reserved_bytes_.compare_exchange_weak(now, now + bytes, std::memory_order_relaxed));
+  return true;
+}
+
+void TcpReplicator::release(std::span<const KeyEntry> keys) {
+  reserved_bytes_.fetch_sub(record_bytes(keys), std::memory_order_relaxed);
+}
+
 void TcpReplicator::ship(std::span<const KeyEntry> keys, std::unique_ptr<Parked> reply) {
+  if (stopping_.load()) {
+    // After stop() (a connection closed by the listener's close): nothing waits for acks any more.
+    release(keys);
+    if (reply) reply->resume(Errc::peer_failure, "the server is stopping");
+    return;
+  }
   auto s = take_shipment();
   s->reply = std::move(reply);
+  s->reserved = record_bytes(keys);
   std::vector<std::pair<std::size_t, std::size_t>> ranges;
   try {
     ranges = snapshot(keys, s.get());
   } catch (const Error& e) {
-    s->reply->resume(Errc::protocol, std::string("applied here, but not replicated: ") + e.what());
+    if (s->reply) s->reply->resume(Errc::protocol, std::string("applied here, but not replicated: ") + e.what());
     give_back(std::move(s));
     return;
   }
@@ -159,15 +218,20 @@ void TcpReplicator::ship(std::span<const KeyEntry> keys, std::unique_ptr<Parked>
       state = r->state.load(std::memory_order_acquire);
     }
     if (state == static_cast<int>(State::down)) continue;
-    Shipment::Leg& leg = s->legs.emplace_back();
+    Leg& leg = s->legs.emplace_back();
     leg.replica = r.get();
     if (!conn) continue;  // pending: its full transfer will carry these keys
     leg.conn = std::move(conn);
-    submit(*s, leg, ranges, 0);
+    prepare(*s, leg, ranges, 0);
+    {
+      std::lock_guard lock(r->out_mu);
+      r->outbox.push_back(&leg);
+    }
+    r->out_cv.notify_one();
     r->shipped_bytes.fetch_add(bytes, std::memory_order_relaxed);
   }
   if (s->legs.empty()) {
-    s->reply->resume(Errc::ok, {});
+    if (s->reply) s->reply->resume(Errc::ok, {});
     give_back(std::move(s));
     return;
   }
@@ -201,7 +265,7 @@ void TcpReplicator::acker() {
       queue_.pop_front();
     }
     // Replicas answer in order, so waiting for the oldest shipment first costs nothing.
-    for (Shipment::Leg& leg : s->legs) {
+    for (Leg& leg : s->legs) {
       if (!leg.conn) {
         // A pending replica: until its first full transfer is complete, or it is declared down.
         // (Had it gone down and come back meanwhile, its new transfer carries these keys too.)
@@ -217,13 +281,15 @@ void TcpReplicator::acker() {
     // Every live replica holds the keys; one that failed is no longer live. (A stop cut short
     // the wait for a pending one: not acknowledged.)
     bool cut_short = false;
-    for (const Shipment::Leg& leg : s->legs)
+    for (const Leg& leg : s->legs)
       cut_short |= !leg.conn && leg.replica->state.load() != static_cast<int>(State::synced) &&
                    leg.replica->state.load() != static_cast<int>(State::down);
-    if (cut_short)
+    if (!s->reply) {
+    } else if (cut_short) {
       s->reply->resume(Errc::peer_failure, "the server stopped before its replicas held this update");
-    else
+    } else {
       s->reply->resume(Errc::ok, {});
+    }
     give_back(std::move(s));
   }
 }
@@ -231,10 +297,11 @@ void TcpReplicator::acker() {
 bool TcpReplicator::full_transfer(Replica& r, const std::shared_ptr<transport::Connection>& conn) {
   auto mark = [&](std::uint32_t arg1) {
     Shipment s;
-    Shipment::Leg& leg = s.legs.emplace_back();
+    Leg& leg = s.legs.emplace_back();
     leg.replica = &r;
     leg.conn = conn;
-    submit(s, leg, {}, arg1);
+    prepare(s, leg, {}, arg1);
+    send(leg);
     wait_done(leg.done, leg.conn.get());
     return leg.done.status() == Errc::ok ? std::string() : leg.done.message();
   };
@@ -258,10 +325,11 @@ bool TcpReplicator::full_transfer(Replica& r, const std::shared_ptr<transport::C
     }
     Shipment s;
     const auto ranges = snapshot(entries, &s);
-    Shipment::Leg& leg = s.legs.emplace_back();
+    Leg& leg = s.legs.emplace_back();
     leg.replica = &r;
     leg.conn = conn;
-    submit(s, leg, ranges, 0);
+    prepare(s, leg, ranges, 0);
+    send(leg);
     wait_done(leg.done, leg.conn.get());
     if (leg.done.status() != Errc::ok) {
       drop(r, conn.get(), leg.done.message());
@@ -336,17 +404,26 @@ void TcpReplicator::stop() noexcept {
   stopped_ = true;
   stopping_.store(true);
   queue_cv_.notify_all();
-  if (acker_.joinable()) acker_.join();  // it finishes the queue first
-  for (auto& r : replicas_)
+  if (acker_.joinable()) acker_.join();  // it finishes the queue first, the senders submitting for it
+  senders_stop_.store(true);
+  for (auto& r : replicas_) {
+    {
+      std::lock_guard lock(r->out_mu);  // a sender checks the flag under it: no lost wake-up
+    }
+    r->out_cv.notify_all();
+    if (r->sender.joinable()) r->sender.join();
     if (r->keeper.joinable()) r->keeper.join();
+  }
   std::lock_guard lock(queue_mu_);
-  for (auto& s : queue_) s->reply->resume(Errc::peer_failure, "the server is stopping");
+  for (auto& s : queue_)
+    if (s->reply) s->reply->resume(Errc::peer_failure, "the server is stopping");
   queue_.clear();
 }
 
 JsonObject TcpReplicator::stats() const {
   JsonObject j;
-  j.add("replicas", replicas_.size() + 1);
+  j.add("replicas", replicas_.size() + 1)
+      .add("replication_in_flight_bytes", reserved_bytes_.load(std::memory_order_relaxed));
   for (const auto& r : replicas_) {
     const std::string at = "replica_" + std::to_string(r->peer.id);
     const int state = r->state.load(std::memory_order_acquire);

@@ -32,6 +32,9 @@ struct ReplicatorOptions {
   // A replica silent this long with shipments outstanding is dropped (and reconnected).
   std::chrono::milliseconds io_timeout{5000};
   std::uint64_t max_request_bytes = 256ull << 20;
+  // Records shipped and not yet answered, over all clients: a push that would pass it is refused
+  // (capacity) before it is applied.
+  std::uint64_t max_in_flight_bytes = 512ull << 20;
 };
 
 // Ships the state of each key an init or push applied here (its record: update count, value,
@@ -54,6 +57,8 @@ class TcpReplicator final : public Replicator {
   TcpReplicator(const TcpReplicator&) = delete;
   TcpReplicator& operator=(const TcpReplicator&) = delete;
 
+  bool reserve(std::span<const KeyEntry> keys) override;
+  void release(std::span<const KeyEntry> keys) override;
   void ship(std::span<const KeyEntry> keys, std::unique_ptr<Parked> reply) override;
   JsonObject stats() const override;
   // Waits (up to the io timeout) for the acknowledgements of what was shipped, resumes every
@@ -65,6 +70,15 @@ class TcpReplicator final : public Replicator {
   // synced (its full transfer carries those keys), or until it has stayed unreachable past the
   // io timeout and is declared down.
   enum class State : int { down = 0, syncing = 1, synced = 2, pending = 3 };
+  struct Replica;
+  // What one replica is sent of a shipment (or a full transfer's batch): its requests and their
+  // completion.
+  struct Leg {
+    Replica* replica = nullptr;
+    std::shared_ptr<transport::Connection> conn;  // null: wait for the pending replica's sync
+    std::vector<transport::Request> requests;
+    transport::Completion done;
+  };
   struct Replica {
     ReplicaPeer peer;
     mutable std::mutex mu;
@@ -72,6 +86,13 @@ class TcpReplicator final : public Replicator {
     std::atomic<int> state{static_cast<int>(State::pending)};
     std::atomic<std::uint64_t> shipped_bytes{0}, transfers{0}, failures{0};
     std::thread keeper;
+    // Legs an I/O thread prepared, submitted in order by this replica's sender thread: a submit
+    // blocks while the connection's window or socket is full, which must stall only this replica,
+    // never an I/O thread (and with it every client on that thread).
+    std::mutex out_mu;
+    std::condition_variable out_cv;
+    std::deque<Leg*> outbox;
+    std::thread sender;
   };
   // One request's records, in flight to every live replica.
   struct Shipment {
@@ -81,21 +102,19 @@ class TcpReplicator final : public Replicator {
     std::unique_ptr<float[]> records;
     std::uint64_t record_floats = 0, capacity = 0;
     std::vector<transport::KeySlice> slices;
-    struct Leg {
-      Replica* replica;
-      std::shared_ptr<transport::Connection> conn;  // null: wait for the pending replica's sync
-      std::vector<transport::Request> requests;
-      transport::Completion done;
-    };
     std::deque<Leg> legs;
     std::unique_ptr<Parked> reply;
+    std::uint64_t reserved = 0;  // bytes of reserve() this shipment gives back when answered
   };
   // Snapshots `keys` (value lengths) of the own store into s->records and s->slices, cut into
   // requests under the size limit; returns the requests' key ranges.
   std::vector<std::pair<std::size_t, std::size_t>> snapshot(std::span<const KeyEntry> keys, Shipment* s);
-  // Submits every request of `leg`; false if the connection refused them at once.
-  bool submit(Shipment& s, Shipment::Leg& leg, const std::vector<std::pair<std::size_t, std::size_t>>& ranges,
-              std::uint32_t arg1);
+  // Fills in `leg`'s requests (one per range of s.slices; one without keys when `ranges` is
+  // empty) and resets its completion; send() submits them.
+  void prepare(Shipment& s, Leg& leg, const std::vector<std::pair<std::size_t, std::size_t>>& ranges,
+               std::uint32_t arg1);
+  static void send(Leg& leg) noexcept;
+  void sender(Replica& r);
   // Marks `r` down, unless `conn` (when given) is no longer its connection.
   void drop(Replica& r, const transport::Connection* conn, const std::string& why);
   void keeper(Replica& r);
@@ -113,6 +132,9 @@ class TcpReplicator final : public Replicator {
   std::unique_ptr<Shipment> take_shipment();
   void give_back(std::unique_ptr<Shipment> s);
   std::atomic<bool> stopping_{false};
+  std::atomic<bool> senders_stop_{false};  // after the acker has answered everything
+  std::atomic<std::uint64_t> reserved_bytes_{0};
+  std::uint64_t record_bytes(std::span<const KeyEntry> keys) const noexcept;
   bool stopped_ = false;
   std::thread acker_;
 };

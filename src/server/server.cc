@@ -102,6 +102,7 @@ class ServerImpl {
     r.server_id = o.server_id;
     r.io_timeout = o.frame_timeout;
     r.max_request_bytes = o.max_request_bytes;
+    r.max_in_flight_bytes = std::max(o.memory_budget_bytes / 2, o.max_request_bytes);
     const auto servers = static_cast<std::uint32_t>(o.peers.size());
     for (std::uint32_t j = 1; j < o.replicas; ++j) {
       e.replica_of.push_back((o.server_id + servers - j) % servers);

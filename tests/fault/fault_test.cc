@@ -50,10 +50,10 @@ class Fault : public ::testing::TestWithParam<std::string> {
     return "shm://fault-" + tag + "-" + std::to_string(getpid()) + "-" + std::to_string(trial) + "-" +
            std::to_string(server);
   }
-  // Fixed ports per test process so that a restarted server comes back at the same address.
+  // One port per server for the whole test, so that a restarted server comes back at the same
+  // address; taken from the kernel (a formula once landed on a port a client socket held).
   int port_for(int server) {
-    while (ports_.size() <= static_cast<std::size_t>(server))
-      ports_.push_back(20000 + (getpid() * 7 + int(ports_.size()) * 101) % 40000);
+    while (ports_.size() <= static_cast<std::size_t>(server)) ports_.push_back(testing::free_loopback_port());
     return ports_[static_cast<std::size_t>(server)];
   }
   std::vector<int> ports_;

@@ -59,6 +59,12 @@ struct ServerProcess {
   static ServerProcess start(const std::vector<std::string>& args, const std::string& stderr_path = {});
 };
 
+// A loopback TCP port nobody holds now, below the ephemeral range, for a server that must come
+// back at the same address after a restart. A port in the ephemeral range can be taken meanwhile
+// by a client connection as its local port, and the server then cannot listen (this flaked
+// Fault.WorkerKilledAtRandom/tcp). Successive calls in one process return different ports.
+int free_loopback_port();
+
 // The whole of a file (a server's stderr log, say); empty if it cannot be read.
 std::string read_file(const std::string& path);
 

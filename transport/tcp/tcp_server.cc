@@ -658,6 +658,16 @@ void TcpServer::close_peer(Peer& peer, const std::string& reason) {
     ::shutdown(peer.fd.get(), SHUT_RDWR);
     peer.fd.reset();
   }
+  // A push applied in pieces and cut short: its room for the replicas goes back, and the keys it
+  // touched are shipped anyway (with no reply), so the replicas hold what the pieces changed.
+  if (peer.large.stage == LargeFrame::Stage::stream && engine_.replicator()) {
+    const LargeFrame& f = peer.large;
+    const std::size_t touched =
+        f.found == Errc::ok ? std::min<std::size_t>(f.key + (f.done_floats > 0 ? 1 : 0), peer.keys.size()) : 0;
+    const std::span<const wire::KeyEntry> keys(peer.keys);
+    if (touched) engine_.replicator()->ship(keys.first(touched), nullptr);
+    engine_.replicator()->release(keys.subspan(touched));
+  }
   // The owner closes (or the server, once its threads are gone): the frame's buffers go with the
   // charge, not later with the last reference a parked request keeps to the connection.
   peer.large.charged.reset();
@@ -865,7 +875,13 @@ TcpServer::Progress TcpServer::continue_large_frame(Peer& peer) {
           bad_frame(peer, f.h, e, why);
           return Progress::close;
         }
-        if (streams(peer, f.h)) {
+        if (streams(peer, f.h) && !reserve_for_replicas(peer, f.h)) {
+          f.refusal = Errc::capacity;
+          f.refusal_why = replicas_behind();
+          f.have = 0;
+          f.stage = LargeFrame::Stage::discard;
+          f.key_have = key_bytes;
+        } else if (streams(peer, f.h)) {
           // Every key is checked before any value is read: a bad one is answered after the
           // payload is drained, with nothing applied and the connection still good.
           f.found = engine_.find_slots(peer.keys, f.slots, &f.why);
@@ -1009,6 +1025,7 @@ TcpServer::Progress TcpServer::stream_push(Peer& peer) {
     }
   }
   engine_.count_pushes(f.applied);
+  if (f.found != Errc::ok && engine_.replicator()) engine_.replicator()->release(peer.keys);
   const bool ok = f.found != Errc::ok ? send_error(peer, f.h, f.found, f.why) : answer_applied(peer, f.h);
   return ok ? Progress::done : Progress::close;
 }
@@ -1079,12 +1096,16 @@ bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payl
                                   " (its record, with optimizer state, must fit half of it); raise it or lower "
                                   "the client's chunk_floats");
           }
+      if (!reserve_for_replicas(peer, h)) return send_error(peer, h, Errc::capacity, replicas_behind());
       status = engine_.init(peer.keys, payload, &why);
       if (status == Errc::ok) return answer_applied(peer, h);
+      if (engine_.replicator()) engine_.replicator()->release(peer.keys);
       break;
     case wire::Op::push:
+      if (!reserve_for_replicas(peer, h)) return send_error(peer, h, Errc::capacity, replicas_behind());
       status = engine_.push(peer.worker, h.arg0, peer.keys, payload, &why);
       if (status == Errc::ok) return answer_applied(peer, h);
+      if (engine_.replicator()) engine_.replicator()->release(peer.keys);
       break;
     case wire::Op::replicate: {
       const auto origin = static_cast<std::uint32_t>(h.arg0);
@@ -1172,6 +1193,19 @@ bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payl
   }
   if (status != Errc::ok) return send_error(peer, h, status, why);
   return send_empty(peer, h);
+}
+
+bool TcpServer::reserve_for_replicas(Peer& peer, const wire::FrameHeader& /*h*/) {
+  Replicator* replicator = engine_.replicator();
+  if (!replicator || replicator->reserve(peer.keys)) return true;
+  log::warn("tcp.replicas-behind", "server " + std::to_string(engine_.options().server_id) + " refused a request of " +
+                                       peer.address + ": " + replicas_behind());
+  return false;
+}
+
+std::string TcpServer::replicas_behind() {
+  return "the replicas are behind: the records in flight to them would pass half of --memory-budget-mb; nothing of "
+         "this request was applied, send it again";
 }
 
 bool TcpServer::answer_applied(Peer& peer, const wire::FrameHeader& h) {

@@ -194,6 +194,10 @@ class TcpServer {
   // The reply to an init or push that was applied: at once, or once every live replica holds its
   // keys (--replicas).
   bool answer_applied(Peer& peer, const wire::FrameHeader& h);
+  // Room for an init or push's records on their way to the replicas, taken before it is applied
+  // (always true without --replicas); false: refuse it, nothing applied.
+  bool reserve_for_replicas(Peer& peer, const wire::FrameHeader& h);
+  static std::string replicas_behind();
   // replica_pull: the records of peer.keys from the replica of the origin (h.arg0).
   bool answer_records(Peer& peer, const wire::FrameHeader& h);
   // Below this a pull reply is copied: the copy is cheap and the extra trailer write is not.
