@@ -101,6 +101,7 @@ void TcpReplicator::prepare(Shipment& s, Leg& leg, const std::vector<std::pair<s
                             std::uint32_t arg1) {
   leg.requests.resize(ranges.empty() ? 1 : ranges.size());
   leg.done.reset(static_cast<std::uint32_t>(leg.requests.size()));
+  leg.sent.store(false, std::memory_order_relaxed);
   for (std::size_t i = 0; i < leg.requests.size(); ++i) {
     transport::Request& q = leg.requests[i];
     q = transport::Request{};
@@ -115,19 +116,13 @@ void TcpReplicator::prepare(Shipment& s, Leg& leg, const std::vector<std::pair<s
 }
 
 void TcpReplicator::send(Leg& leg) noexcept {
-  // Once the last request is submitted its answer may complete the leg, and the acker give the
-  // shipment (this leg with it) back to the pool, before submit() has even returned here: nothing
-  // of `leg` may be read after the last submit, not even the request count.
-  const std::size_t n = leg.requests.size();
-  transport::Request* requests = leg.requests.data();
-  const std::shared_ptr<transport::Connection> conn = leg.conn;  // the leg may hold the last reference
-  transport::Completion& done = leg.done;
-  for (std::size_t i = 0; i < n; ++i) {
+  // The leg stays alive until its sender says so (Leg::sent), or, on the keeper's own transfers,
+  // until this returns.
+  for (std::size_t i = 0; i < leg.requests.size(); ++i) {
     try {
-      conn->submit(requests[i]);
+      leg.conn->submit(leg.requests[i]);
     } catch (const std::exception& e) {
-      // Requests i.. were never submitted, so the leg is not complete and still alive.
-      for (std::size_t j = i; j < n; ++j) done.complete_part(Errc::peer_failure, e.what());
+      for (std::size_t j = i; j < leg.requests.size(); ++j) leg.done.complete_part(Errc::peer_failure, e.what());
       return;
     }
   }
@@ -144,6 +139,7 @@ void TcpReplicator::sender(Replica& r) {
       r.outbox.pop_front();
     }
     send(*leg);
+    leg->sent.store(true, std::memory_order_release);  // the last access: the acker may free it now
   }
 }
 
@@ -276,6 +272,7 @@ void TcpReplicator::acker() {
         continue;
       }
       wait_done(leg.done, leg.conn.get());
+      while (!leg.sent.load(std::memory_order_acquire)) std::this_thread::yield();
       if (leg.done.status() != Errc::ok) drop(*leg.replica, leg.conn.get(), leg.done.message());
     }
     // Every live replica holds the keys; one that failed is no longer live. (A stop cut short

@@ -78,6 +78,10 @@ class TcpReplicator final : public Replicator {
     std::shared_ptr<transport::Connection> conn;  // null: wait for the pending replica's sync
     std::vector<transport::Request> requests;
     transport::Completion done;
+    // Set by the sender once send() has returned. A request can be completed by another thread
+    // (the connection failing under it) while submit() still reads it, so the acker frees a leg
+    // only once its sender is done with it, not merely once it is complete.
+    std::atomic<bool> sent{false};
   };
   struct Replica {
     ReplicaPeer peer;
