@@ -687,20 +687,6 @@ std::string human(double bytes) {
 
 }  // namespace
 
-// A loopback port nobody holds right now (bound to port 0 and released): replicas must know each
-// other's addresses before they start. Good enough on one node, which is all the bench starts.
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
-  socklen_t len = sizeof a;
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
-
 int main(int argc, char** argv) {
   CLI::App app{
       "pskv-bench: push/pull bandwidth and latency per transport, as ratios to the machine's own limits "
@@ -802,7 +788,8 @@ int main(int argc, char** argv) {
   // Replicas connect to each other, so every server's address is fixed before any starts.
   std::vector<std::string> ring;
   if (replicas > 1)
-    for (int s = 0; s < servers; ++s) ring.push_back("tcp://127.0.0.1:" + std::to_string(free_port()));
+    for (int s = 0; s < servers; ++s)
+      ring.push_back("tcp://127.0.0.1:" + std::to_string(pskv::tcp::free_loopback_port()));
   if (targets.empty()) {
     const std::size_t biggest = *std::max_element(sizes.begin(), sizes.end());
     const int max_clients = *std::max_element(client_counts.begin(), client_counts.end());

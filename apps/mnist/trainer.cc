@@ -1,10 +1,7 @@
 #include "trainer.h"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
 #include <signal.h>
 #include <sys/prctl.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -23,6 +20,7 @@
 #include "pskv/client.h"
 #include "pskv/error.h"
 #include "pskv/server.h"
+#include "transport/tcp/socket.h"
 
 namespace pskv::mnist {
 
@@ -334,29 +332,6 @@ pid_t fork_child(const std::function<int()>& body) {
   return pid;
 }
 
-int free_port() {
-  // A port below the ephemeral range that binds now: a killed server is restarted at the same
-  // port, and one in the ephemeral range could meanwhile be taken by a client connection as its
-  // local port. Single node only, which is all --launch serves.
-  int low = 32768, high = 60999;
-  std::ifstream("/proc/sys/net/ipv4/ip_local_port_range") >> low >> high;
-  const int first = 10000, span = std::max(1, low - first);
-  static int next = static_cast<int>(::getpid() * 37 % span);
-  for (int tries = 0; tries < span; ++tries) {
-    const int port = first + (next++ % span);
-    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd < 0) break;
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    a.sin_port = htons(static_cast<std::uint16_t>(port));
-    const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0;
-    ::close(fd);
-    if (ok) return port;
-  }
-  throw Error(Errc::io, "no free loopback port below the ephemeral range; pass --port-base");
-}
-
 }  // namespace
 
 TrainResult launch(const TrainConfig& c) {
@@ -366,7 +341,8 @@ TrainResult launch(const TrainConfig& c) {
     if (c.transport == "shm")
       uris.push_back("shm://" + job + "-" + std::to_string(s));
     else
-      uris.push_back(c.transport + "://" + c.host + ":" + std::to_string(c.port_base ? c.port_base + s : free_port()));
+      uris.push_back(c.transport + "://" + c.host + ":" +
+                     std::to_string(c.port_base ? c.port_base + s : tcp::free_loopback_port()));
   }
   std::vector<pid_t> servers(static_cast<std::size_t>(c.servers));
   auto start_server = [&](int s, bool restore) {

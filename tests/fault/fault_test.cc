@@ -17,6 +17,7 @@
 #include "pskv/client.h"
 #include "server/checkpoint.h"
 #include "support/process.h"
+#include "transport/tcp/socket.h"
 
 namespace pskv {
 namespace {
@@ -26,21 +27,10 @@ using testing::ServerProcess;
 using testing::wait_pid;
 namespace fs = std::filesystem;
 
-int trials() {
-  const char* v = std::getenv("PSKV_FAULT_TRIALS");
-  return v ? std::max(1, std::atoi(v)) : 20;
-}
-
 std::uint64_t now_unix_ns() {
   return static_cast<std::uint64_t>(
       std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch())
           .count());
-}
-
-template <class T>
-T* shared(std::size_t n) {
-  void* p = mmap(nullptr, sizeof(T) * n, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
-  return new (p) T[n]();
 }
 
 class Fault : public ::testing::TestWithParam<std::string> {
@@ -53,7 +43,7 @@ class Fault : public ::testing::TestWithParam<std::string> {
   // One port per server for the whole test, so that a restarted server comes back at the same
   // address; taken from the kernel (a formula once landed on a port a client socket held).
   int port_for(int server) {
-    while (ports_.size() <= static_cast<std::size_t>(server)) ports_.push_back(testing::free_loopback_port());
+    while (ports_.size() <= static_cast<std::size_t>(server)) ports_.push_back(tcp::free_loopback_port());
     return ports_[static_cast<std::size_t>(server)];
   }
   std::vector<int> ports_;
@@ -63,7 +53,7 @@ class Fault : public ::testing::TestWithParam<std::string> {
 // finish, and each key holds between its acknowledged and its sent push count.
 TEST_P(Fault, WorkerKilledAtRandom) {
   std::mt19937 rng(42);
-  for (int trial = 0; trial < trials(); ++trial) {
+  for (int trial = 0; trial < testing::fault_trials(); ++trial) {
     auto server = ServerProcess::start({"--uri", uri("w", trial, 0), "--workers", "3", "--mode", "asp"});
     ClientOptions o;
     o.servers = {server.uri};
@@ -73,8 +63,7 @@ TEST_P(Fault, WorkerKilledAtRandom) {
       std::vector<float> zeros(64, 0.0f);
       for (Key k = 0; k < 3; ++k) admin.wait(admin.init(k, zeros));
     }
-    auto* sent = shared<std::atomic<std::uint64_t>>(3);
-    auto* acked = shared<std::atomic<std::uint64_t>>(3);
+    testing::SharedArray<std::atomic<std::uint64_t>> sent(3), acked(3);
     std::vector<pid_t> pids;
     for (std::uint32_t w = 0; w < 3; ++w)
       pids.push_back(fork_worker([&, w] {
@@ -107,8 +96,6 @@ TEST_P(Fault, WorkerKilledAtRandom) {
       EXPECT_GE(out[0], float(acked[k].load())) << "an acknowledged push was lost, trial " << trial;
       EXPECT_LE(out[0], float(sent[k].load())) << "trial " << trial;
     }
-    munmap(sent, 3 * sizeof(std::atomic<std::uint64_t>));
-    munmap(acked, 3 * sizeof(std::atomic<std::uint64_t>));
   }
 }
 
@@ -118,7 +105,7 @@ TEST_P(Fault, WorkerKilledAtRandom) {
 // acknowledged before its last checkpoint began; and training goes on against it.
 TEST_P(Fault, ServerKilledRestartsFromItsCheckpoint) {
   std::mt19937 rng(7);
-  const int n = std::max(2, trials() / 2);  // each trial needs a checkpoint first: ~2 s each
+  const int n = std::max(2, testing::fault_trials() / 2);  // each trial needs a checkpoint first: ~2 s each
   for (int trial = 0; trial < n; ++trial) {
     const fs::path dir =
         fs::temp_directory_path() / ("pskv-fault-" + std::to_string(getpid()) + "-" + std::to_string(trial));
@@ -139,8 +126,8 @@ TEST_P(Fault, ServerKilledRestartsFromItsCheckpoint) {
       for (Key k = 0; k < kKeys; ++k) admin.wait(admin.init(k, zeros));
     }
     constexpr std::size_t kMaxOps = 200000;
-    auto* ack_ns = shared<std::uint64_t>(2 * kMaxOps);     // when each worker's i-th push was acknowledged
-    auto* counts = shared<std::atomic<std::uint64_t>>(4);  // [w]: acked, [2+w]: sent
+    testing::SharedArray<std::uint64_t> ack_ns(2 * kMaxOps);     // when each worker's i-th push was acknowledged
+    testing::SharedArray<std::atomic<std::uint64_t>> counts(4);  // [w]: acked, [2+w]: sent
     std::vector<pid_t> pids;
     for (int w = 0; w < 2; ++w)
       pids.push_back(fork_worker([&, w] {
@@ -210,8 +197,6 @@ TEST_P(Fault, ServerKilledRestartsFromItsCheckpoint) {
       check.wait(check.pull(k, after));
       EXPECT_EQ(after[0], before[0] + 1);
     }
-    munmap(ack_ns, 2 * kMaxOps * sizeof(std::uint64_t));
-    munmap(counts, 4 * sizeof(std::atomic<std::uint64_t>));
     servers.clear();
     fs::remove_all(dir);
   }
@@ -225,7 +210,7 @@ TEST_P(Fault, KillDuringCheckpointWriteKeepsThePreviousOne) {
   fs::create_directories(dir);
   int mid_write = 0;
   const std::string path = checkpoint_path(dir.string(), 0), tmp = path + ".tmp";
-  for (int trial = 0; trial < trials(); ++trial) {
+  for (int trial = 0; trial < testing::fault_trials(); ++trial) {
     fs::remove(path);
     fs::remove(tmp);
     auto server = ServerProcess::start({"--uri", uri("c", trial, 0), "--checkpoint-dir", dir.string(),
@@ -260,7 +245,7 @@ TEST_P(Fault, KillDuringCheckpointWriteKeepsThePreviousOne) {
     EXPECT_TRUE(complete()) << "the previous checkpoint did not survive the kill, trial " << trial;
     if (GetParam() == "shm") ::unlink(("/dev/shm/pskv-" + uri("c", trial, 0).substr(6)).c_str());
   }
-  std::printf("[ fault    ] %d of %d kills landed during a checkpoint write\n", mid_write, trials());
+  std::printf("[ fault    ] %d of %d kills landed during a checkpoint write\n", mid_write, testing::fault_trials());
   EXPECT_GT(mid_write, 0) << "no kill landed mid-write: the test did not exercise what it claims";
   fs::remove_all(dir);
 }

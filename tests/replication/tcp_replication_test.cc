@@ -4,7 +4,6 @@
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
-#include <sys/mman.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -17,6 +16,8 @@
 #include "pskv/client.h"
 #include "support/process.h"
 #include "support/stats.h"
+#include "support/workloads.h"
+#include "transport/tcp/socket.h"
 #include "transport/transport.h"
 #include "transport/uri.h"
 
@@ -27,25 +28,13 @@ using testing::fork_worker;
 using testing::ServerProcess;
 using testing::wait_pid;
 
-int trials() {
-  const char* v = std::getenv("PSKV_FAULT_TRIALS");
-  return v ? std::max(1, std::atoi(v)) : 20;
-}
-
-template <class T>
-T* shared(std::size_t n) {
-  void* p = mmap(nullptr, sizeof(T) * n, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
-  return new (p) T[n]();
-}
-
 // A ring of `n` tcp servers on fixed ports, so that a restarted one comes back at its address.
 class Ring {
  public:
   // Ports the kernel hands out as free now (a fixed formula could land on a port some client
   // connection holds as its local port); a restarted server comes back at the same one.
-  Ring(int n, std::uint32_t replicas, std::vector<std::string> extra, int /*salt*/)
-      : replicas_(replicas), extra_(std::move(extra)) {
-    for (int s = 0; s < n; ++s) uris_.push_back("tcp://127.0.0.1:" + std::to_string(testing::free_loopback_port()));
+  Ring(int n, std::uint32_t replicas, std::vector<std::string> extra) : replicas_(replicas), extra_(std::move(extra)) {
+    for (int s = 0; s < n; ++s) uris_.push_back("tcp://127.0.0.1:" + std::to_string(tcp::free_loopback_port()));
     for (int s = 0; s < n; ++s) servers_.push_back(start(s, false));
   }
   ServerProcess start(int s, bool rejoin) {
@@ -159,7 +148,7 @@ void expect_replicas_equal(const Ring& ring, std::uint32_t replicas, std::uint32
 
 TEST(TcpReplication, ReplicasHoldTheOriginsVeryBytes) {
   constexpr std::uint32_t kReplicas = 3;
-  Ring ring(3, kReplicas, {"--rule", "adam", "--lr", "0.01"}, 1);
+  Ring ring(3, kReplicas, {"--rule", "adam", "--lr", "0.01"});
   ClientOptions o;
   o.servers = ring.uris();
   Client c(o);
@@ -186,7 +175,7 @@ TEST(TcpReplication, ReplicasHoldTheOriginsVeryBytes) {
 // the other. The replica must still end with the origin's bytes (records are ordered by the
 // seqlock version, which moves with every piece, not by the update count).
 TEST(TcpReplication, PushesAppliedInPiecesReachTheReplicaWhole) {
-  Ring ring(2, 2, {"--rule", "momentum", "--lr", "0.01"}, 90);
+  Ring ring(2, 2, {"--rule", "momentum", "--lr", "0.01"});
   ClientOptions o;
   o.servers = ring.uris();
   o.chunk_floats = 0;  // whole keys, so each is applied in pieces on its server
@@ -216,8 +205,7 @@ TEST(TcpReplication, PushesAppliedInPiecesReachTheReplicaWhole) {
 // memory budget, pushes are refused (capacity, nothing applied) rather than buffered.
 TEST(TcpReplication, AHungReplicaCostsABoundedAmountAndIsDroppedAtTheTimeout) {
   Ring ring(2, 2,
-            {"--memory-budget-mb", "16", "--max-request-mb", "8", "--frame-timeout-ms", "3000", "--io-threads", "2"},
-            0);
+            {"--memory-budget-mb", "16", "--max-request-mb", "8", "--frame-timeout-ms", "3000", "--io-threads", "2"});
   ClientOptions o;
   o.servers = ring.uris();
   o.chunk_floats = 0;
@@ -271,9 +259,9 @@ void kill_trials(std::uint32_t replicas, bool during_transfer) {
   constexpr int kWorkers = 3;
   constexpr Key kKeys = 12;
   constexpr std::size_t kLen = 4096;
-  const int n = trials();
+  const int n = testing::fault_trials();
   for (int trial = 0; trial < n; ++trial) {
-    Ring ring(3, replicas, {"--rule", "add", "--frame-timeout-ms", "2000"}, 2 + trial * 4 + int(replicas));
+    Ring ring(3, replicas, {"--rule", "add", "--frame-timeout-ms", "2000"});
     ClientOptions o;
     o.servers = ring.uris();
     o.io_timeout = std::chrono::seconds(5);
@@ -289,38 +277,13 @@ void kill_trials(std::uint32_t replicas, bool during_transfer) {
         for (Key k = 1000; k < 3000; ++k) admin.wait(admin.init(k, ballast));
       }
     }
-    auto* counts = shared<std::atomic<std::uint64_t>>(2 * kWorkers);  // acknowledged, failed after sending
-    auto* stop = shared<std::atomic<int>>(1);
+    testing::SharedArray<testing::PushTally> tally(kWorkers);
+    testing::SharedArray<std::atomic<int>> stop(1);
     std::vector<pid_t> pids;
     const testing::KillOnExit reap(pids);
     for (int w = 0; w < kWorkers; ++w)
       pids.push_back(fork_worker([&, w] {
-        const std::vector<float> one(kLen, 1.0f);
-        const std::vector<std::span<const float>> values(kKeys, std::span<const float>(one));
-        std::unique_ptr<Client> c;
-        auto reconnect_by = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-        while (stop->load() == 0) {
-          bool sent = false;
-          try {
-            if (!c) {
-              c = std::make_unique<Client>(o);
-              reconnect_by = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-            }
-            sent = true;
-            c->wait(c->push(keys, values));
-            counts[2 * w].fetch_add(1);
-          } catch (const Error& e) {
-            if (sent) counts[2 * w + 1].fetch_add(1);
-            if (c) c->disconnect();
-            c.reset();
-            if (std::chrono::steady_clock::now() > reconnect_by) {
-              std::fprintf(stderr, "worker %d: no way back within 60 s: %s\n", w, e.what());
-              return 1;
-            }
-            std::this_thread::sleep_for(std::chrono::milliseconds(5));
-          }
-        }
-        return 0;
+        return testing::push_through_failures(o, keys, kLen, tally[w], stop[0], std::chrono::seconds(60));
       }));
     std::this_thread::sleep_for(std::chrono::milliseconds(100 + rng() % 300));
     const int first = static_cast<int>(rng() % 3);
@@ -336,13 +299,13 @@ void kill_trials(std::uint32_t replicas, bool during_transfer) {
       ring.restart(replica);
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(200 + rng() % 200));
-    stop->store(1);
+    stop[0].store(1);
     for (pid_t p : pids) ASSERT_EQ(wait_pid(p, std::chrono::seconds(120)), 0) << "a worker failed, trial " << trial;
 
     std::uint64_t acked = 0, failed = 0;
     for (int w = 0; w < kWorkers; ++w) {
-      acked += counts[2 * w].load();
-      failed += counts[2 * w + 1].load();
+      acked += tally[w].acknowledged.load();
+      failed += tally[w].failed.load();
     }
     Client check(o);
     std::vector<float> out(kLen);
@@ -355,8 +318,6 @@ void kill_trials(std::uint32_t replicas, bool during_transfer) {
     }
     wait_synced(ring, replicas);
     expect_replicas_equal(ring, replicas, 0);
-    munmap(counts, 2 * kWorkers * sizeof(std::atomic<std::uint64_t>));
-    munmap(stop, sizeof(std::atomic<int>));
   }
 }
 

@@ -93,6 +93,15 @@ TEST(Store, RejectsBadOptions) {
   EXPECT_THROW(Store::required_bytes(o), Error);
 }
 
+// A non-owning view of a store's bytes, as a second process mapping the segment would have.
+struct View final : MemoryResource {
+  std::byte* p;
+  std::size_t n;
+  View(std::byte* p, std::size_t n) : p(p), n(n) {}
+  std::byte* data() noexcept override { return p; }
+  std::size_t size() const noexcept override { return n; }
+};
+
 TEST(Store, AttachSeesTheSameData) {
   StoreOptions o;
   auto mem = std::make_unique<HeapMemory>(Store::required_bytes(o));
@@ -102,14 +111,6 @@ TEST(Store, AttachSeesTheSameData) {
   std::vector<float> v{4, 5, 6};
   ASSERT_EQ(s->init(42, v), Errc::ok);
 
-  // A non-owning view of the same bytes, as a second process mapping the segment would have.
-  struct View final : MemoryResource {
-    std::byte* p;
-    std::size_t n;
-    View(std::byte* p, std::size_t n) : p(p), n(n) {}
-    std::byte* data() noexcept override { return p; }
-    std::size_t size() const noexcept override { return n; }
-  };
   auto view = Store::attach(std::make_unique<View>(base, size));
   std::vector<float> out(3);
   ASSERT_EQ(view->pull(42, out).status, Errc::ok);
@@ -128,13 +129,6 @@ TEST(Store, AdoptableSlotsCostAScribbledKeyOnlyItself) {
   const std::size_t size = mem->size();
   auto s = Store::create(std::move(mem), o);
   for (Key k = 0; k < 8; ++k) ASSERT_EQ(s->init(k, std::vector<float>(20 + k, float(k))), Errc::ok);
-  struct View final : MemoryResource {
-    std::byte* p;
-    std::size_t n;
-    View(std::byte* p, std::size_t n) : p(p), n(n) {}
-    std::byte* data() noexcept override { return p; }
-    std::size_t size() const noexcept override { return n; }
-  };
   {
     auto old = Store::attach(std::make_unique<View>(base, size));
     std::vector<std::string> refused;

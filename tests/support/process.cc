@@ -1,14 +1,13 @@
 #include "support/process.h"
 
-#include <arpa/inet.h>
 #include <fcntl.h>
-#include <netinet/in.h>
 #include <poll.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -139,26 +138,9 @@ int wait_pid(pid_t pid, std::chrono::milliseconds timeout) {
   }
 }
 
-int free_loopback_port() {
-  // Below the ephemeral range, which connect() and bind(0) draw local ports from: a port there
-  // cannot be taken by a client socket between a server's kill and its restart.
-  int low = 32768, high = 60999;
-  std::ifstream("/proc/sys/net/ipv4/ip_local_port_range") >> low >> high;
-  const int first = 10000, span = std::max(1, low - first);
-  static int next = static_cast<int>(::getpid() * 37 % span);
-  for (int tries = 0; tries < span; ++tries) {
-    const int port = first + (next++ % span);
-    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd < 0) break;
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    a.sin_port = htons(static_cast<std::uint16_t>(port));
-    const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0;
-    ::close(fd);
-    if (ok) return port;
-  }
-  throw std::runtime_error("no free loopback port below the ephemeral range");
+int fault_trials() {
+  const char* v = std::getenv("PSKV_FAULT_TRIALS");
+  return v ? std::max(1, std::atoi(v)) : 20;
 }
 
 KillOnExit::~KillOnExit() {

@@ -2,10 +2,13 @@
 #pragma once
 
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/types.h>
 
 #include <chrono>
 #include <functional>
+#include <new>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -39,6 +42,30 @@ class Process {
 pid_t fork_worker(const std::function<int()>& body);
 int wait_pid(pid_t pid, std::chrono::milliseconds timeout = std::chrono::seconds(120));
 
+// Trials per fault test: PSKV_FAULT_TRIALS (scripts/test.sh sets 20), at least 1.
+int fault_trials();
+
+// A zeroed array of `n` T in memory that forked children share with the test (MAP_SHARED), for
+// the counts they report; unmapped with the object. T must be trivially destructible.
+template <class T>
+class SharedArray {
+ public:
+  explicit SharedArray(std::size_t n) : n_(n) {
+    void* p = ::mmap(nullptr, sizeof(T) * n, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) throw std::runtime_error("mmap of a shared array failed");
+    data_ = new (p) T[n]();
+  }
+  ~SharedArray() { ::munmap(data_, sizeof(T) * n_); }
+  SharedArray(const SharedArray&) = delete;
+  SharedArray& operator=(const SharedArray&) = delete;
+  T& operator[](std::size_t i) const { return data_[i]; }
+  T* get() const { return data_; }
+
+ private:
+  std::size_t n_;
+  T* data_;
+};
+
 // SIGKILLs and reaps whichever of `pids` still run when it goes out of scope, so that a test that
 // fails half-way (an ASSERT returns) leaves no forked worker behind to load the machine.
 class KillOnExit {
@@ -58,12 +85,6 @@ struct ServerProcess {
   std::string uri;
   static ServerProcess start(const std::vector<std::string>& args, const std::string& stderr_path = {});
 };
-
-// A loopback TCP port nobody holds now, below the ephemeral range, for a server that must come
-// back at the same address after a restart. A port in the ephemeral range can be taken meanwhile
-// by a client connection as its local port, and the server then cannot listen (this flaked
-// Fault.WorkerKilledAtRandom/tcp). Successive calls in one process return different ports.
-int free_loopback_port();
 
 // The whole of a file (a server's stderr log, say); empty if it cannot be read.
 std::string read_file(const std::string& path);

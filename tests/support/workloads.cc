@@ -2,6 +2,11 @@
 
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
+#include <cstdio>
+#include <memory>
+#include <thread>
 #include <vector>
 
 #include "support/process.h"
@@ -45,6 +50,37 @@ void expect_nothing_lost(const ClientOptions& options, const NothingLostOptions&
     total += out[0];
   }
   EXPECT_EQ(total, double(w.clients) * w.pushes);
+}
+
+int push_through_failures(const ClientOptions& options, std::span<const Key> keys, std::uint32_t length,
+                          PushTally& tally, const std::atomic<int>& stop, std::chrono::seconds reconnect_within) {
+  const std::vector<float> one(length, 1.0f);
+  const std::vector<std::span<const float>> values(keys.size(), std::span<const float>(one));
+  std::unique_ptr<Client> c;
+  auto reconnect_by = std::chrono::steady_clock::now() + reconnect_within;
+  while (stop.load() == 0) {
+    bool sent = false;
+    try {
+      if (!c) {
+        c = std::make_unique<Client>(options);
+        reconnect_by = std::chrono::steady_clock::now() + reconnect_within;
+      }
+      sent = true;
+      c->wait(c->push(keys, values));
+      tally.acknowledged.fetch_add(1);
+    } catch (const Error& e) {
+      if (sent) tally.failed.fetch_add(1);
+      if (c) c->disconnect();
+      c.reset();
+      if (std::chrono::steady_clock::now() > reconnect_by) {
+        std::fprintf(stderr, "pusher %d: no server took it back within %lld s: %s\n", getpid(),
+                     static_cast<long long>(reconnect_within.count()), e.what());
+        return 1;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+  }
+  return 0;
 }
 
 }  // namespace pskv::testing

@@ -1,8 +1,10 @@
 // Workloads that every backend's integration tests run the same way.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <span>
 #include <string>
 
 #include "pskv/client.h"
@@ -25,5 +27,18 @@ struct NothingLostOptions {
 // and the sum over keys is exactly clients x pushes: nothing was lost or applied twice.
 // Reports failures through GoogleTest.
 void expect_nothing_lost(const ClientOptions& options, const NothingLostOptions& w);
+
+// What a pusher that outlives its servers' failures reports (in a SharedArray).
+struct PushTally {
+  std::atomic<std::uint64_t> acknowledged{0};
+  std::atomic<std::uint64_t> failed{0};  // sent, then failed: it may or may not have landed
+};
+
+// Run in a forked child: pushes +1 to every one of `keys` (`length` floats each) in one push, one
+// at a time, until `stop` is set. A push or connect that fails drops the client and connects
+// again, as a worker whose server died and came back does. Returns 0, or 1 if no server took it
+// back within `reconnect_within` (said on stderr).
+int push_through_failures(const ClientOptions& options, std::span<const Key> keys, std::uint32_t length,
+                          PushTally& tally, const std::atomic<int>& stop, std::chrono::seconds reconnect_within);
 
 }  // namespace pskv::testing

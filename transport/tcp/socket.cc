@@ -1,5 +1,6 @@
 #include "transport/tcp/socket.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
@@ -8,9 +9,12 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <climits>
 #include <cstring>
+#include <fstream>
 
 #include "common/sync.h"
 
@@ -127,6 +131,24 @@ std::uint16_t local_port(int fd) {
   getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len);
   if (ss.ss_family == AF_INET) return ntohs(reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
   return ntohs(reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port);
+}
+
+std::uint16_t free_loopback_port() {
+  int low = 32768, high = 60999;
+  std::ifstream("/proc/sys/net/ipv4/ip_local_port_range") >> low >> high;
+  const int first = 10000, span = std::max(1, low - first);
+  static std::atomic<int> next{static_cast<int>(::getpid() * 37 % span)};
+  for (int tries = 0; tries < span; ++tries) {
+    const auto port = static_cast<std::uint16_t>(first + next.fetch_add(1) % span);
+    const Fd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    if (!fd) break;
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a.sin_port = htons(port);
+    if (::bind(fd.get(), reinterpret_cast<sockaddr*>(&a), sizeof a) == 0) return port;
+  }
+  throw Error(Errc::io, "no free loopback port below the ephemeral range; give the servers ports yourself");
 }
 
 namespace {

@@ -44,6 +44,11 @@ Fd connect_tcp(const std::string& host, std::uint16_t port, std::chrono::millise
 // Binds and listens; port 0 picks a free port (see local_port).
 Fd listen_tcp(const std::string& host, std::uint16_t port, int backlog);
 std::uint16_t local_port(int fd);
+// A loopback TCP port that binds now, below the ephemeral range (which connect() and bind(0) draw
+// local ports from), for servers that must come back at the same address after a restart: a port
+// in that range can meanwhile be taken by a client connection as its local port. Successive calls
+// in one process return different ports. Single node only.
+std::uint16_t free_loopback_port();
 void set_io_timeouts(int fd, std::chrono::milliseconds recv, std::chrono::milliseconds send);
 void set_nodelay(int fd);
 // TCP keepalive probing after `idle` of silence, so a peer whose link went away without a FIN
