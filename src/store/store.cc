@@ -530,7 +530,7 @@ std::vector<Store::Adoptable> Store::adoptable_slots(std::vector<std::string>* r
     published.push_back({at, key});
   }
   std::sort(published.begin(), published.end(), [](const Published& a, const Published& b) { return a.at < b.at; });
-  std::vector<Key> seen;  // a key published twice (a scribbled index) is taken once, at its first slot
+  std::unordered_set<Key> taken;  // a key published twice (a scribbled index) is taken at its first slot
   std::vector<Adoptable> out;
   out.reserve(published.size());
   std::uint64_t expected = 0;  // where the next slot starts
@@ -539,41 +539,28 @@ std::vector<Store::Adoptable> Store::adoptable_slots(std::vector<std::string>* r
     const auto* slot = reinterpret_cast<const SlotHeader*>(base_ + g_.values_offset + p.at);
     const std::uint32_t length = slot->length;
     const std::uint64_t end = i + 1 < published.size() ? published[i + 1].at : g_.values_bytes;
-    const std::string k = "key " + std::to_string(p.key);
+    const auto k = [&] { return "key " + std::to_string(p.key); };  // for refusals only
     // Each accepted slot ends exactly where the next published one starts, so a gap is a slot whose
     // index entry was lost (its key is unknown), never an overlap.
     if (p.at != expected)
       refused->push_back("arena bytes " + std::to_string(expected) + " to " + std::to_string(p.at) +
                          " hold no published key (an index entry was overwritten?)");
     if (slot->key != p.key)
-      refused->push_back(k + ": its slot header names key " + std::to_string(slot->key));
+      refused->push_back(k() + ": its slot header names key " + std::to_string(slot->key));
     else if (length == 0 || slot_bytes(length) > end - p.at ||
              (i + 1 < published.size() && slot_bytes(length) != end - p.at))
-      refused->push_back(k + ": its slot header's length " + std::to_string(length) + " floats does not fit the " +
+      refused->push_back(k() + ": its slot header's length " + std::to_string(length) + " floats does not fit the " +
                          std::to_string(end - p.at) + " bytes up to the next slot");
     else {
       expected = p.at + slot_bytes(length);
-      seen.push_back(p.key);
-      out.push_back({p.key, ref_at(p.at, length, p.key)});
+      if (taken.insert(p.key).second)
+        out.push_back({p.key, ref_at(p.at, length, p.key)});
+      else
+        refused->push_back(k() + ": published again at a later slot");
       continue;
     }
     // A refused slot still ends where the next one starts, so one bad header costs one key.
     expected = end;
-  }
-  // Duplicates: keep each key's first slot in the arena (the one created first).
-  std::vector<Key> sorted = seen;
-  std::sort(sorted.begin(), sorted.end());
-  if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end()) {
-    std::vector<Adoptable> unique;
-    std::unordered_set<Key> taken;
-    for (const Adoptable& a : out) {
-      if (!taken.insert(a.key).second) {
-        refused->push_back("key " + std::to_string(a.key) + ": published again at a later slot");
-        continue;
-      }
-      unique.push_back(a);
-    }
-    out.swap(unique);
   }
   return out;
 }

@@ -875,13 +875,19 @@ TcpServer::Progress TcpServer::continue_large_frame(Peer& peer) {
           bad_frame(peer, f.h, e, why);
           return Progress::close;
         }
-        if (streams(peer, f.h) && !reserve_for_replicas(peer, f.h)) {
+        // Refused for capacity: the key table is already read, only the payload is left to drop,
+        // and then the refusal is answered with nothing applied.
+        auto refuse_payload = [&](std::string why) {
           f.refusal = Errc::capacity;
-          f.refusal_why = replicas_behind();
+          f.refusal_why = std::move(why);
           f.have = 0;
           f.stage = LargeFrame::Stage::discard;
           f.key_have = key_bytes;
-        } else if (streams(peer, f.h)) {
+        };
+        const bool stream = streams(peer, f.h);
+        if (stream && !reserve_for_replicas(peer)) {
+          refuse_payload(replicas_behind());
+        } else if (stream) {
           // Every key is checked before any value is read: a bad one is answered after the
           // payload is drained, with nothing applied and the connection still good.
           f.found = engine_.find_slots(peer.keys, f.slots, &f.why);
@@ -889,12 +895,7 @@ TcpServer::Progress TcpServer::continue_large_frame(Peer& peer) {
           f.done_floats = f.step = f.applied = 0;
           f.stage = LargeFrame::Stage::stream;
         } else if (!f.charged.take(budget_, f.h.payload_bytes)) {
-          f.refusal = Errc::capacity;
-          f.refusal_why = over_budget(peer, f.h.payload_bytes, std::string(wire::op_name(f.h.op)));
-          f.have = 0;
-          f.stage = LargeFrame::Stage::discard;
-          // The key table is already read: only the payload is left to drop.
-          f.key_have = key_bytes;
+          refuse_payload(over_budget(peer, f.h.payload_bytes, std::string(wire::op_name(f.h.op))));
         } else {
           f.have = 0;
           f.stage = LargeFrame::Stage::body;
@@ -1096,13 +1097,13 @@ bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payl
                                   " (its record, with optimizer state, must fit half of it); raise it or lower "
                                   "the client's chunk_floats");
           }
-      if (!reserve_for_replicas(peer, h)) return send_error(peer, h, Errc::capacity, replicas_behind());
+      if (!reserve_for_replicas(peer)) return send_error(peer, h, Errc::capacity, replicas_behind());
       status = engine_.init(peer.keys, payload, &why);
       if (status == Errc::ok) return answer_applied(peer, h);
       if (engine_.replicator()) engine_.replicator()->release(peer.keys);
       break;
     case wire::Op::push:
-      if (!reserve_for_replicas(peer, h)) return send_error(peer, h, Errc::capacity, replicas_behind());
+      if (!reserve_for_replicas(peer)) return send_error(peer, h, Errc::capacity, replicas_behind());
       status = engine_.push(peer.worker, h.arg0, peer.keys, payload, &why);
       if (status == Errc::ok) return answer_applied(peer, h);
       if (engine_.replicator()) engine_.replicator()->release(peer.keys);
@@ -1195,7 +1196,7 @@ bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payl
   return send_empty(peer, h);
 }
 
-bool TcpServer::reserve_for_replicas(Peer& peer, const wire::FrameHeader& /*h*/) {
+bool TcpServer::reserve_for_replicas(Peer& peer) {
   Replicator* replicator = engine_.replicator();
   if (!replicator || replicator->reserve(peer.keys)) return true;
   log::warn("tcp.replicas-behind", "server " + std::to_string(engine_.options().server_id) + " refused a request of " +

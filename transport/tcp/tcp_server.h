@@ -196,7 +196,7 @@ class TcpServer {
   bool answer_applied(Peer& peer, const wire::FrameHeader& h);
   // Room for an init or push's records on their way to the replicas, taken before it is applied
   // (always true without --replicas); false: refuse it, nothing applied.
-  bool reserve_for_replicas(Peer& peer, const wire::FrameHeader& h);
+  bool reserve_for_replicas(Peer& peer);
   static std::string replicas_behind();
   // replica_pull: the records of peer.keys from the replica of the origin (h.arg0).
   bool answer_records(Peer& peer, const wire::FrameHeader& h);
