@@ -195,11 +195,12 @@ void TcpReplicator::ship(std::span<const KeyEntry> keys, std::unique_ptr<Parked>
   }
   auto s = take_shipment();
   s->reply = std::move(reply);
-  s->reserved = record_bytes(keys);
   std::vector<std::pair<std::size_t, std::size_t>> ranges;
   try {
     ranges = snapshot(keys, s.get());
+    s->reserved = s->record_floats * sizeof(float);  // what reserve() took for these keys
   } catch (const Error& e) {
+    s->reserved = record_bytes(keys);
     if (s->reply) s->reply->resume(Errc::protocol, std::string("applied here, but not replicated: ") + e.what());
     give_back(std::move(s));
     return;
