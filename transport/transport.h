@@ -107,6 +107,10 @@ struct ConnectOptions {
   wire::Limits limits{};
   // tcp/rdma: prove this token to the server and require the server to prove it back.
   std::shared_ptr<const auth::Token> token;
+  // tcp: the client's session (a random nonzero word, the same on every connection of one
+  // Client): with a push's sequence number in arg1, it tells a replicated server which pushes a
+  // key already holds (PushId). 0: pushes are not identified.
+  std::uint32_t session = 0;
 };
 
 // What the server said about itself at connect time.
@@ -129,6 +133,10 @@ class Connection {
   // Backends whose answers a waiting thread can pick up itself return their Poller; the others
   // complete requests on their own threads.
   virtual Poller* poller() noexcept { return nullptr; }
+  // True once the connection has failed (the server died, closed or went silent): its requests
+  // fail and new ones fail at once. A request that failed on a connection not broken was refused
+  // by the server. Backends that cannot tell say false.
+  virtual bool broken() noexcept { return false; }
 };
 
 // Connects by scheme. Throws Error with what to do when the server cannot be reached.

@@ -49,6 +49,13 @@ struct ClientOptions {
   // the token to every server and refuses a server that cannot prove it back. Unused by shm://,
   // whose segments are protected by their file mode.
   std::string auth_token_file;
+  // tcp, servers run with --replicas: when a server's connection fails (it died, or went silent
+  // past io_timeout), keep reconnecting to it for up to this long and send its unanswered
+  // requests again, in order, instead of failing them: a server restarted with --rejoin takes
+  // its keys back from its replicas, and the marks those keys carry let it apply each push sent
+  // again exactly once. Nothing fails meanwhile; a wait() blocks until the server is back. Needs
+  // worker_id (a retried push is recognised by its worker). 0: a failed server fails its requests.
+  std::chrono::milliseconds retry_timeout{0};
 };
 
 // Staleness seen by reads: how many clocks the slowest worker was behind this worker's clock.

@@ -700,7 +700,7 @@ void bind_client(py::module_& m) {
       .def(py::init([](py::object servers, std::optional<std::uint32_t> worker_id, const std::string& partition,
                        std::uint64_t range_keys, std::uint64_t chunk_floats, double connect_timeout, double io_timeout,
                        std::uint32_t max_in_flight, bool checksum, const std::string& auth_token_file,
-                       std::uint64_t initial_clock) {
+                       std::uint64_t initial_clock, double retry_timeout) {
              ClientOptions o;
              if (py::isinstance<py::str>(servers))
                o.servers = {servers.cast<std::string>()};
@@ -718,6 +718,7 @@ void bind_client(py::module_& m) {
              o.checksum = checksum;
              o.auth_token_file = auth_token_file;
              o.initial_clock = initial_clock;
+             o.retry_timeout = to_ms(retry_timeout, "retry_timeout");
              return std::make_unique<PyClient>(o);
            }),
            py::arg("servers"), py::arg("worker_id") = py::none(),
@@ -725,7 +726,8 @@ void bind_client(py::module_& m) {
            py::arg("range_keys") = d.range_keys, py::arg("chunk_floats") = d.chunk_floats,
            py::arg("connect_timeout") = seconds(d.connect_timeout), py::arg("io_timeout") = seconds(d.io_timeout),
            py::arg("max_in_flight") = d.max_in_flight, py::arg("checksum") = d.checksum,
-           py::arg("auth_token_file") = d.auth_token_file, py::arg("initial_clock") = d.initial_clock)
+           py::arg("auth_token_file") = d.auth_token_file, py::arg("initial_clock") = d.initial_clock,
+           py::arg("retry_timeout") = seconds(d.retry_timeout))
       .def("clock", &PyClient::clock, "Ends this worker's step (after its pushes are applied everywhere).")
       .def("barrier", &PyClient::barrier, "Waits until every live worker reached this barrier.")
       .def("current_clock", &PyClient::current_clock)

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <exception>
 #include <mutex>
+#include <random>
+#include <thread>
 
 #include "client/placement.h"
 #include "layout/clock_table.h"
@@ -61,6 +63,8 @@ class ConnectionsPoller final : public transport::Poller {
 // then by transport threads through its Completion, then by the waiting thread.
 class ClientImpl {
   struct Op;
+  struct Sent;
+  struct Link;
 
  public:
   explicit ClientImpl(const ClientOptions& o) : options_(o) {
@@ -70,16 +74,28 @@ class ClientImpl {
     placement_.partition = o.partition;
     placement_.range_keys = o.range_keys;
     placement_.chunk_floats = o.chunk_floats;
-    transport::ConnectOptions c;
+    retrying_ = o.retry_timeout.count() > 0;
+    if (retrying_ && o.worker_id == kNoWorker)
+      throw Error(Errc::invalid_argument,
+                  "ClientOptions.retry_timeout needs worker_id: a server recognises a push sent again by its worker");
+    transport::ConnectOptions& c = connect_options_;
     c.worker_id = o.worker_id;
     c.connect_timeout = o.connect_timeout;
     c.io_timeout = o.io_timeout;
     c.max_in_flight = o.max_in_flight;
     c.checksum = o.checksum;
+    if (retrying_) {
+      std::random_device entropy;
+      while (c.session == 0) c.session = entropy();
+    }
     if (!o.auth_token_file.empty()) c.token = auth::Token::load_file(o.auth_token_file);
     for (const auto& s : o.servers) {
-      connections_.push_back(transport::connect(parse_uri(s), c));
-      poller_.add(connections_.back()->poller());
+      auto link = std::make_unique<Link>();
+      link->uri = parse_uri(s);
+      link->conn = transport::connect(link->uri, c);
+      // A retrying client replaces connections, so no waiter may keep a pointer into one.
+      if (!retrying_) poller_.add(link->conn->poller());
+      links_.push_back(std::move(link));
     }
     if (o.initial_clock > 0 && o.worker_id != kNoWorker) {
       send_clock(o.initial_clock);
@@ -89,25 +105,35 @@ class ClientImpl {
 
   void disconnect() {
     finished_on_close_ = false;
+    close_links();
+  }
+
+  // Destroying a connection completes its outstanding requests, which live in ops_.
+  void close_links() {
     poller_.clear();
-    connections_.clear();
+    for (auto& l : links_) {
+      std::lock_guard lock(l->mu);
+      l->conn.reset();
+    }
+    links_.clear();
   }
 
   ~ClientImpl() {
     // Destroyed by an exception on its way out, the worker did not finish: it must not tell the
     // servers it did, or they would stop waiting for it instead of failing the job.
     if (std::uncaught_exceptions() > uncaught_at_start_) finished_on_close_ = false;
-    if (options_.worker_id == kNoWorker || !finished_on_close_ || connections_.empty()) return;
-    // Best effort and bounded: on a dead link this must not cost a whole I/O timeout. If the
-    // wait gives up, destroying the connections (before ops_, see the member order) fails the
-    // request, so nothing touches the op afterwards.
+    if (options_.worker_id == kNoWorker || !finished_on_close_ || links_.empty()) return;
+    // Best effort and bounded: on a dead link this must not cost a whole I/O timeout (nor a
+    // retry: the goodbye is not worth waiting for a restart). If the wait gives up, destroying
+    // the connections (before ops_, see the member order) fails the request, so nothing touches
+    // the op afterwards.
     try {
+      closing_.store(true);
       const Ticket t = issue(wire::Op::clock, {}, kNoValues, kClockDone);
-      lookup(t)->completion.wait(std::chrono::steady_clock::now() + std::chrono::seconds(2), poller_.get());
+      wait_until(lookup(t), std::chrono::steady_clock::now() + std::chrono::seconds(2));
     } catch (const Error&) {
     }
-    poller_.clear();
-    connections_.clear();
+    close_links();
   }
 
   // `values` holds std::span<const float> (init, push) or std::span<float> (pull), one per key.
@@ -117,7 +143,7 @@ class ClientImpl {
     if (keys.size() != values.size())
       throw Error(Errc::invalid_argument,
                   std::to_string(keys.size()) + " keys but " + std::to_string(values.size()) + " value buffers");
-    const std::size_t servers = connections_.size();
+    const std::size_t servers = links_.size();
     if (servers == 0) throw Error(Errc::invalid_argument, "this client was disconnected; create a new one");
     const auto acquired = acquire();  // not a structured binding: clang 14 cannot capture those
     Op* const op = acquired.first;
@@ -149,12 +175,17 @@ class ClientImpl {
       return kind == wire::Op::clock || !op->slices[s].empty();
     };
     std::uint32_t targets = 0;
-    for (std::size_t s = 0; s < servers; ++s) targets += targets_server(s);
+    for (std::size_t s = 0; s < servers; ++s) targets += op->targeted[s] = targets_server(s);
     op->kind = kind;
     op->clock_at_issue = clock_.load(std::memory_order_relaxed);
+    op->retrying = retrying_;
+    if (op->retrying) {
+      submit_for_retry(op, kind, arg0, text_out);
+      return ticket;
+    }
     op->completion.reset(targets);
     for (std::size_t s = 0; s < servers; ++s) {
-      if (!targets_server(s)) continue;
+      if (!op->targeted[s]) continue;
       transport::Request& r = op->requests[s];
       r.op = kind;
       r.arg0 = arg0;
@@ -162,32 +193,195 @@ class ClientImpl {
       r.keys = op->slices[s];
       r.completion = &op->completion;
       r.text_out = text_out;
-      connections_[s]->submit(r);
+      links_[s]->conn->submit(r);
     }
     return ticket;
+  }
+
+  // Retry mode: one completion per server, each request listed on its link until the op is
+  // finished, so that a reconnection can send again whatever its connection failed, in order.
+  // The push's sequence number and its submissions are taken under one lock, so every server
+  // receives one client's pushes in sequence order (what PushId relies on).
+  void submit_for_retry(Op* op, wire::Op kind, std::uint64_t arg0, std::string* text_out) {
+    std::lock_guard order(order_mu_);
+    std::uint32_t seq = 0;
+    if (kind == wire::Op::push) {
+      if (++push_seq_ == 0) ++push_seq_;  // 0 means "not identified"
+      seq = push_seq_;
+    }
+    for (std::size_t s = 0; s < links_.size(); ++s) {
+      if (!op->targeted[s]) continue;
+      transport::Request& r = op->requests[s];
+      r.op = kind;
+      r.arg0 = arg0;
+      r.arg1 = seq;
+      r.keys = op->slices[s];
+      r.completion = &op->parts[s].completion;
+      r.text_out = text_out;
+      Link& link = *links_[s];
+      Sent& p = op->parts[s];
+      p.completion.reset(1);
+      p.stands = false;
+      std::lock_guard lock(link.mu);
+      link.append(&p);
+      p.generation = link.generation;
+      if (link.conn)
+        link.conn->submit(r);
+      else
+        p.completion.complete_part(Errc::peer_failure, link.gave_up);
+    }
+  }
+
+  // Waits for every part of `op`; in retry mode, reconnects a server whose connection failed
+  // under a part and sends it again. False if `deadline` passed first.
+  bool wait_until(Op* op, std::chrono::steady_clock::time_point deadline) {
+    if (!op->retrying) return op->completion.wait(deadline, poller_.get());
+    std::size_t targets = 0;
+    for (std::size_t s = 0; s < links_.size(); ++s) targets += op->targeted[s];
+    for (std::size_t s = 0; s < links_.size(); ++s) {
+      if (!op->targeted[s]) continue;
+      Sent& p = op->parts[s];
+      for (;;) {
+        transport::Poller* poller = nullptr;
+        std::shared_ptr<transport::Connection> conn;  // keeps the poller alive while it is used
+        {
+          std::lock_guard lock(links_[s]->mu);
+          conn = links_[s]->conn;
+        }
+        if (conn && conn->poller()) {
+          if (targets == 1)
+            poller = conn->poller();
+          else
+            conn->poller()->rely_on_transport();
+        }
+        if (!p.completion.wait(deadline, poller)) return false;
+        if (settled(s, p)) break;
+      }
+    }
+    return true;
+  }
+
+  // Whether a completed part stands (answered, refused, or its server is given up on). A part
+  // whose connection broke under it is sent again once the server is back: false, wait again.
+  bool settled(std::size_t server, Sent& p) {
+    Link& link = *links_[server];
+    std::lock_guard lock(link.mu);
+    if (!p.completion.done()) return false;  // another waiter sent it again meanwhile
+    // Answered, refused, failed on a connection since replaced (recover() sends every failed
+    // part again, so only when it gave up), or refused by a live server.
+    if (!lost_with_connection(p) || !link.gave_up.empty() || p.generation != link.generation || closing_.load() ||
+        (link.conn && !link.conn->broken()))
+      return p.stands = true;
+    recover(link);
+    return p.stands = !link.gave_up.empty();
+  }
+
+  // How a connection fails its requests. A server refuses a push with neither (a refused push
+  // sent again after a later one was applied would be taken for a duplicate), so what failed
+  // otherwise stands.
+  static bool lost_with_connection(const Sent& p) noexcept {
+    const Errc e = p.completion.status();
+    return e == Errc::peer_failure || e == Errc::timeout;
+  }
+
+  // Under link.mu: reconnects and sends again, in their original order, the listed parts that
+  // failed. Gives up (link.gave_up) once the server has been unreachable for retry_timeout.
+  void recover(Link& link) {
+    const auto started = std::chrono::steady_clock::now();
+    const auto deadline = started + options_.retry_timeout;
+    // Every request on the old connection completes once it is gone (it is broken: they are
+    // failing already), so after this no listed part is still in its hands.
+    link.conn.reset();
+    for (Sent* p = link.head; p; p = p->next)
+      while (!p->completion.done() && std::chrono::steady_clock::now() < deadline)
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    std::string last = "no attempt";
+    while (std::chrono::steady_clock::now() < deadline) {
+      try {
+        auto conn = std::shared_ptr<transport::Connection>(transport::connect(link.uri, connect_options_));
+        // The restarted server knows nothing of this worker's clock: announce the one its oldest
+        // unanswered request was issued at (what was answered before it came earlier); the clock
+        // requests sent again carry it forward in order.
+        if (options_.worker_id != kNoWorker) {
+          std::uint64_t clock = clock_.load(std::memory_order_relaxed);
+          for (Sent* p = link.head; p; p = p->next)
+            if (!p->stands && lost_with_connection(*p)) {
+              clock = p->op->clock_at_issue;
+              break;
+            }
+          transport::Completion announced;
+          announced.reset(1);
+          transport::Request r;
+          r.op = wire::Op::clock;
+          r.arg0 = clock;
+          r.completion = &announced;
+          conn->submit(r);
+          if (!announced.wait(deadline, conn->poller())) {
+            conn.reset();  // completes `r` before it goes out of scope
+            break;
+          }
+          if (announced.status() != Errc::ok) throw Error(announced.status(), announced.message());
+        }
+        ++link.generation;
+        link.conn = conn;
+        for (Sent* p = link.head; p; p = p->next) {
+          if (p->stands || !lost_with_connection(*p)) continue;
+          p->completion.reset(1);
+          p->generation = link.generation;
+          conn->submit(p->op->requests[p->server]);
+        }
+        ++link.recoveries;
+        return;
+      } catch (const Error& e) {
+        last = e.what();
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    link.gave_up = "gave up on " + link.uri.str() + " after retrying for " +
+                   std::to_string(options_.retry_timeout.count()) + " ms; last attempt: " + last;
   }
 
   void wait(Ticket ticket) {
     Op* op = lookup(ticket);
     // Transports guarantee every request completes (answer, error, or their own timeout), so
-    // this wait is bounded by them; the deadline only re-checks.
-    while (!op->completion.wait(std::chrono::steady_clock::now() + std::chrono::hours(1), poller_.get())) {
+    // this wait is bounded by them (and by retry_timeout); the deadline only re-checks.
+    while (!wait_until(op, std::chrono::steady_clock::now() + std::chrono::hours(1))) {
     }
     finish(ticket, op);
   }
 
   bool wait_for(Ticket ticket, std::chrono::milliseconds timeout) {
     Op* op = lookup(ticket);
-    if (!op->completion.wait(std::chrono::steady_clock::now() + timeout, poller_.get())) return false;
+    if (!wait_until(op, std::chrono::steady_clock::now() + timeout)) return false;
     finish(ticket, op);
     return true;
   }
 
   // Spends a completed ticket: records what a pull saw, frees the op, throws its error.
   void finish(Ticket ticket, Op* op) {
-    const Errc status = op->completion.status();
-    std::string message = op->completion.message();
-    if (status == Errc::ok && op->kind == wire::Op::pull) record_staleness(op->clock_at_issue, op->completion.bound());
+    Errc status = Errc::ok;
+    std::string message;
+    std::uint64_t bound = ~0ull;
+    if (!op->retrying) {
+      status = op->completion.status();
+      message = op->completion.message();
+      bound = op->completion.bound();
+    } else {
+      for (std::size_t s = 0; s < links_.size(); ++s) {
+        if (!op->targeted[s]) continue;
+        Sent& p = op->parts[s];
+        std::lock_guard lock(links_[s]->mu);
+        links_[s]->remove(&p);
+        bound = std::min(bound, p.completion.bound());
+        if (status == Errc::ok && p.completion.status() != Errc::ok) {
+          status = p.completion.status();
+          message = p.completion.message();
+          if (lost_with_connection(p) && !links_[s]->gave_up.empty() && message != links_[s]->gave_up)
+            message += "; " + links_[s]->gave_up;
+        }
+      }
+    }
+    if (status == Errc::ok && op->kind == wire::Op::pull) record_staleness(op->clock_at_issue, bound);
     const wire::Op kind = op->kind;
     release(ticket);
     if (status != Errc::ok)
@@ -197,6 +391,20 @@ class ClientImpl {
   // Drives the connections too: an answer that landed completes here, with nobody waiting.
   bool done(Ticket ticket) {
     Op* op = lookup(ticket);
+    if (op->retrying) {
+      // Done once every part stands; one that must be sent again is sent by the next wait.
+      for (std::size_t s = 0; s < links_.size(); ++s) {
+        if (!op->targeted[s]) continue;
+        Sent& p = op->parts[s];
+        if (!p.completion.done()) return false;
+        Link& link = *links_[s];
+        std::unique_lock lock(link.mu, std::try_to_lock);
+        if (!lock.owns_lock()) return false;
+        if (p.completion.status() != Errc::ok && link.gave_up.empty() && (!link.conn || link.conn->broken()))
+          return false;
+      }
+      return true;
+    }
     if (!op->completion.done())
       if (transport::Poller* p = poller_.get()) p->poll();
     return op->completion.done();
@@ -235,14 +443,17 @@ class ClientImpl {
   }
 
   std::string server_stats(std::size_t server) {
-    if (server >= connections_.size()) throw Error(Errc::invalid_argument, "no server " + std::to_string(server));
+    if (server >= links_.size()) throw Error(Errc::invalid_argument, "no server " + std::to_string(server));
     std::string text;
     wait(issue(wire::Op::stats, {}, kNoValues, 0, static_cast<int>(server), &text));
     return text;
   }
 
   void register_buffer(void* data, std::size_t bytes) {
-    for (auto& c : connections_) c->register_buffer(data, bytes);
+    for (auto& l : links_) {
+      std::lock_guard lock(l->mu);
+      if (l->conn) l->conn->register_buffer(data, bytes);
+    }
   }
 
   StalenessStats staleness() const {
@@ -251,17 +462,53 @@ class ClientImpl {
   }
 
   std::uint64_t current_clock() const noexcept { return clock_.load(std::memory_order_relaxed); }
-  std::size_t num_servers() const noexcept { return connections_.size(); }
+  std::size_t num_servers() const noexcept { return links_.size(); }
 
  private:
-  struct Op {
+  // Retry mode: an op's request to one server, listed on that server's link until finished.
+  struct Sent {
     transport::Completion completion;
+    Op* op = nullptr;
+    std::size_t server = 0;
+    std::uint64_t generation = 0;  // the link's connection it was last submitted on
+    bool stands = false;           // a waiter has taken its outcome: never sent again
+    Sent* prev = nullptr;
+    Sent* next = nullptr;
+  };
+  struct Op {
+    transport::Completion completion;  // all parts, when not retrying
     std::vector<transport::Request> requests;
     std::vector<std::vector<KeySlice>> slices;
+    std::vector<char> targeted;  // per server
+    std::unique_ptr<Sent[]> parts;
     wire::Op kind = wire::Op::pull;
     std::uint64_t clock_at_issue = 0;
     std::uint32_t generation = 0;
     bool in_use = false;
+    bool retrying = false;
+  };
+  // One server. Without retries `conn` is set once and never replaced. With them, `mu` orders
+  // submissions, reconnection and the list of parts not yet finished, in submission order.
+  struct Link {
+    Uri uri;
+    std::mutex mu;
+    std::shared_ptr<transport::Connection> conn;
+    std::uint64_t generation = 0;
+    std::uint64_t recoveries = 0;
+    std::string gave_up;  // why this server was given up on: its parts fail
+    Sent* head = nullptr;
+    Sent* tail = nullptr;
+    void append(Sent* p) noexcept {
+      p->prev = tail;
+      p->next = nullptr;
+      (tail ? tail->next : head) = p;
+      tail = p;
+    }
+    void remove(Sent* p) noexcept {
+      (p->prev ? p->prev->next : head) = p->next;
+      (p->next ? p->next->prev : tail) = p->prev;
+      p->prev = p->next = nullptr;
+    }
   };
   static constexpr unsigned kIndexBits = 20;
 
@@ -275,9 +522,16 @@ class ClientImpl {
       if (ops_.size() >= (1u << kIndexBits))
         throw Error(Errc::capacity, "more than 2^20 operations outstanding: wait() for some tickets");
       index = static_cast<std::uint32_t>(ops_.size());
+      const std::size_t servers = links_.size();
       auto op = std::make_unique<Op>();
-      op->requests.resize(connections_.size());
-      op->slices.resize(connections_.size());
+      op->requests.resize(servers);
+      op->slices.resize(servers);
+      op->targeted.resize(servers);
+      op->parts = std::make_unique<Sent[]>(servers);
+      for (std::size_t s = 0; s < servers; ++s) {
+        op->parts[s].op = op.get();
+        op->parts[s].server = s;
+      }
       ops_.push_back(std::move(op));
     }
     Op* op = ops_[index].get();
@@ -312,12 +566,17 @@ class ClientImpl {
 
   ClientOptions options_;
   PlacementOptions placement_;
-  // Declared before connections_ so that it is destroyed after them: a connection's teardown
+  transport::ConnectOptions connect_options_;
+  bool retrying_ = false;
+  std::atomic<bool> closing_{false};  // the destructor's goodbye: not worth waiting for a restart
+  std::mutex order_mu_;               // retry mode: a push's sequence number and its submissions
+  std::uint32_t push_seq_ = 0;        // under order_mu_
+  // Declared before links_ so that it is destroyed after them: a connection's teardown
   // completes its outstanding requests, which live in these ops.
   std::mutex ops_mu_;
   std::vector<std::unique_ptr<Op>> ops_;
-  std::vector<std::unique_ptr<transport::Connection>> connections_;
-  ConnectionsPoller poller_;  // points into connections_: cleared with them
+  std::vector<std::unique_ptr<Link>> links_;
+  ConnectionsPoller poller_;  // points into links_' connections (never retrying): cleared with them
   std::vector<std::uint32_t> free_;
   // Written by clock() (the training loop's thread), read by push/pull on any thread: a request
   // issued concurrently with clock() carries either step, as a racing caller must expect.

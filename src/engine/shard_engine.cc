@@ -57,10 +57,16 @@ ShardEngine::ShardEngine(const EngineOptions& options, std::unique_ptr<MemoryRes
   epoch_ = static_cast<std::uint64_t>(
       std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch())
           .count());
+  // A replicated server marks every key with its workers' newest pushes, and the marks travel
+  // in the records, so that whichever server a retried push reaches applies it once.
+  const std::uint32_t marks = options.replica_of.empty() ? 0 : options.num_workers;
+  store_->keep_push_marks(marks);
+  record_head_ = kRecordHeaderFloats + 2 * marks;
   for (std::uint32_t origin : options.replica_of) {
     auto r = std::make_unique<Replica>();
     r->origin = origin;
     r->store = Store::create(std::make_unique<HeapMemory>(Store::required_bytes(options.store)), options.store);
+    r->store->keep_push_marks(marks);
     replicas_.push_back(std::move(r));
   }
   if (options.mode == ConsistencyMode::sync)
@@ -130,7 +136,7 @@ Errc ShardEngine::lookup(std::span<const KeyEntry> keys, std::vector<SlotRef>& s
 }
 
 Errc ShardEngine::push(std::uint32_t worker, std::uint64_t clock, std::span<const KeyEntry> keys, const float* values,
-                       std::string* why, const UndoLog* undo) {
+                       std::string* why, const UndoLog* undo, PushId id) {
   // Look everything up and validate the whole request first, so a bad key leaves nothing
   // half-applied; the lookups are pipelined and the slots stay cached for the apply pass.
   thread_local std::vector<SlotRef> slots;
@@ -154,13 +160,17 @@ Errc ShardEngine::push(std::uint32_t worker, std::uint64_t clock, std::span<cons
     }
   } else {
     const UpdateRuleConfig& rule = store_->rule();
+    id.worker = worker;
+    std::uint64_t duplicates = 0;
     for (std::size_t i = 0; i < keys.size(); ++i) {
       Store::prefetch_ahead(slots, i);
       // Fails only where other processes share the store (shm): a lock held past the patience.
       // The keys before it stay applied.
+      bool duplicate = false;
       const Errc e = undo ? store_->apply_logged(*slots[i].slot, values, slots[i].length, 1.0f, undo->owner,
                                                  *undo->record, undo->buffer, undo->capacity, undo->patience)
-                          : store_->apply_slot(slots[i], values, rule, 1.0f);
+                          : store_->apply_slot(slots[i], values, rule, 1.0f, id, &duplicate);
+      duplicates += duplicate;
       if (e != Errc::ok) {
         if (why)
           *why = key_error(e, keys[i].key, keys[i].length, *store_) + " (" + std::to_string(i) + " of " +
@@ -170,6 +180,7 @@ Errc ShardEngine::push(std::uint32_t worker, std::uint64_t clock, std::span<cons
       }
       values += keys[i].length;
     }
+    if (duplicates) duplicate_pushes_.fetch_add(duplicates, std::memory_order_relaxed);
   }
   pushes_.fetch_add(keys.size(), std::memory_order_relaxed);
   return Errc::ok;
@@ -419,21 +430,26 @@ ShardEngine::Replica* ShardEngine::replica(std::uint32_t origin, std::string* wh
 
 Errc ShardEngine::put_records(Store& store, std::span<const KeyEntry> keys, const float* records, std::string* why) {
   // Every record's length is checked before any is written.
-  constexpr std::uint32_t h = kRecordHeaderFloats;
+  const std::uint32_t h = record_head_;
   for (const KeyEntry& k : keys)
     if (k.length <= h || (k.length - h) % (1 + spv_) != 0) {
       if (why)
         *why = "key " + std::to_string(k.key) + ": a record of " + std::to_string(k.length) + " floats is not " +
-               std::to_string(h) + " + length x " + std::to_string(1 + spv_) + " (are the servers' --rule the same?)";
+               std::to_string(h) + " + length x " + std::to_string(1 + spv_) +
+               " (are the servers' --rule and --workers the same?)";
       return Errc::protocol;
     }
+  thread_local std::vector<std::uint64_t> marks;
+  marks.resize(store.push_marks());
   for (const KeyEntry& k : keys) {
     std::uint64_t head[3];  // epoch, seq, update count
     std::memcpy(head, records, sizeof head);
+    if (!marks.empty()) std::memcpy(marks.data(), records + kRecordHeaderFloats, marks.size() * sizeof marks[0]);
     const std::uint32_t length = (k.length - h) / (1 + spv_);
     const std::span<const float> value(records + h, length);
     const std::span<const float> state(records + h + length, std::size_t{length} * spv_);
-    const Errc e = store.put_if_newer(k.key, value, state, head[2], head[0], head[1]);
+    const Errc e =
+        store.put_if_newer(k.key, value, state, head[2], head[0], head[1], marks.empty() ? nullptr : marks.data());
     if (e != Errc::ok) {
       if (why) *why = key_error(e, k.key, length, store);
       return e;
@@ -483,11 +499,15 @@ Errc ShardEngine::read_records(std::uint32_t origin, std::span<const KeyEntry> k
     slots[i] = slot;
   }
   const bool own = store == store_.get();
+  thread_local std::vector<std::uint64_t> marks;
+  marks.resize(store->push_marks());
   for (std::size_t i = 0; i < keys.size(); ++i) {
-    constexpr std::uint32_t h = kRecordHeaderFloats;
+    const std::uint32_t h = record_head_;
     const std::uint32_t length = (keys[i].length - h) / (1 + spv_);
     std::uint64_t head[3] = {epoch_, 0, 0}, origin[2] = {0, 0};  // epoch, seq, update count
-    store->snapshot_slot(*slots[i], out + h, out + h + length, &head[2], &head[1], origin);
+    store->snapshot_slot(*slots[i], out + h, out + h + length, &head[2], &head[1], origin,
+                         marks.empty() ? nullptr : marks.data());
+    if (!marks.empty()) std::memcpy(out + kRecordHeaderFloats, marks.data(), marks.size() * sizeof marks[0]);
     if (!own) {
       head[0] = origin[0];
       head[1] = origin[1];
@@ -521,6 +541,7 @@ std::string ShardEngine::stats_json(std::uint64_t external_pushes, const JsonObj
       .add("keys", store_->key_count())
       .add("value_bytes", store_->value_bytes_used())
       .add("pushes", s.pushes)
+      .add("pushes_already_applied", duplicate_pushes_.load(std::memory_order_relaxed))
       .add("pulls", s.pulls)
       .add("clocks", s.clocks)
       .add("parked", s.parked)

@@ -93,8 +93,11 @@ class ShardEngine {
   // With `undo` (shm: the server thread's log in the segment), each key is applied through
   // Store::apply_logged, so a successor can roll back the one a death cut short. Sync mode sums
   // before it applies and ignores it.
+  // `id` (its session and seq; the worker is `worker`): on a replicated server, a key that already
+  // holds this push is skipped (a client sent it again after a failure) and counted in
+  // pushes_already_applied.
   Errc push(std::uint32_t worker, std::uint64_t clock, std::span<const KeyEntry> keys, const float* values,
-            std::string* why, const UndoLog* undo = nullptr);
+            std::string* why, const UndoLog* undo = nullptr, PushId id = {});
   // Finds every key's slot and checks it exists with the length asked for, counting nothing.
   // For a push its transport applies in pieces as the values arrive (Store::apply_part, only
   // when pushes_apply_in_pieces(); count_pushes() once the keys are applied), and for a pull
@@ -102,8 +105,10 @@ class ShardEngine {
   Errc find_slots(std::span<const KeyEntry> keys, std::vector<SlotRef>& slots, std::string* why) const {
     return lookup(keys, slots, why);
   }
-  // Not in sync mode, where the workers' pushes are summed per step before anything is applied.
-  bool pushes_apply_in_pieces() const noexcept { return !sync_; }
+  // Not in sync mode, where the workers' pushes are summed per step before anything is applied,
+  // nor on a replicated server: a key's record must never hold part of a push, or a replica
+  // could not tell whether that push is in it.
+  bool pushes_apply_in_pieces() const noexcept { return !sync_ && store_->push_marks() == 0; }
   void count_pushes(std::uint64_t keys) noexcept { pushes_.fetch_add(keys, std::memory_order_relaxed); }
   void count_pulls(std::uint64_t keys) noexcept { pulls_.fetch_add(keys, std::memory_order_relaxed); }
   // Copies values under seqlock validation; checks every key before copying any.
@@ -133,11 +138,13 @@ class ShardEngine {
   void barrier(std::uint32_t worker, std::uint64_t generation, std::unique_ptr<Parked> op);
 
   // Replication. A key's record is [its version: the origin's epoch and seqlock version | update
-  // count | value | optimizer state], the three words as 2 floats each: record_floats(length)
-  // floats. The epoch is the origin's start time (ns), so a restarted origin's records are newer.
+  // count | each worker's push mark (PushId) | value | optimizer state], the words as 2 floats
+  // each: record_floats(length) floats. The epoch is the origin's start time (ns), so a restarted
+  // origin's records are newer. The marks say which pushes the value holds, so a push retried on
+  // a server restored from the records is applied once.
   static constexpr std::uint32_t kRecordHeaderFloats = 6;
   std::uint64_t record_floats(std::uint32_t length) const noexcept {
-    return kRecordHeaderFloats + std::uint64_t{length} * (1 + spv_);
+    return record_head_ + std::uint64_t{length} * (1 + spv_);
   }
   // This server's replica of `origin` (one of options().replica_of) takes the records.
   Errc apply_replica(std::uint32_t origin, std::span<const KeyEntry> keys, const float* records, std::string* why);
@@ -208,7 +215,8 @@ class ShardEngine {
   std::string failure_;
   std::uint32_t failure_worker_ = kNoWorker;  // the worker whose disconnect caused failure_
   mutable EngineStats stats_;
-  std::atomic<std::uint64_t> pushes_{0}, pulls_{0}, clock_ops_{0};
+  std::atomic<std::uint64_t> pushes_{0}, pulls_{0}, clock_ops_{0}, duplicate_pushes_{0};
+  std::uint32_t record_head_ = kRecordHeaderFloats;  // floats before a record's value
   std::thread watchdog_;
 };
 

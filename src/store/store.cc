@@ -289,15 +289,36 @@ ReadResult Store::pull(Key key, std::span<float> out) const noexcept {
   return {Errc::ok, read_slot(*ref.slot, out.data(), out.size())};
 }
 
-Errc Store::apply_slot(const SlotRef& ref, const float* grad, const UpdateRuleConfig& rule, float lr_scale) noexcept {
+Errc Store::apply_slot(const SlotRef& ref, const float* grad, const UpdateRuleConfig& rule, float lr_scale, PushId id,
+                       bool* duplicate) noexcept {
   // The state arena was sized for the store's own rule; a rule needing more state cannot run.
   if (state_floats_per_value(rule.rule) > g_.state_per_value) return Errc::unsupported;
+  std::uint64_t* mark = nullptr;
+  if (id.identified() && id.worker < marks_per_key_) {
+    mark = marks_of(*ref.slot);
+    if (mark) mark += id.worker;
+  }
   SharedMutex& lock = stripe_at(ref.stripe);
   if (!lock_stripe(lock)) return Errc::timeout;
+  if (mark && id.already_in(*mark)) {
+    lock.unlock();
+    if (duplicate) *duplicate = true;
+    return Errc::ok;
+  }
   std::uint64_t step = 0;
   apply_seqlocked(ref, rule, 0, grad, ref.length, lr_scale, &step);
+  if (mark) *mark = id.mark();
   lock.unlock();
+  if (duplicate) *duplicate = false;
   return Errc::ok;
+}
+
+void Store::keep_push_marks(std::uint32_t workers) {
+  if (!records_ || marks_ || workers == 0) return;
+  marks_memory_ =
+      std::make_unique<HeapMemory>(g_.index_capacity * workers * sizeof(std::uint64_t), "the push marks", false);
+  marks_ = reinterpret_cast<std::uint64_t*>(marks_memory_->data());
+  marks_per_key_ = workers;
 }
 
 void Store::apply_part(const SlotRef& ref, std::size_t begin, const float* grad, std::size_t n,
@@ -439,11 +460,18 @@ std::uint32_t Store::state_floats(const SlotHeader& slot) const noexcept {
 }
 
 void Store::snapshot_slot(SlotHeader& slot, float* value, float* state, std::uint64_t* update_count, std::uint64_t* seq,
-                          std::uint64_t* origin) noexcept {
+                          std::uint64_t* origin, std::uint64_t* marks) noexcept {
   SlotRef r;
   if (!resolve(slot, &r)) return;
+  const std::uint64_t* mine = marks ? marks_of(slot) : nullptr;
   SharedMutex& lock = stripe_at(r.stripe);
   lock.lock();
+  if (marks) {
+    if (mine)
+      std::memcpy(marks, mine, marks_per_key_ * sizeof *marks);
+    else
+      std::memset(marks, 0, marks_per_key_ * sizeof *marks);
+  }
   std::memcpy(value, slot.values(), std::size_t{r.length} * sizeof(float));
   if (r.state) std::memcpy(state, r.state, std::size_t{r.length} * g_.state_per_value * sizeof(float));
   *update_count = slot.update_count;
@@ -470,12 +498,14 @@ Errc Store::restore_slot(Key key, std::span<const float> value, std::span<const 
 }
 
 Errc Store::put_if_newer(Key key, std::span<const float> value, std::span<const float> state,
-                         std::uint64_t update_count, std::uint64_t origin_epoch, std::uint64_t origin_seq) {
+                         std::uint64_t update_count, std::uint64_t origin_epoch, std::uint64_t origin_seq,
+                         const std::uint64_t* marks) {
   if (value.size() > UINT32_MAX) return Errc::invalid_argument;
   if (Errc e = create_slot(key, static_cast<std::uint32_t>(value.size()), nullptr); e != Errc::ok) return e;
   const SlotRef r = find_ref(key);
   if (!r.slot) return Errc::protocol;
   if (state.size() != std::size_t{r.length} * g_.state_per_value) return Errc::length_mismatch;
+  std::uint64_t* mine = marks ? marks_of(*r.slot) : nullptr;
   SharedMutex& lock = stripe_at(r.stripe);
   lock.lock();
   SlotHeader& slot = *r.slot;
@@ -483,6 +513,7 @@ Errc Store::put_if_newer(Key key, std::span<const float> value, std::span<const 
     overwrite_slot(r, value.data(), state.data(), update_count);
     slot.origin_epoch = origin_epoch;
     slot.origin_seq = origin_seq;
+    if (mine) std::memcpy(mine, marks, marks_per_key_ * sizeof *marks);
   }
   lock.unlock();
   return Errc::ok;

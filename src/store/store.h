@@ -50,6 +50,22 @@ struct UndoLog {
   std::chrono::nanoseconds patience{0};  // how long to wait for the stripe lock
 };
 
+// Which push an update is, so that one sent again (a client retrying after its server failed)
+// is applied once: the worker, its client's session (a random word per Client) and the push's
+// sequence number in that session. A session's pushes reach a key in sequence order, so a key
+// marked with the worker's (session, seq') for seq' at or past seq already holds this push.
+// Sequence numbers compare modulo 2^32.
+struct PushId {
+  std::uint32_t worker = 0;
+  std::uint32_t session = 0;  // 0: not identified, never a duplicate
+  std::uint32_t seq = 0;
+  bool identified() const noexcept { return session != 0; }
+  std::uint64_t mark() const noexcept { return (std::uint64_t{session} << 32) | seq; }
+  bool already_in(std::uint64_t mark) const noexcept {
+    return (mark >> 32) == session && static_cast<std::int32_t>(static_cast<std::uint32_t>(mark) - seq) >= 0;
+  }
+};
+
 // Result of a read: the seqlock version the copy was validated against.
 struct ReadResult {
   Errc status = Errc::ok;
@@ -202,8 +218,12 @@ class Store {
   // Applies an explicit rule (assign/add are the useful overrides).
   Errc apply(Key key, std::span<const float> grad, const UpdateRuleConfig& rule, float lr_scale = 1.0f) noexcept;
   // `grad` holds ref.length floats. Errc::timeout if the stripe lock stayed held past the lock
-  // patience (set_lock_patience).
-  Errc apply_slot(const SlotRef& ref, const float* grad, const UpdateRuleConfig& rule, float lr_scale) noexcept;
+  // patience (set_lock_patience). With an identified `id` on a store that keeps push marks, a
+  // key that already holds the push is left alone (*duplicate set), and otherwise is marked with
+  // it in the same critical section as the update, so every copy taken under the lock (a
+  // replica's record) holds the update and its mark, or neither.
+  Errc apply_slot(const SlotRef& ref, const float* grad, const UpdateRuleConfig& rule, float lr_scale, PushId id = {},
+                  bool* duplicate = nullptr) noexcept;
   // One piece of a push that is applied as it arrives rather than staged whole: the store's rule
   // over floats [begin, begin + n) of the slot, atomic for that piece only. `*step` 0 marks the
   // push's first piece, which counts the update and sets *step for the pieces after it, so every
@@ -216,6 +236,10 @@ class Store {
   // for one update); a server whose region other processes lock (shm) bounds it, so a holder
   // that hangs costs its key an error instead of a server thread.
   void set_lock_patience(std::chrono::nanoseconds patience) noexcept { lock_patience_ = patience; }
+  // From now on every key keeps the mark of the newest push of each of `workers` workers applied
+  // to it (PushId), in private memory. Call once, on the creating Store, before any push.
+  void keep_push_marks(std::uint32_t workers);
+  std::uint32_t push_marks() const noexcept { return marks_per_key_; }
 
   // The store's rule applied by `owner` (a SharedMutex owner tag unique to that process), which
   // may die at any instant: the old value, state and count go to `undo` (undo_capacity floats)
@@ -257,17 +281,20 @@ class Store {
   std::uint32_t state_floats(const SlotHeader& slot) const noexcept;
   // `seq`, if given, gets the slot's seqlock version the copy is of: it moves with every write
   // (every piece of a push applied in pieces), so it orders copies that the update count cannot.
-  // `origin`, if given, gets the slot's origin_epoch and origin_seq (a replica's store).
+  // `origin`, if given, gets the slot's origin_epoch and origin_seq (a replica's store); `marks`,
+  // if given, its push_marks() marks.
   void snapshot_slot(SlotHeader& slot, float* value, float* state, std::uint64_t* update_count,
-                     std::uint64_t* seq = nullptr, std::uint64_t* origin = nullptr) noexcept;
+                     std::uint64_t* seq = nullptr, std::uint64_t* origin = nullptr,
+                     std::uint64_t* marks = nullptr) noexcept;
   Errc restore_slot(Key key, std::span<const float> value, std::span<const float> state, std::uint64_t update_count);
   // A replica's write: the key (created if missing) takes this value, state and count unless it
   // already holds a later version of it: versions are (origin_epoch, origin_seq), the origin's
   // start time and the seqlock version of its copy, compared in that order. Records of one key
   // may arrive in any order and more than once; the latest wins, so a replica ends with its
   // origin's very bytes, and a restarted origin's records win over its former life's.
+  // `marks` (push_marks() of them, or null) go with the value.
   Errc put_if_newer(Key key, std::span<const float> value, std::span<const float> state, std::uint64_t update_count,
-                    std::uint64_t origin_epoch, std::uint64_t origin_seq);
+                    std::uint64_t origin_epoch, std::uint64_t origin_seq, const std::uint64_t* marks = nullptr);
 
   const UpdateRuleConfig& rule() const noexcept { return g_.rule; }
   std::uint32_t stripes() const noexcept { return g_.stripes; }
@@ -395,6 +422,14 @@ class Store {
   IndexEntry* index_ = nullptr;
   std::uint64_t index_mask_ = 0;
   std::chrono::nanoseconds lock_patience_ = std::chrono::nanoseconds::max();
+  // Parallel to records_: push_marks() words per record, touched only under the key's stripe lock.
+  std::unique_ptr<MemoryResource> marks_memory_;
+  std::uint64_t* marks_ = nullptr;
+  std::uint32_t marks_per_key_ = 0;
+  std::uint64_t* marks_of(const SlotHeader& slot) const noexcept {
+    const Record* r = marks_ ? record_of(slot) : nullptr;
+    return r ? marks_ + static_cast<std::uint64_t>(r - records_) * marks_per_key_ : nullptr;
+  }
   // Creating Store only (null/unused on an attached one).
   std::unique_ptr<MemoryResource> records_memory_;
   Record* records_ = nullptr;

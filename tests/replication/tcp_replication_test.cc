@@ -110,7 +110,9 @@ void wait_synced(const Ring& ring, std::uint32_t replicas) {
 }
 
 // Every key of every server, read from the server and from each of its replicas, byte for byte.
-void expect_replicas_equal(const Ring& ring, std::uint32_t replicas, std::uint32_t state_per_value) {
+// `workers`: the servers' --workers, whose push marks each record carries.
+void expect_replicas_equal(const Ring& ring, std::uint32_t replicas, std::uint32_t state_per_value,
+                           std::uint32_t workers = 0) {
   const auto n = static_cast<std::uint32_t>(ring.size());
   // Placement is the client's: each server says which keys it holds through its own index.
   for (std::uint32_t s = 0; s < n; ++s) {
@@ -133,7 +135,7 @@ void expect_replicas_equal(const Ring& ring, std::uint32_t replicas, std::uint32
     for (std::uint64_t i = 0; i < head.keys; ++i) {
       wire::ReplicaIndexEntry e{};
       std::memcpy(&e, index.data() + sizeof head + i * sizeof e, sizeof e);
-      held.emplace_back(e.key, static_cast<std::uint32_t>(6 + e.length * (1 + state_per_value)));
+      held.emplace_back(e.key, static_cast<std::uint32_t>(6 + 2 * workers + e.length * (1 + state_per_value)));
     }
     ASSERT_FALSE(held.empty()) << "server " << s << " holds no key";
     const std::vector<float> own = records(ring.uris()[s], s, held);
@@ -246,6 +248,34 @@ TEST(TcpReplication, AHungReplicaCostsABoundedAmountAndIsDroppedAtTheTimeout) {
   EXPECT_EQ(out[0], float(done));
 }
 
+// A trial's client options, and its keys [0, count), created as `length` zeros.
+ClientOptions trial_options(const Ring& ring) {
+  ClientOptions o;
+  o.servers = ring.uris();
+  o.io_timeout = std::chrono::seconds(5);
+  o.connect_timeout = std::chrono::seconds(2);
+  return o;
+}
+std::vector<Key> make_keys(const ClientOptions& o, Key count, std::size_t length) {
+  std::vector<Key> keys(count);
+  Client admin(o);
+  const std::vector<float> zeros(length, 0.0f);
+  for (Key k = 0; k < count; ++k) admin.wait(admin.init(keys[k] = k, zeros));
+  return keys;
+}
+
+// SIGKILLs a random server (with R=3, on every other trial, two) and restarts them with --rejoin
+// a random moment later. Returns them, the first chosen first.
+std::vector<int> kill_and_rejoin(Ring& ring, std::mt19937& rng, std::uint32_t replicas, int trial) {
+  const int first = static_cast<int>(rng() % 3);
+  std::vector<int> victims = {first};
+  if (replicas == 3 && trial % 2 == 1) victims.push_back((first + 1 + int(rng() % 2)) % 3);
+  for (int v : victims) ring.kill(v);
+  std::this_thread::sleep_for(std::chrono::milliseconds(rng() % 200));
+  for (int v : victims) ring.restart(v);
+  return victims;
+}
+
 class TcpReplicationFault : public ::testing::TestWithParam<std::uint32_t> {};
 
 // Three workers push +1 to 12 keys over 3 servers (every push touches every server) and
@@ -262,20 +292,12 @@ void kill_trials(std::uint32_t replicas, bool during_transfer) {
   const int n = testing::fault_trials();
   for (int trial = 0; trial < n; ++trial) {
     Ring ring(3, replicas, {"--rule", "add", "--frame-timeout-ms", "2000"});
-    ClientOptions o;
-    o.servers = ring.uris();
-    o.io_timeout = std::chrono::seconds(5);
-    o.connect_timeout = std::chrono::seconds(2);
-    std::vector<Key> keys(kKeys);
-    for (Key k = 0; k < kKeys; ++k) keys[k] = k;
-    {
+    const ClientOptions o = trial_options(ring);
+    const std::vector<Key> keys = make_keys(o, kKeys, kLen);
+    if (during_transfer) {
       Client admin(o);
-      const std::vector<float> zeros(kLen, 0.0f);
-      for (Key k = 0; k < kKeys; ++k) admin.wait(admin.init(k, zeros));
-      if (during_transfer) {
-        const std::vector<float> ballast(1024, 1.0f);
-        for (Key k = 1000; k < 3000; ++k) admin.wait(admin.init(k, ballast));
-      }
+      const std::vector<float> ballast(1024, 1.0f);
+      for (Key k = 1000; k < 3000; ++k) admin.wait(admin.init(k, ballast));
     }
     testing::SharedArray<testing::PushTally> tally(kWorkers);
     testing::SharedArray<std::atomic<int>> stop(1);
@@ -286,14 +308,9 @@ void kill_trials(std::uint32_t replicas, bool during_transfer) {
         return testing::push_through_failures(o, keys, kLen, tally[w], stop[0], std::chrono::seconds(60));
       }));
     std::this_thread::sleep_for(std::chrono::milliseconds(100 + rng() % 300));
-    const int first = static_cast<int>(rng() % 3);
-    std::vector<int> victims = {first};
-    if (replicas == 3 && trial % 2 == 1) victims.push_back((first + 1 + int(rng() % 2)) % 3);
-    for (int v : victims) ring.kill(v);
-    std::this_thread::sleep_for(std::chrono::milliseconds(rng() % 200));
-    for (int v : victims) ring.restart(v);
+    const std::vector<int> victims = kill_and_rejoin(ring, rng, replicas, trial);
     if (during_transfer) {
-      const int replica = (first + 1) % 3;
+      const int replica = (victims[0] + 1) % 3;
       std::this_thread::sleep_for(std::chrono::milliseconds(rng() % 20));
       ring.kill(replica);
       ring.restart(replica);
@@ -335,6 +352,74 @@ INSTANTIATE_TEST_SUITE_P(Replicas, TcpReplicationFault, ::testing::Values(2u, 3u
 TEST(TcpReplicationTransfer, AReplicaKilledWhileItReceivesAFullTransferLosesNothing) {
   kill_trials(2, true);
 }
+
+class TcpReplicationRetry : public ::testing::TestWithParam<std::uint32_t> {};
+
+// Workers with retry_timeout never see a server die: each reconnects to it once it is back
+// (restarted with --rejoin) and sends its unanswered requests again, in order. Two pushes are
+// kept in flight and each round ends with a clock, so what is sent again is a sequence. The marks
+// that the restored keys carry make every push land exactly once, so each key ends equal to the
+// number of pushes, every one of them acknowledged.
+TEST_P(TcpReplicationRetry, WorkersThatRetrySeeNoErrorAndEveryPushLandsOnce) {
+  const std::uint32_t replicas = GetParam();
+  std::mt19937 rng(replicas * 71);
+  constexpr std::uint32_t kWorkers = 3;
+  constexpr Key kKeys = 12;
+  constexpr std::size_t kLen = 1024;
+  const int n = testing::fault_trials();
+  for (int trial = 0; trial < n; ++trial) {
+    Ring ring(3, replicas, {"--rule", "add", "--frame-timeout-ms", "2000", "--workers", std::to_string(kWorkers)});
+    const ClientOptions o = trial_options(ring);
+    const std::vector<Key> keys = make_keys(o, kKeys, kLen);
+    testing::SharedArray<testing::PushTally> tally(kWorkers);
+    testing::SharedArray<std::atomic<int>> stop(1);
+    std::vector<pid_t> pids;
+    const testing::KillOnExit reap(pids);
+    for (std::uint32_t w = 0; w < kWorkers; ++w)
+      pids.push_back(fork_worker([&, w] {
+        try {
+          ClientOptions mine = o;
+          mine.worker_id = w;
+          mine.retry_timeout = std::chrono::seconds(30);
+          Client c(mine);
+          const std::vector<float> ones(kLen, 1.0f);
+          const std::vector<std::span<const float>> values(kKeys, ones);
+          while (!stop[0].load()) {
+            const Ticket a = c.push(keys, values);
+            const Ticket b = c.push(keys, values);
+            c.wait(a);
+            c.wait(b);
+            tally[w].acknowledged.fetch_add(2);
+            c.clock();
+          }
+          return 0;
+        } catch (const Error& e) {
+          std::fprintf(stderr, "worker %u: %s\n", w, e.what());
+          return 1;
+        }
+      }));
+    std::this_thread::sleep_for(std::chrono::milliseconds(100 + rng() % 300));
+    const std::vector<int> victims = kill_and_rejoin(ring, rng, replicas, trial);
+    std::this_thread::sleep_for(std::chrono::milliseconds(200 + rng() % 200));
+    stop[0].store(1);
+    for (pid_t p : pids)
+      ASSERT_EQ(wait_pid(p, std::chrono::seconds(120)), 0) << "a worker saw an error, trial " << trial;
+
+    std::uint64_t acked = 0;
+    for (std::uint32_t w = 0; w < kWorkers; ++w) acked += tally[w].acknowledged.load();
+    Client check(o);
+    std::vector<float> out(kLen);
+    for (Key k = 0; k < kKeys; ++k) {
+      check.wait(check.pull(k, out));
+      for (float x : out) ASSERT_EQ(x, out[0]) << "key " << k << " is torn, trial " << trial;
+      EXPECT_EQ(out[0], float(acked)) << "key " << k << ": " << acked << " pushes acknowledged, trial " << trial
+                                      << " (killed " << victims.size() << ")";
+    }
+    wait_synced(ring, replicas);
+    expect_replicas_equal(ring, replicas, 0, kWorkers);
+  }
+}
+INSTANTIATE_TEST_SUITE_P(Replicas, TcpReplicationRetry, ::testing::Values(2u, 3u), replicas_name);
 
 }  // namespace
 }  // namespace pskv

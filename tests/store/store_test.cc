@@ -184,6 +184,57 @@ TEST(Store, VersionAdvancesByTwoPerUpdate) {
   EXPECT_EQ(v1 % 2, 0u);
 }
 
+// A push sent again (the client retried after a failure) is recognised by the mark of its worker's
+// session: the same or an earlier sequence number of that session is a duplicate, a new session
+// is not, and the marks travel with a copy (snapshot_slot) into another store (put_if_newer).
+TEST(Store, PushMarksSkipAPushAlreadyApplied) {
+  StoreOptions o;
+  o.rule.rule = UpdateRule::add;
+  auto s = make_store(o);
+  s->keep_push_marks(2);
+  ASSERT_EQ(s->push_marks(), 2u);
+  const std::vector<float> zeros(4, 0.0f), ones(4, 1.0f);
+  ASSERT_EQ(s->init(1, zeros), Errc::ok);
+  const SlotRef ref = s->find_ref(1);
+  auto apply = [&](PushId id) {
+    bool duplicate = true;
+    EXPECT_EQ(s->apply_slot(ref, ones.data(), o.rule, 1.0f, id, &duplicate), Errc::ok);
+    return duplicate;
+  };
+  EXPECT_FALSE(apply({.worker = 0, .session = 7, .seq = 1}));
+  EXPECT_FALSE(apply({.worker = 0, .session = 7, .seq = 2}));
+  EXPECT_TRUE(apply({.worker = 0, .session = 7, .seq = 2}));
+  EXPECT_TRUE(apply({.worker = 0, .session = 7, .seq = 1}));
+  EXPECT_FALSE(apply({.worker = 1, .session = 7, .seq = 2}));  // another worker's marks are its own
+  EXPECT_FALSE(apply({.worker = 0, .session = 8, .seq = 1}));  // a new client of worker 0
+  EXPECT_FALSE(apply({.worker = 0, .session = 0, .seq = 1}));  // not identified: always applied
+  EXPECT_FALSE(apply({.worker = 5, .session = 7, .seq = 1}));  // beyond the marks kept: applied
+  // Sequence numbers wrap: 1 comes after 2^32 - 1.
+  EXPECT_FALSE(apply({.worker = 1, .session = 9, .seq = 0xFFFFFFFFu}));
+  EXPECT_FALSE(apply({.worker = 1, .session = 9, .seq = 1}));
+  EXPECT_TRUE(apply({.worker = 1, .session = 9, .seq = 0xFFFFFFFFu}));
+  std::vector<float> out(4);
+  ASSERT_EQ(s->pull(1, out).status, Errc::ok);
+  EXPECT_EQ(out, std::vector<float>(4, 8.0f));
+
+  std::vector<float> value(4);
+  std::uint64_t count = 0, seq = 0, marks[2] = {};
+  s->snapshot_slot(*ref.slot, value.data(), nullptr, &count, &seq, nullptr, marks);
+  auto replica = make_store(o);
+  replica->keep_push_marks(2);
+  ASSERT_EQ(replica->put_if_newer(1, value, {}, count, 1, seq, marks), Errc::ok);
+  const SlotRef copy = replica->find_ref(1);
+  bool duplicate = false;
+  ASSERT_EQ(replica->apply_slot(copy, ones.data(), o.rule, 1.0f, {.worker = 0, .session = 8, .seq = 1}, &duplicate),
+            Errc::ok);
+  EXPECT_TRUE(duplicate);
+  ASSERT_EQ(replica->apply_slot(copy, ones.data(), o.rule, 1.0f, {.worker = 0, .session = 8, .seq = 2}, &duplicate),
+            Errc::ok);
+  EXPECT_FALSE(duplicate);
+  ASSERT_EQ(replica->pull(1, out).status, Errc::ok);
+  EXPECT_EQ(out, std::vector<float>(4, 9.0f));
+}
+
 TEST(Store, StatefulOverrideOnStatelessStoreIsRefused) {
   auto s = make_store();  // rule add: no state arena
   ASSERT_EQ(s->init_zero(1, 4), Errc::ok);

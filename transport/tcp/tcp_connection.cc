@@ -46,7 +46,7 @@ TcpConnection::~TcpConnection() {
 void TcpConnection::handshake() {
   const auth::Nonce client_nonce = options_.token ? auth::random_nonce() : auth::Nonce{};
   wire::FrameHeader h = wire::make_header(wire::Op::hello, 0, 0, options_.token ? auth::kNonceBytes : 0,
-                                          options_.worker_id, wire::kVersion);
+                                          (std::uint64_t{options_.session} << 32) | options_.worker_id, wire::kVersion);
   iovec iov[2] = {{&h, sizeof h}, {const_cast<std::uint8_t*>(client_nonce.data()), auth::kNonceBytes}};
   if (writev_full(fd_.get(), iov, options_.token ? 2 : 1) != IoResult::ok)
     throw Error(Errc::peer_failure, "cannot send the hello to " + endpoint_);

@@ -33,6 +33,10 @@ class TcpConnection final : public transport::Connection, private transport::Pol
   const transport::ServerInfo& info() const noexcept override { return info_; }
   const std::string& endpoint() const noexcept override { return endpoint_; }
   transport::Poller* poller() noexcept override { return this; }
+  bool broken() noexcept override {
+    std::lock_guard lock(in_flight_mu_);
+    return broken_ || send_broken_;
+  }
 
  private:
   // Poller: a waiting thread reads the replies itself. poll() blocks only to finish a frame

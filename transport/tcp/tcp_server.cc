@@ -176,6 +176,7 @@ class Peer : public std::enable_shared_from_this<Peer> {
   bool said_hello = false;
   bool authenticated = false;              // passed the token challenge (or the server has no token)
   std::uint32_t hello_worker = kNoWorker;  // admitted once authenticated
+  std::uint32_t session = 0;               // the client's, from hello: identifies its pushes (PushId)
   auth::Nonce client_nonce{}, server_nonce{};
   bool finished = false;  // the worker announced it is done (clock = kClockDone)
   std::uint32_t worker = kNoWorker;
@@ -1059,6 +1060,7 @@ bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payl
       }
       peer.said_hello = true;
       peer.hello_worker = static_cast<std::uint32_t>(h.arg0);
+      peer.session = static_cast<std::uint32_t>(h.arg0 >> 32);
       if (!options_.token) {
         peer.authenticated = true;
         return admit(peer, h);
@@ -1104,7 +1106,8 @@ bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payl
       break;
     case wire::Op::push:
       if (!reserve_for_replicas(peer)) return send_error(peer, h, Errc::capacity, replicas_behind());
-      status = engine_.push(peer.worker, h.arg0, peer.keys, payload, &why);
+      status = engine_.push(peer.worker, h.arg0, peer.keys, payload, &why, nullptr,
+                            PushId{.worker = peer.worker, .session = h.arg1 ? peer.session : 0, .seq = h.arg1});
       if (status == Errc::ok) return answer_applied(peer, h);
       if (engine_.replicator()) engine_.replicator()->release(peer.keys);
       break;

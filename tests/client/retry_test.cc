@@ -1,0 +1,103 @@
+// ClientOptions::retry_timeout: a client whose server's connection fails reconnects and sends
+// what was unanswered again instead of failing it, and gives up, with a clear error, only once
+// the server has stayed away for the whole timeout. (That a retried push lands once is proved
+// against replicated servers, in tests/replication/tcp_replication_test.cc.)
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <optional>
+
+#include "pskv/client.h"
+#include "pskv/server.h"
+#include "transport/tcp/socket.h"
+
+namespace pskv {
+namespace {
+
+using namespace std::chrono_literals;
+
+ServerOptions server_at(const std::string& uri) {
+  ServerOptions so;
+  so.uri = uri;
+  so.num_workers = 1;
+  so.arena_bytes = 4 << 20;
+  so.io_threads = 1;
+  return so;
+}
+
+TEST(Retry, NeedsAWorkerId) {
+  const std::string uri = "tcp://127.0.0.1:" + std::to_string(tcp::free_loopback_port());
+  Server server(server_at(uri));
+  ClientOptions o;
+  o.servers = {uri};
+  o.retry_timeout = 1s;
+  try {
+    Client c(o);
+    FAIL() << "an anonymous client was allowed to retry";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::invalid_argument);
+    EXPECT_NE(std::string(e.what()).find("worker_id"), std::string::npos) << e.what();
+  }
+}
+
+// The server goes away and another comes up at its address: the pull in flight then is answered
+// by the new one, and the new one learns this worker's clock before anything else.
+TEST(Retry, ARestartedServerAnswersWhatItsPredecessorLeftUnanswered) {
+  const std::string uri = "tcp://127.0.0.1:" + std::to_string(tcp::free_loopback_port());
+  std::optional<Server> server(std::in_place, server_at(uri));
+  ClientOptions o;
+  o.servers = {uri};
+  o.worker_id = 0;
+  o.retry_timeout = 20s;
+  Client c(o);
+  std::vector<float> value(8, 1.0f), out(8);
+  c.wait(c.init(1, value));
+  c.clock();
+  c.clock();
+  server.reset();
+  const Ticket pull = c.pull(1, out);  // fails on the closed connection, and is sent again
+  server.emplace(server_at(uri));
+  {
+    ClientOptions admin;
+    admin.servers = {uri};
+    Client a(admin);
+    std::vector<float> restored(8, 5.0f);
+    a.wait(a.init(1, restored));
+  }
+  c.wait(pull);
+  EXPECT_EQ(out, std::vector<float>(8, 5.0f));
+  EXPECT_NE(c.server_stats(0).find("\"clocks_by_worker\":[2]"), std::string::npos) << c.server_stats(0);
+}
+
+TEST(Retry, GivesUpOnceTheServerStayedAwayForTheWholeTimeout) {
+  const std::string uri = "tcp://127.0.0.1:" + std::to_string(tcp::free_loopback_port());
+  std::optional<Server> server(std::in_place, server_at(uri));
+  ClientOptions o;
+  o.servers = {uri};
+  o.worker_id = 0;
+  o.retry_timeout = 300ms;
+  o.connect_timeout = 200ms;
+  Client c(o);
+  std::vector<float> value(8, 1.0f);
+  c.wait(c.init(1, value));
+  server.reset();
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    c.wait(c.push(1, value));
+    FAIL() << "a push to a server that never came back succeeded";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::peer_failure) << e.what();
+    EXPECT_NE(std::string(e.what()).find("gave up on " + uri), std::string::npos) << e.what();
+  }
+  EXPECT_GE(std::chrono::steady_clock::now() - start, 300ms);
+  // Given up on: later requests fail at once, with the same explanation.
+  try {
+    c.wait(c.push(1, value));
+    FAIL() << "a push after giving up succeeded";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("gave up on"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace pskv
