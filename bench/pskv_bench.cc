@@ -69,6 +69,8 @@ constexpr std::size_t kBandwidthBytes = 64u << 10;
 
 // Client settings every workload shares (--chunk-floats, --auth-token-file).
 pskv::ClientOptions g_client_defaults;
+// steps workload: the workers' ClientOptions::retry_timeout (--retry-timeout-ms).
+std::chrono::milliseconds g_worker_retry{0};
 
 pskv::ClientOptions client_options(const std::vector<std::string>& servers) {
   pskv::ClientOptions o = g_client_defaults;
@@ -505,6 +507,7 @@ StepsResult measure_steps(const std::vector<std::string>& servers, int workers, 
       try {
         pskv::ClientOptions o = client_options(servers);
         o.worker_id = static_cast<std::uint32_t>(w);
+        o.retry_timeout = g_worker_retry;
         pskv::Client client(o);
         std::vector<pskv::Key> keys;
         std::vector<std::vector<float>> bufs(workers, std::vector<float>(floats));
@@ -763,9 +766,15 @@ int main(int argc, char** argv) {
   app.add_option("--workers", workers, "steps workload: workers (threads, each with its own client)")
       ->capture_default_str();
   app.add_option("--steps", steps, "steps workload: steps per worker")->capture_default_str();
+  std::int64_t retry_ms = 0;
+  app.add_option("--retry-timeout-ms", retry_ms,
+                 "steps workload: the workers retry a failed server for this long (ClientOptions::retry_timeout; "
+                 "their pushes are identified, and a replicated server applies them whole)")
+      ->capture_default_str();
   app.add_option("--straggler-us", straggler_us, "steps workload: worker 0 sleeps this long per step")
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
+  g_worker_retry = std::chrono::milliseconds(retry_ms);
 
   const auto sizes = parse_sizes(sizes_text);
   std::vector<int> client_counts;
@@ -963,6 +972,7 @@ int main(int argc, char** argv) {
                        .add("replicas", replicas)
                        .add("value_bytes", size)
                        .add("straggler_us", straggler_us)
+                       .add("retry_timeout_ms", retry_ms)
                        .add("steps_per_s", r.steps_per_s, 1)
                        .add("p50_step_us", r.p50_step_us, 1)
                        .add("max_staleness", r.max_staleness)

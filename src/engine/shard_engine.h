@@ -106,9 +106,11 @@ class ShardEngine {
     return lookup(keys, slots, why);
   }
   // Not in sync mode, where the workers' pushes are summed per step before anything is applied,
-  // nor on a replicated server: a key's record must never hold part of a push, or a replica
-  // could not tell whether that push is in it.
-  bool pushes_apply_in_pieces() const noexcept { return !sync_ && store_->push_marks() == 0; }
+  // nor for an identified push (PushId) on a replicated server: a key's record must never hold
+  // part of a push that may be sent again, or no server could tell whether that push is in it.
+  bool pushes_apply_in_pieces(bool identified = false) const noexcept {
+    return !sync_ && !(identified && store_->push_marks() > 0);
+  }
   void count_pushes(std::uint64_t keys) noexcept { pushes_.fetch_add(keys, std::memory_order_relaxed); }
   void count_pulls(std::uint64_t keys) noexcept { pulls_.fetch_add(keys, std::memory_order_relaxed); }
   // Copies values under seqlock validation; checks every key before copying any.

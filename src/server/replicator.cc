@@ -14,6 +14,9 @@ namespace {
 // replica's own limits (the same flags as this server's).
 constexpr std::size_t kRequestKeys = 1u << 16;
 constexpr std::uint64_t kTransferBytes = 16ull << 20;  // per request of a full transfer or rejoin
+// Well under the receive window a TCP peer advertises by default (net.ipv4.tcp_rmem: 128 KiB of
+// buffer, about half of it window), even one that has stopped reading: see Replica::unanswered_bytes.
+constexpr std::uint64_t kInlineBytes = 32u << 10;
 
 std::shared_ptr<transport::Connection> connect_to(const ReplicaPeer& peer, const ReplicatorOptions& o,
                                                   std::chrono::milliseconds connect_timeout) {
@@ -102,6 +105,10 @@ void TcpReplicator::prepare(Shipment& s, Leg& leg, const std::vector<std::pair<s
   leg.requests.resize(ranges.empty() ? 1 : ranges.size());
   leg.done.reset(static_cast<std::uint32_t>(leg.requests.size()));
   leg.sent.store(false, std::memory_order_relaxed);
+  leg.wire_bytes = leg.requests.size() * sizeof(wire::FrameHeader);
+  for (const auto& [begin, end] : ranges)
+    for (std::size_t i = begin; i < end; ++i)
+      leg.wire_bytes += sizeof(wire::KeyEntry) + std::uint64_t{s.keys[i].length} * sizeof(float);
   for (std::size_t i = 0; i < leg.requests.size(); ++i) {
     transport::Request& q = leg.requests[i];
     q = transport::Request{};
@@ -126,6 +133,13 @@ void TcpReplicator::send(Leg& leg) noexcept {
       return;
     }
   }
+}
+
+void TcpReplicator::send_and_wait(Replica& r, Leg& leg) {
+  r.unanswered_bytes.fetch_add(leg.wire_bytes);
+  send(leg);
+  wait_done(leg.done, leg.conn.get());
+  r.unanswered_bytes.fetch_sub(leg.wire_bytes);
 }
 
 void TcpReplicator::sender(Replica& r) {
@@ -220,12 +234,17 @@ void TcpReplicator::ship(std::span<const KeyEntry> keys, std::unique_ptr<Parked>
     if (!conn) continue;  // pending: its full transfer will carry these keys
     leg.conn = std::move(conn);
     prepare(*s, leg, ranges, 0);
+    r->shipped_bytes.fetch_add(bytes, std::memory_order_relaxed);
+    if (r->unanswered_bytes.fetch_add(leg.wire_bytes) + leg.wire_bytes <= kInlineBytes) {
+      send(leg);
+      leg.sent.store(true, std::memory_order_release);
+      continue;
+    }
     {
       std::lock_guard lock(r->out_mu);
       r->outbox.push_back(&leg);
     }
     r->out_cv.notify_one();
-    r->shipped_bytes.fetch_add(bytes, std::memory_order_relaxed);
   }
   if (s->legs.empty()) {
     if (s->reply) s->reply->resume(Errc::ok, {});
@@ -274,6 +293,7 @@ void TcpReplicator::acker() {
       }
       wait_done(leg.done, leg.conn.get());
       while (!leg.sent.load(std::memory_order_acquire)) std::this_thread::yield();
+      leg.replica->unanswered_bytes.fetch_sub(leg.wire_bytes);
       if (leg.done.status() != Errc::ok) drop(*leg.replica, leg.conn.get(), leg.done.message());
     }
     // Every live replica holds the keys; one that failed is no longer live. (A stop cut short
@@ -299,8 +319,7 @@ bool TcpReplicator::full_transfer(Replica& r, const std::shared_ptr<transport::C
     leg.replica = &r;
     leg.conn = conn;
     prepare(s, leg, {}, arg1);
-    send(leg);
-    wait_done(leg.done, leg.conn.get());
+    send_and_wait(r, leg);
     return leg.done.status() == Errc::ok ? std::string() : leg.done.message();
   };
   if (std::string why = mark(wire::kReplicaSyncing); !why.empty()) {
@@ -327,8 +346,7 @@ bool TcpReplicator::full_transfer(Replica& r, const std::shared_ptr<transport::C
     leg.replica = &r;
     leg.conn = conn;
     prepare(s, leg, ranges, 0);
-    send(leg);
-    wait_done(leg.done, leg.conn.get());
+    send_and_wait(r, leg);
     if (leg.done.status() != Errc::ok) {
       drop(r, conn.get(), leg.done.message());
       return false;

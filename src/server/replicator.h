@@ -78,10 +78,12 @@ class TcpReplicator final : public Replicator {
     std::shared_ptr<transport::Connection> conn;  // null: wait for the pending replica's sync
     std::vector<transport::Request> requests;
     transport::Completion done;
-    // Set by the sender once send() has returned. A request can be completed by another thread
-    // (the connection failing under it) while submit() still reads it, so the acker frees a leg
-    // only once its sender is done with it, not merely once it is complete.
+    // Set by the sender once send() has returned. The last request can be completed (answered,
+    // or failed with the connection) before its submit() returns, and send() still reads the leg
+    // after that, so the acker frees a leg only once its sender is done with it, not merely once
+    // it is complete.
     std::atomic<bool> sent{false};
+    std::uint64_t wire_bytes = 0;  // its frames' bytes, counted in Replica::unanswered_bytes
   };
   struct Replica {
     ReplicaPeer peer;
@@ -97,6 +99,11 @@ class TcpReplicator final : public Replicator {
     std::condition_variable out_cv;
     std::deque<Leg*> outbox;
     std::thread sender;
+    // Bytes of legs queued or sent and not yet seen answered. Below kInlineBytes the replica's
+    // receive window alone holds them all, so a submit cannot block on the socket (nor on the
+    // window of requests), and the I/O thread submits a small leg itself instead of waking the
+    // sender: one hand-off less for the small pushes whose latency is all hand-offs.
+    std::atomic<std::uint64_t> unanswered_bytes{0};
   };
   // One request's records, in flight to every live replica.
   struct Shipment {
@@ -118,6 +125,8 @@ class TcpReplicator final : public Replicator {
   void prepare(Shipment& s, Leg& leg, const std::vector<std::pair<std::size_t, std::size_t>>& ranges,
                std::uint32_t arg1);
   static void send(Leg& leg) noexcept;
+  // The keeper's own legs (a full transfer): sent from its thread, counted while unanswered.
+  static void send_and_wait(Replica& r, Leg& leg);
   void sender(Replica& r);
   // Marks `r` down, unless `conn` (when given) is no longer its connection.
   void drop(Replica& r, const transport::Connection* conn, const std::string& why);

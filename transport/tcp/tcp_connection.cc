@@ -3,6 +3,7 @@
 #include <sys/socket.h>
 
 #include <cstring>
+#include <thread>
 
 #include "common/sync.h"
 
@@ -98,6 +99,7 @@ std::uint32_t TcpConnection::acquire_in_flight(Request* request, std::uint64_t* 
   free_.pop_back();
   in_flight_[i].id = next_generation_++ * options_.max_in_flight + i;
   in_flight_[i].request = request;
+  in_flight_[i].sending = true;
   *id = in_flight_[i].id;
   // The server's silence is timed from the moment something is outstanding.
   if (outstanding_.fetch_add(1) == 0) quiet_since_ns_.store(steady_now_ns(), std::memory_order_relaxed);
@@ -105,13 +107,45 @@ std::uint32_t TcpConnection::acquire_in_flight(Request* request, std::uint64_t* 
 }
 
 void TcpConnection::release_in_flight(std::uint32_t index) {
+  // The server answers a request once it has read all of it (or, refusing it early, closes the
+  // connection, which fails the sender's writev), so its sender is past its buffers, if not yet
+  // back from writev: wait for that rather than leave the completion to it, since a waiter
+  // sleeping in this connection's socket would not hear of a completion made elsewhere.
+  for (;;) {
+    {
+      std::lock_guard lock(in_flight_mu_);
+      InFlight& e = in_flight_[index];
+      if (!e.sending) {
+        e.request = nullptr;
+        free_.push_back(index);
+        outstanding_.fetch_sub(1);
+        break;
+      }
+    }
+    std::this_thread::yield();
+  }
+  in_flight_free_.notify_one();
+}
+
+void TcpConnection::sent(std::uint32_t index) {
+  Request* request = nullptr;
+  Errc status = Errc::ok;
+  std::string why;
   {
     std::lock_guard lock(in_flight_mu_);
-    in_flight_[index].request = nullptr;
+    InFlight& e = in_flight_[index];
+    e.sending = false;
+    if (!e.deferred) return;
+    request = e.request;
+    status = e.deferred_status;
+    why.swap(e.deferred_why);
+    e.deferred = false;
+    e.request = nullptr;
     free_.push_back(index);
     outstanding_.fetch_sub(1);
   }
   in_flight_free_.notify_one();
+  request->completion->complete_part(status, why);
 }
 
 void TcpConnection::submit(Request& request) {
@@ -124,15 +158,17 @@ void TcpConnection::submit(Request& request) {
   // Pairs with reader_loop: either it sees this request outstanding, or we see it asleep.
   if (reader_sleeps_long_.load()) wake_reader();
   // Without checksums, large pull replies may come straight from the server's store.
-  const bool from_store = request.op == wire::Op::pull && !options_.checksum;
+  const wire::Op op = request.op;
+  const bool from_store = op == wire::Op::pull && !options_.checksum;
   const IoResult res = send_request(id, request, from_store ? std::uint16_t{wire::kFromStore} : std::uint16_t{0});
   if (res != IoResult::ok) {
-    const std::string why = "sending " + std::string(wire::op_name(static_cast<std::uint16_t>(request.op))) + " to " +
+    const std::string why = "sending " + std::string(wire::op_name(static_cast<std::uint16_t>(op))) + " to " +
                             endpoint_ + " failed: " + io_result_text(res);
     if (res == IoResult::timeout) {
       // Half a frame went out: the stream is unusable both ways.
       ::shutdown(fd_.get(), SHUT_RDWR);
       fail_all(Errc::timeout, why);
+      sent(index);
       return;
     }
     // The server closed while we were sending, typically after answering this very request
@@ -145,6 +181,7 @@ void TcpConnection::submit(Request& request) {
     }
     ::shutdown(fd_.get(), SHUT_WR);
   }
+  sent(index);
 }
 
 IoResult TcpConnection::send_request(std::uint64_t id, const Request& request, std::uint16_t flags) {
@@ -186,13 +223,20 @@ void TcpConnection::fail_all(Errc status, const std::string& why) {
       broken_ = true;
       if (!send_broken_) broken_why_ = why;
     }
-    for (std::uint32_t i = 0; i < in_flight_.size(); ++i)
-      if (in_flight_[i].request) {
-        victims.push_back(in_flight_[i].request);
-        in_flight_[i].request = nullptr;
-        free_.push_back(i);
-        outstanding_.fetch_sub(1);
+    for (std::uint32_t i = 0; i < in_flight_.size(); ++i) {
+      InFlight& e = in_flight_[i];
+      if (!e.request || e.deferred) continue;
+      if (e.sending) {
+        e.deferred = true;
+        e.deferred_status = status;
+        e.deferred_why = why;
+        continue;
       }
+      victims.push_back(e.request);
+      e.request = nullptr;
+      free_.push_back(i);
+      outstanding_.fetch_sub(1);
+    }
   }
   in_flight_free_.notify_all();
   for (Request* r : victims) r->completion->complete_part(status, why);
@@ -354,7 +398,7 @@ bool TcpConnection::receive_one(const wire::FrameHeader& h, std::string* why) {
   Request* request;
   {
     std::lock_guard lock(in_flight_mu_);
-    request = in_flight_[index].id == h.request_id ? in_flight_[index].request : nullptr;
+    request = in_flight_[index].id == h.request_id && !in_flight_[index].deferred ? in_flight_[index].request : nullptr;
   }
   if (!request) {
     *why = endpoint_ + " answered request " + std::to_string(h.request_id) + " that is not outstanding";
@@ -425,8 +469,8 @@ bool TcpConnection::receive_one(const wire::FrameHeader& h, std::string* why) {
   }
   if (h.op == static_cast<std::uint16_t>(wire::Op::pull) || h.op == static_cast<std::uint16_t>(wire::Op::clock))
     request->completion->note_bound(h.arg0);
-  release_in_flight(index);
   if (status != Errc::ok && message.empty()) message = std::string(errc_name(status));
+  release_in_flight(index);
   request->completion->complete_part(status, status == Errc::ok ? std::string_view{} : std::string_view(message));
   return true;
 }

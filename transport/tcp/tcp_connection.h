@@ -69,9 +69,17 @@ class TcpConnection final : public transport::Connection, private transport::Pol
   bool still_alive();
   void notify_followers() noexcept;
   void wake_reader() noexcept;
+  // An entry is registered before its frame is sent (the reply may come before writev returns),
+  // and its request stays valid only until it is completed, while the sender still reads its
+  // buffers. So while `sending`, a failure of the connection leaves the outcome here and the
+  // sender completes it when it is done; a reply waits for the sender (release_in_flight).
   struct InFlight {
     transport::Request* request = nullptr;
     std::uint64_t id = 0;
+    bool sending = false;
+    bool deferred = false;
+    Errc deferred_status = Errc::ok;
+    std::string deferred_why;
   };
   void handshake();
   wire::FrameHeader read_handshake_reply(const char* step);
@@ -82,7 +90,11 @@ class TcpConnection final : public transport::Connection, private transport::Pol
   void fail_all(Errc status, const std::string& why);
   // Returns the entry's index (UINT32_MAX once broken) and its request id in *id.
   std::uint32_t acquire_in_flight(transport::Request* request, std::uint64_t* id);
+  // Frees the entry of an answered request (the caller completes it), once its sender is done.
   void release_in_flight(std::uint32_t index);
+  // The sender is done with the entry's buffers: completes the request if its outcome came
+  // meanwhile.
+  void sent(std::uint32_t index);
 
   transport::ConnectOptions options_;
   std::string endpoint_;

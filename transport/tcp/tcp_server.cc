@@ -982,7 +982,7 @@ bool TcpServer::await_fast_sender(Peer& peer) {
 bool TcpServer::streams(const Peer& peer, const wire::FrameHeader& h) const noexcept {
   // A checksum covers the whole frame, so nothing may be applied before all of it is in.
   return options_.push_in_pieces && static_cast<wire::Op>(h.op) == wire::Op::push && !(h.flags & wire::kChecksum) &&
-         peer.authenticated && engine_.pushes_apply_in_pieces();
+         peer.authenticated && engine_.pushes_apply_in_pieces(h.arg1 != 0 && peer.session != 0);
 }
 
 TcpServer::Progress TcpServer::stream_push(Peer& peer) {
