@@ -107,10 +107,6 @@ struct ConnectOptions {
   wire::Limits limits{};
   // tcp/rdma: prove this token to the server and require the server to prove it back.
   std::shared_ptr<const auth::Token> token;
-  // tcp: the client's session (a random nonzero word, the same on every connection of one
-  // Client): with a push's sequence number in arg1, it tells a replicated server which pushes a
-  // key already holds (PushId). 0: pushes are not identified.
-  std::uint32_t session = 0;
 };
 
 // What the server said about itself at connect time.

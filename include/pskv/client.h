@@ -53,8 +53,11 @@ struct ClientOptions {
   // past io_timeout), keep reconnecting to it for up to this long and send its unanswered
   // requests again, in order, instead of failing them: a server restarted with --rejoin takes
   // its keys back from its replicas, and the marks those keys carry let it apply each push sent
-  // again exactly once. Nothing fails meanwhile; a wait() blocks until the server is back. Needs
-  // worker_id (a retried push is recognised by its worker). 0: a failed server fails its requests.
+  // again exactly once. Nothing fails meanwhile: a wait() or wait_for() that finds the connection
+  // failed reconnects before it returns (blocking up to retry_timeout, whatever wait_for's own
+  // timeout), and done() stays false until a wait has sent the request again. Needs worker_id (a
+  // retried push is recognised by its worker) and tcp:// servers; pushes must carry clocks below
+  // 2^32. 0: a failed server fails its requests.
   std::chrono::milliseconds retry_timeout{0};
 };
 

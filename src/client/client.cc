@@ -85,8 +85,11 @@ class ClientImpl {
     c.max_in_flight = o.max_in_flight;
     c.checksum = o.checksum;
     if (retrying_) {
-      std::random_device entropy;
-      while (c.session == 0) c.session = entropy();
+      for (const auto& s : o.servers)
+        if (parse_uri(s).scheme != "tcp")
+          throw Error(Errc::invalid_argument,
+                      "ClientOptions.retry_timeout is for tcp:// servers run with --replicas; " + s + " is not tcp");
+      session_ = new_session(0);
     }
     if (!o.auth_token_file.empty()) c.token = auth::Token::load_file(o.auth_token_file);
     for (const auto& s : o.servers) {
@@ -180,7 +183,12 @@ class ClientImpl {
     op->clock_at_issue = clock_.load(std::memory_order_relaxed);
     op->retrying = retrying_;
     if (op->retrying) {
-      submit_for_retry(op, kind, arg0, text_out);
+      try {
+        submit_for_retry(op, kind, arg0, text_out);
+      } catch (...) {
+        release(ticket);  // refused before anything was sent
+        throw;
+      }
       return ticket;
     }
     op->completion.reset(targets);
@@ -202,12 +210,30 @@ class ClientImpl {
   // finished, so that a reconnection can send again whatever its connection failed, in order.
   // The push's sequence number and its submissions are taken under one lock, so every server
   // receives one client's pushes in sequence order (what PushId relies on).
+  // A push carries its session in arg0's high half (its clock in the low one) and its sequence
+  // number in arg1. A key keeps one mark per worker, so a session's numbers must never wrap
+  // around one still marked: past kRotateSeq pushes the session is replaced, at the first push
+  // issued while none of this session may still be sent again (a push sent again is compared
+  // with marks of its own session only).
+  static constexpr std::uint32_t kRotateSeq = 1u << 30, kLastSeq = (1u << 31) - 1;
   void submit_for_retry(Op* op, wire::Op kind, std::uint64_t arg0, std::string* text_out) {
     std::lock_guard order(order_mu_);
     std::uint32_t seq = 0;
     if (kind == wire::Op::push) {
-      if (++push_seq_ == 0) ++push_seq_;  // 0 means "not identified"
-      seq = push_seq_;
+      if (arg0 >> 32)
+        throw Error(Errc::invalid_argument, "clock " + std::to_string(arg0) +
+                                                " is past 2^32, which a retrying "
+                                                "client's pushes cannot carry");
+      if (push_seq_ >= kRotateSeq && !pushes_may_be_sent_again()) {
+        session_ = new_session(session_);
+        push_seq_ = 0;
+      }
+      if (push_seq_ >= kLastSeq)
+        throw Error(Errc::capacity,
+                    "2^31 pushes were issued while earlier ones of this client stayed "
+                    "unanswered; wait() for them");
+      seq = ++push_seq_;
+      arg0 |= std::uint64_t{session_} << 32;
     }
     for (std::size_t s = 0; s < links_.size(); ++s) {
       if (!op->targeted[s]) continue;
@@ -230,6 +256,24 @@ class ClientImpl {
       else
         p.completion.complete_part(Errc::peer_failure, link.gave_up);
     }
+  }
+
+  // Whether a push of the current session is listed and not yet answered, or lost with its
+  // connection (and so may be sent again). Under order_mu_.
+  bool pushes_may_be_sent_again() {
+    for (auto& l : links_) {
+      std::lock_guard lock(l->mu);
+      for (Sent* p = l->head; p; p = p->next)
+        if (p->op->kind == wire::Op::push && !p->stands && (!p->completion.done() || lost_with_connection(*p)))
+          return true;
+    }
+    return false;
+  }
+  static std::uint32_t new_session(std::uint32_t old) {
+    static thread_local std::random_device entropy;
+    std::uint32_t s = 0;
+    while (s == 0 || s == old) s = entropy();
+    return s;
   }
 
   // Waits for every part of `op`; in retry mode, reconnects a server whose connection failed
@@ -571,6 +615,7 @@ class ClientImpl {
   std::atomic<bool> closing_{false};  // the destructor's goodbye: not worth waiting for a restart
   std::mutex order_mu_;               // retry mode: a push's sequence number and its submissions
   std::uint32_t push_seq_ = 0;        // under order_mu_
+  std::uint32_t session_ = 0;         // under order_mu_
   // Declared before links_ so that it is destroyed after them: a connection's teardown
   // completes its outstanding requests, which live in these ops.
   std::mutex ops_mu_;

@@ -14,8 +14,8 @@ namespace {
 // replica's own limits (the same flags as this server's).
 constexpr std::size_t kRequestKeys = 1u << 16;
 constexpr std::uint64_t kTransferBytes = 16ull << 20;  // per request of a full transfer or rejoin
-// Well under the receive window a TCP peer advertises by default (net.ipv4.tcp_rmem: 128 KiB of
-// buffer, about half of it window), even one that has stopped reading: see Replica::unanswered_bytes.
+// A frame an empty TCP connection takes without blocking the writer, even one to a peer that
+// stopped reading or whose link is cut: see Replica::inline_sends.
 constexpr std::uint64_t kInlineBytes = 32u << 10;
 
 std::shared_ptr<transport::Connection> connect_to(const ReplicaPeer& peer, const ReplicatorOptions& o,
@@ -135,8 +135,15 @@ void TcpReplicator::send(Leg& leg) noexcept {
   }
 }
 
+void TcpReplicator::let_inline_sends_go_first(Replica& r) {
+  // The caller's bytes are counted already, so no inline send starts after this; one that
+  // started before is a single small frame into an empty connection.
+  while (r.inline_sends.load() != 0) std::this_thread::yield();
+}
+
 void TcpReplicator::send_and_wait(Replica& r, Leg& leg) {
   r.unanswered_bytes.fetch_add(leg.wire_bytes);
+  let_inline_sends_go_first(r);
   send(leg);
   wait_done(leg.done, leg.conn.get());
   r.unanswered_bytes.fetch_sub(leg.wire_bytes);
@@ -152,6 +159,7 @@ void TcpReplicator::sender(Replica& r) {
       leg = r.outbox.front();
       r.outbox.pop_front();
     }
+    let_inline_sends_go_first(r);
     send(*leg);
     leg->sent.store(true, std::memory_order_release);  // the last access: the acker may free it now
   }
@@ -235,11 +243,17 @@ void TcpReplicator::ship(std::span<const KeyEntry> keys, std::unique_ptr<Parked>
     leg.conn = std::move(conn);
     prepare(*s, leg, ranges, 0);
     r->shipped_bytes.fetch_add(bytes, std::memory_order_relaxed);
-    if (r->unanswered_bytes.fetch_add(leg.wire_bytes) + leg.wire_bytes <= kInlineBytes) {
+    // Inline only into a connection with nothing unanswered, and never behind another thread's
+    // frame: see Replica::inline_sends.
+    r->inline_sends.fetch_add(1);
+    if (leg.wire_bytes <= kInlineBytes && r->unanswered_bytes.fetch_add(leg.wire_bytes) == 0) {
       send(leg);
+      r->inline_sends.fetch_sub(1);
       leg.sent.store(true, std::memory_order_release);
       continue;
     }
+    if (leg.wire_bytes > kInlineBytes) r->unanswered_bytes.fetch_add(leg.wire_bytes);
+    r->inline_sends.fetch_sub(1);
     {
       std::lock_guard lock(r->out_mu);
       r->outbox.push_back(&leg);

@@ -99,11 +99,14 @@ class TcpReplicator final : public Replicator {
     std::condition_variable out_cv;
     std::deque<Leg*> outbox;
     std::thread sender;
-    // Bytes of legs queued or sent and not yet seen answered. Below kInlineBytes the replica's
-    // receive window alone holds them all, so a submit cannot block on the socket (nor on the
-    // window of requests), and the I/O thread submits a small leg itself instead of waking the
-    // sender: one hand-off less for the small pushes whose latency is all hand-offs.
+    // Bytes of legs queued or sent and not yet seen answered.
     std::atomic<std::uint64_t> unanswered_bytes{0};
+    // I/O threads about to submit a small leg themselves instead of waking the sender: one
+    // hand-off less for the small pushes whose latency is all hand-offs. Only when nothing is
+    // unanswered (an empty socket takes a frame of up to kInlineBytes at once, whatever the
+    // peer does), and never behind another frame: the sender and the keeper, having counted
+    // their bytes, wait for these to go out before they write (let_inline_sends_go_first).
+    std::atomic<std::uint32_t> inline_sends{0};
   };
   // One request's records, in flight to every live replica.
   struct Shipment {
@@ -127,6 +130,7 @@ class TcpReplicator final : public Replicator {
   static void send(Leg& leg) noexcept;
   // The keeper's own legs (a full transfer): sent from its thread, counted while unanswered.
   static void send_and_wait(Replica& r, Leg& leg);
+  static void let_inline_sends_go_first(Replica& r);
   void sender(Replica& r);
   // Marks `r` down, unless `conn` (when given) is no longer its connection.
   void drop(Replica& r, const transport::Connection* conn, const std::string& why);

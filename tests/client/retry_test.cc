@@ -40,6 +40,20 @@ TEST(Retry, NeedsAWorkerId) {
   }
 }
 
+TEST(Retry, IsForTcpServers) {
+  ClientOptions o;
+  o.servers = {"shm://retry-is-for-tcp"};
+  o.worker_id = 0;
+  o.retry_timeout = 1s;
+  try {
+    Client c(o);
+    FAIL() << "a retrying client was allowed on shm://";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::invalid_argument);
+    EXPECT_NE(std::string(e.what()).find("tcp"), std::string::npos) << e.what();
+  }
+}
+
 // The server goes away and another comes up at its address: the pull in flight then is answered
 // by the new one, and the new one learns this worker's clock before anything else.
 TEST(Retry, ARestartedServerAnswersWhatItsPredecessorLeftUnanswered) {

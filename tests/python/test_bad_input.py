@@ -155,6 +155,11 @@ def test_clock_without_a_worker_id(client):
     expect(pskv.InvalidArgument, "worker_id", client.clock)
 
 
+def test_retrying_needs_a_worker_id(server):
+    expect(pskv.InvalidArgument, "worker_id", lambda: pskv.Client(server.uri, retry_timeout=5.0))
+    expect(pskv.InvalidArgument, "retry_timeout", lambda: pskv.Client(server.uri, worker_id=0, retry_timeout=-1.0))
+
+
 def test_unreachable_server():
     expect(pskv.Error, "", lambda: pskv.Client("tcp://127.0.0.1:1", connect_timeout=1.0))
     expect(pskv.InvalidArgument, "partition", lambda: pskv.Client("tcp://127.0.0.1:1", partition="modulo"))

@@ -49,8 +49,8 @@ class Ring {
     if (rejoin) args.push_back("--rejoin");
     return ServerProcess::start(args);
   }
-  void kill(int s) {
-    servers_[std::size_t(s)].process.signal(SIGKILL);
+  void kill(int s, int sig = SIGKILL) {
+    servers_[std::size_t(s)].process.signal(sig);
     servers_[std::size_t(s)].process.wait();
   }
   void restart(int s) { servers_[std::size_t(s)] = start(s, true); }
@@ -264,13 +264,13 @@ std::vector<Key> make_keys(const ClientOptions& o, Key count, std::size_t length
   return keys;
 }
 
-// SIGKILLs a random server (with R=3, on every other trial, two) and restarts them with --rejoin
-// a random moment later. Returns them, the first chosen first.
-std::vector<int> kill_and_rejoin(Ring& ring, std::mt19937& rng, std::uint32_t replicas, int trial) {
+// Stops a random server with `sig` (with R=3, on every other trial, two) and restarts them with
+// --rejoin a random moment later. Returns them, the first chosen first.
+std::vector<int> kill_and_rejoin(Ring& ring, std::mt19937& rng, std::uint32_t replicas, int trial, int sig = SIGKILL) {
   const int first = static_cast<int>(rng() % 3);
   std::vector<int> victims = {first};
   if (replicas == 3 && trial % 2 == 1) victims.push_back((first + 1 + int(rng() % 2)) % 3);
-  for (int v : victims) ring.kill(v);
+  for (int v : victims) ring.kill(v, sig);
   std::this_thread::sleep_for(std::chrono::milliseconds(rng() % 200));
   for (int v : victims) ring.restart(v);
   return victims;
@@ -356,7 +356,9 @@ TEST(TcpReplicationTransfer, AReplicaKilledWhileItReceivesAFullTransferLosesNoth
 class TcpReplicationRetry : public ::testing::TestWithParam<std::uint32_t> {};
 
 // Workers with retry_timeout never see a server die: each reconnects to it once it is back
-// (restarted with --rejoin) and sends its unanswered requests again, in order. Two pushes are
+// (restarted with --rejoin) and sends its unanswered requests again, in order. Every third
+// trial stops the server with SIGTERM instead (a graceful stop, then the same restart). Two
+// pushes are
 // kept in flight and each round ends with a clock, so what is sent again is a sequence. The marks
 // that the restored keys carry make every push land exactly once, so each key ends equal to the
 // number of pushes, every one of them acknowledged.
@@ -399,7 +401,7 @@ TEST_P(TcpReplicationRetry, WorkersThatRetrySeeNoErrorAndEveryPushLandsOnce) {
         }
       }));
     std::this_thread::sleep_for(std::chrono::milliseconds(100 + rng() % 300));
-    const std::vector<int> victims = kill_and_rejoin(ring, rng, replicas, trial);
+    const std::vector<int> victims = kill_and_rejoin(ring, rng, replicas, trial, trial % 3 == 2 ? SIGTERM : SIGKILL);
     std::this_thread::sleep_for(std::chrono::milliseconds(200 + rng() % 200));
     stop[0].store(1);
     for (pid_t p : pids)

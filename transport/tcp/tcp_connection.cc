@@ -47,7 +47,7 @@ TcpConnection::~TcpConnection() {
 void TcpConnection::handshake() {
   const auth::Nonce client_nonce = options_.token ? auth::random_nonce() : auth::Nonce{};
   wire::FrameHeader h = wire::make_header(wire::Op::hello, 0, 0, options_.token ? auth::kNonceBytes : 0,
-                                          (std::uint64_t{options_.session} << 32) | options_.worker_id, wire::kVersion);
+                                          options_.worker_id, wire::kVersion);
   iovec iov[2] = {{&h, sizeof h}, {const_cast<std::uint8_t*>(client_nonce.data()), auth::kNonceBytes}};
   if (writev_full(fd_.get(), iov, options_.token ? 2 : 1) != IoResult::ok)
     throw Error(Errc::peer_failure, "cannot send the hello to " + endpoint_);
@@ -117,6 +117,7 @@ void TcpConnection::release_in_flight(std::uint32_t index) {
       InFlight& e = in_flight_[index];
       if (!e.sending) {
         e.request = nullptr;
+        e.receiving = false;
         free_.push_back(index);
         outstanding_.fetch_sub(1);
         break;
@@ -225,7 +226,7 @@ void TcpConnection::fail_all(Errc status, const std::string& why) {
     }
     for (std::uint32_t i = 0; i < in_flight_.size(); ++i) {
       InFlight& e = in_flight_[i];
-      if (!e.request || e.deferred) continue;
+      if (!e.request || e.deferred || e.receiving) continue;  // a reader completes the one it reads
       if (e.sending) {
         e.deferred = true;
         e.deferred_status = status;
@@ -398,9 +399,25 @@ bool TcpConnection::receive_one(const wire::FrameHeader& h, std::string* why) {
   Request* request;
   {
     std::lock_guard lock(in_flight_mu_);
-    request = in_flight_[index].id == h.request_id && !in_flight_[index].deferred ? in_flight_[index].request : nullptr;
+    InFlight& e = in_flight_[index];
+    request = e.id == h.request_id && !e.deferred && !e.receiving ? e.request : nullptr;
+    if (request) e.receiving = true;
   }
+  // Until release_in_flight, this thread owns the request's completion: a failure of the
+  // connection meanwhile (a sender's writev timing out) leaves it alone. On any other way out
+  // it is given back, outstanding, for the failure that follows (or for the torn pull's retry).
+  struct Receiving {
+    TcpConnection* connection;
+    std::uint32_t index;
+    bool released = false;
+    ~Receiving() {
+      if (released) return;
+      std::lock_guard lock(connection->in_flight_mu_);
+      connection->in_flight_[index].receiving = false;
+    }
+  } receiving{this, index};
   if (!request) {
+    receiving.released = true;
     *why = endpoint_ + " answered request " + std::to_string(h.request_id) + " that is not outstanding";
     return false;
   }
@@ -470,6 +487,7 @@ bool TcpConnection::receive_one(const wire::FrameHeader& h, std::string* why) {
   if (h.op == static_cast<std::uint16_t>(wire::Op::pull) || h.op == static_cast<std::uint16_t>(wire::Op::clock))
     request->completion->note_bound(h.arg0);
   if (status != Errc::ok && message.empty()) message = std::string(errc_name(status));
+  receiving.released = true;
   release_in_flight(index);
   request->completion->complete_part(status, status == Errc::ok ? std::string_view{} : std::string_view(message));
   return true;

@@ -72,11 +72,13 @@ class TcpConnection final : public transport::Connection, private transport::Pol
   // An entry is registered before its frame is sent (the reply may come before writev returns),
   // and its request stays valid only until it is completed, while the sender still reads its
   // buffers. So while `sending`, a failure of the connection leaves the outcome here and the
-  // sender completes it when it is done; a reply waits for the sender (release_in_flight).
+  // sender completes it when it is done; a reply waits for the sender (release_in_flight). An
+  // entry whose reply is being read is completed by its reader alone.
   struct InFlight {
     transport::Request* request = nullptr;
     std::uint64_t id = 0;
     bool sending = false;
+    bool receiving = false;  // a reader is reading its reply and will complete it
     bool deferred = false;
     Errc deferred_status = Errc::ok;
     std::string deferred_why;

@@ -176,7 +176,6 @@ class Peer : public std::enable_shared_from_this<Peer> {
   bool said_hello = false;
   bool authenticated = false;              // passed the token challenge (or the server has no token)
   std::uint32_t hello_worker = kNoWorker;  // admitted once authenticated
-  std::uint32_t session = 0;               // the client's, from hello: identifies its pushes (PushId)
   auth::Nonce client_nonce{}, server_nonce{};
   bool finished = false;  // the worker announced it is done (clock = kClockDone)
   std::uint32_t worker = kNoWorker;
@@ -257,7 +256,13 @@ class ParkedRequest final : public Parked {
       --peer_->parked;
     }
     try {
-      if (status != Errc::ok)
+      if (status != Errc::ok && static_cast<wire::Op>(req_.op) == wire::Op::push && req_.arg1 != 0)
+        // An identified push was applied, and only its replication failed (the server is
+        // stopping): its client retries, so close the connection rather than refuse the push,
+        // and it sends it again to a server that answers it (its marks say it is applied).
+        server_.expire(
+            *peer_, "an applied push could not be replicated (" + why + "); closed so that its client sends it again");
+      else if (status != Errc::ok)
         server_.send_error(*peer_, req_, status, why);
       else if (static_cast<wire::Op>(req_.op) == wire::Op::pull)
         server_.answer_pull(*peer_, req_, keys_, /*owner=*/false);
@@ -979,10 +984,19 @@ bool TcpServer::await_fast_sender(Peer& peer) {
   return ::poll(&p, 1, kFastSenderPatienceMs) > 0;
 }
 
+namespace {
+// A retrying client's push names itself (docs/protocol.md, "push"): its session in arg0's high
+// half, its sequence number in arg1. Others carry 0 in arg1.
+PushId push_id(const Peer& peer, const wire::FrameHeader& h) noexcept {
+  if (h.arg1 == 0) return {};
+  return {.worker = peer.worker, .session = static_cast<std::uint32_t>(h.arg0 >> 32), .seq = h.arg1};
+}
+}  // namespace
+
 bool TcpServer::streams(const Peer& peer, const wire::FrameHeader& h) const noexcept {
   // A checksum covers the whole frame, so nothing may be applied before all of it is in.
   return options_.push_in_pieces && static_cast<wire::Op>(h.op) == wire::Op::push && !(h.flags & wire::kChecksum) &&
-         peer.authenticated && engine_.pushes_apply_in_pieces(h.arg1 != 0 && peer.session != 0);
+         peer.authenticated && engine_.pushes_apply_in_pieces(push_id(peer, h).identified());
 }
 
 TcpServer::Progress TcpServer::stream_push(Peer& peer) {
@@ -1060,7 +1074,6 @@ bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payl
       }
       peer.said_hello = true;
       peer.hello_worker = static_cast<std::uint32_t>(h.arg0);
-      peer.session = static_cast<std::uint32_t>(h.arg0 >> 32);
       if (!options_.token) {
         peer.authenticated = true;
         return admit(peer, h);
@@ -1106,8 +1119,8 @@ bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payl
       break;
     case wire::Op::push:
       if (!reserve_for_replicas(peer)) return send_error(peer, h, Errc::capacity, replicas_behind());
-      status = engine_.push(peer.worker, h.arg0, peer.keys, payload, &why, nullptr,
-                            PushId{.worker = peer.worker, .session = h.arg1 ? peer.session : 0, .seq = h.arg1});
+      status = engine_.push(peer.worker, h.arg1 ? h.arg0 & 0xFFFFFFFFu : h.arg0, peer.keys, payload, &why, nullptr,
+                            push_id(peer, h));
       if (status == Errc::ok) return answer_applied(peer, h);
       if (engine_.replicator()) engine_.replicator()->release(peer.keys);
       break;
