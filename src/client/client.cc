@@ -339,6 +339,7 @@ class ClientImpl {
     for (Sent* p = link.head; p; p = p->next)
       while (!p->completion.done() && std::chrono::steady_clock::now() < deadline)
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    while (!link.announced.done()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
     std::string last = "no attempt";
     while (std::chrono::steady_clock::now() < deadline) {
       try {
@@ -374,6 +375,14 @@ class ClientImpl {
           p->generation = link.generation;
           conn->submit(p->op->requests[p->server]);
         }
+        // Then the clock this worker is at: a clock the old server answered, before it died, is
+        // not among what was sent again (the server only ever moves a clock forward).
+        link.announced.reset(1);
+        link.announce = transport::Request{};
+        link.announce.op = wire::Op::clock;
+        link.announce.arg0 = clock_.load(std::memory_order_relaxed);
+        link.announce.completion = &link.announced;
+        conn->submit(link.announce);
         ++link.recoveries;
         return;
       } catch (const Error& e) {
@@ -540,6 +549,11 @@ class ClientImpl {
     std::uint64_t generation = 0;
     std::uint64_t recoveries = 0;
     std::string gave_up;  // why this server was given up on: its parts fail
+    // recover()'s last request to a new connection: the worker's clock. Not waited for; the next
+    // recovery reuses it once its connection has completed it.
+    transport::Request announce;
+    transport::Completion announced;
+    Link() { announced.reset(0); }
     Sent* head = nullptr;
     Sent* tail = nullptr;
     void append(Sent* p) noexcept {
