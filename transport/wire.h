@@ -111,6 +111,21 @@ ParseResult parse_request(const std::byte* data, std::size_t avail, const Limits
 bool op_carries_values(Op op) noexcept;
 std::string_view op_name(std::uint16_t op) noexcept;
 
+// An identified push (a retrying client's, docs/protocol.md "push") carries its sequence number in
+// arg1 and its client's session in arg0's high half, the clock in the low one; others carry 0 in arg1.
+inline std::uint64_t identified_push_arg0(std::uint64_t clock, std::uint32_t session) noexcept {
+  return (std::uint64_t{session} << 32) | clock;
+}
+inline bool push_is_identified(const FrameHeader& h) noexcept {
+  return h.arg1 != 0;
+}
+inline std::uint32_t push_session(const FrameHeader& h) noexcept {
+  return push_is_identified(h) ? static_cast<std::uint32_t>(h.arg0 >> 32) : 0;
+}
+inline std::uint64_t push_clock(const FrameHeader& h) noexcept {
+  return push_is_identified(h) ? h.arg0 & 0xFFFFFFFFu : h.arg0;
+}
+
 // The optional checksum (flag kChecksum) is layout/crc.h's CRC-32.
 using pskv::crc32_update;
 

@@ -181,8 +181,7 @@ class ClientImpl {
     for (std::size_t s = 0; s < servers; ++s) targets += op->targeted[s] = targets_server(s);
     op->kind = kind;
     op->clock_at_issue = clock_.load(std::memory_order_relaxed);
-    op->retrying = retrying_;
-    if (op->retrying) {
+    if (retrying_) {
       try {
         submit_for_retry(op, kind, arg0, text_out);
       } catch (...) {
@@ -233,7 +232,7 @@ class ClientImpl {
                     "2^31 pushes were issued while earlier ones of this client stayed "
                     "unanswered; wait() for them");
       seq = ++push_seq_;
-      arg0 |= std::uint64_t{session_} << 32;
+      arg0 = wire::identified_push_arg0(arg0, session_);
     }
     for (std::size_t s = 0; s < links_.size(); ++s) {
       if (!op->targeted[s]) continue;
@@ -264,8 +263,7 @@ class ClientImpl {
     for (auto& l : links_) {
       std::lock_guard lock(l->mu);
       for (Sent* p = l->head; p; p = p->next)
-        if (p->op->kind == wire::Op::push && !p->stands && (!p->completion.done() || lost_with_connection(*p)))
-          return true;
+        if (p->op->kind == wire::Op::push && (!p->completion.done() || to_send_again(*p))) return true;
     }
     return false;
   }
@@ -279,7 +277,7 @@ class ClientImpl {
   // Waits for every part of `op`; in retry mode, reconnects a server whose connection failed
   // under a part and sends it again. False if `deadline` passed first.
   bool wait_until(Op* op, std::chrono::steady_clock::time_point deadline) {
-    if (!op->retrying) return op->completion.wait(deadline, poller_.get());
+    if (!retrying_) return op->completion.wait(deadline, poller_.get());
     std::size_t targets = 0;
     for (std::size_t s = 0; s < links_.size(); ++s) targets += op->targeted[s];
     for (std::size_t s = 0; s < links_.size(); ++s) {
@@ -311,13 +309,19 @@ class ClientImpl {
     Link& link = *links_[server];
     std::lock_guard lock(link.mu);
     if (!p.completion.done()) return false;  // another waiter sent it again meanwhile
-    // Answered, refused, failed on a connection since replaced (recover() sends every failed
-    // part again, so only when it gave up), or refused by a live server.
-    if (!lost_with_connection(p) || !link.gave_up.empty() || p.generation != link.generation || closing_.load() ||
-        (link.conn && !link.conn->broken()))
-      return p.stands = true;
+    if (!must_send_again(link, p)) return p.stands = true;
     recover(link);
     return p.stands = !link.gave_up.empty();
+  }
+
+  // Under link.mu, for a completed part: whether it failed with the connection it was sent on,
+  // which has broken, and is to be sent again once the server is back. Otherwise its outcome
+  // stands: answered, refused by a live server, failed on a connection since replaced
+  // (recover() sends every failed part again, so only when it gave up), or the client is
+  // closing (its goodbye is not worth waiting for a restart).
+  bool must_send_again(const Link& link, const Sent& p) const {
+    return lost_with_connection(p) && link.gave_up.empty() && p.generation == link.generation && !closing_.load() &&
+           (!link.conn || link.conn->broken());
   }
 
   // How a connection fails its requests. A server refuses a push with neither (a refused push
@@ -328,11 +332,20 @@ class ClientImpl {
     return e == Errc::peer_failure || e == Errc::timeout;
   }
 
+  // A listed part that recover() sends again: lost with its connection, outcome not yet taken.
+  static bool to_send_again(const Sent& p) noexcept { return !p.stands && lost_with_connection(p); }
+  static void clock_request(transport::Request& r, transport::Completion& done, std::uint64_t clock) noexcept {
+    done.reset(1);
+    r = transport::Request{};
+    r.op = wire::Op::clock;
+    r.arg0 = clock;
+    r.completion = &done;
+  }
+
   // Under link.mu: reconnects and sends again, in their original order, the listed parts that
   // failed. Gives up (link.gave_up) once the server has been unreachable for retry_timeout.
   void recover(Link& link) {
-    const auto started = std::chrono::steady_clock::now();
-    const auto deadline = started + options_.retry_timeout;
+    const auto deadline = std::chrono::steady_clock::now() + options_.retry_timeout;
     // Every request on the old connection completes once it is gone (it is broken: they are
     // failing already), so after this no listed part is still in its hands.
     link.conn.reset();
@@ -344,46 +357,36 @@ class ClientImpl {
     while (std::chrono::steady_clock::now() < deadline) {
       try {
         auto conn = std::shared_ptr<transport::Connection>(transport::connect(link.uri, connect_options_));
-        // The restarted server knows nothing of this worker's clock: announce the one its oldest
-        // unanswered request was issued at (what was answered before it came earlier); the clock
-        // requests sent again carry it forward in order.
-        if (options_.worker_id != kNoWorker) {
-          std::uint64_t clock = clock_.load(std::memory_order_relaxed);
-          for (Sent* p = link.head; p; p = p->next)
-            if (!p->stands && lost_with_connection(*p)) {
-              clock = p->op->clock_at_issue;
-              break;
-            }
-          transport::Completion announced;
-          announced.reset(1);
-          transport::Request r;
-          r.op = wire::Op::clock;
-          r.arg0 = clock;
-          r.completion = &announced;
-          conn->submit(r);
-          if (!announced.wait(deadline, conn->poller())) {
-            conn.reset();  // completes `r` before it goes out of scope
+        // The restarted server knows nothing of this worker's clock (a retrying client always has
+        // a worker id): announce the one its oldest unanswered request was issued at (what was
+        // answered before it came earlier); the clock requests sent again carry it forward in order.
+        std::uint64_t clock = clock_.load(std::memory_order_relaxed);
+        for (Sent* p = link.head; p; p = p->next)
+          if (to_send_again(*p)) {
+            clock = p->op->clock_at_issue;
             break;
           }
-          if (announced.status() != Errc::ok) throw Error(announced.status(), announced.message());
+        transport::Completion announced;
+        transport::Request r;
+        clock_request(r, announced, clock);
+        conn->submit(r);
+        if (!announced.wait(deadline, conn->poller())) {
+          conn.reset();  // completes `r` before it goes out of scope
+          break;
         }
+        if (announced.status() != Errc::ok) throw Error(announced.status(), announced.message());
         ++link.generation;
         link.conn = conn;
         for (Sent* p = link.head; p; p = p->next) {
-          if (p->stands || !lost_with_connection(*p)) continue;
+          if (!to_send_again(*p)) continue;
           p->completion.reset(1);
           p->generation = link.generation;
           conn->submit(p->op->requests[p->server]);
         }
         // Then the clock this worker is at: a clock the old server answered, before it died, is
         // not among what was sent again (the server only ever moves a clock forward).
-        link.announced.reset(1);
-        link.announce = transport::Request{};
-        link.announce.op = wire::Op::clock;
-        link.announce.arg0 = clock_.load(std::memory_order_relaxed);
-        link.announce.completion = &link.announced;
+        clock_request(link.announce, link.announced, clock_.load(std::memory_order_relaxed));
         conn->submit(link.announce);
-        ++link.recoveries;
         return;
       } catch (const Error& e) {
         last = e.what();
@@ -415,7 +418,7 @@ class ClientImpl {
     Errc status = Errc::ok;
     std::string message;
     std::uint64_t bound = ~0ull;
-    if (!op->retrying) {
+    if (!retrying_) {
       status = op->completion.status();
       message = op->completion.message();
       bound = op->completion.bound();
@@ -444,7 +447,7 @@ class ClientImpl {
   // Drives the connections too: an answer that landed completes here, with nobody waiting.
   bool done(Ticket ticket) {
     Op* op = lookup(ticket);
-    if (op->retrying) {
+    if (retrying_) {
       // Done once every part stands; one that must be sent again is sent by the next wait.
       for (std::size_t s = 0; s < links_.size(); ++s) {
         if (!op->targeted[s]) continue;
@@ -452,9 +455,7 @@ class ClientImpl {
         if (!p.completion.done()) return false;
         Link& link = *links_[s];
         std::unique_lock lock(link.mu, std::try_to_lock);
-        if (!lock.owns_lock()) return false;
-        if (p.completion.status() != Errc::ok && link.gave_up.empty() && (!link.conn || link.conn->broken()))
-          return false;
+        if (!lock.owns_lock() || must_send_again(link, p)) return false;
       }
       return true;
     }
@@ -538,7 +539,6 @@ class ClientImpl {
     std::uint64_t clock_at_issue = 0;
     std::uint32_t generation = 0;
     bool in_use = false;
-    bool retrying = false;
   };
   // One server. Without retries `conn` is set once and never replaced. With them, `mu` orders
   // submissions, reconnection and the list of parts not yet finished, in submission order.
@@ -547,7 +547,6 @@ class ClientImpl {
     std::mutex mu;
     std::shared_ptr<transport::Connection> conn;
     std::uint64_t generation = 0;
-    std::uint64_t recoveries = 0;
     std::string gave_up;  // why this server was given up on: its parts fail
     // recover()'s last request to a new connection: the worker's clock. Not waited for; the next
     // recovery reuses it once its connection has completed it.

@@ -256,7 +256,7 @@ class ParkedRequest final : public Parked {
       --peer_->parked;
     }
     try {
-      if (status != Errc::ok && static_cast<wire::Op>(req_.op) == wire::Op::push && req_.arg1 != 0)
+      if (status != Errc::ok && static_cast<wire::Op>(req_.op) == wire::Op::push && wire::push_is_identified(req_))
         // An identified push was applied, and only its replication failed (the server is
         // stopping): its client retries, so close the connection rather than refuse the push,
         // and it sends it again to a server that answers it (its marks say it is applied).
@@ -984,19 +984,10 @@ bool TcpServer::await_fast_sender(Peer& peer) {
   return ::poll(&p, 1, kFastSenderPatienceMs) > 0;
 }
 
-namespace {
-// A retrying client's push names itself (docs/protocol.md, "push"): its session in arg0's high
-// half, its sequence number in arg1. Others carry 0 in arg1.
-PushId push_id(const Peer& peer, const wire::FrameHeader& h) noexcept {
-  if (h.arg1 == 0) return {};
-  return {.worker = peer.worker, .session = static_cast<std::uint32_t>(h.arg0 >> 32), .seq = h.arg1};
-}
-}  // namespace
-
 bool TcpServer::streams(const Peer& peer, const wire::FrameHeader& h) const noexcept {
   // A checksum covers the whole frame, so nothing may be applied before all of it is in.
   return options_.push_in_pieces && static_cast<wire::Op>(h.op) == wire::Op::push && !(h.flags & wire::kChecksum) &&
-         peer.authenticated && engine_.pushes_apply_in_pieces(push_id(peer, h).identified());
+         peer.authenticated && engine_.pushes_apply_in_pieces(wire::push_is_identified(h));
 }
 
 TcpServer::Progress TcpServer::stream_push(Peer& peer) {
@@ -1119,8 +1110,8 @@ bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payl
       break;
     case wire::Op::push:
       if (!reserve_for_replicas(peer)) return send_error(peer, h, Errc::capacity, replicas_behind());
-      status = engine_.push(peer.worker, h.arg1 ? h.arg0 & 0xFFFFFFFFu : h.arg0, peer.keys, payload, &why, nullptr,
-                            push_id(peer, h));
+      status = engine_.push(peer.worker, wire::push_clock(h), peer.keys, payload, &why, nullptr,
+                            PushId{.session = wire::push_session(h), .seq = h.arg1});
       if (status == Errc::ok) return answer_applied(peer, h);
       if (engine_.replicator()) engine_.replicator()->release(peer.keys);
       break;
