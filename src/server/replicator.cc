@@ -105,10 +105,9 @@ void TcpReplicator::prepare(Shipment& s, Leg& leg, const std::vector<std::pair<s
   leg.requests.resize(ranges.empty() ? 1 : ranges.size());
   leg.done.reset(static_cast<std::uint32_t>(leg.requests.size()));
   leg.sent.store(false, std::memory_order_relaxed);
+  // The ranges cover all of s's keys (cut()), or none: a transfer's start or end mark.
   leg.wire_bytes = leg.requests.size() * sizeof(wire::FrameHeader);
-  for (const auto& [begin, end] : ranges)
-    for (std::size_t i = begin; i < end; ++i)
-      leg.wire_bytes += sizeof(wire::KeyEntry) + std::uint64_t{s.keys[i].length} * sizeof(float);
+  if (!ranges.empty()) leg.wire_bytes += s.keys.size() * sizeof(wire::KeyEntry) + s.record_floats * sizeof(float);
   for (std::size_t i = 0; i < leg.requests.size(); ++i) {
     transport::Request& q = leg.requests[i];
     q = transport::Request{};
@@ -246,14 +245,13 @@ void TcpReplicator::ship(std::span<const KeyEntry> keys, std::unique_ptr<Parked>
     // Inline only into a connection with nothing unanswered, and never behind another thread's
     // frame: see Replica::inline_sends.
     r->inline_sends.fetch_add(1);
-    if (leg.wire_bytes <= kInlineBytes && r->unanswered_bytes.fetch_add(leg.wire_bytes) == 0) {
-      send(leg);
-      r->inline_sends.fetch_sub(1);
+    const bool inline_send = r->unanswered_bytes.fetch_add(leg.wire_bytes) == 0 && leg.wire_bytes <= kInlineBytes;
+    if (inline_send) send(leg);
+    r->inline_sends.fetch_sub(1);
+    if (inline_send) {
       leg.sent.store(true, std::memory_order_release);
       continue;
     }
-    if (leg.wire_bytes > kInlineBytes) r->unanswered_bytes.fetch_add(leg.wire_bytes);
-    r->inline_sends.fetch_sub(1);
     {
       std::lock_guard lock(r->out_mu);
       r->outbox.push_back(&leg);
