@@ -10,6 +10,7 @@
 #include <initializer_list>
 
 #include "pskv/error.h"
+#include "support/errors.h"
 
 namespace pskv::mnist {
 namespace {
@@ -67,17 +68,7 @@ class IdxTest : public ::testing::Test {
   fs::path dir_;
 };
 
-// Runs f, which must throw pskv::Error with `code` and a message holding every one of `parts`.
-void expect_error(const std::function<void()>& f, Errc code, std::initializer_list<std::string> parts) {
-  try {
-    f();
-    ADD_FAILURE() << "no exception";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), code) << e.what();
-    for (const auto& p : parts)
-      EXPECT_NE(std::string(e.what()).find(p), std::string::npos) << "'" << p << "' not in: " << e.what();
-  }
-}
+using pskv::testing::expect_error;
 
 void expect_matches(const Dataset& d, std::uint32_t n, std::uint32_t rows, std::uint32_t cols, const Bytes& labels) {
   ASSERT_EQ(d.n, n);

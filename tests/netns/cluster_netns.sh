@@ -72,26 +72,7 @@ trap cleanup EXIT
 trap 'exit 130' INT TERM
 
 # --- topology --------------------------------------------------------------------------------
-if ! ip netns add "$brns" 2>"$work/netns.err"; then
-  skip "ip netns add is not permitted here: $(cat "$work/netns.err")"
-fi
-created+=("$brns")
-set -e
-ip -n "$brns" link add br0 type bridge
-ip -n "$brns" link set br0 up
-ip -n "$brns" link set lo up
-for r in 0 1 2 3; do
-  ns=${hosts[$r]}
-  ip netns add "$ns"
-  created+=("$ns")
-  ip -n "$brns" link add "p$r" type veth peer name eth0 netns "$ns"
-  ip -n "$brns" link set "p$r" master br0
-  ip -n "$brns" link set "p$r" up
-  ip -n "$ns" addr add "${ips[$r]}/24" dev eth0
-  ip -n "$ns" link set eth0 up
-  ip -n "$ns" link set lo up
-done
-set +e
+bridge_hosts "$brns"
 log "namespaces ${created[*]} up; bridge br0 in $brns"
 
 # --- connectivity ----------------------------------------------------------------------------

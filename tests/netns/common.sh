@@ -24,6 +24,31 @@ cleanup() {
   rm -rf "$work"
 }
 
+# Namespace $1 holding a bridge br0, and one namespace per entry of the caller's `hosts` joined to
+# it (veth p<i> on the bridge, eth0 inside with ips[i]/24). Skips the test when namespaces are not
+# permitted; exits on any other failure.
+bridge_hosts() {
+  local brns=$1 r ns
+  ip netns add "$brns" 2>"$work/netns.err" || skip "ip netns add is not permitted here: $(cat "$work/netns.err")"
+  created+=("$brns")
+  set -e
+  ip -n "$brns" link add br0 type bridge
+  ip -n "$brns" link set br0 up
+  ip -n "$brns" link set lo up
+  for r in "${!hosts[@]}"; do
+    ns=${hosts[$r]}
+    ip netns add "$ns"
+    created+=("$ns")
+    ip -n "$brns" link add "p$r" type veth peer name eth0 netns "$ns"
+    ip -n "$brns" link set "p$r" master br0
+    ip -n "$brns" link set "p$r" up
+    ip -n "$ns" addr add "${ips[$r]}/24" dev eth0
+    ip -n "$ns" link set eth0 up
+    ip -n "$ns" link set lo up
+  done
+  set +e
+}
+
 wait_for_file_line() {  # FILE PATTERN SECONDS
   local deadline=$((SECONDS + $3))
   while ((SECONDS < deadline)); do

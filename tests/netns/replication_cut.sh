@@ -54,23 +54,7 @@ show_logs() {
   done
 }
 
-ip netns add "$brns" 2>"$work/netns.err" || skip "ip netns add is not permitted here: $(cat "$work/netns.err")"
-created+=("$brns")
-set -e
-ip -n "$brns" link add br0 type bridge
-ip -n "$brns" link set br0 up
-for r in 0 1 2 3; do
-  ns=${hosts[$r]}
-  ip netns add "$ns"
-  created+=("$ns")
-  ip -n "$brns" link add "p$r" type veth peer name eth0 netns "$ns"
-  ip -n "$brns" link set "p$r" master br0
-  ip -n "$brns" link set "p$r" up
-  ip -n "$ns" addr add "${ips[$r]}/24" dev eth0
-  ip -n "$ns" link set eth0 up
-  ip -n "$ns" link set lo up
-done
-set +e
+bridge_hosts "$brns"
 
 # Silently, both ways: each side's packets to the other are dropped at its own routing table.
 cut() { ip -n "${hosts[$1]}" route add blackhole "${ips[$2]}/32" && ip -n "${hosts[$2]}" route add blackhole "${ips[$1]}/32"; }
