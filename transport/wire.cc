@@ -36,6 +36,8 @@ std::string_view op_name(std::uint16_t op) noexcept {
       return "replica_pull";
     case Op::replica_index:
       return "replica_index";
+    case Op::replica_clock:
+      return "replica_clock";
   }
   return "unknown";
 }

@@ -35,14 +35,16 @@ enum class Op : std::uint16_t {
   replicate = 11,      // keys + records: the origin's state of those keys; arg1 = kReplicaSyncing/kReplicaSynced
                        // with no keys: a full transfer begins / is complete
   replica_pull = 12,   // keys (record lengths); reply: their records from this server's replica of the origin
-  replica_index = 13,  // reply: text payload, a ReplicaIndex header and one ReplicaIndexEntry per key
+  replica_index = 13,  // reply: text payload, a ReplicaIndex header, one ReplicaIndexEntry per key, then
+                       // the origin's clock of each worker (u64)
+  replica_clock = 14,  // arg0 = the origin | worker << 32, arg1 = the clock that worker entered at the origin
 };
 
 inline constexpr std::uint32_t kReplicaSyncing = 1, kReplicaSynced = 2;
 // replica_index reply: whether this replica holds a complete copy of the origin, then its keys.
 struct ReplicaIndexHeader {
   std::uint32_t synced;
-  std::uint32_t reserved;
+  std::uint32_t workers;  // clocks after the entries
   std::uint64_t keys;
 };
 struct ReplicaIndexEntry {

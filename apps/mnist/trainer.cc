@@ -166,6 +166,10 @@ TrainResult run_worker(const TrainConfig& c, int rank, const std::vector<std::st
   o.chunk_floats = c.chunk_floats;
   o.auth_token_file = c.auth_token_file;
   o.io_timeout = std::chrono::milliseconds(c.wait_timeout_ms + 10000);
+  // With replicas a killed server comes back holding every push and clock it acknowledged, and
+  // the client sends it what it had not answered, each push applied once: the worker never sees
+  // the failure (redoing the step, as below, would apply that step's gradients twice).
+  if (c.replicas > 1) o.retry_timeout = std::chrono::seconds(60);
   std::unique_ptr<Client> client;
   // Connects (servers may still be starting, or restarting from a checkpoint) and makes sure
   // every key exists; the first initialiser wins, so restored or earlier values are kept.

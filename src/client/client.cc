@@ -280,27 +280,36 @@ class ClientImpl {
     if (!retrying_) return op->completion.wait(deadline, poller_.get());
     std::size_t targets = 0;
     for (std::size_t s = 0; s < links_.size(); ++s) targets += op->targeted[s];
-    for (std::size_t s = 0; s < links_.size(); ++s) {
-      if (!op->targeted[s]) continue;
-      Sent& p = op->parts[s];
-      for (;;) {
-        transport::Poller* poller = nullptr;
-        std::shared_ptr<transport::Connection> conn;  // keeps the poller alive while it is used
-        {
-          std::lock_guard lock(links_[s]->mu);
-          conn = links_[s]->conn;
-        }
-        if (conn && conn->poller()) {
-          if (targets == 1)
-            poller = conn->poller();
-          else
-            conn->poller()->rely_on_transport();
-        }
-        if (!p.completion.wait(deadline, poller)) return false;
-        if (settled(s, p)) break;
+    // A part lost with its connection is sent again as soon as it fails, not once the parts
+    // before it are answered: its restarted server may be holding, for this worker's clock, the
+    // very answer those parts wait for (another worker's bounded read). So the wait is cut into
+    // slices, and every part looked at after each.
+    constexpr auto kRecheck = std::chrono::milliseconds(50);
+    for (;;) {
+      std::size_t waiting_on = links_.size();
+      for (std::size_t s = 0; s < links_.size(); ++s) {
+        if (!op->targeted[s]) continue;
+        Sent& p = op->parts[s];
+        if (p.stands || (p.completion.done() && settled(s, p))) continue;
+        if (waiting_on == links_.size()) waiting_on = s;
       }
+      if (waiting_on == links_.size()) return true;
+      transport::Poller* poller = nullptr;
+      std::shared_ptr<transport::Connection> conn;  // keeps the poller alive while it is used
+      {
+        std::lock_guard lock(links_[waiting_on]->mu);
+        conn = links_[waiting_on]->conn;
+      }
+      if (conn && conn->poller()) {
+        if (targets == 1)
+          poller = conn->poller();
+        else
+          conn->poller()->rely_on_transport();
+      }
+      const auto now = std::chrono::steady_clock::now();
+      if (now >= deadline) return false;
+      op->parts[waiting_on].completion.wait(std::min(deadline, now + kRecheck), poller);
     }
-    return true;
   }
 
   // Whether a completed part stands (answered, refused, or its server is given up on). A part

@@ -67,6 +67,7 @@ ShardEngine::ShardEngine(const EngineOptions& options, std::unique_ptr<MemoryRes
     r->origin = origin;
     r->store = Store::create(std::make_unique<HeapMemory>(Store::required_bytes(options.store)), options.store);
     r->store->keep_push_marks(marks);
+    r->clocks = std::make_unique<std::atomic<std::uint64_t>[]>(options.num_workers);
     replicas_.push_back(std::move(r));
   }
   if (options.mode == ConsistencyMode::sync)
@@ -470,6 +471,35 @@ Errc ShardEngine::mark_replica(std::uint32_t origin, ReplicaMark mark, std::stri
   Replica* r = replica(origin, why);
   if (!r) return Errc::invalid_argument;
   r->mark.store(static_cast<std::uint32_t>(mark), std::memory_order_release);
+  return Errc::ok;
+}
+
+Errc ShardEngine::apply_replica_clock(std::uint32_t origin, std::uint32_t worker, std::uint64_t clock,
+                                      std::string* why) {
+  Replica* r = replica(origin, why);
+  if (!r) return Errc::invalid_argument;
+  if (worker >= options_.num_workers) {
+    if (why)
+      *why = "a clock of worker " + std::to_string(worker) + ", but this server runs with --workers " +
+             std::to_string(options_.num_workers);
+    return Errc::invalid_argument;
+  }
+  std::atomic<std::uint64_t>& c = r->clocks[worker];
+  std::uint64_t now = c.load(std::memory_order_relaxed);
+  while (now < clock && !c.compare_exchange_weak(now, clock, std::memory_order_relaxed)) {
+  }
+  return Errc::ok;
+}
+
+Errc ShardEngine::replica_clocks(std::uint32_t origin, std::vector<std::uint64_t>* clocks, std::string* why) const {
+  clocks->assign(clocks_ ? options_.num_workers : 0, 0);
+  if (origin == options_.server_id) {
+    for (std::uint32_t w = 0; w < clocks->size(); ++w) (*clocks)[w] = clocks_->clock(w);
+    return Errc::ok;
+  }
+  const Replica* r = replica(origin, why);
+  if (!r) return Errc::invalid_argument;
+  for (std::uint32_t w = 0; w < clocks->size(); ++w) (*clocks)[w] = r->clocks[w].load(std::memory_order_relaxed);
   return Errc::ok;
 }
 

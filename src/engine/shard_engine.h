@@ -50,8 +50,9 @@ class Parked {
   virtual void resume(Errc status, const std::string& why) = 0;
 };
 
-// The origin's side of replication (src/server/replicator.h): once an init or push is applied,
-// the state of its keys is shipped to the live replicas and the reply waits for them.
+// The origin's side of replication (src/server/replicator.h): once an init, push or clock is
+// applied, the state of its keys (or the clock) is shipped to the live replicas and the reply
+// waits for them.
 // Thread-safety: ship() from any thread.
 class Replicator {
  public:
@@ -66,6 +67,9 @@ class Replicator {
   // holds them. A replica that fails meanwhile is no longer live and is not waited for. A null
   // `reply`: ship the keys' state, answer nobody (a push cut short after some pieces applied).
   virtual void ship(std::span<const KeyEntry> keys, std::unique_ptr<Parked> reply) = 0;
+  // `worker` just entered `clock` here; `reply` resumes (ok) once every live replica knows, in
+  // order with what was shipped before it.
+  virtual void ship_clock(std::uint32_t worker, std::uint64_t clock, std::unique_ptr<Parked> reply) = 0;
   virtual JsonObject stats() const = 0;
 };
 
@@ -151,6 +155,12 @@ class ShardEngine {
   // This server's replica of `origin` (one of options().replica_of) takes the records.
   Errc apply_replica(std::uint32_t origin, std::span<const KeyEntry> keys, const float* records, std::string* why);
   Errc mark_replica(std::uint32_t origin, ReplicaMark mark, std::string* why);
+  // The replica of `origin` learns that `worker` entered `clock` there (clocks only move forward),
+  // so that a restarted origin knows every clock it acknowledged (--rejoin).
+  Errc apply_replica_clock(std::uint32_t origin, std::uint32_t worker, std::uint64_t clock, std::string* why);
+  // Each worker's clock in the replica of `origin`, or this server's own when origin is its id
+  // (empty without workers).
+  Errc replica_clocks(std::uint32_t origin, std::vector<std::uint64_t>* clocks, std::string* why) const;
   // The records of `keys` (lengths are record lengths) from the replica of `origin`, or from this
   // server's own store when origin is its own id.
   Errc read_records(std::uint32_t origin, std::span<const KeyEntry> keys, float* out, std::string* why);
@@ -201,7 +211,8 @@ class ShardEngine {
   struct Replica {
     std::uint32_t origin;
     std::unique_ptr<Store> store;
-    std::atomic<std::uint32_t> mark{0};  // ReplicaMark, 0 before any transfer
+    std::atomic<std::uint32_t> mark{0};                    // ReplicaMark, 0 before any transfer
+    std::unique_ptr<std::atomic<std::uint64_t>[]> clocks;  // per worker, the origin's
   };
   std::vector<std::unique_ptr<Replica>> replicas_;
   Replicator* replicator_ = nullptr;

@@ -100,8 +100,7 @@ std::vector<std::pair<std::size_t, std::size_t>> TcpReplicator::snapshot(std::sp
   return cut(s->keys, options_.max_request_bytes / 2);
 }
 
-void TcpReplicator::prepare(Shipment& s, Leg& leg, const std::vector<std::pair<std::size_t, std::size_t>>& ranges,
-                            std::uint32_t arg1) {
+void TcpReplicator::prepare(Shipment& s, Leg& leg, const std::vector<std::pair<std::size_t, std::size_t>>& ranges) {
   leg.requests.resize(ranges.empty() ? 1 : ranges.size());
   leg.done.reset(static_cast<std::uint32_t>(leg.requests.size()));
   leg.sent.store(false, std::memory_order_relaxed);
@@ -111,9 +110,9 @@ void TcpReplicator::prepare(Shipment& s, Leg& leg, const std::vector<std::pair<s
   for (std::size_t i = 0; i < leg.requests.size(); ++i) {
     transport::Request& q = leg.requests[i];
     q = transport::Request{};
-    q.op = wire::Op::replicate;
-    q.arg0 = options_.server_id;
-    q.arg1 = arg1;
+    q.op = s.op;
+    q.arg0 = s.arg0;
+    q.arg1 = s.arg1;
     if (!ranges.empty())
       q.keys =
           std::span<const transport::KeySlice>(s.slices).subspan(ranges[i].first, ranges[i].second - ranges[i].first);
@@ -216,6 +215,9 @@ void TcpReplicator::ship(std::span<const KeyEntry> keys, std::unique_ptr<Parked>
   }
   auto s = take_shipment();
   s->reply = std::move(reply);
+  s->op = wire::Op::replicate;
+  s->arg0 = options_.server_id;
+  s->arg1 = 0;
   std::vector<std::pair<std::size_t, std::size_t>> ranges;
   try {
     ranges = snapshot(keys, s.get());
@@ -226,6 +228,27 @@ void TcpReplicator::ship(std::span<const KeyEntry> keys, std::unique_ptr<Parked>
     give_back(std::move(s));
     return;
   }
+  dispatch(std::move(s), ranges);
+}
+
+void TcpReplicator::ship_clock(std::uint32_t worker, std::uint64_t clock, std::unique_ptr<Parked> reply) {
+  if (stopping_.load()) {
+    if (reply) reply->resume(Errc::peer_failure, "the server is stopping");
+    return;
+  }
+  auto s = take_shipment();
+  s->reply = std::move(reply);
+  s->op = wire::Op::replica_clock;
+  s->arg0 = options_.server_id | std::uint64_t{worker} << 32;
+  s->arg1 = clock;
+  s->keys.clear();
+  s->slices.clear();
+  s->record_floats = 0;
+  dispatch(std::move(s), {});
+}
+
+void TcpReplicator::dispatch(std::unique_ptr<Shipment> s,
+                             const std::vector<std::pair<std::size_t, std::size_t>>& ranges) {
   const std::uint64_t bytes = s->record_floats * sizeof(float);
   for (auto& r : replicas_) {
     std::shared_ptr<transport::Connection> conn;
@@ -240,7 +263,7 @@ void TcpReplicator::ship(std::span<const KeyEntry> keys, std::unique_ptr<Parked>
     leg.replica = r.get();
     if (!conn) continue;  // pending: its full transfer will carry these keys
     leg.conn = std::move(conn);
-    prepare(*s, leg, ranges, 0);
+    prepare(*s, leg, ranges);
     r->shipped_bytes.fetch_add(bytes, std::memory_order_relaxed);
     // Inline only into a connection with nothing unanswered, and never behind another thread's
     // frame: see Replica::inline_sends.
@@ -327,10 +350,12 @@ void TcpReplicator::acker() {
 bool TcpReplicator::full_transfer(Replica& r, const std::shared_ptr<transport::Connection>& conn) {
   auto mark = [&](std::uint32_t arg1) {
     Shipment s;
+    s.arg0 = options_.server_id;
+    s.arg1 = arg1;
     Leg& leg = s.legs.emplace_back();
     leg.replica = &r;
     leg.conn = conn;
-    prepare(s, leg, {}, arg1);
+    prepare(s, leg, {});
     send_and_wait(r, leg);
     return leg.done.status() == Errc::ok ? std::string() : leg.done.message();
   };
@@ -353,11 +378,37 @@ bool TcpReplicator::full_transfer(Replica& r, const std::shared_ptr<transport::C
       bytes += b;
     }
     Shipment s;
+    s.arg0 = options_.server_id;
     const auto ranges = snapshot(entries, &s);
     Leg& leg = s.legs.emplace_back();
     leg.replica = &r;
     leg.conn = conn;
-    prepare(s, leg, ranges, 0);
+    prepare(s, leg, ranges);
+    send_and_wait(r, leg);
+    if (leg.done.status() != Errc::ok) {
+      drop(r, conn.get(), leg.done.message());
+      return false;
+    }
+  }
+  // Then every worker's clock here, which a rejoining origin takes back with its keys (the
+  // clocks shipped meanwhile may overtake these: the replica keeps the highest).
+  std::vector<std::uint64_t> clocks;
+  engine_.replica_clocks(options_.server_id, &clocks, &why);
+  if (!clocks.empty() && !stopping_.load()) {
+    Shipment s;
+    Leg& leg = s.legs.emplace_back();
+    leg.replica = &r;
+    leg.conn = conn;
+    leg.requests.resize(clocks.size());
+    leg.done.reset(static_cast<std::uint32_t>(clocks.size()));
+    leg.wire_bytes = clocks.size() * sizeof(wire::FrameHeader);
+    for (std::uint32_t w = 0; w < clocks.size(); ++w) {
+      transport::Request& q = leg.requests[w];
+      q.op = wire::Op::replica_clock;
+      q.arg0 = options_.server_id | std::uint64_t{w} << 32;
+      q.arg1 = clocks[w];
+      q.completion = &leg.done;
+    }
     send_and_wait(r, leg);
     if (leg.done.status() != Errc::ok) {
       drop(r, conn.get(), leg.done.message());
@@ -486,9 +537,18 @@ void take_replica(ShardEngine& engine, const ReplicaPeer& peer, const Replicator
   wire::ReplicaIndexHeader head{};
   if (index.size() < sizeof head) throw Error(Errc::protocol, "a short replica index");
   std::memcpy(&head, index.data(), sizeof head);
-  if ((index.size() - sizeof head) % sizeof(wire::ReplicaIndexEntry) != 0 ||
-      head.keys != (index.size() - sizeof head) / sizeof(wire::ReplicaIndexEntry))
-    throw Error(Errc::protocol, "a replica index whose size does not match its key count");
+  std::vector<std::uint64_t> own_clocks;
+  std::string why;
+  engine.replica_clocks(options.server_id, &own_clocks, &why);
+  if (head.workers != own_clocks.size())
+    throw Error(Errc::protocol, "its replica holds the clocks of " + std::to_string(head.workers) +
+                                    " workers, this server runs with " + std::to_string(own_clocks.size()) +
+                                    " (start every server with the same --workers)");
+  const std::uint64_t clock_bytes = std::uint64_t{head.workers} * sizeof(std::uint64_t);
+  if (index.size() - sizeof head < clock_bytes ||
+      (index.size() - sizeof head - clock_bytes) % sizeof(wire::ReplicaIndexEntry) != 0 ||
+      head.keys != (index.size() - sizeof head - clock_bytes) / sizeof(wire::ReplicaIndexEntry))
+    throw Error(Errc::protocol, "a replica index whose size does not match its key and worker counts");
   if (!head.synced) throw Error(Errc::peer_failure, "its replica is not synced (it never received all keys)");
   std::vector<KeyEntry> keys(head.keys);
   for (std::size_t i = 0; i < keys.size(); ++i) {
@@ -501,7 +561,6 @@ void take_replica(ShardEngine& engine, const ReplicaPeer& peer, const Replicator
   }
   std::vector<float> records;
   std::vector<transport::KeySlice> slices;
-  std::string why;
   for (const auto& [begin, end] : cut(keys, kTransferBytes)) {
     std::uint64_t floats = 0;
     for (std::size_t i = begin; i < end; ++i) floats += keys[i].length;
@@ -525,6 +584,15 @@ void take_replica(ShardEngine& engine, const ReplicaPeer& peer, const Replicator
     if (Errc e = engine.restore_records(part, records.data(), &why); e != Errc::ok) throw Error(e, why);
     report->keys += end - begin;
     report->bytes += floats * sizeof(float);
+  }
+  // Every clock this server acknowledged before it died (a clock is answered once its replicas
+  // know it): a worker waiting here for another's clock would otherwise wait for a clock that
+  // the other, having seen it answered, never sends again.
+  const char* clocks = index.data() + sizeof head + head.keys * sizeof(wire::ReplicaIndexEntry);
+  for (std::uint32_t w = 0; w < head.workers; ++w) {
+    std::uint64_t c = 0;
+    std::memcpy(&c, clocks + w * sizeof c, sizeof c);
+    if (c > 0) engine.advance_clock(w, c);
   }
 }
 }  // namespace

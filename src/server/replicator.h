@@ -60,6 +60,7 @@ class TcpReplicator final : public Replicator {
   bool reserve(std::span<const KeyEntry> keys) override;
   void release(std::span<const KeyEntry> keys) override;
   void ship(std::span<const KeyEntry> keys, std::unique_ptr<Parked> reply) override;
+  void ship_clock(std::uint32_t worker, std::uint64_t clock, std::unique_ptr<Parked> reply) override;
   JsonObject stats() const override;
   // Waits (up to the io timeout) for the acknowledgements of what was shipped, resumes every
   // waiting reply, and stops the threads. Call after the listener drained, before it closes.
@@ -108,8 +109,11 @@ class TcpReplicator final : public Replicator {
     // their bytes, wait for these to go out before they write (let_inline_sends_go_first).
     std::atomic<std::uint32_t> inline_sends{0};
   };
-  // One request's records, in flight to every live replica.
+  // One request's records (or one worker's clock), in flight to every live replica.
   struct Shipment {
+    // What each leg's requests are: `replicate` (arg0 = this server), or `replica_clock`.
+    wire::Op op = wire::Op::replicate;
+    std::uint64_t arg0 = 0, arg1 = 0;
     std::vector<KeyEntry> keys;  // record lengths
     // Reused from shipment to shipment (see pool_): a fresh megabyte costs its page faults and,
     // in a vector, a pass of zeroes, each as much as the copy itself.
@@ -125,8 +129,10 @@ class TcpReplicator final : public Replicator {
   std::vector<std::pair<std::size_t, std::size_t>> snapshot(std::span<const KeyEntry> keys, Shipment* s);
   // Fills in `leg`'s requests (one per range of s.slices; one without keys when `ranges` is
   // empty) and resets its completion; send() submits them.
-  void prepare(Shipment& s, Leg& leg, const std::vector<std::pair<std::size_t, std::size_t>>& ranges,
-               std::uint32_t arg1);
+  void prepare(Shipment& s, Leg& leg, const std::vector<std::pair<std::size_t, std::size_t>>& ranges);
+  // Hands a prepared shipment to every live replica (its records to `ranges`' requests) and
+  // queues it for the acker.
+  void dispatch(std::unique_ptr<Shipment> s, const std::vector<std::pair<std::size_t, std::size_t>>& ranges);
   static void send(Leg& leg) noexcept;
   // The keeper's own legs (a full transfer): sent from its thread, counted while unanswered.
   static void send_and_wait(Replica& r, Leg& leg);

@@ -358,10 +358,10 @@ class TcpReplicationRetry : public ::testing::TestWithParam<std::uint32_t> {};
 // Workers with retry_timeout never see a server die: each reconnects to it once it is back
 // (restarted with --rejoin) and sends its unanswered requests again, in order. Every third
 // trial stops the server with SIGTERM instead (a graceful stop, then the same restart). Two
-// pushes are
-// kept in flight and each round ends with a clock, so what is sent again is a sequence. The marks
-// that the restored keys carry make every push land exactly once, so each key ends equal to the
-// number of pushes, every one of them acknowledged.
+// pushes are kept in flight and each round ends with a clock and an SSP-bounded pull, so what
+// is sent again is a sequence, and the workers wait on each other's clocks across the restart.
+// The marks that the restored keys carry make every push land exactly once, so each key ends
+// equal to the number of pushes, every one of them acknowledged.
 TEST_P(TcpReplicationRetry, WorkersThatRetrySeeNoErrorAndEveryPushLandsOnce) {
   const std::uint32_t replicas = GetParam();
   std::mt19937 rng(replicas * 71);
@@ -370,7 +370,9 @@ TEST_P(TcpReplicationRetry, WorkersThatRetrySeeNoErrorAndEveryPushLandsOnce) {
   constexpr std::size_t kLen = 1024;
   const int n = testing::fault_trials();
   for (int trial = 0; trial < n; ++trial) {
-    Ring ring(3, replicas, {"--rule", "add", "--frame-timeout-ms", "2000", "--workers", std::to_string(kWorkers)});
+    Ring ring(3, replicas,
+              {"--rule", "add", "--frame-timeout-ms", "2000", "--workers", std::to_string(kWorkers), "--mode", "ssp",
+               "--staleness", "1", "--wait-timeout-ms", "30000"});
     const ClientOptions o = trial_options(ring);
     const std::vector<Key> keys = make_keys(o, kKeys, kLen);
     testing::SharedArray<testing::PushTally> tally(kWorkers);
@@ -386,6 +388,8 @@ TEST_P(TcpReplicationRetry, WorkersThatRetrySeeNoErrorAndEveryPushLandsOnce) {
           Client c(mine);
           const std::vector<float> ones(kLen, 1.0f);
           const std::vector<std::span<const float>> values(kKeys, ones);
+          std::vector<std::vector<float>> read(kKeys, std::vector<float>(kLen));
+          const std::vector<std::span<float>> into(read.begin(), read.end());
           while (!stop[0].load()) {
             const Ticket a = c.push(keys, values);
             const Ticket b = c.push(keys, values);
@@ -393,6 +397,7 @@ TEST_P(TcpReplicationRetry, WorkersThatRetrySeeNoErrorAndEveryPushLandsOnce) {
             c.wait(b);
             tally[w].acknowledged.fetch_add(2);
             c.clock();
+            c.wait(c.pull(keys, into));  // bounded: waits for the others' clocks, on every server
           }
           return 0;
         } catch (const Error& e) {
@@ -422,6 +427,83 @@ TEST_P(TcpReplicationRetry, WorkersThatRetrySeeNoErrorAndEveryPushLandsOnce) {
   }
 }
 INSTANTIATE_TEST_SUITE_P(Replicas, TcpReplicationRetry, ::testing::Values(2u, 3u), replicas_name);
+
+// A clock is answered once the replicas know it, and a server restarted with --rejoin takes the
+// clocks back with the keys. Without that, worker 1's bounded read below waits on the restarted
+// server for worker 0's clock 5, which worker 0 saw answered and never sends again (in a job,
+// worker 0 may itself be waiting on worker 1 elsewhere: a deadlock until the wait timeout).
+TEST(TcpReplicationClocks, ARejoinedServerKnowsEveryClockItAcknowledged) {
+  Ring ring(2, 2, {"--workers", "2", "--mode", "ssp", "--staleness", "1", "--wait-timeout-ms", "3000"});
+  ClientOptions o;
+  o.servers = ring.uris();
+  const std::vector<Key> keys = make_keys(o, 8, 16);  // on both servers
+  ClientOptions w0 = o;
+  w0.worker_id = 0;
+  Client ahead(w0);
+  for (int i = 0; i < 5; ++i) ahead.clock();
+  wait_synced(ring, 2);
+  ring.kill(1);
+  ring.restart(1);
+  // Worker 0 stays connected (a disconnect fails the job under the default policy) and silent.
+  ClientOptions w1 = o;
+  w1.worker_id = 1;
+  w1.initial_clock = 6;  // a read at 6 with staleness 1 needs worker 0 at 5
+  Client behind(w1);
+  std::vector<std::vector<float>> out(keys.size(), std::vector<float>(16));
+  std::vector<std::span<float>> spans(out.begin(), out.end());
+  EXPECT_NO_THROW(behind.wait(behind.pull(keys, spans)));
+}
+
+// A retrying worker sends a part lost with its server again as soon as it fails, even while an
+// earlier part of the same request is still unanswered elsewhere. Here worker 1's pull waits on
+// server 0 for worker 0's next clock; server 1 is killed under the pull and restarted. The pull's
+// part for server 1 must reach the new server 1 before server 0 answers: in a job, whoever would
+// move server 0 along (worker 0) may be waiting on server 1 for this worker's clock.
+TEST(TcpReplicationClocks, APartLostWithItsServerIsSentAgainWhileTheOthersWait) {
+  Ring ring(2, 2, {"--workers", "2", "--mode", "ssp", "--staleness", "0", "--wait-timeout-ms", "20000"});
+  ClientOptions o;
+  o.servers = ring.uris();
+  const std::vector<Key> keys = make_keys(o, 8, 16);  // on both servers
+  wait_synced(ring, 2);
+  ClientOptions w0 = o, w1 = o;
+  w0.worker_id = 0;
+  w0.retry_timeout = w1.retry_timeout = std::chrono::seconds(20);
+  w1.worker_id = 1;
+  w1.initial_clock = 1;  // its reads wait for worker 0's clock 1
+  Client first(w0), second(w1);
+  std::vector<std::vector<float>> out(keys.size(), std::vector<float>(16));
+  std::vector<std::span<float>> spans(out.begin(), out.end());
+  std::atomic<bool> answered{false};
+  std::string error;
+  std::thread reader([&] {
+    try {
+      second.wait(second.pull(keys, spans));
+    } catch (const Error& e) {
+      error = e.what();
+    }
+    answered.store(true);
+  });
+  // The pull's part on server 1 parks on server 1, so the server dies under the waiting pull.
+  auto parked_on_server_1 = [&] {
+    ClientOptions admin = o;
+    admin.servers = {ring.uris()[1]};
+    Client stats(admin);
+    double parked = 0;
+    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while ((parked = testing::stats_field(stats.server_stats(0), "parked")) < 1 &&
+           std::chrono::steady_clock::now() < give_up)
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    return parked;
+  };
+  ASSERT_GE(parked_on_server_1(), 1);
+  ring.kill(1);
+  ring.restart(1);
+  EXPECT_GE(parked_on_server_1(), 1) << "worker 1 did not send its pull again to the restarted server 1";
+  EXPECT_FALSE(answered.load()) << error;
+  first.clock();  // lets the pull go on both servers
+  reader.join();
+  EXPECT_EQ(error, "");
+}
 
 }  // namespace
 }  // namespace pskv

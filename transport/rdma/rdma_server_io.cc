@@ -340,6 +340,7 @@ bool IoThread::dispatch(ServerConn& c, const wire::FrameHeader& h) {
     case wire::Op::replicate:
     case wire::Op::replica_pull:
     case wire::Op::replica_index:
+    case wire::Op::replica_clock:
       return send_error(c, h, Errc::unsupported,
                         "replication between servers runs over tcp:// (--peers); rdma:// does not carry it yet");
   }

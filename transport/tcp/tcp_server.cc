@@ -256,16 +256,20 @@ class ParkedRequest final : public Parked {
       --peer_->parked;
     }
     try {
-      if (status != Errc::ok && static_cast<wire::Op>(req_.op) == wire::Op::push && wire::push_is_identified(req_))
-        // An identified push was applied, and only its replication failed (the server is
-        // stopping): its client retries, so close the connection rather than refuse the push,
-        // and it sends it again to a server that answers it (its marks say it is applied).
-        server_.expire(
-            *peer_, "an applied push could not be replicated (" + why + "); closed so that its client sends it again");
+      const auto op = static_cast<wire::Op>(req_.op);
+      if (status != Errc::ok && (op == wire::Op::clock || (op == wire::Op::push && wire::push_is_identified(req_))))
+        // An identified push or a clock was applied, and only its replication failed (the
+        // server is stopping): close the connection rather than refuse it, and a retrying
+        // client sends it again to a server that answers it (a push's marks say it is applied;
+        // a clock only moves forward).
+        server_.expire(*peer_, "an applied " + std::string(wire::op_name(req_.op)) + " could not be replicated (" +
+                                   why + "); closed so that its client sends it again");
       else if (status != Errc::ok)
         server_.send_error(*peer_, req_, status, why);
-      else if (static_cast<wire::Op>(req_.op) == wire::Op::pull)
+      else if (op == wire::Op::pull)
         server_.answer_pull(*peer_, req_, keys_, /*owner=*/false);
+      else if (op == wire::Op::clock)
+        server_.send_empty(*peer_, req_, server_.engine_.observed_bound());
       else
         server_.send_empty(*peer_, req_);
     } catch (const std::exception& e) {
@@ -1127,20 +1131,33 @@ bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payl
       }
       break;
     }
+    case wire::Op::replica_clock:
+      if (h.num_keys != 0) {
+        status = Errc::protocol;
+        why = "replica_clock carries no keys";
+        break;
+      }
+      status = engine_.apply_replica_clock(static_cast<std::uint32_t>(h.arg0), static_cast<std::uint32_t>(h.arg0 >> 32),
+                                           h.arg1, &why);
+      break;
     case wire::Op::replica_pull:
       return answer_records(peer, h);
     case wire::Op::replica_index: {
       std::vector<std::pair<Key, std::uint32_t>> keys;
+      std::vector<std::uint64_t> clocks;
       bool synced = false;
       status = engine_.replica_keys(static_cast<std::uint32_t>(h.arg0), &keys, &synced, &why);
+      if (status == Errc::ok) status = engine_.replica_clocks(static_cast<std::uint32_t>(h.arg0), &clocks, &why);
       if (status != Errc::ok) break;
-      const wire::ReplicaIndexHeader head{synced ? 1u : 0u, 0, keys.size()};
-      std::string bytes(sizeof head + keys.size() * sizeof(wire::ReplicaIndexEntry), '\0');
+      const wire::ReplicaIndexHeader head{synced ? 1u : 0u, static_cast<std::uint32_t>(clocks.size()), keys.size()};
+      const std::size_t entries = sizeof head + keys.size() * sizeof(wire::ReplicaIndexEntry);
+      std::string bytes(entries + clocks.size() * sizeof(std::uint64_t), '\0');
       std::memcpy(bytes.data(), &head, sizeof head);
       for (std::size_t i = 0; i < keys.size(); ++i) {
         const wire::ReplicaIndexEntry e{keys[i].first, keys[i].second};
         std::memcpy(bytes.data() + sizeof head + i * sizeof e, &e, sizeof e);
       }
+      if (!clocks.empty()) std::memcpy(bytes.data() + entries, clocks.data(), clocks.size() * sizeof(std::uint64_t));
       if (bytes.size() > options_.limits.max_payload_bytes) {
         status = Errc::capacity;
         why = "the index of " + std::to_string(keys.size()) + " keys exceeds --max-request-mb";
@@ -1173,6 +1190,12 @@ bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payl
       }
       if (h.arg0 == kClockDone) peer.finished = true;
       const std::uint64_t bound = engine_.advance_clock(peer.worker, h.arg0);
+      // Answered once the replicas know it too: a restarted server then knows every clock it
+      // acknowledged, and no worker waits on it for a clock the worker will not send again.
+      if (Replicator* replicator = engine_.replicator()) {
+        replicator->ship_clock(peer.worker, h.arg0, park(peer, h, {}, /*charge=*/false));
+        return true;
+      }
       return send_empty(peer, h, bound);
     }
     case wire::Op::barrier:
