@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "client/placement.h"
+#include "client/push_sequence.h"
 #include "layout/clock_table.h"
 #include "transport/transport.h"
 
@@ -89,7 +90,6 @@ class ClientImpl {
         if (parse_uri(s).scheme != "tcp")
           throw Error(Errc::invalid_argument,
                       "ClientOptions.retry_timeout is for tcp:// servers run with --replicas; " + s + " is not tcp");
-      session_ = new_session(0);
     }
     if (!o.auth_token_file.empty()) c.token = auth::Token::load_file(o.auth_token_file);
     for (const auto& s : o.servers) {
@@ -208,13 +208,8 @@ class ClientImpl {
   // Retry mode: one completion per server, each request listed on its link until the op is
   // finished, so that a reconnection can send again whatever its connection failed, in order.
   // The push's sequence number and its submissions are taken under one lock, so every server
-  // receives one client's pushes in sequence order (what PushId relies on).
-  // A push carries its session in arg0's high half (its clock in the low one) and its sequence
-  // number in arg1. A key keeps one mark per worker, so a session's numbers must never wrap
-  // around one still marked: past kRotateSeq pushes the session is replaced, at the first push
-  // issued while none of this session may still be sent again (a push sent again is compared
-  // with marks of its own session only).
-  static constexpr std::uint32_t kRotateSeq = 1u << 30, kLastSeq = (1u << 31) - 1;
+  // receives one client's pushes in sequence order (what PushId relies on). A push carries its
+  // session in arg0's high half (its clock in the low one) and its sequence number in arg1.
   void submit_for_retry(Op* op, wire::Op kind, std::uint64_t arg0, std::string* text_out) {
     std::lock_guard order(order_mu_);
     std::uint32_t seq = 0;
@@ -223,16 +218,8 @@ class ClientImpl {
         throw Error(Errc::invalid_argument, "clock " + std::to_string(arg0) +
                                                 " is past 2^32, which a retrying "
                                                 "client's pushes cannot carry");
-      if (push_seq_ >= kRotateSeq && !pushes_may_be_sent_again()) {
-        session_ = new_session(session_);
-        push_seq_ = 0;
-      }
-      if (push_seq_ >= kLastSeq)
-        throw Error(Errc::capacity,
-                    "2^31 pushes were issued while earlier ones of this client stayed "
-                    "unanswered; wait() for them");
-      seq = ++push_seq_;
-      arg0 = wire::identified_push_arg0(arg0, session_);
+      seq = pushes_.next([&] { return pushes_may_be_sent_again(); });
+      arg0 = wire::identified_push_arg0(arg0, pushes_.session());
     }
     for (std::size_t s = 0; s < links_.size(); ++s) {
       if (!op->targeted[s]) continue;
@@ -266,12 +253,6 @@ class ClientImpl {
         if (p->op->kind == wire::Op::push && (!p->completion.done() || to_send_again(*p))) return true;
     }
     return false;
-  }
-  static std::uint32_t new_session(std::uint32_t old) {
-    static thread_local std::random_device entropy;
-    std::uint32_t s = 0;
-    while (s == 0 || s == old) s = entropy();
-    return s;
   }
 
   // Waits for every part of `op`; in retry mode, reconnects a server whose connection failed
@@ -636,8 +617,7 @@ class ClientImpl {
   bool retrying_ = false;
   std::atomic<bool> closing_{false};  // the destructor's goodbye: not worth waiting for a restart
   std::mutex order_mu_;               // retry mode: a push's sequence number and its submissions
-  std::uint32_t push_seq_ = 0;        // under order_mu_
-  std::uint32_t session_ = 0;         // under order_mu_
+  PushSequence pushes_;               // under order_mu_
   // Declared before links_ so that it is destroyed after them: a connection's teardown
   // completes its outstanding requests, which live in these ops.
   std::mutex ops_mu_;
