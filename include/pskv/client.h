@@ -57,8 +57,8 @@ struct ClientOptions {
   // failed reconnects before it returns (blocking up to retry_timeout, whatever wait_for's own
   // timeout), and done() stays false until a wait has sent the request again. Needs worker_id (a
   // retried push is recognised by its worker) and tcp:// servers; pushes must carry clocks below
-  // 2^32. A part lost with its server is sent again as soon as a waiter sees it fail, whatever
-  // else that waiter waits for. 0: a failed server fails its requests.
+  // 2^32. A wait sends a part of its request lost with its server again within 50 ms, whatever
+  // the request's other parts wait for. 0: a failed server fails its requests.
   std::chrono::milliseconds retry_timeout{0};
 };
 

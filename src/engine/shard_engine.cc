@@ -470,6 +470,10 @@ Errc ShardEngine::apply_replica(std::uint32_t origin, std::span<const KeyEntry> 
 Errc ShardEngine::mark_replica(std::uint32_t origin, ReplicaMark mark, std::string* why) {
   Replica* r = replica(origin, why);
   if (!r) return Errc::invalid_argument;
+  // A transfer sends the origin's clocks as they are now: those of an earlier incarnation (an
+  // origin restarted from a checkpoint rather than its replicas) must not outlive it here.
+  if (mark == ReplicaMark::syncing)
+    for (std::uint32_t w = 0; w < options_.num_workers; ++w) r->clocks[w].store(0, std::memory_order_relaxed);
   r->mark.store(static_cast<std::uint32_t>(mark), std::memory_order_release);
   return Errc::ok;
 }

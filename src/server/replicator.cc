@@ -363,9 +363,14 @@ bool TcpReplicator::full_transfer(Replica& r, const std::shared_ptr<transport::C
     drop(r, conn.get(), why);
     return false;
   }
+  // Every worker's clock here, read before the keys: a clock is entered after its step's pushes
+  // are applied, so the snapshots below hold them, and the replica never knows a clock without
+  // its step. (Those shipped meanwhile may overtake these: the replica keeps the highest.)
+  std::string why;
+  std::vector<std::uint64_t> clocks;
+  engine_.replica_clocks(options_.server_id, &clocks, &why);
   std::vector<std::pair<Key, std::uint32_t>> keys;
   bool synced = false;
-  std::string why;
   engine_.replica_keys(options_.server_id, &keys, &synced, &why);
   std::vector<KeyEntry> entries;
   for (std::size_t begin = 0; begin < keys.size() && !stopping_.load();) {
@@ -390,10 +395,7 @@ bool TcpReplicator::full_transfer(Replica& r, const std::shared_ptr<transport::C
       return false;
     }
   }
-  // Then every worker's clock here, which a rejoining origin takes back with its keys (the
-  // clocks shipped meanwhile may overtake these: the replica keeps the highest).
-  std::vector<std::uint64_t> clocks;
-  engine_.replica_clocks(options_.server_id, &clocks, &why);
+  // Then the clocks, which a rejoining origin takes back with its keys.
   if (!clocks.empty() && !stopping_.load()) {
     Shipment s;
     Leg& leg = s.legs.emplace_back();

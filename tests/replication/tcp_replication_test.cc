@@ -454,6 +454,25 @@ TEST(TcpReplicationClocks, ARejoinedServerKnowsEveryClockItAcknowledged) {
   EXPECT_NO_THROW(behind.wait(behind.pull(keys, spans)));
 }
 
+// The other half: a clock is not answered before the replicas know it. Server 1, server 0's
+// replica, is stopped (SIGSTOP), so server 0 cannot answer a clock until it drops server 1 at
+// the frame timeout (5 s). The worker's client names server 0 alone, so its clock waits for
+// nothing else.
+TEST(TcpReplicationClocks, AClockIsAnsweredOnceTheReplicasKnowIt) {
+  Ring ring(3, 2, {"--workers", "1", "--mode", "ssp", "--frame-timeout-ms", "5000"});
+  wait_synced(ring, 2);
+  ClientOptions o;
+  o.servers = {ring.uris()[0]};
+  o.worker_id = 0;
+  Client c(o);
+  c.clock();  // answered: every replica is up
+  ring.signal(1, SIGSTOP);
+  const Ticket t = c.clock_async();
+  EXPECT_FALSE(c.wait_for(t, std::chrono::milliseconds(1000))) << "a clock was answered before its replica knew it";
+  ring.signal(1, SIGCONT);
+  EXPECT_TRUE(c.wait_for(t, std::chrono::seconds(10)));
+}
+
 // A retrying worker sends a part lost with its server again as soon as it fails, even while an
 // earlier part of the same request is still unanswered elsewhere. Here worker 1's pull waits on
 // server 0 for worker 0's next clock; server 1 is killed under the pull and restarted. The pull's

@@ -257,13 +257,15 @@ class ParkedRequest final : public Parked {
     }
     try {
       const auto op = static_cast<wire::Op>(req_.op);
-      if (status != Errc::ok && (op == wire::Op::clock || (op == wire::Op::push && wire::push_is_identified(req_))))
-        // An identified push or a clock was applied, and only its replication failed (the
-        // server is stopping): close the connection rather than refuse it, and a retrying
-        // client sends it again to a server that answers it (a push's marks say it is applied;
-        // a clock only moves forward).
-        server_.expire(*peer_, "an applied " + std::string(wire::op_name(req_.op)) + " could not be replicated (" +
-                                   why + "); closed so that its client sends it again");
+      // peer_failure: this server is going away (stopping) before it could answer. So is an
+      // identified push or a clock that was applied and whose replication alone failed. Close
+      // the connection rather than refuse: a retrying client sends the request again to the
+      // server's successor (a push's marks say it is applied; a clock only moves forward), where
+      // a refusal would be an error its worker sees.
+      if (status != Errc::ok && (status == Errc::peer_failure || op == wire::Op::clock ||
+                                 (op == wire::Op::push && wire::push_is_identified(req_))))
+        server_.expire(*peer_, "its " + std::string(wire::op_name(req_.op)) + " could not be answered (" + why +
+                                   "); closed so that its client sends it again");
       else if (status != Errc::ok)
         server_.send_error(*peer_, req_, status, why);
       else if (op == wire::Op::pull)
