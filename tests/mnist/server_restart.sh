@@ -3,17 +3,29 @@
 # shm server then adopts its predecessor's segment, which is newer), the workers reconnect, and
 # training still reaches the accuracy floor (ctest label `mnist`).
 #   server_restart.sh PSKV_MNIST_BINARY DATA_DIR TRANSPORT [REPLICAS]
-# With REPLICAS (tcp), the servers keep each other's keys and the restarted one rejoins from them.
+# With REPLICAS (tcp), the servers keep each other's keys and the restarted one rejoins from them;
+# the workers retry, so they must see no error, and the job must end within run-to-run noise of
+# the same job without the kill (run first).
 set -euo pipefail
 bin=$1 data=$2 transport=$3 replicas=${4:-1}
 floor=0.85
+noise=0.02
 dir=$(mktemp -d /tmp/pskv-mnist-ckpt.XXXXXX)
 log=$dir/log
 trap 'rm -rf "$dir"' EXIT
-"$bin" --launch --servers 2 --workers 2 --transport "$transport" --mode ssp --staleness 2 --data "$data" \
-  --train-limit 12000 --test-limit 5000 --epochs 3 --checkpoint-dir "$dir" --checkpoint-every-s 1 --json \
-  --replicas "$replicas" \
-  >"$log" 2>&1 &
+run_job() {
+  "$bin" --launch --servers 2 --workers 2 --transport "$transport" --mode ssp --staleness 2 --data "$data" \
+    --train-limit 12000 --test-limit 5000 --epochs 3 --checkpoint-dir "$1" --checkpoint-every-s 1 --json \
+    --replicas "$replicas"
+}
+accuracy() { grep '^{' "$1" | tail -1 | sed -n 's/.*"test_accuracy":\([0-9.]*\).*/\1/p'; }
+if [ "$replicas" -gt 1 ]; then
+  mkdir "$dir/clean"
+  run_job "$dir/clean" >"$dir/clean.log" 2>&1 || { cat "$dir/clean.log"; echo "the unkilled job failed" >&2; exit 1; }
+  clean=$(accuracy "$dir/clean.log")
+  echo "unkilled: accuracy $clean"
+fi
+run_job "$dir" >"$log" 2>&1 &
 job=$!
 # The launcher prints each server's pid; kill server 1 once it has written a checkpoint that
 # holds the model (over 64 KiB: the MLP's keys), so the kill lands mid-training. A checkpoint
@@ -33,12 +45,18 @@ grep -q "restarting it from" "$log" || { echo "the launcher did not restart the 
 # shm: the restarted server takes over its predecessor's segment (nothing since the checkpoint lost).
 if [ "$replicas" -gt 1 ]; then
   grep -q "replication: server 1 rejoined" "$log" || { echo "the restarted server did not rejoin from its replicas" >&2; exit 1; }
+  if grep -q "^worker [0-9]*: .*reconnecting" "$log"; then echo "a retrying worker saw an error" >&2; exit 1; fi
 fi
 if [ "$transport" = shm ]; then
   grep -q "shm.adopt: adopted [1-9][0-9]* keys" "$log" || { echo "the restarted shm server adopted nothing" >&2; exit 1; }
 fi
-acc=$(grep '^{' "$log" | tail -1 | sed -n 's/.*"test_accuracy":\([0-9.]*\).*/\1/p')
+acc=$(accuracy "$log")
 restarts=$(grep '^{' "$log" | tail -1 | sed -n 's/.*"server_restarts":\([0-9]*\).*/\1/p')
 [ "$restarts" -ge 1 ] || { echo "no restart recorded" >&2; exit 1; }
 awk -v a="$acc" -v f="$floor" 'BEGIN { exit !(a >= f) }' || { echo "accuracy $acc below $floor after the restart" >&2; exit 1; }
 echo "accuracy $acc >= $floor after $restarts server restart(s)"
+if [ "$replicas" -gt 1 ]; then
+  awk -v a="$acc" -v c="$clean" -v n="$noise" 'BEGIN { d = a - c; if (d < 0) d = -d; exit !(d <= n) }' ||
+    { echo "accuracy $acc after the kill, $clean without: more than $noise apart" >&2; exit 1; }
+  echo "accuracy $acc after the kill, $clean without (within $noise)"
+fi
