@@ -50,6 +50,8 @@ struct ListenOptions {
   // When set, every connection must pass the HMAC challenge first (shm:// ignores it: its
   // segment is protected by its file mode).
   std::shared_ptr<const auth::Token> token;
+  // tcp: the token another server of the ring proves (replication); null: `token`.
+  std::shared_ptr<const auth::Token> peer_token;
 };
 
 // Where the engine keeps its store and its clock table. Null: the engine's own heap.

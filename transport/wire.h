@@ -19,7 +19,7 @@ inline constexpr std::uint32_t kMagic = 0x564b5350;  // "PSKV"
 inline constexpr std::uint16_t kVersion = 1;
 
 enum class Op : std::uint16_t {
-  hello = 1,    // arg0 = worker id (or kNoWorker), arg1 = client's protocol version, payload: none or the client's
+  hello = 1,    // arg0 = worker id (or kNoWorker, or kServerPeer), arg1 = client's protocol version, payload: none or the client's
                 // auth nonce; reply arg0 = server id, arg1 = num_workers, or kAuthChallenge (server nonce | proof)
   init = 2,     // keys + values: create keys (first initialiser wins)
   push = 3,     // keys + gradients; arg0 = the worker's clock (the step these gradients belong to)
@@ -41,6 +41,9 @@ enum class Op : std::uint16_t {
 };
 
 inline constexpr std::uint32_t kReplicaSyncing = 1, kReplicaSynced = 2;
+// hello's arg0 from another server of the ring (replication): only such a connection may send
+// the replication ops, and on a server with a peer token it must prove that token.
+inline constexpr std::uint32_t kServerPeer = 0xFFFFFFFEu;
 // replica_index reply: whether this replica holds a complete copy of the origin, then its keys.
 struct ReplicaIndexHeader {
   std::uint32_t synced;

@@ -142,6 +142,10 @@ int main(int argc, char** argv) {
   app.add_option("--auth-token-file", o.auth_token_file,
                  "tcp/rdma: shared secret (a chmod 600 file); every client must pass an HMAC-SHA256 challenge with it")
       ->envname("PSKV_AUTH_TOKEN_FILE");
+  app.add_option("--peer-token-file", o.peer_token_file,
+                 "tcp with --replicas: the secret the servers prove to each other (a chmod 600 file), so that no "
+                 "client holding --auth-token-file can send the replication ops; default: --auth-token-file")
+      ->envname("PSKV_PEER_TOKEN_FILE");
   app.add_option("--replicas", o.replicas,
                  "tcp: servers holding each key (this one and the next R-1 of --peers); a push is acknowledged once "
                  "every live one applied it")

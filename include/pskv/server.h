@@ -51,6 +51,9 @@ struct ServerOptions {
   // tcp/rdma: a file holding a shared secret (mode 0600). Every connection must then pass an
   // HMAC-SHA256 challenge before it is served; refused peers are logged. shm:// ignores it.
   std::string auth_token_file;
+  // tcp with replicas: the secret the servers of the ring prove to each other, so that no client
+  // holding auth_token_file can send the replication ops. Empty: auth_token_file.
+  std::string peer_token_file;
   // Replication (tcp): every server's keys are also kept by the next replicas - 1 servers of
   // `peers` (every server's URI, in server-id order, the same list on every server and in the
   // clients' ClientOptions::servers). An init or push is acknowledged once every live replica

@@ -21,6 +21,7 @@ constexpr std::uint64_t kInlineBytes = 32u << 10;
 std::shared_ptr<transport::Connection> connect_to(const ReplicaPeer& peer, const ReplicatorOptions& o,
                                                   std::chrono::milliseconds connect_timeout) {
   transport::ConnectOptions c;
+  c.worker_id = wire::kServerPeer;  // the replication ops are only taken from servers
   c.connect_timeout = connect_timeout;
   c.io_timeout = o.io_timeout;
   c.max_in_flight = 1024;  // a full window blocks the io thread shipping into it (docs: "Replication")

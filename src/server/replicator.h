@@ -28,7 +28,7 @@ struct ReplicaPeer {
 struct ReplicatorOptions {
   std::uint32_t server_id = 0;
   std::vector<ReplicaPeer> replicas;  // the servers that keep this one's keys, in ring order
-  std::shared_ptr<const auth::Token> token;
+  std::shared_ptr<const auth::Token> token;  // what this server proves to its peers
   // A replica silent this long with shipments outstanding is dropped (and reconnected).
   std::chrono::milliseconds io_timeout{5000};
   std::uint64_t max_request_bytes = 256ull << 20;

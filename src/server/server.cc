@@ -57,6 +57,8 @@ void validate(const ServerOptions& o) {
   if (o.max_request_bytes == 0) reject("--max-request-mb must be positive");
   if (o.max_keys_per_request == 0) reject("--max-keys-per-request must be positive");
   if (o.replicas == 0) reject("--replicas must be at least 1");
+  if (!o.peer_token_file.empty() && o.replicas < 2 && !o.rejoin)
+    reject("--peer-token-file is the secret of replicating servers: it needs --replicas 2 or more");
   if (o.replicas > 1 || o.rejoin) {
     if (o.peers.size() < o.replicas)
       reject("--replicas " + to_string(o.replicas) + " needs --peers listing every server (at least " +
@@ -120,7 +122,8 @@ class ServerImpl {
     l.limits.max_keys = o.max_keys_per_request;
     l.limits.max_payload_bytes = o.max_request_bytes;
     if (!o.auth_token_file.empty()) l.token = auth::Token::load_file(o.auth_token_file);
-    r.token = l.token;
+    if (!o.peer_token_file.empty()) l.peer_token = auth::Token::load_file(o.peer_token_file);
+    r.token = l.peer_token ? l.peer_token : l.token;
     listener_ = transport::listen(parse_uri(o.uri), l);
     transport::EngineMemory memory = listener_->engine_memory(e);
     engine_ = std::make_unique<ShardEngine>(e, std::move(memory.store), memory.clocks);

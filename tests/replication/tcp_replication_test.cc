@@ -16,7 +16,9 @@
 #include "pskv/client.h"
 #include "support/process.h"
 #include "support/stats.h"
+#include "support/token_file.h"
 #include "support/workloads.h"
+#include "transport/auth.h"
 #include "transport/tcp/socket.h"
 #include "transport/transport.h"
 #include "transport/uri.h"
@@ -69,6 +71,7 @@ class Ring {
 std::vector<float> records(const std::string& uri, std::uint32_t origin,
                            const std::vector<std::pair<Key, std::uint32_t>>& keys) {
   transport::ConnectOptions c;
+  c.worker_id = wire::kServerPeer;  // the replication ops are taken from servers only
   auto conn = transport::connect(parse_uri(uri), c);
   std::size_t total = 0;
   for (const auto& k : keys) total += k.second;
@@ -117,6 +120,7 @@ void expect_replicas_equal(const Ring& ring, std::uint32_t replicas, std::uint32
   // Placement is the client's: each server says which keys it holds through its own index.
   for (std::uint32_t s = 0; s < n; ++s) {
     transport::ConnectOptions c;
+    c.worker_id = wire::kServerPeer;
     auto conn = transport::connect(parse_uri(ring.uris()[s]), c);
     std::string index;
     transport::Completion done;
@@ -522,6 +526,72 @@ TEST(TcpReplicationClocks, APartLostWithItsServerIsSentAgainWhileTheOthersWait) 
   first.clock();  // lets the pull go on both servers
   reader.join();
   EXPECT_EQ(error, "");
+}
+
+// What a connection gets asking `uri` for its replica index: ok, or the error it was refused
+// with (at the handshake or on the request).
+std::pair<Errc, std::string> ask_replica_index(const std::string& uri, std::uint32_t hello_as,
+                                               const std::string& token_file = {}) {
+  transport::ConnectOptions c;
+  c.worker_id = hello_as;
+  if (!token_file.empty()) c.token = auth::Token::load_file(token_file);
+  try {
+    auto conn = transport::connect(parse_uri(uri), c);
+    std::string index;
+    transport::Completion done;
+    done.reset(1);
+    transport::Request q;
+    q.op = wire::Op::replica_index;
+    q.arg0 = 0;
+    q.completion = &done;
+    q.text_out = &index;
+    conn->submit(q);
+    if (!done.wait(std::chrono::steady_clock::now() + std::chrono::seconds(20))) return {Errc::timeout, "no answer"};
+    return {done.status(), done.message()};
+  } catch (const Error& e) {
+    return {e.code(), e.what()};
+  }
+}
+
+// Only a connection that says hello as a server may send the replication ops (a worker could
+// otherwise overwrite a replica, or mark one synced), and with --peer-token-file it must prove
+// that secret, which the clients do not hold.
+TEST(TcpReplicationPeers, OnlyServersMaySendTheReplicationOps) {
+  {
+    Ring ring(2, 2, {"--workers", "1"});
+    for (std::uint32_t client : {kNoWorker, 0u}) {
+      const auto [code, why] = ask_replica_index(ring.uris()[1], client);
+      EXPECT_EQ(code, Errc::permission) << why;
+      EXPECT_NE(why.find("only another server"), std::string::npos) << why;
+    }
+    EXPECT_EQ(ask_replica_index(ring.uris()[1], wire::kServerPeer).first, Errc::ok);
+  }
+  testing::TokenFile clients("the clients' secret"), servers("the servers' own secret");
+  Ring ring(3, 2, {"--workers", "1", "--auth-token-file", clients.path, "--peer-token-file", servers.path});
+  {
+    // The servers replicate to each other with their own secret...
+    ClientOptions o;
+    o.servers = ring.uris();
+    o.auth_token_file = clients.path;
+    Client c(o);
+    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    for (int s = 0; s < 3; ++s) {
+      const std::string synced = "\"replica_" + std::to_string((s + 1) % 3) + "_state\":\"synced\"";
+      while (c.server_stats(std::size_t(s)).find(synced) == std::string::npos) {
+        ASSERT_LT(std::chrono::steady_clock::now(), give_up) << c.server_stats(std::size_t(s));
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+    }
+  }
+  // ...which a client's token cannot stand in for, said as a server or not.
+  const auto [as_server, why] = ask_replica_index(ring.uris()[0], wire::kServerPeer, clients.path);
+  EXPECT_EQ(as_server, Errc::permission) << why;
+  EXPECT_EQ(ask_replica_index(ring.uris()[0], kNoWorker, clients.path).first, Errc::permission);
+  EXPECT_EQ(ask_replica_index(ring.uris()[0], wire::kServerPeer, servers.path).first, Errc::ok);
+  // A server that has it rejoins with it.
+  ring.kill(1);
+  ring.restart(1);
+  EXPECT_EQ(ask_replica_index(ring.uris()[1], wire::kServerPeer, servers.path).first, Errc::ok);
 }
 
 }  // namespace

@@ -26,7 +26,8 @@ class TcpListener final : public transport::Listener {
                                 .memory_budget_bytes = o.memory_budget_bytes,
                                 .limits = o.limits,
                                 .push_in_pieces = pieces,
-                                .token = o.token};
+                                .token = o.token,
+                                .peer_token = o.peer_token};
   }
   ~TcpListener() override { close(); }
 

@@ -176,6 +176,7 @@ class Peer : public std::enable_shared_from_this<Peer> {
   bool said_hello = false;
   bool authenticated = false;              // passed the token challenge (or the server has no token)
   std::uint32_t hello_worker = kNoWorker;  // admitted once authenticated
+  bool server_peer = false;                // admitted with wire::kServerPeer: may replicate
   auth::Nonce client_nonce{}, server_nonce{};
   bool finished = false;  // the worker announced it is done (clock = kClockDone)
   std::uint32_t worker = kNoWorker;
@@ -1071,15 +1072,19 @@ bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payl
       }
       peer.said_hello = true;
       peer.hello_worker = static_cast<std::uint32_t>(h.arg0);
-      if (!options_.token) {
+      const auth::Token* token = token_for(peer);
+      if (!token) {
         peer.authenticated = true;
         return admit(peer, h);
       }
       if (h.payload_bytes != auth::kNonceBytes)
-        return refuse(peer, h, "has no token (this server requires --auth-token-file on its clients too)");
+        return refuse(peer, h,
+                      peer.hello_worker == wire::kServerPeer && options_.peer_token
+                          ? "says it is a server but has no token (this server requires --peer-token-file on its peers)"
+                          : "has no token (this server requires --auth-token-file on its clients too)");
       std::memcpy(peer.client_nonce.data(), payload, auth::kNonceBytes);
       peer.server_nonce = auth::random_nonce();
-      const auth::Proof proof = options_.token->server_proof(peer.client_nonce, peer.server_nonce);
+      const auth::Proof proof = token->server_proof(peer.client_nonce, peer.server_nonce);
       std::uint8_t challenge[auth::kNonceBytes + auth::kProofBytes];
       std::memcpy(challenge, peer.server_nonce.data(), auth::kNonceBytes);
       std::memcpy(challenge + auth::kNonceBytes, proof.data(), auth::kProofBytes);
@@ -1088,11 +1093,12 @@ bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payl
       return send(peer, std::move(r));
     }
     case wire::Op::auth: {
-      if (!options_.token) return refuse(peer, h, "sent auth to a server without a token");
+      const auth::Token* token = token_for(peer);
+      if (!token) return refuse(peer, h, "sent auth to a server without a token");
       if (peer.authenticated) return refuse(peer, h, "authenticated twice");
       auth::Proof got{};
       std::memcpy(got.data(), payload, auth::kProofBytes);
-      if (!auth::proofs_equal(got, options_.token->client_proof(peer.server_nonce, peer.client_nonce)))
+      if (!auth::proofs_equal(got, token->client_proof(peer.server_nonce, peer.client_nonce)))
         return refuse(peer, h, "failed the challenge: its token differs from this server's");
       peer.authenticated = true;
       return admit(peer, h);
@@ -1122,6 +1128,7 @@ bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payl
       if (engine_.replicator()) engine_.replicator()->release(peer.keys);
       break;
     case wire::Op::replicate: {
+      if (!peer.server_peer) return refuse_replication(peer, h);
       const auto origin = static_cast<std::uint32_t>(h.arg0);
       if (h.num_keys != 0)
         status = engine_.apply_replica(origin, peer.keys, payload, &why);
@@ -1134,6 +1141,7 @@ bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payl
       break;
     }
     case wire::Op::replica_clock:
+      if (!peer.server_peer) return refuse_replication(peer, h);
       if (h.num_keys != 0) {
         status = Errc::protocol;
         why = "replica_clock carries no keys";
@@ -1143,8 +1151,10 @@ bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payl
                                            h.arg1, &why);
       break;
     case wire::Op::replica_pull:
+      if (!peer.server_peer) return refuse_replication(peer, h);
       return answer_records(peer, h);
     case wire::Op::replica_index: {
+      if (!peer.server_peer) return refuse_replication(peer, h);
       std::vector<std::pair<Key, std::uint32_t>> keys;
       std::vector<std::uint64_t> clocks;
       bool synced = false;
@@ -1406,6 +1416,11 @@ bool TcpServer::send_empty(Peer& peer, const wire::FrameHeader& req, std::uint64
 
 bool TcpServer::admit(Peer& peer, const wire::FrameHeader& h) {
   std::string why;
+  if (peer.hello_worker == wire::kServerPeer) {
+    peer.server_peer = true;
+    peer.handshaken.store(true, std::memory_order_relaxed);
+    return send_empty(peer, h, engine_.options().server_id, engine_.options().num_workers);
+  }
   const std::uint32_t worker = peer.hello_worker;
   if (worker != kNoWorker) {
     if (Errc e = engine_.check_worker(worker, &why); e != Errc::ok) {
@@ -1419,6 +1434,17 @@ bool TcpServer::admit(Peer& peer, const wire::FrameHeader& h) {
   peer.handshaken.store(true, std::memory_order_relaxed);
   if (worker != kNoWorker) engine_.worker_joined(worker);
   return send_empty(peer, h, engine_.options().server_id, engine_.options().num_workers);
+}
+
+const auth::Token* TcpServer::token_for(const Peer& peer) const noexcept {
+  if (peer.hello_worker == wire::kServerPeer && options_.peer_token) return options_.peer_token.get();
+  return options_.token.get();
+}
+
+bool TcpServer::refuse_replication(Peer& peer, const wire::FrameHeader& h) {
+  return refuse(peer, h,
+                "sent " + std::string(wire::op_name(h.op)) +
+                    ", which only another server of the ring may send (servers connect to each other as such)");
 }
 
 bool TcpServer::refuse(Peer& peer, const wire::FrameHeader& h, const std::string& what) {

@@ -63,6 +63,9 @@ struct TcpServerOptions {
   bool push_in_pieces = true;
   // When set, every connection must pass the HMAC challenge before anything else is served.
   std::shared_ptr<const auth::Token> token;
+  // The token a connection that says it is a server (wire::kServerPeer) must prove instead;
+  // null: `token`. Only such connections may send the replication ops.
+  std::shared_ptr<const auth::Token> peer_token;
 };
 
 class Peer;
@@ -222,6 +225,10 @@ class TcpServer {
   static constexpr int kFastSenderPatienceMs = 1;
   // Logs and refuses a peer that did not authenticate; always false (close the connection).
   bool refuse(Peer& peer, const wire::FrameHeader& h, const std::string& what);
+  // A replication op from a connection that did not say hello as a server (wire::kServerPeer).
+  bool refuse_replication(Peer& peer, const wire::FrameHeader& h);
+  // The token this peer must prove: the peer token for a server, when there is one.
+  const auth::Token* token_for(const Peer& peer) const noexcept;
   // Logs a malformed frame and answers it if its magic says it is ours; always false (close).
   bool bad_frame(Peer& peer, const wire::FrameHeader& h, Errc status, const std::string& why);
   // Counts and logs a request the memory budget cannot hold; returns the answer to give it.
