@@ -344,6 +344,8 @@ class ClientImpl {
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
     while (!link.announced.done()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
     std::string last = "no attempt";
+    // A restarted server is back within tens of ms: look often at first, then back off.
+    auto pause = std::chrono::milliseconds(2);
     while (std::chrono::steady_clock::now() < deadline) {
       try {
         auto conn = std::shared_ptr<transport::Connection>(transport::connect(link.uri, connect_options_));
@@ -381,7 +383,8 @@ class ClientImpl {
       } catch (const Error& e) {
         last = e.what();
       }
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      std::this_thread::sleep_for(pause);
+      pause = std::min(pause * 2, std::chrono::milliseconds(25));
     }
     link.gave_up = "gave up on " + link.uri.str() + " after retrying for " +
                    std::to_string(options_.retry_timeout.count()) + " ms; last attempt: " + last;
