@@ -485,11 +485,13 @@ struct StepsResult {
   double steps_per_s;
   std::uint64_t max_staleness;
   double p50_step_us;
+  double max_step_us;  // the longest step of any worker: a server's failure shows here
   std::array<std::uint64_t, pskv::StalenessStats::kBuckets> histogram{};
 };
 
+// `at_step(step)` runs on worker 0's thread before each of its steps (a fault to inject).
 StepsResult measure_steps(const std::vector<std::string>& servers, int workers, std::size_t value_bytes, int steps,
-                          int straggler_us) {
+                          int straggler_us, const std::function<void(int)>& at_step = {}) {
   const std::size_t floats = std::max<std::size_t>(1, value_bytes / sizeof(float));
   std::vector<std::thread> threads;
   std::vector<std::string> errors(workers);
@@ -519,6 +521,7 @@ StepsResult measure_steps(const std::vector<std::string>& servers, int workers, 
         std::vector<std::vector<float>> grads(workers, std::vector<float>(floats, 1e-3f));
         std::vector<std::span<const float>> grad_spans(grads.begin(), grads.end());
         for (int step = 0; step < steps; ++step) {
+          if (w == 0 && at_step) at_step(step);
           const auto s0 = Clock::now();
           client.wait(client.pull(keys, outs));
           if (w == 0 && straggler_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(straggler_us));
@@ -535,13 +538,14 @@ StepsResult measure_steps(const std::vector<std::string>& servers, int workers, 
   const double wall = seconds_since(t0);
   for (const auto& e : errors)
     if (!e.empty()) throw std::runtime_error(e);
-  StepsResult r{double(workers) * steps / wall, 0, 0, {}};
+  StepsResult r{double(workers) * steps / wall, 0, 0, 0, {}};
   std::vector<double> all;
   for (int w = 0; w < workers; ++w) {
     r.max_staleness = std::max(r.max_staleness, stale[w].max);
     for (std::size_t b = 0; b < r.histogram.size(); ++b) r.histogram[b] += stale[w].histogram[b];
     all.insert(all.end(), step_us[w].begin(), step_us[w].end());
   }
+  r.max_step_us = all.empty() ? 0 : *std::max_element(all.begin(), all.end());
   r.p50_step_us = percentile(all, 0.5);
   return r;
 }
@@ -773,6 +777,11 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--straggler-us", straggler_us, "steps workload: worker 0 sleeps this long per step")
       ->capture_default_str();
+  int kill_at_step = -1;
+  app.add_option("--kill-at-step", kill_at_step,
+                 "steps workload with --replicas and --retry-timeout-ms: when worker 0 reaches this step, SIGKILL "
+                 "server 1 and restart it with --rejoin (from a process forked beforehand); reports the longest "
+                 "step (max_step_us) and how long the restart took (restart_ms)");
   CLI11_PARSE(app, argc, argv);
   g_worker_retry = std::chrono::milliseconds(retry_ms);
 
@@ -790,8 +799,16 @@ int main(int argc, char** argv) {
   RawPeers peers;
   peers.start();
   std::vector<pid_t> server_pids;
+  pid_t spare = -1;                     // --kill-at-step: server 1's successor
+  int spare_go = -1, spare_ready = -1;  // its pipes: start serving, and serving
   if (replicas > 1 && (transport != "tcp" || replicas > static_cast<std::uint32_t>(servers) || !targets.empty())) {
     std::fprintf(stderr, "pskv-bench: --replicas needs --transport tcp, servers it starts, and --servers >= it\n");
+    return 2;
+  }
+  if (kill_at_step >= 0 && (workload != "steps" || replicas < 2 || retry_ms <= 0 || kill_at_step >= steps)) {
+    std::fprintf(stderr,
+                 "pskv-bench: --kill-at-step needs --workload steps, --replicas 2 or more, --retry-timeout-ms and a "
+                 "step below --steps\n");
     return 2;
   }
   // Replicas connect to each other, so every server's address is fixed before any starts.
@@ -804,47 +821,53 @@ int main(int argc, char** argv) {
     const int max_clients = *std::max_element(client_counts.begin(), client_counts.end());
     std::uint64_t arena_mb = (sizes.size() * max_clients * (biggest + 4096) * 2 >> 20) / servers + 64;
     if (workload == "sparse") arena_mb = (table_keys * (64 + ((key_floats * 4 + 63) / 64) * 64) >> 20) / servers + 64;
+    const auto options_for = [&](int s) {
+      pskv::ServerOptions so;
+      so.uri = transport == "shm"
+                   ? "shm://bench-" + std::to_string(getppid()) + "-" + std::to_string(s) + "?push=" + shm_push
+               : transport == "tcp" ? "tcp://127.0.0.1:0?push=" + tcp_push
+                                    : transport + "://127.0.0.1:0";
+      so.server_id = static_cast<std::uint32_t>(s);
+      if (replicas > 1) {
+        so.uri = ring[static_cast<std::size_t>(s)] + "?push=" + tcp_push;
+        so.replicas = replicas;
+        so.peers = ring;
+      }
+      if (workload == "steps") {
+        so.num_workers = static_cast<std::uint32_t>(workers);
+        so.mode = *pskv::parse_consistency_mode(mode);
+        so.staleness = staleness;
+        so.sync_required = sync_required;
+      }
+      so.arena_bytes = arena_mb << 20;
+      so.max_request_bytes = std::max<std::uint64_t>(so.max_request_bytes, biggest * 2);
+      if (workload == "sparse") so.max_keys = table_keys / static_cast<std::uint64_t>(servers) * 5 / 4 + 1024;
+      return so;
+    };
+    // SIGTERM must run the destructors (a shm server removes its segment), so a server waits for it.
+    const auto serve_until_sigterm = [](const pskv::ServerOptions& so, int ready_fd) {
+      sigset_t stop;
+      sigemptyset(&stop);
+      sigaddset(&stop, SIGTERM);
+      pthread_sigmask(SIG_BLOCK, &stop, nullptr);
+      try {
+        pskv::Server server(so);
+        const std::string uri = server.uri() + "\n";
+        if (write(ready_fd, uri.data(), uri.size()) < 0) _exit(1);
+        close(ready_fd);
+        int sig = 0;
+        sigwait(&stop, &sig);
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "pskv-bench server: %s\n", e.what());
+        _exit(1);
+      }
+    };
     for (int s = 0; s < servers; ++s) {
       int pipefd[2];
       if (pipe(pipefd) != 0) return 1;
       server_pids.push_back(spawn([&] {
         close(pipefd[0]);
-        pskv::ServerOptions so;
-        so.uri = transport == "shm"
-                     ? "shm://bench-" + std::to_string(getppid()) + "-" + std::to_string(s) + "?push=" + shm_push
-                 : transport == "tcp" ? "tcp://127.0.0.1:0?push=" + tcp_push
-                                      : transport + "://127.0.0.1:0";
-        so.server_id = static_cast<std::uint32_t>(s);
-        if (replicas > 1) {
-          so.uri = ring[static_cast<std::size_t>(s)] + "?push=" + tcp_push;
-          so.replicas = replicas;
-          so.peers = ring;
-        }
-        if (workload == "steps") {
-          so.num_workers = static_cast<std::uint32_t>(workers);
-          so.mode = *pskv::parse_consistency_mode(mode);
-          so.staleness = staleness;
-          so.sync_required = sync_required;
-        }
-        so.arena_bytes = arena_mb << 20;
-        so.max_request_bytes = std::max<std::uint64_t>(so.max_request_bytes, biggest * 2);
-        if (workload == "sparse") so.max_keys = table_keys / static_cast<std::uint64_t>(servers) * 5 / 4 + 1024;
-        // SIGTERM must run the destructors (a shm server removes its segment), so wait for it.
-        sigset_t stop;
-        sigemptyset(&stop);
-        sigaddset(&stop, SIGTERM);
-        pthread_sigmask(SIG_BLOCK, &stop, nullptr);
-        try {
-          pskv::Server server(so);
-          const std::string uri = server.uri() + "\n";
-          if (write(pipefd[1], uri.data(), uri.size()) < 0) _exit(1);
-          close(pipefd[1]);
-          int sig = 0;
-          sigwait(&stop, &sig);
-        } catch (const std::exception& e) {
-          std::fprintf(stderr, "pskv-bench server: %s\n", e.what());
-          _exit(1);
-        }
+        serve_until_sigterm(options_for(s), pipefd[1]);
       }));
       close(pipefd[1]);
       char buf[256] = {};
@@ -863,6 +886,25 @@ int main(int argc, char** argv) {
       }
       uri.pop_back();
       targets.push_back(uri);
+    }
+    if (kill_at_step >= 0) {
+      // Server 1's successor, forked now (a process with threads must not fork and go on): it
+      // waits for a byte on `go`, then serves server 1's address with --rejoin.
+      int go[2], ready[2];
+      if (pipe(go) != 0 || pipe(ready) != 0) return 1;
+      spare = spawn([&] {
+        close(go[1]);
+        close(ready[0]);
+        char c;
+        if (read(go[0], &c, 1) != 1) _exit(0);  // not needed: the run is over
+        pskv::ServerOptions so = options_for(1);
+        so.rejoin = true;
+        serve_until_sigterm(so, ready[1]);
+      });
+      close(go[0]);
+      close(ready[1]);
+      spare_go = go[1];
+      spare_ready = ready[0];
     }
   }
 
@@ -956,7 +998,24 @@ int main(int argc, char** argv) {
   if (workload == "steps") {
     try {
       const std::size_t size = sizes.front();
-      const StepsResult r = measure_steps(targets, workers, size, steps, straggler_us);
+      std::thread restart_timer;
+      double restart_ms = -1;
+      std::function<void(int)> at_step;
+      if (kill_at_step >= 0)
+        at_step = [&](int step) {
+          if (step != kill_at_step) return;
+          const auto killed = Clock::now();
+          kill(server_pids[1], SIGKILL);
+          waitpid(server_pids[1], nullptr, 0);
+          server_pids[1] = std::exchange(spare, -1);
+          if (write(spare_go, "g", 1) != 1) throw std::runtime_error("the spare server is gone");
+          restart_timer = std::thread([&, killed] {
+            char buf[256];
+            if (read(spare_ready, buf, sizeof buf) > 0) restart_ms = seconds_since(killed) * 1e3;
+          });
+        };
+      const StepsResult r = measure_steps(targets, workers, size, steps, straggler_us, at_step);
+      if (restart_timer.joinable()) restart_timer.join();
       std::string hist;
       for (std::size_t b = 0; b < r.histogram.size(); ++b) hist += (b ? "," : "") + std::to_string(r.histogram[b]);
       if (json) {
@@ -975,14 +1034,21 @@ int main(int argc, char** argv) {
                        .add("retry_timeout_ms", retry_ms)
                        .add("steps_per_s", r.steps_per_s, 1)
                        .add("p50_step_us", r.p50_step_us, 1)
+                       .add("max_step_us", r.max_step_us, 1)
+                       .add("killed_at_step", kill_at_step)
+                       .add("restart_ms", restart_ms, 1)
                        .add("max_staleness", r.max_staleness)
                        .add("staleness_histogram", std::span<const std::uint64_t>(histogram)));
       } else
         std::printf(
-            "%s %s s=%u workers=%d value=%zu B straggler=%d us: %.0f steps/s, p50 step %.0f us, max staleness %llu, "
-            "histogram [%s]\n",
+            "%s %s s=%u workers=%d value=%zu B straggler=%d us: %.0f steps/s, p50 step %.0f us, longest %.0f us, "
+            "max staleness %llu, histogram [%s]%s\n",
             transport.c_str(), mode.c_str(), staleness, workers, size, straggler_us, r.steps_per_s, r.p50_step_us,
-            static_cast<unsigned long long>(r.max_staleness), hist.c_str());
+            r.max_step_us, static_cast<unsigned long long>(r.max_staleness), hist.c_str(),
+            kill_at_step >= 0 ? (", server 1 killed at step " + std::to_string(kill_at_step) + " and back in " +
+                                 std::to_string(restart_ms) + " ms")
+                                    .c_str()
+                              : "");
     } catch (const std::exception& e) {
       std::fprintf(stderr, "pskv-bench: %s\n", e.what());
       rc = 1;
@@ -1090,6 +1156,9 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "pskv-bench: %s\n", e.what());
     rc = 1;
   }
+  if (spare_go >= 0) close(spare_go);  // an unused spare exits
+  if (spare_ready >= 0) close(spare_ready);
+  if (spare > 0) waitpid(spare, nullptr, 0);
   for (pid_t pid : server_pids) kill(pid, SIGTERM);
   for (pid_t pid : peers.pids) kill(pid, SIGKILL);
   for (pid_t pid : server_pids) waitpid(pid, nullptr, 0);

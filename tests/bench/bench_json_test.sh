@@ -39,4 +39,11 @@ for transport in tcp shm; do
     grep -q "{\"baseline\":\"$b\"" <<<"$out" || fail "$transport: no $b baseline"
   done
 done
+# A replicated server killed mid-run and restarted: the workers retry, so the run succeeds, and
+# it reports its longest step and the restart.
+out=$("$BENCH" --json --workload steps --transport tcp --servers 2 --replicas 2 --workers 2 --sizes 4K --mode ssp \
+  --steps 200 --retry-timeout-ms 30000 --kill-at-step 100 2>/dev/null) || fail "the run with a kill failed"
+steps=$(grep '"workload":"steps"' <<<"$out") || fail "no steps result with a kill"
+grep -Eq '"max_step_us":[1-9]' <<<"$steps" || fail "no longest step: $steps"
+grep -Eq '"killed_at_step":100,"restart_ms":[0-9]*\.?[0-9]*[1-9]' <<<"$steps" || fail "no restart time: $steps"
 echo "pskv-bench JSON: ok"
