@@ -146,9 +146,14 @@ int main(int argc, char** argv) {
                  "tcp with --replicas: the secret the servers prove to each other (a chmod 600 file), so that no "
                  "client holding --auth-token-file can send the replication ops; default: --auth-token-file")
       ->envname("PSKV_PEER_TOKEN_FILE");
-  app.add_option("--replicas", o.replicas,
-                 "tcp: servers holding each key (this one and the next R-1 of --peers); a push is acknowledged once "
-                 "every live one applied it")
+  app.add_option("--peer-uri", o.peer_uri,
+                 "rdma:// with --replicas: the tcp://HOST:PORT where this server's peers replicate to it (--peers "
+                 "then lists every server's --peer-uri)")
+      ->envname("PSKV_PEER_URI");
+  app.add_option(
+         "--replicas", o.replicas,
+         "tcp/rdma: servers holding each key (this one and the next R-1 of --peers); a push is acknowledged once "
+         "every live one applied it")
       ->envname("PSKV_REPLICAS")
       ->check(CLI::Range(1, 16))
       ->capture_default_str();

@@ -61,6 +61,10 @@ struct ServerOptions {
   // synced replica before serving (docs/ARCHITECTURE.md, "Replication").
   std::uint32_t replicas = 1;
   std::vector<std::string> peers;
+  // A server whose `uri` is rdma:// takes its peers' replication traffic on this tcp:// address
+  // instead (its own listener, on the same store), and `peers` then lists every server's
+  // peer_uri. Not used with a tcp:// `uri`, which carries both.
+  std::string peer_uri;
   bool rejoin = false;
 };
 

@@ -66,10 +66,17 @@ void validate(const ServerOptions& o) {
     if (o.server_id >= o.peers.size())
       reject("--server-id " + to_string(o.server_id) + " is not an index into --peers (" + to_string(o.peers.size()) +
              " servers)");
-    if (o.uri.rfind("tcp://", 0) != 0)
+    const bool tcp = o.uri.rfind("tcp://", 0) == 0, rdma = o.uri.rfind("rdma://", 0) == 0;
+    if (!tcp && !rdma)
       reject(
-          "--replicas runs over tcp:// only for now (shm:// servers adopt their predecessor's segment with "
+          "--replicas runs over tcp:// and rdma:// (shm:// servers adopt their predecessor's segment with "
           "shm://NAME?adopt=1 instead)");
+    if (rdma && o.peer_uri.rfind("tcp://", 0) != 0)
+      reject(
+          "an rdma:// server with --replicas needs --peer-uri tcp://HOST:PORT, where its peers replicate to it "
+          "(and --peers lists every server's --peer-uri)");
+    if (tcp && !o.peer_uri.empty())
+      reject("--peer-uri is for rdma:// servers; a tcp:// server takes its peers on --uri");
     if (o.rejoin && o.replicas < 2) reject("--rejoin takes the keys back from replicas: it needs --replicas 2 or more");
     if (o.mode == ConsistencyMode::sync)
       reject("--replicas does not replicate sync mode's partial sums yet; use asp, ssp or bsp");
@@ -146,6 +153,10 @@ class ServerImpl {
     }
     listener_->start(*engine_);
     uri_ = listener_->uri();
+    if (!o.peer_uri.empty()) {
+      peer_listener_ = transport::listen(parse_uri(o.peer_uri), l);
+      peer_listener_->start(*engine_);
+    }
     if (!o.checkpoint_dir.empty() && o.checkpoint_interval.count() > 0)
       checkpointer_ = std::thread([this] { checkpoint_loop(); });
   }
@@ -182,7 +193,9 @@ class ServerImpl {
     stop_cv_.notify_all();
     if (checkpointer_.joinable()) checkpointer_.join();
     listener_->stop_accepting();
+    if (peer_listener_) peer_listener_->stop_accepting();
     listener_->drain();
+    if (peer_listener_) peer_listener_->drain();
     // Replies waiting for the replicas are answered while their connections are still open.
     if (replicator_) replicator_->stop();
     if (!options_.checkpoint_dir.empty()) {
@@ -196,6 +209,7 @@ class ServerImpl {
     engine_->shutdown();
     std::lock_guard lock(mu_);
     listener_->close();
+    if (peer_listener_) peer_listener_->close();
     closed_ = true;
   }
 
@@ -222,6 +236,7 @@ class ServerImpl {
   std::string uri_;
   // The listener outlives the engine: it may own the engine's memory (the shm segment).
   std::unique_ptr<transport::Listener> listener_;
+  std::unique_ptr<transport::Listener> peer_listener_;  // rdma:// with replicas: the peers' tcp://
   std::unique_ptr<ShardEngine> engine_;
   std::unique_ptr<TcpReplicator> replicator_;  // stopped before the listener closes
   std::mutex checkpoint_mu_, stop_mu_;

@@ -166,7 +166,8 @@ void IoThread::loop() {
       bool ok;
       if (d.status != Errc::ok)
         ok = send_error(c, d.request, d.status, d.why);
-      else if (d.request.op == static_cast<std::uint16_t>(wire::Op::wait))
+      else if (d.request.op == static_cast<std::uint16_t>(wire::Op::wait) ||
+               d.request.op == static_cast<std::uint16_t>(wire::Op::clock))
         ok = reply(c, d.request, Errc::ok, nullptr, 0, 0, engine_.observed_bound());
       else
         ok = reply(c, d.request, Errc::ok, nullptr, 0);
@@ -317,6 +318,11 @@ bool IoThread::dispatch(ServerConn& c, const wire::FrameHeader& h) {
       // This message was taken in queue-pair order: every push WRITE the worker posted before
       // it has already been applied by this thread, so the new clock covers them.
       const std::uint64_t bound = engine_.advance_clock(c.worker, h.arg0);
+      // With replicas, answered once they know it too (docs/ARCHITECTURE.md, "Replication").
+      if (Replicator* replicator = engine_.replicator()) {
+        replicator->ship_clock(c.worker, h.arg0, std::make_unique<ParkedReply>(c.shared_from_this(), h));
+        return true;
+      }
       return reply(c, h, Errc::ok, nullptr, 0, 0, bound);
     }
     case wire::Op::barrier:
@@ -402,9 +408,33 @@ bool IoThread::handle_push(ServerConn& c, std::uint32_t imm) {
     if (crc != h.checksum)
       return send_error(c, h, Errc::protocol, "checksum mismatch: the push was corrupted in transit");
   }
+  Replicator* replicator = engine_.replicator();
+  if (replicator) {
+    // A key whose record could not cross to a replica in one request is refused before it exists.
+    if (op == wire::Op::init)
+      for (const wire::KeyEntry& k : c.keys)
+        if (engine_.record_floats(k.length) * sizeof(float) > server_.options_.limits.max_payload_bytes / 2)
+          return send_error(c, h, Errc::capacity,
+                            "key " + std::to_string(k.key) + " of " + std::to_string(k.length) +
+                                " floats is too large to replicate with --max-request-mb " +
+                                std::to_string(server_.options_.limits.max_payload_bytes >> 20) +
+                                " (its record, with optimizer state, must fit half of it)");
+    if (!replicator->reserve(c.keys))
+      return send_error(c, h, Errc::capacity,
+                        "the replicas are behind: the records in flight to them would pass half of "
+                        "--memory-budget-mb; nothing of this request was applied, send it again");
+  }
   const Errc status =
       op == wire::Op::init ? engine_.init(c.keys, values, &why) : engine_.push(c.worker, h.arg0, c.keys, values, &why);
-  if (status != Errc::ok) return send_error(c, h, status, why);
+  if (status != Errc::ok) {
+    if (replicator) replicator->release(c.keys);
+    return send_error(c, h, status, why);
+  }
+  // With replicas, the reply waits until every live one holds these keys.
+  if (replicator) {
+    replicator->ship(c.keys, std::make_unique<ParkedReply>(c.shared_from_this(), h));
+    return true;
+  }
   return reply(c, h, Errc::ok, nullptr, 0);
 }
 
