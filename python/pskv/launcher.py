@@ -5,9 +5,11 @@ import os
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import time
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from typing import List, Optional
 
 _PR_SET_PDEATHSIG = 1
@@ -35,6 +37,12 @@ def server_binary() -> str:
                         "build it (cmake --build build), put it on PATH, or set PSKV_SERVER_BIN")
 
 
+# Servers are started from this one long-lived thread: the kernel's parent-death signal fires when
+# the *thread* that forked a child exits, so a server restarted from a short-lived thread (say, a
+# timer that kills and restarts one) would be SIGTERMed as soon as that thread ended.
+_SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pskv-launch")
+
+
 def _die_with_parent():
     # Runs in the child before exec: a server must not outlive a Python that was killed.
     libc = ctypes.CDLL(None, use_errno=True)
@@ -57,9 +65,20 @@ def _flag(name: str, value) -> List[str]:
     return [flag, str(value)]
 
 
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
 class ServerGroup:
     """`count` pskv-server processes serving shm://JOB-i or tcp://HOST:PORT (free ports);
     `uris` are what clients connect to, `processes` the children, `binary` the pskv-server run.
+
+    replicas=R (tcp): every key is also kept by the next R-1 servers, which listen on ports chosen
+    up front so that each knows the others (--replicas R --peers ...). kill(i) SIGKILLs server i
+    and restart(i) starts it again at its address with --rejoin: it takes its keys back from its
+    replicas, and clients made with retry_timeout (and a worker_id) see no error.
 
     Thread-safety: start and stop from one thread. The servers are stopped by stop(), by leaving a
     `with` block, when the group is garbage collected, at interpreter exit, and (SIGTERM from the
@@ -68,30 +87,85 @@ class ServerGroup:
 
     def __init__(self, count: int = 1, transport: str = "shm", workers: int = 0, mode: str = "asp",
                  staleness: int = 0, rule: str = "add", lr: float = 0.01, host: str = "127.0.0.1",
-                 job: Optional[str] = None, start_timeout: float = 30.0, **options):
+                 job: Optional[str] = None, start_timeout: float = 30.0, replicas: int = 1, **options):
         if count < 1:
             raise ValueError("count must be >= 1")
         if transport not in ("shm", "tcp", "rdma"):
             raise ValueError(f"transport must be shm, tcp or rdma, not {transport!r}")
+        if replicas != 1 and (transport != "tcp" or not 1 <= replicas <= count):
+            raise ValueError(f"replicas={replicas} needs transport='tcp' and at most count={count} servers")
         binary = self.binary = server_binary()
         job = job or f"py-{os.getpid()}-{id(self) & 0xffff:x}"
         self.processes: List[subprocess.Popen] = []
         self.uris: List[str] = []
         self._finalizer = weakref.finalize(self, ServerGroup._stop_all, self.processes)
+        self._start_timeout = start_timeout
+        self._args: List[List[str]] = []
+        ring = [f"tcp://{host}:{_free_port(host)}" for _ in range(count)] if replicas > 1 else []
         try:
             for s in range(count):
-                uri = f"shm://{job}-{s}" if transport == "shm" else f"{transport}://{host}:0"
+                uri = ring[s] if ring else f"shm://{job}-{s}" if transport == "shm" else f"{transport}://{host}:0"
                 args = [binary, "--uri", uri, "--server-id", str(s), "--workers", str(workers), "--mode", mode,
                         "--staleness", str(staleness), "--rule", rule, "--lr", repr(float(lr))]
+                if ring:
+                    args += ["--replicas", str(replicas), "--peers", ",".join(ring)]
                 for name, value in options.items():
                     args += _flag(name, value)
-                p = subprocess.Popen(args, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                                     preexec_fn=_die_with_parent)
-                self.processes.append(p)
-                self.uris.append(self._read_uri(p, start_timeout))
+                self._args.append(args)
+                self.processes.append(self._spawn(args))
+                self.uris.append(self._read_uri(self.processes[-1], start_timeout))
+            self._replicas = replicas
+            self._wait_synced()
         except BaseException:
             self.stop()
             raise
+
+    @staticmethod
+    def _spawn(args: List[str]) -> subprocess.Popen:
+        return _SPAWNER.submit(subprocess.Popen, args, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                               preexec_fn=_die_with_parent).result()
+
+    def kill(self, index: int):
+        """SIGKILLs server `index` (a crash, for fault-tolerance tests) and reaps it."""
+        p = self.processes[index]
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+        if p.stdout:
+            p.stdout.close()
+
+    def restart(self, index: int):
+        """Starts server `index` again at its address, after kill(): with replicas it rejoins
+        (--rejoin), taking its keys back from the servers that kept them."""
+        if self.processes[index].poll() is None:
+            raise RuntimeError(f"server {index} is still running: kill() it first")
+        args = self._args[index] + (["--rejoin"] if self._replicas > 1 else [])
+        p = self._spawn(args)
+        self.processes[index] = p
+        uri = self._read_uri(p, self._start_timeout)
+        if uri != self.uris[index]:
+            raise RuntimeError(f"server {index} came back at {uri}, not {self.uris[index]}")
+        self._wait_synced()
+
+    def _wait_synced(self):
+        # With replicas, returns once every server's replicas hold all its keys: a server killed
+        # before then could not rejoin (no replica of its keys would be complete).
+        if self._replicas < 2:
+            return
+        from . import Client
+        deadline = time.monotonic() + self._start_timeout
+        with Client(self.uris) as admin:
+            for s in range(len(self.uris)):
+                while True:
+                    stats = admin.server_stats(s)
+                    states = [v for k, v in stats.items()
+                              if k.startswith("replica_") and k.endswith("_state") and not k.startswith("replica_of_")]
+                    if states and all(v == "synced" for v in states):
+                        break
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"server {s}'s replicas were not synced within {self._start_timeout} s: "
+                                           f"{stats}")
+                    time.sleep(0.02)
 
     @staticmethod
     def _read_uri(p: subprocess.Popen, timeout: float) -> str:
@@ -138,5 +212,6 @@ class ServerGroup:
 
 def launch(servers: int = 1, transport: str = "shm", **options) -> ServerGroup:
     """Starts `servers` pskv-server processes; see ServerGroup for the options (any pskv-server
-    flag, with underscores: workers=2, mode="ssp", staleness=2, rule="sgd", lr=0.05, arena_mb=64)."""
+    flag, with underscores: workers=2, mode="ssp", staleness=2, rule="sgd", lr=0.05, arena_mb=64,
+    replicas=2 over tcp)."""
     return ServerGroup(servers, transport, **options)

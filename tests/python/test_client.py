@@ -2,6 +2,7 @@
 
 import inspect
 import threading
+import time
 import tracemalloc
 
 import numpy as np
@@ -242,3 +243,28 @@ def test_dropped_work_is_completed_by_the_client(client):
     out = np.zeros(n, np.float32)
     client.pull(2, out).wait()  # ordered after this client's pushes on both transports
     assert (out == 5.0).all()
+
+
+def test_a_replicated_server_killed_mid_run_costs_a_retrying_worker_nothing():
+    # pskv.launch(replicas=2): a server SIGKILLed while pushes are in flight and restarted (it
+    # rejoins from its replicas); the worker, made with retry_timeout, sees no error, and every
+    # push lands exactly once: each key ends equal to the number of pushes.
+    keys = list(range(12))
+    with pskv.launch(3, "tcp", replicas=2, workers=1, mode="ssp", staleness=1, rule="add", arena_mb=16) as servers:
+        c = pskv.Client(servers.uris, worker_id=0, retry_timeout=30.0)
+        c.init(keys, [np.zeros(64, np.float32) for _ in keys]).wait()
+        ones = [np.ones(64, np.float32) for _ in keys]
+        crash = threading.Thread(target=lambda: (time.sleep(0.3), servers.kill(1), time.sleep(0.1), servers.restart(1)))
+        crash.start()
+        pushes = 0
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline or crash.is_alive():
+            c.push(keys, ones).wait()
+            c.clock()
+            pushes += 1
+        crash.join()
+        out = [np.zeros(64, np.float32) for _ in keys]
+        c.pull(keys, out).wait()
+        assert all((o == float(pushes)).all() for o in out), ([o[0] for o in out], pushes)
+        assert c.server_stats(1)["keys"] > 0  # the restarted server holds its keys again
+        c.close()
