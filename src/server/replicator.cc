@@ -17,6 +17,8 @@ constexpr std::uint64_t kTransferBytes = 16ull << 20;  // per request of a full 
 // A frame an empty TCP connection takes without blocking the writer, even one to a peer that
 // stopped reading or whose link is cut: see Replica::inline_sends.
 constexpr std::uint64_t kInlineBytes = 32u << 10;
+// How often a keeper asks a synced replica whether it is still there.
+constexpr auto kLookEvery = std::chrono::milliseconds(500);
 
 std::shared_ptr<transport::Connection> connect_to(const ReplicaPeer& peer, const ReplicatorOptions& o,
                                                   std::chrono::milliseconds connect_timeout) {
@@ -427,9 +429,34 @@ bool TcpReplicator::full_transfer(Replica& r, const std::shared_ptr<transport::C
   return true;
 }
 
+bool TcpReplicator::still_there(Replica& r) {
+  std::shared_ptr<transport::Connection> conn;
+  {
+    std::lock_guard lock(r.mu);
+    conn = r.conn;
+  }
+  if (!conn) return true;  // dropped meanwhile: the keeper reconnects anyway
+  Shipment s;
+  Leg& leg = s.legs.emplace_back();
+  leg.replica = &r;
+  leg.conn = conn;
+  leg.requests.resize(1);
+  leg.done.reset(1);
+  leg.wire_bytes = sizeof(wire::FrameHeader);
+  std::string stats;
+  leg.requests[0].op = wire::Op::stats;
+  leg.requests[0].completion = &leg.done;
+  leg.requests[0].text_out = &stats;
+  send_and_wait(r, leg);
+  if (leg.done.status() == Errc::ok) return true;
+  drop(r, conn.get(), leg.done.message());
+  return false;
+}
+
 void TcpReplicator::keeper(Replica& r) {
   bool said_unreachable = false;
   const auto started = std::chrono::steady_clock::now();
+  auto last_look = started;
   while (!stopping_.load()) {
     if (r.state.load(std::memory_order_acquire) == static_cast<int>(State::pending) &&
         std::chrono::steady_clock::now() - started > options_.io_timeout) {
@@ -442,6 +469,12 @@ void TcpReplicator::keeper(Replica& r) {
     }
     const int now = r.state.load(std::memory_order_acquire);
     if (now != static_cast<int>(State::down) && now != static_cast<int>(State::pending)) {
+      // Nothing reads an idle replica's connection, so without a look its death (and its
+      // restart, empty of this server's keys) would go unnoticed until the next shipment.
+      if (now == static_cast<int>(State::synced) && std::chrono::steady_clock::now() - last_look > kLookEvery) {
+        last_look = std::chrono::steady_clock::now();
+        if (!still_there(r)) continue;
+      }
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
       continue;
     }

@@ -27,7 +27,7 @@ struct ReplicaPeer {
 
 struct ReplicatorOptions {
   std::uint32_t server_id = 0;
-  std::vector<ReplicaPeer> replicas;  // the servers that keep this one's keys, in ring order
+  std::vector<ReplicaPeer> replicas;         // the servers that keep this one's keys, in ring order
   std::shared_ptr<const auth::Token> token;  // what this server proves to its peers
   // A replica silent this long with shipments outstanding is dropped (and reconnected).
   std::chrono::milliseconds io_timeout{5000};
@@ -141,6 +141,8 @@ class TcpReplicator final : public Replicator {
   // Marks `r` down, unless `conn` (when given) is no longer its connection.
   void drop(Replica& r, const transport::Connection* conn, const std::string& why);
   void keeper(Replica& r);
+  // Asks the replica for its stats over its connection: false (and dropped) if it is gone.
+  bool still_there(Replica& r);
   bool full_transfer(Replica& r, const std::shared_ptr<transport::Connection>& conn);
   void acker();
 
