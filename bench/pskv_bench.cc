@@ -4,6 +4,7 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <poll.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -1010,11 +1011,19 @@ int main(int argc, char** argv) {
           server_pids[1] = std::exchange(spare, -1);
           if (write(spare_go, "g", 1) != 1) throw std::runtime_error("the spare server is gone");
           restart_timer = std::thread([&, killed] {
+            pollfd p{spare_ready, POLLIN, 0};
             char buf[256];
-            if (read(spare_ready, buf, sizeof buf) > 0) restart_ms = seconds_since(killed) * 1e3;
+            if (::poll(&p, 1, 120000) > 0 && read(spare_ready, buf, sizeof buf) > 0)
+              restart_ms = seconds_since(killed) * 1e3;
           });
         };
-      const StepsResult r = measure_steps(targets, workers, size, steps, straggler_us, at_step);
+      StepsResult r;
+      try {
+        r = measure_steps(targets, workers, size, steps, straggler_us, at_step);
+      } catch (...) {
+        if (restart_timer.joinable()) restart_timer.join();  // bounded by its poll
+        throw;
+      }
       if (restart_timer.joinable()) restart_timer.join();
       std::string hist;
       for (std::size_t b = 0; b < r.histogram.size(); ++b) hist += (b ? "," : "") + std::to_string(r.histogram[b]);

@@ -40,7 +40,17 @@ def server_binary() -> str:
 # Servers are started from this one long-lived thread: the kernel's parent-death signal fires when
 # the *thread* that forked a child exits, so a server restarted from a short-lived thread (say, a
 # timer that kills and restarts one) would be SIGTERMed as soon as that thread ended.
-_SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pskv-launch")
+_spawner = None
+_spawner_pid = 0
+
+
+def _spawn_thread() -> ThreadPoolExecutor:
+    # One per process: a forked child (a DataLoader worker, say) does not have its parent's thread.
+    global _spawner, _spawner_pid
+    if _spawner is None or _spawner_pid != os.getpid():
+        _spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pskv-launch")
+        _spawner_pid = os.getpid()
+    return _spawner
 
 
 def _die_with_parent():
@@ -65,10 +75,16 @@ def _flag(name: str, value) -> List[str]:
     return [flag, str(value)]
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def _free_ports(host: str, count: int) -> List[int]:
+    # All held open until all are chosen, so no two are the same.
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 class ServerGroup:
@@ -101,7 +117,8 @@ class ServerGroup:
         self._finalizer = weakref.finalize(self, ServerGroup._stop_all, self.processes)
         self._start_timeout = start_timeout
         self._args: List[List[str]] = []
-        ring = [f"tcp://{host}:{_free_port(host)}" for _ in range(count)] if replicas > 1 else []
+        ring = [f"tcp://{host}:{p}" for p in _free_ports(host, count)] if replicas > 1 else []
+        self._token = options.get("auth_token_file")
         try:
             for s in range(count):
                 uri = ring[s] if ring else f"shm://{job}-{s}" if transport == "shm" else f"{transport}://{host}:0"
@@ -122,21 +139,26 @@ class ServerGroup:
 
     @staticmethod
     def _spawn(args: List[str]) -> subprocess.Popen:
-        return _SPAWNER.submit(subprocess.Popen, args, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                               preexec_fn=_die_with_parent).result()
+        return _spawn_thread().submit(subprocess.Popen, args, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                                      preexec_fn=_die_with_parent).result()
 
     def kill(self, index: int):
-        """SIGKILLs server `index` (a crash, for fault-tolerance tests) and reaps it."""
+        """SIGKILLs server `index` (a crash, for fault-tolerance tests) and reaps it; with replicas,
+        returns once the servers it replicated for have noticed (so restart() waits for a real
+        transfer, not for their old view)."""
         p = self.processes[index]
         if p.poll() is None:
             p.kill()
         p.wait()
         if p.stdout:
             p.stdout.close()
+        self._wait_replicas(lambda state, of: state != "synced" if of == index else True)
 
     def restart(self, index: int):
         """Starts server `index` again at its address, after kill(): with replicas it rejoins
         (--rejoin), taking its keys back from the servers that kept them."""
+        if not self._finalizer.alive:
+            raise RuntimeError("the group was stopped")
         if self.processes[index].poll() is None:
             raise RuntimeError(f"server {index} is still running: kill() it first")
         args = self._args[index] + (["--rejoin"] if self._replicas > 1 else [])
@@ -148,23 +170,29 @@ class ServerGroup:
         self._wait_synced()
 
     def _wait_synced(self):
-        # With replicas, returns once every server's replicas hold all its keys: a server killed
-        # before then could not rejoin (no replica of its keys would be complete).
+        # With replicas, returns once every running server's running replicas hold all its keys:
+        # a server killed before then could not rejoin (no replica of its keys would be complete).
+        self._wait_replicas(lambda state, of: state == "synced" or self.processes[of].poll() is not None)
+
+    def _wait_replicas(self, ok):
+        # Until ok(state, replica) holds for each replica_<id>_state of every running server.
         if self._replicas < 2:
             return
         from . import Client
         deadline = time.monotonic() + self._start_timeout
-        with Client(self.uris) as admin:
-            for s in range(len(self.uris)):
+        for s, uri in enumerate(self.uris):
+            if self.processes[s].poll() is not None:
+                continue
+            with Client(uri, auth_token_file=self._token or "") as admin:
                 while True:
-                    stats = admin.server_stats(s)
-                    states = [v for k, v in stats.items()
-                              if k.startswith("replica_") and k.endswith("_state") and not k.startswith("replica_of_")]
-                    if states and all(v == "synced" for v in states):
+                    stats = admin.server_stats(0)
+                    states = {int(k[len("replica_"):-len("_state")]): v for k, v in stats.items()
+                              if k.startswith("replica_") and k.endswith("_state") and not k.startswith("replica_of_")}
+                    if all(ok(v, r) for r, v in states.items()):
                         break
                     if time.monotonic() > deadline:
-                        raise TimeoutError(f"server {s}'s replicas were not synced within {self._start_timeout} s: "
-                                           f"{stats}")
+                        raise TimeoutError(f"server {s}'s replicas did not reach the expected state within "
+                                           f"{self._start_timeout} s: {stats}")
                     time.sleep(0.02)
 
     @staticmethod

@@ -80,6 +80,8 @@ void validate(const ServerOptions& o) {
     if (o.rejoin && o.replicas < 2) reject("--rejoin takes the keys back from replicas: it needs --replicas 2 or more");
     if (o.mode == ConsistencyMode::sync)
       reject("--replicas does not replicate sync mode's partial sums yet; use asp, ssp or bsp");
+  } else if (!o.peer_uri.empty()) {
+    reject("--peer-uri is where replicating servers reach this one: it needs --replicas 2 or more");
   }
   if (o.memory_budget_bytes < o.max_request_bytes)
     reject("--memory-budget-mb (" + to_string(o.memory_budget_bytes >> 20) + ") must be at least --max-request-mb (" +
@@ -132,6 +134,7 @@ class ServerImpl {
     if (!o.peer_token_file.empty()) l.peer_token = auth::Token::load_file(o.peer_token_file);
     r.token = l.peer_token ? l.peer_token : l.token;
     listener_ = transport::listen(parse_uri(o.uri), l);
+    if (!o.peer_uri.empty()) peer_listener_ = transport::listen(parse_uri(o.peer_uri), l);
     transport::EngineMemory memory = listener_->engine_memory(e);
     engine_ = std::make_unique<ShardEngine>(e, std::move(memory.store), memory.clocks);
     if (!o.restore_dir.empty()) {
@@ -151,12 +154,21 @@ class ServerImpl {
       replicator_ = std::make_unique<TcpReplicator>(*engine_, r);
       engine_->set_replicator(replicator_.get());
     }
-    listener_->start(*engine_);
-    uri_ = listener_->uri();
-    if (!o.peer_uri.empty()) {
-      peer_listener_ = transport::listen(parse_uri(o.peer_uri), l);
-      peer_listener_->start(*engine_);
+    // The peers' listener first: if it cannot start (its port is taken, say), the client
+    // listener's threads are not yet running on an engine that the unwinding destroys; and if
+    // the client listener cannot, the peers' is stopped before the engine goes.
+    if (peer_listener_) peer_listener_->start(*engine_);
+    try {
+      listener_->start(*engine_);
+    } catch (...) {
+      if (peer_listener_) {
+        peer_listener_->stop_accepting();
+        peer_listener_->drain();
+        peer_listener_->close();
+      }
+      throw;
     }
+    uri_ = listener_->uri();
     if (!o.checkpoint_dir.empty() && o.checkpoint_interval.count() > 0)
       checkpointer_ = std::thread([this] { checkpoint_loop(); });
   }
@@ -196,7 +208,7 @@ class ServerImpl {
     if (peer_listener_) peer_listener_->stop_accepting();
     listener_->drain();
     if (peer_listener_) peer_listener_->drain();
-    // Replies waiting for the replicas are answered while their connections are still open.
+    // Replies waiting for the replicas are resumed while their connections are still open.
     if (replicator_) replicator_->stop();
     if (!options_.checkpoint_dir.empty()) {
       try {
