@@ -608,6 +608,13 @@ TEST(TcpReplicationPeers, OnlyServersMaySendTheReplicationOps) {
     }
     EXPECT_EQ(ask_replica_index(ring.uris()[1], wire::kServerPeer).first, Errc::ok);
   }
+  {
+    // A server that does not replicate has nothing for a server peer.
+    auto lone = ServerProcess::start({"--uri", "tcp://127.0.0.1:0"});
+    const auto [code, why] = ask_replica_index(lone.uri, wire::kServerPeer);
+    EXPECT_EQ(code, Errc::permission) << why;
+    EXPECT_NE(why.find("does not replicate"), std::string::npos) << why;
+  }
   testing::TokenFile clients("the clients' secret"), servers("the servers' own secret");
   Ring ring(3, 2, {"--workers", "1", "--auth-token-file", clients.path, "--peer-token-file", servers.path});
   {

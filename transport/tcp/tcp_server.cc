@@ -1417,6 +1417,9 @@ bool TcpServer::send_empty(Peer& peer, const wire::FrameHeader& req, std::uint64
 bool TcpServer::admit(Peer& peer, const wire::FrameHeader& h) {
   std::string why;
   if (peer.hello_worker == wire::kServerPeer) {
+    // Nothing here for another server: no replicas to ship to, none kept for others.
+    if (!engine_.replicator() && engine_.options().replica_of.empty())
+      return refuse(peer, h, "said hello as a server of a replicating ring, but this server does not replicate");
     peer.server_peer = true;
     peer.handshaken.store(true, std::memory_order_relaxed);
     return send_empty(peer, h, engine_.options().server_id, engine_.options().num_workers);
