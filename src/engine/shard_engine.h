@@ -58,10 +58,11 @@ class Replicator {
  public:
   virtual ~Replicator() = default;
   // Room for the records of an init or push of `keys`, taken before it is applied, so that a
-  // refusal leaves nothing applied: false while the records in flight to the replicas would pass
-  // their bound. ship() gives the room back once the replicas have answered; release() gives it
-  // back for a request that failed before it was shipped.
-  virtual bool reserve(std::span<const KeyEntry> keys) = 0;
+  // refusal leaves nothing applied. Errc::capacity, with `why`: a key of an init (`creating`)
+  // whose record could not cross to a replica in one request, or the records in flight to the
+  // replicas would pass their bound. ship() gives the room back once the replicas have answered;
+  // release() gives it back for a request that failed before it was shipped.
+  virtual Errc reserve(std::span<const KeyEntry> keys, bool creating, std::string* why) = 0;
   virtual void release(std::span<const KeyEntry> keys) = 0;
   // `keys` were just applied here (after reserve()); `reply` resumes (ok) once every live replica
   // holds them. A replica that fails meanwhile is no longer live and is not waited for. A null

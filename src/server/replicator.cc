@@ -195,14 +195,30 @@ std::uint64_t TcpReplicator::record_bytes(std::span<const KeyEntry> keys) const 
   return bytes;
 }
 
-bool TcpReplicator::reserve(std::span<const KeyEntry> keys) {
+Errc TcpReplicator::reserve(std::span<const KeyEntry> keys, bool creating, std::string* why) {
+  // A key whose record could not cross to a replica in one request is refused before it exists.
+  if (creating)
+    for (const KeyEntry& k : keys)
+      if (engine_.record_floats(k.length) * sizeof(float) > options_.max_request_bytes / 2) {
+        *why = "key " + std::to_string(k.key) + " of " + std::to_string(k.length) +
+               " floats is too large to replicate with --max-request-mb " +
+               std::to_string(options_.max_request_bytes >> 20) +
+               " (its record, with optimizer state, must fit half of it); raise it or lower the client's "
+               "chunk_floats";
+        return Errc::capacity;
+      }
   const std::uint64_t bytes = record_bytes(keys);
   std::uint64_t now = reserved_bytes_.load(std::memory_order_relaxed);
   do {
     // One request alone is always let through (it fits a request, checked at init).
-    if (now != 0 && now + bytes > options_.max_in_flight_bytes) return false;
+    if (now != 0 && now + bytes > options_.max_in_flight_bytes) {
+      *why =
+          "the replicas are behind: the records in flight to them would pass half of --memory-budget-mb; nothing "
+          "of this request was applied, send it again";
+      return Errc::capacity;
+    }
   } while (!reserved_bytes_.compare_exchange_weak(now, now + bytes, std::memory_order_relaxed));
-  return true;
+  return Errc::ok;
 }
 
 void TcpReplicator::release(std::span<const KeyEntry> keys) {

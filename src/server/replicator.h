@@ -57,7 +57,7 @@ class TcpReplicator final : public Replicator {
   TcpReplicator(const TcpReplicator&) = delete;
   TcpReplicator& operator=(const TcpReplicator&) = delete;
 
-  bool reserve(std::span<const KeyEntry> keys) override;
+  Errc reserve(std::span<const KeyEntry> keys, bool creating, std::string* why) override;
   void release(std::span<const KeyEntry> keys) override;
   void ship(std::span<const KeyEntry> keys, std::unique_ptr<Parked> reply) override;
   void ship_clock(std::uint32_t worker, std::uint64_t clock, std::unique_ptr<Parked> reply) override;

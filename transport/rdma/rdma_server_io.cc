@@ -409,21 +409,9 @@ bool IoThread::handle_push(ServerConn& c, std::uint32_t imm) {
       return send_error(c, h, Errc::protocol, "checksum mismatch: the push was corrupted in transit");
   }
   Replicator* replicator = engine_.replicator();
-  if (replicator) {
-    // A key whose record could not cross to a replica in one request is refused before it exists.
-    if (op == wire::Op::init)
-      for (const wire::KeyEntry& k : c.keys)
-        if (engine_.record_floats(k.length) * sizeof(float) > server_.options_.limits.max_payload_bytes / 2)
-          return send_error(c, h, Errc::capacity,
-                            "key " + std::to_string(k.key) + " of " + std::to_string(k.length) +
-                                " floats is too large to replicate with --max-request-mb " +
-                                std::to_string(server_.options_.limits.max_payload_bytes >> 20) +
-                                " (its record, with optimizer state, must fit half of it)");
-    if (!replicator->reserve(c.keys))
-      return send_error(c, h, Errc::capacity,
-                        "the replicas are behind: the records in flight to them would pass half of "
-                        "--memory-budget-mb; nothing of this request was applied, send it again");
-  }
+  if (replicator)
+    if (Errc e = replicator->reserve(c.keys, op == wire::Op::init, &why); e != Errc::ok)
+      return send_error(c, h, e, why);
   const Errc status =
       op == wire::Op::init ? engine_.init(c.keys, values, &why) : engine_.push(c.worker, h.arg0, c.keys, values, &why);
   if (status != Errc::ok) {

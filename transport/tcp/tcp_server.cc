@@ -898,8 +898,9 @@ TcpServer::Progress TcpServer::continue_large_frame(Peer& peer) {
           f.key_have = key_bytes;
         };
         const bool stream = streams(peer, f.h);
-        if (stream && !reserve_for_replicas(peer)) {
-          refuse_payload(replicas_behind());
+        std::string behind;
+        if (stream && !reserve_for_replicas(peer, /*creating=*/false, &behind)) {
+          refuse_payload(std::move(behind));
         } else if (stream) {
           // Every key is checked before any value is read: a bad one is answered after the
           // payload is drained, with nothing applied and the connection still good.
@@ -1104,24 +1105,13 @@ bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payl
       return admit(peer, h);
     }
     case wire::Op::init:
-      // A key whose record could not cross to a replica in one request is refused before it exists.
-      if (engine_.replicator())
-        for (const wire::KeyEntry& k : peer.keys)
-          if (engine_.record_floats(k.length) * sizeof(float) > options_.limits.max_payload_bytes / 2) {
-            return send_error(peer, h, Errc::capacity,
-                              "key " + std::to_string(k.key) + " of " + std::to_string(k.length) +
-                                  " floats is too large to replicate with --max-request-mb " +
-                                  std::to_string(options_.limits.max_payload_bytes >> 20) +
-                                  " (its record, with optimizer state, must fit half of it); raise it or lower "
-                                  "the client's chunk_floats");
-          }
-      if (!reserve_for_replicas(peer)) return send_error(peer, h, Errc::capacity, replicas_behind());
+      if (!reserve_for_replicas(peer, /*creating=*/true, &why)) return send_error(peer, h, Errc::capacity, why);
       status = engine_.init(peer.keys, payload, &why);
       if (status == Errc::ok) return answer_applied(peer, h);
       if (engine_.replicator()) engine_.replicator()->release(peer.keys);
       break;
     case wire::Op::push:
-      if (!reserve_for_replicas(peer)) return send_error(peer, h, Errc::capacity, replicas_behind());
+      if (!reserve_for_replicas(peer, /*creating=*/false, &why)) return send_error(peer, h, Errc::capacity, why);
       status = engine_.push(peer.worker, wire::push_clock(h), peer.keys, payload, &why, nullptr,
                             PushId{.session = wire::push_session(h), .seq = h.arg1});
       if (status == Errc::ok) return answer_applied(peer, h);
@@ -1238,17 +1228,12 @@ bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payl
   return send_empty(peer, h);
 }
 
-bool TcpServer::reserve_for_replicas(Peer& peer) {
+bool TcpServer::reserve_for_replicas(Peer& peer, bool creating, std::string* why) {
   Replicator* replicator = engine_.replicator();
-  if (!replicator || replicator->reserve(peer.keys)) return true;
-  log::warn("tcp.replicas-behind", "server " + std::to_string(engine_.options().server_id) + " refused a request of " +
-                                       peer.address + ": " + replicas_behind());
+  if (!replicator || replicator->reserve(peer.keys, creating, why) == Errc::ok) return true;
+  log::warn("tcp.replication-refused", "server " + std::to_string(engine_.options().server_id) +
+                                           " refused a request of " + peer.address + ": " + *why);
   return false;
-}
-
-std::string TcpServer::replicas_behind() {
-  return "the replicas are behind: the records in flight to them would pass half of --memory-budget-mb; nothing of "
-         "this request was applied, send it again";
 }
 
 bool TcpServer::answer_applied(Peer& peer, const wire::FrameHeader& h) {

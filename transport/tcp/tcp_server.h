@@ -199,8 +199,8 @@ class TcpServer {
   bool answer_applied(Peer& peer, const wire::FrameHeader& h);
   // Room for an init or push's records on their way to the replicas, taken before it is applied
   // (always true without --replicas); false: refuse it, nothing applied.
-  bool reserve_for_replicas(Peer& peer);
-  static std::string replicas_behind();
+  // Replicator::reserve for the peer's keys (true without replicas); logs a refusal.
+  bool reserve_for_replicas(Peer& peer, bool creating, std::string* why);
   // replica_pull: the records of peer.keys from the replica of the origin (h.arg0).
   bool answer_records(Peer& peer, const wire::FrameHeader& h);
   // Below this a pull reply is copied: the copy is cheap and the extra trailer write is not.
