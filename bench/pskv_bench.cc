@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "common/json.h"
+#include "common/sync.h"
 #include "pskv/client.h"
 #include "pskv/error.h"
 #include "pskv/server.h"
@@ -846,15 +847,16 @@ int main(int argc, char** argv) {
       return so;
     };
     // SIGTERM must run the destructors (a shm server removes its segment), so a server waits for it.
-    const auto serve_until_sigterm = [](const pskv::ServerOptions& so, int ready_fd) {
+    // It writes `serving(server)` to `ready_fd` once it serves.
+    const auto serve_until_sigterm = [](const pskv::ServerOptions& so, int ready_fd, auto serving) {
       sigset_t stop;
       sigemptyset(&stop);
       sigaddset(&stop, SIGTERM);
       pthread_sigmask(SIG_BLOCK, &stop, nullptr);
       try {
         pskv::Server server(so);
-        const std::string uri = server.uri() + "\n";
-        if (write(ready_fd, uri.data(), uri.size()) < 0) _exit(1);
+        const std::string line = serving(server) + "\n";
+        if (write(ready_fd, line.data(), line.size()) < 0) _exit(1);
         close(ready_fd);
         int sig = 0;
         sigwait(&stop, &sig);
@@ -868,7 +870,7 @@ int main(int argc, char** argv) {
       if (pipe(pipefd) != 0) return 1;
       server_pids.push_back(spawn([&] {
         close(pipefd[0]);
-        serve_until_sigterm(options_for(s), pipefd[1]);
+        serve_until_sigterm(options_for(s), pipefd[1], [](const pskv::Server& server) { return server.uri(); });
       }));
       close(pipefd[1]);
       char buf[256] = {};
@@ -890,17 +892,20 @@ int main(int argc, char** argv) {
     }
     if (kill_at_step >= 0) {
       // Server 1's successor, forked now (a process with threads must not fork and go on): it
-      // waits for a byte on `go`, then serves server 1's address with --rejoin.
+      // waits on `go` for the instant server 1 was killed (steady clock ns, the same in every
+      // process), serves server 1's address with --rejoin, and writes how long that took (ms).
       int go[2], ready[2];
       if (pipe(go) != 0 || pipe(ready) != 0) return 1;
       spare = spawn([&] {
         close(go[1]);
         close(ready[0]);
-        char c;
-        if (read(go[0], &c, 1) != 1) _exit(0);  // not needed: the run is over
+        std::int64_t killed_ns = 0;
+        if (read(go[0], &killed_ns, sizeof killed_ns) != sizeof killed_ns) _exit(0);  // not needed: the run is over
         pskv::ServerOptions so = options_for(1);
         so.rejoin = true;
-        serve_until_sigterm(so, ready[1]);
+        serve_until_sigterm(so, ready[1], [killed_ns](const pskv::Server&) {
+          return std::to_string(double(pskv::steady_now_ns() - killed_ns) / 1e6);
+        });
       });
       close(go[0]);
       close(ready[1]);
@@ -999,32 +1004,24 @@ int main(int argc, char** argv) {
   if (workload == "steps") {
     try {
       const std::size_t size = sizes.front();
-      std::thread restart_timer;
-      double restart_ms = -1;
       std::function<void(int)> at_step;
       if (kill_at_step >= 0)
         at_step = [&](int step) {
           if (step != kill_at_step) return;
-          const auto killed = Clock::now();
+          const std::int64_t killed_ns = pskv::steady_now_ns();
           kill(server_pids[1], SIGKILL);
           waitpid(server_pids[1], nullptr, 0);
           server_pids[1] = std::exchange(spare, -1);
-          if (write(spare_go, "g", 1) != 1) throw std::runtime_error("the spare server is gone");
-          restart_timer = std::thread([&, killed] {
-            pollfd p{spare_ready, POLLIN, 0};
-            char buf[256];
-            if (::poll(&p, 1, 120000) > 0 && read(spare_ready, buf, sizeof buf) > 0)
-              restart_ms = seconds_since(killed) * 1e3;
-          });
+          if (write(spare_go, &killed_ns, sizeof killed_ns) != sizeof killed_ns)
+            throw std::runtime_error("the spare server is gone");
         };
-      StepsResult r;
-      try {
-        r = measure_steps(targets, workers, size, steps, straggler_us, at_step);
-      } catch (...) {
-        if (restart_timer.joinable()) restart_timer.join();  // bounded by its poll
-        throw;
-      }
-      if (restart_timer.joinable()) restart_timer.join();
+      const StepsResult r = measure_steps(targets, workers, size, steps, straggler_us, at_step);
+      // The successor has long been serving once the steps are done (-1: it never did).
+      double restart_ms = -1;
+      char line[64] = {};
+      pollfd ready{spare_ready, POLLIN, 0};
+      if (kill_at_step >= 0 && ::poll(&ready, 1, 10000) > 0 && read(spare_ready, line, sizeof line - 1) > 0)
+        restart_ms = std::atof(line);
       std::string hist;
       for (std::size_t b = 0; b < r.histogram.size(); ++b) hist += (b ? "," : "") + std::to_string(r.histogram[b]);
       if (json) {
@@ -1048,16 +1045,16 @@ int main(int argc, char** argv) {
                        .add("restart_ms", restart_ms, 1)
                        .add("max_staleness", r.max_staleness)
                        .add("staleness_histogram", std::span<const std::uint64_t>(histogram)));
-      } else
+      } else {
+        const std::string killed = kill_at_step < 0 ? ""
+                                                    : ", server 1 killed at step " + std::to_string(kill_at_step) +
+                                                          " and back in " + std::to_string(restart_ms) + " ms";
         std::printf(
             "%s %s s=%u workers=%d value=%zu B straggler=%d us: %.0f steps/s, p50 step %.0f us, longest %.0f us, "
             "max staleness %llu, histogram [%s]%s\n",
             transport.c_str(), mode.c_str(), staleness, workers, size, straggler_us, r.steps_per_s, r.p50_step_us,
-            r.max_step_us, static_cast<unsigned long long>(r.max_staleness), hist.c_str(),
-            kill_at_step >= 0 ? (", server 1 killed at step " + std::to_string(kill_at_step) + " and back in " +
-                                 std::to_string(restart_ms) + " ms")
-                                    .c_str()
-                              : "");
+            r.max_step_us, static_cast<unsigned long long>(r.max_staleness), hist.c_str(), killed.c_str());
+      }
     } catch (const std::exception& e) {
       std::fprintf(stderr, "pskv-bench: %s\n", e.what());
       rc = 1;
