@@ -649,14 +649,7 @@ TEST(Rdma, ReplicatedServersLoseNoAcknowledgedPush) {
     Client admin(o);
     const std::vector<float> zeros(kLen, 0.0f);
     for (Key k = 0; k < kKeys; ++k) admin.wait(admin.init(k, zeros));
-    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-    for (int s = 0; s < kServers; ++s) {
-      const std::string synced = "\"replica_" + std::to_string((s + 1) % kServers) + "_state\":\"synced\"";
-      while (admin.server_stats(std::size_t(s)).find(synced) == std::string::npos) {
-        ASSERT_LT(std::chrono::steady_clock::now(), give_up) << admin.server_stats(std::size_t(s));
-        std::this_thread::sleep_for(std::chrono::milliseconds(20));
-      }
-    }
+    testing::wait_replicas_synced(admin, 2);
   }
   std::atomic<bool> stop{false};
   std::uint64_t acked = 0, failed = 0;

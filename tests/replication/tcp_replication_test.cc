@@ -99,20 +99,41 @@ std::vector<float> records(const std::string& uri, std::uint32_t origin,
 }
 
 // Waits until every server reports each of its replicas synced.
-void wait_synced(const Ring& ring, std::uint32_t replicas) {
+void wait_synced(const Ring& ring, std::uint32_t replicas, const std::string& token_file = {}) {
   ClientOptions o;
   o.servers = ring.uris();
+  o.auth_token_file = token_file;
   Client c(o);
-  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-  for (int s = 0; s < ring.size(); ++s)
-    for (std::uint32_t j = 1; j < replicas; ++j) {
-      const std::string field = "\"replica_" + std::to_string((s + int(j)) % ring.size()) + "_state\":\"synced\"";
-      while (c.server_stats(std::size_t(s)).find(field) == std::string::npos) {
-        ASSERT_LT(std::chrono::steady_clock::now(), give_up)
-            << "server " << s << ": " << c.server_stats(std::size_t(s));
-        std::this_thread::sleep_for(std::chrono::milliseconds(20));
-      }
-    }
+  testing::wait_replicas_synced(c, replicas);
+}
+
+// What a connection that says hello as `hello_as` gets asking `uri` for its replica index of
+// `origin`: ok and the index, or the error it was refused with (at the handshake or after).
+struct IndexReply {
+  Errc code;
+  std::string text;  // the index, or why it was refused
+};
+IndexReply ask_replica_index(const std::string& uri, std::uint32_t origin, std::uint32_t hello_as = wire::kServerPeer,
+                             const std::string& token_file = {}) {
+  transport::ConnectOptions c;
+  c.worker_id = hello_as;
+  if (!token_file.empty()) c.token = auth::Token::load_file(token_file);
+  try {
+    auto conn = transport::connect(parse_uri(uri), c);
+    std::string index;
+    transport::Completion done;
+    done.reset(1);
+    transport::Request q;
+    q.op = wire::Op::replica_index;
+    q.arg0 = origin;
+    q.completion = &done;
+    q.text_out = &index;
+    conn->submit(q);
+    if (!done.wait(std::chrono::steady_clock::now() + std::chrono::seconds(20))) return {Errc::timeout, "no answer"};
+    return {done.status(), done.status() == Errc::ok ? index : done.message()};
+  } catch (const Error& e) {
+    return {e.code(), e.what()};
+  }
 }
 
 // Every key of every server, read from the server and from each of its replicas, byte for byte.
@@ -122,20 +143,8 @@ void expect_replicas_equal(const Ring& ring, std::uint32_t replicas, std::uint32
   const auto n = static_cast<std::uint32_t>(ring.size());
   // Placement is the client's: each server says which keys it holds through its own index.
   for (std::uint32_t s = 0; s < n; ++s) {
-    transport::ConnectOptions c;
-    c.worker_id = wire::kServerPeer;
-    auto conn = transport::connect(parse_uri(ring.uris()[s]), c);
-    std::string index;
-    transport::Completion done;
-    done.reset(1);
-    transport::Request q;
-    q.op = wire::Op::replica_index;
-    q.arg0 = s;
-    q.completion = &done;
-    q.text_out = &index;
-    conn->submit(q);
-    ASSERT_TRUE(done.wait(std::chrono::steady_clock::now() + std::chrono::seconds(20)));
-    ASSERT_EQ(done.status(), Errc::ok) << done.message();
+    const auto [code, index] = ask_replica_index(ring.uris()[s], s);
+    ASSERT_EQ(code, Errc::ok) << index;
     wire::ReplicaIndexHeader head{};
     std::memcpy(&head, index.data(), sizeof head);
     std::vector<std::pair<Key, std::uint32_t>> held;  // with record lengths (ShardEngine::record_floats)
@@ -570,31 +579,6 @@ TEST(TcpReplicationClocks, APartLostWithItsServerIsSentAgainWhileTheOthersWait) 
   EXPECT_EQ(error, "");
 }
 
-// What a connection gets asking `uri` for its replica index: ok, or the error it was refused
-// with (at the handshake or on the request).
-std::pair<Errc, std::string> ask_replica_index(const std::string& uri, std::uint32_t hello_as,
-                                               const std::string& token_file = {}) {
-  transport::ConnectOptions c;
-  c.worker_id = hello_as;
-  if (!token_file.empty()) c.token = auth::Token::load_file(token_file);
-  try {
-    auto conn = transport::connect(parse_uri(uri), c);
-    std::string index;
-    transport::Completion done;
-    done.reset(1);
-    transport::Request q;
-    q.op = wire::Op::replica_index;
-    q.arg0 = 0;
-    q.completion = &done;
-    q.text_out = &index;
-    conn->submit(q);
-    if (!done.wait(std::chrono::steady_clock::now() + std::chrono::seconds(20))) return {Errc::timeout, "no answer"};
-    return {done.status(), done.message()};
-  } catch (const Error& e) {
-    return {e.code(), e.what()};
-  }
-}
-
 // Only a connection that says hello as a server may send the replication ops (a worker could
 // otherwise overwrite a replica, or mark one synced), and with --peer-token-file it must prove
 // that secret, which the clients do not hold.
@@ -602,45 +586,31 @@ TEST(TcpReplicationPeers, OnlyServersMaySendTheReplicationOps) {
   {
     Ring ring(2, 2, {"--workers", "1"});
     for (std::uint32_t client : {kNoWorker, 0u}) {
-      const auto [code, why] = ask_replica_index(ring.uris()[1], client);
+      const auto [code, why] = ask_replica_index(ring.uris()[1], 0, client);
       EXPECT_EQ(code, Errc::permission) << why;
       EXPECT_NE(why.find("only another server"), std::string::npos) << why;
     }
-    EXPECT_EQ(ask_replica_index(ring.uris()[1], wire::kServerPeer).first, Errc::ok);
+    EXPECT_EQ(ask_replica_index(ring.uris()[1], 0).code, Errc::ok);
   }
   {
     // A server that does not replicate has nothing for a server peer.
     auto lone = ServerProcess::start({"--uri", "tcp://127.0.0.1:0"});
-    const auto [code, why] = ask_replica_index(lone.uri, wire::kServerPeer);
+    const auto [code, why] = ask_replica_index(lone.uri, 0);
     EXPECT_EQ(code, Errc::permission) << why;
     EXPECT_NE(why.find("does not replicate"), std::string::npos) << why;
   }
   testing::TokenFile clients("the clients' secret"), servers("the servers' own secret");
   Ring ring(3, 2, {"--workers", "1", "--auth-token-file", clients.path, "--peer-token-file", servers.path});
-  {
-    // The servers replicate to each other with their own secret...
-    ClientOptions o;
-    o.servers = ring.uris();
-    o.auth_token_file = clients.path;
-    Client c(o);
-    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-    for (int s = 0; s < 3; ++s) {
-      const std::string synced = "\"replica_" + std::to_string((s + 1) % 3) + "_state\":\"synced\"";
-      while (c.server_stats(std::size_t(s)).find(synced) == std::string::npos) {
-        ASSERT_LT(std::chrono::steady_clock::now(), give_up) << c.server_stats(std::size_t(s));
-        std::this_thread::sleep_for(std::chrono::milliseconds(20));
-      }
-    }
-  }
+  wait_synced(ring, 2, clients.path);  // the servers replicate to each other with their own secret...
   // ...which a client's token cannot stand in for, said as a server or not.
-  const auto [as_server, why] = ask_replica_index(ring.uris()[0], wire::kServerPeer, clients.path);
+  const auto [as_server, why] = ask_replica_index(ring.uris()[0], 0, wire::kServerPeer, clients.path);
   EXPECT_EQ(as_server, Errc::permission) << why;
-  EXPECT_EQ(ask_replica_index(ring.uris()[0], kNoWorker, clients.path).first, Errc::permission);
-  EXPECT_EQ(ask_replica_index(ring.uris()[0], wire::kServerPeer, servers.path).first, Errc::ok);
+  EXPECT_EQ(ask_replica_index(ring.uris()[0], 0, kNoWorker, clients.path).code, Errc::permission);
+  EXPECT_EQ(ask_replica_index(ring.uris()[0], 0, wire::kServerPeer, servers.path).code, Errc::ok);
   // A server that has it rejoins with it.
   ring.kill(1);
   ring.restart(1);
-  EXPECT_EQ(ask_replica_index(ring.uris()[1], wire::kServerPeer, servers.path).first, Errc::ok);
+  EXPECT_EQ(ask_replica_index(ring.uris()[1], 0, wire::kServerPeer, servers.path).code, Errc::ok);
 }
 
 }  // namespace

@@ -13,6 +13,19 @@
 
 namespace pskv::testing {
 
+void wait_replicas_synced(Client& c, std::uint32_t replicas, std::chrono::seconds limit) {
+  const auto give_up = std::chrono::steady_clock::now() + limit;
+  const std::size_t n = c.num_servers();
+  for (std::size_t s = 0; s < n; ++s)
+    for (std::uint32_t j = 1; j < replicas; ++j) {
+      const std::string field = "\"replica_" + std::to_string((s + j) % n) + "_state\":\"synced\"";
+      while (c.server_stats(s).find(field) == std::string::npos) {
+        ASSERT_LT(std::chrono::steady_clock::now(), give_up) << "server " << s << ": " << c.server_stats(s);
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+    }
+}
+
 void expect_nothing_lost(const ClientOptions& options, const NothingLostOptions& w) {
   {
     Client admin(options);

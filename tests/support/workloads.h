@@ -28,6 +28,10 @@ struct NothingLostOptions {
 // Reports failures through GoogleTest.
 void expect_nothing_lost(const ClientOptions& options, const NothingLostOptions& w);
 
+// With --replicas R: waits until each server of `c` reports its R-1 replicas (the next servers of
+// the ring) synced; a failure through GoogleTest after `limit`.
+void wait_replicas_synced(Client& c, std::uint32_t replicas, std::chrono::seconds limit = std::chrono::seconds(30));
+
 // What a pusher that outlives its servers' failures reports (in a SharedArray).
 struct PushTally {
   std::atomic<std::uint64_t> acknowledged{0};
