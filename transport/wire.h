@@ -19,8 +19,9 @@ inline constexpr std::uint32_t kMagic = 0x564b5350;  // "PSKV"
 inline constexpr std::uint16_t kVersion = 1;
 
 enum class Op : std::uint16_t {
-  hello = 1,    // arg0 = worker id (or kNoWorker, or kServerPeer), arg1 = client's protocol version, payload: none or the client's
-                // auth nonce; reply arg0 = server id, arg1 = num_workers, or kAuthChallenge (server nonce | proof)
+  hello =
+      1,  // arg0 = worker id (or kNoWorker, or kServerPeer), arg1 = client's protocol version, payload: none or the
+          // client's auth nonce; reply arg0 = server id, arg1 = num_workers, or kAuthChallenge (server nonce | proof)
   init = 2,     // keys + values: create keys (first initialiser wins)
   push = 3,     // keys + gradients; arg0 = the worker's clock (the step these gradients belong to)
   pull = 4,     // keys; arg0 = the worker's clock (bound check), reply carries values; reply arg0 = min clock seen
@@ -115,6 +116,20 @@ ParseResult parse_request(const std::byte* data, std::size_t avail, const Limits
 
 bool op_carries_values(Op op) noexcept;
 std::string_view op_name(std::uint16_t op) noexcept;
+// Ops only another server of the ring may send (it says hello as kServerPeer).
+inline bool op_is_replication(Op op) noexcept {
+  return op == Op::replicate || op == Op::replica_pull || op == Op::replica_index || op == Op::replica_clock;
+}
+// replica_clock: the origin in arg0's low half, the worker in its high half.
+inline std::uint64_t replica_clock_arg0(std::uint32_t origin, std::uint32_t worker) noexcept {
+  return (std::uint64_t{worker} << 32) | origin;
+}
+inline std::uint32_t replica_clock_origin(const FrameHeader& h) noexcept {
+  return static_cast<std::uint32_t>(h.arg0);
+}
+inline std::uint32_t replica_clock_worker(const FrameHeader& h) noexcept {
+  return static_cast<std::uint32_t>(h.arg0 >> 32);
+}
 
 // An identified push (a retrying client's, docs/protocol.md "push") carries its sequence number in
 // arg1 and its client's session in arg0's high half, the clock in the low one; others carry 0 in arg1.

@@ -258,7 +258,7 @@ void TcpReplicator::ship_clock(std::uint32_t worker, std::uint64_t clock, std::u
   auto s = take_shipment();
   s->reply = std::move(reply);
   s->op = wire::Op::replica_clock;
-  s->arg0 = options_.server_id | std::uint64_t{worker} << 32;
+  s->arg0 = wire::replica_clock_arg0(options_.server_id, worker);
   s->arg1 = clock;
   s->keys.clear();
   s->slices.clear();
@@ -589,12 +589,10 @@ void take_replica(ShardEngine& engine, const ReplicaPeer& peer, const Replicator
   wire::ReplicaIndexHeader head{};
   if (index.size() < sizeof head) throw Error(Errc::protocol, "a short replica index");
   std::memcpy(&head, index.data(), sizeof head);
-  std::vector<std::uint64_t> own_clocks;
-  std::string why;
-  engine.replica_clocks(options.server_id, &own_clocks, &why);
-  if (head.workers != own_clocks.size())
+  const std::uint32_t workers = engine.clocks() ? engine.clocks()->workers() : 0;
+  if (head.workers != workers)
     throw Error(Errc::protocol, "its replica holds the clocks of " + std::to_string(head.workers) +
-                                    " workers, this server runs with " + std::to_string(own_clocks.size()) +
+                                    " workers, this server runs with " + std::to_string(workers) +
                                     " (start every server with the same --workers)");
   const std::uint64_t clock_bytes = std::uint64_t{head.workers} * sizeof(std::uint64_t);
   if (index.size() - sizeof head < clock_bytes ||
@@ -613,6 +611,7 @@ void take_replica(ShardEngine& engine, const ReplicaPeer& peer, const Replicator
   }
   std::vector<float> records;
   std::vector<transport::KeySlice> slices;
+  std::string why;
   for (const auto& [begin, end] : cut(keys, kTransferBytes)) {
     std::uint64_t floats = 0;
     for (std::size_t i = begin; i < end; ++i) floats += keys[i].length;

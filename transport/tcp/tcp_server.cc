@@ -1054,6 +1054,10 @@ bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payl
   }
   if (peer.said_hello && !peer.authenticated && op != wire::Op::auth)
     return refuse(peer, h, "sent " + std::string(wire::op_name(h.op)) + " before authenticating");
+  if (wire::op_is_replication(op) && !peer.server_peer)
+    return refuse(peer, h,
+                  "sent " + std::string(wire::op_name(h.op)) +
+                      ", which only another server of the ring may send (servers connect to each other as such)");
   if (h.flags & wire::kChecksum) {
     std::uint32_t crc = wire::crc32_update(0, peer.keys.data(), peer.keys.size() * sizeof(wire::KeyEntry));
     crc = wire::crc32_update(crc, payload, h.payload_bytes);
@@ -1118,7 +1122,6 @@ bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payl
       if (engine_.replicator()) engine_.replicator()->release(peer.keys);
       break;
     case wire::Op::replicate: {
-      if (!peer.server_peer) return refuse_replication(peer, h);
       const auto origin = static_cast<std::uint32_t>(h.arg0);
       if (h.num_keys != 0)
         status = engine_.apply_replica(origin, peer.keys, payload, &why);
@@ -1131,20 +1134,16 @@ bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payl
       break;
     }
     case wire::Op::replica_clock:
-      if (!peer.server_peer) return refuse_replication(peer, h);
       if (h.num_keys != 0) {
         status = Errc::protocol;
         why = "replica_clock carries no keys";
         break;
       }
-      status = engine_.apply_replica_clock(static_cast<std::uint32_t>(h.arg0), static_cast<std::uint32_t>(h.arg0 >> 32),
-                                           h.arg1, &why);
+      status = engine_.apply_replica_clock(wire::replica_clock_origin(h), wire::replica_clock_worker(h), h.arg1, &why);
       break;
     case wire::Op::replica_pull:
-      if (!peer.server_peer) return refuse_replication(peer, h);
       return answer_records(peer, h);
     case wire::Op::replica_index: {
-      if (!peer.server_peer) return refuse_replication(peer, h);
       std::vector<std::pair<Key, std::uint32_t>> keys;
       std::vector<std::uint64_t> clocks;
       bool synced = false;
@@ -1401,15 +1400,11 @@ bool TcpServer::send_empty(Peer& peer, const wire::FrameHeader& req, std::uint64
 
 bool TcpServer::admit(Peer& peer, const wire::FrameHeader& h) {
   std::string why;
-  if (peer.hello_worker == wire::kServerPeer) {
-    // Nothing here for another server: no replicas to ship to, none kept for others.
-    if (!engine_.replicator() && engine_.options().replica_of.empty())
-      return refuse(peer, h, "said hello as a server of a replicating ring, but this server does not replicate");
-    peer.server_peer = true;
-    peer.handshaken.store(true, std::memory_order_relaxed);
-    return send_empty(peer, h, engine_.options().server_id, engine_.options().num_workers);
-  }
-  const std::uint32_t worker = peer.hello_worker;
+  peer.server_peer = peer.hello_worker == wire::kServerPeer;
+  // Nothing here for another server: no replicas to ship to, none kept for others.
+  if (peer.server_peer && !engine_.replicator() && engine_.options().replica_of.empty())
+    return refuse(peer, h, "said hello as a server of a replicating ring, but this server does not replicate");
+  const std::uint32_t worker = peer.server_peer ? kNoWorker : peer.hello_worker;
   if (worker != kNoWorker) {
     if (Errc e = engine_.check_worker(worker, &why); e != Errc::ok) {
       log::warn("tcp.refused",
@@ -1427,12 +1422,6 @@ bool TcpServer::admit(Peer& peer, const wire::FrameHeader& h) {
 const auth::Token* TcpServer::token_for(const Peer& peer) const noexcept {
   if (peer.hello_worker == wire::kServerPeer && options_.peer_token) return options_.peer_token.get();
   return options_.token.get();
-}
-
-bool TcpServer::refuse_replication(Peer& peer, const wire::FrameHeader& h) {
-  return refuse(peer, h,
-                "sent " + std::string(wire::op_name(h.op)) +
-                    ", which only another server of the ring may send (servers connect to each other as such)");
 }
 
 bool TcpServer::refuse(Peer& peer, const wire::FrameHeader& h, const std::string& what) {

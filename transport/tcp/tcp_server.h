@@ -225,8 +225,6 @@ class TcpServer {
   static constexpr int kFastSenderPatienceMs = 1;
   // Logs and refuses a peer that did not authenticate; always false (close the connection).
   bool refuse(Peer& peer, const wire::FrameHeader& h, const std::string& what);
-  // A replication op from a connection that did not say hello as a server (wire::kServerPeer).
-  bool refuse_replication(Peer& peer, const wire::FrameHeader& h);
   // The token this peer must prove: the peer token for a server, when there is one.
   const auth::Token* token_for(const Peer& peer) const noexcept;
   // Logs a malformed frame and answers it if its magic says it is ours; always false (close).
