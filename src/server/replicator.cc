@@ -366,22 +366,32 @@ void TcpReplicator::acker() {
   }
 }
 
+bool TcpReplicator::keeper_send(Replica& r, const std::shared_ptr<transport::Connection>& conn, Leg& leg) {
+  leg.replica = &r;
+  leg.conn = conn;
+  send_and_wait(r, leg);
+  if (leg.done.status() == Errc::ok) return true;
+  drop(r, conn.get(), leg.done.message());
+  return false;
+}
+
+void TcpReplicator::headers_only(Leg& leg, std::size_t requests) {
+  leg.requests.assign(requests, transport::Request{});
+  leg.done.reset(static_cast<std::uint32_t>(requests));
+  leg.wire_bytes = requests * sizeof(wire::FrameHeader);
+  for (transport::Request& q : leg.requests) q.completion = &leg.done;
+}
+
 bool TcpReplicator::full_transfer(Replica& r, const std::shared_ptr<transport::Connection>& conn) {
   auto mark = [&](std::uint32_t arg1) {
     Shipment s;
     s.arg0 = options_.server_id;
     s.arg1 = arg1;
     Leg& leg = s.legs.emplace_back();
-    leg.replica = &r;
-    leg.conn = conn;
     prepare(s, leg, {});
-    send_and_wait(r, leg);
-    return leg.done.status() == Errc::ok ? std::string() : leg.done.message();
+    return keeper_send(r, conn, leg);
   };
-  if (std::string why = mark(wire::kReplicaSyncing); !why.empty()) {
-    drop(r, conn.get(), why);
-    return false;
-  }
+  if (!mark(wire::kReplicaSyncing)) return false;
   // Every worker's clock here, read before the keys: a clock is entered after its step's pushes
   // are applied, so the snapshots below hold them, and the replica never knows a clock without
   // its step. (Those shipped meanwhile may overtake these: the replica keeps the highest.)
@@ -405,42 +415,21 @@ bool TcpReplicator::full_transfer(Replica& r, const std::shared_ptr<transport::C
     s.arg0 = options_.server_id;
     const auto ranges = snapshot(entries, &s);
     Leg& leg = s.legs.emplace_back();
-    leg.replica = &r;
-    leg.conn = conn;
     prepare(s, leg, ranges);
-    send_and_wait(r, leg);
-    if (leg.done.status() != Errc::ok) {
-      drop(r, conn.get(), leg.done.message());
-      return false;
-    }
+    if (!keeper_send(r, conn, leg)) return false;
   }
   // Then the clocks, which a rejoining origin takes back with its keys.
   if (!clocks.empty() && !stopping_.load()) {
-    Shipment s;
-    Leg& leg = s.legs.emplace_back();
-    leg.replica = &r;
-    leg.conn = conn;
-    leg.requests.resize(clocks.size());
-    leg.done.reset(static_cast<std::uint32_t>(clocks.size()));
-    leg.wire_bytes = clocks.size() * sizeof(wire::FrameHeader);
+    Leg leg;
+    headers_only(leg, clocks.size());
     for (std::uint32_t w = 0; w < clocks.size(); ++w) {
-      transport::Request& q = leg.requests[w];
-      q.op = wire::Op::replica_clock;
-      q.arg0 = options_.server_id | std::uint64_t{w} << 32;
-      q.arg1 = clocks[w];
-      q.completion = &leg.done;
+      leg.requests[w].op = wire::Op::replica_clock;
+      leg.requests[w].arg0 = wire::replica_clock_arg0(options_.server_id, w);
+      leg.requests[w].arg1 = clocks[w];
     }
-    send_and_wait(r, leg);
-    if (leg.done.status() != Errc::ok) {
-      drop(r, conn.get(), leg.done.message());
-      return false;
-    }
+    if (!keeper_send(r, conn, leg)) return false;
   }
-  if (stopping_.load()) return false;
-  if (std::string err = mark(wire::kReplicaSynced); !err.empty()) {
-    drop(r, conn.get(), err);
-    return false;
-  }
+  if (stopping_.load() || !mark(wire::kReplicaSynced)) return false;
   r.transfers.fetch_add(1, std::memory_order_relaxed);
   return true;
 }
@@ -452,21 +441,12 @@ bool TcpReplicator::still_there(Replica& r) {
     conn = r.conn;
   }
   if (!conn) return true;  // dropped meanwhile: the keeper reconnects anyway
-  Shipment s;
-  Leg& leg = s.legs.emplace_back();
-  leg.replica = &r;
-  leg.conn = conn;
-  leg.requests.resize(1);
-  leg.done.reset(1);
-  leg.wire_bytes = sizeof(wire::FrameHeader);
+  Leg leg;
+  headers_only(leg, 1);
   std::string stats;
   leg.requests[0].op = wire::Op::stats;
-  leg.requests[0].completion = &leg.done;
   leg.requests[0].text_out = &stats;
-  send_and_wait(r, leg);
-  if (leg.done.status() == Errc::ok) return true;
-  drop(r, conn.get(), leg.done.message());
-  return false;
+  return keeper_send(r, conn, leg);
 }
 
 void TcpReplicator::keeper(Replica& r) {

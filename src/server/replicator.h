@@ -141,6 +141,11 @@ class TcpReplicator final : public Replicator {
   // Marks `r` down, unless `conn` (when given) is no longer its connection.
   void drop(Replica& r, const transport::Connection* conn, const std::string& why);
   void keeper(Replica& r);
+  // The keeper's own leg to `r` over `conn`, sent from its thread and waited for; false, with `r`
+  // dropped, if it failed.
+  bool keeper_send(Replica& r, const std::shared_ptr<transport::Connection>& conn, Leg& leg);
+  // `requests` requests without keys, each completing leg.done; the caller sets their op and args.
+  static void headers_only(Leg& leg, std::size_t requests);
   // Asks the replica for its stats over its connection: false (and dropped) if it is gone.
   bool still_there(Replica& r);
   bool full_transfer(Replica& r, const std::shared_ptr<transport::Connection>& conn);
