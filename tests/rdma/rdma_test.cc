@@ -684,13 +684,7 @@ TEST(Rdma, ReplicatedServersLoseNoAcknowledgedPush) {
   ASSERT_GT(acked, 0u) << last_error;
   EXPECT_GE(failed, 1u) << "the kill failed no push: it did not land under load";
   Client check(o);
-  std::vector<float> out(kLen);
-  for (Key k = 0; k < kKeys; ++k) {
-    check.wait(check.pull(k, out));
-    for (float x : out) ASSERT_EQ(x, out[0]) << "key " << k << " is torn";
-    EXPECT_GE(out[0], float(acked)) << "key " << k << " lost acknowledged pushes (" << failed << " failed)";
-    EXPECT_LE(out[0], float(acked + failed)) << "key " << k;
-  }
+  testing::expect_pushes_between(check, kKeys, kLen, acked, failed, std::to_string(failed) + " failed");
 }
 
 }  // namespace

@@ -97,13 +97,7 @@ TEST_P(ShmAdoption, AKilledServerIsAdoptedAndLosesNoAcknowledgedPush) {
     if (worker_dies) ++failed;  // the push it was inside, if any
     EXPECT_GT(acked_before_kill, 0u) << "the kill came before any push: the trial tested nothing";
     Client check(o);
-    std::vector<float> out(kLen);
-    for (Key k = 0; k < kKeys; ++k) {
-      check.wait(check.pull(k, out));
-      for (float x : out) ASSERT_EQ(x, out[0]) << "key " << k << " is torn, trial " << trial;
-      EXPECT_GE(out[0], float(acked)) << "key " << k << " lost acknowledged pushes, trial " << trial;
-      EXPECT_LE(out[0], float(acked + failed)) << "key " << k << " holds a push applied twice, trial " << trial;
-    }
+    testing::expect_pushes_between(check, kKeys, kLen, acked, failed, "trial " + std::to_string(trial));
     const std::string stats = check.server_stats(0);
     EXPECT_EQ(stat_field(stats, "adopted_keys"), kKeys) << stats;
     rolled_back += stat_field(stats, "adopted_rolled_back");

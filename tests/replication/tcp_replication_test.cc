@@ -377,14 +377,9 @@ void kill_trials(std::uint32_t replicas, bool during_transfer) {
       failed += tally[w].failed.load();
     }
     Client check(o);
-    std::vector<float> out(kLen);
-    for (Key k = 0; k < kKeys; ++k) {
-      check.wait(check.pull(k, out));
-      for (float x : out) ASSERT_EQ(x, out[0]) << "key " << k << " is torn, trial " << trial;
-      EXPECT_GE(out[0], float(acked)) << "key " << k << " lost acknowledged pushes, trial " << trial << " (killed "
-                                      << victims.size() << ")";
-      EXPECT_LE(out[0], float(acked + failed)) << "key " << k << " holds a push applied twice, trial " << trial;
-    }
+    testing::expect_pushes_between(
+        check, kKeys, kLen, acked, failed,
+        "trial " + std::to_string(trial) + " (killed " + std::to_string(victims.size()) + ")");
     wait_synced(ring, replicas);
     expect_replicas_equal(ring, replicas, 0);
   }

@@ -13,6 +13,17 @@
 
 namespace pskv::testing {
 
+void expect_pushes_between(Client& c, Key keys, std::size_t length, std::uint64_t acked, std::uint64_t failed,
+                           const std::string& context) {
+  std::vector<float> out(length);
+  for (Key k = 0; k < keys; ++k) {
+    c.wait(c.pull(k, out));
+    for (float x : out) ASSERT_EQ(x, out[0]) << "key " << k << " is torn, " << context;
+    EXPECT_GE(out[0], float(acked)) << "key " << k << " lost acknowledged pushes, " << context;
+    EXPECT_LE(out[0], float(acked + failed)) << "key " << k << " holds a push applied twice, " << context;
+  }
+}
+
 void wait_replicas_synced(Client& c, std::uint32_t replicas, std::chrono::seconds limit) {
   const auto give_up = std::chrono::steady_clock::now() + limit;
   const std::size_t n = c.num_servers();

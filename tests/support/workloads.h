@@ -28,6 +28,12 @@ struct NothingLostOptions {
 // Reports failures through GoogleTest.
 void expect_nothing_lost(const ClientOptions& options, const NothingLostOptions& w);
 
+// After pushes of +1 to keys [0, keys) of `length` floats: every key is whole (all its floats
+// equal) and lies between `acked`, the acknowledged pushes, and acked + `failed`, those that failed
+// and may have landed: nothing acknowledged lost, nothing applied twice. `context` names the trial.
+void expect_pushes_between(Client& c, Key keys, std::size_t length, std::uint64_t acked, std::uint64_t failed,
+                           const std::string& context);
+
 // With --replicas R: waits until each server of `c` reports its R-1 replicas (the next servers of
 // the ring) synced; a failure through GoogleTest after `limit`.
 void wait_replicas_synced(Client& c, std::uint32_t replicas, std::chrono::seconds limit = std::chrono::seconds(30));
