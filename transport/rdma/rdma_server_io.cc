@@ -348,7 +348,7 @@ bool IoThread::dispatch(ServerConn& c, const wire::FrameHeader& h) {
     case wire::Op::replica_index:
     case wire::Op::replica_clock:
       return send_error(c, h, Errc::unsupported,
-                        "replication between servers runs over tcp:// (--peers); rdma:// does not carry it yet");
+                        "replication between servers runs over tcp:// (an rdma:// server's --peer-uri), not rdma://");
   }
   return send_error(c, h, Errc::protocol, "unknown op " + std::to_string(h.op));
 }
