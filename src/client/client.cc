@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <exception>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <thread>
 
@@ -90,6 +91,7 @@ class ClientImpl {
         if (parse_uri(s).scheme != "tcp")
           throw Error(Errc::invalid_argument,
                       "ClientOptions.retry_timeout is for tcp:// servers run with --replicas; " + s + " is not tcp");
+      pushes_.emplace();
     }
     if (!o.auth_token_file.empty()) c.token = auth::Token::load_file(o.auth_token_file);
     for (const auto& s : o.servers) {
@@ -218,8 +220,8 @@ class ClientImpl {
         throw Error(Errc::invalid_argument, "clock " + std::to_string(arg0) +
                                                 " is past 2^32, which a retrying "
                                                 "client's pushes cannot carry");
-      seq = pushes_.next([&] { return pushes_may_be_sent_again(); });
-      arg0 = wire::identified_push_arg0(arg0, pushes_.session());
+      seq = pushes_->next([&] { return pushes_may_be_sent_again(); });
+      arg0 = wire::identified_push_arg0(arg0, pushes_->session());
     }
     for (std::size_t s = 0; s < links_.size(); ++s) {
       if (!op->targeted[s]) continue;
@@ -618,9 +620,9 @@ class ClientImpl {
   PlacementOptions placement_;
   transport::ConnectOptions connect_options_;
   bool retrying_ = false;
-  std::atomic<bool> closing_{false};  // the destructor's goodbye: not worth waiting for a restart
-  std::mutex order_mu_;               // retry mode: a push's sequence number and its submissions
-  PushSequence pushes_;               // under order_mu_
+  std::atomic<bool> closing_{false};    // the destructor's goodbye: not worth waiting for a restart
+  std::mutex order_mu_;                 // retry mode: a push's sequence number and its submissions
+  std::optional<PushSequence> pushes_;  // retry mode only (it draws a session); under order_mu_
   // Declared before links_ so that it is destroyed after them: a connection's teardown
   // completes its outstanding requests, which live in these ops.
   std::mutex ops_mu_;
