@@ -258,12 +258,13 @@ class ParkedRequest final : public Parked {
     }
     try {
       const auto op = static_cast<wire::Op>(req_.op);
-      // peer_failure: this server is going away (stopping) before it could answer. So is an
-      // identified push or a clock that was applied and whose replication alone failed. Close
-      // the connection rather than refuse: a retrying client sends the request again to the
-      // server's successor (a push's marks say it is applied; a clock only moves forward), where
-      // a refusal would be an error its worker sees.
-      if (status != Errc::ok && (status == Errc::peer_failure || op == wire::Op::clock ||
+      // This server is going away (stopping) before it could answer, or an identified push or a
+      // clock was applied and only its replication failed. Close the connection rather than
+      // refuse: a retrying client sends the request again to the server's successor (a push's
+      // marks say it is applied; a clock only moves forward), where a refusal would be an error
+      // its worker sees. A running server's peer_failure (a worker died holding the bound) is
+      // the worker's answer and is sent as one.
+      if (status != Errc::ok && (server_.stopping_.load() || op == wire::Op::clock ||
                                  (op == wire::Op::push && wire::push_is_identified(req_))))
         server_.expire(*peer_, "its " + std::string(wire::op_name(req_.op)) + " could not be answered (" + why +
                                    "); closed so that its client sends it again");
