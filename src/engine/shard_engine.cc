@@ -70,9 +70,13 @@ ShardEngine::ShardEngine(const EngineOptions& options, std::unique_ptr<MemoryRes
     r->clocks = std::make_unique<std::atomic<std::uint64_t>[]>(options.num_workers);
     replicas_.push_back(std::move(r));
   }
-  if (options.mode == ConsistencyMode::sync)
-    sync_ = std::make_unique<SyncAccumulator>(
-        *store_, SyncOptions{.num_workers = options.num_workers, .required = options.sync_required});
+  if (options.mode == ConsistencyMode::sync) {
+    const SyncOptions sync{.num_workers = options.num_workers,
+                           .required = options.sync_required,
+                           .replicated = !options.replica_of.empty()};
+    sync_ = std::make_unique<SyncAccumulator>(*store_, sync);
+    for (auto& r : replicas_) r->sync = std::make_unique<SyncAccumulator>(*r->store, sync);
+  }
   watchdog_ = std::thread([this] { watchdog(); });
 }
 
@@ -429,28 +433,55 @@ ShardEngine::Replica* ShardEngine::replica(std::uint32_t origin, std::string* wh
   return nullptr;
 }
 
-Errc ShardEngine::put_records(Store& store, std::span<const KeyEntry> keys, const float* records, std::string* why) {
-  // Every record's length is checked before any is written.
+std::uint32_t ShardEngine::record_length_of(std::uint32_t floats) const noexcept {
+  // record_floats() is linear in the length: head + fixed + length x per-value.
+  const std::uint64_t fixed = record_head_ + (sync_ ? sync_->state_fixed_floats() : 0);
+  const std::uint64_t per = 1 + spv_ + (sync_ ? sync_->state_floats_per_value() : 0);
+  if (floats <= fixed || (floats - fixed) % per != 0) return 0;
+  return static_cast<std::uint32_t>((floats - fixed) / per);
+}
+
+Errc ShardEngine::put_records(Store& store, SyncAccumulator* sync, std::span<const KeyEntry> keys, const float* records,
+                              std::string* why) {
+  // Every record's length, and its pending steps, are checked before any is written.
   const std::uint32_t h = record_head_;
-  for (const KeyEntry& k : keys)
-    if (k.length <= h || (k.length - h) % (1 + spv_) != 0) {
+  const float* at = records;
+  for (const KeyEntry& k : keys) {
+    const std::uint32_t length = record_length_of(k.length);
+    if (length == 0) {
       if (why)
-        *why = "key " + std::to_string(k.key) + ": a record of " + std::to_string(k.length) + " floats is not " +
-               std::to_string(h) + " + length x " + std::to_string(1 + spv_) +
-               " (are the servers' --rule and --workers the same?)";
+        *why = "key " + std::to_string(k.key) + ": a record of " + std::to_string(k.length) +
+               " floats is not the record of any length here (are the servers' --rule, --mode and --workers the "
+               "same?)";
       return Errc::protocol;
     }
+    if (sync) {
+      std::string bad;
+      if (sync->check_state(length, at + h + std::uint64_t{length} * (1 + spv_), &bad) != Errc::ok) {
+        if (why) *why = "key " + std::to_string(k.key) + ": " + bad;
+        return Errc::protocol;
+      }
+    }
+    at += k.length;
+  }
   thread_local std::vector<std::uint64_t> marks;
   marks.resize(store.push_marks());
   for (const KeyEntry& k : keys) {
     std::uint64_t head[3];  // epoch, seq, update count
     std::memcpy(head, records, sizeof head);
     if (!marks.empty()) std::memcpy(marks.data(), records + kRecordHeaderFloats, marks.size() * sizeof marks[0]);
-    const std::uint32_t length = (k.length - h) / (1 + spv_);
+    const std::uint32_t length = record_length_of(k.length);
     const std::span<const float> value(records + h, length);
     const std::span<const float> state(records + h + length, std::size_t{length} * spv_);
-    const Errc e =
-        store.put_if_newer(k.key, value, state, head[2], head[0], head[1], marks.empty() ? nullptr : marks.data());
+    auto put = [&] {
+      bool taken = false;
+      const Errc e = store.put_if_newer(k.key, value, state, head[2], head[0], head[1],
+                                        marks.empty() ? nullptr : marks.data(), &taken);
+      if (taken && sync) sync->import_state(k.key, length, state.data() + state.size());
+      return e;
+    };
+    // The store's write and the pending steps' are one under the key's sync stripe, as add()'s are.
+    const Errc e = sync ? sync->with_key(k.key, put) : put();
     if (e != Errc::ok) {
       if (why) *why = key_error(e, k.key, length, store);
       return e;
@@ -464,7 +495,7 @@ Errc ShardEngine::apply_replica(std::uint32_t origin, std::span<const KeyEntry> 
                                 std::string* why) {
   Replica* r = replica(origin, why);
   if (!r) return Errc::invalid_argument;
-  return put_records(*r->store, keys, records, why);
+  return put_records(*r->store, r->sync.get(), keys, records, why);
 }
 
 Errc ShardEngine::mark_replica(std::uint32_t origin, ReplicaMark mark, std::string* why) {
@@ -508,15 +539,17 @@ Errc ShardEngine::replica_clocks(std::uint32_t origin, std::vector<std::uint64_t
 }
 
 Errc ShardEngine::restore_records(std::span<const KeyEntry> keys, const float* records, std::string* why) {
-  return put_records(*store_, keys, records, why);
+  return put_records(*store_, sync_.get(), keys, records, why);
 }
 
 Errc ShardEngine::read_records(std::uint32_t origin, std::span<const KeyEntry> keys, float* out, std::string* why) {
   Store* store = store_.get();
+  SyncAccumulator* sync = sync_.get();
   if (origin != options_.server_id) {
     Replica* r = replica(origin, why);
     if (!r) return Errc::invalid_argument;
     store = r->store.get();
+    sync = r->sync.get();
   }
   // Checked first, so a bad key answers nothing.
   thread_local std::vector<SlotHeader*> slots;
@@ -537,10 +570,18 @@ Errc ShardEngine::read_records(std::uint32_t origin, std::span<const KeyEntry> k
   marks.resize(store->push_marks());
   for (std::size_t i = 0; i < keys.size(); ++i) {
     const std::uint32_t h = record_head_;
-    const std::uint32_t length = (keys[i].length - h) / (1 + spv_);
+    const std::uint32_t length = store->length_of(*slots[i]);
     std::uint64_t head[3] = {epoch_, 0, 0}, origin[2] = {0, 0};  // epoch, seq, update count
-    store->snapshot_slot(*slots[i], out + h, out + h + length, &head[2], &head[1], origin,
-                         marks.empty() ? nullptr : marks.data());
+    auto snapshot = [&] {
+      store->snapshot_slot(*slots[i], out + h, out + h + length, &head[2], &head[1], origin,
+                           marks.empty() ? nullptr : marks.data());
+      if (sync) sync->export_state(keys[i].key, length, out + h + std::uint64_t{length} * (1 + spv_));
+    };
+    // The value and the pending steps of one moment: add() changes both under the key's stripe.
+    if (sync)
+      sync->with_key(keys[i].key, snapshot);
+    else
+      snapshot();
     if (!marks.empty()) std::memcpy(out + kRecordHeaderFloats, marks.data(), marks.size() * sizeof marks[0]);
     if (!own) {
       head[0] = origin[0];
@@ -583,6 +624,7 @@ std::string ShardEngine::stats_json(std::uint64_t external_pushes, const JsonObj
       .add("evictions", s.evictions)
       .add("sync_applied_steps", s.sync.applied_steps)
       .add("sync_dropped_late", s.sync.dropped_late)
+      .add("sync_duplicates", s.sync.duplicates)
       .add("mode", to_string(options_.mode));
   if (clocks_) {
     std::vector<std::int64_t> by_worker(clocks_->workers());

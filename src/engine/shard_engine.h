@@ -149,9 +149,11 @@ class ShardEngine {
   // each: record_floats(length) floats. The epoch is the origin's start time (ns), so a restarted
   // origin's records are newer. The marks say which pushes the value holds, so a push retried on
   // a server restored from the records is applied once.
+  // In sync mode the key's pending steps follow (SyncAccumulator::export_state), so a replica
+  // holds the partial sums its origin acknowledged.
   static constexpr std::uint32_t kRecordHeaderFloats = 6;
   std::uint64_t record_floats(std::uint32_t length) const noexcept {
-    return record_head_ + std::uint64_t{length} * (1 + spv_);
+    return record_head_ + std::uint64_t{length} * (1 + spv_) + (sync_ ? sync_->state_floats(length) : 0);
   }
   // This server's replica of `origin` (one of options().replica_of) takes the records.
   Errc apply_replica(std::uint32_t origin, std::span<const KeyEntry> keys, const float* records, std::string* why);
@@ -214,12 +216,16 @@ class ShardEngine {
     std::unique_ptr<Store> store;
     std::atomic<std::uint32_t> mark{0};                    // ReplicaMark, 0 before any transfer
     std::unique_ptr<std::atomic<std::uint64_t>[]> clocks;  // per worker, the origin's
+    std::unique_ptr<SyncAccumulator> sync;                 // sync mode: the origin's pending steps
   };
   std::vector<std::unique_ptr<Replica>> replicas_;
   Replicator* replicator_ = nullptr;
   Replica* replica(std::uint32_t origin, std::string* why) const;
-  // Writes the records into `store` where they are newer (Store::put_if_newer).
-  Errc put_records(Store& store, std::span<const KeyEntry> keys, const float* records, std::string* why);
+  // Writes the records into `store` (with its pending steps into `sync`, in sync mode) where
+  // they are newer (Store::put_if_newer).
+  Errc put_records(Store& store, SyncAccumulator* sync, std::span<const KeyEntry> keys, const float* records,
+                   std::string* why);
+  std::uint32_t record_length_of(std::uint32_t record_floats) const noexcept;
 
   mutable std::mutex mu_;
   std::condition_variable cv_;

@@ -78,8 +78,6 @@ void validate(const ServerOptions& o) {
     if (tcp && !o.peer_uri.empty())
       reject("--peer-uri is for rdma:// servers; a tcp:// server takes its peers on --uri");
     if (o.rejoin && o.replicas < 2) reject("--rejoin takes the keys back from replicas: it needs --replicas 2 or more");
-    if (o.mode == ConsistencyMode::sync)
-      reject("--replicas does not replicate sync mode's partial sums yet; use asp, ssp or bsp");
   } else if (!o.peer_uri.empty()) {
     reject("--peer-uri is where replicating servers reach this one: it needs --replicas 2 or more");
   }

@@ -499,7 +499,8 @@ Errc Store::restore_slot(Key key, std::span<const float> value, std::span<const 
 
 Errc Store::put_if_newer(Key key, std::span<const float> value, std::span<const float> state,
                          std::uint64_t update_count, std::uint64_t origin_epoch, std::uint64_t origin_seq,
-                         const std::uint64_t* marks) {
+                         const std::uint64_t* marks, bool* taken) {
+  if (taken) *taken = false;
   if (value.size() > UINT32_MAX) return Errc::invalid_argument;
   if (Errc e = create_slot(key, static_cast<std::uint32_t>(value.size()), nullptr); e != Errc::ok) return e;
   const SlotRef r = find_ref(key);
@@ -514,6 +515,23 @@ Errc Store::put_if_newer(Key key, std::span<const float> value, std::span<const 
     slot.origin_epoch = origin_epoch;
     slot.origin_seq = origin_seq;
     if (mine) std::memcpy(mine, marks, marks_per_key_ * sizeof *marks);
+    if (taken) *taken = true;
+  }
+  lock.unlock();
+  return Errc::ok;
+}
+
+Errc Store::touch(Key key) noexcept {
+  const SlotRef r = find_ref(key);
+  if (!r.slot) return Errc::not_found;
+  SharedMutex& lock = stripe_at(r.stripe);
+  if (!lock_stripe(lock)) return Errc::timeout;
+  // An odd version (a writer that stopped half-way) is closed, as overwrite_slot does.
+  const std::uint64_t seq = r.slot->seq.load(std::memory_order_relaxed);
+  r.slot->seq.store(seq + 1, std::memory_order_relaxed);
+  if ((seq & 1) == 0) {
+    std::atomic_thread_fence(std::memory_order_release);
+    r.slot->seq.store(seq + 2, std::memory_order_release);
   }
   lock.unlock();
   return Errc::ok;

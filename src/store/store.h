@@ -292,9 +292,14 @@ class Store {
   // start time and the seqlock version of its copy, compared in that order. Records of one key
   // may arrive in any order and more than once; the latest wins, so a replica ends with its
   // origin's very bytes, and a restarted origin's records win over its former life's.
-  // `marks` (push_marks() of them, or null) go with the value.
+  // `marks` (push_marks() of them, or null) go with the value. `taken`, if given: whether the
+  // record was newer and was written.
   Errc put_if_newer(Key key, std::span<const float> value, std::span<const float> state, std::uint64_t update_count,
-                    std::uint64_t origin_epoch, std::uint64_t origin_seq, const std::uint64_t* marks = nullptr);
+                    std::uint64_t origin_epoch, std::uint64_t origin_seq, const std::uint64_t* marks = nullptr,
+                    bool* taken = nullptr);
+  // Moves the key's seqlock version as a write that changes nothing would: state kept beside the
+  // slot (sync mode's partial sums) has changed, and a copy of the key must now be newer.
+  Errc touch(Key key) noexcept;
 
   const UpdateRuleConfig& rule() const noexcept { return g_.rule; }
   std::uint32_t stripes() const noexcept { return g_.stripes; }

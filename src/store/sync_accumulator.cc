@@ -1,6 +1,8 @@
 #include "store/sync_accumulator.h"
 
 #include <algorithm>
+#include <bit>
+#include <cstring>
 
 namespace pskv {
 
@@ -59,7 +61,10 @@ SyncOutcome SyncAccumulator::add(Key key, std::uint32_t worker, std::uint64_t st
 
   const std::uint64_t before = st.next_step;
   if (Errc e = apply_ready(key, st, s.stats); e != Errc::ok) return reject(e);
-  return st.next_step > before ? SyncOutcome::applied : SyncOutcome::accumulated;
+  if (st.next_step > before) return SyncOutcome::applied;
+  if (options_.replicated)
+    if (Errc e = store_.touch(key); e != Errc::ok) return reject(e);
+  return SyncOutcome::accumulated;
 }
 
 Errc SyncAccumulator::apply_ready(Key key, KeyState& st, SyncStats& stats) {
@@ -95,6 +100,93 @@ SyncStats SyncAccumulator::stats() const {
     total.duplicates += s.stats.duplicates;
   }
   return total;
+}
+
+namespace {
+void put_word(float*& out, std::uint64_t w) noexcept {
+  std::memcpy(out, &w, sizeof w);
+  out += 2;
+}
+std::uint64_t get_word(const float*& in) noexcept {
+  std::uint64_t w;
+  std::memcpy(&w, in, sizeof w);
+  in += 2;
+  return w;
+}
+}  // namespace
+
+void SyncAccumulator::export_state(Key key, std::uint32_t length, float* out) const {
+  std::memset(out, 0, state_floats(length) * sizeof(float));
+  const Stripe& s = stripe(key);
+  auto it = s.keys.find(key);
+  if (it == s.keys.end()) return;
+  const KeyState& st = it->second;
+  put_word(out, st.next_step);
+  for (const Pending& p : st.pending) {
+    put_word(out, p.step);
+    put_word(out, p.count);
+    for (std::uint64_t w : p.contributors) put_word(out, w);
+    std::memcpy(out, p.sum.data(), std::size_t{length} * sizeof(float));
+    out += length;
+  }
+}
+
+Errc SyncAccumulator::check_state(std::uint32_t length, const float* in, std::string* why) const {
+  auto refuse = [&](const std::string& what) {
+    if (why) *why = "sync state: " + what;
+    return Errc::protocol;
+  };
+  const std::uint64_t next = get_word(in);
+  std::vector<std::uint64_t> steps;
+  for (std::uint32_t i = 0; i < options_.window; ++i) {
+    const std::uint64_t step = get_word(in), count = get_word(in);
+    std::uint64_t set = 0;
+    for (std::uint32_t w = 0; w < bitmap_words(); ++w) {
+      const std::uint64_t word = get_word(in);
+      const std::uint32_t first = w * 64;
+      if (options_.num_workers - first < 64 && (word >> (options_.num_workers - first)) != 0)
+        return refuse("a contributor past worker " + std::to_string(options_.num_workers - 1));
+      set += static_cast<std::uint64_t>(std::popcount(word));
+    }
+    in += length;
+    if (count == 0) {
+      if (set != 0) return refuse("contributors in an unused entry");
+      continue;
+    }
+    if (set != count)
+      return refuse("a step counts " + std::to_string(count) + " contributors of " + std::to_string(set));
+    if (step < next || step - next >= options_.window)
+      return refuse("step " + std::to_string(step) + " is outside the window at " + std::to_string(next));
+    if (std::find(steps.begin(), steps.end(), step) != steps.end())
+      return refuse("step " + std::to_string(step) + " is pending twice");
+    steps.push_back(step);
+  }
+  return Errc::ok;
+}
+
+void SyncAccumulator::import_state(Key key, std::uint32_t length, const float* in) {
+  Stripe& s = stripe(key);
+  KeyState& st = s.keys[key];
+  for (Pending& p : st.pending) st.spare.push_back(std::move(p));
+  st.pending.clear();
+  st.next_step = get_word(in);
+  for (std::uint32_t i = 0; i < options_.window; ++i) {
+    Pending p;
+    if (!st.spare.empty()) {
+      p = std::move(st.spare.back());
+      st.spare.pop_back();
+    }
+    p.step = get_word(in);
+    p.count = static_cast<std::uint32_t>(get_word(in));
+    p.contributors.resize(bitmap_words());
+    for (std::uint64_t& w : p.contributors) w = get_word(in);
+    p.sum.assign(in, in + length);
+    in += length;
+    if (p.count != 0)
+      st.pending.push_back(std::move(p));
+    else
+      st.spare.push_back(std::move(p));
+  }
 }
 
 }  // namespace pskv

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <mutex>
 #include <span>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -21,6 +22,9 @@ struct SyncOptions {
   std::uint32_t required = 0;     // K; 0 means N
   bool linear_lr_scaling = true;  // lr * K when applying the mean of K gradients
   std::uint32_t window = 4;       // steps ahead of the oldest pending one that may be buffered
+  // Replicated (ShardEngine ships each key's pending steps with its record): every change of a
+  // key's pending steps also moves its store version, which orders the records.
+  bool replicated = false;
 };
 
 enum class SyncOutcome : std::uint8_t {
@@ -51,6 +55,31 @@ class SyncAccumulator {
   SyncStats stats() const;
   const SyncOptions& options() const noexcept { return options_; }
 
+  // A key's pending steps as they travel in its replication record: [next step | window x (step |
+  // contributor count | contributor bitmap | sum)], each 64-bit word as 2 floats, unused entries
+  // zero. state_floats(length) floats, fixed for a key of `length` floats.
+  std::uint64_t state_floats(std::uint32_t length) const noexcept {
+    return state_fixed_floats() + std::uint64_t{options_.window} * length;
+  }
+  std::uint64_t state_fixed_floats() const noexcept {
+    return 2 + std::uint64_t{options_.window} * (4 + 2 * bitmap_words());
+  }
+  std::uint32_t state_floats_per_value() const noexcept { return options_.window; }
+  // Runs f() holding the key's stripe: its pending steps do not change meanwhile, nor its value
+  // in the store (add() applies under it).
+  template <class F>
+  decltype(auto) with_key(Key key, F&& f) const {
+    std::lock_guard guard(stripe(key).mu);
+    return f();
+  }
+  // Under with_key(key).
+  void export_state(Key key, std::uint32_t length, float* out) const;
+  // Whether `in` could be a key's pending steps here (it comes from a peer): Errc::protocol,
+  // with `why`, if not. Checked before anything of the record is written.
+  Errc check_state(std::uint32_t length, const float* in, std::string* why) const;
+  // Under with_key(key), after check_state.
+  void import_state(Key key, std::uint32_t length, const float* in);
+
  private:
   struct Pending {
     std::uint64_t step = 0;
@@ -70,6 +99,7 @@ class SyncAccumulator {
   };
   static constexpr std::size_t kStripes = 64;
   Stripe& stripe(Key key) const noexcept { return stripes_[mix64(key) & (kStripes - 1)]; }
+  std::uint32_t bitmap_words() const noexcept { return (options_.num_workers + 63) / 64; }
   Errc apply_ready(Key key, KeyState& state, SyncStats& stats);
 
   Store& store_;

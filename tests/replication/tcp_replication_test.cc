@@ -137,9 +137,10 @@ IndexReply ask_replica_index(const std::string& uri, std::uint32_t origin, std::
 }
 
 // Every key of every server, read from the server and from each of its replicas, byte for byte.
-// `workers`: the servers' --workers, whose push marks each record carries.
+// `workers`: the servers' --workers, whose push marks each record carries. `sync_window`: in
+// sync mode, the pending steps each record carries (SyncOptions::window).
 void expect_replicas_equal(const Ring& ring, std::uint32_t replicas, std::uint32_t state_per_value,
-                           std::uint32_t workers = 0) {
+                           std::uint32_t workers = 0, std::uint32_t sync_window = 0) {
   const auto n = static_cast<std::uint32_t>(ring.size());
   // Placement is the client's: each server says which keys it holds through its own index.
   for (std::uint32_t s = 0; s < n; ++s) {
@@ -151,7 +152,8 @@ void expect_replicas_equal(const Ring& ring, std::uint32_t replicas, std::uint32
     for (std::uint64_t i = 0; i < head.keys; ++i) {
       wire::ReplicaIndexEntry e{};
       std::memcpy(&e, index.data() + sizeof head + i * sizeof e, sizeof e);
-      held.emplace_back(e.key, static_cast<std::uint32_t>(6 + 2 * workers + e.length * (1 + state_per_value)));
+      const std::uint64_t sync = sync_window ? 2 + sync_window * (4 + 2 * ((workers + 63) / 64) + e.length) : 0;
+      held.emplace_back(e.key, static_cast<std::uint32_t>(6 + 2 * workers + e.length * (1 + state_per_value) + sync));
     }
     ASSERT_FALSE(held.empty()) << "server " << s << " holds no key";
     const std::vector<float> own = records(ring.uris()[s], s, held);
@@ -474,6 +476,67 @@ TEST_P(TcpReplicationRetry, WorkersThatRetrySeeNoErrorAndEveryPushLandsOnce) {
   }
 }
 INSTANTIATE_TEST_SUITE_P(Replicas, TcpReplicationRetry, ::testing::Values(2u, 3u), replicas_name);
+
+// Sync mode: a step is applied once all 3 workers pushed it, so a contribution acknowledged and
+// then lost with its server would hold its step back forever (the others wait in their bounded
+// reads until the wait timeout). The partial sums travel in the records, so a server SIGKILLed
+// at a random instant comes back with --rejoin holding every contribution it acknowledged; the
+// retrying workers resend the rest, which the step's contributor bitmap takes once. Each step
+// applies the mean of 1, 2, 3 with sgd at lr 1 scaled by 3: every value ends at -6 per step.
+TEST(TcpReplicationSync, AKilledServerKeepsTheStepsPartialSums) {
+  constexpr std::uint32_t kWorkers = 3;
+  constexpr Key kKeys = 8;
+  constexpr std::size_t kLen = 512;
+  constexpr int kSteps = 300;
+  std::mt19937 rng(97);
+  const int n = std::max(2, testing::fault_trials() / 4);
+  for (int trial = 0; trial < n; ++trial) {
+    Ring ring(3, 2,
+              {"--rule", "sgd", "--lr", "1", "--frame-timeout-ms", "2000", "--workers", std::to_string(kWorkers),
+               "--mode", "sync", "--wait-timeout-ms", "30000"});
+    const ClientOptions o = trial_options(ring);
+    const std::vector<Key> keys = make_keys(o, kKeys, kLen);
+    std::vector<pid_t> pids;
+    const testing::KillOnExit reap(pids);
+    const auto began = std::chrono::steady_clock::now();
+    for (std::uint32_t w = 0; w < kWorkers; ++w)
+      pids.push_back(fork_worker([&, w] {
+        try {
+          ClientOptions mine = o;
+          mine.worker_id = w;
+          mine.retry_timeout = std::chrono::seconds(30);
+          Client c(mine);
+          const std::vector<float> grad(kLen, float(w + 1));
+          const std::vector<std::span<const float>> values(kKeys, grad);
+          std::vector<std::vector<float>> read(kKeys, std::vector<float>(kLen));
+          const std::vector<std::span<float>> into(read.begin(), read.end());
+          for (int step = 0; step < kSteps; ++step) {
+            c.wait(c.pull(keys, into));  // waits for every worker's previous step
+            c.wait(c.push(keys, values));
+            c.clock();
+          }
+          return 0;
+        } catch (const Error& e) {
+          std::fprintf(stderr, "worker %u: %s\n", w, e.what());
+          return 1;
+        }
+      }));
+    std::this_thread::sleep_for(std::chrono::milliseconds(50 + rng() % 200));
+    const std::vector<int> victims = kill_and_rejoin(ring, rng, 2, trial);
+    for (pid_t p : pids)
+      ASSERT_EQ(wait_pid(p, std::chrono::seconds(120)), 0) << "a worker saw an error, trial " << trial;
+    std::fprintf(stderr, "trial %d: server %d killed; %d steps in %.0f ms\n", trial, victims[0], kSteps,
+                 std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - began).count());
+    Client check(o);
+    std::vector<float> out(kLen);
+    for (Key k : keys) {
+      check.wait(check.pull(k, out));
+      for (float x : out) ASSERT_EQ(x, -6.0f * kSteps) << "key " << k << ", trial " << trial;
+    }
+    wait_synced(ring, 2);
+    expect_replicas_equal(ring, 2, 0, kWorkers, 4);
+  }
+}
 
 // A clock is answered once the replicas know it, and a server restarted with --rejoin takes the
 // clocks back with the keys. Without that, worker 1's bounded read below waits on the restarted

@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <cstring>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -92,6 +94,76 @@ TEST(SyncAccumulator, DuplicatesWindowAndBadInput) {
   EXPECT_EQ(acc.add(1, 1, 1, g), SyncOutcome::applied);
   EXPECT_EQ(acc.next_step(1), 2u);
   EXPECT_THROW(SyncAccumulator(*f.store, {.num_workers = 2, .required = 3}), Error);
+}
+
+// A key's pending steps leave with its record and come back whole: a second accumulator that
+// imports them completes each step exactly as the first would have, and contributions already
+// in them count as duplicates. Every accumulation also moves the key's store version, which is
+// what orders replication records.
+TEST(SyncAccumulator, PendingStepsTravelWholeAndOrderTheRecords) {
+  Fixture a, b;
+  ASSERT_EQ(a.store->init_zero(1, 3), Errc::ok);
+  ASSERT_EQ(b.store->init_zero(1, 3), Errc::ok);
+  const SyncOptions o{.num_workers = 70, .required = 3, .replicated = true};  // two bitmap words
+  SyncAccumulator from(*a.store, o), to(*b.store, o);
+  std::vector<float> g{1, 2, 3};
+  ASSERT_EQ(from.add(1, 0, 0, g), SyncOutcome::accumulated);
+  const std::uint64_t before = a.store->find(1)->seq.load();
+  ASSERT_EQ(from.add(1, 69, 0, g), SyncOutcome::accumulated);
+  EXPECT_GT(a.store->find(1)->seq.load(), before) << "an accumulation must make the key's record newer";
+  ASSERT_EQ(from.add(1, 5, 2, g), SyncOutcome::accumulated);  // a later step, waiting for step 0
+  std::vector<float> state(from.state_floats(3));
+  from.with_key(1, [&] { from.export_state(1, 3, state.data()); });
+  std::string why;
+  ASSERT_EQ(to.check_state(3, state.data(), &why), Errc::ok) << why;
+  to.with_key(1, [&] { to.import_state(1, 3, state.data()); });
+  EXPECT_EQ(to.add(1, 69, 0, g), SyncOutcome::duplicate);
+  EXPECT_EQ(to.add(1, 7, 0, g), SyncOutcome::applied);
+  EXPECT_EQ(from.add(1, 7, 0, g), SyncOutcome::applied);
+  EXPECT_EQ(to.next_step(1), 1u);
+  std::vector<float> x(3), y(3);
+  a.store->pull(1, x);
+  b.store->pull(1, y);
+  EXPECT_EQ(x, y);
+  std::vector<float> again(from.state_floats(3)), there(to.state_floats(3));
+  from.with_key(1, [&] { from.export_state(1, 3, again.data()); });
+  to.with_key(1, [&] { to.export_state(1, 3, there.data()); });
+  EXPECT_EQ(0, std::memcmp(again.data(), there.data(), again.size() * sizeof(float)));
+}
+
+// A peer's record is checked before anything of it is written: every word of a valid state,
+// altered, either still describes a state or is refused; the named inconsistencies are refused.
+TEST(SyncAccumulator, AStateFromAPeerIsCheckedBeforeItIsTaken) {
+  Fixture a;
+  ASSERT_EQ(a.store->init_zero(1, 2), Errc::ok);
+  SyncAccumulator acc(*a.store, {.num_workers = 3, .replicated = true});
+  std::vector<float> g{1, 1};
+  ASSERT_EQ(acc.add(1, 1, 4, g), SyncOutcome::too_far_ahead);
+  ASSERT_EQ(acc.add(1, 1, 2, g), SyncOutcome::accumulated);
+  std::vector<float> good(acc.state_floats(2));
+  acc.with_key(1, [&] { acc.export_state(1, 2, good.data()); });
+  auto word = [](std::vector<float>& s, std::size_t at, std::uint64_t w) { std::memcpy(&s[at], &w, sizeof w); };
+  // Layout: next step (0), then entries of step, count, 1 bitmap word, 2 floats.
+  constexpr std::size_t kEntry = 2 + 2 + 2 + 2;
+  std::string why;
+  auto bad = good;
+  word(bad, 2 + 2, 2);  // entry 0 counts 2 contributors, its bitmap has 1
+  EXPECT_EQ(acc.check_state(2, bad.data(), &why), Errc::protocol);
+  EXPECT_NE(why.find("counts 2 contributors of 1"), std::string::npos) << why;
+  bad = good;
+  word(bad, 2 + 4, 1u << 3);  // worker 3 of 3
+  EXPECT_EQ(acc.check_state(2, bad.data(), &why), Errc::protocol);
+  bad = good;
+  word(bad, 2, 9);  // step 9, outside the window at 0
+  EXPECT_EQ(acc.check_state(2, bad.data(), &why), Errc::protocol);
+  bad = good;
+  for (std::size_t f = 0; f < kEntry; ++f) bad[2 + kEntry + f] = bad[2 + f];  // entry 1 repeats step 2
+  EXPECT_EQ(acc.check_state(2, bad.data(), &why), Errc::protocol);
+  EXPECT_NE(why.find("pending twice"), std::string::npos) << why;
+  bad = good;
+  word(bad, 2 + kEntry + 4, 1);  // contributors in an unused entry
+  EXPECT_EQ(acc.check_state(2, bad.data(), &why), Errc::protocol);
+  EXPECT_EQ(acc.check_state(2, good.data(), &why), Errc::ok) << why;
 }
 
 TEST(SyncAccumulator, ConcurrentWorkersApplyEveryStepExactlyOnce) {
