@@ -38,6 +38,8 @@ std::string_view op_name(std::uint16_t op) noexcept {
       return "replica_index";
     case Op::replica_clock:
       return "replica_clock";
+    case Op::replica_barrier:
+      return "replica_barrier";
   }
   return "unknown";
 }

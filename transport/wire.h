@@ -33,12 +33,13 @@ enum class Op : std::uint16_t {
   wait = 10,    // rdma: arg0 = the worker's clock; answered once a read at that clock may go; reply arg0 = the bound
   // Replication between servers (tcp; docs/protocol.md, "Replication"). arg0 = the origin: the
   // server whose keys these are. A key's record is [update count (2 floats) | value | state].
-  replicate = 11,      // keys + records: the origin's state of those keys; arg1 = kReplicaSyncing/kReplicaSynced
-                       // with no keys: a full transfer begins / is complete
-  replica_pull = 12,   // keys (record lengths); reply: their records from this server's replica of the origin
-  replica_index = 13,  // reply: text payload, a ReplicaIndex header, one ReplicaIndexEntry per key, then
-                       // the origin's clock of each worker (u64)
-  replica_clock = 14,  // arg0 = the origin | worker << 32, arg1 = the clock that worker entered at the origin
+  replicate = 11,        // keys + records: the origin's state of those keys; arg1 = kReplicaSyncing/kReplicaSynced
+                         // with no keys: a full transfer begins / is complete
+  replica_pull = 12,     // keys (record lengths); reply: their records from this server's replica of the origin
+  replica_index = 13,    // reply: text payload, a ReplicaIndex header, one ReplicaIndexEntry per key, then
+                         // the origin's clock of each worker (u64)
+  replica_clock = 14,    // arg0 = the origin | worker << 32, arg1 = the clock that worker entered at the origin
+  replica_barrier = 15,  // arg0 as replica_clock, arg1 = the barrier generation that worker entered there
 };
 
 inline constexpr std::uint32_t kReplicaSyncing = 1, kReplicaSynced = 2;
@@ -118,9 +119,18 @@ bool op_carries_values(Op op) noexcept;
 std::string_view op_name(std::uint16_t op) noexcept;
 // Ops only another server of the ring may send (it says hello as kServerPeer).
 inline bool op_is_replication(Op op) noexcept {
-  return op == Op::replicate || op == Op::replica_pull || op == Op::replica_index || op == Op::replica_clock;
+  return op == Op::replicate || op == Op::replica_pull || op == Op::replica_index || op == Op::replica_clock ||
+         op == Op::replica_barrier;
 }
-// replica_clock: the origin in arg0's low half, the worker in its high half.
+// replica_clock and replica_barrier carry a 64-bit clock or generation in 32 bits: the highest
+// (kClockDone, a finished worker) travels as UINT32_MAX, and so would any past it.
+inline std::uint32_t worker_word_arg1(std::uint64_t value) noexcept {
+  return value >= UINT32_MAX ? UINT32_MAX : static_cast<std::uint32_t>(value);
+}
+inline std::uint64_t worker_word_value(const FrameHeader& h) noexcept {
+  return h.arg1 == UINT32_MAX ? ~std::uint64_t{0} : h.arg1;
+}
+// replica_clock and replica_barrier: the origin in arg0's low half, the worker in its high half.
 inline std::uint64_t replica_clock_arg0(std::uint32_t origin, std::uint32_t worker) noexcept {
   return (std::uint64_t{worker} << 32) | origin;
 }

@@ -49,6 +49,7 @@ ShardEngine::ShardEngine(const EngineOptions& options, std::unique_ptr<MemoryRes
     }
     clocks_ = std::make_unique<ClockTable>(clock_memory, options.num_workers, true);
     barrier_gen_.assign(options.num_workers, 0);
+    barrier_seen_.assign(options.num_workers, 0);
   } else if (options.mode != ConsistencyMode::asp) {
     throw Error(Errc::invalid_argument, std::string("mode ") + std::string(to_string(options.mode)) +
                                             " needs the number of workers (--workers N)");
@@ -68,6 +69,7 @@ ShardEngine::ShardEngine(const EngineOptions& options, std::unique_ptr<MemoryRes
     r->store = Store::create(std::make_unique<HeapMemory>(Store::required_bytes(options.store)), options.store);
     r->store->keep_push_marks(marks);
     r->clocks = std::make_unique<std::atomic<std::uint64_t>[]>(options.num_workers);
+    r->barriers = std::make_unique<std::atomic<std::uint64_t>[]>(options.num_workers);
     replicas_.push_back(std::move(r));
   }
   if (options.mode == ConsistencyMode::sync) {
@@ -298,13 +300,56 @@ void ShardEngine::worker_left(std::uint32_t worker, bool cleanly) {
   release_ready();
 }
 
+class ShardEngine::EnterBarrier final : public Parked {
+ public:
+  EnterBarrier(ShardEngine& engine, std::uint32_t worker, std::uint64_t generation, std::unique_ptr<Parked> reply)
+      : engine_(engine), worker_(worker), generation_(generation), reply_(std::move(reply)) {}
+  void resume(Errc status, const std::string& why) override {
+    if (status == Errc::ok)
+      engine_.enter_barrier(worker_, generation_, std::move(reply_));
+    else
+      reply_->resume(status, why);
+  }
+
+ private:
+  ShardEngine& engine_;
+  std::uint32_t worker_;
+  std::uint64_t generation_;
+  std::unique_ptr<Parked> reply_;
+};
+
 void ShardEngine::barrier(std::uint32_t worker, std::uint64_t generation, std::unique_ptr<Parked> op) {
   {
+    // What a full transfer starting now sends: the replica must not miss an arrival it was not
+    // yet connected to receive as a shipment.
     std::lock_guard lock(mu_);
-    barrier_gen_[worker] = std::max(barrier_gen_[worker], generation);
-    waiters_.push_back(
-        Waiter{0, worker, true, generation, std::chrono::steady_clock::now() + options_.wait_timeout, std::move(op)});
+    barrier_seen_[worker] = std::max(barrier_seen_[worker], generation);
   }
+  if (replicator_)
+    replicator_->ship_barrier(worker, generation,
+                              std::make_unique<EnterBarrier>(*this, worker, generation, std::move(op)));
+  else
+    enter_barrier(worker, generation, std::move(op));
+}
+
+void ShardEngine::restore_barrier(std::uint32_t worker, std::uint64_t generation) {
+  std::lock_guard lock(mu_);
+  if (worker >= barrier_gen_.size()) return;
+  barrier_gen_[worker] = std::max(barrier_gen_[worker], generation);
+  barrier_seen_[worker] = std::max(barrier_seen_[worker], generation);
+}
+
+void ShardEngine::enter_barrier(std::uint32_t worker, std::uint64_t generation, std::unique_ptr<Parked> op) {
+  {
+    std::lock_guard lock(mu_);
+    if (!stopping_) {
+      barrier_gen_[worker] = std::max(barrier_gen_[worker], generation);
+      waiters_.push_back(
+          Waiter{0, worker, true, generation, std::chrono::steady_clock::now() + options_.wait_timeout, std::move(op)});
+    }
+  }
+  // Entered from the replicator's thread, it may come after shutdown() took the waiters.
+  if (op) return op->resume(Errc::peer_failure, "the server is shutting down");
   cv_.notify_all();
   release_ready();
 }
@@ -504,8 +549,26 @@ Errc ShardEngine::mark_replica(std::uint32_t origin, ReplicaMark mark, std::stri
   // A transfer sends the origin's clocks as they are now: those of an earlier incarnation (an
   // origin restarted from a checkpoint rather than its replicas) must not outlive it here.
   if (mark == ReplicaMark::syncing)
-    for (std::uint32_t w = 0; w < options_.num_workers; ++w) r->clocks[w].store(0, std::memory_order_relaxed);
+    for (std::uint32_t w = 0; w < options_.num_workers; ++w) {
+      r->clocks[w].store(0, std::memory_order_relaxed);
+      r->barriers[w].store(0, std::memory_order_relaxed);
+    }
   r->mark.store(static_cast<std::uint32_t>(mark), std::memory_order_release);
+  return Errc::ok;
+}
+
+Errc ShardEngine::raise_replica_word(std::atomic<std::uint64_t>* words, std::uint32_t worker, std::uint64_t value,
+                                     const char* what, std::string* why) const {
+  if (worker >= options_.num_workers) {
+    if (why)
+      *why = std::string("a ") + what + " of worker " + std::to_string(worker) +
+             ", but this server runs with --workers " + std::to_string(options_.num_workers);
+    return Errc::invalid_argument;
+  }
+  std::atomic<std::uint64_t>& w = words[worker];
+  std::uint64_t now = w.load(std::memory_order_relaxed);
+  while (now < value && !w.compare_exchange_weak(now, value, std::memory_order_relaxed)) {
+  }
   return Errc::ok;
 }
 
@@ -513,17 +576,14 @@ Errc ShardEngine::apply_replica_clock(std::uint32_t origin, std::uint32_t worker
                                       std::string* why) {
   Replica* r = replica(origin, why);
   if (!r) return Errc::invalid_argument;
-  if (worker >= options_.num_workers) {
-    if (why)
-      *why = "a clock of worker " + std::to_string(worker) + ", but this server runs with --workers " +
-             std::to_string(options_.num_workers);
-    return Errc::invalid_argument;
-  }
-  std::atomic<std::uint64_t>& c = r->clocks[worker];
-  std::uint64_t now = c.load(std::memory_order_relaxed);
-  while (now < clock && !c.compare_exchange_weak(now, clock, std::memory_order_relaxed)) {
-  }
-  return Errc::ok;
+  return raise_replica_word(r->clocks.get(), worker, clock, "clock", why);
+}
+
+Errc ShardEngine::apply_replica_barrier(std::uint32_t origin, std::uint32_t worker, std::uint64_t generation,
+                                        std::string* why) {
+  Replica* r = replica(origin, why);
+  if (!r) return Errc::invalid_argument;
+  return raise_replica_word(r->barriers.get(), worker, generation, "barrier", why);
 }
 
 Errc ShardEngine::replica_clocks(std::uint32_t origin, std::vector<std::uint64_t>* clocks, std::string* why) const {
@@ -535,6 +595,21 @@ Errc ShardEngine::replica_clocks(std::uint32_t origin, std::vector<std::uint64_t
   const Replica* r = replica(origin, why);
   if (!r) return Errc::invalid_argument;
   for (std::uint32_t w = 0; w < clocks->size(); ++w) (*clocks)[w] = r->clocks[w].load(std::memory_order_relaxed);
+  return Errc::ok;
+}
+
+Errc ShardEngine::replica_barriers(std::uint32_t origin, std::vector<std::uint64_t>* generations,
+                                   std::string* why) const {
+  generations->assign(clocks_ ? options_.num_workers : 0, 0);
+  if (origin == options_.server_id) {
+    std::lock_guard lock(mu_);
+    std::copy(barrier_seen_.begin(), barrier_seen_.end(), generations->begin());
+    return Errc::ok;
+  }
+  const Replica* r = replica(origin, why);
+  if (!r) return Errc::invalid_argument;
+  for (std::uint32_t w = 0; w < generations->size(); ++w)
+    (*generations)[w] = r->barriers[w].load(std::memory_order_relaxed);
   return Errc::ok;
 }
 

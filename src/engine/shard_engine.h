@@ -71,6 +71,9 @@ class Replicator {
   // `worker` just entered `clock` here; `reply` resumes (ok) once every live replica knows, in
   // order with what was shipped before it.
   virtual void ship_clock(std::uint32_t worker, std::uint64_t clock, std::unique_ptr<Parked> reply) = 0;
+  // `worker` enters barrier `generation` here once `reply` resumes (ok): every live replica
+  // knows it by then.
+  virtual void ship_barrier(std::uint32_t worker, std::uint64_t generation, std::unique_ptr<Parked> reply) = 0;
   virtual JsonObject stats() const = 0;
 };
 
@@ -141,8 +144,13 @@ class ShardEngine {
   // since a worker that reconnects (e.g. after a server restart) has not died.
   void worker_joined(std::uint32_t worker);
 
-  // Completes when all live workers reached generation `generation`.
+  // Completes when all live workers reached generation `generation`. With a replicator, the
+  // worker enters it once the replicas know it has: a server restarted with --rejoin then knows
+  // every arrival it counted, and a worker sending a barrier again after the restart is not left
+  // waiting for workers that passed it and never send it again.
   void barrier(std::uint32_t worker, std::uint64_t generation, std::unique_ptr<Parked> op);
+  // A rejoining server takes back the barrier generation its replicas say `worker` entered.
+  void restore_barrier(std::uint32_t worker, std::uint64_t generation);
 
   // Replication. A key's record is [its version: the origin's epoch and seqlock version | update
   // count | each worker's push mark (PushId) | value | optimizer state], the words as 2 floats
@@ -164,6 +172,9 @@ class ShardEngine {
   // Each worker's clock in the replica of `origin`, or this server's own when origin is its id
   // (empty without workers).
   Errc replica_clocks(std::uint32_t origin, std::vector<std::uint64_t>* clocks, std::string* why) const;
+  // The same for each worker's barrier generation.
+  Errc apply_replica_barrier(std::uint32_t origin, std::uint32_t worker, std::uint64_t generation, std::string* why);
+  Errc replica_barriers(std::uint32_t origin, std::vector<std::uint64_t>* generations, std::string* why) const;
   // The records of `keys` (lengths are record lengths) from the replica of `origin`, or from this
   // server's own store when origin is its own id.
   Errc read_records(std::uint32_t origin, std::span<const KeyEntry> keys, float* out, std::string* why);
@@ -198,6 +209,11 @@ class ShardEngine {
   };
   // Finds every key's slot (pipelined) and checks each exists with the requested length.
   Errc lookup(std::span<const KeyEntry> keys, std::vector<SlotRef>& slots, std::string* why) const;
+  class EnterBarrier;
+  void enter_barrier(std::uint32_t worker, std::uint64_t generation, std::unique_ptr<Parked> op);
+  // A per-worker word of a replica (a clock, a barrier generation) takes `value` if higher.
+  Errc raise_replica_word(std::atomic<std::uint64_t>* words, std::uint32_t worker, std::uint64_t value,
+                          const char* what, std::string* why) const;
   void release_ready();
   void watchdog();
   std::string describe_laggard(std::uint64_t need) const;
@@ -214,9 +230,10 @@ class ShardEngine {
   struct Replica {
     std::uint32_t origin;
     std::unique_ptr<Store> store;
-    std::atomic<std::uint32_t> mark{0};                    // ReplicaMark, 0 before any transfer
-    std::unique_ptr<std::atomic<std::uint64_t>[]> clocks;  // per worker, the origin's
-    std::unique_ptr<SyncAccumulator> sync;                 // sync mode: the origin's pending steps
+    std::atomic<std::uint32_t> mark{0};                      // ReplicaMark, 0 before any transfer
+    std::unique_ptr<std::atomic<std::uint64_t>[]> clocks;    // per worker, the origin's
+    std::unique_ptr<std::atomic<std::uint64_t>[]> barriers;  // per worker, its generation there
+    std::unique_ptr<SyncAccumulator> sync;                   // sync mode: the origin's pending steps
   };
   std::vector<std::unique_ptr<Replica>> replicas_;
   Replicator* replicator_ = nullptr;
@@ -230,7 +247,8 @@ class ShardEngine {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::vector<Waiter> waiters_;
-  std::vector<std::uint64_t> barrier_gen_;  // last barrier generation each worker entered
+  std::vector<std::uint64_t> barrier_gen_;   // last barrier generation each worker entered
+  std::vector<std::uint64_t> barrier_seen_;  // ... or asked to enter (entered once replicated)
   bool stopping_ = false;
   std::string failure_;
   std::uint32_t failure_worker_ = kNoWorker;  // the worker whose disconnect caused failure_

@@ -251,15 +251,24 @@ void TcpReplicator::ship(std::span<const KeyEntry> keys, std::unique_ptr<Parked>
 }
 
 void TcpReplicator::ship_clock(std::uint32_t worker, std::uint64_t clock, std::unique_ptr<Parked> reply) {
+  ship_worker_word(wire::Op::replica_clock, worker, clock, std::move(reply));
+}
+
+void TcpReplicator::ship_barrier(std::uint32_t worker, std::uint64_t generation, std::unique_ptr<Parked> reply) {
+  ship_worker_word(wire::Op::replica_barrier, worker, generation, std::move(reply));
+}
+
+void TcpReplicator::ship_worker_word(wire::Op op, std::uint32_t worker, std::uint64_t value,
+                                     std::unique_ptr<Parked> reply) {
   if (stopping_.load()) {
     if (reply) reply->resume(Errc::peer_failure, "the server is stopping");
     return;
   }
   auto s = take_shipment();
   s->reply = std::move(reply);
-  s->op = wire::Op::replica_clock;
+  s->op = op;
   s->arg0 = wire::replica_clock_arg0(options_.server_id, worker);
-  s->arg1 = clock;
+  s->arg1 = wire::worker_word_arg1(value);
   s->keys.clear();
   s->slices.clear();
   s->record_floats = 0;
@@ -396,8 +405,9 @@ bool TcpReplicator::full_transfer(Replica& r, const std::shared_ptr<transport::C
   // are applied, so the snapshots below hold them, and the replica never knows a clock without
   // its step. (Those shipped meanwhile may overtake these: the replica keeps the highest.)
   std::string why;
-  std::vector<std::uint64_t> clocks;
+  std::vector<std::uint64_t> clocks, barriers;
   engine_.replica_clocks(options_.server_id, &clocks, &why);
+  engine_.replica_barriers(options_.server_id, &barriers, &why);
   std::vector<std::pair<Key, std::uint32_t>> keys;
   bool synced = false;
   engine_.replica_keys(options_.server_id, &keys, &synced, &why);
@@ -418,20 +428,27 @@ bool TcpReplicator::full_transfer(Replica& r, const std::shared_ptr<transport::C
     prepare(s, leg, ranges);
     if (!keeper_send(r, conn, leg)) return false;
   }
-  // Then the clocks, which a rejoining origin takes back with its keys.
-  if (!clocks.empty() && !stopping_.load()) {
-    Leg leg;
-    headers_only(leg, clocks.size());
-    for (std::uint32_t w = 0; w < clocks.size(); ++w) {
-      leg.requests[w].op = wire::Op::replica_clock;
-      leg.requests[w].arg0 = wire::replica_clock_arg0(options_.server_id, w);
-      leg.requests[w].arg1 = clocks[w];
-    }
-    if (!keeper_send(r, conn, leg)) return false;
-  }
+  // Then the clocks and barrier generations, which a rejoining origin takes back with its keys.
+  if (!send_worker_words(r, conn, wire::Op::replica_clock, clocks) ||
+      !send_worker_words(r, conn, wire::Op::replica_barrier, barriers))
+    return false;
   if (stopping_.load() || !mark(wire::kReplicaSynced)) return false;
   r.transfers.fetch_add(1, std::memory_order_relaxed);
   return true;
+}
+
+bool TcpReplicator::send_worker_words(Replica& r, const std::shared_ptr<transport::Connection>& conn, wire::Op op,
+                                      const std::vector<std::uint64_t>& values) {
+  if (values.empty()) return !stopping_.load();
+  if (stopping_.load()) return false;
+  Leg leg;
+  headers_only(leg, values.size());
+  for (std::uint32_t w = 0; w < values.size(); ++w) {
+    leg.requests[w].op = op;
+    leg.requests[w].arg0 = wire::replica_clock_arg0(options_.server_id, w);
+    leg.requests[w].arg1 = wire::worker_word_arg1(values[w]);
+  }
+  return keeper_send(r, conn, leg);
 }
 
 bool TcpReplicator::still_there(Replica& r) {
@@ -574,7 +591,8 @@ void take_replica(ShardEngine& engine, const ReplicaPeer& peer, const Replicator
     throw Error(Errc::protocol, "its replica holds the clocks of " + std::to_string(head.workers) +
                                     " workers, this server runs with " + std::to_string(workers) +
                                     " (start every server with the same --workers)");
-  const std::uint64_t clock_bytes = std::uint64_t{head.workers} * sizeof(std::uint64_t);
+  // Each worker's clock, then each one's barrier generation.
+  const std::uint64_t clock_bytes = 2 * std::uint64_t{head.workers} * sizeof(std::uint64_t);
   if (index.size() - sizeof head < clock_bytes ||
       (index.size() - sizeof head - clock_bytes) % sizeof(wire::ReplicaIndexEntry) != 0 ||
       head.keys != (index.size() - sizeof head - clock_bytes) / sizeof(wire::ReplicaIndexEntry))
@@ -619,11 +637,15 @@ void take_replica(ShardEngine& engine, const ReplicaPeer& peer, const Replicator
   // Every clock this server acknowledged before it died (a clock is answered once its replicas
   // know it): a worker waiting here for another's clock would otherwise wait for a clock that
   // the other, having seen it answered, never sends again.
+  // So is every barrier arrival it counted: a worker sending a barrier again here would otherwise
+  // wait for workers that passed it.
   const char* clocks = index.data() + sizeof head + head.keys * sizeof(wire::ReplicaIndexEntry);
   for (std::uint32_t w = 0; w < head.workers; ++w) {
-    std::uint64_t c = 0;
+    std::uint64_t c = 0, generation = 0;
     std::memcpy(&c, clocks + w * sizeof c, sizeof c);
+    std::memcpy(&generation, clocks + (head.workers + w) * sizeof c, sizeof c);
     if (c > 0) engine.advance_clock(w, c);
+    engine.restore_barrier(w, generation);
   }
 }
 }  // namespace

@@ -61,6 +61,7 @@ class TcpReplicator final : public Replicator {
   void release(std::span<const KeyEntry> keys) override;
   void ship(std::span<const KeyEntry> keys, std::unique_ptr<Parked> reply) override;
   void ship_clock(std::uint32_t worker, std::uint64_t clock, std::unique_ptr<Parked> reply) override;
+  void ship_barrier(std::uint32_t worker, std::uint64_t generation, std::unique_ptr<Parked> reply) override;
   JsonObject stats() const override;
   // Waits (up to the io timeout) for the acknowledgements of what was shipped, resumes every
   // waiting reply, and stops the threads. Call after the listener drained, before it closes.
@@ -111,7 +112,8 @@ class TcpReplicator final : public Replicator {
   };
   // One request's records (or one worker's clock), in flight to every live replica.
   struct Shipment {
-    // What each leg's requests are: `replicate` (arg0 = this server), or `replica_clock`.
+    // What each leg's requests are: `replicate` (arg0 = this server), `replica_clock` or
+    // `replica_barrier`.
     wire::Op op = wire::Op::replicate;
     std::uint64_t arg0 = 0, arg1 = 0;
     std::vector<KeyEntry> keys;  // record lengths
@@ -132,6 +134,11 @@ class TcpReplicator final : public Replicator {
   void prepare(Shipment& s, Leg& leg, const std::vector<std::pair<std::size_t, std::size_t>>& ranges);
   // Hands a prepared shipment to every live replica (its records to `ranges`' requests) and
   // queues it for the acker.
+  // A clock or barrier generation `worker` entered here (op replica_clock or replica_barrier).
+  void ship_worker_word(wire::Op op, std::uint32_t worker, std::uint64_t value, std::unique_ptr<Parked> reply);
+  // Every worker's clock or generation, as a full transfer sends them.
+  bool send_worker_words(Replica& r, const std::shared_ptr<transport::Connection>& conn, wire::Op op,
+                         const std::vector<std::uint64_t>& values);
   void dispatch(std::unique_ptr<Shipment> s, const std::vector<std::pair<std::size_t, std::size_t>>& ranges);
   static void send(Leg& leg) noexcept;
   // The keeper's own legs (a full transfer): sent from its thread, counted while unanswered.

@@ -564,6 +564,33 @@ TEST(TcpReplicationClocks, ARejoinedServerKnowsEveryClockItAcknowledged) {
   EXPECT_NO_THROW(behind.wait(behind.pull(keys, spans)));
 }
 
+// Barrier arrivals are replicated like clocks: both workers pass barrier 1 on server 0, which
+// is then killed and restarted with --rejoin. Worker 1 sends barrier 1 again (as a retrying
+// client whose answer was lost would): the restarted server must know that worker 0 arrived,
+// or worker 1 waits for a worker that passed and never sends it again, until the wait timeout.
+TEST(TcpReplicationClocks, ARejoinedServerKnowsEveryBarrierArrival) {
+  Ring ring(2, 2, {"--workers", "2", "--wait-timeout-ms", "3000"});
+  ClientOptions o;
+  o.servers = ring.uris();
+  ClientOptions w0 = o, w1 = o;
+  w0.worker_id = 0;
+  w1.worker_id = 1;
+  {
+    Client first(w0);  // stays connected: under the default policy a departure fails the job
+    {
+      Client second(w1);
+      const Ticket a = first.barrier_async();
+      second.barrier();
+      first.wait(a);
+      wait_synced(ring, 2);
+      ring.kill(0);
+      ring.restart(0);
+    }
+    Client again(w1);
+    EXPECT_NO_THROW(again.barrier());
+  }
+}
+
 // The other half: a clock is not answered before the replicas know it. Server 1, server 0's
 // replica, is stopped (SIGSTOP), so server 0 cannot answer a clock until it drops server 1 at
 // the frame timeout (5 s). The worker's client names server 0 alone, so its clock waits for
