@@ -40,6 +40,8 @@ std::string_view op_name(std::uint16_t op) noexcept {
       return "replica_clock";
     case Op::replica_barrier:
       return "replica_barrier";
+    case Op::replica_evict:
+      return "replica_evict";
   }
   return "unknown";
 }

@@ -40,6 +40,7 @@ enum class Op : std::uint16_t {
                          // the origin's clock of each worker (u64)
   replica_clock = 14,    // arg0 = the origin | worker << 32, arg1 = the clock that worker entered at the origin
   replica_barrier = 15,  // arg0 as replica_clock, arg1 = the barrier generation that worker entered there
+  replica_evict = 16,    // arg0 as replica_clock, arg1 = 1: the origin evicted that worker (a straggler)
 };
 
 inline constexpr std::uint32_t kReplicaSyncing = 1, kReplicaSynced = 2;
@@ -120,7 +121,7 @@ std::string_view op_name(std::uint16_t op) noexcept;
 // Ops only another server of the ring may send (it says hello as kServerPeer).
 inline bool op_is_replication(Op op) noexcept {
   return op == Op::replicate || op == Op::replica_pull || op == Op::replica_index || op == Op::replica_clock ||
-         op == Op::replica_barrier;
+         op == Op::replica_barrier || op == Op::replica_evict;
 }
 // replica_clock and replica_barrier carry a 64-bit clock or generation in 32 bits: the highest
 // (kClockDone, a finished worker) travels as UINT32_MAX, and so would any past it.

@@ -70,6 +70,7 @@ ShardEngine::ShardEngine(const EngineOptions& options, std::unique_ptr<MemoryRes
     r->store->keep_push_marks(marks);
     r->clocks = std::make_unique<std::atomic<std::uint64_t>[]>(options.num_workers);
     r->barriers = std::make_unique<std::atomic<std::uint64_t>[]>(options.num_workers);
+    r->evicted = std::make_unique<std::atomic<std::uint64_t>[]>(options.num_workers);
     replicas_.push_back(std::move(r));
   }
   if (options.mode == ConsistencyMode::sync) {
@@ -265,9 +266,7 @@ void ShardEngine::worker_left(std::uint32_t worker, bool cleanly) {
   if (cleanly) {
     clocks_->finish(worker);
   } else if (options_.straggler == StragglerPolicy::evict) {
-    clocks_->evict(worker);
-    std::lock_guard lock(mu_);
-    ++stats_.evictions;
+    evict(worker);
   } else {
     // Fail fast: anyone waiting on this worker gets told now rather than at the timeout.
     std::vector<Waiter> failed;
@@ -339,6 +338,10 @@ void ShardEngine::restore_barrier(std::uint32_t worker, std::uint64_t generation
   barrier_seen_[worker] = std::max(barrier_seen_[worker], generation);
 }
 
+void ShardEngine::restore_eviction(std::uint32_t worker) {
+  if (clocks_ && worker < clocks_->workers()) clocks_->evict(worker);
+}
+
 void ShardEngine::enter_barrier(std::uint32_t worker, std::uint64_t generation, std::unique_ptr<Parked> op) {
   {
     std::lock_guard lock(mu_);
@@ -393,6 +396,18 @@ std::string ShardEngine::describe_laggard(std::uint64_t need) const {
   return os.str();
 }
 
+void ShardEngine::evict(std::uint32_t worker) {
+  if (clocks_->evicted(worker)) return;
+  clocks_->evict(worker);
+  {
+    std::lock_guard lock(mu_);
+    ++stats_.evictions;
+  }
+  // Not waited for: one the replicas miss when this server dies is made again there, after the
+  // wait timeout.
+  if (replicator_) replicator_->ship_eviction(worker);
+}
+
 void ShardEngine::watchdog() {
   std::unique_lock lock(mu_);
   while (!stopping_) {
@@ -402,7 +417,7 @@ void ShardEngine::watchdog() {
     if (stopping_) break;
     const auto now = std::chrono::steady_clock::now();
     std::vector<Waiter> expired;
-    bool evicted_any = false;
+    std::vector<std::uint32_t> stragglers;
     for (auto it = waiters_.begin(); it != waiters_.end();) {
       if (it->deadline > now) {
         ++it;
@@ -414,11 +429,9 @@ void ShardEngine::watchdog() {
         for (std::uint32_t w = 0; w < clocks_->workers(); ++w) {
           const std::uint64_t c = clocks_->clock(w);
           const bool blocks = it->barrier ? barrier_gen_[w] < it->generation : c < it->need;
-          if (blocks && c != kClockDone && !clocks_->evicted(w) && clocks_->last_progress_ns(w) <= stale_before) {
-            clocks_->evict(w);
-            ++stats_.evictions;
-            evicted_any = true;
-          }
+          if (blocks && c != kClockDone && !clocks_->evicted(w) && clocks_->last_progress_ns(w) <= stale_before &&
+              std::find(stragglers.begin(), stragglers.end(), w) == stragglers.end())
+            stragglers.push_back(w);
         }
         it->deadline = now + options_.wait_timeout;
         ++it;
@@ -427,7 +440,7 @@ void ShardEngine::watchdog() {
       expired.push_back(std::move(*it));
       it = waiters_.erase(it);
     }
-    if (!expired.empty() || evicted_any) {
+    if (!expired.empty() || !stragglers.empty()) {
       std::vector<std::pair<Waiter, std::string>> fail;
       for (auto& w : expired) {
         ++stats_.timeouts;
@@ -440,7 +453,8 @@ void ShardEngine::watchdog() {
       }
       lock.unlock();
       for (auto& [w, why] : fail) w.op->resume(Errc::timeout, why);
-      if (evicted_any) release_ready();
+      for (std::uint32_t w : stragglers) evict(w);
+      if (!stragglers.empty()) release_ready();
       lock.lock();
     }
   }
@@ -552,6 +566,7 @@ Errc ShardEngine::mark_replica(std::uint32_t origin, ReplicaMark mark, std::stri
     for (std::uint32_t w = 0; w < options_.num_workers; ++w) {
       r->clocks[w].store(0, std::memory_order_relaxed);
       r->barriers[w].store(0, std::memory_order_relaxed);
+      r->evicted[w].store(0, std::memory_order_relaxed);
     }
   r->mark.store(static_cast<std::uint32_t>(mark), std::memory_order_release);
   return Errc::ok;
@@ -584,6 +599,24 @@ Errc ShardEngine::apply_replica_barrier(std::uint32_t origin, std::uint32_t work
   Replica* r = replica(origin, why);
   if (!r) return Errc::invalid_argument;
   return raise_replica_word(r->barriers.get(), worker, generation, "barrier", why);
+}
+
+Errc ShardEngine::apply_replica_eviction(std::uint32_t origin, std::uint32_t worker, std::string* why) {
+  Replica* r = replica(origin, why);
+  if (!r) return Errc::invalid_argument;
+  return raise_replica_word(r->evicted.get(), worker, 1, "eviction", why);
+}
+
+Errc ShardEngine::replica_evictions(std::uint32_t origin, std::vector<std::uint64_t>* evicted, std::string* why) const {
+  evicted->assign(clocks_ ? options_.num_workers : 0, 0);
+  if (origin == options_.server_id) {
+    for (std::uint32_t w = 0; w < evicted->size(); ++w) (*evicted)[w] = clocks_->evicted(w) ? 1 : 0;
+    return Errc::ok;
+  }
+  const Replica* r = replica(origin, why);
+  if (!r) return Errc::invalid_argument;
+  for (std::uint32_t w = 0; w < evicted->size(); ++w) (*evicted)[w] = r->evicted[w].load(std::memory_order_relaxed);
+  return Errc::ok;
 }
 
 Errc ShardEngine::replica_clocks(std::uint32_t origin, std::vector<std::uint64_t>* clocks, std::string* why) const {

@@ -74,6 +74,8 @@ class Replicator {
   // `worker` enters barrier `generation` here once `reply` resumes (ok): every live replica
   // knows it by then.
   virtual void ship_barrier(std::uint32_t worker, std::uint64_t generation, std::unique_ptr<Parked> reply) = 0;
+  // `worker` was evicted here (a straggler); shipped in order, answering nobody.
+  virtual void ship_eviction(std::uint32_t worker) = 0;
   virtual JsonObject stats() const = 0;
 };
 
@@ -149,8 +151,10 @@ class ShardEngine {
   // every arrival it counted, and a worker sending a barrier again after the restart is not left
   // waiting for workers that passed it and never send it again.
   void barrier(std::uint32_t worker, std::uint64_t generation, std::unique_ptr<Parked> op);
-  // A rejoining server takes back the barrier generation its replicas say `worker` entered.
+  // A rejoining server takes back the barrier generation its replicas say `worker` entered, and
+  // an eviction they say it made.
   void restore_barrier(std::uint32_t worker, std::uint64_t generation);
+  void restore_eviction(std::uint32_t worker);
 
   // Replication. A key's record is [its version: the origin's epoch and seqlock version | update
   // count | each worker's push mark (PushId) | value | optimizer state], the words as 2 floats
@@ -175,6 +179,9 @@ class ShardEngine {
   // The same for each worker's barrier generation.
   Errc apply_replica_barrier(std::uint32_t origin, std::uint32_t worker, std::uint64_t generation, std::string* why);
   Errc replica_barriers(std::uint32_t origin, std::vector<std::uint64_t>* generations, std::string* why) const;
+  // And whether each worker was evicted (1) or not (0).
+  Errc apply_replica_eviction(std::uint32_t origin, std::uint32_t worker, std::string* why);
+  Errc replica_evictions(std::uint32_t origin, std::vector<std::uint64_t>* evicted, std::string* why) const;
   // The records of `keys` (lengths are record lengths) from the replica of `origin`, or from this
   // server's own store when origin is its own id.
   Errc read_records(std::uint32_t origin, std::span<const KeyEntry> keys, float* out, std::string* why);
@@ -214,6 +221,8 @@ class ShardEngine {
   // A per-worker word of a replica (a clock, a barrier generation) takes `value` if higher.
   Errc raise_replica_word(std::atomic<std::uint64_t>* words, std::uint32_t worker, std::uint64_t value,
                           const char* what, std::string* why) const;
+  // Evicts a straggler and tells the replicas (not under mu_: shipping may wait for room).
+  void evict(std::uint32_t worker);
   void release_ready();
   void watchdog();
   std::string describe_laggard(std::uint64_t need) const;
@@ -233,6 +242,7 @@ class ShardEngine {
     std::atomic<std::uint32_t> mark{0};                      // ReplicaMark, 0 before any transfer
     std::unique_ptr<std::atomic<std::uint64_t>[]> clocks;    // per worker, the origin's
     std::unique_ptr<std::atomic<std::uint64_t>[]> barriers;  // per worker, its generation there
+    std::unique_ptr<std::atomic<std::uint64_t>[]> evicted;   // per worker, 1 once evicted there
     std::unique_ptr<SyncAccumulator> sync;                   // sync mode: the origin's pending steps
   };
   std::vector<std::unique_ptr<Replica>> replicas_;

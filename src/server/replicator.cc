@@ -258,6 +258,10 @@ void TcpReplicator::ship_barrier(std::uint32_t worker, std::uint64_t generation,
   ship_worker_word(wire::Op::replica_barrier, worker, generation, std::move(reply));
 }
 
+void TcpReplicator::ship_eviction(std::uint32_t worker) {
+  ship_worker_word(wire::Op::replica_evict, worker, 1, nullptr);
+}
+
 void TcpReplicator::ship_worker_word(wire::Op op, std::uint32_t worker, std::uint64_t value,
                                      std::unique_ptr<Parked> reply) {
   if (stopping_.load()) {
@@ -405,9 +409,10 @@ bool TcpReplicator::full_transfer(Replica& r, const std::shared_ptr<transport::C
   // are applied, so the snapshots below hold them, and the replica never knows a clock without
   // its step. (Those shipped meanwhile may overtake these: the replica keeps the highest.)
   std::string why;
-  std::vector<std::uint64_t> clocks, barriers;
+  std::vector<std::uint64_t> clocks, barriers, evictions;
   engine_.replica_clocks(options_.server_id, &clocks, &why);
   engine_.replica_barriers(options_.server_id, &barriers, &why);
+  engine_.replica_evictions(options_.server_id, &evictions, &why);
   std::vector<std::pair<Key, std::uint32_t>> keys;
   bool synced = false;
   engine_.replica_keys(options_.server_id, &keys, &synced, &why);
@@ -428,9 +433,11 @@ bool TcpReplicator::full_transfer(Replica& r, const std::shared_ptr<transport::C
     prepare(s, leg, ranges);
     if (!keeper_send(r, conn, leg)) return false;
   }
-  // Then the clocks and barrier generations, which a rejoining origin takes back with its keys.
+  // Then the clocks, barrier generations and evictions, which a rejoining origin takes back with
+  // its keys.
   if (!send_worker_words(r, conn, wire::Op::replica_clock, clocks) ||
-      !send_worker_words(r, conn, wire::Op::replica_barrier, barriers))
+      !send_worker_words(r, conn, wire::Op::replica_barrier, barriers) ||
+      !send_worker_words(r, conn, wire::Op::replica_evict, evictions))
     return false;
   if (stopping_.load() || !mark(wire::kReplicaSynced)) return false;
   r.transfers.fetch_add(1, std::memory_order_relaxed);
@@ -591,8 +598,8 @@ void take_replica(ShardEngine& engine, const ReplicaPeer& peer, const Replicator
     throw Error(Errc::protocol, "its replica holds the clocks of " + std::to_string(head.workers) +
                                     " workers, this server runs with " + std::to_string(workers) +
                                     " (start every server with the same --workers)");
-  // Each worker's clock, then each one's barrier generation.
-  const std::uint64_t clock_bytes = 2 * std::uint64_t{head.workers} * sizeof(std::uint64_t);
+  // Each worker's clock, then each one's barrier generation, then whether it was evicted.
+  const std::uint64_t clock_bytes = 3 * std::uint64_t{head.workers} * sizeof(std::uint64_t);
   if (index.size() - sizeof head < clock_bytes ||
       (index.size() - sizeof head - clock_bytes) % sizeof(wire::ReplicaIndexEntry) != 0 ||
       head.keys != (index.size() - sizeof head - clock_bytes) / sizeof(wire::ReplicaIndexEntry))
@@ -641,11 +648,13 @@ void take_replica(ShardEngine& engine, const ReplicaPeer& peer, const Replicator
   // wait for workers that passed it.
   const char* clocks = index.data() + sizeof head + head.keys * sizeof(wire::ReplicaIndexEntry);
   for (std::uint32_t w = 0; w < head.workers; ++w) {
-    std::uint64_t c = 0, generation = 0;
+    std::uint64_t c = 0, generation = 0, evicted = 0;
     std::memcpy(&c, clocks + w * sizeof c, sizeof c);
     std::memcpy(&generation, clocks + (head.workers + w) * sizeof c, sizeof c);
+    std::memcpy(&evicted, clocks + (2 * head.workers + w) * sizeof c, sizeof c);
     if (c > 0) engine.advance_clock(w, c);
     engine.restore_barrier(w, generation);
+    if (evicted) engine.restore_eviction(w);
   }
 }
 }  // namespace

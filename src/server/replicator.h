@@ -62,6 +62,7 @@ class TcpReplicator final : public Replicator {
   void ship(std::span<const KeyEntry> keys, std::unique_ptr<Parked> reply) override;
   void ship_clock(std::uint32_t worker, std::uint64_t clock, std::unique_ptr<Parked> reply) override;
   void ship_barrier(std::uint32_t worker, std::uint64_t generation, std::unique_ptr<Parked> reply) override;
+  void ship_eviction(std::uint32_t worker) override;
   JsonObject stats() const override;
   // Waits (up to the io timeout) for the acknowledgements of what was shipped, resumes every
   // waiting reply, and stops the threads. Call after the listener drained, before it closes.
@@ -112,8 +113,8 @@ class TcpReplicator final : public Replicator {
   };
   // One request's records (or one worker's clock), in flight to every live replica.
   struct Shipment {
-    // What each leg's requests are: `replicate` (arg0 = this server), `replica_clock` or
-    // `replica_barrier`.
+    // What each leg's requests are: `replicate` (arg0 = this server), `replica_clock`,
+    // `replica_barrier` or `replica_evict`.
     wire::Op op = wire::Op::replicate;
     std::uint64_t arg0 = 0, arg1 = 0;
     std::vector<KeyEntry> keys;  // record lengths

@@ -591,6 +591,37 @@ TEST(TcpReplicationClocks, ARejoinedServerKnowsEveryBarrierArrival) {
   }
 }
 
+// So are evictions: worker 1 never moves, and server 0 evicts it after the wait timeout so that
+// worker 0's bounded read goes on. Killed and restarted with --rejoin, server 0 must still know
+// it evicted worker 1; otherwise worker 0's next read waits a whole timeout again and the
+// straggler is evicted a second time.
+TEST(TcpReplicationClocks, ARejoinedServerKnowsWhomItEvicted) {
+  Ring ring(2, 2, {"--workers", "2", "--mode", "bsp", "--straggler-policy", "evict", "--wait-timeout-ms", "1000"});
+  ClientOptions o;
+  o.servers = {ring.uris()[0]};  // everything on server 0
+  const std::vector<Key> keys = make_keys(o, 4, 16);
+  ClientOptions w0 = o, w1 = o;
+  w0.worker_id = 0;
+  w1.worker_id = 1;
+  std::vector<std::vector<float>> out(keys.size(), std::vector<float>(16));
+  std::vector<std::span<float>> spans(out.begin(), out.end());
+  Client straggler(w1);  // connected and silent: a departure would evict it at once
+  {
+    Client ahead(w0);
+    for (int i = 0; i < 3; ++i) ahead.clock();
+    ahead.wait(ahead.pull(keys, spans));  // answered once worker 1 is evicted
+    EXPECT_EQ(testing::stats_field(ahead.server_stats(0), "evictions"), 1);
+  }
+  wait_synced(ring, 2);
+  ring.kill(0);
+  ring.restart(0);
+  w0.initial_clock = 4;
+  Client again(w0);
+  again.wait(again.pull(keys, spans));
+  EXPECT_EQ(testing::stats_field(again.server_stats(0), "evictions"), 0)
+      << "the restarted server waited for, and evicted again, a worker evicted before: " << again.server_stats(0);
+}
+
 // The other half: a clock is not answered before the replicas know it. Server 1, server 0's
 // replica, is stopped (SIGSTOP), so server 0 cannot answer a clock until it drops server 1 at
 // the frame timeout (5 s). The worker's client names server 0 alone, so its clock waits for

@@ -348,6 +348,7 @@ bool IoThread::dispatch(ServerConn& c, const wire::FrameHeader& h) {
     case wire::Op::replica_index:
     case wire::Op::replica_clock:
     case wire::Op::replica_barrier:
+    case wire::Op::replica_evict:
       return send_error(c, h, Errc::unsupported,
                         "replication between servers runs over tcp:// (an rdma:// server's --peer-uri), not rdma://");
   }

@@ -1135,29 +1135,37 @@ bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payl
       break;
     }
     case wire::Op::replica_clock:
-    case wire::Op::replica_barrier: {
+    case wire::Op::replica_barrier:
+    case wire::Op::replica_evict: {
       if (h.num_keys != 0) {
         status = Errc::protocol;
         why = std::string(wire::op_name(h.op)) + " carries no keys";
         break;
       }
       const std::uint32_t origin = wire::replica_clock_origin(h), worker = wire::replica_clock_worker(h);
-      status = static_cast<wire::Op>(h.op) == wire::Op::replica_clock
+      const auto op = static_cast<wire::Op>(h.op);
+      status = op == wire::Op::replica_clock
                    ? engine_.apply_replica_clock(origin, worker, wire::worker_word_value(h), &why)
-                   : engine_.apply_replica_barrier(origin, worker, wire::worker_word_value(h), &why);
+               : op == wire::Op::replica_barrier
+                   ? engine_.apply_replica_barrier(origin, worker, wire::worker_word_value(h), &why)
+                   : engine_.apply_replica_eviction(origin, worker, &why);
       break;
     }
     case wire::Op::replica_pull:
       return answer_records(peer, h);
     case wire::Op::replica_index: {
       std::vector<std::pair<Key, std::uint32_t>> keys;
-      std::vector<std::uint64_t> clocks, barriers;
+      std::vector<std::uint64_t> clocks, barriers, evictions;
       bool synced = false;
-      status = engine_.replica_keys(static_cast<std::uint32_t>(h.arg0), &keys, &synced, &why);
-      if (status == Errc::ok) status = engine_.replica_clocks(static_cast<std::uint32_t>(h.arg0), &clocks, &why);
-      if (status == Errc::ok) status = engine_.replica_barriers(static_cast<std::uint32_t>(h.arg0), &barriers, &why);
+      const auto origin = static_cast<std::uint32_t>(h.arg0);
+      status = engine_.replica_keys(origin, &keys, &synced, &why);
+      if (status == Errc::ok) status = engine_.replica_clocks(origin, &clocks, &why);
+      if (status == Errc::ok) status = engine_.replica_barriers(origin, &barriers, &why);
+      if (status == Errc::ok) status = engine_.replica_evictions(origin, &evictions, &why);
       if (status != Errc::ok) break;
-      clocks.insert(clocks.end(), barriers.begin(), barriers.end());  // each worker's clock, then generation
+      // Each worker's clock, then each one's barrier generation, then whether it was evicted.
+      clocks.insert(clocks.end(), barriers.begin(), barriers.end());
+      clocks.insert(clocks.end(), evictions.begin(), evictions.end());
       const wire::ReplicaIndexHeader head{synced ? 1u : 0u, static_cast<std::uint32_t>(barriers.size()), keys.size()};
       const std::size_t entries = sizeof head + keys.size() * sizeof(wire::ReplicaIndexEntry);
       std::string bytes(entries + clocks.size() * sizeof(std::uint64_t), '\0');
