@@ -49,14 +49,14 @@ struct ClientOptions {
   // the token to every server and refuses a server that cannot prove it back. Unused by shm://,
   // whose segments are protected by their file mode.
   std::string auth_token_file;
-  // tcp, servers run with --replicas: when a server's connection fails (it died, or went silent
+  // tcp and rdma, servers run with --replicas: when a server's connection fails (it died, or went silent
   // past io_timeout), keep reconnecting to it for up to this long and send its unanswered
   // requests again, in order, instead of failing them: a server restarted with --rejoin takes
   // its keys back from its replicas, and the marks those keys carry let it apply each push sent
   // again exactly once. Nothing fails meanwhile: a wait() or wait_for() that finds the connection
   // failed reconnects before it returns (blocking up to retry_timeout, whatever wait_for's own
   // timeout), and done() stays false until a wait has sent the request again. Needs worker_id (a
-  // retried push is recognised by its worker) and tcp:// servers; pushes must carry clocks below
+  // retried push is recognised by its worker) and tcp:// or rdma:// servers; pushes must carry clocks below
   // 2^32. A wait sends a part of its request lost with its server again within 50 ms, whatever
   // the request's other parts wait for. 0: a failed server fails its requests.
   std::chrono::milliseconds retry_timeout{0};

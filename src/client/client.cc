@@ -87,10 +87,13 @@ class ClientImpl {
     c.max_in_flight = o.max_in_flight;
     c.checksum = o.checksum;
     if (retrying_) {
+      // shm servers are restarted by adopting their segment, where this client's pushes are its own.
       for (const auto& s : o.servers)
-        if (parse_uri(s).scheme != "tcp")
+        if (const std::string scheme = parse_uri(s).scheme; scheme != "tcp" && scheme != "rdma")
           throw Error(Errc::invalid_argument,
-                      "ClientOptions.retry_timeout is for tcp:// servers run with --replicas; " + s + " is not tcp");
+                      "ClientOptions.retry_timeout is for tcp:// and rdma:// servers run with "
+                      "--replicas; " +
+                          s + " is " + scheme);
       pushes_.emplace();
     }
     if (!o.auth_token_file.empty()) c.token = auth::Token::load_file(o.auth_token_file);

@@ -21,6 +21,7 @@
 #include <thread>
 
 #include "rdma_support.h"
+#include "support/stats.h"
 #include "support/token_file.h"
 #include "support/workloads.h"
 #include "transport/rdma/rdma_protocol.h"
@@ -616,11 +617,12 @@ TEST(Rdma, IdleProcessesSleepAndBusyPollingWorks) {
 }
 
 // rdma:// servers with --replicas 2 replicate to each other over tcp (--peer-uri). A server
-// SIGKILLed under load and restarted with --rejoin holds every push it acknowledged: each key ends
-// between the acknowledged pushes and those plus the ones that failed (without replicas the
-// restarted server would start empty). rdma clients do not retry: the worker reconnects.
-TEST(Rdma, ReplicatedServersLoseNoAcknowledgedPush) {
-  PSKV_REQUIRE_RDMA();
+// SIGKILLed under load and restarted with --rejoin holds every push it acknowledged.
+// Reconnecting worker: each key ends between the acknowledged pushes and those plus the ones
+// that failed (without replicas the restarted server would start empty). Retrying worker
+// (retry_timeout): it sees no error, and each key ends at exactly its acknowledged pushes: the
+// marks in the restored records make a push sent again land once.
+void replicated_kill(bool retrying) {
   constexpr int kServers = 3;
   std::vector<std::string> uris, peer_uris;
   for (int s = 0; s < kServers; ++s) {
@@ -635,7 +637,8 @@ TEST(Rdma, ReplicatedServersLoseNoAcknowledgedPush) {
                                   "--peers",     peers,
                                   "--replicas",  "2",
                                   "--server-id", std::to_string(s),
-                                  "--rule",      "add"};
+                                  "--rule",      "add",
+                                  "--workers",   "1"};
     if (rejoin) args.push_back("--rejoin");
     return start_rdma_server(args);
   };
@@ -651,6 +654,9 @@ TEST(Rdma, ReplicatedServersLoseNoAcknowledgedPush) {
     for (Key k = 0; k < kKeys; ++k) admin.wait(admin.init(k, zeros));
     testing::wait_replicas_synced(admin, 2);
   }
+  ClientOptions mine = o;
+  mine.worker_id = 0;
+  if (retrying) mine.retry_timeout = std::chrono::seconds(30);
   std::atomic<bool> stop{false};
   std::uint64_t acked = 0, failed = 0;
   std::string last_error;
@@ -661,12 +667,22 @@ TEST(Rdma, ReplicatedServersLoseNoAcknowledgedPush) {
     const std::vector<std::span<const float>> values(kKeys, ones);
     std::unique_ptr<Client> c;
     while (!stop.load()) {
+      std::uint64_t in_flight = 0;  // pushes that may or may not land if this round fails
       try {
-        if (!c) c = std::make_unique<Client>(o);
-        c->wait(c->push(keys, values));
+        if (!c) c = std::make_unique<Client>(mine);
+        // Two in flight: a retrying client sends a sequence again, in order.
+        const Ticket a = c->push(keys, values);
+        ++in_flight;
+        const Ticket b = c->push(keys, values);
+        ++in_flight;
+        c->wait(a);
         ++acked;
+        --in_flight;
+        c->wait(b);
+        ++acked;
+        --in_flight;
       } catch (const Error& e) {
-        if (c) ++failed;  // a push that may or may not have landed (a failed connect sent none)
+        failed += in_flight;
         last_error = e.what();
         c.reset();
         std::this_thread::sleep_for(std::chrono::milliseconds(50));
@@ -682,9 +698,26 @@ TEST(Rdma, ReplicatedServersLoseNoAcknowledgedPush) {
   stop.store(true);
   worker.join();
   ASSERT_GT(acked, 0u) << last_error;
-  EXPECT_GE(failed, 1u) << "the kill failed no push: it did not land under load";
   Client check(o);
-  testing::expect_pushes_between(check, kKeys, kLen, acked, failed, std::to_string(failed) + " failed");
+  if (retrying) {
+    EXPECT_EQ(failed, 0u) << "the retrying worker saw: " << last_error;
+    testing::expect_pushes_between(check, kKeys, kLen, acked, 0, "retrying");
+    // The same client went on through the restart: the restarted server took its pushes.
+    EXPECT_GT(testing::stats_field(check.server_stats(1), "pushes"), 0) << check.server_stats(1);
+  } else {
+    EXPECT_GE(failed, 1u) << "the kill failed no push: it did not land under load";
+    testing::expect_pushes_between(check, kKeys, kLen, acked, failed, std::to_string(failed) + " failed");
+  }
+}
+
+TEST(Rdma, ReplicatedServersLoseNoAcknowledgedPush) {
+  PSKV_REQUIRE_RDMA();
+  replicated_kill(false);
+}
+
+TEST(Rdma, AWorkerThatRetriesSeesNoErrorAndEveryPushLandsOnce) {
+  PSKV_REQUIRE_RDMA();
+  replicated_kill(true);
 }
 
 }  // namespace

@@ -42,6 +42,10 @@ class RdmaConnection final : public transport::Connection {
   void register_buffer(void* data, std::size_t bytes) override;
   const transport::ServerInfo& info() const noexcept override { return info_; }
   const std::string& endpoint() const noexcept override { return endpoint_; }
+  bool broken() noexcept override {
+    std::lock_guard lock(mu_);
+    return broken_;
+  }
 
  private:
   using Clock = std::chrono::steady_clock;

@@ -414,8 +414,11 @@ bool IoThread::handle_push(ServerConn& c, std::uint32_t imm) {
   if (replicator)
     if (Errc e = replicator->reserve(c.keys, op == wire::Op::init, &why); e != Errc::ok)
       return send_error(c, h, e, why);
-  const Errc status =
-      op == wire::Op::init ? engine_.init(c.keys, values, &why) : engine_.push(c.worker, h.arg0, c.keys, values, &why);
+  // A retrying client's push carries its session and sequence number (wire::push_is_identified):
+  // applied whole here, a key that already holds it skips it.
+  const Errc status = op == wire::Op::init ? engine_.init(c.keys, values, &why)
+                                           : engine_.push(c.worker, wire::push_clock(h), c.keys, values, &why, nullptr,
+                                                          PushId{.session = wire::push_session(h), .seq = h.arg1});
   if (status != Errc::ok) {
     if (replicator) replicator->release(c.keys);
     return send_error(c, h, status, why);
