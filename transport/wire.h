@@ -37,10 +37,10 @@ enum class Op : std::uint16_t {
                          // with no keys: a full transfer begins / is complete
   replica_pull = 12,     // keys (record lengths); reply: their records from this server's replica of the origin
   replica_index = 13,    // reply: text payload, a ReplicaIndex header, one ReplicaIndexEntry per key, then
-                         // the origin's clock of each worker (u64)
+                         // each worker's clock at the origin, its barrier generation, and 1 if evicted (u64 each)
   replica_clock = 14,    // arg0 = the origin | worker << 32, arg1 = the clock that worker entered at the origin
   replica_barrier = 15,  // arg0 as replica_clock, arg1 = the barrier generation that worker entered there
-  replica_evict = 16,    // arg0 as replica_clock, arg1 = 1: the origin evicted that worker (a straggler)
+  replica_evict = 16,    // arg0 as replica_clock, arg1 = 1: the origin evicted that worker (0: it did not)
 };
 
 inline constexpr std::uint32_t kReplicaSyncing = 1, kReplicaSynced = 2;

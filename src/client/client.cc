@@ -372,6 +372,10 @@ class ClientImpl {
           break;
         }
         if (announced.status() != Errc::ok) throw Error(announced.status(), announced.message());
+        {
+          std::lock_guard lock(registered_mu_);
+          for (const auto& [data, bytes] : registered_) conn->register_buffer(data, bytes);
+        }
         ++link.generation;
         link.conn = conn;
         for (Sent* p = link.head; p; p = p->next) {
@@ -502,6 +506,10 @@ class ClientImpl {
   }
 
   void register_buffer(void* data, std::size_t bytes) {
+    if (retrying_) {
+      std::lock_guard lock(registered_mu_);
+      registered_.emplace_back(data, bytes);  // for the connections recover() makes
+    }
     for (auto& l : links_) {
       std::lock_guard lock(l->mu);
       if (l->conn) l->conn->register_buffer(data, bytes);
@@ -637,6 +645,9 @@ class ClientImpl {
   // issued concurrently with clock() carries either step, as a racing caller must expect.
   std::atomic<std::uint64_t> clock_{0};
   std::uint64_t barrier_generation_ = 0;
+  // Retry mode: the buffers registered so far, registered again on every new connection.
+  std::mutex registered_mu_;
+  std::vector<std::pair<void*, std::size_t>> registered_;
   bool finished_on_close_ = true;
   const int uncaught_at_start_ = std::uncaught_exceptions();
   mutable std::mutex stats_mu_;

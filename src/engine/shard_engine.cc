@@ -151,15 +151,19 @@ Errc ShardEngine::push(std::uint32_t worker, std::uint64_t clock, std::span<cons
   if (Errc e = lookup(keys, slots, why); e != Errc::ok) return e;
   if (sync_) {
     if (Errc e = check_worker(worker, why); e != Errc::ok) return e;
-    for (const auto& k : keys) {
-      Errc err = Errc::ok;
-      const SyncOutcome out = sync_->add(k.key, worker, clock, {values, k.length}, &err);
-      if (out == SyncOutcome::too_far_ahead) {
+    // Every key is checked before any is summed: a refusal must leave nothing applied (nor
+    // anything its replicas would not be sent). A key's next step only moves forward, so a step
+    // within its window now still is when it is added.
+    for (const auto& k : keys)
+      if (!sync_->within_window(k.key, clock)) {
         if (why)
           *why = "worker " + std::to_string(worker) + " pushed step " + std::to_string(clock) + " of key " +
                  std::to_string(k.key) + ", too far ahead of step " + std::to_string(sync_->next_step(k.key));
         return Errc::invalid_argument;
       }
+    for (const auto& k : keys) {
+      Errc err = Errc::ok;
+      const SyncOutcome out = sync_->add(k.key, worker, clock, {values, k.length}, &err);
       if (out == SyncOutcome::rejected) {
         if (why) *why = key_error(err, k.key, k.length, *store_);
         return err;
@@ -317,7 +321,17 @@ class ShardEngine::EnterBarrier final : public Parked {
   std::unique_ptr<Parked> reply_;
 };
 
+Errc ShardEngine::check_replicable(std::uint64_t value, const char* what, std::string* why) const {
+  if (!replicator_ || value < UINT32_MAX || value == kClockDone) return Errc::ok;
+  if (why)
+    *why = std::string("a ") + what + " of " + std::to_string(value) +
+           " is past 2^32 - 2, the largest a replicated server can ship to its replicas";
+  return Errc::invalid_argument;
+}
+
 void ShardEngine::barrier(std::uint32_t worker, std::uint64_t generation, std::unique_ptr<Parked> op) {
+  if (std::string why; check_replicable(generation, "barrier generation", &why) != Errc::ok)
+    return op->resume(Errc::invalid_argument, why);
   {
     // What a full transfer starting now sends: the replica must not miss an arrival it was not
     // yet connected to receive as a shipment.
@@ -397,8 +411,7 @@ std::string ShardEngine::describe_laggard(std::uint64_t need) const {
 }
 
 void ShardEngine::evict(std::uint32_t worker) {
-  if (clocks_->evicted(worker)) return;
-  clocks_->evict(worker);
+  if (!clocks_->evict(worker)) return;  // the watchdog and a departure may both try
   {
     std::lock_guard lock(mu_);
     ++stats_.evictions;
@@ -601,10 +614,10 @@ Errc ShardEngine::apply_replica_barrier(std::uint32_t origin, std::uint32_t work
   return raise_replica_word(r->barriers.get(), worker, generation, "barrier", why);
 }
 
-Errc ShardEngine::apply_replica_eviction(std::uint32_t origin, std::uint32_t worker, std::string* why) {
+Errc ShardEngine::apply_replica_eviction(std::uint32_t origin, std::uint32_t worker, bool evicted, std::string* why) {
   Replica* r = replica(origin, why);
   if (!r) return Errc::invalid_argument;
-  return raise_replica_word(r->evicted.get(), worker, 1, "eviction", why);
+  return raise_replica_word(r->evicted.get(), worker, evicted ? 1 : 0, "eviction", why);
 }
 
 Errc ShardEngine::replica_evictions(std::uint32_t origin, std::vector<std::uint64_t>* evicted, std::string* why) const {

@@ -180,7 +180,8 @@ class ShardEngine {
   Errc apply_replica_barrier(std::uint32_t origin, std::uint32_t worker, std::uint64_t generation, std::string* why);
   Errc replica_barriers(std::uint32_t origin, std::vector<std::uint64_t>* generations, std::string* why) const;
   // And whether each worker was evicted (1) or not (0).
-  Errc apply_replica_eviction(std::uint32_t origin, std::uint32_t worker, std::string* why);
+  // `evicted` false (a full transfer's "not evicted") changes nothing: evictions are not undone.
+  Errc apply_replica_eviction(std::uint32_t origin, std::uint32_t worker, bool evicted, std::string* why);
   Errc replica_evictions(std::uint32_t origin, std::vector<std::uint64_t>* evicted, std::string* why) const;
   // The records of `keys` (lengths are record lengths) from the replica of `origin`, or from this
   // server's own store when origin is its own id.
@@ -196,6 +197,9 @@ class ShardEngine {
   Replicator* replicator() const noexcept { return replicator_; }
 
   Errc check_worker(std::uint32_t worker, std::string* why) const;
+  // A replicated server ships clocks and barrier generations in 32 bits (UINT32_MAX standing for
+  // a finished worker): invalid_argument for a larger one, which its replicas could not hold.
+  Errc check_replicable(std::uint64_t value, const char* what, std::string* why) const;
   // Under the fail policy, why the job can no longer make progress (a worker died or stalled
   // past the timeout); empty while it can.
   std::string failure() const;

@@ -72,11 +72,11 @@ std::uint64_t ClockTable::advance_to(std::uint32_t worker, std::uint64_t clock) 
   return cur;
 }
 
-void ClockTable::evict(std::uint32_t worker) noexcept {
-  if (entries_[worker].evicted.exchange(1, std::memory_order_acq_rel) == 0) {
-    header_->changes.fetch_add(1, std::memory_order_release);
-    futex_wake_all(&header_->changes);
-  }
+bool ClockTable::evict(std::uint32_t worker) noexcept {
+  if (entries_[worker].evicted.exchange(1, std::memory_order_acq_rel) != 0) return false;
+  header_->changes.fetch_add(1, std::memory_order_release);
+  futex_wake_all(&header_->changes);
+  return true;
 }
 
 bool ClockTable::evicted(std::uint32_t worker) const noexcept {

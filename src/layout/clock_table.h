@@ -28,7 +28,8 @@ class ClockTable {
   std::uint64_t advance_to(std::uint32_t worker, std::uint64_t clock) noexcept;
   // Marks the worker as finished: it no longer holds anyone back.
   void finish(std::uint32_t worker) noexcept { advance_to(worker, kClockDone); }
-  void evict(std::uint32_t worker) noexcept;
+  // Whether this call evicted it (false: it already was).
+  bool evict(std::uint32_t worker) noexcept;
   bool evicted(std::uint32_t worker) const noexcept;
 
   // The clock that bounds readers: the k-th largest clock among live workers (k = number of

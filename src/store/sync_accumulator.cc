@@ -137,6 +137,7 @@ Errc SyncAccumulator::check_state(std::uint32_t length, const float* in, std::st
     return Errc::protocol;
   };
   const std::uint64_t next = get_word(in);
+  if (next > UINT64_MAX - options_.window) return refuse("next step " + std::to_string(next) + " is past any clock");
   std::vector<std::uint64_t> steps;
   for (std::uint32_t i = 0; i < options_.window; ++i) {
     const std::uint64_t step = get_word(in), count = get_word(in);
@@ -157,6 +158,9 @@ Errc SyncAccumulator::check_state(std::uint32_t length, const float* in, std::st
       return refuse("a step counts " + std::to_string(count) + " contributors of " + std::to_string(set));
     if (step < next || step - next >= options_.window)
       return refuse("step " + std::to_string(step) + " is outside the window at " + std::to_string(next));
+    if (step == next && count >= options_.required)
+      return refuse("step " + std::to_string(step) + " has its " + std::to_string(count) +
+                    " contributors and was never applied");
     if (std::find(steps.begin(), steps.end(), step) != steps.end())
       return refuse("step " + std::to_string(step) + " is pending twice");
     steps.push_back(step);
@@ -171,22 +175,26 @@ void SyncAccumulator::import_state(Key key, std::uint32_t length, const float* i
   st.pending.clear();
   st.next_step = get_word(in);
   for (std::uint32_t i = 0; i < options_.window; ++i) {
+    const std::uint64_t step = get_word(in), count = get_word(in);
+    if (count == 0) {  // unused: costs this key no memory
+      in += 2 * bitmap_words() + length;
+      continue;
+    }
     Pending p;
     if (!st.spare.empty()) {
       p = std::move(st.spare.back());
       st.spare.pop_back();
     }
-    p.step = get_word(in);
-    p.count = static_cast<std::uint32_t>(get_word(in));
+    p.step = step;
+    p.count = static_cast<std::uint32_t>(count);
     p.contributors.resize(bitmap_words());
     for (std::uint64_t& w : p.contributors) w = get_word(in);
     p.sum.assign(in, in + length);
     in += length;
-    if (p.count != 0)
-      st.pending.push_back(std::move(p));
-    else
-      st.spare.push_back(std::move(p));
+    st.pending.push_back(std::move(p));
   }
+  // Kept for the steps to come, as add() keeps them, but no more than it would.
+  if (st.spare.size() > options_.window) st.spare.resize(options_.window);
 }
 
 }  // namespace pskv

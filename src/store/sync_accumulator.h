@@ -52,6 +52,12 @@ class SyncAccumulator {
                   Errc* error = nullptr);
   // The first step of `key` that has not been applied yet (0 before any).
   std::uint64_t next_step(Key key) const;
+  // Whether add() would take (or drop as late) a gradient for `step`, rather than refuse it as
+  // too far ahead. Stays true once true: the next step only moves forward.
+  bool within_window(Key key, std::uint64_t step) const {
+    const std::uint64_t next = next_step(key);
+    return step < next || step - next < options_.window;
+  }
   SyncStats stats() const;
   const SyncOptions& options() const noexcept { return options_; }
 

@@ -496,6 +496,7 @@ TEST(TcpReplicationSync, AKilledServerKeepsTheStepsPartialSums) {
                "--mode", "sync", "--wait-timeout-ms", "30000"});
     const ClientOptions o = trial_options(ring);
     const std::vector<Key> keys = make_keys(o, kKeys, kLen);
+    testing::SharedArray<std::atomic<int>> progress(1);  // worker 0's steps done
     std::vector<pid_t> pids;
     const testing::KillOnExit reap(pids);
     const auto began = std::chrono::steady_clock::now();
@@ -514,6 +515,7 @@ TEST(TcpReplicationSync, AKilledServerKeepsTheStepsPartialSums) {
             c.wait(c.pull(keys, into));  // waits for every worker's previous step
             c.wait(c.push(keys, values));
             c.clock();
+            if (w == 0) progress[0].store(step + 1);
           }
           return 0;
         } catch (const Error& e) {
@@ -521,11 +523,16 @@ TEST(TcpReplicationSync, AKilledServerKeepsTheStepsPartialSums) {
           return 1;
         }
       }));
-    std::this_thread::sleep_for(std::chrono::milliseconds(50 + rng() % 200));
+    // Killed mid-run, at a step between 50 and 249 of 300.
+    const int at = 50 + static_cast<int>(rng() % 200);
+    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while (progress[0].load() < at && std::chrono::steady_clock::now() < give_up)
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    ASSERT_GE(progress[0].load(), at) << "worker 0 never reached step " << at << ", trial " << trial;
     const std::vector<int> victims = kill_and_rejoin(ring, rng, 2, trial);
     for (pid_t p : pids)
       ASSERT_EQ(wait_pid(p, std::chrono::seconds(120)), 0) << "a worker saw an error, trial " << trial;
-    std::fprintf(stderr, "trial %d: server %d killed; %d steps in %.0f ms\n", trial, victims[0], kSteps,
+    std::fprintf(stderr, "trial %d: server %d killed at step %d; %d steps in %.0f ms\n", trial, victims[0], at, kSteps,
                  std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - began).count());
     Client check(o);
     std::vector<float> out(kLen);
@@ -613,6 +620,19 @@ TEST(TcpReplicationClocks, ARejoinedServerKnowsWhomItEvicted) {
     EXPECT_EQ(testing::stats_field(ahead.server_stats(0), "evictions"), 1);
   }
   wait_synced(ring, 2);
+  // The eviction is shipped without waiting for the replica: wait until server 1 holds it.
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  for (;;) {
+    const auto [code, index] = ask_replica_index(ring.uris()[1], 0);
+    ASSERT_EQ(code, Errc::ok) << index;
+    wire::ReplicaIndexHeader head{};
+    std::memcpy(&head, index.data(), sizeof head);
+    std::uint64_t evicted = 0;  // after the key entries, each worker's clock and generation
+    std::memcpy(&evicted, index.data() + sizeof head + head.keys * sizeof(wire::ReplicaIndexEntry) + 5 * 8, 8);
+    if (evicted == 1) break;
+    ASSERT_LT(std::chrono::steady_clock::now(), give_up) << "server 1 never learned of the eviction";
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
   ring.kill(0);
   ring.restart(0);
   w0.initial_clock = 4;

@@ -131,8 +131,8 @@ TEST(SyncAccumulator, PendingStepsTravelWholeAndOrderTheRecords) {
   EXPECT_EQ(0, std::memcmp(again.data(), there.data(), again.size() * sizeof(float)));
 }
 
-// A peer's record is checked before anything of it is written: every word of a valid state,
-// altered, either still describes a state or is refused; the named inconsistencies are refused.
+// A peer's record is checked before anything of it is written: each inconsistency a hostile or
+// broken peer could send is refused, and a valid state is taken.
 TEST(SyncAccumulator, AStateFromAPeerIsCheckedBeforeItIsTaken) {
   Fixture a;
   ASSERT_EQ(a.store->init_zero(1, 2), Errc::ok);
@@ -153,6 +153,7 @@ TEST(SyncAccumulator, AStateFromAPeerIsCheckedBeforeItIsTaken) {
   bad = good;
   word(bad, 2 + 4, 1u << 3);  // worker 3 of 3
   EXPECT_EQ(acc.check_state(2, bad.data(), &why), Errc::protocol);
+  EXPECT_NE(why.find("past worker 2"), std::string::npos) << why;
   bad = good;
   word(bad, 2, 9);  // step 9, outside the window at 0
   EXPECT_EQ(acc.check_state(2, bad.data(), &why), Errc::protocol);
@@ -163,6 +164,15 @@ TEST(SyncAccumulator, AStateFromAPeerIsCheckedBeforeItIsTaken) {
   bad = good;
   word(bad, 2 + kEntry + 4, 1);  // contributors in an unused entry
   EXPECT_EQ(acc.check_state(2, bad.data(), &why), Errc::protocol);
+  bad = good;
+  word(bad, 0, ~std::uint64_t{0} - 1);  // a next step whose window would wrap
+  EXPECT_EQ(acc.check_state(2, bad.data(), &why), Errc::protocol);
+  bad = good;
+  word(bad, 0, 2);  // entry 0 (step 2) becomes the next step, complete with all 3 contributors
+  word(bad, 2 + 2, 3);
+  word(bad, 2 + 4, 0b111);
+  EXPECT_EQ(acc.check_state(2, bad.data(), &why), Errc::protocol);
+  EXPECT_NE(why.find("never applied"), std::string::npos) << why;
   EXPECT_EQ(acc.check_state(2, good.data(), &why), Errc::ok) << why;
 }
 

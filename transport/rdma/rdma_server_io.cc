@@ -164,7 +164,13 @@ void IoThread::loop() {
       ServerConn& c = *d.conn;
       if (c.closed.load()) continue;
       bool ok;
-      if (d.status != Errc::ok)
+      const auto op = static_cast<wire::Op>(d.request.op);
+      if (d.status != Errc::ok &&
+          (op == wire::Op::clock || (op == wire::Op::push && wire::push_is_identified(d.request))))
+        // Applied, and only its replication failed: closed, as the tcp server does, so that a
+        // retrying client sends it again (its marks say it is applied; a clock only moves forward).
+        ok = false;
+      else if (d.status != Errc::ok)
         ok = send_error(c, d.request, d.status, d.why);
       else if (d.request.op == static_cast<std::uint16_t>(wire::Op::wait) ||
                d.request.op == static_cast<std::uint16_t>(wire::Op::clock))
@@ -314,6 +320,7 @@ bool IoThread::dispatch(ServerConn& c, const wire::FrameHeader& h) {
       return true;
     case wire::Op::clock: {
       if (Errc e = engine_.check_worker(c.worker, &why); e != Errc::ok) return send_error(c, h, e, why);
+      if (Errc e = engine_.check_replicable(h.arg0, "clock", &why); e != Errc::ok) return send_error(c, h, e, why);
       if (h.arg0 == kClockDone) c.finished = true;
       // This message was taken in queue-pair order: every push WRITE the worker posted before
       // it has already been applied by this thread, so the new clock covers them.

@@ -1148,7 +1148,7 @@ bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payl
                    ? engine_.apply_replica_clock(origin, worker, wire::worker_word_value(h), &why)
                : op == wire::Op::replica_barrier
                    ? engine_.apply_replica_barrier(origin, worker, wire::worker_word_value(h), &why)
-                   : engine_.apply_replica_eviction(origin, worker, &why);
+                   : engine_.apply_replica_eviction(origin, worker, h.arg1 != 0, &why);
       break;
     }
     case wire::Op::replica_pull:
@@ -1202,6 +1202,10 @@ bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payl
     }
     case wire::Op::clock: {
       if (Errc e = engine_.check_worker(peer.worker, &why); e != Errc::ok) {
+        status = e;
+        break;
+      }
+      if (Errc e = engine_.check_replicable(h.arg0, "clock", &why); e != Errc::ok) {
         status = e;
         break;
       }
