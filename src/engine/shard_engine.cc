@@ -236,14 +236,14 @@ void ShardEngine::park_pull(std::uint32_t worker, std::uint64_t clock, std::uniq
   const std::uint64_t s = options_.mode == ConsistencyMode::ssp ? options_.staleness : 0;
   {
     std::lock_guard lock(mu_);
-    if (stopping_) {
-      op->resume(Errc::peer_failure, "the server is shutting down");
-      return;
+    if (!stopping_) {
+      waiters_.push_back(Waiter{clock > s ? clock - s : 0, worker, false, 0,
+                                std::chrono::steady_clock::now() + options_.wait_timeout, std::move(op)});
+      ++stats_.parked;
     }
-    waiters_.push_back(Waiter{clock > s ? clock - s : 0, worker, false, 0,
-                              std::chrono::steady_clock::now() + options_.wait_timeout, std::move(op)});
-    ++stats_.parked;
   }
+  // Refused outside the lock, as the Parked contract says: its reply may take transport locks.
+  if (op) return op->resume(Errc::peer_failure, "the server is shutting down");
   cv_.notify_all();
   release_ready();  // the bound may have moved between the caller's check and the park
 }

@@ -15,6 +15,13 @@ SyncAccumulator::SyncAccumulator(Store& store, SyncOptions options) : store_(sto
   if (options_.window == 0) options_.window = 1;
 }
 
+SyncAccumulator::Pending SyncAccumulator::take_spare(KeyState& st) {
+  if (st.spare.empty()) return {};
+  Pending p = std::move(st.spare.back());
+  st.spare.pop_back();
+  return p;
+}
+
 SyncOutcome SyncAccumulator::add(Key key, std::uint32_t worker, std::uint64_t step, std::span<const float> grad,
                                  Errc* error) {
   auto reject = [&](Errc e) {
@@ -37,11 +44,7 @@ SyncOutcome SyncAccumulator::add(Key key, std::uint32_t worker, std::uint64_t st
 
   auto it = std::find_if(st.pending.begin(), st.pending.end(), [&](const Pending& p) { return p.step == step; });
   if (it == st.pending.end()) {
-    Pending p;
-    if (!st.spare.empty()) {
-      p = std::move(st.spare.back());
-      st.spare.pop_back();
-    }
+    Pending p = take_spare(st);
     p.step = step;
     p.count = 0;
     p.contributors.assign((options_.num_workers + 63) / 64, 0);
@@ -180,11 +183,7 @@ void SyncAccumulator::import_state(Key key, std::uint32_t length, const float* i
       in += 2 * bitmap_words() + length;
       continue;
     }
-    Pending p;
-    if (!st.spare.empty()) {
-      p = std::move(st.spare.back());
-      st.spare.pop_back();
-    }
+    Pending p = take_spare(st);
     p.step = step;
     p.count = static_cast<std::uint32_t>(count);
     p.contributors.resize(bitmap_words());

@@ -107,6 +107,8 @@ class SyncAccumulator {
   Stripe& stripe(Key key) const noexcept { return stripes_[mix64(key) & (kStripes - 1)]; }
   std::uint32_t bitmap_words() const noexcept { return (options_.num_workers + 63) / 64; }
   Errc apply_ready(Key key, KeyState& state, SyncStats& stats);
+  // A recycled buffer for a new pending step (its sum keeps its capacity), or a fresh one.
+  static Pending take_spare(KeyState& state);
 
   Store& store_;
   SyncOptions options_;
