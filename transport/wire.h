@@ -131,7 +131,12 @@ inline std::uint32_t worker_word_arg1(std::uint64_t value) noexcept {
 inline std::uint64_t worker_word_value(const FrameHeader& h) noexcept {
   return h.arg1 == UINT32_MAX ? ~std::uint64_t{0} : h.arg1;
 }
-// replica_clock and replica_barrier: the origin in arg0's low half, the worker in its high half.
+// The three per-worker words a replica keeps (ShardEngine's WorkerWord, in that order), each
+// carried by its op; the ops are consecutive, so a word's index is op - replica_clock.
+inline constexpr Op kWorkerWordOps[] = {Op::replica_clock, Op::replica_barrier, Op::replica_evict};
+static_assert(static_cast<int>(Op::replica_evict) - static_cast<int>(Op::replica_clock) == 2);
+// replica_clock, replica_barrier and replica_evict: the origin in arg0's low half, the worker in
+// its high half.
 inline std::uint64_t replica_clock_arg0(std::uint32_t origin, std::uint32_t worker) noexcept {
   return (std::uint64_t{worker} << 32) | origin;
 }
@@ -149,6 +154,14 @@ inline std::uint64_t identified_push_arg0(std::uint64_t clock, std::uint32_t ses
 }
 inline bool push_is_identified(const FrameHeader& h) noexcept {
   return h.arg1 != 0;
+}
+// A clock or an identified push is applied before its reply waits for the replicas. Should that
+// wait fail, a server closes the request's connection rather than refuse it: a retrying client
+// then sends it again (a push's marks say it is applied; a clock only moves forward), where a
+// refusal would be an error its worker sees.
+inline bool applied_before_replicated(const FrameHeader& h) noexcept {
+  const auto op = static_cast<Op>(h.op);
+  return op == Op::clock || (op == Op::push && push_is_identified(h));
 }
 inline std::uint32_t push_session(const FrameHeader& h) noexcept {
   return push_is_identified(h) ? static_cast<std::uint32_t>(h.arg0 >> 32) : 0;

@@ -68,9 +68,7 @@ ShardEngine::ShardEngine(const EngineOptions& options, std::unique_ptr<MemoryRes
     r->origin = origin;
     r->store = Store::create(std::make_unique<HeapMemory>(Store::required_bytes(options.store)), options.store);
     r->store->keep_push_marks(marks);
-    r->clocks = std::make_unique<std::atomic<std::uint64_t>[]>(options.num_workers);
-    r->barriers = std::make_unique<std::atomic<std::uint64_t>[]>(options.num_workers);
-    r->evicted = std::make_unique<std::atomic<std::uint64_t>[]>(options.num_workers);
+    for (auto& words : r->words) words = std::make_unique<std::atomic<std::uint64_t>[]>(options.num_workers);
     replicas_.push_back(std::move(r));
   }
   if (options.mode == ConsistencyMode::sync) {
@@ -576,86 +574,44 @@ Errc ShardEngine::mark_replica(std::uint32_t origin, ReplicaMark mark, std::stri
   // A transfer sends the origin's clocks as they are now: those of an earlier incarnation (an
   // origin restarted from a checkpoint rather than its replicas) must not outlive it here.
   if (mark == ReplicaMark::syncing)
-    for (std::uint32_t w = 0; w < options_.num_workers; ++w) {
-      r->clocks[w].store(0, std::memory_order_relaxed);
-      r->barriers[w].store(0, std::memory_order_relaxed);
-      r->evicted[w].store(0, std::memory_order_relaxed);
-    }
+    for (auto& words : r->words)
+      for (std::uint32_t w = 0; w < options_.num_workers; ++w) words[w].store(0, std::memory_order_relaxed);
   r->mark.store(static_cast<std::uint32_t>(mark), std::memory_order_release);
   return Errc::ok;
 }
 
-Errc ShardEngine::raise_replica_word(std::atomic<std::uint64_t>* words, std::uint32_t worker, std::uint64_t value,
-                                     const char* what, std::string* why) const {
+Errc ShardEngine::apply_replica_word(WorkerWord word, std::uint32_t origin, std::uint32_t worker, std::uint64_t value,
+                                     std::string* why) {
+  Replica* r = replica(origin, why);
+  if (!r) return Errc::invalid_argument;
   if (worker >= options_.num_workers) {
     if (why)
-      *why = std::string("a ") + what + " of worker " + std::to_string(worker) +
-             ", but this server runs with --workers " + std::to_string(options_.num_workers);
+      *why = "a word of worker " + std::to_string(worker) + ", but this server runs with --workers " +
+             std::to_string(options_.num_workers);
     return Errc::invalid_argument;
   }
-  std::atomic<std::uint64_t>& w = words[worker];
+  std::atomic<std::uint64_t>& w = r->words[static_cast<std::size_t>(word)][worker];
   std::uint64_t now = w.load(std::memory_order_relaxed);
   while (now < value && !w.compare_exchange_weak(now, value, std::memory_order_relaxed)) {
   }
   return Errc::ok;
 }
 
-Errc ShardEngine::apply_replica_clock(std::uint32_t origin, std::uint32_t worker, std::uint64_t clock,
-                                      std::string* why) {
-  Replica* r = replica(origin, why);
-  if (!r) return Errc::invalid_argument;
-  return raise_replica_word(r->clocks.get(), worker, clock, "clock", why);
-}
-
-Errc ShardEngine::apply_replica_barrier(std::uint32_t origin, std::uint32_t worker, std::uint64_t generation,
-                                        std::string* why) {
-  Replica* r = replica(origin, why);
-  if (!r) return Errc::invalid_argument;
-  return raise_replica_word(r->barriers.get(), worker, generation, "barrier", why);
-}
-
-Errc ShardEngine::apply_replica_eviction(std::uint32_t origin, std::uint32_t worker, bool evicted, std::string* why) {
-  Replica* r = replica(origin, why);
-  if (!r) return Errc::invalid_argument;
-  return raise_replica_word(r->evicted.get(), worker, evicted ? 1 : 0, "eviction", why);
-}
-
-Errc ShardEngine::replica_evictions(std::uint32_t origin, std::vector<std::uint64_t>* evicted, std::string* why) const {
-  evicted->assign(clocks_ ? options_.num_workers : 0, 0);
-  if (origin == options_.server_id) {
-    for (std::uint32_t w = 0; w < evicted->size(); ++w) (*evicted)[w] = clocks_->evicted(w) ? 1 : 0;
+Errc ShardEngine::replica_words(WorkerWord word, std::uint32_t origin, std::vector<std::uint64_t>* values,
+                                std::string* why) const {
+  values->assign(clocks_ ? options_.num_workers : 0, 0);
+  if (origin != options_.server_id) {
+    const Replica* r = replica(origin, why);
+    if (!r) return Errc::invalid_argument;
+    for (std::uint32_t w = 0; w < values->size(); ++w)
+      (*values)[w] = r->words[static_cast<std::size_t>(word)][w].load(std::memory_order_relaxed);
     return Errc::ok;
   }
-  const Replica* r = replica(origin, why);
-  if (!r) return Errc::invalid_argument;
-  for (std::uint32_t w = 0; w < evicted->size(); ++w) (*evicted)[w] = r->evicted[w].load(std::memory_order_relaxed);
-  return Errc::ok;
-}
-
-Errc ShardEngine::replica_clocks(std::uint32_t origin, std::vector<std::uint64_t>* clocks, std::string* why) const {
-  clocks->assign(clocks_ ? options_.num_workers : 0, 0);
-  if (origin == options_.server_id) {
-    for (std::uint32_t w = 0; w < clocks->size(); ++w) (*clocks)[w] = clocks_->clock(w);
-    return Errc::ok;
-  }
-  const Replica* r = replica(origin, why);
-  if (!r) return Errc::invalid_argument;
-  for (std::uint32_t w = 0; w < clocks->size(); ++w) (*clocks)[w] = r->clocks[w].load(std::memory_order_relaxed);
-  return Errc::ok;
-}
-
-Errc ShardEngine::replica_barriers(std::uint32_t origin, std::vector<std::uint64_t>* generations,
-                                   std::string* why) const {
-  generations->assign(clocks_ ? options_.num_workers : 0, 0);
-  if (origin == options_.server_id) {
-    std::lock_guard lock(mu_);
-    std::copy(barrier_seen_.begin(), barrier_seen_.end(), generations->begin());
-    return Errc::ok;
-  }
-  const Replica* r = replica(origin, why);
-  if (!r) return Errc::invalid_argument;
-  for (std::uint32_t w = 0; w < generations->size(); ++w)
-    (*generations)[w] = r->barriers[w].load(std::memory_order_relaxed);
+  std::lock_guard lock(mu_);  // for barrier_seen_
+  for (std::uint32_t w = 0; w < values->size(); ++w)
+    (*values)[w] = word == WorkerWord::clock     ? clocks_->clock(w)
+                   : word == WorkerWord::barrier ? barrier_seen_[w]  // asked for: a transfer must not miss one
+                                                 : std::uint64_t{clocks_->evicted(w)};
   return Errc::ok;
 }
 

@@ -3,6 +3,7 @@
 // Transports decode requests and call in here; they implement Parked to send deferred replies.
 #pragma once
 
+#include <array>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -27,6 +28,12 @@ namespace pskv {
 // marks it syncing, then synced once every key has arrived (the values of the wire's
 // kReplicaSyncing / kReplicaSynced).
 enum class ReplicaMark : std::uint32_t { syncing = 1, synced = 2 };
+
+// What a replica keeps of each worker of its origin, each only ever raised: the clock it entered
+// there, the barrier generation it entered, and 1 once the origin evicted it (so a full
+// transfer's 0 undoes nothing). Shipped as replica_clock, replica_barrier and replica_evict.
+enum class WorkerWord : std::uint8_t { clock, barrier, evicted };
+inline constexpr std::size_t kWorkerWords = 3;
 
 struct EngineOptions {
   StoreOptions store;
@@ -170,19 +177,13 @@ class ShardEngine {
   // This server's replica of `origin` (one of options().replica_of) takes the records.
   Errc apply_replica(std::uint32_t origin, std::span<const KeyEntry> keys, const float* records, std::string* why);
   Errc mark_replica(std::uint32_t origin, ReplicaMark mark, std::string* why);
-  // The replica of `origin` learns that `worker` entered `clock` there (clocks only move forward),
-  // so that a restarted origin knows every clock it acknowledged (--rejoin).
-  Errc apply_replica_clock(std::uint32_t origin, std::uint32_t worker, std::uint64_t clock, std::string* why);
-  // Each worker's clock in the replica of `origin`, or this server's own when origin is its id
+  // The replica of `origin` learns a word of `worker` there, kept if higher than what it holds (so
+  // that a restarted origin knows every clock, barrier arrival and eviction it acknowledged).
+  Errc apply_replica_word(WorkerWord word, std::uint32_t origin, std::uint32_t worker, std::uint64_t value,
+                          std::string* why);
+  // Each worker's word in the replica of `origin`, or this server's own when origin is its id
   // (empty without workers).
-  Errc replica_clocks(std::uint32_t origin, std::vector<std::uint64_t>* clocks, std::string* why) const;
-  // The same for each worker's barrier generation.
-  Errc apply_replica_barrier(std::uint32_t origin, std::uint32_t worker, std::uint64_t generation, std::string* why);
-  Errc replica_barriers(std::uint32_t origin, std::vector<std::uint64_t>* generations, std::string* why) const;
-  // And whether each worker was evicted (1) or not (0).
-  // `evicted` false (a full transfer's "not evicted") changes nothing: evictions are not undone.
-  Errc apply_replica_eviction(std::uint32_t origin, std::uint32_t worker, bool evicted, std::string* why);
-  Errc replica_evictions(std::uint32_t origin, std::vector<std::uint64_t>* evicted, std::string* why) const;
+  Errc replica_words(WorkerWord word, std::uint32_t origin, std::vector<std::uint64_t>* values, std::string* why) const;
   // The records of `keys` (lengths are record lengths) from the replica of `origin`, or from this
   // server's own store when origin is its own id.
   Errc read_records(std::uint32_t origin, std::span<const KeyEntry> keys, float* out, std::string* why);
@@ -222,9 +223,6 @@ class ShardEngine {
   Errc lookup(std::span<const KeyEntry> keys, std::vector<SlotRef>& slots, std::string* why) const;
   class EnterBarrier;
   void enter_barrier(std::uint32_t worker, std::uint64_t generation, std::unique_ptr<Parked> op);
-  // A per-worker word of a replica (a clock, a barrier generation) takes `value` if higher.
-  Errc raise_replica_word(std::atomic<std::uint64_t>* words, std::uint32_t worker, std::uint64_t value,
-                          const char* what, std::string* why) const;
   // Evicts a straggler and tells the replicas (not under mu_: shipping may wait for room).
   void evict(std::uint32_t worker);
   void release_ready();
@@ -243,11 +241,10 @@ class ShardEngine {
   struct Replica {
     std::uint32_t origin;
     std::unique_ptr<Store> store;
-    std::atomic<std::uint32_t> mark{0};                      // ReplicaMark, 0 before any transfer
-    std::unique_ptr<std::atomic<std::uint64_t>[]> clocks;    // per worker, the origin's
-    std::unique_ptr<std::atomic<std::uint64_t>[]> barriers;  // per worker, its generation there
-    std::unique_ptr<std::atomic<std::uint64_t>[]> evicted;   // per worker, 1 once evicted there
-    std::unique_ptr<SyncAccumulator> sync;                   // sync mode: the origin's pending steps
+    std::atomic<std::uint32_t> mark{0};  // ReplicaMark, 0 before any transfer
+    // Per WorkerWord, one per worker: the origin's.
+    std::array<std::unique_ptr<std::atomic<std::uint64_t>[]>, kWorkerWords> words;
+    std::unique_ptr<SyncAccumulator> sync;  // sync mode: the origin's pending steps
   };
   std::vector<std::unique_ptr<Replica>> replicas_;
   Replicator* replicator_ = nullptr;

@@ -1,6 +1,7 @@
 #include "server/replicator.h"
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <utility>
 
@@ -409,10 +410,9 @@ bool TcpReplicator::full_transfer(Replica& r, const std::shared_ptr<transport::C
   // are applied, so the snapshots below hold them, and the replica never knows a clock without
   // its step. (Those shipped meanwhile may overtake these: the replica keeps the highest.)
   std::string why;
-  std::vector<std::uint64_t> clocks, barriers, evictions;
-  engine_.replica_clocks(options_.server_id, &clocks, &why);
-  engine_.replica_barriers(options_.server_id, &barriers, &why);
-  engine_.replica_evictions(options_.server_id, &evictions, &why);
+  std::array<std::vector<std::uint64_t>, kWorkerWords> words;
+  for (std::size_t k = 0; k < kWorkerWords; ++k)
+    engine_.replica_words(static_cast<WorkerWord>(k), options_.server_id, &words[k], &why);
   std::vector<std::pair<Key, std::uint32_t>> keys;
   bool synced = false;
   engine_.replica_keys(options_.server_id, &keys, &synced, &why);
@@ -435,10 +435,8 @@ bool TcpReplicator::full_transfer(Replica& r, const std::shared_ptr<transport::C
   }
   // Then the clocks, barrier generations and evictions, which a rejoining origin takes back with
   // its keys.
-  if (!send_worker_words(r, conn, wire::Op::replica_clock, clocks) ||
-      !send_worker_words(r, conn, wire::Op::replica_barrier, barriers) ||
-      !send_worker_words(r, conn, wire::Op::replica_evict, evictions))
-    return false;
+  for (std::size_t k = 0; k < kWorkerWords; ++k)
+    if (!send_worker_words(r, conn, wire::kWorkerWordOps[k], words[k])) return false;
   if (stopping_.load() || !mark(wire::kReplicaSynced)) return false;
   r.transfers.fetch_add(1, std::memory_order_relaxed);
   return true;
@@ -599,7 +597,7 @@ void take_replica(ShardEngine& engine, const ReplicaPeer& peer, const Replicator
                                     " workers, this server runs with " + std::to_string(workers) +
                                     " (start every server with the same --workers)");
   // Each worker's clock, then each one's barrier generation, then whether it was evicted.
-  const std::uint64_t clock_bytes = 3 * std::uint64_t{head.workers} * sizeof(std::uint64_t);
+  const std::uint64_t clock_bytes = kWorkerWords * std::uint64_t{head.workers} * sizeof(std::uint64_t);
   if (index.size() - sizeof head < clock_bytes ||
       (index.size() - sizeof head - clock_bytes) % sizeof(wire::ReplicaIndexEntry) != 0 ||
       head.keys != (index.size() - sizeof head - clock_bytes) / sizeof(wire::ReplicaIndexEntry))

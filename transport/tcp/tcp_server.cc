@@ -258,14 +258,11 @@ class ParkedRequest final : public Parked {
     }
     try {
       const auto op = static_cast<wire::Op>(req_.op);
-      // This server is going away (stopping) before it could answer, or an identified push or a
-      // clock was applied and only its replication failed. Close the connection rather than
-      // refuse: a retrying client sends the request again to the server's successor (a push's
-      // marks say it is applied; a clock only moves forward), where a refusal would be an error
-      // its worker sees. A running server's peer_failure (a worker died holding the bound) is
-      // the worker's answer and is sent as one.
-      if (status != Errc::ok && (server_.stopping_.load() || op == wire::Op::clock ||
-                                 (op == wire::Op::push && wire::push_is_identified(req_))))
+      // Closed rather than refused when this server is going away (stopping) before it could
+      // answer, or when only the replication of what was applied failed: a retrying client sends
+      // the request again to the server's successor. A running server's peer_failure (a worker
+      // died holding the bound) is the worker's answer and is sent as one.
+      if (status != Errc::ok && (server_.stopping_.load() || wire::applied_before_replicated(req_)))
         server_.expire(*peer_, "its " + std::string(wire::op_name(req_.op)) + " could not be answered (" + why +
                                    "); closed so that its client sends it again");
       else if (status != Errc::ok)
@@ -1142,39 +1139,33 @@ bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payl
         why = std::string(wire::op_name(h.op)) + " carries no keys";
         break;
       }
-      const std::uint32_t origin = wire::replica_clock_origin(h), worker = wire::replica_clock_worker(h);
-      const auto op = static_cast<wire::Op>(h.op);
-      status = op == wire::Op::replica_clock
-                   ? engine_.apply_replica_clock(origin, worker, wire::worker_word_value(h), &why)
-               : op == wire::Op::replica_barrier
-                   ? engine_.apply_replica_barrier(origin, worker, wire::worker_word_value(h), &why)
-                   : engine_.apply_replica_eviction(origin, worker, h.arg1 != 0, &why);
+      const auto word = static_cast<WorkerWord>(h.op - static_cast<std::uint16_t>(wire::Op::replica_clock));
+      status = engine_.apply_replica_word(word, wire::replica_clock_origin(h), wire::replica_clock_worker(h),
+                                          wire::worker_word_value(h), &why);
       break;
     }
     case wire::Op::replica_pull:
       return answer_records(peer, h);
     case wire::Op::replica_index: {
       std::vector<std::pair<Key, std::uint32_t>> keys;
-      std::vector<std::uint64_t> clocks, barriers, evictions;
+      std::vector<std::uint64_t> words, one;  // each worker's clock, then generation, then eviction
       bool synced = false;
       const auto origin = static_cast<std::uint32_t>(h.arg0);
       status = engine_.replica_keys(origin, &keys, &synced, &why);
-      if (status == Errc::ok) status = engine_.replica_clocks(origin, &clocks, &why);
-      if (status == Errc::ok) status = engine_.replica_barriers(origin, &barriers, &why);
-      if (status == Errc::ok) status = engine_.replica_evictions(origin, &evictions, &why);
+      for (std::size_t k = 0; k < kWorkerWords && status == Errc::ok; ++k) {
+        status = engine_.replica_words(static_cast<WorkerWord>(k), origin, &one, &why);
+        words.insert(words.end(), one.begin(), one.end());
+      }
       if (status != Errc::ok) break;
-      // Each worker's clock, then each one's barrier generation, then whether it was evicted.
-      clocks.insert(clocks.end(), barriers.begin(), barriers.end());
-      clocks.insert(clocks.end(), evictions.begin(), evictions.end());
-      const wire::ReplicaIndexHeader head{synced ? 1u : 0u, static_cast<std::uint32_t>(barriers.size()), keys.size()};
+      const wire::ReplicaIndexHeader head{synced ? 1u : 0u, static_cast<std::uint32_t>(one.size()), keys.size()};
       const std::size_t entries = sizeof head + keys.size() * sizeof(wire::ReplicaIndexEntry);
-      std::string bytes(entries + clocks.size() * sizeof(std::uint64_t), '\0');
+      std::string bytes(entries + words.size() * sizeof(std::uint64_t), '\0');
       std::memcpy(bytes.data(), &head, sizeof head);
       for (std::size_t i = 0; i < keys.size(); ++i) {
         const wire::ReplicaIndexEntry e{keys[i].first, keys[i].second};
         std::memcpy(bytes.data() + sizeof head + i * sizeof e, &e, sizeof e);
       }
-      if (!clocks.empty()) std::memcpy(bytes.data() + entries, clocks.data(), clocks.size() * sizeof(std::uint64_t));
+      if (!words.empty()) std::memcpy(bytes.data() + entries, words.data(), words.size() * sizeof(std::uint64_t));
       if (bytes.size() > options_.limits.max_payload_bytes) {
         status = Errc::capacity;
         why = "the index of " + std::to_string(keys.size()) + " keys exceeds --max-request-mb";
