@@ -274,6 +274,14 @@ ClientOptions trial_options(const Ring& ring) {
   o.connect_timeout = std::chrono::seconds(2);
   return o;
 }
+// Worker `w` of `o`'s servers, sending what a server's failure left unanswered again once it
+// is back (for up to 30 s) instead of failing.
+ClientOptions retrying_worker(const ClientOptions& o, std::uint32_t w) {
+  ClientOptions mine = o;
+  mine.worker_id = w;
+  mine.retry_timeout = std::chrono::seconds(30);
+  return mine;
+}
 std::vector<Key> make_keys(const ClientOptions& o, Key count, std::size_t length) {
   std::vector<Key> keys(count);
   Client admin(o);
@@ -431,10 +439,7 @@ TEST_P(TcpReplicationRetry, WorkersThatRetrySeeNoErrorAndEveryPushLandsOnce) {
     for (std::uint32_t w = 0; w < kWorkers; ++w)
       pids.push_back(fork_worker([&, w] {
         try {
-          ClientOptions mine = o;
-          mine.worker_id = w;
-          mine.retry_timeout = std::chrono::seconds(30);
-          Client c(mine);
+          Client c(retrying_worker(o, w));
           const std::vector<float> ones(kLen, 1.0f);
           const std::vector<std::span<const float>> values(kKeys, ones);
           std::vector<std::vector<float>> read(kKeys, std::vector<float>(kLen));
@@ -503,10 +508,7 @@ TEST(TcpReplicationSync, AKilledServerKeepsTheStepsPartialSums) {
     for (std::uint32_t w = 0; w < kWorkers; ++w)
       pids.push_back(fork_worker([&, w] {
         try {
-          ClientOptions mine = o;
-          mine.worker_id = w;
-          mine.retry_timeout = std::chrono::seconds(30);
-          Client c(mine);
+          Client c(retrying_worker(o, w));
           const std::vector<float> grad(kLen, float(w + 1));
           const std::vector<std::span<const float>> values(kKeys, grad);
           std::vector<std::vector<float>> read(kKeys, std::vector<float>(kLen));

@@ -164,12 +164,8 @@ void IoThread::loop() {
       ServerConn& c = *d.conn;
       if (c.closed.load()) continue;
       bool ok;
-      const auto op = static_cast<wire::Op>(d.request.op);
-      if (d.status != Errc::ok &&
-          (op == wire::Op::clock || (op == wire::Op::push && wire::push_is_identified(d.request))))
-        // Applied, and only its replication failed: closed, as the tcp server does, so that a
-        // retrying client sends it again (its marks say it is applied; a clock only moves forward).
-        ok = false;
+      if (d.status != Errc::ok && wire::applied_before_replicated(d.request))
+        ok = false;  // closed: see wire::applied_before_replicated
       else if (d.status != Errc::ok)
         ok = send_error(c, d.request, d.status, d.why);
       else if (d.request.op == static_cast<std::uint16_t>(wire::Op::wait) ||
