@@ -35,6 +35,7 @@
 #include "pskv/client.h"
 #include "pskv/error.h"
 #include "pskv/server.h"
+#include "pskv/table.h"
 #include "pskv/update_rule.h"
 #include "store/update_kernels.h"
 #include "transport/tcp/socket.h"
@@ -607,8 +608,69 @@ void init_sparse_table(const std::vector<std::string>& servers, std::uint64_t ke
   }
 }
 
+// The rows workload's table (Client::create_table): rows of `dim` floats, plain SGD, room for all.
+pskv::TableSpec rows_spec(std::size_t dim, std::uint64_t rows) {
+  pskv::TableSpec spec;
+  spec.dim = static_cast<std::uint32_t>(dim);
+  spec.rule.rule = pskv::UpdateRule::sgd;
+  spec.max_rows = rows;
+  return spec;
+}
+
+// One number of a server's stats JSON (flat, as JsonObject writes it); 0 when absent.
+double stat_of(const std::string& json, const std::string& name) {
+  const auto at = json.find("\"" + name + "\":");
+  return at == std::string::npos ? 0 : std::strtod(json.c_str() + at + name.size() + 3, nullptr);
+}
+
+struct InsertPoint {
+  double inserts_per_s, bytes_per_row;
+};
+
+// Creates every row of the rows workload's table once, ids [0, rows) in batches, `clients`
+// threads each taking every clients-th batch; then reads what a row costs from the servers.
+InsertPoint insert_rows(const std::vector<std::string>& servers, std::uint64_t rows, std::size_t dim,
+                        std::size_t batch_keys, int clients) {
+  std::vector<std::string> errors(clients);
+  std::vector<std::thread> threads;
+  const auto t0 = Clock::now();
+  for (int c = 0; c < clients; ++c)
+    threads.emplace_back([&, c] {
+      try {
+        pskv::Client client(client_options(servers));
+        client.create_table(0, rows_spec(dim, rows));
+        std::vector<float> grads(batch_keys * dim, 0.0f);
+        std::vector<pskv::Key> ids;
+        for (std::uint64_t base = std::uint64_t(c) * batch_keys; base < rows;
+             base += std::uint64_t(clients) * batch_keys) {
+          ids.clear();
+          for (std::uint64_t id = base; id < std::min(rows, base + batch_keys); ++id) ids.push_back(id);
+          client.wait(client.push_rows(0, ids, std::span<const float>(grads.data(), ids.size() * dim)));
+        }
+      } catch (const std::exception& e) {
+        errors[c] = e.what();
+      }
+    });
+  for (auto& t : threads) t.join();
+  const double wall = seconds_since(t0);
+  for (const auto& e : errors)
+    if (!e.empty()) throw std::runtime_error(e);
+  pskv::Client admin(client_options(servers));
+  double bytes = 0, alive = 0;
+  for (std::size_t s = 0; s < servers.size(); ++s) {
+    const std::string json = admin.server_stats(s);
+    bytes += stat_of(json, "table_0_bytes");
+    alive += stat_of(json, "table_0_rows");
+  }
+  if (alive != double(rows))
+    throw std::runtime_error("the servers hold " + std::to_string(alive) + " rows after inserting " +
+                             std::to_string(rows));
+  return {double(rows) / wall, bytes / alive};
+}
+
 SparsePoint measure_sparse(const std::vector<std::string>& servers, const std::string& op, const KeyDraw& draw,
-                           std::size_t floats, std::size_t batch_keys, int clients, double seconds) {
+                           std::size_t floats, std::size_t batch_keys, int clients, double seconds,
+                           std::uint64_t table_rows = 0) {
   std::vector<std::vector<double>> lat(clients);
   std::vector<std::uint64_t> done(clients, 0);
   std::vector<std::string> errors(clients);
@@ -620,6 +682,7 @@ SparsePoint measure_sparse(const std::vector<std::string>& servers, const std::s
       try {
         pskv::ClientOptions o = client_options(servers);
         pskv::Client client(o);
+        if (table_rows) client.create_table(0, rows_spec(floats, table_rows));
         std::vector<float> buf(batch_keys * floats, 1e-3f);
         client.register_buffer(buf.data(), buf.size() * sizeof(float));
         std::vector<pskv::Key> keys(batch_keys);
@@ -636,7 +699,10 @@ SparsePoint measure_sparse(const std::vector<std::string>& servers, const std::s
         while (done[c] < 3 || seconds_since(start) < seconds) {
           for (auto& k : keys) k = draw(rng);
           const auto s = Clock::now();
-          client.wait(op == "push" ? client.push(keys, ins) : client.pull(keys, outs));
+          if (table_rows)
+            client.wait(op == "push" ? client.push_rows(0, keys, buf) : client.pull_rows(0, keys, buf));
+          else
+            client.wait(op == "push" ? client.push(keys, ins) : client.pull(keys, outs));
           lat[c].push_back(seconds_since(s) * 1e6);
           ++done[c];
         }
@@ -750,20 +816,25 @@ int main(int argc, char** argv) {
   std::string workload = "dense", mode = "asp";
   int workers = 4, steps = 300, straggler_us = 0;
   std::uint32_t staleness = 0, sync_required = 0;
-  app.add_option("--workload", workload, "dense: push/pull sweep; steps: pull-push-clock training loop per mode")
+  app.add_option("--workload", workload,
+                 "dense: push/pull sweep; steps: pull-push-clock training loop per mode; sparse: batches of keys of "
+                 "an initialised table; rows: batches of rows of an embedding table (Client::pull_rows/push_rows), "
+                 "after inserting all of them")
       ->capture_default_str()
-      ->check(CLI::IsMember({"dense", "steps", "sparse"}));
+      ->check(CLI::IsMember({"dense", "steps", "sparse", "rows"}));
   std::uint64_t table_keys = 1000000;
   std::size_t key_floats = 16, batch_keys = 1000;
   std::string dist = "uniform";
   double zipf_s = 0.99;
-  app.add_option("--table-keys", table_keys, "sparse workload: keys in the table")->capture_default_str();
-  app.add_option("--key-floats", key_floats, "sparse workload: floats per key")->capture_default_str();
-  app.add_option("--batch-keys", batch_keys, "sparse workload: keys per push/pull")->capture_default_str();
-  app.add_option("--dist", dist, "sparse workload: uniform or zipf")
+  app.add_option("--table-keys", table_keys, "sparse and rows workloads: keys (rows) in the table")
+      ->capture_default_str();
+  app.add_option("--key-floats", key_floats, "sparse and rows workloads: floats per key (row)")->capture_default_str();
+  app.add_option("--batch-keys", batch_keys, "sparse and rows workloads: keys (rows) per push/pull")
+      ->capture_default_str();
+  app.add_option("--dist", dist, "sparse and rows workloads: uniform or zipf")
       ->capture_default_str()
       ->check(CLI::IsMember({"uniform", "zipf"}));
-  app.add_option("--zipf-s", zipf_s, "sparse workload: Zipf exponent")->capture_default_str();
+  app.add_option("--zipf-s", zipf_s, "sparse and rows workloads: Zipf exponent")->capture_default_str();
   app.add_option("--mode", mode, "steps workload: asp, bsp, ssp or sync")
       ->capture_default_str()
       ->check(CLI::IsMember({"asp", "bsp", "ssp", "sync"}));
@@ -803,6 +874,10 @@ int main(int argc, char** argv) {
   std::vector<pid_t> server_pids;
   pid_t spare = -1;                     // --kill-at-step: server 1's successor
   int spare_go = -1, spare_ready = -1;  // its pipes: start serving, and serving
+  if (workload == "rows" && transport != "tcp") {
+    std::fprintf(stderr, "pskv-bench: --workload rows needs --transport tcp (tables are served over tcp:// for now)\n");
+    return 2;
+  }
   if (replicas > 1 && (transport != "tcp" || replicas > static_cast<std::uint32_t>(servers) || !targets.empty())) {
     std::fprintf(stderr, "pskv-bench: --replicas needs --transport tcp, servers it starts, and --servers >= it\n");
     return 2;
@@ -822,6 +897,7 @@ int main(int argc, char** argv) {
     const std::size_t biggest = *std::max_element(sizes.begin(), sizes.end());
     const int max_clients = *std::max_element(client_counts.begin(), client_counts.end());
     std::uint64_t arena_mb = (sizes.size() * max_clients * (biggest + 4096) * 2 >> 20) / servers + 64;
+    if (workload == "rows") arena_mb = 64;
     if (workload == "sparse") arena_mb = (table_keys * (64 + ((key_floats * 4 + 63) / 64) * 64) >> 20) / servers + 64;
     const auto options_for = [&](int s) {
       pskv::ServerOptions so;
@@ -844,6 +920,9 @@ int main(int argc, char** argv) {
       so.arena_bytes = arena_mb << 20;
       so.max_request_bytes = std::max<std::uint64_t>(so.max_request_bytes, biggest * 2);
       if (workload == "sparse") so.max_keys = table_keys / static_cast<std::uint64_t>(servers) * 5 / 4 + 1024;
+      // Every server is given room for the whole table (a cap is per server): 32 bytes a row beside
+      // its floats covers its key, links and index (ShardEngine's row_bytes_bound).
+      if (workload == "rows") so.table_memory_bytes = (table_keys * (32 + key_floats * 4) + (64u << 20));
       return so;
     };
     // SIGTERM must run the destructors (a shm server removes its segment), so a server waits for it.
@@ -1055,6 +1134,63 @@ int main(int argc, char** argv) {
             transport.c_str(), mode.c_str(), staleness, workers, size, straggler_us, r.steps_per_s, r.p50_step_us,
             r.max_step_us, static_cast<unsigned long long>(r.max_staleness), hist.c_str(), killed.c_str());
       }
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "pskv-bench: %s\n", e.what());
+      rc = 1;
+    }
+    ops.clear();
+  }
+  if (workload == "rows") {
+    try {
+      const int inserters = *std::max_element(client_counts.begin(), client_counts.end());
+      const InsertPoint ins = insert_rows(targets, table_keys, key_floats, batch_keys, inserters);
+      if (json)
+        print_json(pskv::JsonObject()
+                       .add("transport", transport)
+                       .add("workload", "rows")
+                       .add("op", "insert")
+                       .add("row_bytes", key_floats * 4)
+                       .add("batch_keys", batch_keys)
+                       .add("table_rows", table_keys)
+                       .add("clients", inserters)
+                       .add("servers", targets.size())
+                       .add("inserts_per_s", ins.inserts_per_s, 0)
+                       .add("bytes_per_row", ins.bytes_per_row, 1));
+      else
+        std::printf("%-5s rows insert %" PRIu64 " rows x %zu B, %d clients: %.2f M rows/s, %.1f bytes per row\n",
+                    transport.c_str(), table_keys, key_floats * 4, inserters, ins.inserts_per_s / 1e6,
+                    ins.bytes_per_row);
+      std::fflush(stdout);
+      const KeyDraw draw(table_keys, dist, zipf_s);
+      for (const auto& op : ops)
+        for (int clients : client_counts) {
+          const SparsePoint p = measure_sparse(targets, op, draw, key_floats, batch_keys, clients, seconds, table_keys);
+          if (json)
+            print_json(pskv::JsonObject()
+                           .add("transport", transport)
+                           .add("workload", "rows")
+                           .add("dist", dist)
+                           .add("op", op)
+                           .add("row_bytes", key_floats * 4)
+                           .add("batch_keys", batch_keys)
+                           .add("table_rows", table_keys)
+                           .add("clients", clients)
+                           .add("servers", targets.size())
+                           .add("ops", p.batches)
+                           .add("rows_per_s", p.keys_per_s, 0)
+                           .add("bytes_per_s", p.bytes_per_s, 0)
+                           .add("p50_us", p.p50_us, 2)
+                           .add("p99_us", p.p99_us, 2)
+                           .add("baseline", "tcp_stream")
+                           .add("baseline_value", stream_bw, 0)
+                           .add("ratio", p.bytes_per_s / stream_bw, 4));
+          else
+            std::printf(
+                "%-5s rows %-7s %-5s %zu rows x %zu B, %d clients: %.2f M rows/s, batch p50 %.0f us p99 %.0f us\n",
+                transport.c_str(), dist.c_str(), op.c_str(), batch_keys, key_floats * 4, clients, p.keys_per_s / 1e6,
+                p.p50_us, p.p99_us);
+          std::fflush(stdout);
+        }
     } catch (const std::exception& e) {
       std::fprintf(stderr, "pskv-bench: %s\n", e.what());
       rc = 1;

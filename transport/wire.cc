@@ -1,11 +1,64 @@
 #include "transport/wire.h"
 
+#include <bit>
 #include <cstring>
 
 namespace pskv::wire {
 
 bool op_carries_values(Op op) noexcept {
-  return op == Op::init || op == Op::push || op == Op::replicate;
+  return op == Op::init || op == Op::push || op == Op::replicate || op == Op::table_create || op == Op::table_push;
+}
+
+void encode_table_spec(const TableSpec& spec, float out[kTableSpecFloats]) noexcept {
+  const std::uint32_t words[kTableSpecFloats] = {spec.dim,
+                                                 static_cast<std::uint32_t>(spec.init),
+                                                 std::bit_cast<std::uint32_t>(spec.init_scale),
+                                                 static_cast<std::uint32_t>(spec.seed),
+                                                 static_cast<std::uint32_t>(spec.seed >> 32),
+                                                 static_cast<std::uint32_t>(spec.rule.rule),
+                                                 std::bit_cast<std::uint32_t>(spec.rule.lr),
+                                                 std::bit_cast<std::uint32_t>(spec.rule.momentum),
+                                                 std::bit_cast<std::uint32_t>(spec.rule.beta1),
+                                                 std::bit_cast<std::uint32_t>(spec.rule.beta2),
+                                                 std::bit_cast<std::uint32_t>(spec.rule.eps),
+                                                 std::bit_cast<std::uint32_t>(spec.rule.weight_decay),
+                                                 spec.admit_after,
+                                                 static_cast<std::uint32_t>(spec.eviction),
+                                                 static_cast<std::uint32_t>(spec.max_rows),
+                                                 static_cast<std::uint32_t>(spec.max_rows >> 32)};
+  std::memcpy(out, words, sizeof words);
+}
+
+Errc decode_table_spec(const float in[kTableSpecFloats], TableSpec* spec, std::string* why) {
+  std::uint32_t w[kTableSpecFloats];
+  std::memcpy(w, in, sizeof w);
+  if (w[1] > static_cast<std::uint32_t>(RowInit::normal) || w[5] > static_cast<std::uint32_t>(UpdateRule::adagrad) ||
+      w[13] > static_cast<std::uint32_t>(RowEviction::step)) {
+    *why = "table spec names an unknown initializer (" + std::to_string(w[1]) + "), update rule (" +
+           std::to_string(w[5]) + ") or eviction policy (" + std::to_string(w[13]) + ")";
+    return Errc::invalid_argument;
+  }
+  TableSpec s;
+  s.dim = w[0];
+  s.init = static_cast<RowInit>(w[1]);
+  s.init_scale = std::bit_cast<float>(w[2]);
+  s.seed = w[3] | (std::uint64_t{w[4]} << 32);
+  s.rule.rule = static_cast<UpdateRule>(w[5]);
+  s.rule.lr = std::bit_cast<float>(w[6]);
+  s.rule.momentum = std::bit_cast<float>(w[7]);
+  s.rule.beta1 = std::bit_cast<float>(w[8]);
+  s.rule.beta2 = std::bit_cast<float>(w[9]);
+  s.rule.eps = std::bit_cast<float>(w[10]);
+  s.rule.weight_decay = std::bit_cast<float>(w[11]);
+  s.admit_after = w[12];
+  s.eviction = static_cast<RowEviction>(w[13]);
+  s.max_rows = w[14] | (std::uint64_t{w[15]} << 32);
+  if (std::string problem = check_table_spec(s); !problem.empty()) {
+    *why = problem;
+    return Errc::invalid_argument;
+  }
+  *spec = s;
+  return Errc::ok;
 }
 
 std::string_view op_name(std::uint16_t op) noexcept {
@@ -42,6 +95,12 @@ std::string_view op_name(std::uint16_t op) noexcept {
       return "replica_barrier";
     case Op::replica_evict:
       return "replica_evict";
+    case Op::table_create:
+      return "table_create";
+    case Op::table_pull:
+      return "table_pull";
+    case Op::table_push:
+      return "table_push";
   }
   return "unknown";
 }

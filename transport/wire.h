@@ -12,6 +12,7 @@
 #include "layout/crc.h"
 #include "layout/key_entry.h"
 #include "pskv/error.h"
+#include "pskv/table.h"
 
 namespace pskv::wire {
 
@@ -41,6 +42,10 @@ enum class Op : std::uint16_t {
   replica_clock = 14,    // arg0 = the origin | worker << 32, arg1 = the clock that worker entered at the origin
   replica_barrier = 15,  // arg0 as replica_clock, arg1 = the barrier generation that worker entered there
   replica_evict = 16,    // arg0 as replica_clock, arg1 = 1: the origin evicted that worker (0: it did not)
+  // Embedding tables (docs/protocol.md, "Tables"): arg1 = the table id.
+  table_create = 17,  // one key (the table id) whose kTableSpecFloats values are the spec's words (TableSpecWords)
+  table_pull = 18,    // keys: row ids, each of the table's dimension; arg0 = the worker's clock; reply carries the rows
+  table_push = 19,    // keys + gradients, each of the table's dimension; arg0 = the worker's clock
 };
 
 inline constexpr std::uint32_t kReplicaSyncing = 1, kReplicaSynced = 2;
@@ -117,6 +122,13 @@ ParseResult parse_request(const std::byte* data, std::size_t avail, const Limits
                           std::vector<KeyEntry>* keys, Errc* status, std::string* why);
 
 bool op_carries_values(Op op) noexcept;
+// Ops whose reply carries one value per key of the request (into the request's slices).
+inline bool op_returns_values(Op op) noexcept {
+  return op == Op::pull || op == Op::replica_pull || op == Op::table_pull;
+}
+inline bool op_is_table(Op op) noexcept {
+  return op == Op::table_create || op == Op::table_pull || op == Op::table_push;
+}
 std::string_view op_name(std::uint16_t op) noexcept;
 // Ops only another server of the ring may send (it says hello as kServerPeer).
 inline bool op_is_replication(Op op) noexcept {
@@ -169,6 +181,12 @@ inline std::uint32_t push_session(const FrameHeader& h) noexcept {
 inline std::uint64_t push_clock(const FrameHeader& h) noexcept {
   return push_is_identified(h) ? h.arg0 & 0xFFFFFFFFu : h.arg0;
 }
+
+// table_create's value: a TableSpec as 16 32-bit words (floats as their bits, 64-bit fields as
+// two words, low first). Decoding checks every enum; check_table_spec the rest.
+inline constexpr std::uint32_t kTableSpecFloats = 16;
+void encode_table_spec(const TableSpec& spec, float out[kTableSpecFloats]) noexcept;
+Errc decode_table_spec(const float in[kTableSpecFloats], TableSpec* spec, std::string* why);
 
 // The optional checksum (flag kChecksum) is layout/crc.h's CRC-32.
 using pskv::crc32_update;

@@ -82,6 +82,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   std::int64_t frame_ms = o.frame_timeout.count(), handshake_ms = o.handshake_timeout.count();
   std::uint64_t budget_mb = o.memory_budget_bytes >> 20;
+  std::uint64_t table_mb = o.table_memory_bytes >> 20;
   app.add_option("--max-connections-per-address", o.max_connections_per_address,
                  "tcp: connections from one IP address beyond this are refused")
       ->envname("PSKV_MAX_CONNECTIONS_PER_ADDRESS")
@@ -99,6 +100,11 @@ int main(int argc, char** argv) {
                  "tcp: frame buffers and copied replies of all connections together, MiB; a request that would need "
                  "more is refused with 'capacity'")
       ->envname("PSKV_MEMORY_BUDGET_MB")
+      ->capture_default_str();
+  app.add_option("--table-memory-mb", table_mb,
+                 "embedding tables: what all tables' rows may take at their caps, MiB; a table created without "
+                 "max_rows gets what is left")
+      ->envname("PSKV_TABLE_MEMORY_MB")
       ->capture_default_str();
   // Backend settings are URI parameters (docs/protocol.md, "Server URIs"); these flags (and their
   // PSKV_* variables) are a shorter way to write them and are appended to --uri.
@@ -210,6 +216,7 @@ int main(int argc, char** argv) {
   o.frame_timeout = std::chrono::milliseconds(frame_ms);
   o.handshake_timeout = std::chrono::milliseconds(handshake_ms);
   o.memory_budget_bytes = budget_mb << 20;
+  o.table_memory_bytes = table_mb << 20;
 
   // Block the stop signals before any thread starts, then wait for them here.
   sigset_t stop_signals;

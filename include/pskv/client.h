@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "pskv/error.h"
+#include "pskv/table.h"
 #include "pskv/types.h"
 
 namespace pskv {
@@ -97,6 +98,20 @@ class Client {
   Ticket init(Key key, std::span<const float> value) { return init({&key, 1}, {&value, 1}); }
   Ticket push(Key key, std::span<const float> value) { return push({&key, 1}, {&value, 1}); }
   Ticket pull(Key key, std::span<float> out) { return pull({&key, 1}, {&out, 1}); }
+
+  // Embedding tables (pskv/table.h): rows keyed by ids nobody enumerates in advance, each kept by
+  // the server its id hashes to. create_table declares table `table` (an id below 64) on every
+  // server; every worker calls it with the same spec (the first wins, another spec is an error),
+  // which also tells this client the table's dimension. tcp:// servers without --replicas only,
+  // for now.
+  void create_table(std::uint32_t table, const TableSpec& spec);
+  // The rows of `ids` into `out` (ids.size() * dim floats, row i at out[i * dim]); an id without
+  // a row reads as the table's initial value for it. An id repeated in the batch is fetched once.
+  Ticket pull_rows(std::uint32_t table, std::span<const Key> ids, std::span<float> out);
+  // Gradients of `ids` (ids.size() * dim floats), applied by the table's rule; rows are created
+  // as the table admits ids. The gradients of an id repeated in the batch are summed and sent
+  // once; otherwise they are sent from `grads` without a copy (valid until the ticket is waited).
+  Ticket push_rows(std::uint32_t table, std::span<const Key> ids, std::span<const float> grads);
 
   // Blocks until the operation completes; throws Error with the server's explanation on failure.
   void wait(Ticket ticket);

@@ -43,6 +43,9 @@ struct ServerOptions {
   std::chrono::milliseconds handshake_timeout{5000};
   std::chrono::milliseconds frame_timeout{5000};
   std::uint64_t memory_budget_bytes = 1ull << 30;
+  // Embedding tables (Client::create_table): what all tables' rows may take at their caps. A table
+  // whose cap would pass it is refused; one created without max_rows gets what is left.
+  std::uint64_t table_memory_bytes = 4ull << 30;
   // Checkpoints: the shard is written to checkpoint_dir every checkpoint_interval (0: only at
   // stop) and at stop; restore_dir loads this server's shard from there before serving.
   std::string checkpoint_dir;

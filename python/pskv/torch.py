@@ -228,3 +228,59 @@ class DistributedOptimizer:
     def __del__(self):
         if getattr(self, "_hooks", None):
             self.remove_hooks()
+
+
+class Embedding(torch.nn.Module):
+    """An embedding table that lives on the pskv servers, as a module (torch.nn.Embedding's shape).
+
+        emb = pt.Embedding(client, table=0, dim=16, rule="adagrad", lr=0.05)
+        rows = emb(ids)                  # ids: int64 tensor of any shape -> [*ids.shape, 16]
+        loss(model(rows)).backward()     # the rows' gradients are pushed to the servers
+        emb.wait()                       # (optional) before reading rows that must include them
+
+    Rows are created on the servers as ids are admitted (see Client.create_table for the spec
+    arguments); the update rule runs there, row by row, so no local optimizer touches them and
+    model.parameters() does not include them. An id repeated in a batch is fetched once and its
+    gradients are summed before they are sent. backward() sends the gradients without waiting;
+    the next forward (or wait()) waits for them, so a worker always reads its own updates.
+    """
+
+    def __init__(self, client: Client, table: int, dim: int, **spec):
+        super().__init__()
+        client.create_table(table, dim, **spec)
+        self.client, self.table, self.dim = client, table, dim
+        self._pending: List = []
+        # Gives each output a grad_fn (rows are not parameters of this process).
+        self._anchor = torch.zeros((), requires_grad=True)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.dtype != torch.int64:
+            raise InvalidArgument(f"Embedding ids must be int64, not {ids.dtype}")
+        self.wait()
+        return _Rows.apply(ids, self._anchor, self)
+
+    def wait(self) -> None:
+        """Waits until every gradient pushed by backward() is applied."""
+        pending, self._pending = self._pending, []
+        for work in pending:
+            work.wait()
+
+    def extra_repr(self) -> str:
+        return f"table={self.table}, dim={self.dim}"
+
+
+class _Rows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ids: torch.Tensor, anchor: torch.Tensor, emb: "Embedding") -> torch.Tensor:
+        flat = ids.detach().reshape(-1).contiguous()
+        out = torch.empty(flat.numel(), emb.dim, dtype=torch.float32)
+        emb.client.pull_rows(emb.table, flat, out, async_op=False)
+        ctx.emb, ctx.flat = emb, flat
+        return out.view(*ids.shape, emb.dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        emb = ctx.emb
+        g = grad.reshape(-1, emb.dim).to(torch.float32).contiguous()
+        emb._pending.append(emb.client.push_rows(emb.table, ctx.flat, g))
+        return None, None, None

@@ -20,6 +20,8 @@
 #include "buffers.h"
 #include "client_binding.h"
 #include "pskv/client.h"
+#include "pskv/table.h"
+#include "pskv/update_rule.h"
 
 namespace py = pybind11;
 
@@ -353,6 +355,76 @@ class PyClient {
       sources.assign(spans.begin(), spans.end());
       return op == OpKind::push ? client.push(key_list, sources) : client.init(key_list, sources);
     };
+    return run(std::move(pending), submit, bytes, async_op, what);
+  }
+
+  // pull_rows and push_rows of an embedding table: `ids` an int64/uint64 array (numpy, CPU
+  // torch tensor) or a sequence of ints, `values` one float32 array of len(ids) * dim floats.
+  py::object rows(bool push, std::uint32_t table, py::handle ids, py::handle values, bool async_op) {
+    Session& s = *session_;
+    s.require_open();
+    ActiveCall call(s);
+    s.reap_orphans();
+    const char* what = push ? "push_rows gradients" : "pull_rows target";
+    thread_local std::vector<Key> id_list;
+    read_ids(ids, id_list);
+    Pending pending;
+    pending.first = HeldBuffer(values.ptr(), push ? Access::read : Access::write, what, static_cast<std::size_t>(-1));
+    const std::span<float> buffer(pending.first.data(), pending.first.floats());
+    Client& client = *s.client;
+    auto submit = [&] {
+      return push ? client.push_rows(table, id_list, std::span<const float>(buffer))
+                  : client.pull_rows(table, id_list, buffer);
+    };
+    return run(std::move(pending), submit, buffer.size_bytes(), async_op, what);
+  }
+
+  void create_table(std::uint32_t table, const TableSpec& spec) {
+    Session& s = *session_;
+    s.require_open();
+    ActiveCall call(s);
+    py::gil_scoped_release unlocked;
+    s.client->create_table(table, spec);
+  }
+
+ private:
+  // Row ids as the C++ client takes them, copied (8 bytes a row, beside its floats).
+  static void read_ids(py::handle ids, std::vector<Key>& out) {
+    out.clear();
+    py::object source = py::reinterpret_borrow<py::object>(ids);
+    // A CPU torch tensor exports no buffer; its numpy view shares the memory.
+    if (!PyObject_CheckBuffer(source.ptr()) && py::hasattr(source, "numpy") && py::hasattr(source, "dtype"))
+      source = source.attr("numpy")();
+    if (PyObject_CheckBuffer(source.ptr())) {
+      Py_buffer view;
+      if (PyObject_GetBuffer(source.ptr(), &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) != 0) {
+        PyErr_Clear();
+        throw Error(Errc::invalid_argument, "row ids: pass a C-contiguous int64 or uint64 array");
+      }
+      std::string format = view.format ? view.format : "B";
+      if (!format.empty() && (format[0] == '@' || format[0] == '=' || format[0] == '<')) format.erase(0, 1);
+      const bool ok = view.itemsize == 8 && (format == "q" || format == "Q" || format == "l" || format == "L");
+      if (ok) {
+        const auto* data = static_cast<const Key*>(view.buf);
+        out.assign(data, data + view.len / 8);
+      }
+      PyBuffer_Release(&view);
+      if (!ok)
+        throw Error(Errc::invalid_argument, "row ids are " + format + " items of " + std::to_string(view.itemsize) +
+                                                " bytes; pass int64 or uint64 (ids are never converted from floats)");
+    } else {
+      const py::sequence seq = py::reinterpret_borrow<py::sequence>(ids);
+      out.reserve(py::len(seq));
+      for (std::size_t i = 0; i < py::len(seq); ++i) out.push_back(to_key(py::object(seq[i]).ptr(), i));
+    }
+    if (out.empty()) throw Error(Errc::invalid_argument, "no row ids given");
+  }
+
+  // Issues `submit` (which reads `pending`'s buffers) and, unless async_op, waits for it.
+  template <class Submit>
+  py::object run(Pending pending, Submit& submit, std::size_t bytes, bool async_op, const char* what) {
+    Session& s = *session_;
+    Client& client = *s.client;
     // Issuing waits for room once the window is full: other Python threads must not wait with it.
     const bool keep_gil = bytes < kReleaseGilBytes && s.in_flight < s.window / 2;
     if (async_op) {
@@ -397,6 +469,7 @@ class PyClient {
     return py::none();
   }
 
+ public:
   void clock() { step(&Client::clock_async, "clock()"); }
   void barrier() { step(&Client::barrier_async, "barrier()"); }
 
@@ -736,6 +809,58 @@ void bind_client(py::module_& m) {
       .def("server_stats", &PyClient::server_stats, py::arg("server"), "Server `server`'s counters, parsed from JSON.")
       .def("_cpp_loop", &PyClient::cpp_loop, py::arg("key"), py::arg("buffer"), py::arg("op"), py::arg("seconds"),
            "pskv.bench's C++ baseline: (bytes/s, p50 us) of a one-in-flight C++ loop on this client.")
+      .def(
+          "create_table",
+          [](PyClient& c, std::uint32_t table, std::uint32_t dim, const std::string& init, float init_scale,
+             std::uint64_t seed, const std::string& rule, float lr, float momentum, float beta1, float beta2, float eps,
+             float weight_decay, std::uint32_t admit_after, const std::string& eviction, std::uint64_t max_rows) {
+            TableSpec spec;
+            spec.dim = dim;
+            const auto i = parse_row_init(init);
+            if (!i)
+              throw Error(Errc::invalid_argument, "init must be 'zeros', 'uniform' or 'normal', not '" + init + "'");
+            spec.init = *i;
+            spec.init_scale = init_scale;
+            spec.seed = seed;
+            const auto r = parse_update_rule(rule);
+            if (!r) throw Error(Errc::invalid_argument, "unknown update rule '" + rule + "'");
+            spec.rule = {*r, lr, momentum, beta1, beta2, eps, weight_decay};
+            spec.admit_after = admit_after;
+            const auto e = parse_row_eviction(eviction);
+            if (!e)
+              throw Error(Errc::invalid_argument,
+                          "eviction must be 'none', 'lru', 'lfu' or 'step', not '" + eviction + "'");
+            spec.eviction = *e;
+            spec.max_rows = max_rows;
+            c.create_table(table, spec);
+          },
+          py::arg("table"), py::arg("dim"), py::kw_only(), py::arg("init") = "uniform", py::arg("init_scale") = 0.01f,
+          py::arg("seed") = 0, py::arg("rule") = "sgd", py::arg("lr") = 0.01f, py::arg("momentum") = 0.9f,
+          py::arg("beta1") = 0.9f, py::arg("beta2") = 0.999f, py::arg("eps") = 1e-8f, py::arg("weight_decay") = 0.0f,
+          py::arg("admit_after") = 1, py::arg("eviction") = "none", py::arg("max_rows") = 0,
+          "Declares embedding table `table` (an id below 64) on every server: rows of `dim` floats created when "
+          "an id is admitted (at its admit_after-th push), starting from init ('zeros', 'uniform' or 'normal', "
+          "scaled by init_scale, seeded by seed and the id), updated by `rule` ('sgd', 'adagrad', 'adam', ...) "
+          "row by row, at most max_rows per server (0: what the server's --table-memory-mb leaves), evicting by "
+          "eviction ('none': refuse new ids at the cap, 'lru', 'lfu', 'step'). Every worker may call it with the "
+          "same arguments; another spec for the same table raises pskv.InvalidArgument.")
+      .def(
+          "pull_rows",
+          [](PyClient& c, std::uint32_t table, py::handle ids, py::handle out, bool async_op) {
+            return c.rows(false, table, ids, out, async_op);
+          },
+          py::arg("table"), py::arg("ids"), py::arg("out"), py::kw_only(), py::arg("async_op") = true,
+          "Reads the rows of `ids` (int64/uint64 array or ints) into `out` (float32, len(ids) * dim, row by row); "
+          "an id without a row reads as its initial value. A repeated id is fetched once. Returns a Work, or with "
+          "async_op=False waits and returns None.")
+      .def(
+          "push_rows",
+          [](PyClient& c, std::uint32_t table, py::handle ids, py::handle grads, bool async_op) {
+            return c.rows(true, table, ids, grads, async_op);
+          },
+          py::arg("table"), py::arg("ids"), py::arg("grads"), py::kw_only(), py::arg("async_op") = true,
+          "Sends the gradients of `ids` (float32, len(ids) * dim), applied row by row by the table's rule; the "
+          "gradients of a repeated id are summed and sent once. Returns a Work, or with async_op=False waits.")
       .def("register_buffer", &PyClient::register_buffer, py::arg("buffer"),
            "Announces memory later used for pushes or pulls (RDMA registers it once).")
       .def("close", &PyClient::close, py::arg("finished") = true,

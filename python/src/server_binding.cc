@@ -56,7 +56,8 @@ void bind_server(py::module_& m) {
                        std::uint64_t max_request_mb, const std::string& checkpoint_dir, double checkpoint_every,
                        const std::string& restore_dir, const std::string& auth_token_file,
                        std::optional<std::uint32_t> shm_clients, std::optional<std::uint64_t> shm_area_mb,
-                       std::optional<std::string> shm_push, std::optional<std::string> tcp_push) {
+                       std::optional<std::string> shm_push, std::optional<std::string> tcp_push,
+                       std::uint64_t table_memory_mb) {
              ServerOptions o;
              o.uri = uri;
              o.num_workers = workers;
@@ -86,6 +87,7 @@ void bind_server(py::module_& m) {
              o.checkpoint_interval = to_ms(checkpoint_every, "checkpoint_every");
              o.restore_dir = restore_dir;
              o.auth_token_file = auth_token_file;
+             o.table_memory_bytes = table_memory_mb << 20;
              // Backend settings travel as URI parameters; these keywords are a shorter way to write them.
              const std::string scheme = uri.substr(0, uri.find("://"));
              auto param = [&](const char* keyword, const char* for_scheme, const char* name,
@@ -117,7 +119,8 @@ void bind_server(py::module_& m) {
            py::arg("max_request_mb") = d.max_request_bytes >> 20, py::arg("checkpoint_dir") = d.checkpoint_dir,
            py::arg("checkpoint_every") = seconds(d.checkpoint_interval), py::arg("restore_dir") = d.restore_dir,
            py::arg("auth_token_file") = d.auth_token_file, py::arg("shm_clients") = py::none(),
-           py::arg("shm_area_mb") = py::none(), py::arg("shm_push") = py::none(), py::arg("tcp_push") = py::none())
+           py::arg("shm_area_mb") = py::none(), py::arg("shm_push") = py::none(), py::arg("tcp_push") = py::none(),
+           py::arg("table_memory_mb") = d.table_memory_bytes >> 20)
       .def_property_readonly("uri", &PyServer::uri, "The URI clients use (with the real port if 0 was asked).")
       .def("stats", &PyServer::stats, "The shard's counters, parsed from JSON.")
       .def("workers_finished", &PyServer::workers_finished, "True once every worker finished or was evicted.")

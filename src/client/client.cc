@@ -1,6 +1,7 @@
 #include "pskv/client.h"
 
 #include <algorithm>
+#include <array>
 #include <exception>
 #include <mutex>
 #include <optional>
@@ -10,6 +11,7 @@
 #include "client/placement.h"
 #include "client/push_sequence.h"
 #include "layout/clock_table.h"
+#include "layout/hash.h"
 #include "transport/transport.h"
 
 namespace pskv {
@@ -177,7 +179,14 @@ class ClientImpl {
       place(placement_, keys[i], length, parts);
       for (const Part& p : parts) op->slices[p.server].push_back({keys[i], p.length, data + p.offset});
     }
-    // Clocks go to every server; stats and barriers to one; data ops to the servers they touch.
+    return submit(op, ticket, kind, arg0, 0, only_server, text_out);
+  }
+
+  // Sends what `op`'s slices hold: clocks go to every server; stats and barriers to one; data
+  // ops to the servers they touch.
+  Ticket submit(Op* op, Ticket ticket, wire::Op kind, std::uint64_t arg0, std::uint32_t arg1, int only_server,
+                std::string* text_out) {
+    const std::size_t servers = links_.size();
     auto targets_server = [&](std::size_t s) {
       if (only_server >= 0) return static_cast<int>(s) == only_server;
       return kind == wire::Op::clock || !op->slices[s].empty();
@@ -201,7 +210,7 @@ class ClientImpl {
       transport::Request& r = op->requests[s];
       r.op = kind;
       r.arg0 = arg0;
-      r.arg1 = 0;
+      r.arg1 = arg1;
       r.keys = op->slices[s];
       r.completion = &op->completion;
       r.text_out = text_out;
@@ -440,6 +449,10 @@ class ClientImpl {
       }
     }
     if (status == Errc::ok && op->kind == wire::Op::pull) record_staleness(op->clock_at_issue, bound);
+    if (status == Errc::ok && op->rows_out)
+      for (const auto& [to, from] : op->repeats)
+        std::copy_n(op->rows_out + std::size_t{from} * op->row_dim, op->row_dim,
+                    op->rows_out + std::size_t{to} * op->row_dim);
     const wire::Op kind = op->kind;
     release(ticket);
     if (status != Errc::ok)
@@ -490,6 +503,102 @@ class ClientImpl {
     require_worker("barrier()");
     ++barrier_generation_;
     return issue(wire::Op::barrier, {}, kNoValues, barrier_generation_, 0);
+  }
+
+  void create_table(std::uint32_t table, const TableSpec& spec) {
+    if (std::string why = check_table_spec(spec); !why.empty()) throw Error(Errc::invalid_argument, why);
+    check_table_use(table, "create_table");
+    if (links_.empty()) throw Error(Errc::invalid_argument, "this client was disconnected; create a new one");
+    const auto acquired = acquire();
+    Op* const op = acquired.first;
+    for (auto& sl : op->slices) sl.clear();
+    op->owned.resize(wire::kTableSpecFloats);
+    wire::encode_table_spec(spec, op->owned.data());
+    for (auto& sl : op->slices) sl.push_back({table, wire::kTableSpecFloats, op->owned.data()});
+    wait(submit(op, acquired.second, wire::Op::table_create, 0, 0, -1, nullptr));
+    table_dims_[table].store(spec.dim, std::memory_order_release);
+  }
+
+  // pull_rows (`grads` null) and push_rows: the ids' rows go to their home servers; an id
+  // repeated in the batch is sent once (its gradients summed; its row copied to the repeats
+  // once it has arrived).
+  Ticket rows(wire::Op kind, std::uint32_t table, std::span<const Key> ids, float* data, std::size_t floats) {
+    check_table_use(table, wire::op_name(static_cast<std::uint16_t>(kind)));
+    const std::uint32_t dim = table_dims_[table].load(std::memory_order_acquire);
+    if (dim == 0)
+      throw Error(Errc::invalid_argument, "table " + std::to_string(table) +
+                                              " is unknown to this client: call create_table first (every "
+                                              "worker may, with the same spec)");
+    if (floats != ids.size() * dim)
+      throw Error(Errc::invalid_argument, std::to_string(ids.size()) + " rows of table " + std::to_string(table) +
+                                              " take " + std::to_string(ids.size() * dim) + " floats, not " +
+                                              std::to_string(floats));
+    if (links_.empty()) throw Error(Errc::invalid_argument, "this client was disconnected; create a new one");
+    const auto acquired = acquire();
+    Op* const op = acquired.first;
+    for (auto& sl : op->slices) sl.clear();
+    op->owned.clear();
+    op->repeats.clear();
+    op->rows_out = nullptr;
+    // First occurrence of each id, by open addressing over a table twice the batch.
+    thread_local std::vector<Key> seen_key;
+    thread_local std::vector<std::uint32_t> seen_at;
+    thread_local std::vector<std::uint32_t> first;  // per id: the index of its first occurrence
+    std::size_t cap = 16;
+    while (cap < 2 * ids.size()) cap *= 2;
+    seen_key.resize(cap);
+    seen_at.assign(cap, UINT32_MAX);
+    first.resize(ids.size());
+    std::size_t unique = 0;
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      std::size_t b = mix64(ids[i]) & (cap - 1);
+      while (seen_at[b] != UINT32_MAX && seen_key[b] != ids[i]) b = (b + 1) & (cap - 1);
+      if (seen_at[b] == UINT32_MAX) {
+        seen_key[b] = ids[i];
+        seen_at[b] = static_cast<std::uint32_t>(i);
+        ++unique;
+      }
+      first[i] = seen_at[b];
+    }
+    const bool pushing = kind == wire::Op::table_push;
+    if (pushing && unique < ids.size()) {
+      // Summed into a buffer of the op's own, one row per distinct id, in order of first sight.
+      op->owned.assign(unique * dim, 0.0f);
+      std::vector<std::uint32_t> slot(ids.size());
+      std::uint32_t next = 0;
+      for (std::size_t i = 0; i < ids.size(); ++i) slot[i] = first[i] == i ? next++ : slot[first[i]];
+      for (std::size_t i = 0; i < ids.size(); ++i) {
+        float* to = op->owned.data() + std::size_t{slot[i]} * dim;
+        const float* from = data + i * dim;
+        for (std::uint32_t j = 0; j < dim; ++j) to[j] += from[j];
+      }
+      for (std::size_t i = 0; i < ids.size(); ++i)
+        if (first[i] == i)
+          op->slices[home_server(placement_, ids[i])].push_back(
+              {ids[i], dim, op->owned.data() + std::size_t{slot[i]} * dim});
+    } else {
+      for (std::size_t i = 0; i < ids.size(); ++i) {
+        if (first[i] == i)
+          op->slices[home_server(placement_, ids[i])].push_back({ids[i], dim, data + i * dim});
+        else
+          op->repeats.emplace_back(static_cast<std::uint32_t>(i), first[i]);
+      }
+      if (!pushing) {
+        op->rows_out = data;
+        op->row_dim = dim;
+      }
+    }
+    return submit(op, acquired.second, kind, clock_.load(std::memory_order_relaxed), table, -1, nullptr);
+  }
+
+  void check_table_use(std::uint32_t table, std::string_view what) const {
+    if (table >= kMaxTables)
+      throw Error(Errc::invalid_argument, std::string(what) + ": table id " + std::to_string(table) + " is past the " +
+                                              std::to_string(kMaxTables) + " a server holds");
+    if (retrying_)
+      throw Error(Errc::unsupported, std::string(what) +
+                                         ": embedding tables are not replicated yet, so a retrying client "
+                                         "(retry_timeout) cannot use them");
   }
 
   void require_worker(const char* what) const {
@@ -545,6 +654,13 @@ class ClientImpl {
     std::uint64_t clock_at_issue = 0;
     std::uint32_t generation = 0;
     bool in_use = false;
+    // Table ops: what the op sends from a buffer of its own (a table's spec, gradients of repeated
+    // ids summed), and for a pull_rows with repeated ids, (repeat, first occurrence) pairs whose
+    // rows are copied in rows_out once it completes.
+    std::vector<float> owned;
+    std::vector<std::pair<std::uint32_t, std::uint32_t>> repeats;
+    float* rows_out = nullptr;
+    std::uint32_t row_dim = 0;
   };
   // One server. Without retries `conn` is set once and never replaced. With them, `mu` orders
   // submissions, reconnection and the list of parts not yet finished, in submission order.
@@ -645,6 +761,8 @@ class ClientImpl {
   // issued concurrently with clock() carries either step, as a racing caller must expect.
   std::atomic<std::uint64_t> clock_{0};
   std::uint64_t barrier_generation_ = 0;
+  static constexpr std::uint32_t kMaxTables = 64;                    // ShardEngine::kMaxTables
+  std::array<std::atomic<std::uint32_t>, kMaxTables> table_dims_{};  // 0: not created by this client
   // Retry mode: the buffers registered so far, registered again on every new connection.
   std::mutex registered_mu_;
   std::vector<std::pair<void*, std::size_t>> registered_;
@@ -669,6 +787,19 @@ Ticket Client::push(std::span<const Key> keys, std::span<const std::span<const f
 
 Ticket Client::pull(std::span<const Key> keys, std::span<const std::span<float>> out) {
   return impl_->issue(wire::Op::pull, keys, out, impl_->current_clock());
+}
+
+void Client::create_table(std::uint32_t table, const TableSpec& spec) {
+  impl_->create_table(table, spec);
+}
+
+Ticket Client::pull_rows(std::uint32_t table, std::span<const Key> ids, std::span<float> out) {
+  return impl_->rows(wire::Op::table_pull, table, ids, out.data(), out.size());
+}
+
+Ticket Client::push_rows(std::uint32_t table, std::span<const Key> ids, std::span<const float> grads) {
+  // Only read: the one KeySlice type serves both directions.
+  return impl_->rows(wire::Op::table_push, table, ids, const_cast<float*>(grads.data()), grads.size());
 }
 
 void Client::disconnect() {

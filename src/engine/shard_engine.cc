@@ -1,8 +1,11 @@
 #include "engine/shard_engine.h"
 
 #include <algorithm>
+#include <bit>
 #include <cstring>
 #include <sstream>
+
+#include "table/embedding_table.h"
 
 namespace pskv {
 
@@ -719,8 +722,126 @@ std::string ShardEngine::stats_json(std::uint64_t external_pushes, const JsonObj
                             : mark == static_cast<std::uint32_t>(ReplicaMark::syncing) ? "syncing"
                                                                                        : "empty");
   }
+  for (std::uint32_t id = 0; id < kMaxTables; ++id) {
+    const EmbeddingTable* t = tables_[id].load(std::memory_order_acquire);
+    if (!t) continue;
+    const TableStats ts = t->stats();
+    const std::string at = "table_" + std::to_string(id);
+    j.add(at + "_dim", t->dim())
+        .add(at + "_rows", ts.rows)
+        .add(at + "_max_rows", t->spec().max_rows)
+        .add(at + "_created", ts.created)
+        .add(at + "_evicted", ts.evicted)
+        .add(at + "_not_admitted", ts.not_admitted)
+        .add(at + "_bytes", ts.bytes);
+  }
   if (replicator_) j.merge(replicator_->stats());
   return j.merge(extra).str();
+}
+
+namespace {
+
+// Bitwise, floats included: two creators agree only on the very same spec.
+bool same_spec(const TableSpec& a, const TableSpec& b) noexcept {
+  auto bits = [](float f) { return std::bit_cast<std::uint32_t>(f); };
+  const UpdateRuleConfig &x = a.rule, &y = b.rule;
+  return a.dim == b.dim && a.init == b.init && bits(a.init_scale) == bits(b.init_scale) && a.seed == b.seed &&
+         x.rule == y.rule && bits(x.lr) == bits(y.lr) && bits(x.momentum) == bits(y.momentum) &&
+         bits(x.beta1) == bits(y.beta1) && bits(x.beta2) == bits(y.beta2) && bits(x.eps) == bits(y.eps) &&
+         bits(x.weight_decay) == bits(y.weight_decay) && a.admit_after == b.admit_after && a.eviction == b.eviction &&
+         a.max_rows == b.max_rows;
+}
+
+// What one row costs at most, index and optimizer state included (EmbeddingTable's layout), so
+// that a table's cap bounds its memory.
+std::uint64_t row_bytes_bound(const TableSpec& spec) noexcept {
+  const std::uint64_t state =
+      std::uint64_t{state_floats_per_value(spec.rule.rule)} * spec.dim + (spec.rule.rule == UpdateRule::adam ? 1 : 0);
+  return 16 + 4ull * spec.dim + 4 * state + (spec.eviction != RowEviction::none ? 4 : 0) + 8;
+}
+
+}  // namespace
+
+Errc ShardEngine::create_table(std::uint32_t id, const TableSpec& spec, std::string* why) {
+  if (id >= kMaxTables) {
+    *why = "table id " + std::to_string(id) + " is past the " + std::to_string(kMaxTables) + " tables a server holds";
+    return Errc::invalid_argument;
+  }
+  if (std::string problem = check_table_spec(spec); !problem.empty()) {
+    *why = problem;
+    return Errc::invalid_argument;
+  }
+  std::lock_guard lock(tables_mu_);
+  if (tables_[id].load(std::memory_order_relaxed)) {
+    if (same_spec(spec, table_requested_[id])) return Errc::ok;
+    *why = "table " + std::to_string(id) + " exists with another spec (dimension " +
+           std::to_string(table_requested_[id].dim) + "); every creator must give the same one";
+    return Errc::invalid_argument;
+  }
+  // A table costs its rows at the cap, plus what it takes empty (its index shards, and the
+  // admission filter): a fixed ~2 MiB, or 18 with a filter.
+  const std::uint64_t fixed = (spec.admit_after > 1 ? 18ull : 2ull) << 20;
+  const std::uint64_t per_row = row_bytes_bound(spec);
+  const std::uint64_t left = options_.table_memory_bytes - std::min(options_.table_memory_bytes, table_bytes_promised_);
+  TableSpec effective = spec;
+  if (effective.max_rows == 0)
+    effective.max_rows = left > fixed ? std::min<std::uint64_t>((left - fixed) / per_row, UINT32_MAX - 1) : 0;
+  const std::uint64_t needs = fixed + effective.max_rows * per_row;
+  if (effective.max_rows == 0 || needs > left) {
+    *why = "table " + std::to_string(id) + " would take " + std::to_string(needs >> 20) + " MiB at its cap of " +
+           std::to_string(effective.max_rows) + " rows; the server's table memory (--table-memory-mb) has " +
+           std::to_string(left >> 20) + " MiB left";
+    return Errc::capacity;
+  }
+  try {
+    table_owner_.push_back(std::make_unique<EmbeddingTable>(effective));
+  } catch (const std::exception& e) {
+    *why = std::string("table ") + std::to_string(id) + ": " + e.what();
+    return Errc::capacity;
+  }
+  table_bytes_promised_ += needs;
+  table_requested_[id] = spec;
+  tables_[id].store(table_owner_.back().get(), std::memory_order_release);
+  return Errc::ok;
+}
+
+EmbeddingTable* ShardEngine::table(std::uint32_t id, std::span<const KeyEntry> ids, std::string* why) const {
+  EmbeddingTable* t = id < kMaxTables ? tables_[id].load(std::memory_order_acquire) : nullptr;
+  if (!t) {
+    *why = "no table " + std::to_string(id) + " on server " + std::to_string(options_.server_id) +
+           ": create it first (Client::create_table)";
+    return nullptr;
+  }
+  for (const KeyEntry& e : ids)
+    if (e.length != t->dim()) {
+      *why = "row " + std::to_string(e.key) + " of table " + std::to_string(id) + " has " + std::to_string(e.length) +
+             " floats; the table's rows have " + std::to_string(t->dim());
+      return nullptr;
+    }
+  return t;
+}
+
+Errc ShardEngine::table_pull(std::uint32_t id, std::span<const KeyEntry> ids, float* out, std::string* why) {
+  EmbeddingTable* t = table(id, ids, why);
+  if (!t) return Errc::invalid_argument;
+  thread_local std::vector<Key> keys;
+  keys.resize(ids.size());
+  for (std::size_t i = 0; i < ids.size(); ++i) keys[i] = ids[i].key;
+  t->pull(keys, out);
+  pulls_.fetch_add(ids.size(), std::memory_order_relaxed);
+  return Errc::ok;
+}
+
+Errc ShardEngine::table_push(std::uint32_t id, std::uint64_t clock, std::span<const KeyEntry> ids, const float* grads,
+                             std::string* why) {
+  EmbeddingTable* t = table(id, ids, why);
+  if (!t) return Errc::invalid_argument;
+  thread_local std::vector<Key> keys;
+  keys.resize(ids.size());
+  for (std::size_t i = 0; i < ids.size(); ++i) keys[i] = ids[i].key;
+  t->push(keys, grads, clock);
+  pushes_.fetch_add(ids.size(), std::memory_order_relaxed);
+  return Errc::ok;
 }
 
 }  // namespace pskv

@@ -18,11 +18,14 @@
 #include "common/json.h"
 #include "layout/clock_table.h"
 #include "layout/key_entry.h"
+#include "pskv/table.h"
 #include "pskv/types.h"
 #include "store/store.h"
 #include "store/sync_accumulator.h"
 
 namespace pskv {
+
+class EmbeddingTable;
 
 // How far a replica is from holding all of its origin's keys: a full transfer from the origin
 // marks it syncing, then synced once every key has arrived (the values of the wire's
@@ -46,6 +49,8 @@ struct EngineOptions {
   std::uint32_t server_id = 0;
   // Servers whose keys this one keeps a replica of (--replicas: its predecessors on the ring).
   std::vector<std::uint32_t> replica_of;
+  // What all embedding tables' rows may take at their caps (--table-memory-mb).
+  std::uint64_t table_memory_bytes = 4ull << 30;
 };
 
 // A deferred reply. resume() runs exactly once, on an engine or transport thread, never under
@@ -197,6 +202,18 @@ class ShardEngine {
   void set_replicator(Replicator* replicator) noexcept { replicator_ = replicator; }
   Replicator* replicator() const noexcept { return replicator_; }
 
+  // Embedding tables (docs/ARCHITECTURE.md, "Embedding tables"), ids below kMaxTables.
+  static constexpr std::uint32_t kMaxTables = 64;
+  // Creates table `id`, or checks that the table of that id was created with this very spec
+  // (the first creator wins, as with init; another spec is invalid_argument). A spec without
+  // max_rows gets the rows the table memory budget has left; one whose rows at its cap would
+  // pass the budget is refused (capacity).
+  Errc create_table(std::uint32_t id, const TableSpec& spec, std::string* why);
+  // Rows of `ids` (each entry's length must be the table's dimension) into out, one after another.
+  Errc table_pull(std::uint32_t id, std::span<const KeyEntry> ids, float* out, std::string* why);
+  Errc table_push(std::uint32_t id, std::uint64_t clock, std::span<const KeyEntry> ids, const float* grads,
+                  std::string* why);
+
   Errc check_worker(std::uint32_t worker, std::string* why) const;
   // A replicated server ships clocks and barrier generations in 32 bits (UINT32_MAX standing for
   // a finished worker): invalid_argument for a larger one, which its replicas could not hold.
@@ -248,6 +265,14 @@ class ShardEngine {
   };
   std::vector<std::unique_ptr<Replica>> replicas_;
   Replicator* replicator_ = nullptr;
+  // A table is published once whole and never removed while the engine lives, so lookups take
+  // no lock.
+  std::array<std::atomic<EmbeddingTable*>, kMaxTables> tables_{};
+  std::mutex tables_mu_;  // creating one
+  std::vector<std::unique_ptr<EmbeddingTable>> table_owner_;
+  std::array<TableSpec, kMaxTables> table_requested_{};  // the spec each table was created with
+  std::uint64_t table_bytes_promised_ = 0;               // under tables_mu_
+  EmbeddingTable* table(std::uint32_t id, std::span<const KeyEntry> ids, std::string* why) const;
   Replica* replica(std::uint32_t origin, std::string* why) const;
   // Writes the records into `store` (with its pending steps into `sync`, in sync mode) where
   // they are newer (Store::put_if_newer).

@@ -105,6 +105,7 @@ class ServerImpl {
     e.wait_timeout = o.wait_timeout;
     e.straggler = o.straggler;
     e.server_id = o.server_id;
+    e.table_memory_bytes = o.table_memory_bytes;
     // This server keeps the keys of the replicas - 1 servers before it on the ring; its own are
     // kept by the ones after it.
     ReplicatorOptions r;

@@ -354,6 +354,10 @@ bool IoThread::dispatch(ServerConn& c, const wire::FrameHeader& h) {
     case wire::Op::replica_evict:
       return send_error(c, h, Errc::unsupported,
                         "replication between servers runs over tcp:// (an rdma:// server's --peer-uri), not rdma://");
+    case wire::Op::table_create:
+    case wire::Op::table_pull:
+    case wire::Op::table_push:
+      return send_error(c, h, Errc::unsupported, "embedding tables are served over tcp:// only for now, not rdma://");
   }
   return send_error(c, h, Errc::protocol, "unknown op " + std::to_string(h.op));
 }

@@ -436,12 +436,12 @@ bool TcpConnection::receive_one(const wire::FrameHeader& h, std::string* why) {
         status = Errc::protocol;
     }
   } else if (status == Errc::ok && h.payload_bytes == 0 && !request->keys.empty() &&
-             (request->op == wire::Op::pull || request->op == wire::Op::replica_pull)) {
+             wire::op_returns_values(request->op)) {
     *why = endpoint_ + " answered a " + std::string(wire::op_name(h.op)) + " of " +
            std::to_string(request->keys.size()) + " keys with no values";
     return false;
   } else if (h.payload_bytes > 0) {
-    if (request->op != wire::Op::pull && request->op != wire::Op::replica_pull) {
+    if (!wire::op_returns_values(request->op)) {
       *why = endpoint_ + " sent a payload with a " + std::string(wire::op_name(h.op)) + " reply";
       return false;
     }

@@ -1233,9 +1233,77 @@ bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payl
       status = Errc::unsupported;
       why = std::string(wire::op_name(h.op)) + " is an rdma:// operation; TCP clients pull values directly";
       break;
+    case wire::Op::table_create:
+    case wire::Op::table_pull:
+    case wire::Op::table_push:
+      return handle_table(peer, h, payload);
   }
   if (status != Errc::ok) return send_error(peer, h, status, why);
   return send_empty(peer, h);
+}
+
+bool TcpServer::handle_table(Peer& peer, const wire::FrameHeader& h, const float* payload) {
+  std::string why;
+  Errc status = Errc::ok;
+  const auto op = static_cast<wire::Op>(h.op);
+  if (engine_.replicator()) {
+    // Their rows would be lost with this server: refused rather than acknowledged unreplicated.
+    status = Errc::unsupported;
+    why = "embedding tables are not replicated yet; run the servers without --replicas to use them";
+  } else if (op == wire::Op::table_create) {
+    TableSpec spec;
+    if (peer.keys.size() != 1 || peer.keys[0].length != wire::kTableSpecFloats) {
+      status = Errc::protocol;
+      why = "table_create carries one key (the table id) of " + std::to_string(wire::kTableSpecFloats) + " words";
+    } else if (peer.keys[0].key >= ShardEngine::kMaxTables) {
+      status = Errc::invalid_argument;
+      why = "table id " + std::to_string(peer.keys[0].key) + " is past the " + std::to_string(ShardEngine::kMaxTables) +
+            " tables a server holds";
+    } else if ((status = wire::decode_table_spec(payload, &spec, &why)) == Errc::ok) {
+      status = engine_.create_table(static_cast<std::uint32_t>(peer.keys[0].key), spec, &why);
+    }
+  } else if (op == wire::Op::table_push) {
+    status = engine_.table_push(h.arg1, h.arg0, peer.keys, payload, &why);
+  } else {
+    return answer_table_pull(peer, h);
+  }
+  if (status != Errc::ok) return send_error(peer, h, status, why);
+  return send_empty(peer, h);
+}
+
+bool TcpServer::answer_table_pull(Peer& peer, const wire::FrameHeader& h) {
+  std::uint64_t floats = 0;
+  for (const wire::KeyEntry& k : peer.keys) floats += k.length;
+  const std::uint64_t bytes = floats * sizeof(float);
+  if (bytes > options_.limits.max_payload_bytes)
+    return send_error(peer, h, Errc::capacity,
+                      "the reply would be " + std::to_string(bytes) + " bytes, over the server's limit of " +
+                          std::to_string(options_.limits.max_payload_bytes) +
+                          " (--max-request-mb); pull fewer rows at a time");
+  Reply r(reply_header(h, bytes, engine_.observed_bound()));
+  float* payload = nullptr;
+  if (bytes > 0 && bytes <= Peer::kInBytes) {
+    if (peer.reply.size() < floats) peer.reply.resize(Peer::kInBytes / sizeof(float));
+    payload = peer.reply.data();
+  } else if (bytes > 0) {
+    if (!r.charged.take(budget_, bytes))
+      return send_error(peer, h, Errc::capacity, over_budget(peer, bytes, "table_pull reply"));
+    try {
+      r.owned_values = std::make_unique<HeapMemory>(bytes, "a table_pull's reply", false);
+    } catch (const std::exception& e) {
+      return send_error(peer, h, Errc::capacity, e.what());
+    }
+    payload = reinterpret_cast<float*>(r.owned_values->data());
+  }
+  std::string why;
+  if (Errc e = engine_.table_pull(h.arg1, peer.keys, payload, &why); e != Errc::ok) return send_error(peer, h, e, why);
+  r.payload = payload;
+  r.payload_bytes = bytes;
+  if (h.flags & wire::kChecksum) {
+    r.header.flags |= wire::kChecksum;
+    r.header.checksum = wire::crc32_update(0, r.payload, bytes);
+  }
+  return send(peer, std::move(r));
 }
 
 bool TcpServer::reserve_for_replicas(Peer& peer, bool creating, std::string* why) {

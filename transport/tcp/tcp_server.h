@@ -184,6 +184,9 @@ class TcpServer {
   bool before_handshake(Peer& peer, const wire::FrameHeader& h);
   bool admit(Peer& peer, const wire::FrameHeader& h);
   // `owner`: called by the connection's owner, which may answer small pulls from peer.reply.
+  // table_create, table_pull and table_push (docs/protocol.md, "Tables").
+  bool handle_table(Peer& peer, const wire::FrameHeader& h, const float* payload);
+  bool answer_table_pull(Peer& peer, const wire::FrameHeader& h);
   bool answer_pull(Peer& peer, const wire::FrameHeader& h, std::span<const wire::KeyEntry> keys, bool owner);
   // Finds a pull's keys and sizes its reply from the store's records (*bytes), refusing one over
   // the request limit; counts nothing.

@@ -1,0 +1,412 @@
+#include "table/embedding_table.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <new>
+
+#include "layout/hash.h"
+#include "store/update_kernels.h"
+
+namespace pskv {
+
+struct EmbeddingTable::Segment {
+  RowMeta* meta = nullptr;
+  float* data = nullptr;
+  float* state = nullptr;
+  std::atomic<std::uint32_t>* stamps = nullptr;
+  std::size_t data_bytes = 0, state_bytes = 0;
+  ~Segment() {
+    ::operator delete (meta, std::align_val_t{64});
+    ::operator delete (data, std::align_val_t{64});
+    if (state) ::operator delete (state, std::align_val_t{64});
+    if (stamps) ::operator delete (stamps, std::align_val_t{64});
+  }
+};
+
+namespace {
+
+constexpr std::uint32_t kFilterBits = 23;  // 2 x 8 Mi one-byte counters: 16 MiB per table
+constexpr std::uint32_t kInitialBuckets = 8;
+constexpr int kVictimSamples = 5;
+constexpr int kVictimRounds = 16;
+
+// A uniform float in [0, 1) from the spec's seed, the id and the float's index: a counter-based
+// generator, so any server computes any row's initial value alone.
+float unit(std::uint64_t seed, Key id, std::uint64_t i) noexcept {
+  const std::uint64_t u = mix64(seed ^ mix64(id ^ 0x5851f42d4c957f2dull) ^ (i * 0x9e3779b97f4a7c15ull));
+  return static_cast<float>(u >> 40) * (1.0f / 16777216.0f);
+}
+
+}  // namespace
+
+EmbeddingTable::EmbeddingTable(const TableSpec& spec) : spec_(spec) {
+  if (std::string why = check_table_spec(spec); !why.empty()) throw Error(Errc::invalid_argument, why);
+  state_floats_ = std::uint64_t{state_floats_per_value(spec.rule.rule)} * spec.dim;
+  if (spec.rule.rule == UpdateRule::adam) state_floats_ += 1;  // the row's own update count
+  stamps_ = spec.eviction != RowEviction::none;
+  shards_ = std::make_unique<Shard[]>(std::size_t{1} << kShardBits);
+  for (std::size_t s = 0; s < (std::size_t{1} << kShardBits); ++s) {
+    auto b = std::make_unique<Buckets>();
+    b->mask = kInitialBuckets - 1;
+    b->heads = std::make_unique<std::atomic<std::uint32_t>[]>(kInitialBuckets);
+    shards_[s].buckets.store(b.get(), std::memory_order_relaxed);
+    shards_[s].all.push_back(std::move(b));
+  }
+  index_bytes_ = (std::uint64_t{sizeof(Shard)} + sizeof(Buckets) + kInitialBuckets * 4) << kShardBits;
+  segments_ = std::make_unique<std::atomic<Segment*>[]>(kMaxSegments);
+  if (spec.admit_after > 1) filter_ = std::make_unique<std::atomic<std::uint8_t>[]>(std::size_t{2} << kFilterBits);
+}
+
+EmbeddingTable::~EmbeddingTable() {
+  for (std::uint32_t s = 0; s < kMaxSegments; ++s) delete segments_[s].load(std::memory_order_relaxed);
+}
+
+EmbeddingTable::RowMeta& EmbeddingTable::meta(std::uint32_t row) const noexcept {
+  return segments_[row >> kSegmentBits].load(std::memory_order_acquire)->meta[row & (kSegmentRows - 1)];
+}
+float* EmbeddingTable::data(std::uint32_t row) const noexcept {
+  return segments_[row >> kSegmentBits].load(std::memory_order_acquire)->data +
+         std::size_t{row & (kSegmentRows - 1)} * spec_.dim;
+}
+float* EmbeddingTable::state(std::uint32_t row) const noexcept {
+  return segments_[row >> kSegmentBits].load(std::memory_order_acquire)->state +
+         std::size_t{row & (kSegmentRows - 1)} * state_floats_;
+}
+std::atomic<std::uint32_t>* EmbeddingTable::stamp(std::uint32_t row) const noexcept {
+  return &segments_[row >> kSegmentBits].load(std::memory_order_acquire)->stamps[row & (kSegmentRows - 1)];
+}
+
+void EmbeddingTable::initial_row(Key id, float* out) const noexcept {
+  const std::uint32_t dim = spec_.dim;
+  const float scale = spec_.init_scale;
+  switch (spec_.init) {
+    case RowInit::zeros:
+      std::fill(out, out + dim, 0.0f);
+      return;
+    case RowInit::uniform:
+      for (std::uint32_t i = 0; i < dim; ++i) out[i] = (2.0f * unit(spec_.seed, id, i) - 1.0f) * scale;
+      return;
+    case RowInit::normal:
+      // Box-Muller: floats 2k and 2k+1 from the same pair of uniforms.
+      for (std::uint32_t i = 0; i < dim; i += 2) {
+        const float u1 = 1.0f - unit(spec_.seed, id, i);  // (0, 1]: log() stays finite
+        const float u2 = unit(spec_.seed, id, i + 1);
+        const float r = std::sqrt(-2.0f * std::log(u1)) * scale;
+        out[i] = r * std::cos(6.2831853f * u2);
+        if (i + 1 < dim) out[i + 1] = r * std::sin(6.2831853f * u2);
+      }
+      return;
+  }
+}
+
+bool EmbeddingTable::read_row(Key id, std::uint64_t hash, float* out) const noexcept {
+  Shard& shard = shard_of(hash);
+  for (;;) {
+    const std::uint32_t sv = shard.version.load(std::memory_order_acquire);
+    if (sv & 1) {
+      cpu_relax();
+      continue;
+    }
+    const Buckets* b = shard.buckets.load(std::memory_order_acquire);
+    std::uint32_t row = b->heads[hash & b->mask].load(std::memory_order_acquire);
+    // A chain relinked under us can loop; the shard's version tells, and the bound stops the walk.
+    std::uint32_t steps = 0;
+    while (row != 0 && row != kFreeRow && ++steps < (1u << 20)) {
+      const RowMeta& m = meta(row);
+      if (m.key.load(std::memory_order_relaxed) == id) break;
+      row = m.next.load(std::memory_order_acquire);
+    }
+    bool found = false;
+    if (row != 0 && row != kFreeRow && steps < (1u << 20)) {
+      const RowMeta& m = meta(row);
+      const std::uint32_t rv = m.version.load(std::memory_order_acquire);
+      if (rv & 1) continue;
+      seqlock_copy(out, data(row), std::size_t{spec_.dim} * sizeof(float));
+      std::atomic_thread_fence(std::memory_order_acquire);
+      if (m.version.load(std::memory_order_relaxed) != rv || m.key.load(std::memory_order_relaxed) != id) continue;
+      found = true;
+      if (stamps_) touch(row, 0);
+    }
+    std::atomic_thread_fence(std::memory_order_acquire);
+    if (shard.version.load(std::memory_order_relaxed) == sv) return found;
+  }
+}
+
+void EmbeddingTable::touch(std::uint32_t row, std::uint64_t step) const noexcept {
+  std::atomic<std::uint32_t>* s = stamp(row);
+  switch (spec_.eviction) {
+    case RowEviction::lru:
+      s->store(static_cast<std::uint32_t>(tick_.load(std::memory_order_relaxed)), std::memory_order_relaxed);
+      break;
+    case RowEviction::lfu:
+      // Lost increments under contention are fine: the count only ranks victims.
+      if (const std::uint32_t c = s->load(std::memory_order_relaxed); c != UINT32_MAX)
+        s->store(c + 1, std::memory_order_relaxed);
+      break;
+    case RowEviction::step:
+      if (step > 0) s->store(static_cast<std::uint32_t>(std::min<std::uint64_t>(step, UINT32_MAX)));
+      break;
+    case RowEviction::none:
+      break;
+  }
+}
+
+void EmbeddingTable::pull(std::span<const Key> ids, float* out) const noexcept {
+  tick_.fetch_add(1, std::memory_order_relaxed);
+  const std::uint32_t dim = spec_.dim;
+  // Each id costs a bucket miss and a row miss: the buckets of ids further on are fetched while
+  // this one is copied, so the misses of a large batch overlap.
+  constexpr std::size_t kAhead = 16;
+  auto prefetch_bucket = [&](std::size_t i) {
+    const std::uint64_t h = mix64(ids[i]);
+    const Buckets* b = shard_of(h).buckets.load(std::memory_order_acquire);
+    __builtin_prefetch(&b->heads[h & b->mask]);
+  };
+  for (std::size_t i = 0; i < std::min(ids.size(), kAhead); ++i) prefetch_bucket(i);
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    if (i + kAhead < ids.size()) prefetch_bucket(i + kAhead);
+    float* row = out + i * dim;
+    if (!read_row(ids[i], mix64(ids[i]), row)) initial_row(ids[i], row);
+  }
+}
+
+bool EmbeddingTable::contains(Key id) const noexcept {
+  std::vector<float> scratch(spec_.dim);
+  return read_row(id, mix64(id), scratch.data());
+}
+
+std::uint32_t EmbeddingTable::find_locked(Shard& shard, Key id, std::uint64_t hash,
+                                          std::atomic<std::uint32_t>** link) const noexcept {
+  Buckets* b = shard.buckets.load(std::memory_order_relaxed);
+  std::atomic<std::uint32_t>* at = &b->heads[hash & b->mask];
+  for (std::uint32_t row = at->load(std::memory_order_relaxed); row != 0;) {
+    RowMeta& m = meta(row);
+    if (m.key.load(std::memory_order_relaxed) == id) {
+      if (link) *link = at;
+      return row;
+    }
+    at = &m.next;
+    row = at->load(std::memory_order_relaxed);
+  }
+  return 0;
+}
+
+bool EmbeddingTable::admitted(Key id) noexcept {
+  if (!filter_) return true;
+  // Count-min over two rows: the estimate is the smaller counter, which over-counts only when
+  // both of an id's counters are shared with others.
+  const std::uint64_t h = mix64(id ^ 0xa0761d6478bd642full);
+  const std::uint64_t mask = (std::uint64_t{1} << kFilterBits) - 1;
+  std::atomic<std::uint8_t>* c[2] = {&filter_[h & mask],
+                                     &filter_[(std::uint64_t{1} << kFilterBits) + ((h >> 32) & mask)]};
+  std::uint32_t estimate = UINT32_MAX;
+  for (auto* counter : c) {
+    std::uint8_t v = counter->load(std::memory_order_relaxed);
+    while (v != UINT8_MAX && !counter->compare_exchange_weak(v, static_cast<std::uint8_t>(v + 1))) {
+    }
+    estimate = std::min<std::uint32_t>(estimate, v == UINT8_MAX ? UINT8_MAX : v + 1u);
+  }
+  return estimate >= std::min<std::uint32_t>(spec_.admit_after, UINT8_MAX);
+}
+
+std::uint32_t EmbeddingTable::allocate_row() noexcept {
+  const std::uint32_t row = next_row_.fetch_add(1, std::memory_order_relaxed);
+  if (row == kFreeRow || row == 0) {  // 2^32 - 2 rows made: no id left
+    next_row_.store(kFreeRow, std::memory_order_relaxed);
+    return 0;
+  }
+  const std::uint32_t s = row >> kSegmentBits;
+  if (segments_[s].load(std::memory_order_acquire) == nullptr) {
+    std::lock_guard lock(grow_mu_);
+    if (segments_[s].load(std::memory_order_relaxed) == nullptr) {
+      auto seg = new (std::nothrow) Segment;
+      if (!seg) return 0;
+      seg->meta = static_cast<RowMeta*>(::operator new (sizeof(RowMeta) * kSegmentRows, std::align_val_t{64}));
+      for (std::uint32_t i = 0; i < kSegmentRows; ++i) {
+        new (&seg->meta[i].key) std::atomic<std::uint64_t>(0);
+        new (&seg->meta[i].next) std::atomic<std::uint32_t>(kFreeRow);
+        new (&seg->meta[i].version) std::atomic<std::uint32_t>(0);
+      }
+      seg->data_bytes = std::size_t{spec_.dim} * sizeof(float) * kSegmentRows;
+      seg->data = static_cast<float*>(::operator new (seg->data_bytes, std::align_val_t{64}));
+      if (state_floats_ > 0) {
+        seg->state_bytes = state_floats_ * sizeof(float) * kSegmentRows;
+        seg->state = static_cast<float*>(::operator new (seg->state_bytes, std::align_val_t{64}));
+      }
+      if (stamps_) {
+        seg->stamps = static_cast<std::atomic<std::uint32_t>*>(
+            ::operator new (sizeof(std::atomic<std::uint32_t>) * kSegmentRows, std::align_val_t{64}));
+        for (std::uint32_t i = 0; i < kSegmentRows; ++i) new (&seg->stamps[i]) std::atomic<std::uint32_t>(0);
+      }
+      segments_[s].store(seg, std::memory_order_release);
+      segment_count_.fetch_add(1, std::memory_order_relaxed);
+    }
+  }
+  return row;
+}
+
+std::uint32_t EmbeddingTable::victim_score(std::uint32_t row) const noexcept {
+  return stamp(row)->load(std::memory_order_relaxed);
+}
+
+void EmbeddingTable::unlink(Shard& shard, std::atomic<std::uint32_t>* link, std::uint32_t row) noexcept {
+  // A reader standing on `row` must not follow it into whatever chain it joins next: the shard's
+  // version tells it to walk again.
+  const std::uint32_t sv = shard.version.load(std::memory_order_relaxed);
+  shard.version.store(sv + 1, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_release);
+  link->store(meta(row).next.load(std::memory_order_relaxed), std::memory_order_release);
+  meta(row).next.store(kFreeRow, std::memory_order_release);
+  shard.version.store(sv + 2, std::memory_order_release);
+  --shard.rows;
+}
+
+std::uint32_t EmbeddingTable::evict_one(Shard& locked) noexcept {
+  const std::uint32_t made = std::min(next_row_.load(std::memory_order_relaxed), kFreeRow);
+  if (made <= 1) return 0;
+  for (int round = 0; round < kVictimRounds; ++round) {
+    // The lowest score of a few random rows (the approximation Redis makes for LRU and LFU).
+    std::uint32_t best = 0, best_score = UINT32_MAX;
+    for (int k = 0; k < kVictimSamples; ++k) {
+      const std::uint64_t r = mix64(sample_seed_.fetch_add(0x9e3779b97f4a7c15ull, std::memory_order_relaxed));
+      const auto row = static_cast<std::uint32_t>(1 + r % (made - 1));
+      // Its segment may still be being allocated by the push that drew the row.
+      if (segments_[row >> kSegmentBits].load(std::memory_order_acquire) == nullptr) continue;
+      if (meta(row).next.load(std::memory_order_acquire) == kFreeRow) continue;
+      if (const std::uint32_t s = victim_score(row); best == 0 || s < best_score) {
+        best = row;
+        best_score = s;
+      }
+    }
+    if (best == 0) continue;
+    const Key id = meta(best).key.load(std::memory_order_relaxed);
+    const std::uint64_t hash = mix64(id);
+    Shard& shard = shard_of(hash);
+    // Never wait for a second shard while holding one: another push may hold it and want ours.
+    if (&shard != &locked && !shard.lock.try_lock()) continue;
+    std::atomic<std::uint32_t>* link = nullptr;
+    const bool still = find_locked(shard, id, hash, &link) == best;
+    if (still) unlink(shard, link, best);
+    if (&shard != &locked) shard.lock.unlock();
+    if (!still) continue;
+    evicted_.fetch_add(1, std::memory_order_relaxed);
+    return best;
+  }
+  return 0;
+}
+
+void EmbeddingTable::grow(Shard& shard) noexcept {
+  Buckets* old = shard.buckets.load(std::memory_order_relaxed);
+  const std::uint32_t n = (old->mask + 1) * 2;
+  auto b = std::unique_ptr<Buckets>(new (std::nothrow) Buckets);
+  if (!b) return;
+  b->mask = n - 1;
+  b->heads.reset(new (std::nothrow) std::atomic<std::uint32_t>[n]);
+  if (!b->heads) return;  // stays at the old size: chains get longer, nothing is lost
+  for (std::uint32_t i = 0; i < n; ++i) b->heads[i].store(0, std::memory_order_relaxed);
+  const std::uint32_t sv = shard.version.load(std::memory_order_relaxed);
+  shard.version.store(sv + 1, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_release);
+  for (std::uint32_t i = 0; i <= old->mask; ++i) {
+    for (std::uint32_t row = old->heads[i].load(std::memory_order_relaxed); row != 0;) {
+      RowMeta& m = meta(row);
+      const std::uint32_t next = m.next.load(std::memory_order_relaxed);
+      auto& head = b->heads[mix64(m.key.load(std::memory_order_relaxed)) & b->mask];
+      m.next.store(head.load(std::memory_order_relaxed), std::memory_order_relaxed);
+      head.store(row, std::memory_order_relaxed);
+      row = next;
+    }
+  }
+  shard.buckets.store(b.get(), std::memory_order_release);
+  shard.version.store(sv + 2, std::memory_order_release);
+  index_bytes_.fetch_add(sizeof(Buckets) + std::uint64_t{n} * 4, std::memory_order_relaxed);
+  shard.all.push_back(std::move(b));
+  grows_.fetch_add(1, std::memory_order_relaxed);
+}
+
+std::uint32_t EmbeddingTable::create_row(Shard& shard, Key id, std::uint64_t hash) noexcept {
+  // A live row is counted before it is made, so concurrent creators never pass the cap together.
+  std::uint64_t live = rows_.load(std::memory_order_relaxed);
+  while ((spec_.max_rows == 0 || live < spec_.max_rows) &&
+         !rows_.compare_exchange_weak(live, live + 1, std::memory_order_relaxed)) {
+  }
+  std::uint32_t row = 0;
+  if (spec_.max_rows == 0 || live < spec_.max_rows) {
+    row = allocate_row();
+    if (row == 0) rows_.fetch_sub(1, std::memory_order_relaxed);
+  }
+  // An evicted row is reused at once: the live count stays.
+  if (row == 0 && spec_.eviction != RowEviction::none) row = evict_one(shard);
+  if (row == 0) return 0;
+  // Two rows per bucket on average before the shard doubles: four bytes of bucket per row at
+  // most, plus as much again in the arrays it outgrew (see Shard::all).
+  if (shard.rows + 1 > 2 * (shard.buckets.load(std::memory_order_relaxed)->mask + 1)) grow(shard);
+  RowMeta& m = meta(row);
+  // The row's version only ever grows, through every reuse, so a reader that copied it for
+  // the id it held before sees the change.
+  const std::uint32_t rv = m.version.load(std::memory_order_relaxed);
+  m.version.store(rv + 1, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_release);
+  m.key.store(id, std::memory_order_relaxed);
+  initial_row(id, data(row));
+  if (state_floats_ > 0) std::memset(state(row), 0, state_floats_ * sizeof(float));
+  if (stamps_) stamp(row)->store(0, std::memory_order_relaxed);
+  m.version.store(rv + 2, std::memory_order_release);
+  Buckets* b = shard.buckets.load(std::memory_order_relaxed);
+  auto& head = b->heads[hash & b->mask];
+  m.next.store(head.load(std::memory_order_relaxed), std::memory_order_relaxed);
+  head.store(row, std::memory_order_release);
+  ++shard.rows;
+  created_.fetch_add(1, std::memory_order_relaxed);
+  return row;
+}
+
+void EmbeddingTable::push(std::span<const Key> ids, const float* grads, std::uint64_t step) noexcept {
+  tick_.fetch_add(1, std::memory_order_relaxed);
+  const std::uint32_t dim = spec_.dim;
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    const Key id = ids[i];
+    const std::uint64_t hash = mix64(id);
+    Shard& shard = shard_of(hash);
+    std::lock_guard lock(shard.lock);
+    std::uint32_t row = find_locked(shard, id, hash, nullptr);
+    if (row == 0 && admitted(id)) row = create_row(shard, id, hash);
+    if (row == 0) {
+      not_admitted_.fetch_add(1, std::memory_order_relaxed);
+      continue;
+    }
+    RowMeta& m = meta(row);
+    const std::uint32_t rv = m.version.load(std::memory_order_relaxed);
+    m.version.store(rv + 1, std::memory_order_relaxed);
+    std::atomic_thread_fence(std::memory_order_release);
+    float* st = state(row);
+    std::uint64_t updates = 0;
+    if (spec_.rule.rule == UpdateRule::adam) {
+      std::uint32_t count;
+      std::memcpy(&count, st + state_floats_ - 1, sizeof count);
+      updates = ++count;
+      std::memcpy(st + state_floats_ - 1, &count, sizeof count);
+    }
+    apply_update(spec_.rule, data(row), state_floats_ > 0 ? st : nullptr, grads + i * dim, dim, updates, 1.0f);
+    m.version.store(rv + 2, std::memory_order_release);
+    if (stamps_) touch(row, step);
+  }
+}
+
+TableStats EmbeddingTable::stats() const noexcept {
+  TableStats s;
+  s.rows = rows_.load(std::memory_order_relaxed);
+  s.created = created_.load(std::memory_order_relaxed);
+  s.evicted = evicted_.load(std::memory_order_relaxed);
+  s.not_admitted = not_admitted_.load(std::memory_order_relaxed);
+  s.grows = grows_.load(std::memory_order_relaxed);
+  const std::uint64_t per_row = sizeof(RowMeta) + std::uint64_t{spec_.dim} * 4 + state_floats_ * 4 + (stamps_ ? 4 : 0);
+  s.bytes = index_bytes_.load(std::memory_order_relaxed) +
+            segment_count_.load(std::memory_order_relaxed) * (sizeof(Segment) + per_row * kSegmentRows) +
+            std::uint64_t{sizeof(std::atomic<Segment*>)} * kMaxSegments +
+            (filter_ ? (std::uint64_t{2} << kFilterBits) : 0);
+  return s;
+}
+
+}  // namespace pskv

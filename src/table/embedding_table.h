@@ -1,0 +1,129 @@
+// One embedding table of one server: rows of `dim` floats keyed by 64-bit ids, created when an id
+// is admitted, updated by a per-row rule, evicted under a row cap. docs/ARCHITECTURE.md,
+// "Embedding tables", gives the layout and why it grows without stopping anyone.
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "common/sync.h"
+#include "pskv/error.h"
+#include "pskv/table.h"
+#include "pskv/types.h"
+
+namespace pskv {
+
+struct TableStats {
+  std::uint64_t rows = 0;          // alive now
+  std::uint64_t created = 0;       // rows ever created (evicted ones included)
+  std::uint64_t evicted = 0;       // rows removed to make room under max_rows
+  std::uint64_t not_admitted = 0;  // row updates dropped: the id was not admitted (yet), or no room
+  std::uint64_t grows = 0;         // index shards rehashed to twice their buckets
+  std::uint64_t bytes = 0;         // everything the table has allocated
+};
+
+// Rows live in segments of 2^16 that never move once allocated: a table grows by adding a
+// segment, and its index by rehashing one shard (of 8192) at a time, so no operation ever waits
+// for more than one shard's rehash. A row is [key, chain link, seqlock word] (16 bytes) in one
+// array, its floats (64-byte aligned when dim is a multiple of 16) in another, and its optimizer
+// state and eviction stamp in two more, allocated only when the spec needs them.
+//
+// Thread-safety: every member may be called concurrently from any thread. pull() never locks and
+// never blocks a writer: it validates what it copied against the row's and the shard's seqlock
+// words and retries, so it never returns a torn row or another id's row. push() takes the lock of
+// the shard of each id it touches (and try-locks the shard of an eviction victim, so two pushes
+// never wait on each other in a cycle).
+class EmbeddingTable {
+ public:
+  // Throws Error(invalid_argument) when check_table_spec refuses `spec`.
+  explicit EmbeddingTable(const TableSpec& spec);
+  ~EmbeddingTable();
+  EmbeddingTable(const EmbeddingTable&) = delete;
+  EmbeddingTable& operator=(const EmbeddingTable&) = delete;
+
+  const TableSpec& spec() const noexcept { return spec_; }
+  std::uint32_t dim() const noexcept { return spec_.dim; }
+
+  // Copies each id's row into out[i * dim ..]; an id without a row reads as its initial value.
+  // Creates nothing.
+  void pull(std::span<const Key> ids, float* out) const noexcept;
+  // Applies grads[i * dim ..] to each id's row in order (a repeated id is updated twice),
+  // creating the rows that are admitted. `step`: the pushing worker's clock (RowEviction::step).
+  void push(std::span<const Key> ids, const float* grads, std::uint64_t step) noexcept;
+  // The value a row of `id` starts with: the same on every server for the same spec.
+  void initial_row(Key id, float* out) const noexcept;
+  bool contains(Key id) const noexcept;
+  TableStats stats() const noexcept;
+
+ private:
+  static constexpr std::uint32_t kSegmentBits = 16;
+  static constexpr std::uint32_t kSegmentRows = 1u << kSegmentBits;
+  static constexpr std::uint32_t kMaxSegments = 1u << (32 - kSegmentBits);
+  static constexpr std::uint32_t kShardBits = 13;
+  static constexpr std::uint32_t kFreeRow = UINT32_MAX;  // `next` of a row in no chain
+
+  struct RowMeta {
+    std::atomic<std::uint64_t> key;
+    std::atomic<std::uint32_t> next;     // the following row of its bucket's chain, 0 for none
+    std::atomic<std::uint32_t> version;  // odd while its floats are being written
+  };
+  struct Segment;
+  // A shard's bucket array: heads[b] is the first row of bucket b's chain (0: empty).
+  struct Buckets {
+    std::uint32_t mask;
+    std::unique_ptr<std::atomic<std::uint32_t>[]> heads;
+  };
+  struct alignas(64) Shard {
+    SharedMutex lock;
+    std::atomic<std::uint32_t> version{0};  // odd while a chain is being relinked
+    std::atomic<Buckets*> buckets{nullptr};
+    std::uint32_t rows = 0;  // under lock
+    // Arrays replaced by a rehash. A reader may still be walking one, so they live as long as the
+    // table: together they are smaller than the current one.
+    std::vector<std::unique_ptr<Buckets>> all;
+  };
+
+  RowMeta& meta(std::uint32_t row) const noexcept;
+  float* data(std::uint32_t row) const noexcept;
+  float* state(std::uint32_t row) const noexcept;
+  std::atomic<std::uint32_t>* stamp(std::uint32_t row) const noexcept;
+  Shard& shard_of(std::uint64_t hash) const noexcept { return shards_[hash >> (64 - kShardBits)]; }
+  // The row of `id` in `shard` (locked by the caller), and the link that points at it.
+  std::uint32_t find_locked(Shard& shard, Key id, std::uint64_t hash, std::atomic<std::uint32_t>** link) const noexcept;
+  // Copies id's row into out; false if it has none. Lock-free, validated.
+  bool read_row(Key id, std::uint64_t hash, float* out) const noexcept;
+  // Under shard's lock: a new row for id, linked into its chain, holding the initial value; 0
+  // when none can be had (at the cap, and nothing could be evicted).
+  std::uint32_t create_row(Shard& shard, Key id, std::uint64_t hash) noexcept;
+  std::uint32_t allocate_row() noexcept;
+  // Takes a row out of a full table for `locked` (the shard the caller holds). 0 if none.
+  std::uint32_t evict_one(Shard& locked) noexcept;
+  void unlink(Shard& shard, std::atomic<std::uint32_t>* link, std::uint32_t row) noexcept;
+  void grow(Shard& shard) noexcept;
+  bool admitted(Key id) noexcept;
+  std::uint32_t victim_score(std::uint32_t row) const noexcept;
+  void touch(std::uint32_t row, std::uint64_t step) const noexcept;
+  std::uint64_t state_floats() const noexcept { return state_floats_; }
+
+  TableSpec spec_;
+  std::uint64_t state_floats_ = 0;  // per row
+  bool stamps_ = false;
+  std::unique_ptr<Shard[]> shards_;
+  std::unique_ptr<std::atomic<Segment*>[]> segments_;
+  std::mutex grow_mu_;  // allocating a segment
+  std::atomic<std::uint32_t> next_row_{1};
+  // The admission filter (admit_after > 1): two rows of saturating counters, count-min.
+  std::unique_ptr<std::atomic<std::uint8_t>[]> filter_;
+  mutable std::atomic<std::uint64_t> tick_{0};  // LRU's clock: one per operation
+  std::atomic<std::uint64_t> rows_{0}, created_{0}, evicted_{0}, not_admitted_{0}, grows_{0};
+  std::atomic<std::uint64_t> index_bytes_{0}, segment_count_{0};
+  std::atomic<std::uint64_t> sample_seed_{0x9e3779b97f4a7c15ull};
+};
+
+}  // namespace pskv

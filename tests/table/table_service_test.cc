@@ -1,0 +1,183 @@
+// Embedding tables served over tcp://: rows spread over the servers by id, created on first push,
+// repeated ids merged by the client, and every bad request answered with an error that says why.
+#include <gtest/gtest.h>
+
+#include <bit>
+#include <string>
+#include <vector>
+
+#include "pskv/client.h"
+#include "pskv/server.h"
+#include "table/embedding_table.h"
+#include "transport/transport.h"
+#include "transport/uri.h"
+
+namespace pskv {
+namespace {
+
+ServerOptions server_options(std::uint32_t id) {
+  ServerOptions so;
+  so.uri = "tcp://127.0.0.1:0";
+  so.server_id = id;
+  so.arena_bytes = 4 << 20;
+  so.io_threads = 1;
+  so.table_memory_bytes = 256ull << 20;
+  return so;
+}
+
+TableSpec spec() {
+  TableSpec s;
+  s.dim = 8;
+  s.seed = 7;
+  s.rule.rule = UpdateRule::add;
+  s.max_rows = 100000;
+  return s;
+}
+
+class Tables : public ::testing::Test {
+ protected:
+  Server s0{server_options(0)}, s1{server_options(1)};
+  ClientOptions options() const {
+    ClientOptions o;
+    o.servers = {s0.uri(), s1.uri()};
+    return o;
+  }
+  static std::uint64_t stat(Client& c, std::size_t server, const std::string& name) {
+    const std::string json = c.server_stats(server);
+    const auto at = json.find("\"" + name + "\":");
+    if (at == std::string::npos) return ~0ull;
+    return std::stoull(json.substr(at + name.size() + 3));
+  }
+};
+
+TEST_F(Tables, RowsStartFromTheSpecsInitialValueOnEveryServer) {
+  Client c(options());
+  c.create_table(3, spec());
+  std::vector<Key> ids(200);
+  for (std::size_t i = 0; i < ids.size(); ++i) ids[i] = i * 1000003;
+  std::vector<float> out(ids.size() * 8);
+  c.wait(c.pull_rows(3, ids, out));
+  EmbeddingTable local(spec());
+  std::vector<float> expected(8);
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    local.initial_row(ids[i], expected.data());
+    ASSERT_EQ(std::vector<float>(out.begin() + i * 8, out.begin() + (i + 1) * 8), expected) << "id " << ids[i];
+  }
+  // A pull creates nothing; both servers hold some of the ids once pushed.
+  EXPECT_EQ(stat(c, 0, "table_3_rows") + stat(c, 1, "table_3_rows"), 0u);
+  std::vector<float> grads(out.size(), 1.0f);
+  c.wait(c.push_rows(3, ids, grads));
+  EXPECT_GT(stat(c, 0, "table_3_rows"), 0u);
+  EXPECT_GT(stat(c, 1, "table_3_rows"), 0u);
+  EXPECT_EQ(stat(c, 0, "table_3_rows") + stat(c, 1, "table_3_rows"), ids.size());
+  std::vector<float> after(out.size());
+  c.wait(c.pull_rows(3, ids, after));
+  for (std::size_t i = 0; i < out.size(); ++i) ASSERT_EQ(after[i], out[i] + 1.0f);
+}
+
+TEST_F(Tables, RepeatedIdsAreSentOnceWithTheirGradientsSummed) {
+  Client c(options());
+  TableSpec s = spec();
+  s.init = RowInit::zeros;
+  c.create_table(0, s);
+  const std::vector<Key> ids = {5, 9, 5, 5};
+  std::vector<float> grads(ids.size() * 8);
+  for (std::size_t i = 0; i < ids.size(); ++i) std::fill_n(grads.begin() + i * 8, 8, float(i + 1));
+  c.wait(c.push_rows(0, ids, grads));
+  const std::uint64_t sent = stat(c, 0, "pushes") + stat(c, 1, "pushes");
+  EXPECT_EQ(sent, 2u) << "two distinct ids";
+  std::vector<float> out(ids.size() * 8, -1.0f);
+  c.wait(c.pull_rows(0, ids, out));
+  EXPECT_EQ(stat(c, 0, "pulls") + stat(c, 1, "pulls"), 2u);
+  for (std::size_t i : {0, 2, 3}) EXPECT_EQ(out[i * 8 + 7], 1.0f + 3.0f + 4.0f) << "repeat " << i;
+  EXPECT_EQ(out[1 * 8], 2.0f);
+}
+
+TEST_F(Tables, EveryWorkerMayCreateTheTableButOnlyWithTheSameSpec) {
+  Client a(options()), b(options());
+  a.create_table(1, spec());
+  b.create_table(1, spec());
+  TableSpec other = spec();
+  other.seed = 8;
+  try {
+    b.create_table(1, other);
+    ADD_FAILURE() << "a second spec was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::invalid_argument);
+    EXPECT_NE(std::string(e.what()).find("another spec"), std::string::npos) << e.what();
+  }
+}
+
+TEST_F(Tables, ATableWhoseCapPassesTheMemoryBudgetIsRefused) {
+  Client c(options());
+  TableSpec s = spec();
+  s.max_rows = 100000000;  // 100M rows of 8 floats: far past 256 MiB
+  try {
+    c.create_table(2, s);
+    ADD_FAILURE() << "accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::capacity);
+    EXPECT_NE(std::string(e.what()).find("--table-memory-mb"), std::string::npos) << e.what();
+  }
+  // Without a cap, a table gets what the budget has left.
+  s.max_rows = 0;
+  c.create_table(2, s);
+  const std::uint64_t cap = stat(c, 0, "table_2_max_rows");
+  EXPECT_GT(cap, 1000000u);
+  EXPECT_LT(cap, 256u << 20 >> 5);
+}
+
+TEST_F(Tables, ClientSideMisuseIsRefusedBeforeAnythingIsSent) {
+  Client c(options());
+  std::vector<Key> ids = {1, 2};
+  std::vector<float> out(16);
+  EXPECT_THROW(c.pull_rows(4, ids, out), Error) << "not created by this client";
+  c.create_table(4, spec());
+  std::vector<float> short_out(15);
+  EXPECT_THROW(c.pull_rows(4, ids, short_out), Error);
+  EXPECT_THROW(c.create_table(64, spec()), Error);
+  TableSpec bad = spec();
+  bad.dim = 0;
+  EXPECT_THROW(c.create_table(5, bad), Error);
+}
+
+// What a client of this build would never send, sent on a raw connection: each gets its error.
+TEST_F(Tables, TheServerChecksTableAndDimensionOfEveryRow) {
+  Client c(options());
+  c.create_table(6, spec());
+  transport::ConnectOptions co;
+  auto conn = transport::connect(parse_uri(s0.uri()), co);
+  auto ask = [&](wire::Op op, std::uint32_t table, std::vector<transport::KeySlice> keys) {
+    transport::Completion done;
+    done.reset(1);
+    transport::Request r;
+    r.op = op;
+    r.arg1 = table;
+    r.keys = keys;
+    r.completion = &done;
+    conn->submit(r);
+    done.wait(std::chrono::steady_clock::now() + std::chrono::seconds(10), conn->poller());
+    return std::make_pair(done.status(), std::string(done.message()));
+  };
+  std::vector<float> row(16);
+  auto [e1, m1] = ask(wire::Op::table_pull, 9, {{1, 8, row.data()}});
+  EXPECT_EQ(e1, Errc::invalid_argument);
+  EXPECT_NE(m1.find("no table 9"), std::string::npos) << m1;
+  auto [e2, m2] = ask(wire::Op::table_push, 6, {{1, 16, row.data()}});
+  EXPECT_EQ(e2, Errc::invalid_argument);
+  EXPECT_NE(m2.find("has 16 floats; the table's rows have 8"), std::string::npos) << m2;
+  auto [e3, m3] = ask(wire::Op::table_create, 0, {{1, 3, row.data()}});
+  EXPECT_EQ(e3, Errc::protocol);
+  std::vector<float> words(wire::kTableSpecFloats);
+  wire::encode_table_spec(spec(), words.data());
+  words[13] = std::bit_cast<float>(7u);  // no such eviction policy
+  auto [e4, m4] = ask(wire::Op::table_create, 0, {{1, wire::kTableSpecFloats, words.data()}});
+  EXPECT_EQ(e4, Errc::invalid_argument);
+  EXPECT_NE(m4.find("unknown"), std::string::npos) << m4;
+  // The connection is still served after all that.
+  auto [e5, m5] = ask(wire::Op::table_pull, 6, {{1, 8, row.data()}});
+  EXPECT_EQ(e5, Errc::ok) << m5;
+}
+
+}  // namespace
+}  // namespace pskv
