@@ -799,10 +799,20 @@ Errc ShardEngine::create_table(std::uint32_t id, const TableSpec& spec, std::str
     *why = std::string("table ") + std::to_string(id) + ": " + e.what();
     return Errc::capacity;
   }
+  if (options_.track_table_changes) table_owner_.back()->track_changes();
   table_bytes_promised_ += needs;
   table_requested_[id] = spec;
   tables_[id].store(table_owner_.back().get(), std::memory_order_release);
   return Errc::ok;
+}
+
+EmbeddingTable* ShardEngine::table_at(std::uint32_t id, TableSpec* requested) {
+  EmbeddingTable* t = id < kMaxTables ? tables_[id].load(std::memory_order_acquire) : nullptr;
+  if (t && requested) {
+    std::lock_guard lock(tables_mu_);
+    *requested = table_requested_[id];
+  }
+  return t;
 }
 
 EmbeddingTable* ShardEngine::table(std::uint32_t id, std::span<const KeyEntry> ids, std::string* why) const {

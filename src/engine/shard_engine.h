@@ -51,6 +51,8 @@ struct EngineOptions {
   std::vector<std::uint32_t> replica_of;
   // What all embedding tables' rows may take at their caps (--table-memory-mb).
   std::uint64_t table_memory_bytes = 4ull << 30;
+  // Tables mark the rows each push changes, for incremental checkpoints (--checkpoint-dir).
+  bool track_table_changes = false;
 };
 
 // A deferred reply. resume() runs exactly once, on an engine or transport thread, never under
@@ -213,6 +215,8 @@ class ShardEngine {
   Errc table_pull(std::uint32_t id, std::span<const KeyEntry> ids, float* out, std::string* why);
   Errc table_push(std::uint32_t id, std::uint64_t clock, std::span<const KeyEntry> ids, const float* grads,
                   std::string* why);
+  // Table `id` (null if there is none) and the spec it was created with (for checkpoints).
+  EmbeddingTable* table_at(std::uint32_t id, TableSpec* requested = nullptr);
 
   Errc check_worker(std::uint32_t worker, std::string* why) const;
   // A replicated server ships clocks and barrier generations in 32 bits (UINT32_MAX standing for

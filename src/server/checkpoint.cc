@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <utility>
 #include <vector>
 
 #include "layout/crc.h"
@@ -46,67 +47,93 @@ struct Footer {
   throw Error(Errc::io, what + " " + path + ": " + std::strerror(errno) + " (check the directory and free space)");
 }
 
-class Writer {
- public:
-  explicit Writer(const std::string& path) : path_(path) {
-    fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-    if (fd_ < 0) io_fail("cannot create", path);
-    buf_.reserve(1 << 20);
-  }
-  ~Writer() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  void put(const void* p, std::size_t n) {
-    const auto* c = static_cast<const char*>(p);
-    bytes_ += n;
-    if (buf_.size() + n > (1u << 20)) flush();
-    if (n > (1u << 20)) {
-      write_all(c, n);
-      return;
-    }
-    buf_.insert(buf_.end(), c, c + n);
-  }
-  void finish() {
-    flush();
-    if (::fsync(fd_) != 0) io_fail("cannot fsync", path_);
-    if (::close(fd_) != 0) io_fail("cannot close", path_);
-    fd_ = -1;
-  }
-  std::uint64_t bytes() const { return bytes_; }
-
- private:
-  void flush() {
-    write_all(buf_.data(), buf_.size());
-    buf_.clear();
-  }
-  void write_all(const char* p, std::size_t n) {
-    while (n > 0) {
-      const ssize_t w = ::write(fd_, p, n);
-      if (w < 0 && errno == EINTR) continue;
-      if (w <= 0) io_fail("cannot write", path_);
-      p += w;
-      n -= static_cast<std::size_t>(w);
-    }
-  }
-  std::string path_;
-  int fd_ = -1;
-  std::vector<char> buf_;
-  std::uint64_t bytes_ = 0;
-};
 }  // namespace
+
+AtomicFile::AtomicFile(std::string path) : path_(std::move(path)), tmp_(path_ + ".tmp") {
+  std::error_code made;
+  std::filesystem::create_directories(std::filesystem::path(path_).parent_path(), made);  // else the open fails
+  fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  if (fd_ < 0) io_fail("cannot create", tmp_);
+  buf_.reserve(1 << 20);
+}
+
+AtomicFile::~AtomicFile() {
+  if (fd_ >= 0) {
+    ::close(fd_);
+    ::unlink(tmp_.c_str());  // abandoned: the previous file stays
+  }
+}
+
+void AtomicFile::put(const void* p, std::size_t n) {
+  const auto* c = static_cast<const char*>(p);
+  bytes_ += n;
+  if (buf_.size() + n > (1u << 20)) flush();
+  if (n > (1u << 20)) {
+    write_all(c, n);
+    return;
+  }
+  buf_.insert(buf_.end(), c, c + n);
+}
+
+void AtomicFile::commit() {
+  flush();
+  if (::fsync(fd_) != 0) io_fail("cannot fsync", tmp_);
+  const int fd = std::exchange(fd_, -1);
+  if (::close(fd) != 0) io_fail("cannot close", tmp_);
+  if (::rename(tmp_.c_str(), path_.c_str()) != 0) io_fail("cannot rename checkpoint into place at", path_);
+  const std::string dir = std::filesystem::path(path_).parent_path().string();
+  const int dfd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd >= 0) {
+    ::fsync(dfd);  // makes the rename itself durable
+    ::close(dfd);
+  }
+}
+
+void AtomicFile::flush() {
+  write_all(buf_.data(), buf_.size());
+  buf_.clear();
+}
+
+void AtomicFile::write_all(const char* p, std::size_t n) {
+  while (n > 0) {
+    const ssize_t w = ::write(fd_, p, n);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) io_fail("cannot write", tmp_);
+    p += w;
+    n -= static_cast<std::size_t>(w);
+  }
+}
+
+std::vector<std::uint8_t> read_file(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw Error(Errc::not_found, "cannot open checkpoint " + path + ": " + std::strerror(errno));
+  std::vector<std::uint8_t> bytes;
+  const off_t size = ::lseek(fd, 0, SEEK_END);
+  ::lseek(fd, 0, SEEK_SET);
+  if (size < 0) {
+    ::close(fd);
+    throw Error(Errc::io, "cannot size " + path);
+  }
+  bytes.resize(static_cast<std::size_t>(size));
+  std::size_t got = 0;
+  while (got < bytes.size()) {
+    const ssize_t n = ::read(fd, bytes.data() + got, bytes.size() - got);
+    if (n <= 0) break;
+    got += static_cast<std::size_t>(n);
+  }
+  ::close(fd);
+  if (got != bytes.size()) throw Error(Errc::io, "short read of checkpoint " + path);
+  return bytes;
+}
 
 std::string checkpoint_path(const std::string& dir, std::uint32_t server_id) {
   return dir + "/shard-" + std::to_string(server_id) + ".ckpt";
 }
 
 CheckpointInfo write_checkpoint(Store& store, const std::string& dir, std::uint32_t server_id) {
-  const std::string final_path = checkpoint_path(dir, server_id);
-  const std::string tmp_path = final_path + ".tmp";
-  std::error_code made;
-  std::filesystem::create_directories(dir, made);  // a failure shows as the file's, just below
   CheckpointInfo info;
   {
-    Writer w(tmp_path);
+    AtomicFile w(checkpoint_path(dir, server_id));
     FileHeader h{};
     std::memcpy(h.magic, kMagic, 8);
     h.version = kVersion;
@@ -144,16 +171,9 @@ CheckpointInfo write_checkpoint(Store& store, const std::string& dir, std::uint3
     f.keys = written;
     f.crc = crc_of_crcs;
     w.put(&f, sizeof f);
-    w.finish();
     info.keys = written;
     info.bytes = w.bytes();
-  }
-  if (::rename(tmp_path.c_str(), final_path.c_str()) != 0)
-    io_fail("cannot rename checkpoint into place at", final_path);
-  const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd >= 0) {
-    ::fsync(dfd);  // makes the rename itself durable
-    ::close(dfd);
+    w.commit();
   }
   return info;
 }
@@ -211,24 +231,7 @@ CheckpointInfo parse_checkpoint(const std::uint8_t* data, std::size_t size, Stor
 }
 
 CheckpointInfo read_checkpoint(Store& store, const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) throw Error(Errc::not_found, "cannot open checkpoint " + path + ": " + std::strerror(errno));
-  std::vector<std::uint8_t> bytes;
-  const off_t size = ::lseek(fd, 0, SEEK_END);
-  ::lseek(fd, 0, SEEK_SET);
-  if (size < 0) {
-    ::close(fd);
-    throw Error(Errc::io, "cannot size " + path);
-  }
-  bytes.resize(static_cast<std::size_t>(size));
-  std::size_t got = 0;
-  while (got < bytes.size()) {
-    const ssize_t n = ::read(fd, bytes.data() + got, bytes.size() - got);
-    if (n <= 0) break;
-    got += static_cast<std::size_t>(n);
-  }
-  ::close(fd);
-  if (got != bytes.size()) throw Error(Errc::io, "short read of checkpoint " + path);
+  const std::vector<std::uint8_t> bytes = read_file(path);
   return parse_checkpoint(bytes.data(), bytes.size(), &store, path);
 }
 

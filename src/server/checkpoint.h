@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "store/store.h"
 
@@ -23,6 +24,32 @@ struct CheckpointInfo {
   // acknowledged before it is in the checkpoint.
   std::uint64_t started_unix_ns = 0;
 };
+
+// A file written atomically: into PATH.tmp, then fsynced, renamed over PATH and the directory
+// fsynced, so that PATH is always either the previous file or the whole new one. Dropped without
+// commit(), the temp file is removed. Throws Error(io) with the path and the OS reason.
+// Thread-safety: one thread.
+class AtomicFile {
+ public:
+  explicit AtomicFile(std::string path);
+  ~AtomicFile();
+  AtomicFile(const AtomicFile&) = delete;
+  AtomicFile& operator=(const AtomicFile&) = delete;
+  void put(const void* p, std::size_t n);
+  void commit();
+  std::uint64_t bytes() const noexcept { return bytes_; }
+
+ private:
+  void flush();
+  void write_all(const char* p, std::size_t n);
+  std::string path_, tmp_;
+  int fd_ = -1;
+  std::vector<char> buf_;
+  std::uint64_t bytes_ = 0;
+};
+
+// The whole file; Error(not_found) or Error(io) naming it.
+std::vector<std::uint8_t> read_file(const std::string& path);
 
 std::string checkpoint_path(const std::string& dir, std::uint32_t server_id);
 

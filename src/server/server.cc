@@ -10,6 +10,7 @@
 #include "engine/shard_engine.h"
 #include "server/checkpoint.h"
 #include "server/replicator.h"
+#include "server/table_checkpoint.h"
 #include "transport/listener.h"
 #include "transport/uri.h"
 
@@ -106,6 +107,7 @@ class ServerImpl {
     e.straggler = o.straggler;
     e.server_id = o.server_id;
     e.table_memory_bytes = o.table_memory_bytes;
+    e.track_table_changes = !o.checkpoint_dir.empty();
     // This server keeps the keys of the replicas - 1 servers before it on the ring; its own are
     // kept by the ones after it.
     ReplicatorOptions r;
@@ -141,7 +143,14 @@ class ServerImpl {
       const CheckpointInfo info = read_checkpoint(engine_->store(), path);
       log::info("checkpoint", "server " + std::to_string(o.server_id) + " restored " + std::to_string(info.keys) +
                                   " keys from " + path);
+      const TableCheckpointInfo tables = TableCheckpointer::restore(*engine_, o.restore_dir, o.server_id);
+      if (tables.files > 0)
+        log::info("checkpoint", "server " + std::to_string(o.server_id) + " restored " + std::to_string(tables.rows) +
+                                    " table rows (and " + std::to_string(tables.removed) + " evictions) from " +
+                                    std::to_string(tables.files) + " table files");
     }
+    if (!o.checkpoint_dir.empty())
+      table_checkpointer_ = std::make_unique<TableCheckpointer>(o.checkpoint_dir, o.server_id);
     if (o.rejoin) {
       const RejoinReport got = rejoin_from_replicas(*engine_, r, std::chrono::milliseconds(o.wait_timeout) * 3);
       log::info("replication", "server " + std::to_string(o.server_id) + " rejoined: " + std::to_string(got.keys) +
@@ -177,6 +186,7 @@ class ServerImpl {
   void checkpoint() {
     std::lock_guard lock(checkpoint_mu_);
     write_checkpoint(engine_->store(), options_.checkpoint_dir, options_.server_id);
+    table_checkpointer_->write(*engine_);
   }
 
   void checkpoint_loop() {
@@ -255,6 +265,7 @@ class ServerImpl {
   std::condition_variable stop_cv_;
   bool stopping_ = false, closed_ = false;
   std::thread checkpointer_;
+  std::unique_ptr<TableCheckpointer> table_checkpointer_;  // with --checkpoint-dir
 };
 
 }  // namespace detail

@@ -15,6 +15,9 @@ struct EmbeddingTable::Segment {
   float* data = nullptr;
   float* state = nullptr;
   std::atomic<std::uint32_t>* stamps = nullptr;
+  // One bit per row: changed since the last checkpoint took it (take_changes).
+  std::unique_ptr<std::atomic<std::uint64_t>[]> marks =
+      std::make_unique<std::atomic<std::uint64_t>[]>(kSegmentRows / 64);
   std::size_t data_bytes = 0, state_bytes = 0;
   ~Segment() {
     ::operator delete (meta, std::align_val_t{64});
@@ -211,6 +214,14 @@ bool EmbeddingTable::admitted(Key id) noexcept {
 }
 
 std::uint32_t EmbeddingTable::allocate_row() noexcept {
+  {
+    std::lock_guard lock(free_mu_);
+    if (!free_rows_.empty()) {
+      const std::uint32_t row = free_rows_.back();
+      free_rows_.pop_back();
+      return row;
+    }
+  }
   const std::uint32_t row = next_row_.fetch_add(1, std::memory_order_relaxed);
   if (row == kFreeRow || row == 0) {  // 2^32 - 2 rows made: no id left
     next_row_.store(kFreeRow, std::memory_order_relaxed);
@@ -290,6 +301,10 @@ std::uint32_t EmbeddingTable::evict_one(Shard& locked) noexcept {
     if (still) unlink(shard, link, best);
     if (&shard != &locked) shard.lock.unlock();
     if (!still) continue;
+    if (tracking_.load(std::memory_order_relaxed)) {
+      std::lock_guard lock(removed_mu_);
+      removed_.push_back(id);
+    }
     evicted_.fetch_add(1, std::memory_order_relaxed);
     return best;
   }
@@ -358,6 +373,7 @@ std::uint32_t EmbeddingTable::create_row(Shard& shard, Key id, std::uint64_t has
   m.next.store(head.load(std::memory_order_relaxed), std::memory_order_relaxed);
   head.store(row, std::memory_order_release);
   ++shard.rows;
+  mark(row);
   created_.fetch_add(1, std::memory_order_relaxed);
   return row;
 }
@@ -390,8 +406,91 @@ void EmbeddingTable::push(std::span<const Key> ids, const float* grads, std::uin
     }
     apply_update(spec_.rule, data(row), state_floats_ > 0 ? st : nullptr, grads + i * dim, dim, updates, 1.0f);
     m.version.store(rv + 2, std::memory_order_release);
+    mark(row);
     if (stamps_) touch(row, step);
   }
+}
+
+void EmbeddingTable::mark(std::uint32_t row) noexcept {
+  if (!tracking_.load(std::memory_order_relaxed)) return;
+  const std::uint32_t i = row & (kSegmentRows - 1);
+  segments_[row >> kSegmentBits]
+      .load(std::memory_order_acquire)
+      ->marks[i >> 6]
+      .fetch_or(std::uint64_t{1} << (i & 63), std::memory_order_release);
+}
+
+bool EmbeddingTable::take_mark(std::uint32_t row) noexcept {
+  const std::uint32_t i = row & (kSegmentRows - 1);
+  const std::uint64_t bit = std::uint64_t{1} << (i & 63);
+  auto& word = segments_[row >> kSegmentBits].load(std::memory_order_acquire)->marks[i >> 6];
+  return (word.load(std::memory_order_relaxed) & bit) && (word.fetch_and(~bit, std::memory_order_acq_rel) & bit);
+}
+
+bool EmbeddingTable::marks_from(std::uint32_t row) const noexcept {
+  const std::uint32_t i = row & (kSegmentRows - 1);
+  return segments_[row >> kSegmentBits]
+             .load(std::memory_order_acquire)
+             ->marks[i >> 6]
+             .load(std::memory_order_acquire) != 0;
+}
+
+bool EmbeddingTable::read_live(std::uint32_t row, Key* id, float* out, float* out_state) const noexcept {
+  const RowMeta& m = meta(row);
+  for (;;) {
+    const std::uint32_t rv = m.version.load(std::memory_order_acquire);
+    if (rv & 1) {
+      cpu_relax();
+      continue;
+    }
+    if (m.next.load(std::memory_order_acquire) == kFreeRow) return false;
+    const Key key = m.key.load(std::memory_order_relaxed);
+    seqlock_copy(out, data(row), std::size_t{spec_.dim} * sizeof(float));
+    if (state_floats_ > 0) seqlock_copy(out_state, state(row), state_floats_ * sizeof(float));
+    std::atomic_thread_fence(std::memory_order_acquire);
+    if (m.version.load(std::memory_order_relaxed) != rv) continue;
+    if (m.next.load(std::memory_order_relaxed) == kFreeRow) return false;  // evicted meanwhile
+    *id = key;
+    return true;
+  }
+}
+
+bool EmbeddingTable::restore_row(Key id, const float* values, const float* st) noexcept {
+  const std::uint64_t hash = mix64(id);
+  Shard& shard = shard_of(hash);
+  std::lock_guard lock(shard.lock);
+  std::uint32_t row = find_locked(shard, id, hash, nullptr);
+  if (row == 0) row = create_row(shard, id, hash);
+  if (row == 0) return false;
+  RowMeta& m = meta(row);
+  const std::uint32_t rv = m.version.load(std::memory_order_relaxed);
+  m.version.store(rv + 1, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_release);
+  std::memcpy(data(row), values, std::size_t{spec_.dim} * sizeof(float));
+  if (state_floats_ > 0) std::memcpy(state(row), st, state_floats_ * sizeof(float));
+  m.version.store(rv + 2, std::memory_order_release);
+  mark(row);
+  return true;
+}
+
+void EmbeddingTable::remove_row(Key id) noexcept {
+  const std::uint64_t hash = mix64(id);
+  Shard& shard = shard_of(hash);
+  std::uint32_t row;
+  {
+    std::lock_guard lock(shard.lock);
+    std::atomic<std::uint32_t>* link = nullptr;
+    row = find_locked(shard, id, hash, &link);
+    if (row == 0) return;
+    unlink(shard, link, row);
+  }
+  rows_.fetch_sub(1, std::memory_order_relaxed);
+  if (tracking_.load(std::memory_order_relaxed)) {
+    std::lock_guard lock(removed_mu_);
+    removed_.push_back(id);
+  }
+  std::lock_guard lock(free_mu_);
+  free_rows_.push_back(row);
 }
 
 TableStats EmbeddingTable::stats() const noexcept {
@@ -402,10 +501,10 @@ TableStats EmbeddingTable::stats() const noexcept {
   s.not_admitted = not_admitted_.load(std::memory_order_relaxed);
   s.grows = grows_.load(std::memory_order_relaxed);
   const std::uint64_t per_row = sizeof(RowMeta) + std::uint64_t{spec_.dim} * 4 + state_floats_ * 4 + (stamps_ ? 4 : 0);
-  s.bytes = index_bytes_.load(std::memory_order_relaxed) +
-            segment_count_.load(std::memory_order_relaxed) * (sizeof(Segment) + per_row * kSegmentRows) +
-            std::uint64_t{sizeof(std::atomic<Segment*>)} * kMaxSegments +
-            (filter_ ? (std::uint64_t{2} << kFilterBits) : 0);
+  s.bytes =
+      index_bytes_.load(std::memory_order_relaxed) +
+      segment_count_.load(std::memory_order_relaxed) * (sizeof(Segment) + per_row * kSegmentRows + kSegmentRows / 8) +
+      std::uint64_t{sizeof(std::atomic<Segment*>)} * kMaxSegments + (filter_ ? (std::uint64_t{2} << kFilterBits) : 0);
   return s;
 }
 

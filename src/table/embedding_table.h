@@ -61,12 +61,32 @@ class EmbeddingTable {
   bool contains(Key id) const noexcept;
   TableStats stats() const noexcept;
 
+  // Incremental checkpoints. Once track_changes() is called (before any push), every row a push
+  // creates or updates is marked, and every id evicted is listed, until take_changes hands them
+  // over: `all` visits every live row instead (a full snapshot), and clears the marks too.
+  // visit(id, row floats, state floats) sees a copy validated against the row's seqlock word.
+  void track_changes() noexcept { tracking_.store(true, std::memory_order_relaxed); }
+  template <class Visit>
+  void take_changes(bool all, Visit&& visit, std::vector<Key>* removed);
+  // Puts a row back as a checkpoint holds it (created if absent, whatever admission says).
+  // False if no row can be had (the cap is full and nothing can be evicted).
+  bool restore_row(Key id, const float* row, const float* state) noexcept;
+  // Removes id's row, if any (an eviction recorded by a later checkpoint).
+  void remove_row(Key id) noexcept;
+  std::uint64_t state_floats_per_row() const noexcept { return state_floats_; }
+
  private:
   static constexpr std::uint32_t kSegmentBits = 16;
   static constexpr std::uint32_t kSegmentRows = 1u << kSegmentBits;
   static constexpr std::uint32_t kMaxSegments = 1u << (32 - kSegmentBits);
   static constexpr std::uint32_t kShardBits = 13;
   static constexpr std::uint32_t kFreeRow = UINT32_MAX;  // `next` of a row in no chain
+
+  // Reads row `row` whole (floats into out, state into out_state) if it is live; its id.
+  bool read_live(std::uint32_t row, Key* id, float* out, float* out_state) const noexcept;
+  void mark(std::uint32_t row) noexcept;
+  bool take_mark(std::uint32_t row) noexcept;
+  bool marks_from(std::uint32_t row) const noexcept;  // any mark among rows [row, row + 64)
 
   struct RowMeta {
     std::atomic<std::uint64_t> key;
@@ -124,6 +144,36 @@ class EmbeddingTable {
   std::atomic<std::uint64_t> rows_{0}, created_{0}, evicted_{0}, not_admitted_{0}, grows_{0};
   std::atomic<std::uint64_t> index_bytes_{0}, segment_count_{0};
   std::atomic<std::uint64_t> sample_seed_{0x9e3779b97f4a7c15ull};
+  std::atomic<bool> tracking_{false};
+  std::mutex removed_mu_;
+  std::vector<Key> removed_;  // ids evicted since the last take_changes, while tracking
+  std::mutex free_mu_;
+  std::vector<std::uint32_t> free_rows_;  // rows of removed ids (remove_row), reused first
 };
+
+template <class Visit>
+void EmbeddingTable::take_changes(bool all, Visit&& visit, std::vector<Key>* removed) {
+  {
+    std::lock_guard lock(removed_mu_);
+    removed->swap(removed_);
+    removed_.clear();
+  }
+  if (all) removed->clear();  // a full snapshot lists what is live; nothing before it matters
+  std::vector<float> row(spec_.dim), st(state_floats_);
+  const std::uint32_t made = std::min(next_row_.load(std::memory_order_acquire), kFreeRow);
+  for (std::uint32_t r = 1; r < made; ++r) {
+    if (segments_[r >> kSegmentBits].load(std::memory_order_acquire) == nullptr) {
+      r |= kSegmentRows - 1;  // a segment still being allocated holds no live row yet
+      continue;
+    }
+    if (!all && (r & 63) == 0 && !marks_from(r)) {
+      r += 63;  // none of these 64 rows changed
+      continue;
+    }
+    if (!take_mark(r) && !all) continue;
+    Key id;
+    if (read_live(r, &id, row.data(), st.data())) visit(id, row.data(), st.data());
+  }
+}
 
 }  // namespace pskv

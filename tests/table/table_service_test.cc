@@ -2,7 +2,10 @@
 // repeated ids merged by the client, and every bad request answered with an error that says why.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <bit>
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -139,6 +142,47 @@ TEST_F(Tables, ClientSideMisuseIsRefusedBeforeAnythingIsSent) {
   TableSpec bad = spec();
   bad.dim = 0;
   EXPECT_THROW(c.create_table(5, bad), Error);
+}
+
+TEST(TablesAcrossARestart, AServerRestoredFromItsCheckpointHasEveryRow) {
+  const auto dir = std::filesystem::temp_directory_path() / ("pskv-tables-" + std::to_string(getpid()));
+  ServerOptions so = server_options(0);
+  so.checkpoint_dir = dir.string();
+  std::vector<Key> ids(500);
+  for (std::size_t i = 0; i < ids.size(); ++i) ids[i] = i * 7919;
+  std::vector<float> before(ids.size() * 8), after(ids.size() * 8);
+  TableSpec s = spec();
+  s.rule.rule = UpdateRule::adagrad;
+  std::string uri;
+  {
+    Server server(so);
+    ClientOptions o;
+    o.servers = {server.uri()};
+    Client c(o);
+    c.create_table(2, s);
+    std::vector<float> grads(before.size(), 0.5f);
+    for (int i = 0; i < 3; ++i) c.wait(c.push_rows(2, ids, grads));
+    c.wait(c.pull_rows(2, ids, before));
+  }  // stopping writes the last checkpoint
+  so.restore_dir = dir.string();
+  {
+    Server server(so);
+    ClientOptions o;
+    o.servers = {server.uri()};
+    Client c(o);
+    c.create_table(2, s);  // the same spec: the restored table is taken as it is
+    c.wait(c.pull_rows(2, ids, after));
+    EXPECT_EQ(after, before);
+    std::vector<float> grads(before.size(), 0.5f);
+    c.wait(c.push_rows(2, ids, grads));  // Adagrad's state came back too: a 4th step, not a 1st
+    c.wait(c.pull_rows(2, ids, after));
+    EmbeddingTable local(s);
+    std::vector<float> one(8, 0.5f), row(8);
+    for (int i = 0; i < 4; ++i) local.push({&ids[0], 1}, one.data(), 0);
+    local.pull({&ids[0], 1}, row.data());
+    EXPECT_EQ(std::vector<float>(after.begin(), after.begin() + 8), row);
+  }
+  std::filesystem::remove_all(dir);
 }
 
 // What a client of this build would never send, sent on a raw connection: each gets its error.

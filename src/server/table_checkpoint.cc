@@ -1,0 +1,246 @@
+#include "server/table_checkpoint.h"
+
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <vector>
+
+#include "layout/crc.h"
+#include "server/checkpoint.h"
+#include "table/embedding_table.h"
+#include "transport/wire.h"
+
+namespace pskv {
+
+namespace {
+
+constexpr char kMagic[8] = {'P', 'S', 'K', 'V', 'T', 'B', 'L', '1'};
+constexpr char kEnd[8] = {'P', 'S', 'K', 'V', 'E', 'N', 'D', '1'};
+constexpr std::uint32_t kVersion = 1;
+
+#pragma pack(push, 1)
+struct Header {
+  char magic[8];
+  std::uint32_t version;
+  std::uint32_t server_id;
+  std::uint32_t table;
+  std::uint32_t seq;
+  std::uint64_t generation;
+  std::uint32_t spec[wire::kTableSpecFloats];
+  std::uint32_t state_floats;
+  std::uint32_t crc;
+};
+struct Trailer {
+  char magic[8];
+  std::uint64_t rows;
+  std::uint64_t removed;
+  std::uint32_t crc;
+};
+#pragma pack(pop)
+
+std::string file_name(std::uint32_t table, std::uint32_t server, std::uint64_t generation, std::uint32_t seq) {
+  return "table-" + std::to_string(table) + ".server-" + std::to_string(server) + ".g" + std::to_string(generation) +
+         "." + std::to_string(seq) + ".ckpt";
+}
+
+// table -> generation -> seq -> path, of `server`'s files in `dir`.
+using Files = std::map<std::uint32_t, std::map<std::uint64_t, std::map<std::uint32_t, std::string>>>;
+Files scan(const std::string& dir, std::uint32_t server) {
+  Files out;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    unsigned table = 0, srv = 0, seq = 0;
+    unsigned long long generation = 0;
+    int used = 0;
+    if (std::sscanf(name.c_str(), "table-%u.server-%u.g%llu.%u.ckpt%n", &table, &srv, &generation, &seq, &used) != 4 ||
+        static_cast<std::size_t>(used) != name.size() || srv != server ||
+        name != file_name(table, srv, generation, seq))  // no leading zeros or signs: one name per file
+      continue;
+    out[table][generation][seq] = entry.path().string();
+  }
+  return out;
+}
+
+std::uint32_t state_floats_for(const TableSpec& spec) {
+  return state_floats_per_value(spec.rule.rule) * spec.dim + (spec.rule.rule == UpdateRule::adam ? 1 : 0);
+}
+
+}  // namespace
+
+TableCheckpointInfo TableCheckpointer::write(ShardEngine& engine) {
+  TableCheckpointInfo info;
+  for (std::uint32_t id = 0; id < ShardEngine::kMaxTables; ++id) {
+    TableSpec spec;
+    EmbeddingTable* table = engine.table_at(id, &spec);
+    if (!table) continue;
+    Chain& chain = chains_[id];
+    // A new snapshot once replaying the deltas would cost more than reading one.
+    const bool full = !chain.started || chain.delta_rows > chain.full_rows;
+    std::uint64_t generation = chain.generation;
+    std::uint32_t seq = chain.seq + 1;
+    if (full) {
+      const Files files = scan(dir_, server_id_);
+      if (auto t = files.find(id); t != files.end() && !t->second.empty())
+        generation = std::max(generation, t->second.rbegin()->first);
+      ++generation;
+      seq = 0;
+    }
+    AtomicFile file(dir_ + "/" + file_name(id, server_id_, generation, seq));
+    Header h{};
+    std::memcpy(h.magic, kMagic, 8);
+    h.version = kVersion;
+    h.server_id = server_id_;
+    h.table = id;
+    h.seq = seq;
+    h.generation = generation;
+    wire::encode_table_spec(spec, reinterpret_cast<float*>(h.spec));
+    h.state_floats = static_cast<std::uint32_t>(table->state_floats_per_row());
+    h.crc = crc32_update(0, &h, offsetof(Header, crc));
+    file.put(&h, sizeof h);
+    std::uint32_t crc = 0;
+    std::uint64_t rows = 0;
+    std::vector<Key> removed;
+    table->take_changes(
+        full,
+        [&](Key key, const float* values, const float* state) {
+          file.put(&key, sizeof key);
+          file.put(values, table->dim() * sizeof(float));
+          file.put(state, h.state_floats * sizeof(float));
+          crc = crc32_update(crc, &key, sizeof key);
+          crc = crc32_update(crc, values, table->dim() * sizeof(float));
+          crc = crc32_update(crc, state, h.state_floats * sizeof(float));
+          ++rows;
+        },
+        &removed);
+    file.put(removed.data(), removed.size() * sizeof(Key));
+    crc = crc32_update(crc, removed.data(), removed.size() * sizeof(Key));
+    Trailer t{};
+    std::memcpy(t.magic, kEnd, 8);
+    t.rows = rows;
+    t.removed = removed.size();
+    t.crc = crc;
+    file.put(&t, sizeof t);
+    info.bytes += file.bytes();
+    file.commit();
+    ++info.files;
+    info.rows += rows;
+    info.removed += removed.size();
+    chain.started = true;
+    chain.generation = generation;
+    chain.seq = seq;
+    if (full) {
+      chain.full_rows = rows;
+      chain.delta_rows = 0;
+      // The new snapshot is durable: the older generations are not needed any more.
+      const Files files = scan(dir_, server_id_);
+      if (auto t = files.find(id); t != files.end())
+        for (const auto& [g, seqs] : t->second)
+          if (g < generation)
+            for (const auto& [s, path] : seqs) std::filesystem::remove(path);
+    } else {
+      chain.delta_rows += rows + removed.size();
+    }
+  }
+  return info;
+}
+
+TableCheckpointInfo TableCheckpointer::apply(const std::uint8_t* data, std::size_t size, std::uint32_t server_id,
+                                             std::uint32_t table_id, std::uint64_t generation, std::uint32_t seq,
+                                             TableSpec* spec, EmbeddingTable* table, const std::string& name) {
+  std::size_t at = 0;
+  auto corrupt = [&](const std::string& why) {
+    return Error(Errc::protocol, "table checkpoint " + name + " is corrupt at byte " + std::to_string(at) + ": " + why +
+                                     "; restore an older checkpoint or start without --restore");
+  };
+  Header h;
+  Trailer t;
+  if (size < sizeof h + sizeof t) throw corrupt("shorter than a header and a trailer");
+  std::memcpy(&h, data, sizeof h);
+  if (std::memcmp(h.magic, kMagic, 8) != 0) throw corrupt("not a pskv table checkpoint (bad magic)");
+  if (h.crc != crc32_update(0, &h, offsetof(Header, crc))) throw corrupt("header checksum mismatch");
+  if (h.version != kVersion) throw corrupt("version " + std::to_string(h.version) + " is not readable by this build");
+  if (h.server_id != server_id || h.table != table_id || h.generation != generation || h.seq != seq)
+    throw corrupt("its header names another server, table, generation or sequence number than its file name");
+  std::string why;
+  if (wire::decode_table_spec(reinterpret_cast<const float*>(h.spec), spec, &why) != Errc::ok)
+    throw corrupt("its table spec is refused: " + why);
+  if (h.state_floats != state_floats_for(*spec)) throw corrupt("state floats per row disagree with the spec");
+  at = size - sizeof t;
+  std::memcpy(&t, data + at, sizeof t);
+  if (std::memcmp(t.magic, kEnd, 8) != 0) throw corrupt("bad trailer");
+  const std::uint64_t body = size - sizeof h - sizeof t;
+  const std::uint64_t row_bytes = sizeof(Key) + (std::uint64_t{spec->dim} + h.state_floats) * sizeof(float);
+  if (t.rows > body / row_bytes || t.removed > body / sizeof(Key) ||
+      t.rows * row_bytes + t.removed * sizeof(Key) != body)
+    throw corrupt("its row and removal counts do not add up to its size");
+  if (crc32_update(0, data + sizeof h, body) != t.crc) throw corrupt("checksum mismatch in its rows");
+  TableCheckpointInfo info{1, t.rows, t.removed, size};
+  if (!table) return info;
+  const std::uint8_t* rows = data + sizeof h;
+  const std::uint8_t* removed = rows + t.rows * row_bytes;
+  for (std::uint64_t i = 0; i < t.removed; ++i) {
+    Key id;
+    std::memcpy(&id, removed + i * sizeof id, sizeof id);
+    table->remove_row(id);
+  }
+  std::vector<float> values(spec->dim), state(h.state_floats);
+  for (std::uint64_t i = 0; i < t.rows; ++i) {
+    const std::uint8_t* r = rows + i * row_bytes;
+    Key id;
+    std::memcpy(&id, r, sizeof id);
+    std::memcpy(values.data(), r + sizeof id, values.size() * sizeof(float));
+    std::memcpy(state.data(), r + sizeof id + values.size() * sizeof(float), state.size() * sizeof(float));
+    if (!table->restore_row(id, values.data(), state.data()))
+      throw Error(Errc::capacity, "cannot restore row " + std::to_string(id) + " of table " + std::to_string(table_id) +
+                                      " from " + name +
+                                      ": the table is full (is --table-memory-mb as large as when it was written?)");
+  }
+  return info;
+}
+
+TableCheckpointInfo TableCheckpointer::restore(ShardEngine& engine, const std::string& dir, std::uint32_t server_id) {
+  TableCheckpointInfo total;
+  for (const auto& [table_id, generations] : scan(dir, server_id)) {
+    // The newest generation whose snapshot exists (a crash may leave a newer one without it).
+    auto g = generations.rbegin();
+    while (g != generations.rend() && !g->second.count(0)) ++g;
+    if (g == generations.rend()) continue;
+    const std::uint64_t generation = g->first;
+    std::uint32_t expected = 0;
+    std::uint32_t first_words[wire::kTableSpecFloats] = {};
+    EmbeddingTable* table = nullptr;
+    for (const auto& [seq, path] : g->second) {
+      if (seq != expected)
+        throw Error(Errc::protocol, "table checkpoint " + path + " follows a missing delta " +
+                                        std::to_string(expected) +
+                                        " of its generation; restore an older checkpoint or start without --restore");
+      const std::vector<std::uint8_t> bytes = read_file(path);
+      TableSpec spec;
+      // Validated whole before anything of it is applied.
+      apply(bytes.data(), bytes.size(), server_id, table_id, generation, seq, &spec, nullptr, path);
+      std::uint32_t words[wire::kTableSpecFloats];
+      wire::encode_table_spec(spec, reinterpret_cast<float*>(words));
+      if (seq == 0) {
+        std::string why;
+        if (Errc e = engine.create_table(table_id, spec, &why); e != Errc::ok)
+          throw Error(e, "cannot recreate table " + std::to_string(table_id) + " from " + path + ": " + why);
+        table = engine.table_at(table_id);
+        std::memcpy(first_words, words, sizeof words);
+      } else if (std::memcmp(words, first_words, sizeof words) != 0) {
+        throw Error(Errc::protocol, "table checkpoint " + path + " has another spec than its generation's snapshot");
+      }
+      const TableCheckpointInfo one =
+          apply(bytes.data(), bytes.size(), server_id, table_id, generation, seq, &spec, table, path);
+      total.files += one.files;
+      total.rows += one.rows;
+      total.removed += one.removed;
+      total.bytes += one.bytes;
+      ++expected;
+    }
+  }
+  return total;
+}
+
+}  // namespace pskv

@@ -1,0 +1,55 @@
+// Incremental checkpoints of embedding tables (docs/ARCHITECTURE.md, "Embedding tables"). Per
+// table, a generation of files "table-<t>.server-<id>.g<generation>.<seq>.ckpt": seq 0 holds every
+// live row, and 1, 2, ... each the rows changed and the ids evicted since the file before it. A
+// new generation (a new full snapshot) begins when the deltas since the last one would take
+// longer to replay than the snapshot, and the old generation's files go once it is durable.
+//
+// File: "PSKVTBL1" | version u32 | server_id u32 | table u32 | seq u32 | generation u64 |
+//       spec words[16] u32 | state_floats u32 | header crc u32
+//       then rows x (id u64 | floats[dim] | state[state_floats]), then removed x id u64,
+//       then "PSKVEND1" | rows u64 | removed u64 | crc of everything between header and it u32
+// (counts at the end, so a table is streamed to disk as it is read). A delta's removed ids are
+// applied before its rows: an id evicted and created again since the file before is in both.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+
+#include "engine/shard_engine.h"
+
+namespace pskv {
+
+struct TableCheckpointInfo {
+  std::uint64_t files = 0, rows = 0, removed = 0, bytes = 0;
+};
+
+// Thread-safety: one thread at a time (the server's checkpoint lock).
+class TableCheckpointer {
+ public:
+  TableCheckpointer(std::string dir, std::uint32_t server_id) : dir_(std::move(dir)), server_id_(server_id) {}
+  // Each table's next file: its first a full snapshot (a new generation past any in the
+  // directory), then deltas. Throws Error(io) naming the file.
+  TableCheckpointInfo write(ShardEngine& engine);
+  // Recreates every table checkpointed in `dir` for `server_id` and restores its rows: the newest
+  // generation's snapshot, then its deltas in order. A corrupt file throws Error(protocol) naming
+  // it and the offset (nothing after a bad delta is applied); so does a gap in the deltas.
+  static TableCheckpointInfo restore(ShardEngine& engine, const std::string& dir, std::uint32_t server_id);
+  // Parses one file's image; applies it to `table` unless null (validation only). For restore and tests.
+  static TableCheckpointInfo apply(const std::uint8_t* data, std::size_t size, std::uint32_t server_id,
+                                   std::uint32_t table_id, std::uint64_t generation, std::uint32_t seq, TableSpec* spec,
+                                   EmbeddingTable* table, const std::string& name);
+
+ private:
+  struct Chain {
+    bool started = false;
+    std::uint64_t generation = 0;
+    std::uint32_t seq = 0;
+    std::uint64_t full_rows = 0, delta_rows = 0;
+  };
+  std::string dir_;
+  std::uint32_t server_id_;
+  std::array<Chain, ShardEngine::kMaxTables> chains_{};
+};
+
+}  // namespace pskv
