@@ -9,6 +9,7 @@
 
 #include "store/store.h"
 #include "store/update_kernels.h"
+#include "table/embedding_table.h"
 
 namespace pskv {
 namespace {
@@ -131,11 +132,68 @@ void BM_PushContendedStripes(benchmark::State& state) {
   state.SetItemsProcessed(state.iterations());
 }
 
+// An embedding table of 2^20 16-float rows (built once), pulled and pushed in 1,000-row batches
+// of uniformly random ids: the server's side of pskv-bench --workload rows, without the network.
+EmbeddingTable& shared_table() {
+  static EmbeddingTable* t = [] {
+    TableSpec spec;
+    spec.dim = 16;
+    auto* table = new EmbeddingTable(spec);
+    std::vector<Key> ids(4096);
+    std::vector<float> zeros(ids.size() * 16, 0.0f);
+    for (Key base = 0; base < (1u << 20); base += ids.size()) {
+      for (std::size_t i = 0; i < ids.size(); ++i) ids[i] = base + i;
+      table->push(ids, zeros.data(), 0);
+    }
+    return table;
+  }();
+  return *t;
+}
+
+void BM_TableRows(benchmark::State& state) {
+  EmbeddingTable& t = shared_table();
+  const bool push = state.range(0) == 1;
+  std::mt19937_64 rng(7 + state.thread_index());
+  std::vector<Key> ids(1000);
+  std::vector<float> rows(ids.size() * 16, 0.0f);
+  for (auto _ : state) {
+    state.PauseTiming();
+    for (auto& id : ids) id = rng() % (1u << 20);
+    state.ResumeTiming();
+    if (push)
+      t.push(ids, rows.data(), 0);
+    else
+      t.pull(ids, rows.data());
+    benchmark::DoNotOptimize(rows.data());
+  }
+  state.SetItemsProcessed(state.iterations() * static_cast<std::int64_t>(ids.size()));
+}
+
+// Creating rows: a fresh table per iteration, 2^18 ids in 1,000-row pushes.
+void BM_TableInsert(benchmark::State& state) {
+  std::vector<Key> ids(1000);
+  std::vector<float> rows(ids.size() * 16, 0.0f);
+  for (auto _ : state) {
+    state.PauseTiming();
+    TableSpec spec;
+    spec.dim = 16;
+    auto t = std::make_unique<EmbeddingTable>(spec);
+    state.ResumeTiming();
+    for (Key base = 0; base < (1u << 18); base += ids.size()) {
+      for (std::size_t i = 0; i < ids.size(); ++i) ids[i] = (base + i) * 0x9e3779b97f4a7c15ull;
+      t->push(ids, rows.data(), 0);
+    }
+  }
+  state.SetItemsProcessed(state.iterations() * static_cast<std::int64_t>(1u << 18));
+}
+
 BENCHMARK(BM_Memcpy)->RangeMultiplier(4)->Range(kMinBytes, kMaxBytes);
 BENCHMARK(BM_AddBaseline)->RangeMultiplier(4)->Range(kMinBytes, kMaxBytes);
 BENCHMARK(BM_Pull)->RangeMultiplier(4)->Range(kMinBytes, kMaxBytes)->Threads(1)->Threads(2)->UseRealTime();
 BENCHMARK(BM_PushAdd)->RangeMultiplier(4)->Range(kMinBytes, kMaxBytes)->Threads(1)->Threads(2)->UseRealTime();
 BENCHMARK(BM_PullSmallRandomKeys)->Threads(1)->Threads(2)->UseRealTime();
+BENCHMARK(BM_TableRows)->ArgName("push")->Arg(0)->Arg(1)->Threads(1)->Threads(2)->UseRealTime();
+BENCHMARK(BM_TableInsert)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_PushContendedStripes)->Arg(1)->Arg(1024)->Threads(2)->UseRealTime();
 
 }  // namespace

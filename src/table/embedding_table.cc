@@ -5,26 +5,22 @@
 #include <cstring>
 #include <new>
 
+#include "common/memory.h"
 #include "layout/hash.h"
 #include "store/update_kernels.h"
 
 namespace pskv {
 
+// One mapping per segment, on huge pages where the kernel gives them: a pull of random rows
+// misses the TLB on every row otherwise (2^20 rows span 20,000 4 KiB pages).
 struct EmbeddingTable::Segment {
+  std::unique_ptr<HeapMemory> memory;
   RowMeta* meta = nullptr;
   float* data = nullptr;
   float* state = nullptr;
   std::atomic<std::uint32_t>* stamps = nullptr;
   // One bit per row: changed since the last checkpoint took it (take_changes).
-  std::unique_ptr<std::atomic<std::uint64_t>[]> marks =
-      std::make_unique<std::atomic<std::uint64_t>[]>(kSegmentRows / 64);
-  std::size_t data_bytes = 0, state_bytes = 0;
-  ~Segment() {
-    ::operator delete (meta, std::align_val_t{64});
-    ::operator delete (data, std::align_val_t{64});
-    if (state) ::operator delete (state, std::align_val_t{64});
-    if (stamps) ::operator delete (stamps, std::align_val_t{64});
-  }
+  std::atomic<std::uint64_t>* marks = nullptr;
 };
 
 namespace {
@@ -155,20 +151,39 @@ void EmbeddingTable::touch(std::uint32_t row, std::uint64_t step) const noexcept
   }
 }
 
+void EmbeddingTable::prefetch(std::span<const Key> ids, std::size_t i) const noexcept {
+  // An id costs four dependent misses: its index shard (which names the bucket array), its
+  // bucket, its row's key and link, its floats. Called before id i is handled, this keeps them in
+  // flight for ids further on: shards 24 ahead, buckets 16, and the first row of the chain 8
+  // ahead, each stage finding the one before it in cache (a stale guess only costs a useless
+  // prefetch; the lookup itself checks everything).
+  constexpr std::size_t kShardsAhead = 24, kBucketsAhead = 16, kRowsAhead = 8;
+  auto bucket_of = [&](std::size_t j) {
+    const std::uint64_t h = mix64(ids[j]);
+    const Buckets* b = shard_of(h).buckets.load(std::memory_order_acquire);
+    return &b->heads[h & b->mask];
+  };
+  auto prefetch_row = [&](std::size_t j) {
+    const std::uint32_t row = bucket_of(j)->load(std::memory_order_relaxed);
+    if (row == 0 || row == kFreeRow) return;
+    __builtin_prefetch(&meta(row));
+    __builtin_prefetch(data(row));
+  };
+  if (i == 0) {
+    for (std::size_t j = 0; j < std::min(ids.size(), kShardsAhead); ++j) __builtin_prefetch(&shard_of(mix64(ids[j])));
+    for (std::size_t j = 0; j < std::min(ids.size(), kBucketsAhead); ++j) __builtin_prefetch(bucket_of(j));
+    for (std::size_t j = 0; j < std::min(ids.size(), kRowsAhead); ++j) prefetch_row(j);
+  }
+  if (i + kShardsAhead < ids.size()) __builtin_prefetch(&shard_of(mix64(ids[i + kShardsAhead])));
+  if (i + kBucketsAhead < ids.size()) __builtin_prefetch(bucket_of(i + kBucketsAhead));
+  if (i + kRowsAhead < ids.size()) prefetch_row(i + kRowsAhead);
+}
+
 void EmbeddingTable::pull(std::span<const Key> ids, float* out) const noexcept {
   tick_.fetch_add(1, std::memory_order_relaxed);
   const std::uint32_t dim = spec_.dim;
-  // Each id costs a bucket miss and a row miss: the buckets of ids further on are fetched while
-  // this one is copied, so the misses of a large batch overlap.
-  constexpr std::size_t kAhead = 16;
-  auto prefetch_bucket = [&](std::size_t i) {
-    const std::uint64_t h = mix64(ids[i]);
-    const Buckets* b = shard_of(h).buckets.load(std::memory_order_acquire);
-    __builtin_prefetch(&b->heads[h & b->mask]);
-  };
-  for (std::size_t i = 0; i < std::min(ids.size(), kAhead); ++i) prefetch_bucket(i);
   for (std::size_t i = 0; i < ids.size(); ++i) {
-    if (i + kAhead < ids.size()) prefetch_bucket(i + kAhead);
+    prefetch(ids, i);
     float* row = out + i * dim;
     if (!read_row(ids[i], mix64(ids[i]), row)) initial_row(ids[i], row);
   }
@@ -231,26 +246,35 @@ std::uint32_t EmbeddingTable::allocate_row() noexcept {
   if (segments_[s].load(std::memory_order_acquire) == nullptr) {
     std::lock_guard lock(grow_mu_);
     if (segments_[s].load(std::memory_order_relaxed) == nullptr) {
-      auto seg = new (std::nothrow) Segment;
+      // Zero pages as mapped: every atomic starts at 0, and only `next` needs another value.
+      const std::size_t meta_bytes = align_up(sizeof(RowMeta) * kSegmentRows, kCacheLine);
+      const std::size_t data_bytes = align_up(std::size_t{spec_.dim} * sizeof(float) * kSegmentRows, kCacheLine);
+      const std::size_t state_bytes = align_up(state_floats_ * sizeof(float) * kSegmentRows, kCacheLine);
+      const std::size_t stamp_bytes = stamps_ ? align_up(4 * kSegmentRows, kCacheLine) : 0;
+      const std::size_t mark_bytes = kSegmentRows / 8;
+      auto seg = std::unique_ptr<Segment>(new (std::nothrow) Segment);
       if (!seg) return 0;
-      seg->meta = static_cast<RowMeta*>(::operator new (sizeof(RowMeta) * kSegmentRows, std::align_val_t{64}));
+      try {
+        seg->memory = std::make_unique<HeapMemory>(meta_bytes + data_bytes + state_bytes + stamp_bytes + mark_bytes,
+                                                   "an embedding table's rows");
+      } catch (const std::exception&) {
+        return 0;
+      }
+      std::byte* at = seg->memory->data();
+      seg->meta = reinterpret_cast<RowMeta*>(at);
+      seg->data = reinterpret_cast<float*>(at += meta_bytes);
+      seg->state = state_bytes ? reinterpret_cast<float*>(at += data_bytes) : nullptr;
+      if (!state_bytes) at += data_bytes;
+      at += state_bytes;
+      seg->stamps = stamp_bytes ? reinterpret_cast<std::atomic<std::uint32_t>*>(at) : nullptr;
+      seg->marks = reinterpret_cast<std::atomic<std::uint64_t>*>(at + stamp_bytes);
       for (std::uint32_t i = 0; i < kSegmentRows; ++i) {
         new (&seg->meta[i].key) std::atomic<std::uint64_t>(0);
         new (&seg->meta[i].next) std::atomic<std::uint32_t>(kFreeRow);
         new (&seg->meta[i].version) std::atomic<std::uint32_t>(0);
       }
-      seg->data_bytes = std::size_t{spec_.dim} * sizeof(float) * kSegmentRows;
-      seg->data = static_cast<float*>(::operator new (seg->data_bytes, std::align_val_t{64}));
-      if (state_floats_ > 0) {
-        seg->state_bytes = state_floats_ * sizeof(float) * kSegmentRows;
-        seg->state = static_cast<float*>(::operator new (seg->state_bytes, std::align_val_t{64}));
-      }
-      if (stamps_) {
-        seg->stamps = static_cast<std::atomic<std::uint32_t>*>(
-            ::operator new (sizeof(std::atomic<std::uint32_t>) * kSegmentRows, std::align_val_t{64}));
-        for (std::uint32_t i = 0; i < kSegmentRows; ++i) new (&seg->stamps[i]) std::atomic<std::uint32_t>(0);
-      }
-      segments_[s].store(seg, std::memory_order_release);
+      segment_bytes_.fetch_add(seg->memory->size(), std::memory_order_relaxed);
+      segments_[s].store(seg.release(), std::memory_order_release);
       segment_count_.fetch_add(1, std::memory_order_relaxed);
     }
   }
@@ -382,6 +406,7 @@ void EmbeddingTable::push(std::span<const Key> ids, const float* grads, std::uin
   tick_.fetch_add(1, std::memory_order_relaxed);
   const std::uint32_t dim = spec_.dim;
   for (std::size_t i = 0; i < ids.size(); ++i) {
+    prefetch(ids, i);
     const Key id = ids[i];
     const std::uint64_t hash = mix64(id);
     Shard& shard = shard_of(hash);
@@ -500,11 +525,10 @@ TableStats EmbeddingTable::stats() const noexcept {
   s.evicted = evicted_.load(std::memory_order_relaxed);
   s.not_admitted = not_admitted_.load(std::memory_order_relaxed);
   s.grows = grows_.load(std::memory_order_relaxed);
-  const std::uint64_t per_row = sizeof(RowMeta) + std::uint64_t{spec_.dim} * 4 + state_floats_ * 4 + (stamps_ ? 4 : 0);
-  s.bytes =
-      index_bytes_.load(std::memory_order_relaxed) +
-      segment_count_.load(std::memory_order_relaxed) * (sizeof(Segment) + per_row * kSegmentRows + kSegmentRows / 8) +
-      std::uint64_t{sizeof(std::atomic<Segment*>)} * kMaxSegments + (filter_ ? (std::uint64_t{2} << kFilterBits) : 0);
+  s.bytes = index_bytes_.load(std::memory_order_relaxed) + segment_bytes_.load(std::memory_order_relaxed) +
+            segment_count_.load(std::memory_order_relaxed) * sizeof(Segment) +
+            std::uint64_t{sizeof(std::atomic<Segment*>)} * kMaxSegments +
+            (filter_ ? (std::uint64_t{2} << kFilterBits) : 0);
   return s;
 }
 

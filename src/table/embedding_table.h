@@ -116,6 +116,8 @@ class EmbeddingTable {
   Shard& shard_of(std::uint64_t hash) const noexcept { return shards_[hash >> (64 - kShardBits)]; }
   // The row of `id` in `shard` (locked by the caller), and the link that points at it.
   std::uint32_t find_locked(Shard& shard, Key id, std::uint64_t hash, std::atomic<std::uint32_t>** link) const noexcept;
+  // Prefetches for ids further on than i (see the .cc); call before handling ids[i].
+  void prefetch(std::span<const Key> ids, std::size_t i) const noexcept;
   // Copies id's row into out; false if it has none. Lock-free, validated.
   bool read_row(Key id, std::uint64_t hash, float* out) const noexcept;
   // Under shard's lock: a new row for id, linked into its chain, holding the initial value; 0
@@ -142,7 +144,7 @@ class EmbeddingTable {
   std::unique_ptr<std::atomic<std::uint8_t>[]> filter_;
   mutable std::atomic<std::uint64_t> tick_{0};  // LRU's clock: one per operation
   std::atomic<std::uint64_t> rows_{0}, created_{0}, evicted_{0}, not_admitted_{0}, grows_{0};
-  std::atomic<std::uint64_t> index_bytes_{0}, segment_count_{0};
+  std::atomic<std::uint64_t> index_bytes_{0}, segment_count_{0}, segment_bytes_{0};
   std::atomic<std::uint64_t> sample_seed_{0x9e3779b97f4a7c15ull};
   std::atomic<bool> tracking_{false};
   std::mutex removed_mu_;
