@@ -1019,6 +1019,83 @@ void budget_flood(int) {
   }
 }
 
+// Embedding-table ops from a peer that tries what a client of this build never sends: a table
+// id past the limit, a spec with no dimension or a cap past the server's table memory, pulls
+// whose rows claim 2^32-1 floats, pushes of the wrong dimension or to an unknown table (each must
+// be refused, the connection served on), mixed with valid pushes of ever-new ids into a capped
+// table (accepted: the cap, not the peer, bounds the rows they create).
+void table_abuse(int lane) {
+  TableSpec spec;
+  spec.dim = 16;
+  spec.max_rows = 20000;
+  spec.eviction = RowEviction::lru;
+  std::vector<float> good(wire::kTableSpecFloats), no_dim(wire::kTableSpecFloats), huge(wire::kTableSpecFloats);
+  wire::encode_table_spec(spec, good.data());
+  TableSpec bad = spec;
+  wire::encode_table_spec(bad, no_dim.data());
+  std::uint32_t zero = 0;
+  std::memcpy(no_dim.data(), &zero, sizeof zero);  // dim 0
+  bad.dim = 4096;
+  bad.max_rows = (std::uint64_t{1} << 32) - 2;
+  wire::encode_table_spec(bad, huge.data());
+  std::mt19937_64 rng(g.seed + lane);
+  auto create = [](std::uint64_t id, Key table, const std::vector<float>& words) {
+    const wire::KeyEntry key{table, wire::kTableSpecFloats, 0};
+    return frame(wire::make_header(wire::Op::table_create, id, 1, words.size() * sizeof(float)), std::span(&key, 1),
+                 words.data(), words.size() * sizeof(float));
+  };
+  for (int round = 0; round < kMaxRounds && time_left(); ++round) {
+    auto c = Conn::open();
+    if (!c || !handshake(*c)) continue;
+    if (!c->send_frame(create(5, 1, good)) || c->read_reply(milliseconds(3000)).got != Conn::Got::reply) continue;
+    std::vector<wire::KeyEntry> rows(1000);
+    std::vector<float> grads(rows.size() * 16, 0.01f);
+    for (int i = 0; i < kMaxRounds && time_left(); ++i) {
+      std::vector<std::byte> f;
+      bool ok_is_wrong = true;
+      switch (i % 7) {
+        case 0:
+          f = create(10 + i, 64 + rng() % 1000, good);
+          break;
+        case 1:
+          f = create(10 + i, 2, no_dim);
+          break;
+        case 2:
+          f = create(10 + i, 3, huge);
+          break;
+        case 3:
+          for (auto& r : rows) r = {rng(), 0xFFFFFFFFu, 0};
+          f = frame(wire::make_header(wire::Op::table_pull, 10 + i, static_cast<std::uint32_t>(rows.size()), 0, 0, 1),
+                    rows);
+          break;
+        case 4:
+          for (auto& r : rows) r = {rng(), 8, 0};  // half the table's dimension
+          f = frame(wire::make_header(wire::Op::table_push, 10 + i, static_cast<std::uint32_t>(rows.size()),
+                                      rows.size() * 8 * sizeof(float), 0, 1),
+                    rows, grads.data(), rows.size() * 8 * sizeof(float));
+          break;
+        case 5:
+          for (auto& r : rows) r = {rng(), 16, 0};
+          f = frame(wire::make_header(wire::Op::table_push, 10 + i, static_cast<std::uint32_t>(rows.size()),
+                                      grads.size() * sizeof(float), 0, 40),  // no table 40
+                    rows, grads.data(), grads.size() * sizeof(float));
+          break;
+        default:
+          for (auto& r : rows) r = {rng(), 16, 0};
+          f = frame(wire::make_header(wire::Op::table_push, 10 + i, static_cast<std::uint32_t>(rows.size()),
+                                      grads.size() * sizeof(float), 0, 1),
+                    rows, grads.data(), grads.size() * sizeof(float));
+          ok_is_wrong = false;
+      }
+      if (!c->send_frame(f)) break;
+      const auto r = c->judge(c->read_reply(milliseconds(5000)), ok_is_wrong);
+      if (r.got != Conn::Got::reply) break;
+      if (!ok_is_wrong) (r.h.status == 0 ? g_stats.expected_ok : g_stats.expected_bad)++;
+    }
+    if (!time_left()) c->park();
+  }
+}
+
 void print_summary();
 
 // replayed-proof captures one real handshake first; without one it cannot run.
@@ -1065,6 +1142,7 @@ const Kind kKinds[] = {
     {"second-hello", [](int n) { run_lanes(n, second_hello); }},
     {"connect-flood", [](int n) { run_lanes(n, connect_flood); }},
     {"budget-flood", [](int n) { run_lanes(n, budget_flood); }},
+    {"table-abuse", [](int n) { run_lanes(n, table_abuse); }},
 };
 
 bool loopback(const std::string& host, sockaddr_in* out) {

@@ -354,6 +354,23 @@ TEST_F(TcpAttack, RepeatedKeyPullIsRefusedAndDuplicatesWithinLimitsAreServed) {
   expect_logged({"over --max-request-mb"});
 }
 
+// Embedding-table ops that no client of this build sends (a table id past 63, a spec without a
+// dimension or past --table-memory-mb, rows claiming 2^32-1 floats, pushes of the wrong dimension
+// or to no table) are each refused and the connection served on; valid pushes of ever-new ids
+// fill the table only to its cap, so the server's memory stays inside its budgets.
+TEST_F(TcpAttack, TableOpsBeyondTheirLimitsAreRefusedAndTablesStayWithinTheirCap) {
+  ASSERT_NO_FATAL_FAILURE(start(false, {"--table-memory-mb", "16"}));
+  const std::string s = attack({"table-abuse", 2});
+  EXPECT_EQ(stats_field(s, "accepted"), 0) << s;
+  EXPECT_GT(stats_field(s, "replies_error"), 0) << s;
+  EXPECT_GT(stats_field(s, "expected_ok"), 0) << "no valid push of new rows was taken: " << s;
+  EXPECT_EQ(stats_field(s, "expected_bad"), 0) << s;
+  EXPECT_EQ(stats_field(s, "closed_by_server"), 0) << "a refused table op keeps the connection: " << s;
+  Client admin(o_);
+  const std::string stats = admin.server_stats(0);
+  EXPECT_NE(stats.find("\"table_1_rows\":20000"), std::string::npos) << "the table filled to its cap: " << stats;
+}
+
 // --- item 2: slow senders ------------------------------------------------------------------
 
 // A header announcing 1 MiB before hello, then a byte every 1-2 s: refused after its header
