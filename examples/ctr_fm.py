@@ -2,6 +2,7 @@
 """A click-through-rate model over pskv embedding tables, on a click log this script generates.
 
     python3 examples/ctr_fm.py                       # 2 tcp servers, 2 workers, 12M clicks, ~1.5 minutes
+    python3 examples/ctr_fm.py --transport shm       # the same over shared memory
     python3 examples/ctr_fm.py --train 10000000 --ids-per-field 100000000 --json
 
 The log: every sample has --fields categorical fields; each field's ids are drawn from
@@ -190,6 +191,7 @@ def evaluate(args, servers):
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--servers", type=int, default=2)
+    p.add_argument("--transport", default="tcp", choices=["tcp", "shm"])
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--fields", type=int, default=8)
     p.add_argument("--ids-per-field", type=int, default=10_000_000)
@@ -214,7 +216,7 @@ def main() -> int:
     p.add_argument("--json", action="store_true", help="print one JSON summary line")
     args = p.parse_args()
     t0 = time.perf_counter()
-    with pskv.launch(args.servers, transport="tcp", table_memory_mb=args.table_memory_mb) as group:
+    with pskv.launch(args.servers, transport=args.transport, table_memory_mb=args.table_memory_mb) as group:
         ctx = mp.get_context("spawn")
         results = ctx.Queue()
         procs = [ctx.Process(target=worker, args=(r, args, group.uris, results)) for r in range(args.workers)]
@@ -239,7 +241,7 @@ def main() -> int:
     rows = sum(s.get(f"table_{TABLE}_rows", 0) for s in stats)
     table_bytes = sum(s.get(f"table_{TABLE}_bytes", 0) for s in stats)
     summary = {
-        "example": "ctr_fm", "servers": args.servers, "workers": args.workers, "fields": args.fields,
+        "example": "ctr_fm", "transport": args.transport, "servers": args.servers, "workers": args.workers, "fields": args.fields,
         "ids_per_field": args.ids_per_field, "zipf": args.zipf, "train_samples": samples, "test_samples": args.test,
         "click_rate": round(ctr, 4), "trained_auc": round(trained, 4), "generator_auc": round(best, 4),
         "gap": round(best - trained, 4), "samples_per_s": round(samples / train_s), "rows": rows,

@@ -102,8 +102,8 @@ class Client {
   // Embedding tables (pskv/table.h): rows keyed by ids nobody enumerates in advance, each kept by
   // the server its id hashes to. create_table declares table `table` (an id below 64) on every
   // server; every worker calls it with the same spec (the first wins, another spec is an error),
-  // which also tells this client the table's dimension. tcp:// servers without --replicas only,
-  // for now.
+  // which also tells this client the table's dimension. tcp:// and shm:// servers without
+  // --replicas, for now.
   void create_table(std::uint32_t table, const TableSpec& spec);
   // The rows of `ids` into `out` (ids.size() * dim floats, row i at out[i * dim]); an id without
   // a row reads as the table's initial value for it. An id repeated in the batch is fetched once.

@@ -18,9 +18,11 @@
 namespace pskv {
 namespace {
 
-ServerOptions server_options(std::uint32_t id) {
+// tcp, or shm (where table ops travel through each client's ring).
+ServerOptions server_options(std::uint32_t id, const std::string& scheme = "tcp") {
   ServerOptions so;
-  so.uri = "tcp://127.0.0.1:0";
+  so.uri =
+      scheme == "tcp" ? "tcp://127.0.0.1:0" : "shm://tables-" + std::to_string(getpid()) + "-" + std::to_string(id);
   so.server_id = id;
   so.arena_bytes = 4 << 20;
   so.io_threads = 1;
@@ -37,9 +39,9 @@ TableSpec spec() {
   return s;
 }
 
-class Tables : public ::testing::Test {
+class Tables : public ::testing::TestWithParam<std::string> {
  protected:
-  Server s0{server_options(0)}, s1{server_options(1)};
+  Server s0{server_options(0, GetParam())}, s1{server_options(1, GetParam())};
   ClientOptions options() const {
     ClientOptions o;
     o.servers = {s0.uri(), s1.uri()};
@@ -53,7 +55,7 @@ class Tables : public ::testing::Test {
   }
 };
 
-TEST_F(Tables, RowsStartFromTheSpecsInitialValueOnEveryServer) {
+TEST_P(Tables, RowsStartFromTheSpecsInitialValueOnEveryServer) {
   Client c(options());
   c.create_table(3, spec());
   std::vector<Key> ids(200);
@@ -78,7 +80,7 @@ TEST_F(Tables, RowsStartFromTheSpecsInitialValueOnEveryServer) {
   for (std::size_t i = 0; i < out.size(); ++i) ASSERT_EQ(after[i], out[i] + 1.0f);
 }
 
-TEST_F(Tables, RepeatedIdsAreSentOnceWithTheirGradientsSummed) {
+TEST_P(Tables, RepeatedIdsAreSentOnceWithTheirGradientsSummed) {
   Client c(options());
   TableSpec s = spec();
   s.init = RowInit::zeros;
@@ -96,7 +98,7 @@ TEST_F(Tables, RepeatedIdsAreSentOnceWithTheirGradientsSummed) {
   EXPECT_EQ(out[1 * 8], 2.0f);
 }
 
-TEST_F(Tables, EveryWorkerMayCreateTheTableButOnlyWithTheSameSpec) {
+TEST_P(Tables, EveryWorkerMayCreateTheTableButOnlyWithTheSameSpec) {
   Client a(options()), b(options());
   a.create_table(1, spec());
   b.create_table(1, spec());
@@ -111,7 +113,7 @@ TEST_F(Tables, EveryWorkerMayCreateTheTableButOnlyWithTheSameSpec) {
   }
 }
 
-TEST_F(Tables, ATableWhoseCapPassesTheMemoryBudgetIsRefused) {
+TEST_P(Tables, ATableWhoseCapPassesTheMemoryBudgetIsRefused) {
   Client c(options());
   TableSpec s = spec();
   s.max_rows = 100000000;  // 100M rows of 8 floats: far past 256 MiB
@@ -130,7 +132,7 @@ TEST_F(Tables, ATableWhoseCapPassesTheMemoryBudgetIsRefused) {
   EXPECT_LT(cap, 256u << 20 >> 5);
 }
 
-TEST_F(Tables, ClientSideMisuseIsRefusedBeforeAnythingIsSent) {
+TEST_P(Tables, ClientSideMisuseIsRefusedBeforeAnythingIsSent) {
   Client c(options());
   std::vector<Key> ids = {1, 2};
   std::vector<float> out(16);
@@ -142,6 +144,34 @@ TEST_F(Tables, ClientSideMisuseIsRefusedBeforeAnythingIsSent) {
   TableSpec bad = spec();
   bad.dim = 0;
   EXPECT_THROW(c.create_table(5, bad), Error);
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, Tables, ::testing::Values("tcp", "shm"),
+                         [](const auto& info) { return info.param; });
+
+TEST(TableLimits, ABatchWhoseReplyPassesTheRequestLimitIsRefusedByName) {
+  ServerOptions so = server_options(0);
+  so.max_request_bytes = 1 << 20;
+  Server server(so);
+  ClientOptions o;
+  o.servers = {server.uri()};
+  Client c(o);
+  TableSpec s = spec();
+  s.dim = 64;
+  c.create_table(0, s);
+  std::vector<Key> ids(5000);  // 5,000 rows of 256 bytes: a 1.2 MiB reply
+  for (std::size_t i = 0; i < ids.size(); ++i) ids[i] = i;
+  std::vector<float> out(ids.size() * 64);
+  try {
+    c.wait(c.pull_rows(0, ids, out));
+    ADD_FAILURE() << "a reply over --max-request-mb was sent";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::capacity);
+    EXPECT_NE(std::string(e.what()).find("pull fewer rows at a time"), std::string::npos) << e.what();
+  }
+  ids.resize(1000);  // within the limit: served, on the same connection
+  out.resize(ids.size() * 64);
+  c.wait(c.pull_rows(0, ids, out));
 }
 
 TEST(TablesAcrossARestart, AServerRestoredFromItsCheckpointHasEveryRow) {
@@ -186,7 +216,7 @@ TEST(TablesAcrossARestart, AServerRestoredFromItsCheckpointHasEveryRow) {
 }
 
 // What a client of this build would never send, sent on a raw connection: each gets its error.
-TEST_F(Tables, TheServerChecksTableAndDimensionOfEveryRow) {
+TEST_P(Tables, TheServerChecksTableAndDimensionOfEveryRow) {
   Client c(options());
   c.create_table(6, spec());
   transport::ConnectOptions co;

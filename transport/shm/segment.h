@@ -43,10 +43,10 @@ inline constexpr std::size_t kEntryText = 160;
 struct alignas(64) RingEntry {
   std::uint64_t seq;
   std::uint16_t op;
-  std::uint16_t reserved;
+  std::uint16_t table;  // table ops: the table id (below 64)
   std::uint32_t num_keys;
   std::uint64_t arg0;
-  std::uint64_t data_offset;  // into the area's data part: key table, then payload
+  std::uint64_t data_offset;  // into the area's data part: key table, then payload (table_pull: the rows)
   std::uint64_t payload_bytes;
   // Response.
   std::uint32_t status;    // Errc

@@ -280,9 +280,13 @@ void ShmConnection::enqueue(Request& request) {
   for (const KeySlice& k : request.keys) payload += std::uint64_t{k.length} * sizeof(float);
   if (!values) payload = 0;
   const std::uint64_t key_bytes = request.keys.size() * sizeof(wire::KeyEntry);
+  // A table_pull's rows come back after its key table.
+  std::uint64_t reply = 0;
+  if (request.op == wire::Op::table_pull)
+    for (const KeySlice& k : request.keys) reply += std::uint64_t{k.length} * sizeof(float);
   // Room for the answer's text too (stats JSON, error messages).
   const std::uint64_t need =
-      align_up(std::max<std::uint64_t>(key_bytes + payload, request.op == wire::Op::stats ? 65536 : 512), 64);
+      align_up(std::max<std::uint64_t>(key_bytes + payload + reply, request.op == wire::Op::stats ? 65536 : 512), 64);
   if (need > data_capacity_) {
     request.completion->complete_part(
         Errc::capacity, "a " + std::string(wire::op_name(static_cast<std::uint16_t>(request.op))) + " of " +
@@ -326,6 +330,8 @@ void ShmConnection::enqueue(Request& request) {
   RingEntry& e = area_->ring[seq % kRingEntries];
   e.seq = seq;
   e.op = static_cast<std::uint16_t>(request.op);
+  e.table =
+      wire::op_is_table(request.op) ? static_cast<std::uint16_t>(std::min<std::uint32_t>(request.arg1, 0xFFFF)) : 0;
   e.num_keys = static_cast<std::uint32_t>(request.keys.size());
   e.arg0 = request.arg0;
   e.data_offset = offset;
@@ -335,6 +341,7 @@ void ShmConnection::enqueue(Request& request) {
   e.text_len = 0;
   pending_[seq % kRingEntries] = &request;
   data_end_[seq % kRingEntries] = start + need;
+  data_bytes_[seq % kRingEntries] = need;
   data_head_ = start + need;
   next_seq_ = seq;
   area_->head.store(seq, std::memory_order_release);
@@ -410,6 +417,16 @@ bool ShmConnection::complete_answered() {
                                       : std::string_view("the answer's text lies outside this client's area");
     if (request->op == wire::Op::clock) request->completion->note_bound(e.reply_arg0);
     if (status == Errc::ok && request->text_out) request->text_out->assign(text);
+    if (status == Errc::ok && request->op == wire::Op::table_pull) {
+      // Where this client put the rows' room itself (its own record, not the entry's words).
+      const std::byte* rows = data_ +
+                              (data_end_[seq % kRingEntries] - data_bytes_[seq % kRingEntries]) % data_capacity_ +
+                              request->keys.size() * sizeof(wire::KeyEntry);
+      for (const KeySlice& k : request->keys) {
+        seqlock_copy(k.data, rows, std::size_t{k.length} * sizeof(float));  // the area is shared memory
+        rows += std::size_t{k.length} * sizeof(float);
+      }
+    }
     request->completion->complete_part(status, status == Errc::ok ? std::string_view{} : text);
   }
   completed_.store(done, std::memory_order_relaxed);

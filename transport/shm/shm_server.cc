@@ -201,6 +201,37 @@ bool ShmServer::process(std::uint32_t i, RingEntry& e, std::uint64_t seq) {
       case wire::Op::stats:
         why = engine_->stats_json(worker_pushes(), stats_fields());
         break;
+      case wire::Op::table_create: {
+        TableSpec spec;
+        if (keys.size() != 1 || keys[0].length != wire::kTableSpecFloats) {
+          status = Errc::protocol;
+          why = "table_create carries one key (the table id) of " + std::to_string(wire::kTableSpecFloats) + " words";
+        } else if ((status = wire::decode_table_spec(payload, &spec, &why)) == Errc::ok) {
+          status = keys[0].key < ShardEngine::kMaxTables
+                       ? engine_->create_table(static_cast<std::uint32_t>(keys[0].key), spec, &why)
+                       : Errc::invalid_argument;
+          if (keys[0].key >= ShardEngine::kMaxTables) why = "table id " + std::to_string(keys[0].key) + " is past 63";
+        }
+        break;
+      }
+      case wire::Op::table_push:
+        status = engine_->table_push(e.table, arg0, keys, payload, &why);
+        break;
+      case wire::Op::table_pull: {
+        // The rows go into the entry's own data, after its key table: sized by the client, and
+        // checked here against what decode_entry bounded to its area.
+        std::uint64_t floats = 0;
+        for (const wire::KeyEntry& k : keys) floats += k.length;
+        const std::uint64_t key_bytes = keys.size() * sizeof(wire::KeyEntry), data_bytes = e.data_bytes;
+        if (data_bytes < key_bytes || floats * sizeof(float) > data_bytes - key_bytes) {
+          status = Errc::protocol;
+          why = "table_pull's entry leaves no room for its rows";
+          break;
+        }
+        status = engine_->table_pull(
+            e.table, keys, reinterpret_cast<float*>(segment_->area_data(i) + e.data_offset + key_bytes), &why);
+        break;
+      }
       default:
         status = Errc::protocol;
         why = "op " + std::string(wire::op_name(static_cast<std::uint16_t>(op))) + " is not carried over shared memory";
