@@ -1281,21 +1281,10 @@ bool TcpServer::answer_table_pull(Peer& peer, const wire::FrameHeader& h) {
                           std::to_string(options_.limits.max_payload_bytes) +
                           " (--max-request-mb); pull fewer rows at a time");
   Reply r(reply_header(h, bytes, engine_.observed_bound()));
-  float* payload = nullptr;
-  if (bytes > 0 && bytes <= Peer::kInBytes) {
-    if (peer.reply.size() < floats) peer.reply.resize(Peer::kInBytes / sizeof(float));
-    payload = peer.reply.data();
-  } else if (bytes > 0) {
-    if (!r.charged.take(budget_, bytes))
-      return send_error(peer, h, Errc::capacity, over_budget(peer, bytes, "table_pull reply"));
-    try {
-      r.owned_values = std::make_unique<HeapMemory>(bytes, "a table_pull's reply", false);
-    } catch (const std::exception& e) {
-      return send_error(peer, h, Errc::capacity, e.what());
-    }
-    payload = reinterpret_cast<float*>(r.owned_values->data());
-  }
   std::string why;
+  float* payload = nullptr;
+  if (Errc e = reply_buffer(peer, r, bytes, /*owner=*/true, "table_pull reply", &payload, &why); e != Errc::ok)
+    return send_error(peer, h, e, why);
   if (Errc e = engine_.table_pull(h.arg1, peer.keys, payload, &why); e != Errc::ok) return send_error(peer, h, e, why);
   r.payload = payload;
   r.payload_bytes = bytes;
@@ -1385,20 +1374,8 @@ bool TcpServer::answer_pull(Peer& peer, const wire::FrameHeader& h, std::span<co
     return send_from_store(peer, h, keys, slots, floats);
   Reply r(reply_header(h, bytes, engine_.observed_bound()));
   float* payload = nullptr;  // none for an empty reply
-  if (bytes > 0 && owner && bytes <= Peer::kInBytes) {
-    // The connection's own buffer: only its owner answers from it.
-    if (peer.reply.size() < floats) peer.reply.resize(Peer::kInBytes / sizeof(float));
-    payload = peer.reply.data();
-  } else if (bytes > 0) {
-    if (!r.charged.take(budget_, bytes))
-      return send_error(peer, h, Errc::capacity, over_budget(peer, bytes, "pull reply"));
-    try {
-      r.owned_values = std::make_unique<HeapMemory>(bytes, "a pull's reply", false);
-    } catch (const std::exception& e) {
-      return send_error(peer, h, Errc::capacity, e.what());
-    }
-    payload = reinterpret_cast<float*>(r.owned_values->data());
-  }
+  if (Errc e = reply_buffer(peer, r, bytes, owner, "pull reply", &payload, &why); e != Errc::ok)
+    return send_error(peer, h, e, why);
   float* out = payload;
   for (std::size_t i = 0; i < slots.size(); ++i) {
     Store::prefetch_ahead(slots, i);
@@ -1412,6 +1389,30 @@ bool TcpServer::answer_pull(Peer& peer, const wire::FrameHeader& h, std::span<co
     r.header.checksum = wire::crc32_update(0, r.payload, bytes);
   }
   return send(peer, std::move(r));
+}
+
+Errc TcpServer::reply_buffer(Peer& peer, Reply& r, std::uint64_t bytes, bool owner, const char* what, float** out,
+                             std::string* why) {
+  *out = nullptr;
+  if (bytes == 0) return Errc::ok;
+  if (owner && bytes <= Peer::kInBytes) {
+    // The connection's own buffer: only its owner answers from it.
+    if (peer.reply.size() < bytes / sizeof(float)) peer.reply.resize(Peer::kInBytes / sizeof(float));
+    *out = peer.reply.data();
+    return Errc::ok;
+  }
+  if (!r.charged.take(budget_, bytes)) {
+    *why = over_budget(peer, bytes, what);
+    return Errc::capacity;
+  }
+  try {
+    r.owned_values = std::make_unique<HeapMemory>(bytes, what, false);
+  } catch (const std::exception& e) {
+    *why = e.what();
+    return Errc::capacity;
+  }
+  *out = reinterpret_cast<float*>(r.owned_values->data());
+  return Errc::ok;
 }
 
 bool TcpServer::send_from_store(Peer& peer, const wire::FrameHeader& h, std::span<const wire::KeyEntry> keys,

@@ -187,6 +187,10 @@ class TcpServer {
   // table_create, table_pull and table_push (docs/protocol.md, "Tables").
   bool handle_table(Peer& peer, const wire::FrameHeader& h, const float* payload);
   bool answer_table_pull(Peer& peer, const wire::FrameHeader& h);
+  // Where a reply of `bytes` values is built: the connection's own buffer for its owner when it
+  // fits, else memory of the reply's own, charged to the budget (capacity, with *why, if over).
+  Errc reply_buffer(Peer& peer, Reply& r, std::uint64_t bytes, bool owner, const char* what, float** out,
+                    std::string* why);
   bool answer_pull(Peer& peer, const wire::FrameHeader& h, std::span<const wire::KeyEntry> keys, bool owner);
   // Finds a pull's keys and sizes its reply from the store's records (*bytes), refusing one over
   // the request limit; counts nothing.
