@@ -70,7 +70,7 @@ if enabled "${PSKV_TEST_FUZZ:-1}"; then
   step "fuzzing (libFuzzer + ASan + UBSan, ${FUZZ_SECONDS}s per target)"
   configure "$BUILD-fuzz" -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPSKV_FUZZ=ON \
     -DPSKV_SANITIZE=address -DPSKV_BUILD_BENCH=OFF -DPSKV_WITH_RDMA=OFF -DPSKV_FUZZ_SECONDS="$FUZZ_SECONDS"
-  cmake --build "$BUILD-fuzz" -j "$JOBS" --target fuzz_wire fuzz_shm_ring fuzz_checkpoint fuzz_idx
+  cmake --build "$BUILD-fuzz" -j "$JOBS" --target fuzz_wire fuzz_shm_ring fuzz_checkpoint fuzz_table_checkpoint fuzz_idx
   ctest --test-dir "$BUILD-fuzz" --output-on-failure -L fuzz
 fi
 

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <new>
+#include <utility>
 
 #include "common/memory.h"
 #include "layout/hash.h"
@@ -32,9 +33,13 @@ constexpr int kVictimRounds = 16;
 
 // A uniform float in [0, 1) from the spec's seed, the id and the float's index: a counter-based
 // generator, so any server computes any row's initial value alone.
-float unit(std::uint64_t seed, Key id, std::uint64_t i) noexcept {
-  const std::uint64_t u = mix64(seed ^ mix64(id ^ 0x5851f42d4c957f2dull) ^ (i * 0x9e3779b97f4a7c15ull));
-  return static_cast<float>(u >> 40) * (1.0f / 16777216.0f);
+// Two uniform floats in [0, 1), 24 bits each, for pair `k` of a row whose stream is `base`
+// (the seed and the id mixed once per row): a counter-based generator, so any server computes
+// any row's initial value alone, at one mix per two floats.
+std::pair<float, float> unit_pair(std::uint64_t base, std::uint64_t k) noexcept {
+  const std::uint64_t u = mix64(base ^ ((k + 1) * 0x9e3779b97f4a7c15ull));
+  constexpr float kScale = 1.0f / 16777216.0f;
+  return {static_cast<float>(u >> 40) * kScale, static_cast<float>((u >> 16) & 0xFFFFFF) * kScale};
 }
 
 }  // namespace
@@ -79,21 +84,25 @@ std::atomic<std::uint32_t>* EmbeddingTable::stamp(std::uint32_t row) const noexc
 void EmbeddingTable::initial_row(Key id, float* out) const noexcept {
   const std::uint32_t dim = spec_.dim;
   const float scale = spec_.init_scale;
+  const std::uint64_t base = spec_.seed ^ mix64(id ^ 0x5851f42d4c957f2dull);
   switch (spec_.init) {
     case RowInit::zeros:
       std::fill(out, out + dim, 0.0f);
       return;
     case RowInit::uniform:
-      for (std::uint32_t i = 0; i < dim; ++i) out[i] = (2.0f * unit(spec_.seed, id, i) - 1.0f) * scale;
+      for (std::uint32_t i = 0; i < dim; i += 2) {
+        const auto [a, b] = unit_pair(base, i / 2);
+        out[i] = (2.0f * a - 1.0f) * scale;
+        if (i + 1 < dim) out[i + 1] = (2.0f * b - 1.0f) * scale;
+      }
       return;
     case RowInit::normal:
       // Box-Muller: floats 2k and 2k+1 from the same pair of uniforms.
       for (std::uint32_t i = 0; i < dim; i += 2) {
-        const float u1 = 1.0f - unit(spec_.seed, id, i);  // (0, 1]: log() stays finite
-        const float u2 = unit(spec_.seed, id, i + 1);
-        const float r = std::sqrt(-2.0f * std::log(u1)) * scale;
-        out[i] = r * std::cos(6.2831853f * u2);
-        if (i + 1 < dim) out[i + 1] = r * std::sin(6.2831853f * u2);
+        const auto [a, b] = unit_pair(base, i / 2);
+        const float r = std::sqrt(-2.0f * std::log(1.0f - a)) * scale;  // 1 - a in (0, 1]: log() stays finite
+        out[i] = r * std::cos(6.2831853f * b);
+        if (i + 1 < dim) out[i + 1] = r * std::sin(6.2831853f * b);
       }
       return;
   }
