@@ -270,10 +270,11 @@ for script in gp:
     subprocess.run(["gnuplot"], input=script.encode(), check=True)
 lines += ["## Plots", "", "![bandwidth](bench/bandwidth.png)", "", "![sparse](bench/sparse-keys.png)", ""]
 # Sections measured apart (python.md: python -m pskv.bench and examples/pytorch_mnist.py;
-# ab-servers.md: scripts/ab-servers.sh; replication.md: scripts/replication-bench.sh) are kept in
+# ab-servers.md: scripts/ab-servers.sh; replication.md: scripts/replication-bench.sh; tables.md:
+# pskv-bench --workload rows and examples/ctr_fm.py) are kept in
 # docs/bench/*.md, so that regenerating this report does not drop them.
 bench_dir = os.path.join(os.path.dirname(report), "bench")
-for name in ("python.md", "ab-servers.md", "replication.md", "analysis.md"):
+for name in ("python.md", "ab-servers.md", "replication.md", "tables.md", "analysis.md"):
     section = os.path.join(bench_dir, name)
     if os.path.exists(section):
         lines += [open(section).read().rstrip(), ""]
