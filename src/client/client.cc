@@ -715,6 +715,9 @@ class ClientImpl {
     }
     Op* op = ops_[index].get();
     op->in_use = true;
+    // What a pull_rows left for finish(): no other op may copy rows into its caller's buffer.
+    op->rows_out = nullptr;
+    op->repeats.clear();
     ++op->generation;
     return {op, (Ticket{op->generation} << kIndexBits) | index};
   }

@@ -87,6 +87,9 @@ TableCheckpointInfo TableCheckpointer::write(ShardEngine& engine) {
       ++generation;
       seq = 0;
     }
+    // Taking the changes consumes them: should this file not be committed, the next one must be
+    // a snapshot, or what was taken here would be lost from the chain.
+    chain.started = false;
     AtomicFile file(dir_ + "/" + file_name(id, server_id_, generation, seq));
     Header h{};
     std::memcpy(h.magic, kMagic, 8);
@@ -138,7 +141,10 @@ TableCheckpointInfo TableCheckpointer::write(ShardEngine& engine) {
       if (auto t = files.find(id); t != files.end())
         for (const auto& [g, seqs] : t->second)
           if (g < generation)
-            for (const auto& [s, path] : seqs) std::filesystem::remove(path);
+            for (const auto& [s, path] : seqs) {
+              std::error_code ignored;  // an old file left behind is skipped by restore
+              std::filesystem::remove(path, ignored);
+            }
     } else {
       chain.delta_rows += rows + removed.size();
     }

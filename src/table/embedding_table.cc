@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <new>
+#include <random>
 #include <utility>
 
 #include "common/memory.h"
@@ -44,7 +45,8 @@ std::pair<float, float> unit_pair(std::uint64_t base, std::uint64_t k) noexcept 
 
 }  // namespace
 
-EmbeddingTable::EmbeddingTable(const TableSpec& spec) : spec_(spec) {
+EmbeddingTable::EmbeddingTable(const TableSpec& spec)
+    : spec_(spec), index_key_((std::uint64_t{std::random_device{}()} << 32) | std::random_device{}()) {
   if (std::string why = check_table_spec(spec); !why.empty()) throw Error(Errc::invalid_argument, why);
   state_floats_ = std::uint64_t{state_floats_per_value(spec.rule.rule)} * spec.dim;
   if (spec.rule.rule == UpdateRule::adam) state_floats_ += 1;  // the row's own update count
@@ -168,22 +170,23 @@ void EmbeddingTable::prefetch(std::span<const Key> ids, std::size_t i) const noe
   // prefetch; the lookup itself checks everything).
   constexpr std::size_t kShardsAhead = 24, kBucketsAhead = 16, kRowsAhead = 8;
   auto bucket_of = [&](std::size_t j) {
-    const std::uint64_t h = mix64(ids[j]);
+    const std::uint64_t h = index_hash(ids[j]);
     const Buckets* b = shard_of(h).buckets.load(std::memory_order_acquire);
     return &b->heads[h & b->mask];
   };
   auto prefetch_row = [&](std::size_t j) {
-    const std::uint32_t row = bucket_of(j)->load(std::memory_order_relaxed);
+    const std::uint32_t row = bucket_of(j)->load(std::memory_order_acquire);
     if (row == 0 || row == kFreeRow) return;
     __builtin_prefetch(&meta(row));
     __builtin_prefetch(data(row));
   };
   if (i == 0) {
-    for (std::size_t j = 0; j < std::min(ids.size(), kShardsAhead); ++j) __builtin_prefetch(&shard_of(mix64(ids[j])));
+    for (std::size_t j = 0; j < std::min(ids.size(), kShardsAhead); ++j)
+      __builtin_prefetch(&shard_of(index_hash(ids[j])));
     for (std::size_t j = 0; j < std::min(ids.size(), kBucketsAhead); ++j) __builtin_prefetch(bucket_of(j));
     for (std::size_t j = 0; j < std::min(ids.size(), kRowsAhead); ++j) prefetch_row(j);
   }
-  if (i + kShardsAhead < ids.size()) __builtin_prefetch(&shard_of(mix64(ids[i + kShardsAhead])));
+  if (i + kShardsAhead < ids.size()) __builtin_prefetch(&shard_of(index_hash(ids[i + kShardsAhead])));
   if (i + kBucketsAhead < ids.size()) __builtin_prefetch(bucket_of(i + kBucketsAhead));
   if (i + kRowsAhead < ids.size()) prefetch_row(i + kRowsAhead);
 }
@@ -194,13 +197,13 @@ void EmbeddingTable::pull(std::span<const Key> ids, float* out) const noexcept {
   for (std::size_t i = 0; i < ids.size(); ++i) {
     prefetch(ids, i);
     float* row = out + i * dim;
-    if (!read_row(ids[i], mix64(ids[i]), row)) initial_row(ids[i], row);
+    if (!read_row(ids[i], index_hash(ids[i]), row)) initial_row(ids[i], row);
   }
 }
 
 bool EmbeddingTable::contains(Key id) const noexcept {
   std::vector<float> scratch(spec_.dim);
-  return read_row(id, mix64(id), scratch.data());
+  return read_row(id, index_hash(id), scratch.data());
 }
 
 std::uint32_t EmbeddingTable::find_locked(Shard& shard, Key id, std::uint64_t hash,
@@ -291,7 +294,11 @@ std::uint32_t EmbeddingTable::allocate_row() noexcept {
 }
 
 std::uint32_t EmbeddingTable::victim_score(std::uint32_t row) const noexcept {
-  return stamp(row)->load(std::memory_order_relaxed);
+  const std::uint32_t stamp_now = stamp(row)->load(std::memory_order_relaxed);
+  if (spec_.eviction != RowEviction::lru) return stamp_now;  // lfu: the count; step: the clock
+  // LRU stamps are the 32-bit tick: ranked by age, which survives the tick wrapping around.
+  const auto now = static_cast<std::uint32_t>(tick_.load(std::memory_order_relaxed));
+  return UINT32_MAX - (now - stamp_now);
 }
 
 void EmbeddingTable::unlink(Shard& shard, std::atomic<std::uint32_t>* link, std::uint32_t row) noexcept {
@@ -325,19 +332,22 @@ std::uint32_t EmbeddingTable::evict_one(Shard& locked) noexcept {
     }
     if (best == 0) continue;
     const Key id = meta(best).key.load(std::memory_order_relaxed);
-    const std::uint64_t hash = mix64(id);
+    const std::uint64_t hash = index_hash(id);
     Shard& shard = shard_of(hash);
     // Never wait for a second shard while holding one: another push may hold it and want ours.
     if (&shard != &locked && !shard.lock.try_lock()) continue;
     std::atomic<std::uint32_t>* link = nullptr;
     const bool still = find_locked(shard, id, hash, &link) == best;
-    if (still) unlink(shard, link, best);
+    if (still) {
+      unlink(shard, link, best);
+      // Listed before the shard is let go: no push can create the id again before it is listed.
+      if (tracking_.load(std::memory_order_relaxed)) {
+        std::lock_guard lock(removed_mu_);
+        removed_.push_back(id);
+      }
+    }
     if (&shard != &locked) shard.lock.unlock();
     if (!still) continue;
-    if (tracking_.load(std::memory_order_relaxed)) {
-      std::lock_guard lock(removed_mu_);
-      removed_.push_back(id);
-    }
     evicted_.fetch_add(1, std::memory_order_relaxed);
     return best;
   }
@@ -360,7 +370,7 @@ void EmbeddingTable::grow(Shard& shard) noexcept {
     for (std::uint32_t row = old->heads[i].load(std::memory_order_relaxed); row != 0;) {
       RowMeta& m = meta(row);
       const std::uint32_t next = m.next.load(std::memory_order_relaxed);
-      auto& head = b->heads[mix64(m.key.load(std::memory_order_relaxed)) & b->mask];
+      auto& head = b->heads[index_hash(m.key.load(std::memory_order_relaxed)) & b->mask];
       m.next.store(head.load(std::memory_order_relaxed), std::memory_order_relaxed);
       head.store(row, std::memory_order_relaxed);
       row = next;
@@ -417,7 +427,7 @@ void EmbeddingTable::push(std::span<const Key> ids, const float* grads, std::uin
   for (std::size_t i = 0; i < ids.size(); ++i) {
     prefetch(ids, i);
     const Key id = ids[i];
-    const std::uint64_t hash = mix64(id);
+    const std::uint64_t hash = index_hash(id);
     Shard& shard = shard_of(hash);
     std::lock_guard lock(shard.lock);
     std::uint32_t row = find_locked(shard, id, hash, nullptr);
@@ -489,8 +499,15 @@ bool EmbeddingTable::read_live(std::uint32_t row, Key* id, float* out, float* ou
   }
 }
 
+std::uint32_t EmbeddingTable::live_row(Key id) noexcept {
+  const std::uint64_t hash = index_hash(id);
+  Shard& shard = shard_of(hash);
+  std::lock_guard lock(shard.lock);
+  return find_locked(shard, id, hash, nullptr);
+}
+
 bool EmbeddingTable::restore_row(Key id, const float* values, const float* st) noexcept {
-  const std::uint64_t hash = mix64(id);
+  const std::uint64_t hash = index_hash(id);
   Shard& shard = shard_of(hash);
   std::lock_guard lock(shard.lock);
   std::uint32_t row = find_locked(shard, id, hash, nullptr);
@@ -508,7 +525,7 @@ bool EmbeddingTable::restore_row(Key id, const float* values, const float* st) n
 }
 
 void EmbeddingTable::remove_row(Key id) noexcept {
-  const std::uint64_t hash = mix64(id);
+  const std::uint64_t hash = index_hash(id);
   Shard& shard = shard_of(hash);
   std::uint32_t row;
   {

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "common/sync.h"
+#include "layout/hash.h"
 #include "pskv/error.h"
 #include "pskv/table.h"
 #include "pskv/types.h"
@@ -84,6 +85,8 @@ class EmbeddingTable {
 
   // Reads row `row` whole (floats into out, state into out_state) if it is live; its id.
   bool read_live(std::uint32_t row, Key* id, float* out, float* out_state) const noexcept;
+  // The row id holds now (0: none), found under its shard's lock.
+  std::uint32_t live_row(Key id) noexcept;
   void mark(std::uint32_t row) noexcept;
   bool take_mark(std::uint32_t row) noexcept;
   bool marks_from(std::uint32_t row) const noexcept;  // any mark among rows [row, row + 64)
@@ -114,6 +117,9 @@ class EmbeddingTable {
   float* state(std::uint32_t row) const noexcept;
   std::atomic<std::uint32_t>* stamp(std::uint32_t row) const noexcept;
   Shard& shard_of(std::uint64_t hash) const noexcept { return shards_[hash >> (64 - kShardBits)]; }
+  // The index's hash of an id, keyed per table: ids are the peers', and unkeyed they could be
+  // chosen to share one bucket (a chain walked under its lock at every push).
+  std::uint64_t index_hash(Key id) const noexcept { return mix64(id ^ index_key_); }
   // The row of `id` in `shard` (locked by the caller), and the link that points at it.
   std::uint32_t find_locked(Shard& shard, Key id, std::uint64_t hash, std::atomic<std::uint32_t>** link) const noexcept;
   // Prefetches for ids further on than i (see the .cc); call before handling ids[i].
@@ -134,6 +140,7 @@ class EmbeddingTable {
   std::uint64_t state_floats() const noexcept { return state_floats_; }
 
   TableSpec spec_;
+  std::uint64_t index_key_;         // random per table: see index_hash
   std::uint64_t state_floats_ = 0;  // per row
   bool stamps_ = false;
   std::unique_ptr<Shard[]> shards_;
@@ -175,6 +182,13 @@ void EmbeddingTable::take_changes(bool all, Visit&& visit, std::vector<Key>* rem
     if (!take_mark(r) && !all) continue;
     Key id;
     if (read_live(r, &id, row.data(), st.data())) visit(id, row.data(), st.data());
+  }
+  // An id evicted and made again since the last call may have had its new row taken by that
+  // call's scan: the removal is replayed first, so its row must follow it here.
+  for (const Key id : *removed) {
+    const std::uint32_t r = live_row(id);
+    Key again;
+    if (r != 0 && read_live(r, &again, row.data(), st.data()) && again == id) visit(id, row.data(), st.data());
   }
 }
 

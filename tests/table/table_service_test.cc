@@ -4,6 +4,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <bit>
 #include <filesystem>
 #include <string>
@@ -96,6 +97,23 @@ TEST_P(Tables, RepeatedIdsAreSentOnceWithTheirGradientsSummed) {
   EXPECT_EQ(stat(c, 0, "pulls") + stat(c, 1, "pulls"), 2u);
   for (std::size_t i : {0, 2, 3}) EXPECT_EQ(out[i * 8 + 7], 1.0f + 3.0f + 4.0f) << "repeat " << i;
   EXPECT_EQ(out[1 * 8], 2.0f);
+}
+
+// A pull_rows with a repeated id copies the first occurrence's row to the repeat once it is
+// done. The op is reused by the next request: that one must not copy into the old buffer.
+TEST_P(Tables, AnOpReusedAfterAPullWithRepeatsLeavesItsBufferAlone) {
+  Client c(options());
+  c.create_table(7, spec());
+  const std::vector<Key> ids = {4, 4};
+  std::vector<float> out(16);
+  c.wait(c.pull_rows(7, ids, out));
+  EXPECT_TRUE(std::equal(out.begin(), out.begin() + 8, out.begin() + 8));
+  std::fill(out.begin(), out.begin() + 8, 1.0f);
+  std::fill(out.begin() + 8, out.end(), 2.0f);
+  std::vector<float> other(16);
+  c.wait(c.pull_rows(7, std::vector<Key>{5, 6}, other));  // takes the same op
+  c.server_stats(0);
+  EXPECT_EQ(out[8], 2.0f) << "a later op copied rows into an earlier pull's buffer";
 }
 
 TEST_P(Tables, EveryWorkerMayCreateTheTableButOnlyWithTheSameSpec) {

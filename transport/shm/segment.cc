@@ -79,7 +79,8 @@ std::string segment_object_name(const std::string& name) {
 }
 
 Errc decode_entry(const RingEntry& e, const std::byte* area, std::uint64_t area_bytes,
-                  std::vector<wire::KeyEntry>* keys, const float** payload, wire::Op* op_out, std::string* why) {
+                  std::vector<wire::KeyEntry>* keys, const float** payload, wire::Op* op_out, std::string* why,
+                  std::uint64_t* data_bytes_out) {
   // Read each field once: the client can change them under us.
   const std::uint64_t data_offset = e.data_offset, data_bytes = e.data_bytes, payload_bytes = e.payload_bytes;
   const std::uint32_t num_keys = e.num_keys;
@@ -99,6 +100,7 @@ Errc decode_entry(const RingEntry& e, const std::byte* area, std::uint64_t area_
   if (key_bytes) std::memcpy(keys->data(), data, key_bytes);
   *payload = reinterpret_cast<const float*>(data + key_bytes);
   *op_out = static_cast<wire::Op>(op);
+  if (data_bytes_out) *data_bytes_out = data_bytes;  // as checked: the entry's word may have changed since
   const wire::FrameHeader h = wire::make_header(*op_out, e.seq, num_keys, payload_bytes, e.arg0);
   if (!wire::op_carries_values(*op_out) && payload_bytes != 0) {
     *why = std::string(wire::op_name(op)) + " carries no payload";

@@ -159,7 +159,8 @@ struct SegmentConfig {
 // `payload` (pointing into `area`) and `op`, the op that was validated: callers must use it, not
 // re-read e.op, which the client could change in between. Shared by the server and the fuzzer.
 Errc decode_entry(const RingEntry& e, const std::byte* area, std::uint64_t area_bytes,
-                  std::vector<wire::KeyEntry>* keys, const float** payload, wire::Op* op, std::string* why);
+                  std::vector<wire::KeyEntry>* keys, const float** payload, wire::Op* op, std::string* why,
+                  std::uint64_t* data_bytes_out = nullptr);
 
 // Process identity that survives pid reuse: pid plus its start time.
 std::uint64_t process_start_time(pid_t pid);

@@ -166,7 +166,11 @@ bool ShmServer::process(std::uint32_t i, RingEntry& e, std::uint64_t seq) {
   const float* payload = nullptr;
   std::string why;
   wire::Op op = wire::Op::hello;
-  Errc status = decode_entry(e, segment_->area_data(i), geo_.area_bytes, &keys, &payload, &op, &why);
+  // The client can rewrite its entry under us: its words are read once, checked, and then only
+  // the checked copies (payload, data_bytes) are used.
+  std::uint64_t data_bytes = 0;
+  const std::uint32_t table = e.table;
+  Errc status = decode_entry(e, segment_->area_data(i), geo_.area_bytes, &keys, &payload, &op, &why, &data_bytes);
   if (status != Errc::ok)
     log::warn("shm.bad-entry", who(i) + ": ring entry " + std::to_string(seq) + " refused: " + why);
   const std::uint32_t worker = client.worker_id;
@@ -215,21 +219,20 @@ bool ShmServer::process(std::uint32_t i, RingEntry& e, std::uint64_t seq) {
         break;
       }
       case wire::Op::table_push:
-        status = engine_->table_push(e.table, arg0, keys, payload, &why);
+        status = engine_->table_push(table, arg0, keys, payload, &why);
         break;
       case wire::Op::table_pull: {
-        // The rows go into the entry's own data, after its key table: sized by the client, and
-        // checked here against what decode_entry bounded to its area.
+        // The rows go into the entry's own data, after its key table (where `payload` points):
+        // sized by the client, checked here against the bounds decode_entry checked.
         std::uint64_t floats = 0;
         for (const wire::KeyEntry& k : keys) floats += k.length;
-        const std::uint64_t key_bytes = keys.size() * sizeof(wire::KeyEntry), data_bytes = e.data_bytes;
-        if (data_bytes < key_bytes || floats * sizeof(float) > data_bytes - key_bytes) {
+        const std::uint64_t key_bytes = keys.size() * sizeof(wire::KeyEntry);
+        if (floats > (data_bytes - key_bytes) / sizeof(float)) {  // decode_entry: key_bytes <= data_bytes
           status = Errc::protocol;
           why = "table_pull's entry leaves no room for its rows";
           break;
         }
-        status = engine_->table_pull(
-            e.table, keys, reinterpret_cast<float*>(segment_->area_data(i) + e.data_offset + key_bytes), &why);
+        status = engine_->table_pull(table, keys, const_cast<float*>(payload), &why);
         break;
       }
       default:
