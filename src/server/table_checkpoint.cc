@@ -197,7 +197,8 @@ TableCheckpointInfo TableCheckpointer::apply(const std::uint8_t* data, std::size
     Key id;
     std::memcpy(&id, r, sizeof id);
     std::memcpy(values.data(), r + sizeof id, values.size() * sizeof(float));
-    std::memcpy(state.data(), r + sizeof id + values.size() * sizeof(float), state.size() * sizeof(float));
+    if (!state.empty())  // (an empty vector's data() may be null, which memcpy must not get)
+      std::memcpy(state.data(), r + sizeof id + values.size() * sizeof(float), state.size() * sizeof(float));
     if (!table->restore_row(id, values.data(), state.data()))
       throw Error(Errc::capacity, "cannot restore row " + std::to_string(id) + " of table " + std::to_string(table_id) +
                                       " from " + name +
