@@ -42,7 +42,7 @@ enum class Op : std::uint16_t {
   replica_clock = 14,    // arg0 = the origin | worker << 32, arg1 = the clock that worker entered at the origin
   replica_barrier = 15,  // arg0 as replica_clock, arg1 = the barrier generation that worker entered there
   replica_evict = 16,    // arg0 as replica_clock, arg1 = 1: the origin evicted that worker (0: it did not)
-  // Embedding tables (docs/protocol.md, "Tables"): arg1 = the table id.
+  // Embedding tables (docs/protocol.md, "Ops"): arg1 = the table id.
   table_create = 17,  // one key (the table id) whose kTableSpecFloats values are the spec's words (TableSpecWords)
   table_pull = 18,    // keys: row ids, each of the table's dimension; arg0 = the worker's clock; reply carries the rows
   table_push = 19,    // keys + gradients, each of the table's dimension; arg0 = the worker's clock

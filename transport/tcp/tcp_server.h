@@ -184,7 +184,7 @@ class TcpServer {
   bool before_handshake(Peer& peer, const wire::FrameHeader& h);
   bool admit(Peer& peer, const wire::FrameHeader& h);
   // `owner`: called by the connection's owner, which may answer small pulls from peer.reply.
-  // table_create, table_pull and table_push (docs/protocol.md, "Tables").
+  // table_create, table_pull and table_push (docs/protocol.md, "Ops").
   bool handle_table(Peer& peer, const wire::FrameHeader& h, const float* payload);
   bool answer_table_pull(Peer& peer, const wire::FrameHeader& h);
   // Where a reply of `bytes` values is built: the connection's own buffer for its owner when it
