@@ -61,6 +61,21 @@ Errc decode_table_spec(const float in[kTableSpecFloats], TableSpec* spec, std::s
   return Errc::ok;
 }
 
+Errc decode_table_create(std::span<const KeyEntry> keys, const float* payload, std::uint32_t* table, TableSpec* spec,
+                         std::string* why) {
+  if (keys.size() != 1 || keys[0].length != kTableSpecFloats) {
+    *why = "table_create carries one key (the table id) of " + std::to_string(kTableSpecFloats) + " words";
+    return Errc::protocol;
+  }
+  if (keys[0].key >= kMaxTables) {
+    *why = "table id " + std::to_string(keys[0].key) + " is past the " + std::to_string(kMaxTables) +
+           " tables a server holds";
+    return Errc::invalid_argument;
+  }
+  *table = static_cast<std::uint32_t>(keys[0].key);
+  return decode_table_spec(payload, spec, why);
+}
+
 std::string_view op_name(std::uint16_t op) noexcept {
   switch (static_cast<Op>(op)) {
     case Op::hello:

@@ -43,7 +43,7 @@ enum class Op : std::uint16_t {
   replica_barrier = 15,  // arg0 as replica_clock, arg1 = the barrier generation that worker entered there
   replica_evict = 16,    // arg0 as replica_clock, arg1 = 1: the origin evicted that worker (0: it did not)
   // Embedding tables (docs/protocol.md, "Ops"): arg1 = the table id.
-  table_create = 17,  // one key (the table id) whose kTableSpecFloats values are the spec's words (TableSpecWords)
+  table_create = 17,  // one key (the table id) whose kTableSpecFloats values are the spec's words
   table_pull = 18,    // keys: row ids, each of the table's dimension; arg0 = the worker's clock; reply carries the rows
   table_push = 19,    // keys + gradients, each of the table's dimension; arg0 = the worker's clock
 };
@@ -187,6 +187,11 @@ inline std::uint64_t push_clock(const FrameHeader& h) noexcept {
 inline constexpr std::uint32_t kTableSpecFloats = 16;
 void encode_table_spec(const TableSpec& spec, float out[kTableSpecFloats]) noexcept;
 Errc decode_table_spec(const float in[kTableSpecFloats], TableSpec* spec, std::string* why);
+// A table_create request as every backend takes it: its one key (the table id, below
+// kMaxTables) and the spec its value encodes. protocol for the wrong shape, invalid_argument
+// for an id or spec out of range, with *why.
+Errc decode_table_create(std::span<const KeyEntry> keys, const float* payload, std::uint32_t* table, TableSpec* spec,
+                         std::string* why);
 
 // The optional checksum (flag kChecksum) is layout/crc.h's CRC-32.
 using pskv::crc32_update;

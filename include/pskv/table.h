@@ -28,6 +28,9 @@ enum class RowEviction : std::uint8_t {
   step,  // the row whose last update carried the oldest worker clock
 };
 
+// Table ids a server holds: [0, kMaxTables).
+inline constexpr std::uint32_t kMaxTables = 64;
+
 struct TableSpec {
   std::uint32_t dim = 16;
   RowInit init = RowInit::uniform;
@@ -43,6 +46,9 @@ struct TableSpec {
   RowEviction eviction = RowEviction::none;
   // Live rows per server; 0: no cap.
   std::uint64_t max_rows = 0;
+
+  // Field by field: every creator of a table must give the same spec.
+  friend bool operator==(const TableSpec&, const TableSpec&) = default;
 };
 
 std::string_view to_string(RowInit init) noexcept;

@@ -25,6 +25,8 @@ struct UpdateRuleConfig {
   float beta2 = 0.999f;
   float eps = 1e-8f;
   float weight_decay = 0.0f;
+
+  friend bool operator==(const UpdateRuleConfig&, const UpdateRuleConfig&) = default;
 };
 
 std::string_view to_string(UpdateRule rule) noexcept;

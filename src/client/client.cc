@@ -538,8 +538,6 @@ class ClientImpl {
     Op* const op = acquired.first;
     for (auto& sl : op->slices) sl.clear();
     op->owned.clear();
-    op->repeats.clear();
-    op->rows_out = nullptr;
     // First occurrence of each id, by open addressing over a table twice the batch.
     thread_local std::vector<Key> seen_key;
     thread_local std::vector<std::uint32_t> seen_at;
@@ -764,7 +762,6 @@ class ClientImpl {
   // issued concurrently with clock() carries either step, as a racing caller must expect.
   std::atomic<std::uint64_t> clock_{0};
   std::uint64_t barrier_generation_ = 0;
-  static constexpr std::uint32_t kMaxTables = 64;                    // ShardEngine::kMaxTables
   std::array<std::atomic<std::uint32_t>, kMaxTables> table_dims_{};  // 0: not created by this client
   // Retry mode: the buffers registered so far, registered again on every new connection.
   std::mutex registered_mu_;

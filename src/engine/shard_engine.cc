@@ -1,7 +1,6 @@
 #include "engine/shard_engine.h"
 
 #include <algorithm>
-#include <bit>
 #include <cstring>
 #include <sstream>
 
@@ -741,17 +740,6 @@ std::string ShardEngine::stats_json(std::uint64_t external_pushes, const JsonObj
 
 namespace {
 
-// Bitwise, floats included: two creators agree only on the very same spec.
-bool same_spec(const TableSpec& a, const TableSpec& b) noexcept {
-  auto bits = [](float f) { return std::bit_cast<std::uint32_t>(f); };
-  const UpdateRuleConfig &x = a.rule, &y = b.rule;
-  return a.dim == b.dim && a.init == b.init && bits(a.init_scale) == bits(b.init_scale) && a.seed == b.seed &&
-         x.rule == y.rule && bits(x.lr) == bits(y.lr) && bits(x.momentum) == bits(y.momentum) &&
-         bits(x.beta1) == bits(y.beta1) && bits(x.beta2) == bits(y.beta2) && bits(x.eps) == bits(y.eps) &&
-         bits(x.weight_decay) == bits(y.weight_decay) && a.admit_after == b.admit_after && a.eviction == b.eviction &&
-         a.max_rows == b.max_rows;
-}
-
 // What one row costs at most, index and optimizer state included (EmbeddingTable's layout), so
 // that a table's cap bounds its memory.
 std::uint64_t row_bytes_bound(const TableSpec& spec) noexcept {
@@ -773,7 +761,7 @@ Errc ShardEngine::create_table(std::uint32_t id, const TableSpec& spec, std::str
   }
   std::lock_guard lock(tables_mu_);
   if (tables_[id].load(std::memory_order_relaxed)) {
-    if (same_spec(spec, table_requested_[id])) return Errc::ok;
+    if (spec == table_requested_[id]) return Errc::ok;
     *why = "table " + std::to_string(id) + " exists with another spec (dimension " +
            std::to_string(table_requested_[id].dim) + "); every creator must give the same one";
     return Errc::invalid_argument;

@@ -205,7 +205,6 @@ class ShardEngine {
   Replicator* replicator() const noexcept { return replicator_; }
 
   // Embedding tables (docs/ARCHITECTURE.md, "Embedding tables"), ids below kMaxTables.
-  static constexpr std::uint32_t kMaxTables = 64;
   // Creates table `id`, or checks that the table of that id was created with this very spec
   // (the first creator wins, as with init; another spec is invalid_argument). A spec without
   // max_rows gets the rows the table memory budget has left; one whose rows at its cap would

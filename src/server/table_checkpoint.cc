@@ -71,7 +71,7 @@ std::uint32_t state_floats_for(const TableSpec& spec) {
 
 TableCheckpointInfo TableCheckpointer::write(ShardEngine& engine) {
   TableCheckpointInfo info;
-  for (std::uint32_t id = 0; id < ShardEngine::kMaxTables; ++id) {
+  for (std::uint32_t id = 0; id < kMaxTables; ++id) {
     TableSpec spec;
     EmbeddingTable* table = engine.table_at(id, &spec);
     if (!table) continue;

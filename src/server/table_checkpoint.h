@@ -49,7 +49,7 @@ class TableCheckpointer {
   };
   std::string dir_;
   std::uint32_t server_id_;
-  std::array<Chain, ShardEngine::kMaxTables> chains_{};
+  std::array<Chain, kMaxTables> chains_{};
 };
 
 }  // namespace pskv

@@ -207,15 +207,9 @@ bool ShmServer::process(std::uint32_t i, RingEntry& e, std::uint64_t seq) {
         break;
       case wire::Op::table_create: {
         TableSpec spec;
-        if (keys.size() != 1 || keys[0].length != wire::kTableSpecFloats) {
-          status = Errc::protocol;
-          why = "table_create carries one key (the table id) of " + std::to_string(wire::kTableSpecFloats) + " words";
-        } else if ((status = wire::decode_table_spec(payload, &spec, &why)) == Errc::ok) {
-          status = keys[0].key < ShardEngine::kMaxTables
-                       ? engine_->create_table(static_cast<std::uint32_t>(keys[0].key), spec, &why)
-                       : Errc::invalid_argument;
-          if (keys[0].key >= ShardEngine::kMaxTables) why = "table id " + std::to_string(keys[0].key) + " is past 63";
-        }
+        std::uint32_t id = 0;
+        if ((status = wire::decode_table_create(keys, payload, &id, &spec, &why)) == Errc::ok)
+          status = engine_->create_table(id, spec, &why);
         break;
       }
       case wire::Op::table_push:

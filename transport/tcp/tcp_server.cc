@@ -1252,16 +1252,9 @@ bool TcpServer::handle_table(Peer& peer, const wire::FrameHeader& h, const float
     why = "embedding tables are not replicated yet; run the servers without --replicas to use them";
   } else if (op == wire::Op::table_create) {
     TableSpec spec;
-    if (peer.keys.size() != 1 || peer.keys[0].length != wire::kTableSpecFloats) {
-      status = Errc::protocol;
-      why = "table_create carries one key (the table id) of " + std::to_string(wire::kTableSpecFloats) + " words";
-    } else if (peer.keys[0].key >= ShardEngine::kMaxTables) {
-      status = Errc::invalid_argument;
-      why = "table id " + std::to_string(peer.keys[0].key) + " is past the " + std::to_string(ShardEngine::kMaxTables) +
-            " tables a server holds";
-    } else if ((status = wire::decode_table_spec(payload, &spec, &why)) == Errc::ok) {
-      status = engine_.create_table(static_cast<std::uint32_t>(peer.keys[0].key), spec, &why);
-    }
+    std::uint32_t table = 0;
+    if ((status = wire::decode_table_create(peer.keys, payload, &table, &spec, &why)) == Errc::ok)
+      status = engine_.create_table(table, spec, &why);
   } else if (op == wire::Op::table_push) {
     status = engine_.table_push(h.arg1, h.arg0, peer.keys, payload, &why);
   } else {
