@@ -738,18 +738,6 @@ std::string ShardEngine::stats_json(std::uint64_t external_pushes, const JsonObj
   return j.merge(extra).str();
 }
 
-namespace {
-
-// What one row costs at most, index and optimizer state included (EmbeddingTable's layout), so
-// that a table's cap bounds its memory.
-std::uint64_t row_bytes_bound(const TableSpec& spec) noexcept {
-  const std::uint64_t state =
-      std::uint64_t{state_floats_per_value(spec.rule.rule)} * spec.dim + (spec.rule.rule == UpdateRule::adam ? 1 : 0);
-  return 16 + 4ull * spec.dim + 4 * state + (spec.eviction != RowEviction::none ? 4 : 0) + 8;
-}
-
-}  // namespace
-
 Errc ShardEngine::create_table(std::uint32_t id, const TableSpec& spec, std::string* why) {
   if (id >= kMaxTables) {
     *why = "table id " + std::to_string(id) + " is past the " + std::to_string(kMaxTables) + " tables a server holds";
@@ -766,10 +754,9 @@ Errc ShardEngine::create_table(std::uint32_t id, const TableSpec& spec, std::str
            std::to_string(table_requested_[id].dim) + "); every creator must give the same one";
     return Errc::invalid_argument;
   }
-  // A table costs its rows at the cap, plus what it takes empty (its index shards, and the
-  // admission filter): a fixed ~2 MiB, or 18 with a filter.
-  const std::uint64_t fixed = (spec.admit_after > 1 ? 18ull : 2ull) << 20;
-  const std::uint64_t per_row = row_bytes_bound(spec);
+  // A table costs its rows at the cap, plus what it takes empty.
+  const std::uint64_t fixed = EmbeddingTable::fixed_bytes(spec);
+  const std::uint64_t per_row = EmbeddingTable::row_bytes_bound(spec);
   const std::uint64_t left = options_.table_memory_bytes - std::min(options_.table_memory_bytes, table_bytes_promised_);
   TableSpec effective = spec;
   if (effective.max_rows == 0)

@@ -63,10 +63,6 @@ Files scan(const std::string& dir, std::uint32_t server) {
   return out;
 }
 
-std::uint32_t state_floats_for(const TableSpec& spec) {
-  return state_floats_per_value(spec.rule.rule) * spec.dim + (spec.rule.rule == UpdateRule::adam ? 1 : 0);
-}
-
 }  // namespace
 
 TableCheckpointInfo TableCheckpointer::write(ShardEngine& engine) {
@@ -172,7 +168,8 @@ TableCheckpointInfo TableCheckpointer::apply(const std::uint8_t* data, std::size
   std::string why;
   if (wire::decode_table_spec(reinterpret_cast<const float*>(h.spec), spec, &why) != Errc::ok)
     throw corrupt("its table spec is refused: " + why);
-  if (h.state_floats != state_floats_for(*spec)) throw corrupt("state floats per row disagree with the spec");
+  if (h.state_floats != EmbeddingTable::state_floats_for(*spec))
+    throw corrupt("state floats per row disagree with the spec");
   at = size - sizeof t;
   std::memcpy(&t, data + at, sizeof t);
   if (std::memcmp(t.magic, kEnd, 8) != 0) throw corrupt("bad trailer");

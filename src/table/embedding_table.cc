@@ -32,8 +32,6 @@ constexpr std::uint32_t kInitialBuckets = 8;
 constexpr int kVictimSamples = 5;
 constexpr int kVictimRounds = 16;
 
-// A uniform float in [0, 1) from the spec's seed, the id and the float's index: a counter-based
-// generator, so any server computes any row's initial value alone.
 // Two uniform floats in [0, 1), 24 bits each, for pair `k` of a row whose stream is `base`
 // (the seed and the id mixed once per row): a counter-based generator, so any server computes
 // any row's initial value alone, at one mix per two floats.
@@ -48,8 +46,7 @@ std::pair<float, float> unit_pair(std::uint64_t base, std::uint64_t k) noexcept 
 EmbeddingTable::EmbeddingTable(const TableSpec& spec)
     : spec_(spec), index_key_((std::uint64_t{std::random_device{}()} << 32) | std::random_device{}()) {
   if (std::string why = check_table_spec(spec); !why.empty()) throw Error(Errc::invalid_argument, why);
-  state_floats_ = std::uint64_t{state_floats_per_value(spec.rule.rule)} * spec.dim;
-  if (spec.rule.rule == UpdateRule::adam) state_floats_ += 1;  // the row's own update count
+  state_floats_ = state_floats_for(spec);
   stamps_ = spec.eviction != RowEviction::none;
   shards_ = std::make_unique<Shard[]>(std::size_t{1} << kShardBits);
   for (std::size_t s = 0; s < (std::size_t{1} << kShardBits); ++s) {
@@ -59,9 +56,39 @@ EmbeddingTable::EmbeddingTable(const TableSpec& spec)
     shards_[s].buckets.store(b.get(), std::memory_order_relaxed);
     shards_[s].all.push_back(std::move(b));
   }
-  index_bytes_ = (std::uint64_t{sizeof(Shard)} + sizeof(Buckets) + kInitialBuckets * 4) << kShardBits;
+  index_bytes_ = (std::uint64_t{sizeof(Shard)} + sizeof(Buckets) + kInitialBuckets * 4) << kShardBits;  // fixed_bytes
   segments_ = std::make_unique<std::atomic<Segment*>[]>(kMaxSegments);
   if (spec.admit_after > 1) filter_ = std::make_unique<std::atomic<std::uint8_t>[]>(std::size_t{2} << kFilterBits);
+}
+
+std::uint64_t EmbeddingTable::state_floats_for(const TableSpec& spec) noexcept {
+  return std::uint64_t{state_floats_per_value(spec.rule.rule)} * spec.dim +
+         (spec.rule.rule == UpdateRule::adam ? 1 : 0);  // the row's own update count
+}
+
+std::uint64_t EmbeddingTable::row_bytes_bound(const TableSpec& spec) noexcept {
+  // Key, link and seqlock word; floats; state; stamp; and at most 8 bytes of buckets (the
+  // current array at two rows per bucket, and the arrays it outgrew).
+  return sizeof(RowMeta) + 4ull * spec.dim + 4 * state_floats_for(spec) + (spec.eviction != RowEviction::none ? 4 : 0) +
+         8;
+}
+
+std::uint64_t EmbeddingTable::fixed_bytes(const TableSpec& spec) noexcept {
+  const std::uint64_t index = (std::uint64_t{sizeof(Shard)} + sizeof(Buckets) + kInitialBuckets * 4) << kShardBits;
+  const std::uint64_t segment_table = std::uint64_t{sizeof(std::atomic<Segment*>)} * kMaxSegments;
+  const std::uint64_t bytes = index + segment_table + (spec.admit_after > 1 ? (std::uint64_t{2} << kFilterBits) : 0);
+  return (bytes + (1u << 20) - 1) >> 20 << 20;  // whole MiB: the allocator's slack on the many small arrays
+}
+
+std::uint32_t EmbeddingTable::begin_write(std::atomic<std::uint32_t>& version) noexcept {
+  const std::uint32_t v = version.load(std::memory_order_relaxed);
+  version.store(v + 1, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_release);
+  return v;
+}
+
+void EmbeddingTable::end_write(std::atomic<std::uint32_t>& version, std::uint32_t begun) noexcept {
+  version.store(begun + 2, std::memory_order_release);
 }
 
 EmbeddingTable::~EmbeddingTable() {
@@ -273,13 +300,12 @@ std::uint32_t EmbeddingTable::allocate_row() noexcept {
         return 0;
       }
       std::byte* at = seg->memory->data();
-      seg->meta = reinterpret_cast<RowMeta*>(at);
-      seg->data = reinterpret_cast<float*>(at += meta_bytes);
-      seg->state = state_bytes ? reinterpret_cast<float*>(at += data_bytes) : nullptr;
-      if (!state_bytes) at += data_bytes;
-      at += state_bytes;
-      seg->stamps = stamp_bytes ? reinterpret_cast<std::atomic<std::uint32_t>*>(at) : nullptr;
-      seg->marks = reinterpret_cast<std::atomic<std::uint64_t>*>(at + stamp_bytes);
+      auto carve = [&at](std::size_t bytes) { return std::exchange(at, at + bytes); };
+      seg->meta = reinterpret_cast<RowMeta*>(carve(meta_bytes));
+      seg->data = reinterpret_cast<float*>(carve(data_bytes));
+      seg->state = state_bytes ? reinterpret_cast<float*>(carve(state_bytes)) : nullptr;
+      seg->stamps = stamp_bytes ? reinterpret_cast<std::atomic<std::uint32_t>*>(carve(stamp_bytes)) : nullptr;
+      seg->marks = reinterpret_cast<std::atomic<std::uint64_t>*>(carve(mark_bytes));
       for (std::uint32_t i = 0; i < kSegmentRows; ++i) {
         new (&seg->meta[i].key) std::atomic<std::uint64_t>(0);
         new (&seg->meta[i].next) std::atomic<std::uint32_t>(kFreeRow);
@@ -304,12 +330,10 @@ std::uint32_t EmbeddingTable::victim_score(std::uint32_t row) const noexcept {
 void EmbeddingTable::unlink(Shard& shard, std::atomic<std::uint32_t>* link, std::uint32_t row) noexcept {
   // A reader standing on `row` must not follow it into whatever chain it joins next: the shard's
   // version tells it to walk again.
-  const std::uint32_t sv = shard.version.load(std::memory_order_relaxed);
-  shard.version.store(sv + 1, std::memory_order_relaxed);
-  std::atomic_thread_fence(std::memory_order_release);
+  const std::uint32_t sv = begin_write(shard.version);
   link->store(meta(row).next.load(std::memory_order_relaxed), std::memory_order_release);
   meta(row).next.store(kFreeRow, std::memory_order_release);
-  shard.version.store(sv + 2, std::memory_order_release);
+  end_write(shard.version, sv);
   --shard.rows;
 }
 
@@ -363,9 +387,7 @@ void EmbeddingTable::grow(Shard& shard) noexcept {
   b->heads.reset(new (std::nothrow) std::atomic<std::uint32_t>[n]);
   if (!b->heads) return;  // stays at the old size: chains get longer, nothing is lost
   for (std::uint32_t i = 0; i < n; ++i) b->heads[i].store(0, std::memory_order_relaxed);
-  const std::uint32_t sv = shard.version.load(std::memory_order_relaxed);
-  shard.version.store(sv + 1, std::memory_order_relaxed);
-  std::atomic_thread_fence(std::memory_order_release);
+  const std::uint32_t sv = begin_write(shard.version);
   for (std::uint32_t i = 0; i <= old->mask; ++i) {
     for (std::uint32_t row = old->heads[i].load(std::memory_order_relaxed); row != 0;) {
       RowMeta& m = meta(row);
@@ -377,7 +399,7 @@ void EmbeddingTable::grow(Shard& shard) noexcept {
     }
   }
   shard.buckets.store(b.get(), std::memory_order_release);
-  shard.version.store(sv + 2, std::memory_order_release);
+  end_write(shard.version, sv);
   index_bytes_.fetch_add(sizeof(Buckets) + std::uint64_t{n} * 4, std::memory_order_relaxed);
   shard.all.push_back(std::move(b));
   grows_.fetch_add(1, std::memory_order_relaxed);
@@ -403,14 +425,12 @@ std::uint32_t EmbeddingTable::create_row(Shard& shard, Key id, std::uint64_t has
   RowMeta& m = meta(row);
   // The row's version only ever grows, through every reuse, so a reader that copied it for
   // the id it held before sees the change.
-  const std::uint32_t rv = m.version.load(std::memory_order_relaxed);
-  m.version.store(rv + 1, std::memory_order_relaxed);
-  std::atomic_thread_fence(std::memory_order_release);
+  const std::uint32_t rv = begin_write(m.version);
   m.key.store(id, std::memory_order_relaxed);
   initial_row(id, data(row));
   if (state_floats_ > 0) std::memset(state(row), 0, state_floats_ * sizeof(float));
   if (stamps_) stamp(row)->store(0, std::memory_order_relaxed);
-  m.version.store(rv + 2, std::memory_order_release);
+  end_write(m.version, rv);
   Buckets* b = shard.buckets.load(std::memory_order_relaxed);
   auto& head = b->heads[hash & b->mask];
   m.next.store(head.load(std::memory_order_relaxed), std::memory_order_relaxed);
@@ -437,9 +457,7 @@ void EmbeddingTable::push(std::span<const Key> ids, const float* grads, std::uin
       continue;
     }
     RowMeta& m = meta(row);
-    const std::uint32_t rv = m.version.load(std::memory_order_relaxed);
-    m.version.store(rv + 1, std::memory_order_relaxed);
-    std::atomic_thread_fence(std::memory_order_release);
+    const std::uint32_t rv = begin_write(m.version);
     float* st = state(row);
     std::uint64_t updates = 0;
     if (spec_.rule.rule == UpdateRule::adam) {
@@ -449,7 +467,7 @@ void EmbeddingTable::push(std::span<const Key> ids, const float* grads, std::uin
       std::memcpy(st + state_floats_ - 1, &count, sizeof count);
     }
     apply_update(spec_.rule, data(row), state_floats_ > 0 ? st : nullptr, grads + i * dim, dim, updates, 1.0f);
-    m.version.store(rv + 2, std::memory_order_release);
+    end_write(m.version, rv);
     mark(row);
     if (stamps_) touch(row, step);
   }
@@ -514,12 +532,10 @@ bool EmbeddingTable::restore_row(Key id, const float* values, const float* st) n
   if (row == 0) row = create_row(shard, id, hash);
   if (row == 0) return false;
   RowMeta& m = meta(row);
-  const std::uint32_t rv = m.version.load(std::memory_order_relaxed);
-  m.version.store(rv + 1, std::memory_order_relaxed);
-  std::atomic_thread_fence(std::memory_order_release);
+  const std::uint32_t rv = begin_write(m.version);
   std::memcpy(data(row), values, std::size_t{spec_.dim} * sizeof(float));
   if (state_floats_ > 0) std::memcpy(state(row), st, state_floats_ * sizeof(float));
-  m.version.store(rv + 2, std::memory_order_release);
+  end_write(m.version, rv);
   mark(row);
   return true;
 }

@@ -76,6 +76,14 @@ class EmbeddingTable {
   void remove_row(Key id) noexcept;
   std::uint64_t state_floats_per_row() const noexcept { return state_floats_; }
 
+  // What a spec costs, from this layout: optimizer-state floats per row (Adam's moments and its
+  // per-row count), an upper bound on the bytes of one row with its index, and what the table
+  // takes empty (its shards and bucket arrays, the segment table, the admission filter). A
+  // server charges a table's cap against its table memory with these.
+  static std::uint64_t state_floats_for(const TableSpec& spec) noexcept;
+  static std::uint64_t row_bytes_bound(const TableSpec& spec) noexcept;
+  static std::uint64_t fixed_bytes(const TableSpec& spec) noexcept;
+
  private:
   static constexpr std::uint32_t kSegmentBits = 16;
   static constexpr std::uint32_t kSegmentRows = 1u << kSegmentBits;
@@ -137,7 +145,10 @@ class EmbeddingTable {
   bool admitted(Key id) noexcept;
   std::uint32_t victim_score(std::uint32_t row) const noexcept;
   void touch(std::uint32_t row, std::uint64_t step) const noexcept;
-  std::uint64_t state_floats() const noexcept { return state_floats_; }
+  // The seqlock writer's side, for a row's or a shard's word (under the shard's lock): odd while
+  // the writer is inside, and never back to a value a reader may have seen.
+  static std::uint32_t begin_write(std::atomic<std::uint32_t>& version) noexcept;
+  static void end_write(std::atomic<std::uint32_t>& version, std::uint32_t begun) noexcept;
 
   TableSpec spec_;
   std::uint64_t index_key_;         // random per table: see index_hash
