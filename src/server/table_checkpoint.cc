@@ -76,10 +76,10 @@ TableCheckpointInfo TableCheckpointer::write(ShardEngine& engine) {
     const bool full = !chain.started || chain.delta_rows > chain.full_rows;
     std::uint64_t generation = chain.generation;
     std::uint32_t seq = chain.seq + 1;
+    std::map<std::uint64_t, std::map<std::uint32_t, std::string>> older;  // a snapshot's predecessors
     if (full) {
-      const Files files = scan(dir_, server_id_);
-      if (auto t = files.find(id); t != files.end() && !t->second.empty())
-        generation = std::max(generation, t->second.rbegin()->first);
+      if (Files files = scan(dir_, server_id_); files.count(id)) older = std::move(files[id]);
+      if (!older.empty()) generation = std::max(generation, older.rbegin()->first);
       ++generation;
       seq = 0;
     }
@@ -98,23 +98,23 @@ TableCheckpointInfo TableCheckpointer::write(ShardEngine& engine) {
     h.state_floats = static_cast<std::uint32_t>(table->state_floats_per_row());
     h.crc = crc32_update(0, &h, offsetof(Header, crc));
     file.put(&h, sizeof h);
-    std::uint32_t crc = 0;
+    std::uint32_t crc = 0;  // of the body: rows, then removed ids
+    auto body = [&](const void* p, std::size_t n) {
+      file.put(p, n);
+      crc = crc32_update(crc, p, n);
+    };
     std::uint64_t rows = 0;
     std::vector<Key> removed;
     table->take_changes(
         full,
         [&](Key key, const float* values, const float* state) {
-          file.put(&key, sizeof key);
-          file.put(values, table->dim() * sizeof(float));
-          file.put(state, h.state_floats * sizeof(float));
-          crc = crc32_update(crc, &key, sizeof key);
-          crc = crc32_update(crc, values, table->dim() * sizeof(float));
-          crc = crc32_update(crc, state, h.state_floats * sizeof(float));
+          body(&key, sizeof key);
+          body(values, table->dim() * sizeof(float));
+          body(state, h.state_floats * sizeof(float));
           ++rows;
         },
         &removed);
-    file.put(removed.data(), removed.size() * sizeof(Key));
-    crc = crc32_update(crc, removed.data(), removed.size() * sizeof(Key));
+    body(removed.data(), removed.size() * sizeof(Key));
     Trailer t{};
     std::memcpy(t.magic, kEnd, 8);
     t.rows = rows;
@@ -133,14 +133,11 @@ TableCheckpointInfo TableCheckpointer::write(ShardEngine& engine) {
       chain.full_rows = rows;
       chain.delta_rows = 0;
       // The new snapshot is durable: the older generations are not needed any more.
-      const Files files = scan(dir_, server_id_);
-      if (auto t = files.find(id); t != files.end())
-        for (const auto& [g, seqs] : t->second)
-          if (g < generation)
-            for (const auto& [s, path] : seqs) {
-              std::error_code ignored;  // an old file left behind is skipped by restore
-              std::filesystem::remove(path, ignored);
-            }
+      for (const auto& [g, seqs] : older)
+        for (const auto& [s, path] : seqs) {
+          std::error_code ignored;  // an old file left behind is skipped by restore
+          std::filesystem::remove(path, ignored);
+        }
     } else {
       chain.delta_rows += rows + removed.size();
     }
@@ -148,9 +145,9 @@ TableCheckpointInfo TableCheckpointer::write(ShardEngine& engine) {
   return info;
 }
 
-TableCheckpointInfo TableCheckpointer::apply(const std::uint8_t* data, std::size_t size, std::uint32_t server_id,
-                                             std::uint32_t table_id, std::uint64_t generation, std::uint32_t seq,
-                                             TableSpec* spec, EmbeddingTable* table, const std::string& name) {
+TableCheckpointer::Parsed TableCheckpointer::parse(const std::uint8_t* data, std::size_t size, std::uint32_t server_id,
+                                                   std::uint32_t table_id, std::uint64_t generation, std::uint32_t seq,
+                                                   const std::string& name) {
   std::size_t at = 0;
   auto corrupt = [&](const std::string& why) {
     return Error(Errc::protocol, "table checkpoint " + name + " is corrupt at byte " + std::to_string(at) + ": " + why +
@@ -165,43 +162,55 @@ TableCheckpointInfo TableCheckpointer::apply(const std::uint8_t* data, std::size
   if (h.version != kVersion) throw corrupt("version " + std::to_string(h.version) + " is not readable by this build");
   if (h.server_id != server_id || h.table != table_id || h.generation != generation || h.seq != seq)
     throw corrupt("its header names another server, table, generation or sequence number than its file name");
+  Parsed p;
   std::string why;
-  if (wire::decode_table_spec(reinterpret_cast<const float*>(h.spec), spec, &why) != Errc::ok)
+  if (wire::decode_table_spec(reinterpret_cast<const float*>(h.spec), &p.spec, &why) != Errc::ok)
     throw corrupt("its table spec is refused: " + why);
-  if (h.state_floats != EmbeddingTable::state_floats_for(*spec))
+  if (h.state_floats != EmbeddingTable::state_floats_for(p.spec))
     throw corrupt("state floats per row disagree with the spec");
   at = size - sizeof t;
   std::memcpy(&t, data + at, sizeof t);
   if (std::memcmp(t.magic, kEnd, 8) != 0) throw corrupt("bad trailer");
   const std::uint64_t body = size - sizeof h - sizeof t;
-  const std::uint64_t row_bytes = sizeof(Key) + (std::uint64_t{spec->dim} + h.state_floats) * sizeof(float);
-  if (t.rows > body / row_bytes || t.removed > body / sizeof(Key) ||
-      t.rows * row_bytes + t.removed * sizeof(Key) != body)
+  p.state_floats = h.state_floats;
+  p.row_bytes = sizeof(Key) + (std::uint64_t{p.spec.dim} + h.state_floats) * sizeof(float);
+  if (t.rows > body / p.row_bytes || t.removed > body / sizeof(Key) ||
+      t.rows * p.row_bytes + t.removed * sizeof(Key) != body)
     throw corrupt("its row and removal counts do not add up to its size");
   if (crc32_update(0, data + sizeof h, body) != t.crc) throw corrupt("checksum mismatch in its rows");
-  TableCheckpointInfo info{1, t.rows, t.removed, size};
-  if (!table) return info;
-  const std::uint8_t* rows = data + sizeof h;
-  const std::uint8_t* removed = rows + t.rows * row_bytes;
-  for (std::uint64_t i = 0; i < t.removed; ++i) {
+  p.rows = data + sizeof h;
+  p.removed = p.rows + t.rows * p.row_bytes;
+  p.info = {1, t.rows, t.removed, size};
+  return p;
+}
+
+void TableCheckpointer::apply_rows(const Parsed& p, EmbeddingTable& table, const std::string& name) {
+  for (std::uint64_t i = 0; i < p.info.removed; ++i) {
     Key id;
-    std::memcpy(&id, removed + i * sizeof id, sizeof id);
-    table->remove_row(id);
+    std::memcpy(&id, p.removed + i * sizeof id, sizeof id);
+    table.remove_row(id);
   }
-  std::vector<float> values(spec->dim), state(h.state_floats);
-  for (std::uint64_t i = 0; i < t.rows; ++i) {
-    const std::uint8_t* r = rows + i * row_bytes;
+  std::vector<float> values(p.spec.dim), state(p.state_floats);
+  for (std::uint64_t i = 0; i < p.info.rows; ++i) {
+    const std::uint8_t* r = p.rows + i * p.row_bytes;
     Key id;
     std::memcpy(&id, r, sizeof id);
     std::memcpy(values.data(), r + sizeof id, values.size() * sizeof(float));
     if (!state.empty())  // (an empty vector's data() may be null, which memcpy must not get)
       std::memcpy(state.data(), r + sizeof id + values.size() * sizeof(float), state.size() * sizeof(float));
-    if (!table->restore_row(id, values.data(), state.data()))
-      throw Error(Errc::capacity, "cannot restore row " + std::to_string(id) + " of table " + std::to_string(table_id) +
-                                      " from " + name +
+    if (!table.restore_row(id, values.data(), state.data()))
+      throw Error(Errc::capacity, "cannot restore row " + std::to_string(id) + " from " + name +
                                       ": the table is full (is --table-memory-mb as large as when it was written?)");
   }
-  return info;
+}
+
+TableCheckpointInfo TableCheckpointer::apply(const std::uint8_t* data, std::size_t size, std::uint32_t server_id,
+                                             std::uint32_t table_id, std::uint64_t generation, std::uint32_t seq,
+                                             TableSpec* spec, EmbeddingTable* table, const std::string& name) {
+  const Parsed p = parse(data, size, server_id, table_id, generation, seq, name);
+  *spec = p.spec;
+  if (table) apply_rows(p, *table, name);
+  return p.info;
 }
 
 TableCheckpointInfo TableCheckpointer::restore(ShardEngine& engine, const std::string& dir, std::uint32_t server_id) {
@@ -213,30 +222,27 @@ TableCheckpointInfo TableCheckpointer::restore(ShardEngine& engine, const std::s
     if (g == generations.rend()) continue;
     const std::uint64_t generation = g->first;
     std::uint32_t expected = 0;
-    std::uint32_t first_words[wire::kTableSpecFloats] = {};
     EmbeddingTable* table = nullptr;
+    TableSpec first_spec;
     for (const auto& [seq, path] : g->second) {
       if (seq != expected)
         throw Error(Errc::protocol, "table checkpoint " + path + " follows a missing delta " +
                                         std::to_string(expected) +
                                         " of its generation; restore an older checkpoint or start without --restore");
       const std::vector<std::uint8_t> bytes = read_file(path);
-      TableSpec spec;
       // Validated whole before anything of it is applied.
-      apply(bytes.data(), bytes.size(), server_id, table_id, generation, seq, &spec, nullptr, path);
-      std::uint32_t words[wire::kTableSpecFloats];
-      wire::encode_table_spec(spec, reinterpret_cast<float*>(words));
+      const Parsed p = parse(bytes.data(), bytes.size(), server_id, table_id, generation, seq, path);
       if (seq == 0) {
         std::string why;
-        if (Errc e = engine.create_table(table_id, spec, &why); e != Errc::ok)
+        if (Errc e = engine.create_table(table_id, p.spec, &why); e != Errc::ok)
           throw Error(e, "cannot recreate table " + std::to_string(table_id) + " from " + path + ": " + why);
         table = engine.table_at(table_id);
-        std::memcpy(first_words, words, sizeof words);
-      } else if (std::memcmp(words, first_words, sizeof words) != 0) {
+        first_spec = p.spec;
+      } else if (!(p.spec == first_spec)) {
         throw Error(Errc::protocol, "table checkpoint " + path + " has another spec than its generation's snapshot");
       }
-      const TableCheckpointInfo one =
-          apply(bytes.data(), bytes.size(), server_id, table_id, generation, seq, &spec, table, path);
+      apply_rows(p, *table, path);
+      const TableCheckpointInfo& one = p.info;
       total.files += one.files;
       total.rows += one.rows;
       total.removed += one.removed;

@@ -41,6 +41,18 @@ class TableCheckpointer {
                                    EmbeddingTable* table, const std::string& name);
 
  private:
+  // A file checked whole: its spec, and where its rows and removed ids lie in the image.
+  struct Parsed {
+    TableSpec spec;
+    std::uint64_t state_floats = 0, row_bytes = 0;
+    const std::uint8_t* rows = nullptr;
+    const std::uint8_t* removed = nullptr;
+    TableCheckpointInfo info;
+  };
+  static Parsed parse(const std::uint8_t* data, std::size_t size, std::uint32_t server_id, std::uint32_t table_id,
+                      std::uint64_t generation, std::uint32_t seq, const std::string& name);
+  // Removals first, then rows (an id removed and made again is in both).
+  static void apply_rows(const Parsed& p, EmbeddingTable& table, const std::string& name);
   struct Chain {
     bool started = false;
     std::uint64_t generation = 0;
