@@ -538,53 +538,50 @@ class ClientImpl {
     Op* const op = acquired.first;
     for (auto& sl : op->slices) sl.clear();
     op->owned.clear();
-    // First occurrence of each id, by open addressing over a table twice the batch.
+    // Each id's distinct index, in order of first sight (open addressing over a table twice the
+    // batch), and each distinct id's first occurrence.
     thread_local std::vector<Key> seen_key;
-    thread_local std::vector<std::uint32_t> seen_at;
-    thread_local std::vector<std::uint32_t> first;  // per id: the index of its first occurrence
+    thread_local std::vector<std::uint32_t> seen_as;
+    thread_local std::vector<std::uint32_t> distinct;  // per id
+    thread_local std::vector<std::uint32_t> first;     // per distinct id
     std::size_t cap = 16;
     while (cap < 2 * ids.size()) cap *= 2;
     seen_key.resize(cap);
-    seen_at.assign(cap, UINT32_MAX);
-    first.resize(ids.size());
-    std::size_t unique = 0;
+    seen_as.assign(cap, UINT32_MAX);
+    distinct.resize(ids.size());
+    first.clear();
     for (std::size_t i = 0; i < ids.size(); ++i) {
       std::size_t b = mix64(ids[i]) & (cap - 1);
-      while (seen_at[b] != UINT32_MAX && seen_key[b] != ids[i]) b = (b + 1) & (cap - 1);
-      if (seen_at[b] == UINT32_MAX) {
+      while (seen_as[b] != UINT32_MAX && seen_key[b] != ids[i]) b = (b + 1) & (cap - 1);
+      if (seen_as[b] == UINT32_MAX) {
         seen_key[b] = ids[i];
-        seen_at[b] = static_cast<std::uint32_t>(i);
-        ++unique;
+        seen_as[b] = static_cast<std::uint32_t>(first.size());
+        first.push_back(static_cast<std::uint32_t>(i));
       }
-      first[i] = seen_at[b];
+      distinct[i] = seen_as[b];
     }
     const bool pushing = kind == wire::Op::table_push;
-    if (pushing && unique < ids.size()) {
-      // Summed into a buffer of the op's own, one row per distinct id, in order of first sight.
-      op->owned.assign(unique * dim, 0.0f);
-      std::vector<std::uint32_t> slot(ids.size());
-      std::uint32_t next = 0;
-      for (std::size_t i = 0; i < ids.size(); ++i) slot[i] = first[i] == i ? next++ : slot[first[i]];
+    const bool repeats = first.size() < ids.size();
+    if (pushing && repeats) {
+      // Summed into a buffer of the op's own, one row per distinct id.
+      op->owned.assign(first.size() * dim, 0.0f);
       for (std::size_t i = 0; i < ids.size(); ++i) {
-        float* to = op->owned.data() + std::size_t{slot[i]} * dim;
+        float* to = op->owned.data() + std::size_t{distinct[i]} * dim;
         const float* from = data + i * dim;
         for (std::uint32_t j = 0; j < dim; ++j) to[j] += from[j];
       }
+    }
+    float* const rows = pushing && repeats ? op->owned.data() : data;
+    // A distinct id's row: in the op's sums, or at its first occurrence in the caller's buffer.
+    for (std::size_t u = 0; u < first.size(); ++u) {
+      const Key id = ids[first[u]];
+      op->slices[home_server(placement_, id)].push_back({id, dim, rows + (pushing && repeats ? u : first[u]) * dim});
+    }
+    if (!pushing && repeats) {
       for (std::size_t i = 0; i < ids.size(); ++i)
-        if (first[i] == i)
-          op->slices[home_server(placement_, ids[i])].push_back(
-              {ids[i], dim, op->owned.data() + std::size_t{slot[i]} * dim});
-    } else {
-      for (std::size_t i = 0; i < ids.size(); ++i) {
-        if (first[i] == i)
-          op->slices[home_server(placement_, ids[i])].push_back({ids[i], dim, data + i * dim});
-        else
-          op->repeats.emplace_back(static_cast<std::uint32_t>(i), first[i]);
-      }
-      if (!pushing) {
-        op->rows_out = data;
-        op->row_dim = dim;
-      }
+        if (first[distinct[i]] != i) op->repeats.emplace_back(static_cast<std::uint32_t>(i), first[distinct[i]]);
+      op->rows_out = data;
+      op->row_dim = dim;
     }
     return submit(op, acquired.second, kind, clock_.load(std::memory_order_relaxed), table, -1, nullptr);
   }

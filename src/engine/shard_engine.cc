@@ -790,28 +790,30 @@ EmbeddingTable* ShardEngine::table_at(std::uint32_t id, TableSpec* requested) {
   return t;
 }
 
-EmbeddingTable* ShardEngine::table(std::uint32_t id, std::span<const KeyEntry> ids, std::string* why) const {
+EmbeddingTable* ShardEngine::table_rows(std::uint32_t id, std::span<const KeyEntry> entries, std::vector<Key>& keys,
+                                        std::string* why) const {
   EmbeddingTable* t = id < kMaxTables ? tables_[id].load(std::memory_order_acquire) : nullptr;
   if (!t) {
     *why = "no table " + std::to_string(id) + " on server " + std::to_string(options_.server_id) +
            ": create it first (Client::create_table)";
     return nullptr;
   }
-  for (const KeyEntry& e : ids)
-    if (e.length != t->dim()) {
-      *why = "row " + std::to_string(e.key) + " of table " + std::to_string(id) + " has " + std::to_string(e.length) +
-             " floats; the table's rows have " + std::to_string(t->dim());
+  keys.resize(entries.size());
+  for (std::size_t i = 0; i < entries.size(); ++i) {
+    if (entries[i].length != t->dim()) {
+      *why = "row " + std::to_string(entries[i].key) + " of table " + std::to_string(id) + " has " +
+             std::to_string(entries[i].length) + " floats; the table's rows have " + std::to_string(t->dim());
       return nullptr;
     }
+    keys[i] = entries[i].key;
+  }
   return t;
 }
 
 Errc ShardEngine::table_pull(std::uint32_t id, std::span<const KeyEntry> ids, float* out, std::string* why) {
-  EmbeddingTable* t = table(id, ids, why);
-  if (!t) return Errc::invalid_argument;
   thread_local std::vector<Key> keys;
-  keys.resize(ids.size());
-  for (std::size_t i = 0; i < ids.size(); ++i) keys[i] = ids[i].key;
+  EmbeddingTable* t = table_rows(id, ids, keys, why);
+  if (!t) return Errc::invalid_argument;
   t->pull(keys, out);
   pulls_.fetch_add(ids.size(), std::memory_order_relaxed);
   return Errc::ok;
@@ -819,11 +821,9 @@ Errc ShardEngine::table_pull(std::uint32_t id, std::span<const KeyEntry> ids, fl
 
 Errc ShardEngine::table_push(std::uint32_t id, std::uint64_t clock, std::span<const KeyEntry> ids, const float* grads,
                              std::string* why) {
-  EmbeddingTable* t = table(id, ids, why);
-  if (!t) return Errc::invalid_argument;
   thread_local std::vector<Key> keys;
-  keys.resize(ids.size());
-  for (std::size_t i = 0; i < ids.size(); ++i) keys[i] = ids[i].key;
+  EmbeddingTable* t = table_rows(id, ids, keys, why);
+  if (!t) return Errc::invalid_argument;
   t->push(keys, grads, clock);
   pushes_.fetch_add(ids.size(), std::memory_order_relaxed);
   return Errc::ok;

@@ -275,7 +275,10 @@ class ShardEngine {
   std::vector<std::unique_ptr<EmbeddingTable>> table_owner_;
   std::array<TableSpec, kMaxTables> table_requested_{};  // the spec each table was created with
   std::uint64_t table_bytes_promised_ = 0;               // under tables_mu_
-  EmbeddingTable* table(std::uint32_t id, std::span<const KeyEntry> ids, std::string* why) const;
+  // Table `id`, with the ids of `entries` in `keys` once every entry is checked to be one row of
+  // it; null, with *why, if there is no such table or a row is of another length.
+  EmbeddingTable* table_rows(std::uint32_t id, std::span<const KeyEntry> entries, std::vector<Key>& keys,
+                             std::string* why) const;
   Replica* replica(std::uint32_t origin, std::string* why) const;
   // Writes the records into `store` (with its pending steps into `sync`, in sync mode) where
   // they are newer (Store::put_if_newer).

@@ -341,7 +341,7 @@ void ShmConnection::enqueue(Request& request) {
   e.text_len = 0;
   pending_[seq % kRingEntries] = &request;
   data_end_[seq % kRingEntries] = start + need;
-  data_bytes_[seq % kRingEntries] = need;
+  data_offset_[seq % kRingEntries] = offset;
   data_head_ = start + need;
   next_seq_ = seq;
   area_->head.store(seq, std::memory_order_release);
@@ -419,9 +419,7 @@ bool ShmConnection::complete_answered() {
     if (status == Errc::ok && request->text_out) request->text_out->assign(text);
     if (status == Errc::ok && request->op == wire::Op::table_pull) {
       // Where this client put the rows' room itself (its own record, not the entry's words).
-      const std::byte* rows = data_ +
-                              (data_end_[seq % kRingEntries] - data_bytes_[seq % kRingEntries]) % data_capacity_ +
-                              request->keys.size() * sizeof(wire::KeyEntry);
+      const std::byte* rows = data_ + data_offset_[seq % kRingEntries] + request->keys.size() * sizeof(wire::KeyEntry);
       for (const KeySlice& k : request->keys) {
         seqlock_copy(k.data, rows, std::size_t{k.length} * sizeof(float));  // the area is shared memory
         rows += std::size_t{k.length} * sizeof(float);

@@ -109,7 +109,7 @@ class ShmConnection final : public transport::Connection, private transport::Pol
   std::uint64_t data_tail_ = 0;
   transport::Request* pending_[kRingEntries] = {};
   std::uint64_t data_end_[kRingEntries] = {};
-  std::uint64_t data_bytes_[kRingEntries] = {};  // what each entry reserved (a table_pull's rows end it)
+  std::uint64_t data_offset_[kRingEntries] = {};  // where each entry's data lies in the area (its own record)
   std::deque<ParkedPull> parked_;
   // A thread is applying a push itself: the data area's front holds its undo copy, so the ring
   // takes no new request until it is done.
