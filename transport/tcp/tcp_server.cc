@@ -1265,27 +1265,15 @@ bool TcpServer::handle_table(Peer& peer, const wire::FrameHeader& h, const float
 }
 
 bool TcpServer::answer_table_pull(Peer& peer, const wire::FrameHeader& h) {
-  std::uint64_t floats = 0;
-  for (const wire::KeyEntry& k : peer.keys) floats += k.length;
-  const std::uint64_t bytes = floats * sizeof(float);
-  if (bytes > options_.limits.max_payload_bytes)
-    return send_error(peer, h, Errc::capacity,
-                      "the reply would be " + std::to_string(bytes) + " bytes, over the server's limit of " +
-                          std::to_string(options_.limits.max_payload_bytes) +
-                          " (--max-request-mb); pull fewer rows at a time");
-  Reply r(reply_header(h, bytes, engine_.observed_bound()));
   std::string why;
+  std::uint64_t bytes = 0;
+  if (Errc e = reply_size(peer, peer.keys, "rows", &bytes, &why); e != Errc::ok) return send_error(peer, h, e, why);
+  Reply r(reply_header(h, bytes, engine_.observed_bound()));
   float* payload = nullptr;
   if (Errc e = reply_buffer(peer, r, bytes, /*owner=*/true, "table_pull reply", &payload, &why); e != Errc::ok)
     return send_error(peer, h, e, why);
   if (Errc e = engine_.table_pull(h.arg1, peer.keys, payload, &why); e != Errc::ok) return send_error(peer, h, e, why);
-  r.payload = payload;
-  r.payload_bytes = bytes;
-  if (h.flags & wire::kChecksum) {
-    r.header.flags |= wire::kChecksum;
-    r.header.checksum = wire::crc32_update(0, r.payload, bytes);
-  }
-  return send(peer, std::move(r));
+  return send_values(peer, h, std::move(r), payload, bytes);
 }
 
 bool TcpServer::reserve_for_replicas(Peer& peer, bool creating, std::string* why) {
@@ -1342,18 +1330,34 @@ Errc TcpServer::check_pull(const Peer& peer, std::span<const wire::KeyEntry> key
   // asked for, and never past the request limit: a short request cannot ask for a huge reply.
   if (Errc e = engine_.find_slots(keys, slots, why); e != Errc::ok) return e;
   // Each key's length is the store's own record: find_slots checked the request's against it.
+  std::uint64_t size = 0;
+  if (Errc e = reply_size(peer, keys, "keys", &size, why); e != Errc::ok) return e;
+  if (bytes) *bytes = size;
+  return Errc::ok;
+}
+
+Errc TcpServer::reply_size(const Peer& peer, std::span<const wire::KeyEntry> keys, const char* what,
+                           std::uint64_t* bytes, std::string* why) {
   std::uint64_t floats = 0;
   for (const wire::KeyEntry& k : keys) floats += k.length;
-  if (floats * sizeof(float) > options_.limits.max_payload_bytes) {
-    log::warn("tcp.limit", "server " + std::to_string(engine_.options().server_id) + ": " + peer.who() +
-                               " asked for a " + std::to_string(floats * sizeof(float)) +
-                               "-byte pull reply, over --max-request-mb; refused");
-    *why = "the reply would be " + std::to_string(floats * sizeof(float)) + " bytes, over the server's limit of " +
-           std::to_string(options_.limits.max_payload_bytes) + " (--max-request-mb); pull fewer keys at a time";
-    return Errc::capacity;
+  *bytes = floats * sizeof(float);
+  if (*bytes <= options_.limits.max_payload_bytes) return Errc::ok;
+  log::warn("tcp.limit", "server " + std::to_string(engine_.options().server_id) + ": " + peer.who() + " asked for a " +
+                             std::to_string(*bytes) + "-byte pull reply, over --max-request-mb; refused");
+  *why = "the reply would be " + std::to_string(*bytes) + " bytes, over the server's limit of " +
+         std::to_string(options_.limits.max_payload_bytes) + " (--max-request-mb); pull fewer " + what + " at a time";
+  return Errc::capacity;
+}
+
+bool TcpServer::send_values(Peer& peer, const wire::FrameHeader& h, Reply&& r, const float* payload,
+                            std::uint64_t bytes) {
+  r.payload = payload;
+  r.payload_bytes = bytes;
+  if (h.flags & wire::kChecksum) {
+    r.header.flags |= wire::kChecksum;
+    r.header.checksum = wire::crc32_update(0, r.payload, bytes);
   }
-  if (bytes) *bytes = floats * sizeof(float);
-  return Errc::ok;
+  return send(peer, std::move(r));
 }
 
 bool TcpServer::answer_pull(Peer& peer, const wire::FrameHeader& h, std::span<const wire::KeyEntry> keys, bool owner) {
@@ -1375,13 +1379,7 @@ bool TcpServer::answer_pull(Peer& peer, const wire::FrameHeader& h, std::span<co
     engine_.store().read_slot_or_lock(slots[i], out);
     out += keys[i].length;
   }
-  r.payload = payload;
-  r.payload_bytes = bytes;
-  if (h.flags & wire::kChecksum) {
-    r.header.flags |= wire::kChecksum;
-    r.header.checksum = wire::crc32_update(0, r.payload, bytes);
-  }
-  return send(peer, std::move(r));
+  return send_values(peer, h, std::move(r), payload, bytes);
 }
 
 Errc TcpServer::reply_buffer(Peer& peer, Reply& r, std::uint64_t bytes, bool owner, const char* what, float** out,

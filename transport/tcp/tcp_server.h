@@ -187,6 +187,12 @@ class TcpServer {
   // table_create, table_pull and table_push (docs/protocol.md, "Ops").
   bool handle_table(Peer& peer, const wire::FrameHeader& h, const float* payload);
   bool answer_table_pull(Peer& peer, const wire::FrameHeader& h);
+  // The bytes of a reply holding `keys`' values: capacity (logged, with *why naming `what` to
+  // pull fewer of) past the request limit.
+  Errc reply_size(const Peer& peer, std::span<const wire::KeyEntry> keys, const char* what, std::uint64_t* bytes,
+                  std::string* why);
+  // Sends `r` with `bytes` of values at `payload` (and their checksum when the request had one).
+  bool send_values(Peer& peer, const wire::FrameHeader& h, Reply&& r, const float* payload, std::uint64_t bytes);
   // Where a reply of `bytes` values is built: the connection's own buffer for its owner when it
   // fits, else memory of the reply's own, charged to the budget (capacity, with *why, if over).
   Errc reply_buffer(Peer& peer, Reply& r, std::uint64_t bytes, bool owner, const char* what, float** out,
