@@ -1178,75 +1178,50 @@ int main(int argc, char** argv) {
                     transport.c_str(), table_keys, key_floats * 4, inserters, ins.inserts_per_s / 1e6,
                     ins.bytes_per_row);
       std::fflush(stdout);
-      const KeyDraw draw(table_keys, dist, zipf_s);
-      for (const auto& op : ops)
-        for (int clients : client_counts) {
-          const SparsePoint p = measure_sparse(targets, op, draw, key_floats, batch_keys, clients, seconds, table_keys);
-          if (json)
-            print_json(pskv::JsonObject()
-                           .add("transport", transport)
-                           .add("workload", "rows")
-                           .add("dist", dist)
-                           .add("op", op)
-                           .add("row_bytes", key_floats * 4)
-                           .add("batch_keys", batch_keys)
-                           .add("table_rows", table_keys)
-                           .add("clients", clients)
-                           .add("servers", targets.size())
-                           .add("ops", p.batches)
-                           .add("rows_per_s", p.keys_per_s, 0)
-                           .add("bytes_per_s", p.bytes_per_s, 0)
-                           .add("p50_us", p.p50_us, 2)
-                           .add("p99_us", p.p99_us, 2)
-                           .add("baseline", transport == "shm" ? "memcpy" : "tcp_stream")
-                           .add("baseline_value", transport == "shm" ? memcpy_bw : stream_bw, 0)
-                           .add("ratio", p.bytes_per_s / (transport == "shm" ? memcpy_bw : stream_bw), 4));
-          else
-            std::printf(
-                "%-5s rows %-7s %-5s %zu rows x %zu B, %d clients: %.2f M rows/s, batch p50 %.0f us p99 %.0f us\n",
-                transport.c_str(), dist.c_str(), op.c_str(), batch_keys, key_floats * 4, clients, p.keys_per_s / 1e6,
-                p.p50_us, p.p99_us);
-          std::fflush(stdout);
-        }
     } catch (const std::exception& e) {
       std::fprintf(stderr, "pskv-bench: %s\n", e.what());
       rc = 1;
+      ops.clear();
     }
-    ops.clear();
   }
-  if (workload == "sparse") {
+  // Batches of keys (sparse: of an initialised table) or of rows (rows: of the embedding table
+  // inserted above), drawn uniformly or by a Zipf law.
+  if (workload == "sparse" || workload == "rows") {
+    const bool rows = workload == "rows";
     try {
-      init_sparse_table(targets, table_keys, key_floats);
+      if (!rows) init_sparse_table(targets, table_keys, key_floats);
       const KeyDraw draw(table_keys, dist, zipf_s);
+      const double base = transport == "shm" ? memcpy_bw : stream_bw;
       for (const auto& op : ops)
         for (int clients : client_counts) {
-          const SparsePoint p = measure_sparse(targets, op, draw, key_floats, batch_keys, clients, seconds);
-          const double base = transport == "shm" ? memcpy_bw : stream_bw;
-          if (json)
-            print_json(pskv::JsonObject()
-                           .add("transport", transport)
-                           .add("workload", "sparse")
-                           .add("dist", dist)
-                           .add("op", op)
-                           .add("value_bytes", key_floats * 4)
-                           .add("batch_keys", batch_keys)
-                           .add("table_keys", table_keys)
-                           .add("clients", clients)
-                           .add("servers", targets.size())
-                           .add("replicas", replicas)
-                           .add("ops", p.batches)
-                           .add("keys_per_s", p.keys_per_s, 0)
+          const SparsePoint p =
+              measure_sparse(targets, op, draw, key_floats, batch_keys, clients, seconds, rows ? table_keys : 0);
+          if (json) {
+            pskv::JsonObject j;
+            j.add("transport", transport)
+                .add("workload", workload)
+                .add("dist", dist)
+                .add("op", op)
+                .add(rows ? "row_bytes" : "value_bytes", key_floats * 4)
+                .add("batch_keys", batch_keys)
+                .add(rows ? "table_rows" : "table_keys", table_keys)
+                .add("clients", clients)
+                .add("servers", targets.size());
+            if (!rows) j.add("replicas", replicas);
+            print_json(j.add("ops", p.batches)
+                           .add(rows ? "rows_per_s" : "keys_per_s", p.keys_per_s, 0)
                            .add("bytes_per_s", p.bytes_per_s, 0)
                            .add("p50_us", p.p50_us, 2)
                            .add("p99_us", p.p99_us, 2)
                            .add("baseline", transport == "shm" ? "memcpy" : "tcp_stream")
                            .add("baseline_value", base, 0)
                            .add("ratio", p.bytes_per_s / base, 4));
-          else
-            std::printf(
-                "%-5s sparse %-7s %-5s %zu keys x %zu B, %d clients: %.2f M keys/s, batch p50 %.0f us p99 %.0f us\n",
-                transport.c_str(), dist.c_str(), op.c_str(), batch_keys, key_floats * 4, clients, p.keys_per_s / 1e6,
-                p.p50_us, p.p99_us);
+          } else {
+            const char* unit = rows ? "rows" : "keys";
+            std::printf("%-5s %s %-7s %-5s %zu %s x %zu B, %d clients: %.2f M %s/s, batch p50 %.0f us p99 %.0f us\n",
+                        transport.c_str(), workload.c_str(), dist.c_str(), op.c_str(), batch_keys, unit, key_floats * 4,
+                        clients, p.keys_per_s / 1e6, unit, p.p50_us, p.p99_us);
+          }
           std::fflush(stdout);
         }
     } catch (const std::exception& e) {
