@@ -753,6 +753,14 @@ PyCFunction as_cfunction(F* f) {
 
 }  // namespace
 
+UpdateRuleConfig rule_config(const std::string& rule, float lr, float momentum, float beta1, float beta2, float eps,
+                             float weight_decay) {
+  const auto parsed = parse_update_rule(rule);
+  if (!parsed)
+    throw Error(Errc::invalid_argument, "rule must be assign, add, sgd, momentum, adam or adagrad, not '" + rule + "'");
+  return {*parsed, lr, momentum, beta1, beta2, eps, weight_decay};
+}
+
 std::chrono::milliseconds to_ms(double seconds, const char* name) {
   if (!(seconds >= 0)) throw Error(Errc::invalid_argument, std::string(name) + " is seconds >= 0");
   return std::chrono::milliseconds(static_cast<std::int64_t>(seconds * 1000 + 0.5));
@@ -822,9 +830,7 @@ void bind_client(py::module_& m) {
             spec.init = *i;
             spec.init_scale = init_scale;
             spec.seed = seed;
-            const auto r = parse_update_rule(rule);
-            if (!r) throw Error(Errc::invalid_argument, "unknown update rule '" + rule + "'");
-            spec.rule = {*r, lr, momentum, beta1, beta2, eps, weight_decay};
+            spec.rule = rule_config(rule, lr, momentum, beta1, beta2, eps, weight_decay);
             spec.admit_after = admit_after;
             const auto e = parse_row_eviction(eviction);
             if (!e)

@@ -66,11 +66,7 @@ void bind_server(py::module_& m) {
                throw Error(Errc::invalid_argument, "mode must be asp, bsp, ssp or sync, not '" + mode + "'");
              o.mode = *parsed_mode;
              o.staleness = staleness;
-             const auto parsed_rule = parse_update_rule(rule);
-             if (!parsed_rule)
-               throw Error(Errc::invalid_argument,
-                           "rule must be assign, add, sgd, momentum, adam or adagrad, not '" + rule + "'");
-             o.rule = {*parsed_rule, lr, momentum, beta1, beta2, eps, weight_decay};
+             o.rule = rule_config(rule, lr, momentum, beta1, beta2, eps, weight_decay);
              o.server_id = server_id;
              o.sync_required = sync_required;
              o.wait_timeout = to_ms(wait_timeout, "wait_timeout");
