@@ -2,9 +2,11 @@
 // vectorised "a += b" for push-add, so results read as ratios on a noisy machine.
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include "store/store.h"
@@ -169,22 +171,31 @@ void BM_TableRows(benchmark::State& state) {
   state.SetItemsProcessed(state.iterations() * static_cast<std::int64_t>(ids.size()));
 }
 
-// Creating rows: a fresh table per iteration, 2^18 ids in 1,000-row pushes.
+// Creating rows: a fresh table per iteration, 2^18 ids in 1,000-row pushes, split over
+// state.range(0) threads (as a server's I/O threads share a table).
 void BM_TableInsert(benchmark::State& state) {
-  std::vector<Key> ids(1000);
-  std::vector<float> rows(ids.size() * 16, 0.0f);
+  constexpr Key kRows = 1u << 18;
+  const auto threads = static_cast<Key>(state.range(0));
   for (auto _ : state) {
     state.PauseTiming();
     TableSpec spec;
     spec.dim = 16;
     auto t = std::make_unique<EmbeddingTable>(spec);
     state.ResumeTiming();
-    for (Key base = 0; base < (1u << 18); base += ids.size()) {
-      for (std::size_t i = 0; i < ids.size(); ++i) ids[i] = (base + i) * 0x9e3779b97f4a7c15ull;
-      t->push(ids, rows.data(), 0);
-    }
+    std::vector<std::thread> workers;
+    for (Key w = 0; w < threads; ++w)
+      workers.emplace_back([&, w] {
+        std::vector<Key> ids(1000);
+        std::vector<float> rows(ids.size() * 16, 0.0f);
+        for (Key base = w * ids.size(); base < kRows; base += threads * ids.size()) {
+          const std::size_t n = std::min<Key>(ids.size(), kRows - base);
+          for (std::size_t i = 0; i < n; ++i) ids[i] = (base + i) * 0x9e3779b97f4a7c15ull;
+          t->push(std::span<const Key>(ids.data(), n), rows.data(), 0);
+        }
+      });
+    for (auto& w : workers) w.join();
   }
-  state.SetItemsProcessed(state.iterations() * static_cast<std::int64_t>(1u << 18));
+  state.SetItemsProcessed(state.iterations() * static_cast<std::int64_t>(kRows));
 }
 
 BENCHMARK(BM_Memcpy)->RangeMultiplier(4)->Range(kMinBytes, kMaxBytes);
@@ -193,7 +204,7 @@ BENCHMARK(BM_Pull)->RangeMultiplier(4)->Range(kMinBytes, kMaxBytes)->Threads(1)-
 BENCHMARK(BM_PushAdd)->RangeMultiplier(4)->Range(kMinBytes, kMaxBytes)->Threads(1)->Threads(2)->UseRealTime();
 BENCHMARK(BM_PullSmallRandomKeys)->Threads(1)->Threads(2)->UseRealTime();
 BENCHMARK(BM_TableRows)->ArgName("push")->Arg(0)->Arg(1)->Threads(1)->Threads(2)->UseRealTime();
-BENCHMARK(BM_TableInsert)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_TableInsert)->ArgName("threads")->Arg(1)->Arg(2)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_PushContendedStripes)->Arg(1)->Arg(1024)->Threads(2)->UseRealTime();
 
 }  // namespace

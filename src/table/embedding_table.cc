@@ -1,6 +1,7 @@
 #include "table/embedding_table.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <new>
@@ -28,7 +29,7 @@ struct EmbeddingTable::Segment {
 namespace {
 
 constexpr std::uint32_t kFilterBits = 23;  // 2 x 8 Mi one-byte counters: 16 MiB per table
-constexpr std::uint32_t kInitialBuckets = 8;
+constexpr std::uint32_t kMinBuckets = 8;
 constexpr int kVictimSamples = 5;
 constexpr int kVictimRounds = 16;
 
@@ -41,6 +42,19 @@ std::pair<float, float> unit_pair(std::uint64_t base, std::uint64_t k) noexcept 
   return {static_cast<float>(u >> 40) * kScale, static_cast<float>((u >> 16) & 0xFFFFFF) * kScale};
 }
 
+// A shard's buckets when the table is made: for the shard's share of max_rows, four standard
+// deviations above its mean, at two rows per bucket (the load a shard doubles past), so that a
+// table with a cap does not rehash on its way there; up to 2^14 (512 MiB of buckets for the
+// table, what 10^8 rows need). Past that the shards grow as a table without a cap does.
+constexpr std::uint32_t kMaxInitialBuckets = 1u << 14;
+
+std::uint32_t initial_buckets(const TableSpec& spec, std::uint32_t shard_bits) noexcept {
+  const double mean = std::ldexp(double(spec.max_rows), -int(shard_bits));
+  const auto rows = static_cast<std::uint64_t>(std::min(mean + 4 * std::sqrt(mean) + 4, 1e12));
+  return static_cast<std::uint32_t>(
+      std::clamp<std::uint64_t>(std::bit_ceil(rows / 2 + 1), kMinBuckets, kMaxInitialBuckets));
+}
+
 }  // namespace
 
 EmbeddingTable::EmbeddingTable(const TableSpec& spec)
@@ -49,14 +63,15 @@ EmbeddingTable::EmbeddingTable(const TableSpec& spec)
   state_floats_ = state_floats_for(spec);
   stamps_ = spec.eviction != RowEviction::none;
   shards_ = std::make_unique<Shard[]>(std::size_t{1} << kShardBits);
+  const std::uint32_t buckets = initial_buckets(spec, kShardBits);
   for (std::size_t s = 0; s < (std::size_t{1} << kShardBits); ++s) {
     auto b = std::make_unique<Buckets>();
-    b->mask = kInitialBuckets - 1;
-    b->heads = std::make_unique<std::atomic<std::uint32_t>[]>(kInitialBuckets);
+    b->mask = buckets - 1;
+    b->heads = std::make_unique<std::atomic<std::uint32_t>[]>(buckets);
     shards_[s].buckets.store(b.get(), std::memory_order_relaxed);
     shards_[s].all.push_back(std::move(b));
   }
-  index_bytes_ = (std::uint64_t{sizeof(Shard)} + sizeof(Buckets) + kInitialBuckets * 4) << kShardBits;  // fixed_bytes
+  index_bytes_ = (std::uint64_t{sizeof(Shard)} + sizeof(Buckets) + std::uint64_t{buckets} * 4) << kShardBits;
   segments_ = std::make_unique<std::atomic<Segment*>[]>(kMaxSegments);
   if (spec.admit_after > 1) filter_ = std::make_unique<std::atomic<std::uint8_t>[]>(std::size_t{2} << kFilterBits);
 }
@@ -68,13 +83,14 @@ std::uint64_t EmbeddingTable::state_floats_for(const TableSpec& spec) noexcept {
 
 std::uint64_t EmbeddingTable::row_bytes_bound(const TableSpec& spec) noexcept {
   // Key, link and seqlock word; floats; state; stamp; and at most 8 bytes of buckets (the
-  // current array at two rows per bucket, and the arrays it outgrew).
+  // current array at two rows per bucket, and the arrays it outgrew; or, sized for the cap when
+  // the table is made, at most one bucket per row of the cap).
   return sizeof(RowMeta) + 4ull * spec.dim + 4 * state_floats_for(spec) + (spec.eviction != RowEviction::none ? 4 : 0) +
          8;
 }
 
 std::uint64_t EmbeddingTable::fixed_bytes(const TableSpec& spec) noexcept {
-  const std::uint64_t index = (std::uint64_t{sizeof(Shard)} + sizeof(Buckets) + kInitialBuckets * 4) << kShardBits;
+  const std::uint64_t index = (std::uint64_t{sizeof(Shard)} + sizeof(Buckets) + kMinBuckets * 4) << kShardBits;
   const std::uint64_t segment_table = std::uint64_t{sizeof(std::atomic<Segment*>)} * kMaxSegments;
   const std::uint64_t bytes = index + segment_table + (spec.admit_after > 1 ? (std::uint64_t{2} << kFilterBits) : 0);
   return (bytes + (1u << 20) - 1) >> 20 << 20;  // whole MiB: the allocator's slack on the many small arrays
@@ -267,56 +283,98 @@ bool EmbeddingTable::admitted(Key id) noexcept {
   return estimate >= std::min<std::uint32_t>(spec_.admit_after, UINT8_MAX);
 }
 
-std::uint32_t EmbeddingTable::allocate_row() noexcept {
-  {
-    std::lock_guard lock(free_mu_);
-    if (!free_rows_.empty()) {
-      const std::uint32_t row = free_rows_.back();
-      free_rows_.pop_back();
-      return row;
-    }
-  }
-  const std::uint32_t row = next_row_.fetch_add(1, std::memory_order_relaxed);
-  if (row == kFreeRow || row == 0) {  // 2^32 - 2 rows made: no id left
-    next_row_.store(kFreeRow, std::memory_order_relaxed);
-    return 0;
-  }
-  const std::uint32_t s = row >> kSegmentBits;
-  if (segments_[s].load(std::memory_order_acquire) == nullptr) {
-    std::lock_guard lock(grow_mu_);
-    if (segments_[s].load(std::memory_order_relaxed) == nullptr) {
-      // Zero pages as mapped: every atomic starts at 0, and only `next` needs another value.
-      const std::size_t meta_bytes = align_up(sizeof(RowMeta) * kSegmentRows, kCacheLine);
-      const std::size_t data_bytes = align_up(std::size_t{spec_.dim} * sizeof(float) * kSegmentRows, kCacheLine);
-      const std::size_t state_bytes = align_up(state_floats_ * sizeof(float) * kSegmentRows, kCacheLine);
-      const std::size_t stamp_bytes = stamps_ ? align_up(4 * kSegmentRows, kCacheLine) : 0;
-      const std::size_t mark_bytes = kSegmentRows / 8;
-      auto seg = std::unique_ptr<Segment>(new (std::nothrow) Segment);
-      if (!seg) return 0;
-      try {
-        seg->memory = std::make_unique<HeapMemory>(meta_bytes + data_bytes + state_bytes + stamp_bytes + mark_bytes,
-                                                   "an embedding table's rows");
-      } catch (const std::exception&) {
-        return 0;
+bool EmbeddingTable::take_live(Grant& g) noexcept {
+  if (g.live == 0) {
+    std::uint64_t live = rows_.load(std::memory_order_relaxed);
+    std::uint64_t take;
+    do {
+      take = g.live_block;
+      if (spec_.max_rows != 0) {
+        if (live >= spec_.max_rows) return false;
+        // Near the cap room is taken a row at a time: room one push holds must not make
+        // another evict (or drop a row) meanwhile.
+        const std::uint64_t room = spec_.max_rows - live;
+        take = room > 4 * kGrantRows ? take : 1;
       }
-      std::byte* at = seg->memory->data();
-      auto carve = [&at](std::size_t bytes) { return std::exchange(at, at + bytes); };
-      seg->meta = reinterpret_cast<RowMeta*>(carve(meta_bytes));
-      seg->data = reinterpret_cast<float*>(carve(data_bytes));
-      seg->state = state_bytes ? reinterpret_cast<float*>(carve(state_bytes)) : nullptr;
-      seg->stamps = stamp_bytes ? reinterpret_cast<std::atomic<std::uint32_t>*>(carve(stamp_bytes)) : nullptr;
-      seg->marks = reinterpret_cast<std::atomic<std::uint64_t>*>(carve(mark_bytes));
-      for (std::uint32_t i = 0; i < kSegmentRows; ++i) {
-        new (&seg->meta[i].key) std::atomic<std::uint64_t>(0);
-        new (&seg->meta[i].next) std::atomic<std::uint32_t>(kFreeRow);
-        new (&seg->meta[i].version) std::atomic<std::uint32_t>(0);
-      }
-      segment_bytes_.fetch_add(seg->memory->size(), std::memory_order_relaxed);
-      segments_[s].store(seg.release(), std::memory_order_release);
-      segment_count_.fetch_add(1, std::memory_order_relaxed);
-    }
+    } while (!rows_.compare_exchange_weak(live, live + take, std::memory_order_relaxed));
+    g.live = take;
+    g.live_block = std::min(g.live_block * 2, kGrantRows);
   }
+  --g.live;
+  return true;
+}
+
+std::uint32_t EmbeddingTable::take_row(Grant& g) noexcept {
+  if (g.count == 0) {
+    if (free_count_.load(std::memory_order_relaxed) > 0) {
+      std::lock_guard lock(free_mu_);
+      while (g.count < g.row_block && !free_rows_.empty()) {
+        g.rows[g.count++] = free_rows_.back();
+        free_rows_.pop_back();
+      }
+      free_count_.store(free_rows_.size(), std::memory_order_relaxed);
+    }
+    if (g.count == 0) {
+      const std::uint64_t first = next_row_.fetch_add(g.row_block, std::memory_order_relaxed);
+      if (first >= kFreeRow) return 0;  // 2^32 - 2 rows made: no row number left
+      // Kept in reverse, so that the push takes them (from the back) in increasing order.
+      for (std::uint64_t r = std::min<std::uint64_t>(first + g.row_block, kFreeRow); r > first;)
+        g.rows[g.count++] = static_cast<std::uint32_t>(--r);
+    }
+    g.row_block = std::min(g.row_block * 2, kGrantRows);
+  }
+  const std::uint32_t row = g.rows[g.count - 1];
+  if (!ensure_segment(row)) return 0;  // kept in the grant: give_back frees it for a later try
+  --g.count;
   return row;
+}
+
+void EmbeddingTable::give_back(Grant& g) noexcept {
+  if (g.live > 0) rows_.fetch_sub(g.live, std::memory_order_relaxed);
+  if (g.created > 0) created_.fetch_add(g.created, std::memory_order_relaxed);
+  if (g.count > 0) {
+    std::lock_guard lock(free_mu_);
+    free_rows_.insert(free_rows_.end(), g.rows.begin(), g.rows.begin() + g.count);
+    free_count_.store(free_rows_.size(), std::memory_order_relaxed);
+  }
+  g = Grant{};
+}
+
+bool EmbeddingTable::ensure_segment(std::uint32_t row) noexcept {
+  const std::uint32_t s = row >> kSegmentBits;
+  if (segments_[s].load(std::memory_order_acquire) != nullptr) return true;
+  std::lock_guard lock(grow_mu_);
+  if (segments_[s].load(std::memory_order_relaxed) != nullptr) return true;
+  // Zero pages as mapped: every atomic starts at 0, and only `next` needs another value.
+  const std::size_t meta_bytes = align_up(sizeof(RowMeta) * kSegmentRows, kCacheLine);
+  const std::size_t data_bytes = align_up(std::size_t{spec_.dim} * sizeof(float) * kSegmentRows, kCacheLine);
+  const std::size_t state_bytes = align_up(state_floats_ * sizeof(float) * kSegmentRows, kCacheLine);
+  const std::size_t stamp_bytes = stamps_ ? align_up(4 * kSegmentRows, kCacheLine) : 0;
+  const std::size_t mark_bytes = kSegmentRows / 8;
+  auto seg = std::unique_ptr<Segment>(new (std::nothrow) Segment);
+  if (!seg) return false;
+  try {
+    seg->memory = std::make_unique<HeapMemory>(meta_bytes + data_bytes + state_bytes + stamp_bytes + mark_bytes,
+                                               "an embedding table's rows");
+  } catch (const std::exception&) {
+    return false;
+  }
+  std::byte* at = seg->memory->data();
+  auto carve = [&at](std::size_t bytes) { return std::exchange(at, at + bytes); };
+  seg->meta = reinterpret_cast<RowMeta*>(carve(meta_bytes));
+  seg->data = reinterpret_cast<float*>(carve(data_bytes));
+  seg->state = state_bytes ? reinterpret_cast<float*>(carve(state_bytes)) : nullptr;
+  seg->stamps = stamp_bytes ? reinterpret_cast<std::atomic<std::uint32_t>*>(carve(stamp_bytes)) : nullptr;
+  seg->marks = reinterpret_cast<std::atomic<std::uint64_t>*>(carve(mark_bytes));
+  for (std::uint32_t i = 0; i < kSegmentRows; ++i) {
+    new (&seg->meta[i].key) std::atomic<std::uint64_t>(0);
+    new (&seg->meta[i].next) std::atomic<std::uint32_t>(kFreeRow);
+    new (&seg->meta[i].version) std::atomic<std::uint32_t>(0);
+  }
+  segment_bytes_.fetch_add(seg->memory->size(), std::memory_order_relaxed);
+  segments_[s].store(seg.release(), std::memory_order_release);
+  segment_count_.fetch_add(1, std::memory_order_relaxed);
+  return true;
 }
 
 std::uint32_t EmbeddingTable::victim_score(std::uint32_t row) const noexcept {
@@ -338,7 +396,8 @@ void EmbeddingTable::unlink(Shard& shard, std::atomic<std::uint32_t>* link, std:
 }
 
 std::uint32_t EmbeddingTable::evict_one(Shard& locked) noexcept {
-  const std::uint32_t made = std::min(next_row_.load(std::memory_order_relaxed), kFreeRow);
+  const auto made =
+      static_cast<std::uint32_t>(std::min<std::uint64_t>(next_row_.load(std::memory_order_relaxed), kFreeRow));
   if (made <= 1) return 0;
   for (int round = 0; round < kVictimRounds; ++round) {
     // The lowest score of a few random rows (the approximation Redis makes for LRU and LFU).
@@ -405,19 +464,10 @@ void EmbeddingTable::grow(Shard& shard) noexcept {
   grows_.fetch_add(1, std::memory_order_relaxed);
 }
 
-std::uint32_t EmbeddingTable::create_row(Shard& shard, Key id, std::uint64_t hash) noexcept {
+std::uint32_t EmbeddingTable::create_row(Shard& shard, Key id, std::uint64_t hash, Grant& grant) noexcept {
   // A live row is counted before it is made, so concurrent creators never pass the cap together.
-  std::uint64_t live = rows_.load(std::memory_order_relaxed);
-  while ((spec_.max_rows == 0 || live < spec_.max_rows) &&
-         !rows_.compare_exchange_weak(live, live + 1, std::memory_order_relaxed)) {
-  }
-  std::uint32_t row = 0;
-  if (spec_.max_rows == 0 || live < spec_.max_rows) {
-    row = allocate_row();
-    if (row == 0) rows_.fetch_sub(1, std::memory_order_relaxed);
-  }
-  // An evicted row is reused at once: the live count stays.
-  if (row == 0 && spec_.eviction != RowEviction::none) row = evict_one(shard);
+  std::uint32_t row = take_live(grant) ? take_row(grant) : 0;
+  if (row == 0 && spec_.eviction != RowEviction::none) row = evict_one(shard);  // reused at once: the count stays
   if (row == 0) return 0;
   // Two rows per bucket on average before the shard doubles: four bytes of bucket per row at
   // most, plus as much again in the arrays it outgrew (see Shard::all).
@@ -437,13 +487,14 @@ std::uint32_t EmbeddingTable::create_row(Shard& shard, Key id, std::uint64_t has
   head.store(row, std::memory_order_release);
   ++shard.rows;
   mark(row);
-  created_.fetch_add(1, std::memory_order_relaxed);
+  ++grant.created;
   return row;
 }
 
 void EmbeddingTable::push(std::span<const Key> ids, const float* grads, std::uint64_t step) noexcept {
   tick_.fetch_add(1, std::memory_order_relaxed);
   const std::uint32_t dim = spec_.dim;
+  Grant grant;
   for (std::size_t i = 0; i < ids.size(); ++i) {
     prefetch(ids, i);
     const Key id = ids[i];
@@ -451,7 +502,7 @@ void EmbeddingTable::push(std::span<const Key> ids, const float* grads, std::uin
     Shard& shard = shard_of(hash);
     std::lock_guard lock(shard.lock);
     std::uint32_t row = find_locked(shard, id, hash, nullptr);
-    if (row == 0 && admitted(id)) row = create_row(shard, id, hash);
+    if (row == 0 && admitted(id)) row = create_row(shard, id, hash, grant);
     if (row == 0) {
       not_admitted_.fetch_add(1, std::memory_order_relaxed);
       continue;
@@ -471,6 +522,7 @@ void EmbeddingTable::push(std::span<const Key> ids, const float* grads, std::uin
     mark(row);
     if (stamps_) touch(row, step);
   }
+  give_back(grant);
 }
 
 void EmbeddingTable::mark(std::uint32_t row) noexcept {
@@ -529,7 +581,11 @@ bool EmbeddingTable::restore_row(Key id, const float* values, const float* st) n
   Shard& shard = shard_of(hash);
   std::lock_guard lock(shard.lock);
   std::uint32_t row = find_locked(shard, id, hash, nullptr);
-  if (row == 0) row = create_row(shard, id, hash);
+  if (row == 0) {
+    Grant grant;
+    row = create_row(shard, id, hash, grant);
+    give_back(grant);
+  }
   if (row == 0) return false;
   RowMeta& m = meta(row);
   const std::uint32_t rv = begin_write(m.version);
@@ -558,6 +614,7 @@ void EmbeddingTable::remove_row(Key id) noexcept {
   }
   std::lock_guard lock(free_mu_);
   free_rows_.push_back(row);
+  free_count_.store(free_rows_.size(), std::memory_order_relaxed);
 }
 
 TableStats EmbeddingTable::stats() const noexcept {

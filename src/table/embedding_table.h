@@ -136,8 +136,22 @@ class EmbeddingTable {
   bool read_row(Key id, std::uint64_t hash, float* out) const noexcept;
   // Under shard's lock: a new row for id, linked into its chain, holding the initial value; 0
   // when none can be had (at the cap, and nothing could be evicted).
-  std::uint32_t create_row(Shard& shard, Key id, std::uint64_t hash) noexcept;
-  std::uint32_t allocate_row() noexcept;
+  // Live-count room and free rows taken for one push in blocks that double up to kGrantRows, so
+  // that a push creating many rows does not bounce the table's shared counters between the
+  // threads pushing at every row; give_back returns what the push did not use.
+  static constexpr std::uint32_t kGrantRows = 64;
+  struct Grant {
+    std::uint64_t live = 0;  // creations already counted in rows_, not made yet
+    std::uint64_t created = 0;
+    std::uint32_t live_block = 1, row_block = 1;
+    std::uint32_t count = 0;  // rows[0, count): free rows held for this push
+    std::array<std::uint32_t, kGrantRows> rows;
+  };
+  std::uint32_t create_row(Shard& shard, Key id, std::uint64_t hash, Grant& grant) noexcept;
+  bool take_live(Grant& grant) noexcept;          // false at the cap
+  std::uint32_t take_row(Grant& grant) noexcept;  // 0: none left, or no memory for its segment
+  void give_back(Grant& grant) noexcept;
+  bool ensure_segment(std::uint32_t row) noexcept;
   // Takes a row out of a full table for `locked` (the shard the caller holds). 0 if none.
   std::uint32_t evict_one(Shard& locked) noexcept;
   void unlink(Shard& shard, std::atomic<std::uint32_t>* link, std::uint32_t row) noexcept;
@@ -157,18 +171,22 @@ class EmbeddingTable {
   std::unique_ptr<Shard[]> shards_;
   std::unique_ptr<std::atomic<Segment*>[]> segments_;
   std::mutex grow_mu_;  // allocating a segment
-  std::atomic<std::uint32_t> next_row_{1};
+  // Rows never handed out start here (up to kFreeRow). The counters pushes move get a cache
+  // line each: two I/O threads creating rows would otherwise share one.
+  alignas(64) std::atomic<std::uint64_t> next_row_{1};
+  alignas(64) std::atomic<std::uint64_t> rows_{0};
+  alignas(64) std::atomic<std::size_t> free_count_{0};  // free_rows_.size(), read without its lock
   // The admission filter (admit_after > 1): two rows of saturating counters, count-min.
   std::unique_ptr<std::atomic<std::uint8_t>[]> filter_;
-  mutable std::atomic<std::uint64_t> tick_{0};  // LRU's clock: one per operation
-  std::atomic<std::uint64_t> rows_{0}, created_{0}, evicted_{0}, not_admitted_{0}, grows_{0};
+  alignas(64) mutable std::atomic<std::uint64_t> tick_{0};  // LRU's clock: one per operation
+  alignas(64) std::atomic<std::uint64_t> created_{0}, evicted_{0}, not_admitted_{0}, grows_{0};
   std::atomic<std::uint64_t> index_bytes_{0}, segment_count_{0}, segment_bytes_{0};
   std::atomic<std::uint64_t> sample_seed_{0x9e3779b97f4a7c15ull};
   std::atomic<bool> tracking_{false};
   std::mutex removed_mu_;
   std::vector<Key> removed_;  // ids evicted since the last take_changes, while tracking
   std::mutex free_mu_;
-  std::vector<std::uint32_t> free_rows_;  // rows of removed ids (remove_row), reused first
+  std::vector<std::uint32_t> free_rows_;  // rows of removed ids and of grants given back, reused first
 };
 
 template <class Visit>
@@ -180,7 +198,8 @@ void EmbeddingTable::take_changes(bool all, Visit&& visit, std::vector<Key>* rem
   }
   if (all) removed->clear();  // a full snapshot lists what is live; nothing before it matters
   std::vector<float> row(spec_.dim), st(state_floats_);
-  const std::uint32_t made = std::min(next_row_.load(std::memory_order_acquire), kFreeRow);
+  const auto made =
+      static_cast<std::uint32_t>(std::min<std::uint64_t>(next_row_.load(std::memory_order_acquire), kFreeRow));
   for (std::uint32_t r = 1; r < made; ++r) {
     if (segments_[r >> kSegmentBits].load(std::memory_order_acquire) == nullptr) {
       r |= kSegmentRows - 1;  // a segment still being allocated holds no live row yet

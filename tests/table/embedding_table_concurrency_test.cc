@@ -45,6 +45,37 @@ TEST(EmbeddingTableConcurrency, ConcurrentAddsToSharedRowsAreExact) {
   }
 }
 
+// Threads creating rows at once (each push takes room under the cap in blocks) fill the cap
+// exactly: no row past it, none refused while room was left.
+TEST(EmbeddingTableConcurrency, ConcurrentCreatorsFillTheCapExactly) {
+  TableSpec s;
+  s.dim = 8;
+  s.init = RowInit::zeros;
+  s.rule.rule = UpdateRule::add;
+  s.max_rows = 1000 * kScale + 77;
+  EmbeddingTable t(s);
+  constexpr int kThreads = 4;
+  const Key per_thread = 1000 * kScale;
+  std::vector<std::thread> threads;
+  for (int w = 0; w < kThreads; ++w)
+    threads.emplace_back([&, w] {
+      std::vector<Key> ids(100);
+      std::vector<float> ones(ids.size() * 8, 1.0f);
+      for (Key base = 0; base < per_thread; base += ids.size()) {
+        for (std::size_t k = 0; k < ids.size(); ++k) ids[k] = (base + k) * kThreads + w;
+        t.push(ids, ones.data(), 0);
+      }
+    });
+  for (auto& th : threads) th.join();
+  const TableStats st = t.stats();
+  EXPECT_EQ(st.rows, s.max_rows);
+  EXPECT_EQ(st.created, s.max_rows);
+  EXPECT_EQ(st.not_admitted, kThreads * per_thread - s.max_rows);
+  std::uint64_t found = 0;
+  for (Key id = 0; id < kThreads * per_thread; ++id) found += t.contains(id);
+  EXPECT_EQ(found, s.max_rows);
+}
+
 // Writers assign rows [id, c, c, ..., c] (c: a counter of the writer's) to a few hot ids that the
 // readers read all the time, and create new ids all along in the same batches (the index
 // rehashes shard by shard; with a cap, rows are evicted and reused for other ids). Readers check

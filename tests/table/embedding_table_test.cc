@@ -237,6 +237,46 @@ TEST(EmbeddingTable, A16FloatRowCostsAtMost96Bytes) {
   EXPECT_GE(per_row, 80.0) << "16 bytes of key and links plus 64 of floats: less means the count is wrong";
 }
 
+// A table with a cap gets the buckets for it when it is made: filling it never rehashes.
+TEST(EmbeddingTable, ACappedTableIsIndexedForItsCapFromTheStart) {
+  TableSpec s = spec(16);
+  s.max_rows = 4 * 65536 - 1;  // four whole segments (row 0 is never used)
+  EmbeddingTable t(s);
+  std::vector<Key> ids(1000);
+  std::vector<float> grads(ids.size() * 16, 0.0f);
+  for (Key base = 0; base < s.max_rows; base += ids.size()) {
+    std::iota(ids.begin(), ids.end(), base);
+    t.push(std::span<const Key>(ids.data(), std::min<Key>(ids.size(), s.max_rows - base)), grads.data(), 0);
+  }
+  const TableStats st = t.stats();
+  ASSERT_EQ(st.rows, s.max_rows);
+  EXPECT_EQ(st.not_admitted, 0u);
+  EXPECT_EQ(st.grows, 0u);
+  EXPECT_LE(double(st.bytes) / double(st.rows), 96.0);
+}
+
+// A push takes rows in blocks; those it does not use go back and are the next ones handed out,
+// so a stream of pushes that each create a few rows among many updates fills one segment of
+// 65,535 rows before it allocates another (the table's bytes stay those of the first push).
+TEST(EmbeddingTable, RowsAPushTookButDidNotUseAreReused) {
+  TableSpec s = spec(4);
+  s.max_rows = 60000;  // a cap: buckets sized up front, so only a new segment changes the bytes
+  EmbeddingTable t(s);
+  std::vector<Key> ids = {0, 1, 2, 0, 0};
+  std::vector<float> grads(ids.size() * 4, 1.0f);
+  t.push(ids, grads.data(), 0);
+  const std::uint64_t bytes = t.stats().bytes;
+  for (Key next = 3; next + 1 < s.max_rows; next += 2) {
+    ids = {0, next, 1, next + 1, 2};  // two new rows: a block of one, then a block of two
+    t.push(ids, grads.data(), 0);
+  }
+  const TableStats st = t.stats();
+  EXPECT_EQ(st.rows, s.max_rows - 1);
+  EXPECT_EQ(st.created, s.max_rows - 1);
+  EXPECT_EQ(st.bytes, bytes) << "rows a push left unused were not handed out again";
+  for (Key id = 0; id + 1 < s.max_rows; id += 997) EXPECT_TRUE(t.contains(id)) << id;
+}
+
 TEST(EmbeddingTable, RefusesSpecsItCannotServe) {
   auto refused = [](TableSpec s, const char* what) {
     try {
