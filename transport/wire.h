@@ -17,7 +17,7 @@
 namespace pskv::wire {
 
 inline constexpr std::uint32_t kMagic = 0x564b5350;  // "PSKV"
-inline constexpr std::uint16_t kVersion = 1;
+inline constexpr std::uint16_t kVersion = 2;
 
 enum class Op : std::uint16_t {
   hello =
