@@ -769,7 +769,8 @@ Errc ShardEngine::create_table(std::uint32_t id, const TableSpec& spec, std::str
     return Errc::capacity;
   }
   try {
-    table_owner_.push_back(std::make_unique<EmbeddingTable>(effective));
+    // Indexed for the cap the workers declared, not for the one this server's memory sets.
+    table_owner_.push_back(std::make_unique<EmbeddingTable>(effective, spec.max_rows));
   } catch (const std::exception& e) {
     *why = std::string("table ") + std::to_string(id) + ": " + e.what();
     return Errc::capacity;

@@ -42,14 +42,14 @@ std::pair<float, float> unit_pair(std::uint64_t base, std::uint64_t k) noexcept 
   return {static_cast<float>(u >> 40) * kScale, static_cast<float>((u >> 16) & 0xFFFFFF) * kScale};
 }
 
-// A shard's buckets when the table is made: for the shard's share of max_rows, four standard
+// A shard's buckets when the table is made: for the shard's share of the rows expected, four standard
 // deviations above its mean, at two rows per bucket (the load a shard doubles past), so that a
 // table with a cap does not rehash on its way there; up to 2^14 (512 MiB of buckets for the
 // table, what 10^8 rows need). Past that the shards grow as a table without a cap does.
 constexpr std::uint32_t kMaxInitialBuckets = 1u << 14;
 
-std::uint32_t initial_buckets(const TableSpec& spec, std::uint32_t shard_bits) noexcept {
-  const double mean = std::ldexp(double(spec.max_rows), -int(shard_bits));
+std::uint32_t initial_buckets(std::uint64_t rows_expected, std::uint32_t shard_bits) noexcept {
+  const double mean = std::ldexp(double(rows_expected), -int(shard_bits));
   const auto rows = static_cast<std::uint64_t>(std::min(mean + 4 * std::sqrt(mean) + 4, 1e12));
   return static_cast<std::uint32_t>(
       std::clamp<std::uint64_t>(std::bit_ceil(rows / 2 + 1), kMinBuckets, kMaxInitialBuckets));
@@ -57,13 +57,14 @@ std::uint32_t initial_buckets(const TableSpec& spec, std::uint32_t shard_bits) n
 
 }  // namespace
 
-EmbeddingTable::EmbeddingTable(const TableSpec& spec)
+EmbeddingTable::EmbeddingTable(const TableSpec& spec, std::uint64_t index_rows)
     : spec_(spec), index_key_((std::uint64_t{std::random_device{}()} << 32) | std::random_device{}()) {
   if (std::string why = check_table_spec(spec); !why.empty()) throw Error(Errc::invalid_argument, why);
   state_floats_ = state_floats_for(spec);
   stamps_ = spec.eviction != RowEviction::none;
   shards_ = std::make_unique<Shard[]>(std::size_t{1} << kShardBits);
-  const std::uint32_t buckets = initial_buckets(spec, kShardBits);
+  const std::uint32_t buckets =
+      initial_buckets(spec.max_rows ? std::min(index_rows, spec.max_rows) : index_rows, kShardBits);
   for (std::size_t s = 0; s < (std::size_t{1} << kShardBits); ++s) {
     auto b = std::make_unique<Buckets>();
     b->mask = buckets - 1;

@@ -42,8 +42,11 @@ struct TableStats {
 // never wait on each other in a cycle).
 class EmbeddingTable {
  public:
-  // Throws Error(invalid_argument) when check_table_spec refuses `spec`.
-  explicit EmbeddingTable(const TableSpec& spec);
+  // Throws Error(invalid_argument) when check_table_spec refuses `spec`. The index starts with
+  // buckets for `index_rows` rows (spec.max_rows by default): a server gives a table declared
+  // without a cap one from its memory, which the table may never approach, and sizes it for 0.
+  explicit EmbeddingTable(const TableSpec& spec) : EmbeddingTable(spec, spec.max_rows) {}
+  EmbeddingTable(const TableSpec& spec, std::uint64_t index_rows);
   ~EmbeddingTable();
   EmbeddingTable(const EmbeddingTable&) = delete;
   EmbeddingTable& operator=(const EmbeddingTable&) = delete;

@@ -146,6 +146,11 @@ TEST_P(Tables, ATableWhoseCapPassesTheMemoryBudgetIsRefused) {
   const std::uint64_t cap = stat(c, 0, "table_2_max_rows");
   EXPECT_GT(cap, 1000000u);
   EXPECT_LT(cap, 256u << 20 >> 5);
+  // That cap is the server's, not the workers': the index starts small (as a table without a
+  // cap does) rather than with buckets for millions of rows nobody declared.
+  TableSpec empty = s;
+  empty.max_rows = 0;
+  EXPECT_LE(stat(c, 0, "table_2_bytes"), EmbeddingTable::fixed_bytes(empty));
 }
 
 TEST_P(Tables, ClientSideMisuseIsRefusedBeforeAnythingIsSent) {
