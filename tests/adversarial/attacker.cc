@@ -821,7 +821,7 @@ std::vector<BadCase> bad_cases() {
     v.push_back({"magic-before-hello", false, false, true, frame(h)});
   }
   v.push_back({"magic", true, false, true, pull([](auto& h) { h.magic = 0x4b565350; })});
-  v.push_back({"version", true, true, true, pull([](auto& h) { h.version = 2; })});
+  v.push_back({"version", true, true, true, pull([](auto& h) { h.version = wire::kVersion + 1; })});
   v.push_back({"op-zero", true, true, true, pull([](auto& h) { h.op = 0; })});
   v.push_back({"op-unknown", true, true, true, pull([](auto& h) { h.op = 11; })});
   v.push_back({"op-ffff", true, true, true, pull([](auto& h) { h.op = 0xFFFF; })});
