@@ -65,10 +65,14 @@ EmbeddingTable::EmbeddingTable(const TableSpec& spec, std::uint64_t index_rows)
   shards_ = std::make_unique<Shard[]>(std::size_t{1} << kShardBits);
   const std::uint32_t buckets =
       initial_buckets(spec.max_rows ? std::min(index_rows, spec.max_rows) : index_rows, kShardBits);
+  initial_heads_ = std::make_unique<HeapMemory>(
+      (std::size_t{buckets} * sizeof(std::atomic<std::uint32_t>)) << kShardBits, "an embedding table's index");
+  auto* heads = reinterpret_cast<std::atomic<std::uint32_t>*>(initial_heads_->data());
+  for (std::size_t i = 0; i < (std::size_t{buckets} << kShardBits); ++i) new (&heads[i]) std::atomic<std::uint32_t>(0);
   for (std::size_t s = 0; s < (std::size_t{1} << kShardBits); ++s) {
     auto b = std::make_unique<Buckets>();
     b->mask = buckets - 1;
-    b->heads = std::make_unique<std::atomic<std::uint32_t>[]>(buckets);
+    b->heads = heads + s * buckets;
     shards_[s].buckets.store(b.get(), std::memory_order_relaxed);
     shards_[s].all.push_back(std::move(b));
   }
@@ -444,8 +448,9 @@ void EmbeddingTable::grow(Shard& shard) noexcept {
   auto b = std::unique_ptr<Buckets>(new (std::nothrow) Buckets);
   if (!b) return;
   b->mask = n - 1;
-  b->heads.reset(new (std::nothrow) std::atomic<std::uint32_t>[n]);
-  if (!b->heads) return;  // stays at the old size: chains get longer, nothing is lost
+  b->owned.reset(new (std::nothrow) std::atomic<std::uint32_t>[n]);
+  if (!b->owned) return;  // stays at the old size: chains get longer, nothing is lost
+  b->heads = b->owned.get();
   for (std::uint32_t i = 0; i < n; ++i) b->heads[i].store(0, std::memory_order_relaxed);
   const std::uint32_t sv = begin_write(shard.version);
   for (std::uint32_t i = 0; i <= old->mask; ++i) {

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "common/memory.h"
 #include "common/sync.h"
 #include "layout/hash.h"
 #include "pskv/error.h"
@@ -108,10 +109,12 @@ class EmbeddingTable {
     std::atomic<std::uint32_t> version;  // odd while its floats are being written
   };
   struct Segment;
-  // A shard's bucket array: heads[b] is the first row of bucket b's chain (0: empty).
+  // A shard's bucket array: heads[b] is the first row of bucket b's chain (0: empty). The arrays
+  // a table starts with are slices of one mapping (initial_heads_); a rehash's own their memory.
   struct Buckets {
     std::uint32_t mask;
-    std::unique_ptr<std::atomic<std::uint32_t>[]> heads;
+    std::atomic<std::uint32_t>* heads = nullptr;
+    std::unique_ptr<std::atomic<std::uint32_t>[]> owned;
   };
   struct alignas(64) Shard {
     SharedMutex lock;
@@ -172,6 +175,9 @@ class EmbeddingTable {
   std::uint64_t state_floats_ = 0;  // per row
   bool stamps_ = false;
   std::unique_ptr<Shard[]> shards_;
+  // Every shard's first bucket array, in one mapping on huge pages: a capped table's index is
+  // sized for 10^8 rows up front (512 MiB), and in 4 KiB pages each lookup would miss the TLB.
+  std::unique_ptr<HeapMemory> initial_heads_;
   std::unique_ptr<std::atomic<Segment*>[]> segments_;
   std::mutex grow_mu_;  // allocating a segment
   // Rows never handed out start here (up to kFreeRow). The counters pushes move get a cache
