@@ -801,6 +801,11 @@ int main(int argc, char** argv) {
                  "tcp servers it starts: how a large push is applied (pieces or whole, as pskv-server)")
       ->capture_default_str()
       ->check(CLI::IsMember({"pieces", "whole"}));
+  unsigned server_threads = 0;
+  app.add_option("--server-threads", server_threads,
+                 "servers it starts: request threads (0: their default, as pskv-server --io-threads; an shm server "
+                 "takes one per two cores, and serves table rows on those)")
+      ->capture_default_str();
   app.add_option("--sizes", sizes_text, "Value sizes in bytes (K/M suffixes)")->capture_default_str();
   app.add_option("--clients", clients_text, "Client counts to sweep")->capture_default_str();
   app.add_option("--ops", ops_text, "Operations to measure: push, pull")->capture_default_str();
@@ -923,6 +928,7 @@ int main(int argc, char** argv) {
                : transport == "tcp" ? "tcp://127.0.0.1:0?push=" + tcp_push
                                     : transport + "://127.0.0.1:0";
       so.server_id = static_cast<std::uint32_t>(s);
+      if (server_threads > 0) so.io_threads = server_threads;
       if (replicas > 1) {
         so.uri = ring[static_cast<std::size_t>(s)] + "?push=" + tcp_push;
         so.replicas = replicas;
