@@ -401,8 +401,7 @@ void EmbeddingTable::unlink(Shard& shard, std::atomic<std::uint32_t>* link, std:
 }
 
 std::uint32_t EmbeddingTable::evict_one(Shard& locked) noexcept {
-  const auto made =
-      static_cast<std::uint32_t>(std::min<std::uint64_t>(next_row_.load(std::memory_order_relaxed), kFreeRow));
+  const std::uint32_t made = rows_handed_out();
   if (made <= 1) return 0;
   for (int round = 0; round < kVictimRounds; ++round) {
     // The lowest score of a few random rows (the approximation Redis makes for LRU and LFU).
@@ -472,7 +471,11 @@ void EmbeddingTable::grow(Shard& shard) noexcept {
 
 std::uint32_t EmbeddingTable::create_row(Shard& shard, Key id, std::uint64_t hash, Grant& grant) noexcept {
   // A live row is counted before it is made, so concurrent creators never pass the cap together.
-  std::uint32_t row = take_live(grant) ? take_row(grant) : 0;
+  std::uint32_t row = 0;
+  if (take_live(grant)) {
+    row = take_row(grant);
+    if (row == 0) ++grant.live;  // no row to be had: the room goes back with the grant
+  }
   if (row == 0 && spec_.eviction != RowEviction::none) row = evict_one(shard);  // reused at once: the count stays
   if (row == 0) return 0;
   // Two rows per bucket on average before the shard doubles: four bytes of bucket per row at

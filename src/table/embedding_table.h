@@ -158,6 +158,10 @@ class EmbeddingTable {
   std::uint32_t take_row(Grant& grant) noexcept;  // 0: none left, or no memory for its segment
   void give_back(Grant& grant) noexcept;
   bool ensure_segment(std::uint32_t row) noexcept;
+  // Row numbers below this have been handed to a grant (used or free); none at or above it has.
+  std::uint32_t rows_handed_out() const noexcept {
+    return static_cast<std::uint32_t>(std::min<std::uint64_t>(next_row_.load(std::memory_order_acquire), kFreeRow));
+  }
   // Takes a row out of a full table for `locked` (the shard the caller holds). 0 if none.
   std::uint32_t evict_one(Shard& locked) noexcept;
   void unlink(Shard& shard, std::atomic<std::uint32_t>* link, std::uint32_t row) noexcept;
@@ -207,8 +211,7 @@ void EmbeddingTable::take_changes(bool all, Visit&& visit, std::vector<Key>* rem
   }
   if (all) removed->clear();  // a full snapshot lists what is live; nothing before it matters
   std::vector<float> row(spec_.dim), st(state_floats_);
-  const auto made =
-      static_cast<std::uint32_t>(std::min<std::uint64_t>(next_row_.load(std::memory_order_acquire), kFreeRow));
+  const std::uint32_t made = rows_handed_out();
   for (std::uint32_t r = 1; r < made; ++r) {
     if (segments_[r >> kSegmentBits].load(std::memory_order_acquire) == nullptr) {
       r |= kSegmentRows - 1;  // a segment still being allocated holds no live row yet
