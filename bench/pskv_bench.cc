@@ -896,10 +896,6 @@ int main(int argc, char** argv) {
   std::vector<pid_t> server_pids;
   pid_t spare = -1;                     // --kill-at-step: server 1's successor
   int spare_go = -1, spare_ready = -1;  // its pipes: start serving, and serving
-  if (workload == "rows" && transport == "rdma") {
-    std::fprintf(stderr, "pskv-bench: --workload rows needs --transport tcp or shm (rdma:// serves no tables yet)\n");
-    return 2;
-  }
   if (replicas > 1 && (transport != "tcp" || replicas > static_cast<std::uint32_t>(servers) || !targets.empty())) {
     std::fprintf(stderr, "pskv-bench: --replicas needs --transport tcp, servers it starts, and --servers >= it\n");
     return 2;

@@ -738,7 +738,15 @@ std::string ShardEngine::stats_json(std::uint64_t external_pushes, const JsonObj
   return j.merge(extra).str();
 }
 
+bool ShardEngine::tables_refused(std::string* why) const {
+  // Their rows would be lost with this server: refused rather than acknowledged unreplicated.
+  if (!replicator_) return false;
+  *why = "embedding tables are not replicated yet; run the servers without --replicas to use them";
+  return true;
+}
+
 Errc ShardEngine::create_table(std::uint32_t id, const TableSpec& spec, std::string* why) {
+  if (tables_refused(why)) return Errc::unsupported;
   if (id >= kMaxTables) {
     *why = "table id " + std::to_string(id) + " is past the " + std::to_string(kMaxTables) + " tables a server holds";
     return Errc::invalid_argument;
@@ -812,6 +820,7 @@ EmbeddingTable* ShardEngine::table_rows(std::uint32_t id, std::span<const KeyEnt
 }
 
 Errc ShardEngine::table_pull(std::uint32_t id, std::span<const KeyEntry> ids, float* out, std::string* why) {
+  if (tables_refused(why)) return Errc::unsupported;
   thread_local std::vector<Key> keys;
   EmbeddingTable* t = table_rows(id, ids, keys, why);
   if (!t) return Errc::invalid_argument;
@@ -822,6 +831,7 @@ Errc ShardEngine::table_pull(std::uint32_t id, std::span<const KeyEntry> ids, fl
 
 Errc ShardEngine::table_push(std::uint32_t id, std::uint64_t clock, std::span<const KeyEntry> ids, const float* grads,
                              std::string* why) {
+  if (tables_refused(why)) return Errc::unsupported;
   thread_local std::vector<Key> keys;
   EmbeddingTable* t = table_rows(id, ids, keys, why);
   if (!t) return Errc::invalid_argument;

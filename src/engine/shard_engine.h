@@ -208,7 +208,8 @@ class ShardEngine {
   // Creates table `id`, or checks that the table of that id was created with this very spec
   // (the first creator wins, as with init; another spec is invalid_argument). A spec without
   // max_rows gets the rows the table memory budget has left; one whose rows at its cap would
-  // pass the budget is refused (capacity).
+  // pass the budget is refused (capacity). On a replicated server these three are refused
+  // (unsupported): rows are not shipped to replicas yet.
   Errc create_table(std::uint32_t id, const TableSpec& spec, std::string* why);
   // Rows of `ids` (each entry's length must be the table's dimension) into out, one after another.
   Errc table_pull(std::uint32_t id, std::span<const KeyEntry> ids, float* out, std::string* why);
@@ -277,6 +278,8 @@ class ShardEngine {
   std::uint64_t table_bytes_promised_ = 0;               // under tables_mu_
   // Table `id`, with the ids of `entries` in `keys` once every entry is checked to be one row of
   // it; null, with *why, if there is no such table or a row is of another length.
+  // With replicas: table ops are refused (*why says so).
+  bool tables_refused(std::string* why) const;
   EmbeddingTable* table_rows(std::uint32_t id, std::span<const KeyEntry> entries, std::vector<Key>& keys,
                              std::string* why) const;
   Replica* replica(std::uint32_t origin, std::string* why) const;

@@ -518,9 +518,45 @@ TEST(Rdma, MalformedMessagesCloseOnlyTheirConnection) {
     EXPECT_TRUE(p.closed_by_server());
     still_serving();
   }
+  TableSpec rows;
+  rows.dim = 4;
+  healthy.create_table(0, rows);
+  {
+    SCOPED_TRACE("table_pull whose rows would pass the end of the receive region");
+    RawPeer p(server.uri);
+    struct {
+      wire::FrameHeader h;
+      wire::KeyEntry k[2];
+      rdma::RowsTarget t;
+    } m{wire::make_header(wire::Op::table_pull, 6, 2, 0), {{1, 4, 0}, {2, 4, 0}}, {}};
+    const std::uint64_t at = p.info().grant.region_bytes - 128;  // 48 bytes left after the key table
+    m.k[1].length = 1u << 20;
+    p.write_imm(&m, sizeof m, at, static_cast<std::uint32_t>(at / 64));
+    auto [status, text] = p.reply();
+    EXPECT_EQ(status, int(Errc::protocol)) << text;
+    EXPECT_NE(text.find("pass the end of the receive region"), std::string::npos) << text;
+    EXPECT_TRUE(p.closed_by_server());
+    still_serving();
+  }
+  {
+    SCOPED_TRACE("table_pull naming memory the peer never registered");
+    RawPeer p(server.uri);
+    struct {
+      wire::FrameHeader h;
+      wire::KeyEntry k;
+      rdma::RowsTarget t;
+    } m{wire::make_header(wire::Op::table_pull, 7, 1, 0, 0, 0), {1, 4, 0}, {0x1000, 0xdead, 0}};
+    p.write_imm(&m, sizeof m, 0, 0);
+    EXPECT_EQ(p.reply().first, -1) << "answered although its rows could not be written";
+    EXPECT_TRUE(p.closed_by_server());
+    still_serving();
+  }
   std::vector<float> out(8);
   healthy.wait(healthy.pull(Key(1), out));
-  EXPECT_EQ(out[0], 6.0f);
+  EXPECT_EQ(out[0], 8.0f);
+  std::vector<float> row(4);
+  const Key id = 1;
+  healthy.wait(healthy.pull_rows(0, {&id, 1}, row));
 }
 
 // With --auth-token-file, only a client proving the token gets remote keys or any answer; the

@@ -751,5 +751,29 @@ TEST(TcpReplicationPeers, OnlyServersMaySendTheReplicationOps) {
   EXPECT_EQ(ask_replica_index(ring.uris()[1], 0, wire::kServerPeer, servers.path).code, Errc::ok);
 }
 
+// Rows are not shipped to replicas yet: a replicated server refuses every table op by name
+// rather than acknowledge rows that its death would lose.
+TEST(TcpReplicationTables, AReplicatedServerRefusesTableOpsSayingWhy) {
+  Ring ring(2, 2, {});
+  ClientOptions o;
+  o.servers = ring.uris();
+  Client c(o);
+  TableSpec spec;
+  spec.dim = 4;
+  try {
+    c.create_table(0, spec);
+    ADD_FAILURE() << "a replicated server took a table";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::unsupported) << e.what();
+    EXPECT_NE(std::string(e.what()).find("not replicated yet"), std::string::npos) << e.what();
+  }
+  // The client's own record of the table is made only once the servers took it.
+  std::vector<float> row(4);
+  const Key id = 1;
+  EXPECT_THROW(c.pull_rows(0, {&id, 1}, row), Error);
+  std::vector<float> v(4, 1.0f);
+  c.wait(c.init(Key(1), v));  // dense keys are served as ever
+}
+
 }  // namespace
 }  // namespace pskv

@@ -1,5 +1,7 @@
-// Embedding tables served over tcp://: rows spread over the servers by id, created on first push,
-// repeated ids merged by the client, and every bad request answered with an error that says why.
+// Embedding tables served over tcp:// and shm://: rows spread over the servers by id, created on
+// first push, repeated ids merged by the client, and every bad request answered with an error that
+// says why. Built twice: rdma_table_test (label rdma, with PSKV_TABLES_OVER_RDMA) runs the same
+// tests over rdma:// in the Soft-RoCE VM, where rows come back by the server's RDMA WRITE.
 #include <gtest/gtest.h>
 
 #include <unistd.h>
@@ -15,15 +17,33 @@
 #include "table/embedding_table.h"
 #include "transport/transport.h"
 #include "transport/uri.h"
+#ifdef PSKV_TABLES_OVER_RDMA
+#include "rdma/rdma_support.h"
+#endif
 
 namespace pskv {
 namespace {
 
-// tcp, or shm (where table ops travel through each client's ring).
-ServerOptions server_options(std::uint32_t id, const std::string& scheme = "tcp") {
+#ifdef PSKV_TABLES_OVER_RDMA
+const std::string kDefaultScheme = "rdma";
+#else
+const std::string kDefaultScheme = "tcp";
+#endif
+
+// tcp, shm (where table ops travel through each client's ring), or rdma.
+ServerOptions server_options(std::uint32_t id, const std::string& scheme = kDefaultScheme) {
   ServerOptions so;
-  so.uri =
-      scheme == "tcp" ? "tcp://127.0.0.1:0" : "shm://tables-" + std::to_string(getpid()) + "-" + std::to_string(id);
+  if (scheme == "tcp") {
+    so.uri = "tcp://127.0.0.1:0";
+  } else if (scheme == "shm") {
+    so.uri = "shm://tables-" + std::to_string(getpid()) + "-" + std::to_string(id);
+  } else {
+#ifdef PSKV_TABLES_OVER_RDMA
+    // Small: the VM has 2 GiB, and a server pins its store and each client's receive region.
+    so.uri = "rdma://" + testing::rdma_ip() + ":0?recv_mb=16";
+    so.max_keys = 4096;
+#endif
+  }
   so.server_id = id;
   so.arena_bytes = 4 << 20;
   so.io_threads = 1;
@@ -40,12 +60,26 @@ TableSpec spec() {
   return s;
 }
 
+#ifdef PSKV_TABLES_OVER_RDMA
+#define PSKV_TABLES_REQUIRE_BACKEND() PSKV_REQUIRE_RDMA()
+#else
+#define PSKV_TABLES_REQUIRE_BACKEND() \
+  do {                                \
+  } while (0)
+#endif
+
+// The servers start in SetUp, once the rdma tests know there is a device to serve.
 class Tables : public ::testing::TestWithParam<std::string> {
  protected:
-  Server s0{server_options(0, GetParam())}, s1{server_options(1, GetParam())};
+  void SetUp() override {
+    PSKV_TABLES_REQUIRE_BACKEND();
+    s0_ = std::make_unique<Server>(server_options(0, GetParam()));
+    s1_ = std::make_unique<Server>(server_options(1, GetParam()));
+  }
+  std::unique_ptr<Server> s0_, s1_;
   ClientOptions options() const {
     ClientOptions o;
-    o.servers = {s0.uri(), s1.uri()};
+    o.servers = {s0_->uri(), s1_->uri()};
     return o;
   }
   static std::uint64_t stat(Client& c, std::size_t server, const std::string& name) {
@@ -167,10 +201,64 @@ TEST_P(Tables, ClientSideMisuseIsRefusedBeforeAnythingIsSent) {
   EXPECT_THROW(c.create_table(5, bad), Error);
 }
 
+// Many pulls in flight at once, for long enough that rdma's rows ring wraps many times: each
+// gets its own ids' rows, whatever order the replies come back in.
+TEST_P(Tables, ManyPullsInFlightEachGetTheirOwnRows) {
+  Client c(options());
+  TableSpec s = spec();
+  s.init = RowInit::zeros;
+  c.create_table(8, s);
+  constexpr std::size_t kBatch = 1000, kBatches = 8;
+  std::vector<Key> ids(kBatch * kBatches);
+  for (std::size_t i = 0; i < ids.size(); ++i) ids[i] = i * 2654435761u % 1000003;
+  std::vector<float> grads(ids.size() * 8);
+  for (std::size_t i = 0; i < ids.size(); ++i)
+    for (std::size_t j = 0; j < 8; ++j) grads[i * 8 + j] = float(ids[i] % 1000) + 0.125f * float(j);
+  c.wait(c.push_rows(8, ids, grads));
+  std::vector<std::vector<float>> out(kBatches, std::vector<float>(kBatch * 8));
+  for (int round = 0; round < 60; ++round) {
+    std::vector<Ticket> tickets;
+    for (std::size_t b = 0; b < kBatches; ++b) {
+      std::fill(out[b].begin(), out[b].end(), -1.0f);
+      tickets.push_back(c.pull_rows(8, std::span(ids).subspan(b * kBatch, kBatch), out[b]));
+    }
+    for (Ticket t : tickets) c.wait(t);
+    for (std::size_t b = 0; b < kBatches; ++b)
+      ASSERT_TRUE(std::equal(out[b].begin(), out[b].end(), grads.begin() + b * kBatch * 8))
+          << "round " << round << ", batch " << b << " came back with other rows";
+  }
+}
+
+// Rows of 2 KiB: 10 MiB of them from one server, more than one RDMA WRITE carries on
+// Soft-RoCE (8 MiB), so the rdma reply comes in pieces.
+TEST_P(Tables, ALargePullComesBackWhole) {
+  ClientOptions o = options();
+  o.servers.resize(1);
+  Client c(o);
+  TableSpec s = spec();
+  s.dim = 512;
+  s.max_rows = 6000;
+  c.create_table(9, s);
+  std::vector<Key> ids(5120);
+  for (std::size_t i = 0; i < ids.size(); ++i) ids[i] = i;
+  std::vector<float> grads(ids.size() * 512);
+  for (std::size_t i = 0; i < grads.size(); ++i) grads[i] = float(i % 4099);
+  std::vector<float> before(grads.size()), after(grads.size());
+  c.wait(c.pull_rows(9, ids, before));
+  c.wait(c.push_rows(9, ids, grads));
+  c.wait(c.pull_rows(9, ids, after));
+  for (std::size_t i = 0; i < after.size(); ++i) ASSERT_EQ(after[i], before[i] + grads[i]) << "float " << i;
+}
+
+#ifdef PSKV_TABLES_OVER_RDMA
+INSTANTIATE_TEST_SUITE_P(Backends, Tables, ::testing::Values("rdma"), [](const auto& info) { return info.param; });
+#else
 INSTANTIATE_TEST_SUITE_P(Backends, Tables, ::testing::Values("tcp", "shm"),
                          [](const auto& info) { return info.param; });
+#endif
 
 TEST(TableLimits, ABatchWhoseReplyPassesTheRequestLimitIsRefusedByName) {
+  PSKV_TABLES_REQUIRE_BACKEND();
   ServerOptions so = server_options(0);
   so.max_request_bytes = 1 << 20;
   Server server(so);
@@ -196,6 +284,7 @@ TEST(TableLimits, ABatchWhoseReplyPassesTheRequestLimitIsRefusedByName) {
 }
 
 TEST(TablesAcrossARestart, AServerRestoredFromItsCheckpointHasEveryRow) {
+  PSKV_TABLES_REQUIRE_BACKEND();
   const auto dir = std::filesystem::temp_directory_path() / ("pskv-tables-" + std::to_string(getpid()));
   ServerOptions so = server_options(0);
   so.checkpoint_dir = dir.string();
@@ -241,7 +330,7 @@ TEST_P(Tables, TheServerChecksTableAndDimensionOfEveryRow) {
   Client c(options());
   c.create_table(6, spec());
   transport::ConnectOptions co;
-  auto conn = transport::connect(parse_uri(s0.uri()), co);
+  auto conn = transport::connect(parse_uri(s0_->uri()), co);
   auto ask = [&](wire::Op op, std::uint32_t table, std::vector<transport::KeySlice> keys) {
     transport::Completion done;
     done.reset(1);

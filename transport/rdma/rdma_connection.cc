@@ -140,6 +140,7 @@ RdmaConnection::~RdmaConnection() {
   verbs_->destroy_qp();
   in_flight_.clear();
   cache_.reset();
+  rows_ring_ = RegisteredBuffer();
   recv_ = RegisteredBuffer();
   verbs_.reset();
   ::close(wake_fd_);

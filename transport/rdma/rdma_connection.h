@@ -7,6 +7,9 @@
 //   push     RDMA WRITEs from the caller's buffers into this client's receive region on the
 //            server, with the descriptor (frame header + key table) in the same chain and an
 //            immediate on the last WRITE saying where it is; the server answers with a SEND.
+//   tables   table_create and table_push travel as pushes do; a table_pull too, with room for its
+//            rows after its key table: the server reads the rows into that room and RDMA WRITEs
+//            them into a ring of this client's (rows_ring_) just before its reply.
 //   control  clock, barrier, stats, lookup, wait: SENDs of wire frames, answered by SENDs.
 //
 // Control path (connect, register, teardown) is in rdma_connection.cc, the hot path (posting
@@ -97,6 +100,8 @@ class RdmaConnection final : public transport::Connection {
     // and how many of those entries each WRITE of the chain takes.
     std::uint64_t message_total = 0;
     std::uint64_t region_end = 0;
+    std::uint64_t region_offset = 0;  // where in the ring the message went
+    std::uint64_t rows_at = 0;        // table_pull: its rows' offset in the message
     std::vector<ibv_sge> gather;
     std::vector<std::uint32_t> wr_groups;
     // pull
@@ -192,6 +197,9 @@ class RdmaConnection final : public transport::Connection {
   std::unique_ptr<Verbs> verbs_;
   RegisteredBuffer recv_;  // recv_depth_ buffers of kControlBytes
   std::unique_ptr<MrCache> cache_;
+  // Where servers WRITE the rows of table pulls: the receive region's size, made at the first.
+  std::once_flag rows_ring_once_;
+  RegisteredBuffer rows_ring_;
   int wake_fd_ = -1;
 
   std::mutex mu_;  // guards everything below

@@ -62,8 +62,13 @@ static_assert(offsetof(SlotHeader, seq) == offsetof(SlotImage, seq) &&
               offsetof(SlotHeader, key) == offsetof(SlotImage, key) &&
               offsetof(SlotHeader, length) == offsetof(SlotImage, length));
 
-bool carries_values(wire::Op op) {
+// Pushes, as the pulls of this client wait behind them (program order).
+bool is_push(wire::Op op) {
   return op == wire::Op::push || op == wire::Op::init;
+}
+// Written into the receive region (rdma_protocol.h): what carries values, and table pulls.
+bool in_region(wire::Op op) {
+  return is_push(op) || wire::op_is_table(op);
 }
 
 }  // namespace
@@ -101,6 +106,9 @@ void RdmaConnection::submit(Request& request) {
     case wire::Op::clock:
     case wire::Op::barrier:
     case wire::Op::stats:
+    case wire::Op::table_create:
+    case wire::Op::table_pull:
+    case wire::Op::table_push:
       break;
     default:
       request.completion->complete_part(Errc::unsupported,
@@ -180,7 +188,7 @@ void RdmaConnection::prepare(InFlight& s) {
     ensure_staging(s, std::max(kControlBytes, bounce_base() + std::min(bounce, kRoundBounce)));
     return;
   }
-  if (!carries_values(r.op)) {
+  if (!in_region(r.op)) {
     ensure_staging(s, kControlBytes);
     const wire::FrameHeader h = wire::make_header(r.op, s.id, 0, 0, r.arg0, r.arg1);
     std::memcpy(s.staging.data(), &h, kHeader);
@@ -189,26 +197,54 @@ void RdmaConnection::prepare(InFlight& s) {
     return;
   }
 
-  // push / init: [FrameHeader | KeyEntry x n | values] lands in the receive region.
+  // [FrameHeader | KeyEntry x n | values] lands in the receive region; a table_pull has, in
+  // place of values, room for its rows, beginning with where they are to be written.
   const std::size_t n = keys.size();
-  std::uint64_t payload = 0;
-  for (const KeySlice& k : keys) payload += std::uint64_t{k.length} * sizeof(float);
+  const bool rows_back = r.op == wire::Op::table_pull;
+  std::uint64_t floats_bytes = 0;
+  for (const KeySlice& k : keys) floats_bytes += std::uint64_t{k.length} * sizeof(float);
+  const std::uint64_t payload = rows_back ? 0 : floats_bytes;
   const std::uint64_t table = kHeader + n * sizeof(wire::KeyEntry);
-  s.message_total = table + payload;
+  s.message_total = table + (rows_back ? std::max<std::uint64_t>(floats_bytes, sizeof(RowsTarget)) : payload);
   auto what = [&] {
     return "a " + std::string(wire::op_name(static_cast<std::uint16_t>(r.op))) + " of " + std::to_string(n) +
-           " keys and " + std::to_string(payload >> 20) + " MiB";
+           " keys and " + std::to_string(floats_bytes >> 20) + " MiB";
   };
+  const char* smaller = rows_back ? "pull fewer rows at a time" : "lower --chunk-floats";
   if (n > server_.max_keys)
     throw Error(Errc::capacity, what() + " exceeds the " + std::to_string(server_.max_keys) + "-key limit of " +
                                     endpoint_ + " (split the batch or raise --max-keys-per-request)");
-  if (payload > server_.max_payload_bytes)
-    throw Error(Errc::capacity, what() + " exceeds the request limit of " + endpoint_ +
-                                    " (raise --max-request-mb or lower --chunk-floats)");
+  if (floats_bytes > server_.max_payload_bytes)
+    throw Error(Errc::capacity,
+                what() + " exceeds the request limit of " + endpoint_ + " (raise --max-request-mb or " + smaller + ")");
   if (align_up(s.message_total, kDescriptorAlign) > server_.grant.region_bytes)
     throw Error(Errc::capacity, what() + " does not fit the " + std::to_string(server_.grant.region_bytes >> 20) +
-                                    " MiB receive region of " + endpoint_ +
-                                    ": raise the server's --rdma-recv-mb or lower --chunk-floats");
+                                    " MiB receive region of " + endpoint_ + ": raise the server's --rdma-recv-mb or " +
+                                    smaller);
+  if (rows_back) {
+    // The rows land in a ring of ours that mirrors the receive region: a request's room there
+    // is its own until its reply, so the mirror needs no allocator of its own.
+    std::call_once(rows_ring_once_, [&] {
+      rows_ring_ = RegisteredBuffer(verbs_->pd, server_.grant.region_bytes,
+                                    IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE, "table rows ring");
+    });
+    ensure_staging(s, table + sizeof(RowsTarget));
+    wire::FrameHeader h = wire::make_header(r.op, s.id, static_cast<std::uint32_t>(n), 0, r.arg0, r.arg1);
+    auto* entries = reinterpret_cast<wire::KeyEntry*>(s.staging.data() + kHeader);
+    for (std::size_t i = 0; i < n; ++i) entries[i] = {keys[i].key, keys[i].length, 0};
+    if (options_.checksum) {
+      h.flags |= wire::kChecksum;
+      h.checksum = wire::crc32_update(0, entries, n * sizeof(wire::KeyEntry));
+    }
+    std::memcpy(s.staging.data(), &h, kHeader);
+    // post_message() fills in the RowsTarget once it knows where in the ring the message goes.
+    s.gather.push_back({reinterpret_cast<std::uint64_t>(s.staging.data()),
+                        static_cast<std::uint32_t>(table + sizeof(RowsTarget)), s.staging.mr.lkey()});
+    s.wr_groups.push_back(1);
+    s.rows_at = table;
+    s.sent_op = r.op;
+    return;
+  }
   // Registered slices are gathered in place (zero copy); small unannounced ones are copied next
   // to the descriptor. A push of very many registered slices would need more gather entries
   // than the send queue holds, so then everything is copied into staging.
@@ -296,7 +332,7 @@ void RdmaConnection::start(std::uint32_t index) {
     else
       continue_pull(index);
   } else {
-    if (carries_values(op)) ++pushes_started_;
+    if (is_push(op)) ++pushes_started_;
     s.phase = Phase::send_queued;
     send_queue_.push_back(index);
   }
@@ -331,7 +367,7 @@ bool RdmaConnection::post_message(std::uint32_t index) {
   if (credits_ == 0) return false;
   ibv_send_wr* bad = nullptr;
   std::uint32_t chain = 1;
-  if (!carries_values(s.sent_op)) {
+  if (!in_region(s.sent_op)) {
     if (sq_free() < 1) return false;
     ibv_sge sge{reinterpret_cast<std::uint64_t>(s.staging.data()), s.message_bytes, s.staging.mr.lkey()};
     ibv_send_wr wr{};
@@ -354,6 +390,11 @@ bool RdmaConnection::post_message(std::uint32_t index) {
     if (at % ring + need > ring) at += ring - at % ring;
     if (at + need - region_tail_ > ring) return false;
     const std::uint64_t offset = at % ring;
+    if (s.sent_op == wire::Op::table_pull) {
+      const RowsTarget target{reinterpret_cast<std::uint64_t>(rows_ring_.data() + offset + s.rows_at),
+                              rows_ring_.mr.rkey(), 0};
+      std::memcpy(s.staging.data() + s.rows_at, &target, sizeof target);
+    }
     wrs_.assign(chain, ibv_send_wr{});
     std::uint64_t remote = server_.grant.region_addr + offset;
     std::size_t g = 0;
@@ -379,6 +420,7 @@ bool RdmaConnection::post_message(std::uint32_t index) {
     }
     region_head_ = at + need;
     s.region_end = at + need;
+    s.region_offset = offset;
   }
   --credits_;
   sq_used_ += chain;
@@ -752,11 +794,24 @@ void RdmaConnection::on_reply(std::uint32_t buffer, std::uint32_t bytes) {
   if (h.flags & wire::kText) text.assign(reinterpret_cast<const char*>(p + kHeader), h.payload_bytes);
   if (status != Errc::ok && text.empty()) text = std::string(errc_name(status));
   const wire::Op op = s.request->op;
-  if (carries_values(op)) {
+  if (in_region(op)) {
     region_tail_ = s.region_end;
-    ++pushes_done_;
-    finish(index, status, text);
-    wake_own_push_waiters();
+    // RC order: the rows this reply follows were WRITTEN into the ring before it arrived. They
+    // are taken now, before the next request may be given this room.
+    if (op == wire::Op::table_pull && status == Errc::ok) {
+      const std::byte* rows = rows_ring_.data() + s.region_offset + s.rows_at;
+      for (const KeySlice& k : s.request->keys) {
+        std::memcpy(k.data, rows, std::size_t{k.length} * sizeof(float));
+        rows += std::size_t{k.length} * sizeof(float);
+      }
+    }
+    if (is_push(op)) {
+      ++pushes_done_;
+      finish(index, status, text);
+      wake_own_push_waiters();
+    } else {
+      finish(index, status, text);
+    }
     return;
   }
   if (op != wire::Op::pull) {

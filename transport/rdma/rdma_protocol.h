@@ -12,7 +12,7 @@
 namespace pskv::rdma {
 
 // Bumped whenever anything in this file changes meaning; checked in both directions at connect.
-inline constexpr std::uint16_t kRdmaVersion = 2;
+inline constexpr std::uint16_t kRdmaVersion = 3;
 inline constexpr std::uint32_t kCmMagic = 0x41444d52;  // "RMDA" in memory: a pskv rdma peer
 
 // Every control message (SEND) and every reply fits one receive buffer of this size.
@@ -90,6 +90,18 @@ struct RejectInfo {
   char text[132];
 };
 static_assert(sizeof(RejectInfo) <= kRejPrivateBytes);
+
+// A table_pull travels like a push: written into the receive region, with room after its key
+// table for the rows it asks for (at least sizeof(RowsTarget) bytes). The room starts with this:
+// where in the client's own memory the server is to RDMA WRITE the rows, before its reply SEND.
+// The server copies it out, reads the rows into the room (each under its seqlock), and WRITEs
+// them from there, so no row is read by the NIC while a push changes it.
+struct RowsTarget {
+  std::uint64_t addr;
+  std::uint32_t rkey;
+  std::uint32_t reserved;
+};
+static_assert(sizeof(RowsTarget) == 16);
 
 // One per key in a LOOKUP reply, in request order. offset 0 means "no such key" (offset 0 of the
 // region is the store header, never a slot).

@@ -258,6 +258,18 @@ void RdmaServer::on_connect_request(rdma_cm_event* ev) {
   conn->depth = std::clamp(std::min(options_.queue_depth, req.max_in_flight), 1u, options_.queue_depth);
   try {
     const std::uint32_t depth = conn->depth;
+    // A table_pull's reply WRITEs its rows in pieces no larger than the port's largest message
+    // before its SEND, so each reply buffer stands for that many more send queue entries.
+    ibv_port_attr port{};
+    if (ibv_query_port(ctx_, id->port_num, &port) != 0) throw Error(Errc::io, "ibv_query_port: " + errno_text(errno));
+    conn->max_write = std::max<std::uint64_t>(4096, std::min<std::uint64_t>(port.max_msg_sz, 1ull << 30) / 64 * 64);
+    conn->wrs_per_reply =
+        1 + static_cast<std::uint32_t>((options_.region_bytes + conn->max_write - 1) / conn->max_write);
+    const std::uint64_t send_wrs = std::uint64_t{2} * depth * conn->wrs_per_reply;
+    if (send_wrs > static_cast<std::uint64_t>(device_.max_qp_wr))
+      throw Error(Errc::capacity, "a queue pair of depth " + std::to_string(depth) + " would need " +
+                                      std::to_string(send_wrs) + " send queue entries; " + device_name_ + " has " +
+                                      std::to_string(device_.max_qp_wr) + " (lower depth or --rdma-recv-mb)");
     if (!(conn->send_cq = ibv_create_cq(ctx_, static_cast<int>(2 * depth), conn.get(), conn->owner->channel(), 0)) ||
         !(conn->recv_cq = ibv_create_cq(ctx_, static_cast<int>(depth), conn.get(), conn->owner->channel(), 0)))
       throw Error(Errc::io, "ibv_create_cq: " + errno_text(errno));
@@ -265,7 +277,7 @@ void RdmaServer::on_connect_request(rdma_cm_event* ev) {
     qa.send_cq = conn->send_cq;
     qa.recv_cq = conn->recv_cq;
     qa.qp_type = IBV_QPT_RC;
-    qa.cap.max_send_wr = 2 * depth;
+    qa.cap.max_send_wr = static_cast<std::uint32_t>(send_wrs);
     qa.cap.max_recv_wr = depth;
     qa.cap.max_send_sge = 1;
     qa.cap.max_recv_sge = 1;

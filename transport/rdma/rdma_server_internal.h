@@ -22,6 +22,8 @@ class ServerConn : public std::enable_shared_from_this<ServerConn> {
   rdma_cm_id* id = nullptr;
   IoThread* owner = nullptr;
   std::uint32_t depth = 0;           // receive buffers = the client's credits; twice as many reply buffers
+  std::uint64_t max_write = 0;       // bytes per RDMA WRITE of a table_pull's rows
+  std::uint32_t wrs_per_reply = 1;   // send queue entries a reply may take: its SEND and those WRITEs
   std::uint32_t worker = kNoWorker;  // set once admitted (at accept, or after the challenge)
   std::uint32_t hello_worker = kNoWorker;
   // With a token: nothing but AUTH is served until the client's proof matched.
@@ -72,14 +74,25 @@ class IoThread {
   int drain(ServerConn& c);
   void on_recv(ServerConn& c, const ibv_wc& wc);
   bool handle_control(ServerConn& c, std::uint32_t buffer, std::uint32_t bytes);
-  bool handle_push(ServerConn& c, std::uint32_t imm);
+  // A message the client wrote into its receive region: push, init, or a table op.
+  bool handle_region_message(ServerConn& c, std::uint32_t imm);
+  bool apply_push(ServerConn& c, const wire::FrameHeader& h, const float* values);
+  bool answer_table_pull(ServerConn& c, const wire::FrameHeader& h, std::byte* room, std::uint64_t room_bytes);
   bool dispatch(ServerConn& c, const wire::FrameHeader& h);
   // Checks the client's proof; on success admits the worker and replies with the Grant.
   bool authenticate(ServerConn& c, const wire::FrameHeader& h, const auth::Proof& proof);
   bool refuse_unauthenticated(ServerConn& c, const wire::FrameHeader* h, const std::string& what);
   bool post_recv(ServerConn& c, std::uint32_t buffer);
+  // `rows`, when given, are RDMA WRITTEN to the client before the reply SEND (RC order makes
+  // them land first); they must stay untouched until the SEND completes.
+  struct RowsOut {
+    const std::byte* data;
+    std::uint64_t bytes;
+    std::uint32_t lkey;
+    RowsTarget target;
+  };
   bool reply(ServerConn& c, const wire::FrameHeader& req, Errc status, const void* payload, std::size_t bytes,
-             std::uint16_t flags = 0, std::uint64_t arg0 = 0, std::uint32_t arg1 = 0);
+             std::uint16_t flags = 0, std::uint64_t arg0 = 0, std::uint32_t arg1 = 0, const RowsOut* rows = nullptr);
   bool send_error(ServerConn& c, const wire::FrameHeader& req, Errc status, const std::string& why);
   std::uint32_t take_send_buffer(ServerConn& c, std::chrono::milliseconds patience);
   void reap_sends(ServerConn& c);

@@ -253,7 +253,7 @@ void IoThread::on_recv(ServerConn& c, const ibv_wc& wc) {
     if (!c.authenticated)
       keep = refuse_unauthenticated(c, nullptr, "wrote to its receive region before authenticating");
     else
-      keep = post_recv(c, buffer) && handle_push(c, ntohl(wc.imm_data));
+      keep = post_recv(c, buffer) && handle_region_message(c, ntohl(wc.imm_data));
   }
   if (!keep) close(c);
 }
@@ -338,9 +338,12 @@ bool IoThread::dispatch(ServerConn& c, const wire::FrameHeader& h) {
     }
     case wire::Op::push:
     case wire::Op::init:
+    case wire::Op::table_create:
+    case wire::Op::table_pull:
+    case wire::Op::table_push:
       return send_error(
           c, h, Errc::protocol,
-          std::string(wire::op_name(h.op)) + " values travel by RDMA WRITE into the receive region, not in a SEND");
+          std::string(wire::op_name(h.op)) + " travels by RDMA WRITE into the receive region, not in a SEND");
     case wire::Op::hello:
     case wire::Op::pull:
     case wire::Op::auth:  // handled before dispatch
@@ -354,10 +357,6 @@ bool IoThread::dispatch(ServerConn& c, const wire::FrameHeader& h) {
     case wire::Op::replica_evict:
       return send_error(c, h, Errc::unsupported,
                         "replication between servers runs over tcp:// (an rdma:// server's --peer-uri), not rdma://");
-    case wire::Op::table_create:
-    case wire::Op::table_pull:
-    case wire::Op::table_push:
-      return send_error(c, h, Errc::unsupported, "embedding tables are served over tcp:// only for now, not rdma://");
   }
   return send_error(c, h, Errc::protocol, "unknown op " + std::to_string(h.op));
 }
@@ -378,11 +377,11 @@ bool IoThread::refuse_unauthenticated(ServerConn& c, const wire::FrameHeader* h,
   return false;
 }
 
-bool IoThread::handle_push(ServerConn& c, std::uint32_t imm) {
+bool IoThread::handle_region_message(ServerConn& c, std::uint32_t imm) {
   const std::uint64_t region = c.region.size();
   const std::uint64_t offset = std::uint64_t{imm} * kDescriptorAlign;
   if (offset > region || region - offset < kHeader) return false;  // no header to answer to
-  const std::byte* at = c.region.data() + offset;
+  std::byte* at = c.region.data() + offset;
   wire::FrameHeader h{};
   std::memcpy(&h, at, kHeader);
   std::string why;
@@ -391,14 +390,14 @@ bool IoThread::handle_push(ServerConn& c, std::uint32_t imm) {
     return false;
   }
   const auto op = static_cast<wire::Op>(h.op);
-  if (op != wire::Op::push && op != wire::Op::init) {
+  if (op != wire::Op::push && op != wire::Op::init && !wire::op_is_table(op)) {
     send_error(c, h, Errc::protocol, std::string(wire::op_name(h.op)) + " cannot arrive by RDMA WRITE");
     return false;
   }
   const std::uint64_t key_bytes = std::uint64_t{h.num_keys} * sizeof(wire::KeyEntry);
   if (key_bytes + h.payload_bytes > region - offset - kHeader) {
     send_error(c, h, Errc::protocol,
-               "the push declares " + std::to_string(key_bytes + h.payload_bytes) +
+               "the " + std::string(wire::op_name(h.op)) + " declares " + std::to_string(key_bytes + h.payload_bytes) +
                    " bytes past the end of the receive region");
     return false;
   }
@@ -410,22 +409,46 @@ bool IoThread::handle_push(ServerConn& c, std::uint32_t imm) {
     send_error(c, h, e, why);
     return false;
   }
-  const auto* values = reinterpret_cast<const float*>(at + kHeader + key_bytes);
+  std::byte* const after_keys = at + kHeader + key_bytes;
+  const auto* values = reinterpret_cast<const float*>(after_keys);
   if (h.flags & wire::kChecksum) {
     std::uint32_t crc = wire::crc32_update(0, c.keys.data(), key_bytes);
     crc = wire::crc32_update(crc, values, h.payload_bytes);
     if (crc != h.checksum)
-      return send_error(c, h, Errc::protocol, "checksum mismatch: the push was corrupted in transit");
+      return send_error(c, h, Errc::protocol, "checksum mismatch: the request was corrupted in transit");
   }
+  Errc status = Errc::ok;
+  switch (op) {
+    case wire::Op::table_pull:
+      return answer_table_pull(c, h, after_keys, region - offset - kHeader - key_bytes);
+    case wire::Op::table_push:
+      status = engine_.table_push(h.arg1, h.arg0, c.keys, values, &why);
+      break;
+    case wire::Op::table_create: {
+      TableSpec spec;
+      std::uint32_t table = 0;
+      if ((status = wire::decode_table_create(c.keys, values, &table, &spec, &why)) == Errc::ok)
+        status = engine_.create_table(table, spec, &why);
+      break;
+    }
+    default:
+      return apply_push(c, h, values);
+  }
+  if (status != Errc::ok) return send_error(c, h, status, why);
+  return reply(c, h, Errc::ok, nullptr, 0);
+}
+
+bool IoThread::apply_push(ServerConn& c, const wire::FrameHeader& h, const float* values) {
+  std::string why;
+  const bool init = static_cast<wire::Op>(h.op) == wire::Op::init;
   Replicator* replicator = engine_.replicator();
   if (replicator)
-    if (Errc e = replicator->reserve(c.keys, op == wire::Op::init, &why); e != Errc::ok)
-      return send_error(c, h, e, why);
+    if (Errc e = replicator->reserve(c.keys, init, &why); e != Errc::ok) return send_error(c, h, e, why);
   // A retrying client's push carries its session and sequence number (wire::push_is_identified):
   // applied whole here, a key that already holds it skips it.
-  const Errc status = op == wire::Op::init ? engine_.init(c.keys, values, &why)
-                                           : engine_.push(c.worker, wire::push_clock(h), c.keys, values, &why, nullptr,
-                                                          PushId{.session = wire::push_session(h), .seq = h.arg1});
+  const Errc status = init ? engine_.init(c.keys, values, &why)
+                           : engine_.push(c.worker, wire::push_clock(h), c.keys, values, &why, nullptr,
+                                          PushId{.session = wire::push_session(h), .seq = h.arg1});
   if (status != Errc::ok) {
     if (replicator) replicator->release(c.keys);
     return send_error(c, h, status, why);
@@ -436,6 +459,30 @@ bool IoThread::handle_push(ServerConn& c, std::uint32_t imm) {
     return true;
   }
   return reply(c, h, Errc::ok, nullptr, 0);
+}
+
+bool IoThread::answer_table_pull(ServerConn& c, const wire::FrameHeader& h, std::byte* room, std::uint64_t room_bytes) {
+  std::uint64_t floats = 0;
+  for (const wire::KeyEntry& k : c.keys) floats += k.length;
+  const std::uint64_t rows = floats * sizeof(float);
+  if (std::max<std::uint64_t>(rows, sizeof(RowsTarget)) > room_bytes) {
+    send_error(c, h, Errc::protocol,
+               "the table_pull's " + std::to_string(rows) + " bytes of rows pass the end of the receive region");
+    return false;
+  }
+  if (rows > server_.options_.limits.max_payload_bytes)
+    return send_error(c, h, Errc::capacity,
+                      "a reply of " + std::to_string(rows) +
+                          " bytes of rows passes the request limit (--max-request-mb) of server " +
+                          std::to_string(engine_.options().server_id) + ": pull fewer rows at a time");
+  RowsOut out{room, rows, c.region.mr.lkey(), {}};
+  std::memcpy(&out.target, room, sizeof out.target);  // before the rows overwrite it
+  std::string why;
+  // Read into the region, not straight from the table by the NIC: a row is copied under its
+  // seqlock, so none is torn by a push racing the reply.
+  if (Errc e = engine_.table_pull(h.arg1, c.keys, reinterpret_cast<float*>(room), &why); e != Errc::ok)
+    return send_error(c, h, e, why);
+  return reply(c, h, Errc::ok, nullptr, 0, 0, engine_.observed_bound(), 0, &out);
 }
 
 std::uint32_t IoThread::take_send_buffer(ServerConn& c, std::chrono::milliseconds patience) {
@@ -453,7 +500,7 @@ std::uint32_t IoThread::take_send_buffer(ServerConn& c, std::chrono::millisecond
 }
 
 bool IoThread::reply(ServerConn& c, const wire::FrameHeader& req, Errc status, const void* payload, std::size_t bytes,
-                     std::uint16_t flags, std::uint64_t arg0, std::uint32_t arg1) {
+                     std::uint16_t flags, std::uint64_t arg0, std::uint32_t arg1, const RowsOut* rows) {
   if (bytes > kControlBytes - kHeader)
     return send_error(c, req, Errc::capacity,
                       "the reply of " + std::to_string(bytes) + " bytes exceeds the " + std::to_string(kControlBytes) +
@@ -473,7 +520,35 @@ bool IoThread::reply(ServerConn& c, const wire::FrameHeader& req, Errc status, c
   wr.num_sge = 1;
   wr.opcode = IBV_WR_SEND;
   wr.send_flags = IBV_SEND_SIGNALED;
-  if (ibv_post_send(c.qp, &wr, &bad) != 0) {
+  // Unsignaled WRITEs ahead of the SEND: their send queue entries are free once it completes,
+  // and each reply buffer stands for wrs_per_reply entries (rdma_server.cc sizes the queue).
+  thread_local std::vector<ibv_send_wr> writes;
+  thread_local std::vector<ibv_sge> pieces;
+  ibv_send_wr* first = &wr;
+  if (rows && rows->bytes > 0) {
+    const std::uint64_t n = (rows->bytes + c.max_write - 1) / c.max_write;
+    if (n + 1 > c.wrs_per_reply || rows->target.addr + rows->bytes < rows->target.addr) {
+      c.free_send.push_back(b);
+      return false;
+    }
+    writes.assign(n, ibv_send_wr{});
+    pieces.resize(n);
+    for (std::uint64_t i = 0; i < n; ++i) {
+      const std::uint64_t done = i * c.max_write;
+      pieces[i] = {reinterpret_cast<std::uint64_t>(rows->data + done),
+                   static_cast<std::uint32_t>(std::min(c.max_write, rows->bytes - done)), rows->lkey};
+      ibv_send_wr& w = writes[i];
+      w.wr_id = b;
+      w.sg_list = &pieces[i];
+      w.num_sge = 1;
+      w.opcode = IBV_WR_RDMA_WRITE;
+      w.wr.rdma.remote_addr = rows->target.addr + done;
+      w.wr.rdma.rkey = rows->target.rkey;
+      w.next = i + 1 < n ? &writes[i + 1] : &wr;
+    }
+    first = writes.data();
+  }
+  if (ibv_post_send(c.qp, first, &bad) != 0) {
     c.free_send.push_back(b);
     return false;
   }

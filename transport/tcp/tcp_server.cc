@@ -1246,11 +1246,7 @@ bool TcpServer::handle_table(Peer& peer, const wire::FrameHeader& h, const float
   std::string why;
   Errc status = Errc::ok;
   const auto op = static_cast<wire::Op>(h.op);
-  if (engine_.replicator()) {
-    // Their rows would be lost with this server: refused rather than acknowledged unreplicated.
-    status = Errc::unsupported;
-    why = "embedding tables are not replicated yet; run the servers without --replicas to use them";
-  } else if (op == wire::Op::table_create) {
+  if (op == wire::Op::table_create) {
     TableSpec spec;
     std::uint32_t table = 0;
     if ((status = wire::decode_table_create(peer.keys, payload, &table, &spec, &why)) == Errc::ok)
