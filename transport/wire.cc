@@ -165,6 +165,21 @@ Errc validate_header(const FrameHeader& h, const Limits& limits, bool expect_res
   return Errc::ok;
 }
 
+std::string encode_replica_index(bool synced, std::span<const std::pair<std::uint64_t, std::uint32_t>> keys,
+                                 std::span<const std::uint64_t> words) {
+  const auto workers = static_cast<std::uint32_t>(words.size() / std::size(kWorkerWordOps));
+  const ReplicaIndexHeader head{synced ? 1u : 0u, workers, keys.size()};
+  const std::size_t entries = sizeof head + keys.size() * sizeof(ReplicaIndexEntry);
+  std::string bytes(entries + words.size() * sizeof(std::uint64_t), '\0');
+  std::memcpy(bytes.data(), &head, sizeof head);
+  for (std::size_t i = 0; i < keys.size(); ++i) {
+    const ReplicaIndexEntry e{keys[i].first, keys[i].second};
+    std::memcpy(bytes.data() + sizeof head + i * sizeof e, &e, sizeof e);
+  }
+  if (!words.empty()) std::memcpy(bytes.data() + entries, words.data(), words.size() * sizeof(std::uint64_t));
+  return bytes;
+}
+
 Errc validate_keys(const FrameHeader& h, std::span<const KeyEntry> keys, std::string* why) {
   std::uint64_t floats = 0;
   for (const KeyEntry& k : keys) {

@@ -62,6 +62,10 @@ struct ReplicaIndexEntry {
   std::uint64_t key;
   std::uint64_t length;  // value floats
 };
+// The reply: header, entries, then `words`: every worker's clock, then every one's barrier
+// generation, then whether each was evicted (one word per worker and op of kWorkerWordOps).
+std::string encode_replica_index(bool synced, std::span<const std::pair<std::uint64_t, std::uint32_t>> keys,
+                                 std::span<const std::uint64_t> words);
 
 enum Flags : std::uint16_t {
   kResponse = 1u << 0,

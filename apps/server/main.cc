@@ -149,12 +149,12 @@ int main(int argc, char** argv) {
                  "tcp/rdma: shared secret (a chmod 600 file); every client must pass an HMAC-SHA256 challenge with it")
       ->envname("PSKV_AUTH_TOKEN_FILE");
   app.add_option("--peer-token-file", o.peer_token_file,
-                 "tcp with --replicas: the secret the servers prove to each other (a chmod 600 file), so that no "
+                 "tcp or rdma with --replicas: the secret the servers prove to each other (a chmod 600 file), so that no "
                  "client holding --auth-token-file can send the replication ops; default: --auth-token-file")
       ->envname("PSKV_PEER_TOKEN_FILE");
   app.add_option("--peer-uri", o.peer_uri,
-                 "rdma:// with --replicas: the tcp://HOST:PORT where this server's peers replicate to it (--peers "
-                 "then lists every server's --peer-uri)")
+                 "rdma:// with --replicas: replicate over tcp instead of verbs; the tcp://HOST:PORT where this "
+                 "server's peers replicate to it (--peers then lists every server's --peer-uri)")
       ->envname("PSKV_PEER_URI");
   app.add_option(
          "--replicas", o.replicas,

@@ -570,6 +570,16 @@ Errc ShardEngine::apply_replica(std::uint32_t origin, std::span<const KeyEntry> 
   return put_records(*r->store, r->sync.get(), keys, records, why);
 }
 
+Errc ShardEngine::take_replicate(std::uint32_t origin, std::uint32_t mark, std::span<const KeyEntry> keys,
+                                 const float* records, std::string* why) {
+  if (!keys.empty()) return apply_replica(origin, keys, records, why);
+  if (mark == static_cast<std::uint32_t>(ReplicaMark::syncing) ||
+      mark == static_cast<std::uint32_t>(ReplicaMark::synced))
+    return mark_replica(origin, static_cast<ReplicaMark>(mark), why);
+  *why = "replicate without keys marks a transfer's start or end, not " + std::to_string(mark);
+  return Errc::protocol;
+}
+
 Errc ShardEngine::mark_replica(std::uint32_t origin, ReplicaMark mark, std::string* why) {
   Replica* r = replica(origin, why);
   if (!r) return Errc::invalid_argument;
@@ -668,6 +678,18 @@ Errc ShardEngine::read_records(std::uint32_t origin, std::span<const KeyEntry> k
     }
     std::memcpy(out, head, sizeof head);
     out += keys[i].length;
+  }
+  return Errc::ok;
+}
+
+Errc ShardEngine::replica_index(std::uint32_t origin, std::vector<std::pair<Key, std::uint32_t>>* keys, bool* synced,
+                                std::vector<std::uint64_t>* words, std::string* why) {
+  if (Errc e = replica_keys(origin, keys, synced, why); e != Errc::ok) return e;
+  words->clear();
+  std::vector<std::uint64_t> one;
+  for (std::size_t k = 0; k < kWorkerWords; ++k) {
+    if (Errc e = replica_words(static_cast<WorkerWord>(k), origin, &one, why); e != Errc::ok) return e;
+    words->insert(words->end(), one.begin(), one.end());
   }
   return Errc::ok;
 }

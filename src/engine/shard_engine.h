@@ -184,6 +184,10 @@ class ShardEngine {
   // This server's replica of `origin` (one of options().replica_of) takes the records.
   Errc apply_replica(std::uint32_t origin, std::span<const KeyEntry> keys, const float* records, std::string* why);
   Errc mark_replica(std::uint32_t origin, ReplicaMark mark, std::string* why);
+  // A `replicate` request as every backend takes it: records for `keys`, or, with no keys, the
+  // mark `mark` (a ReplicaMark's value; anything else is a protocol error).
+  Errc take_replicate(std::uint32_t origin, std::uint32_t mark, std::span<const KeyEntry> keys, const float* records,
+                      std::string* why);
   // The replica of `origin` learns a word of `worker` there, kept if higher than what it holds (so
   // that a restarted origin knows every clock, barrier arrival and eviction it acknowledged).
   Errc apply_replica_word(WorkerWord word, std::uint32_t origin, std::uint32_t worker, std::uint64_t value,
@@ -198,6 +202,10 @@ class ShardEngine {
   // and whether that replica is synced (the own store always is).
   Errc replica_keys(std::uint32_t origin, std::vector<std::pair<Key, std::uint32_t>>* keys, bool* synced,
                     std::string* why);
+  // What replica_index answers for `origin`: every key with its value length, whether the replica
+  // is synced, and every word of every worker (all clocks, then generations, then evictions).
+  Errc replica_index(std::uint32_t origin, std::vector<std::pair<Key, std::uint32_t>>* keys, bool* synced,
+                     std::vector<std::uint64_t>* words, std::string* why);
   // The own store takes the records where they are newer than what it holds (a rejoining server
   // restoring its keys from its replicas).
   Errc restore_records(std::span<const KeyEntry> keys, const float* records, std::string* why);

@@ -49,7 +49,7 @@ std::vector<std::pair<std::size_t, std::size_t>> cut(std::span<const KeyEntry> k
   std::size_t begin = 0;
   std::uint64_t bytes = 0;
   for (std::size_t i = 0; i < keys.size(); ++i) {
-    const std::uint64_t b = std::uint64_t{keys[i].length} * sizeof(float);
+    const std::uint64_t b = std::uint64_t{keys[i].length} * sizeof(float) + sizeof(KeyEntry);
     if (i > begin && (i - begin == kRequestKeys || bytes + b > max_bytes)) {
       runs.emplace_back(begin, i);
       begin = i;
@@ -615,7 +615,7 @@ void take_replica(ShardEngine& engine, const ReplicaPeer& peer, const Replicator
   std::vector<float> records;
   std::vector<transport::KeySlice> slices;
   std::string why;
-  for (const auto& [begin, end] : cut(keys, kTransferBytes)) {
+  for (const auto& [begin, end] : cut(keys, std::min(kTransferBytes, options.max_request_bytes / 2))) {
     std::uint64_t floats = 0;
     for (std::size_t i = begin; i < end; ++i) floats += keys[i].length;
     records.assign(floats, 0.0f);

@@ -72,10 +72,18 @@ void validate(const ServerOptions& o) {
       reject(
           "--replicas runs over tcp:// and rdma:// (shm:// servers adopt their predecessor's segment with "
           "shm://NAME?adopt=1 instead)");
-    if (rdma && o.peer_uri.rfind("tcp://", 0) != 0)
-      reject(
-          "an rdma:// server with --replicas needs --peer-uri tcp://HOST:PORT, where its peers replicate to it "
-          "(and --peers lists every server's --peer-uri)");
+    // The ring's own transport: its servers' --uri (tcp, or rdma verbs), or, for rdma:// servers
+    // with --peer-uri, tcp between them.
+    const std::string ring = rdma && o.peer_uri.empty() ? "rdma://" : "tcp://";
+    if (rdma && !o.peer_uri.empty() && o.peer_uri.rfind("tcp://", 0) != 0)
+      reject("--peer-uri is a tcp://HOST:PORT where the peers of an rdma:// server replicate to it over tcp, got " +
+             o.peer_uri);
+    for (const std::string& p : o.peers)
+      if (p.rfind(ring, 0) != 0)
+        reject("--peers lists " + p + ", but this ring replicates over " + ring +
+               (rdma ? (o.peer_uri.empty() ? " (each server's --uri; with --peer-uri, tcp:// between servers)"
+                                           : " (each server's --peer-uri)")
+                     : " (each server's --uri)"));
     if (tcp && !o.peer_uri.empty())
       reject("--peer-uri is for rdma:// servers; a tcp:// server takes its peers on --uri");
     if (o.rejoin && o.replicas < 2) reject("--rejoin takes the keys back from replicas: it needs --replicas 2 or more");
@@ -114,6 +122,12 @@ class ServerImpl {
     r.server_id = o.server_id;
     r.io_timeout = o.frame_timeout;
     r.max_request_bytes = o.max_request_bytes;
+    if (o.uri.rfind("rdma://", 0) == 0 && o.peer_uri.empty()) {
+      // Over verbs a request must fit the replica's receive region (every server of a ring
+      // takes the same --rdma-recv-mb): half of it for a shipment's records, as for any request.
+      const std::uint64_t region = UriParams(parse_uri(o.uri)).number("recv_mb", 32, 1, 262143) << 20;
+      r.max_request_bytes = std::min(r.max_request_bytes, region);
+    }
     r.max_in_flight_bytes = std::max(o.memory_budget_bytes / 2, o.max_request_bytes);
     const auto servers = static_cast<std::uint32_t>(o.peers.size());
     for (std::uint32_t j = 1; j < o.replicas; ++j) {

@@ -26,6 +26,7 @@
 #include "support/workloads.h"
 #include "transport/rdma/rdma_protocol.h"
 #include "transport/tcp/socket.h"
+#include "transport/transport.h"
 #include "transport/uri.h"
 
 namespace pskv {
@@ -531,10 +532,27 @@ TEST(Rdma, MalformedMessagesCloseOnlyTheirConnection) {
     } m{wire::make_header(wire::Op::table_pull, 6, 2, 0), {{1, 4, 0}, {2, 4, 0}}, {}};
     const std::uint64_t at = p.info().grant.region_bytes - 128;  // 48 bytes left after the key table
     m.k[1].length = 1u << 20;
+    m.t.room = 48;  // the truth about the room, but 4 MiB of rows asked for
     p.write_imm(&m, sizeof m, at, static_cast<std::uint32_t>(at / 64));
     auto [status, text] = p.reply();
     EXPECT_EQ(status, int(Errc::protocol)) << text;
     EXPECT_NE(text.find("pass the end of the receive region"), std::string::npos) << text;
+    EXPECT_TRUE(p.closed_by_server());
+    still_serving();
+  }
+  {
+    SCOPED_TRACE("table_pull claiming more room than the receive region has left");
+    RawPeer p(server.uri);
+    struct {
+      wire::FrameHeader h;
+      wire::KeyEntry k;
+      rdma::RowsTarget t;
+    } m{wire::make_header(wire::Op::table_pull, 8, 1, 0), {1, 4, 0}, {0, 0, 1u << 20}};
+    const std::uint64_t at = p.info().grant.region_bytes - 128;
+    p.write_imm(&m, sizeof m, at, static_cast<std::uint32_t>(at / 64));
+    auto [status, text] = p.reply();
+    EXPECT_EQ(status, int(Errc::protocol)) << text;
+    EXPECT_NE(text.find("room of 1048576 bytes"), std::string::npos) << text;
     EXPECT_TRUE(p.closed_by_server());
     still_serving();
   }
@@ -545,7 +563,7 @@ TEST(Rdma, MalformedMessagesCloseOnlyTheirConnection) {
       wire::FrameHeader h;
       wire::KeyEntry k;
       rdma::RowsTarget t;
-    } m{wire::make_header(wire::Op::table_pull, 7, 1, 0, 0, 0), {1, 4, 0}, {0x1000, 0xdead, 0}};
+    } m{wire::make_header(wire::Op::table_pull, 7, 1, 0, 0, 0), {1, 4, 0}, {0x1000, 0xdead, 16}};
     p.write_imm(&m, sizeof m, 0, 0);
     EXPECT_EQ(p.reply().first, -1) << "answered although its rows could not be written";
     EXPECT_TRUE(p.closed_by_server());
@@ -553,7 +571,7 @@ TEST(Rdma, MalformedMessagesCloseOnlyTheirConnection) {
   }
   std::vector<float> out(8);
   healthy.wait(healthy.pull(Key(1), out));
-  EXPECT_EQ(out[0], 8.0f);
+  EXPECT_EQ(out[0], 9.0f);
   std::vector<float> row(4);
   const Key id = 1;
   healthy.wait(healthy.pull_rows(0, {&id, 1}, row));
@@ -652,13 +670,16 @@ TEST(Rdma, IdleProcessesSleepAndBusyPollingWorks) {
   EXPECT_EQ(out[299], 21.0f);
 }
 
-// rdma:// servers with --replicas 2 replicate to each other over tcp (--peer-uri). A server
-// SIGKILLed under load and restarted with --rejoin holds every push it acknowledged.
+// rdma:// servers with --replicas 2 replicate to each other over verbs (their --uri in --peers),
+// or over tcp (--peer-uri). A server SIGKILLed under load and restarted with --rejoin holds every
+// push it acknowledged.
 // Reconnecting worker: each key ends between the acknowledged pushes and those plus the ones
 // that failed (without replicas the restarted server would start empty). Retrying worker
 // (retry_timeout): it sees no error, and each key ends at exactly its acknowledged pushes: the
 // marks in the restored records make a push sent again land once.
-void replicated_kill(bool retrying) {
+enum class Ring { verbs, tcp };
+
+void replicated_kill(bool retrying, Ring ring) {
   constexpr int kServers = 3;
   std::vector<std::string> uris, peer_uris;
   for (int s = 0; s < kServers; ++s) {
@@ -666,15 +687,11 @@ void replicated_kill(bool retrying) {
     peer_uris.push_back("tcp://" + rdma_ip() + ":" + std::to_string(tcp::free_loopback_port()));
   }
   std::string peers;
-  for (const auto& u : peer_uris) peers += (peers.empty() ? "" : ",") + u;
+  for (const auto& u : ring == Ring::verbs ? uris : peer_uris) peers += (peers.empty() ? "" : ",") + u;
   auto start = [&](int s, bool rejoin) {
-    std::vector<std::string> args{"--uri",       uris[std::size_t(s)],
-                                  "--peer-uri",  peer_uris[std::size_t(s)],
-                                  "--peers",     peers,
-                                  "--replicas",  "2",
-                                  "--server-id", std::to_string(s),
-                                  "--rule",      "add",
-                                  "--workers",   "1"};
+    std::vector<std::string> args{"--uri",       uris[std::size_t(s)], "--peers", peers, "--replicas", "2",
+                                  "--server-id", std::to_string(s),    "--rule",  "add", "--workers",  "1"};
+    if (ring == Ring::tcp) args.insert(args.end(), {"--peer-uri", peer_uris[std::size_t(s)]});
     if (rejoin) args.push_back("--rejoin");
     return start_rdma_server(args);
   };
@@ -749,12 +766,78 @@ void replicated_kill(bool retrying) {
 
 TEST(Rdma, ReplicatedServersLoseNoAcknowledgedPush) {
   PSKV_REQUIRE_RDMA();
-  replicated_kill(false);
+  replicated_kill(false, Ring::verbs);
 }
 
 TEST(Rdma, AWorkerThatRetriesSeesNoErrorAndEveryPushLandsOnce) {
   PSKV_REQUIRE_RDMA();
-  replicated_kill(true);
+  replicated_kill(true, Ring::verbs);
+}
+
+TEST(Rdma, ServersReplicatingOverTcpLoseNoAcknowledgedPush) {
+  PSKV_REQUIRE_RDMA();
+  replicated_kill(false, Ring::tcp);
+}
+
+TEST(Rdma, AWorkerThatRetriesOverATcpRingSeesNoError) {
+  PSKV_REQUIRE_RDMA();
+  replicated_kill(true, Ring::tcp);
+}
+
+// Over verbs as over tcp, only another server of a replicating ring may send the replication
+// ops, and a server that does not replicate takes no server at all.
+TEST(Rdma, OnlyServersMaySendTheReplicationOps) {
+  PSKV_REQUIRE_RDMA();
+  const std::string uri0 = "rdma://" + rdma_ip() + ":" + std::to_string(tcp::free_loopback_port());
+  const std::string uri1 = "rdma://" + rdma_ip() + ":" + std::to_string(tcp::free_loopback_port());
+  auto start = [&](int s) {
+    return start_rdma_server({"--uri", s == 0 ? uri0 : uri1, "--peers", uri0 + "," + uri1, "--replicas", "2",
+                              "--server-id", std::to_string(s), "--workers", "1"});
+  };
+  ServerProcess s0 = start(0), s1 = start(1);
+  auto ask = [](const std::string& uri, std::uint32_t as, wire::Op op) {
+    transport::ConnectOptions co;
+    co.worker_id = as;
+    co.connect_timeout = std::chrono::seconds(20);
+    auto conn = transport::connect(parse_uri(uri), co);
+    transport::Completion done;
+    done.reset(1);
+    transport::Request q;
+    q.op = op;
+    q.arg0 = 0;  // origin 0
+    std::string text;
+    q.text_out = &text;
+    q.completion = &done;
+    conn->submit(q);
+    EXPECT_TRUE(done.wait(std::chrono::steady_clock::now() + std::chrono::seconds(20)));
+    return std::make_pair(done.status(), std::string(done.message()));
+  };
+  // A client (anonymous or a worker) cannot submit them at all; a server peer can.
+  for (std::uint32_t as : {kNoWorker, 0u}) {
+    const auto [code, why] = ask(uri1, as, wire::Op::replica_index);
+    EXPECT_EQ(code, Errc::unsupported) << why;
+  }
+  const auto [ok, why_ok] = ask(uri1, wire::kServerPeer, wire::Op::replica_index);
+  EXPECT_EQ(ok, Errc::ok) << why_ok;
+  // Sent raw by a peer that did not connect as a server: refused by the server, which closes it.
+  {
+    RawPeer p(uri1);
+    const wire::FrameHeader h = wire::make_header(wire::Op::replica_clock, 1, 0, 0, 0, 5);
+    p.send(&h, sizeof h);
+    auto [status, text] = p.reply();
+    EXPECT_EQ(status, int(Errc::permission)) << text;
+    EXPECT_NE(text.find("only another server"), std::string::npos) << text;
+    EXPECT_TRUE(p.closed_by_server());
+  }
+  // A server that does not replicate refuses a server's connection outright.
+  auto lone = start_rdma_server({});
+  try {
+    ask(lone.uri, wire::kServerPeer, wire::Op::stats);
+    ADD_FAILURE() << "a server that does not replicate took a server peer";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::permission) << e.what();
+    EXPECT_NE(std::string(e.what()).find("does not replicate"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace

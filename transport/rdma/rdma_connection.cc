@@ -105,7 +105,8 @@ RdmaConnection::RdmaConnection(const Uri& uri, const transport::ConnectOptions& 
   const auto mode = static_cast<ConsistencyMode>(server_.mode);
   bounded_ = server_.num_workers > 0 && mode != ConsistencyMode::asp;
   staleness_ = mode == ConsistencyMode::ssp ? server_.staleness : 0;
-  if (options_.worker_id != kNoWorker && options_.worker_id >= server_.num_workers)
+  if (options_.worker_id != kNoWorker && options_.worker_id != wire::kServerPeer &&
+      options_.worker_id >= server_.num_workers)
     throw Error(Errc::invalid_argument, "worker id " + std::to_string(options_.worker_id) +
                                             " is out of range: " + endpoint_ + " was started with --workers " +
                                             std::to_string(server_.num_workers));

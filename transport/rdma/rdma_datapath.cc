@@ -66,9 +66,13 @@ static_assert(offsetof(SlotHeader, seq) == offsetof(SlotImage, seq) &&
 bool is_push(wire::Op op) {
   return op == wire::Op::push || op == wire::Op::init;
 }
-// Written into the receive region (rdma_protocol.h): what carries values, and table pulls.
+// Requests answered into the room they leave in the receive region (rdma_protocol.h, RowsTarget).
+bool answered_into_room(wire::Op op) {
+  return op == wire::Op::table_pull || op == wire::Op::replica_pull || op == wire::Op::replica_index;
+}
+// Written into the receive region: what carries values, and what is answered into its room.
 bool in_region(wire::Op op) {
-  return is_push(op) || wire::op_is_table(op);
+  return is_push(op) || wire::op_is_table(op) || op == wire::Op::replicate || answered_into_room(op);
 }
 
 }  // namespace
@@ -110,6 +114,14 @@ void RdmaConnection::submit(Request& request) {
     case wire::Op::table_pull:
     case wire::Op::table_push:
       break;
+    case wire::Op::replicate:
+    case wire::Op::replica_pull:
+    case wire::Op::replica_index:
+    case wire::Op::replica_clock:
+    case wire::Op::replica_barrier:
+    case wire::Op::replica_evict:
+      if (options_.worker_id == wire::kServerPeer) break;
+      [[fallthrough]];
     default:
       request.completion->complete_part(Errc::unsupported,
                                         "op " + std::string(wire::op_name(static_cast<std::uint16_t>(request.op))) +
@@ -197,15 +209,17 @@ void RdmaConnection::prepare(InFlight& s) {
     return;
   }
 
-  // [FrameHeader | KeyEntry x n | values] lands in the receive region; a table_pull has, in
-  // place of values, room for its rows, beginning with where they are to be written.
+  // [FrameHeader | KeyEntry x n | values] lands in the receive region; a request answered into
+  // its room has, in place of values, room for the answer, beginning with where it is to go.
   const std::size_t n = keys.size();
-  const bool rows_back = r.op == wire::Op::table_pull;
+  const bool rows_back = answered_into_room(r.op);
   std::uint64_t floats_bytes = 0;
   for (const KeySlice& k : keys) floats_bytes += std::uint64_t{k.length} * sizeof(float);
   const std::uint64_t payload = rows_back ? 0 : floats_bytes;
   const std::uint64_t table = kHeader + n * sizeof(wire::KeyEntry);
-  s.message_total = table + (rows_back ? std::max<std::uint64_t>(floats_bytes, sizeof(RowsTarget)) : payload);
+  // An index's size is the server's to know: it gets half the region, and is refused past it.
+  const std::uint64_t answer = r.op == wire::Op::replica_index ? server_.grant.region_bytes / 2 : floats_bytes;
+  s.message_total = table + (rows_back ? std::max<std::uint64_t>(answer, sizeof(RowsTarget)) : payload);
   auto what = [&] {
     return "a " + std::string(wire::op_name(static_cast<std::uint16_t>(r.op))) + " of " + std::to_string(n) +
            " keys and " + std::to_string(floats_bytes >> 20) + " MiB";
@@ -390,9 +404,9 @@ bool RdmaConnection::post_message(std::uint32_t index) {
     if (at % ring + need > ring) at += ring - at % ring;
     if (at + need - region_tail_ > ring) return false;
     const std::uint64_t offset = at % ring;
-    if (s.sent_op == wire::Op::table_pull) {
+    if (answered_into_room(s.sent_op)) {
       const RowsTarget target{reinterpret_cast<std::uint64_t>(rows_ring_.data() + offset + s.rows_at),
-                              rows_ring_.mr.rkey(), 0};
+                              rows_ring_.mr.rkey(), static_cast<std::uint32_t>(s.message_total - s.rows_at)};
       std::memcpy(s.staging.data() + s.rows_at, &target, sizeof target);
     }
     wrs_.assign(chain, ibv_send_wr{});
@@ -798,11 +812,18 @@ void RdmaConnection::on_reply(std::uint32_t buffer, std::uint32_t bytes) {
     region_tail_ = s.region_end;
     // RC order: the rows this reply follows were WRITTEN into the ring before it arrived. They
     // are taken now, before the next request may be given this room.
-    if (op == wire::Op::table_pull && status == Errc::ok) {
-      const std::byte* rows = rows_ring_.data() + s.region_offset + s.rows_at;
+    const std::byte* room = rows_ring_.data() + s.region_offset + s.rows_at;
+    if (op == wire::Op::replica_index && status == Errc::ok) {
+      if (h.arg1 > s.message_total - s.rows_at || !s.request->text_out) {
+        fail_all(Errc::protocol, endpoint_ + " answered a replica index with " + std::to_string(h.arg1) +
+                                     " bytes, more than the room it was given");
+        return;
+      }
+      s.request->text_out->assign(reinterpret_cast<const char*>(room), h.arg1);
+    } else if (answered_into_room(op) && status == Errc::ok) {
       for (const KeySlice& k : s.request->keys) {
-        std::memcpy(k.data, rows, std::size_t{k.length} * sizeof(float));
-        rows += std::size_t{k.length} * sizeof(float);
+        std::memcpy(k.data, room, std::size_t{k.length} * sizeof(float));
+        room += std::size_t{k.length} * sizeof(float);
       }
     }
     if (is_push(op)) {

@@ -28,6 +28,7 @@ class RdmaListener final : public transport::Listener {
     options_.max_connections = o.max_connections;
     options_.limits = o.limits;
     options_.token = o.token;
+    options_.peer_token = o.peer_token;
   }
   ~RdmaListener() override { close(); }
 

@@ -91,15 +91,16 @@ struct RejectInfo {
 };
 static_assert(sizeof(RejectInfo) <= kRejPrivateBytes);
 
-// A table_pull travels like a push: written into the receive region, with room after its key
-// table for the rows it asks for (at least sizeof(RowsTarget) bytes). The room starts with this:
-// where in the client's own memory the server is to RDMA WRITE the rows, before its reply SEND.
-// The server copies it out, reads the rows into the room (each under its seqlock), and WRITEs
-// them from there, so no row is read by the NIC while a push changes it.
+// Requests whose answer is bulk (table_pull's rows, replica_pull's records, replica_index) travel
+// like a push: written into the receive region, with room after their key table for the answer
+// (at least sizeof(RowsTarget) bytes; for the first two, at least the rows asked for). The room
+// starts with this: where in the client's own memory the server is to RDMA WRITE the answer,
+// before its reply SEND. The server copies it out, reads the answer into the room (rows under
+// their seqlocks), and WRITEs it from there, so the NIC never reads a row a push is changing.
 struct RowsTarget {
   std::uint64_t addr;
   std::uint32_t rkey;
-  std::uint32_t reserved;
+  std::uint32_t room;  // bytes the client left after the key table, this struct included
 };
 static_assert(sizeof(RowsTarget) == 16);
 

@@ -232,10 +232,20 @@ void RdmaServer::on_connect_request(rdma_cm_event* ev) {
                       std::to_string(req.rdma_version) + ", server " + std::to_string(wire::kVersion) + "/rdma " +
                       std::to_string(kRdmaVersion) + ": use matching pskv builds");
   const std::string address = address_text(rdma_get_peer_addr(id));
-  if (options_.token && !(req.flags & kHasToken))
-    return refuse(id, Errc::permission, auth::refuse(engine_->options().server_id, address, "has no token"));
+  const bool server_peer = req.worker_id == wire::kServerPeer;
+  // Nothing here for another server: no replicas to ship to, none kept for others.
+  if (server_peer && !engine_->replicator() && engine_->options().replica_of.empty())
+    return refuse(id, Errc::permission, "connected as a server of a replicating ring; this server does not replicate");
+  const auth::Token* token = server_peer && options_.peer_token ? options_.peer_token.get() : options_.token.get();
+  if (token && !(req.flags & kHasToken))
+    return refuse(id, Errc::permission,
+                  auth::refuse(engine_->options().server_id, address,
+                               server_peer && options_.peer_token
+                                   ? "says it is a server but has no token (this server requires --peer-token-file "
+                                     "on its peers)"
+                                   : "has no token"));
   std::string why;
-  if (req.worker_id != kNoWorker && engine_->check_worker(req.worker_id, &why) != Errc::ok)
+  if (!server_peer && req.worker_id != kNoWorker && engine_->check_worker(req.worker_id, &why) != Errc::ok)
     return refuse(id, Errc::invalid_argument, why);
   if (conns_.size() >= options_.max_connections)
     return refuse(id, Errc::capacity,
@@ -248,12 +258,14 @@ void RdmaServer::on_connect_request(rdma_cm_event* ev) {
   auto conn = std::make_shared<ServerConn>();
   conn->id = id;
   conn->owner = io_[next_io_++ % io_.size()].get();
-  conn->hello_worker = req.worker_id;
+  conn->hello_worker = server_peer ? kNoWorker : req.worker_id;
+  conn->server_peer = server_peer;
+  conn->token = token;
   conn->address = address;
-  conn->authenticated = !options_.token;
+  conn->authenticated = !token;
   if (conn->authenticated) {
-    conn->worker = req.worker_id;
-    if (req.worker_id != kNoWorker) engine_->worker_joined(req.worker_id);
+    conn->worker = conn->hello_worker;
+    if (conn->worker != kNoWorker) engine_->worker_joined(conn->worker);
   }
   conn->depth = std::clamp(std::min(options_.queue_depth, req.max_in_flight), 1u, options_.queue_depth);
   try {
@@ -338,11 +350,11 @@ void RdmaServer::on_connect_request(rdma_cm_event* ev) {
   g.region_addr = reinterpret_cast<std::uint64_t>(conn->region.data());
   g.region_bytes = conn->region.size();
   g.region_rkey = conn->region.mr.rkey();
-  if (options_.token) {
+  if (token) {
     a.flags = kAuthRequired;
     std::memcpy(conn->client_nonce.data(), req.nonce, auth::kNonceBytes);
     conn->server_nonce = auth::random_nonce();
-    const auth::Proof proof = options_.token->server_proof(conn->client_nonce, conn->server_nonce);
+    const auth::Proof proof = token->server_proof(conn->client_nonce, conn->server_nonce);
     std::memcpy(a.nonce, conn->server_nonce.data(), auth::kNonceBytes);
     std::memcpy(a.proof, proof.data(), auth::kProofBytes);
   } else {

@@ -40,6 +40,8 @@ struct RdmaServerOptions {
   wire::Limits limits{};
   // When set, a connection gets its remote keys only after passing the HMAC challenge.
   std::shared_ptr<const auth::Token> token;
+  // The token another server of a replicating ring proves instead (null: `token`).
+  std::shared_ptr<const auth::Token> peer_token;
 };
 
 class ServerConn;

@@ -26,6 +26,9 @@ class ServerConn : public std::enable_shared_from_this<ServerConn> {
   std::uint32_t wrs_per_reply = 1;   // send queue entries a reply may take: its SEND and those WRITEs
   std::uint32_t worker = kNoWorker;  // set once admitted (at accept, or after the challenge)
   std::uint32_t hello_worker = kNoWorker;
+  // Connected as another server of the ring (wire::kServerPeer): may send the replication ops.
+  bool server_peer = false;
+  const auth::Token* token = nullptr;  // what it must prove (the server's; null: nothing)
   // With a token: nothing but AUTH is served until the client's proof matched.
   bool authenticated = false;
   auth::Nonce client_nonce{}, server_nonce{};
@@ -77,7 +80,11 @@ class IoThread {
   // A message the client wrote into its receive region: push, init, or a table op.
   bool handle_region_message(ServerConn& c, std::uint32_t imm);
   bool apply_push(ServerConn& c, const wire::FrameHeader& h, const float* values);
-  bool answer_table_pull(ServerConn& c, const wire::FrameHeader& h, std::byte* room, std::uint64_t room_bytes);
+  // table_pull, replica_pull, replica_index: the answer goes into the room the request left
+  // (`left`: what the region has after its key table) and from there to the client's RowsTarget.
+  bool answer_into_room(ServerConn& c, const wire::FrameHeader& h, std::byte* room, std::uint64_t left);
+  // Permission refused, the connection closed: a replication op from a client.
+  bool refuse_replication(ServerConn& c, const wire::FrameHeader& h);
   bool dispatch(ServerConn& c, const wire::FrameHeader& h);
   // Checks the client's proof; on success admits the worker and replies with the Grant.
   bool authenticate(ServerConn& c, const wire::FrameHeader& h, const auth::Proof& proof);

@@ -341,6 +341,9 @@ bool IoThread::dispatch(ServerConn& c, const wire::FrameHeader& h) {
     case wire::Op::table_create:
     case wire::Op::table_pull:
     case wire::Op::table_push:
+    case wire::Op::replicate:
+    case wire::Op::replica_pull:
+    case wire::Op::replica_index:
       return send_error(
           c, h, Errc::protocol,
           std::string(wire::op_name(h.op)) + " travels by RDMA WRITE into the receive region, not in a SEND");
@@ -349,26 +352,38 @@ bool IoThread::dispatch(ServerConn& c, const wire::FrameHeader& h) {
     case wire::Op::auth:  // handled before dispatch
       return send_error(c, h, Errc::unsupported,
                         std::string(wire::op_name(h.op)) + " is not an rdma:// control message");
-    case wire::Op::replicate:
-    case wire::Op::replica_pull:
-    case wire::Op::replica_index:
     case wire::Op::replica_clock:
     case wire::Op::replica_barrier:
-    case wire::Op::replica_evict:
-      return send_error(c, h, Errc::unsupported,
-                        "replication between servers runs over tcp:// (an rdma:// server's --peer-uri), not rdma://");
+    case wire::Op::replica_evict: {
+      if (!c.server_peer) return refuse_replication(c, h);
+      const auto word = static_cast<WorkerWord>(h.op - static_cast<std::uint16_t>(wire::Op::replica_clock));
+      if (Errc e = engine_.apply_replica_word(word, wire::replica_clock_origin(h), wire::replica_clock_worker(h),
+                                              wire::worker_word_value(h), &why);
+          e != Errc::ok)
+        return send_error(c, h, e, why);
+      return reply(c, h, Errc::ok, nullptr, 0);
+    }
   }
   return send_error(c, h, Errc::protocol, "unknown op " + std::to_string(h.op));
 }
 
 bool IoThread::authenticate(ServerConn& c, const wire::FrameHeader& h, const auth::Proof& proof) {
-  const auto& token = server_.options_.token;
+  const auth::Token* token = c.token;
   if (!token || !auth::proofs_equal(proof, token->client_proof(c.server_nonce, c.client_nonce)))
     return refuse_unauthenticated(c, &h, "failed the challenge: its token differs from this server's");
   c.authenticated = true;
   c.worker = c.hello_worker;
   if (c.worker != kNoWorker) engine_.worker_joined(c.worker);
   return reply(c, h, Errc::ok, &c.grant, sizeof c.grant);
+}
+
+bool IoThread::refuse_replication(ServerConn& c, const wire::FrameHeader& h) {
+  send_error(
+      c, h, Errc::permission,
+      auth::refuse(engine_.options().server_id, c.address,
+                   "sent " + std::string(wire::op_name(h.op)) +
+                       ", which only another server of the ring may send (servers connect to each other as such)"));
+  return false;
 }
 
 bool IoThread::refuse_unauthenticated(ServerConn& c, const wire::FrameHeader* h, const std::string& what) {
@@ -390,10 +405,12 @@ bool IoThread::handle_region_message(ServerConn& c, std::uint32_t imm) {
     return false;
   }
   const auto op = static_cast<wire::Op>(h.op);
-  if (op != wire::Op::push && op != wire::Op::init && !wire::op_is_table(op)) {
+  const bool replication = op == wire::Op::replicate || op == wire::Op::replica_pull || op == wire::Op::replica_index;
+  if (op != wire::Op::push && op != wire::Op::init && !wire::op_is_table(op) && !replication) {
     send_error(c, h, Errc::protocol, std::string(wire::op_name(h.op)) + " cannot arrive by RDMA WRITE");
     return false;
   }
+  if (replication && !c.server_peer) return refuse_replication(c, h);
   const std::uint64_t key_bytes = std::uint64_t{h.num_keys} * sizeof(wire::KeyEntry);
   if (key_bytes + h.payload_bytes > region - offset - kHeader) {
     send_error(c, h, Errc::protocol,
@@ -420,7 +437,12 @@ bool IoThread::handle_region_message(ServerConn& c, std::uint32_t imm) {
   Errc status = Errc::ok;
   switch (op) {
     case wire::Op::table_pull:
-      return answer_table_pull(c, h, after_keys, region - offset - kHeader - key_bytes);
+    case wire::Op::replica_pull:
+    case wire::Op::replica_index:
+      return answer_into_room(c, h, after_keys, region - offset - kHeader - key_bytes);
+    case wire::Op::replicate:
+      status = engine_.take_replicate(static_cast<std::uint32_t>(h.arg0), h.arg1, c.keys, values, &why);
+      break;
     case wire::Op::table_push:
       status = engine_.table_push(h.arg1, h.arg0, c.keys, values, &why);
       break;
@@ -461,28 +483,58 @@ bool IoThread::apply_push(ServerConn& c, const wire::FrameHeader& h, const float
   return reply(c, h, Errc::ok, nullptr, 0);
 }
 
-bool IoThread::answer_table_pull(ServerConn& c, const wire::FrameHeader& h, std::byte* room, std::uint64_t room_bytes) {
+bool IoThread::answer_into_room(ServerConn& c, const wire::FrameHeader& h, std::byte* room, std::uint64_t left) {
+  RowsTarget target{};
+  if (left < sizeof target) {
+    send_error(c, h, Errc::protocol, "the " + std::string(wire::op_name(h.op)) + " leaves no room for its answer");
+    return false;
+  }
+  std::memcpy(&target, room, sizeof target);  // before the answer overwrites it
   std::uint64_t floats = 0;
   for (const wire::KeyEntry& k : c.keys) floats += k.length;
-  const std::uint64_t rows = floats * sizeof(float);
-  if (std::max<std::uint64_t>(rows, sizeof(RowsTarget)) > room_bytes) {
+  const auto op = static_cast<wire::Op>(h.op);
+  const std::uint64_t rows = op == wire::Op::replica_index ? 0 : floats * sizeof(float);
+  if (target.room > left || target.room < sizeof target || rows > target.room) {
     send_error(c, h, Errc::protocol,
-               "the table_pull's " + std::to_string(rows) + " bytes of rows pass the end of the receive region");
+               "the " + std::string(wire::op_name(h.op)) + "'s room of " + std::to_string(target.room) + " bytes for " +
+                   std::to_string(rows) + " bytes of answer would pass the end of the receive region");
     return false;
   }
   if (rows > server_.options_.limits.max_payload_bytes)
     return send_error(c, h, Errc::capacity,
                       "a reply of " + std::to_string(rows) +
-                          " bytes of rows passes the request limit (--max-request-mb) of server " +
-                          std::to_string(engine_.options().server_id) + ": pull fewer rows at a time");
-  RowsOut out{room, rows, c.region.mr.lkey(), {}};
-  std::memcpy(&out.target, room, sizeof out.target);  // before the rows overwrite it
+                          " bytes passes the request limit (--max-request-mb) of server " +
+                          std::to_string(engine_.options().server_id) + ": ask for fewer rows at a time");
   std::string why;
-  // Read into the region, not straight from the table by the NIC: a row is copied under its
-  // seqlock, so none is torn by a push racing the reply.
-  if (Errc e = engine_.table_pull(h.arg1, c.keys, reinterpret_cast<float*>(room), &why); e != Errc::ok)
-    return send_error(c, h, e, why);
-  return reply(c, h, Errc::ok, nullptr, 0, 0, engine_.observed_bound(), 0, &out);
+  Errc status = Errc::ok;
+  std::uint64_t bytes = rows;
+  auto* out = reinterpret_cast<float*>(room);
+  switch (op) {
+    case wire::Op::table_pull:
+      // Read into the region, not straight from the table by the NIC: a row is copied under its
+      // seqlock, so none is torn by a push racing the reply.
+      status = engine_.table_pull(h.arg1, c.keys, out, &why);
+      break;
+    case wire::Op::replica_pull:
+      status = engine_.read_records(static_cast<std::uint32_t>(h.arg0), c.keys, out, &why);
+      break;
+    default: {
+      std::vector<std::pair<Key, std::uint32_t>> keys;
+      std::vector<std::uint64_t> words;
+      bool synced = false;
+      status = engine_.replica_index(static_cast<std::uint32_t>(h.arg0), &keys, &synced, &words, &why);
+      const std::string index = status == Errc::ok ? wire::encode_replica_index(synced, keys, words) : "";
+      if (status == Errc::ok && index.size() > target.room) {
+        status = Errc::capacity;
+        why = "the replica index (" + std::to_string(index.size()) + " bytes) does not fit the " +
+              std::to_string(target.room) + " bytes its requester left: raise --rdma-recv-mb";
+      }
+      if (status == Errc::ok) std::memcpy(room, index.data(), bytes = index.size());
+    }
+  }
+  if (status != Errc::ok) return send_error(c, h, status, why);
+  const RowsOut answer{room, bytes, c.region.mr.lkey(), target};
+  return reply(c, h, Errc::ok, nullptr, 0, 0, engine_.observed_bound(), static_cast<std::uint32_t>(bytes), &answer);
 }
 
 std::uint32_t IoThread::take_send_buffer(ServerConn& c, std::chrono::milliseconds patience) {

@@ -1119,18 +1119,9 @@ bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payl
       if (status == Errc::ok) return answer_applied(peer, h);
       if (engine_.replicator()) engine_.replicator()->release(peer.keys);
       break;
-    case wire::Op::replicate: {
-      const auto origin = static_cast<std::uint32_t>(h.arg0);
-      if (h.num_keys != 0)
-        status = engine_.apply_replica(origin, peer.keys, payload, &why);
-      else if (h.arg1 == wire::kReplicaSyncing || h.arg1 == wire::kReplicaSynced)
-        status = engine_.mark_replica(origin, static_cast<ReplicaMark>(h.arg1), &why);
-      else {
-        status = Errc::protocol;
-        why = "replicate without keys marks a transfer's start or end, not " + std::to_string(h.arg1);
-      }
+    case wire::Op::replicate:
+      status = engine_.take_replicate(static_cast<std::uint32_t>(h.arg0), h.arg1, peer.keys, payload, &why);
       break;
-    }
     case wire::Op::replica_clock:
     case wire::Op::replica_barrier:
     case wire::Op::replica_evict: {
@@ -1148,27 +1139,15 @@ bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payl
       return answer_records(peer, h);
     case wire::Op::replica_index: {
       std::vector<std::pair<Key, std::uint32_t>> keys;
-      std::vector<std::uint64_t> words, one;  // each worker's clock, then generation, then eviction
+      std::vector<std::uint64_t> words;
       bool synced = false;
-      const auto origin = static_cast<std::uint32_t>(h.arg0);
-      status = engine_.replica_keys(origin, &keys, &synced, &why);
-      for (std::size_t k = 0; k < kWorkerWords && status == Errc::ok; ++k) {
-        status = engine_.replica_words(static_cast<WorkerWord>(k), origin, &one, &why);
-        words.insert(words.end(), one.begin(), one.end());
-      }
-      if (status != Errc::ok) break;
-      const wire::ReplicaIndexHeader head{synced ? 1u : 0u, static_cast<std::uint32_t>(one.size()), keys.size()};
-      const std::size_t entries = sizeof head + keys.size() * sizeof(wire::ReplicaIndexEntry);
-      std::string bytes(entries + words.size() * sizeof(std::uint64_t), '\0');
-      std::memcpy(bytes.data(), &head, sizeof head);
-      for (std::size_t i = 0; i < keys.size(); ++i) {
-        const wire::ReplicaIndexEntry e{keys[i].first, keys[i].second};
-        std::memcpy(bytes.data() + sizeof head + i * sizeof e, &e, sizeof e);
-      }
-      if (!words.empty()) std::memcpy(bytes.data() + entries, words.data(), words.size() * sizeof(std::uint64_t));
+      if ((status = engine_.replica_index(static_cast<std::uint32_t>(h.arg0), &keys, &synced, &words, &why)) !=
+          Errc::ok)
+        break;
+      const std::string bytes = wire::encode_replica_index(synced, keys, words);
       if (bytes.size() > options_.limits.max_payload_bytes) {
         status = Errc::capacity;
-        why = "the index of " + std::to_string(keys.size()) + " keys exceeds --max-request-mb";
+        why = "the replica index of " + std::to_string(bytes.size()) + " bytes exceeds --max-request-mb";
         break;
       }
       Reply r(reply_header(h, bytes.size()), bytes.data(), bytes.size());
