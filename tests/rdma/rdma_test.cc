@@ -523,7 +523,7 @@ TEST(Rdma, MalformedMessagesCloseOnlyTheirConnection) {
   rows.dim = 4;
   healthy.create_table(0, rows);
   {
-    SCOPED_TRACE("table_pull whose rows would pass the end of the receive region");
+    SCOPED_TRACE("table_pull asking for more rows than the room it left");
     RawPeer p(server.uri);
     struct {
       wire::FrameHeader h;
@@ -536,7 +536,7 @@ TEST(Rdma, MalformedMessagesCloseOnlyTheirConnection) {
     p.write_imm(&m, sizeof m, at, static_cast<std::uint32_t>(at / 64));
     auto [status, text] = p.reply();
     EXPECT_EQ(status, int(Errc::protocol)) << text;
-    EXPECT_NE(text.find("pass the end of the receive region"), std::string::npos) << text;
+    EXPECT_NE(text.find("too small"), std::string::npos) << text;
     EXPECT_TRUE(p.closed_by_server());
     still_serving();
   }
@@ -552,7 +552,8 @@ TEST(Rdma, MalformedMessagesCloseOnlyTheirConnection) {
     p.write_imm(&m, sizeof m, at, static_cast<std::uint32_t>(at / 64));
     auto [status, text] = p.reply();
     EXPECT_EQ(status, int(Errc::protocol)) << text;
-    EXPECT_NE(text.find("room of 1048576 bytes"), std::string::npos) << text;
+    EXPECT_NE(text.find("a room of 1048576 bytes"), std::string::npos) << text;
+    EXPECT_NE(text.find("pass the end of the receive region"), std::string::npos) << text;
     EXPECT_TRUE(p.closed_by_server());
     still_serving();
   }
@@ -824,6 +825,15 @@ TEST(Rdma, OnlyServersMaySendTheReplicationOps) {
     RawPeer p(uri1);
     const wire::FrameHeader h = wire::make_header(wire::Op::replica_clock, 1, 0, 0, 0, 5);
     p.send(&h, sizeof h);
+    auto [status, text] = p.reply();
+    EXPECT_EQ(status, int(Errc::permission)) << text;
+    EXPECT_NE(text.find("only another server"), std::string::npos) << text;
+    EXPECT_TRUE(p.closed_by_server());
+  }
+  {
+    RawPeer p(uri1);
+    const wire::FrameHeader h = wire::make_header(wire::Op::replicate, 2, 0, 0, 0, wire::kReplicaSynced);
+    p.write_imm(&h, sizeof h, 0, 0);  // a client marking server 0's replica synced
     auto [status, text] = p.reply();
     EXPECT_EQ(status, int(Errc::permission)) << text;
     EXPECT_NE(text.find("only another server"), std::string::npos) << text;

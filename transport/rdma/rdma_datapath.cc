@@ -218,7 +218,10 @@ void RdmaConnection::prepare(InFlight& s) {
   const std::uint64_t payload = rows_back ? 0 : floats_bytes;
   const std::uint64_t table = kHeader + n * sizeof(wire::KeyEntry);
   // An index's size is the server's to know: it gets half the region, and is refused past it.
-  const std::uint64_t answer = r.op == wire::Op::replica_index ? server_.grant.region_bytes / 2 : floats_bytes;
+  // RowsTarget::room is 32 bits: an index gets at most 1 GiB, and rows past 4 GiB are refused below.
+  const std::uint64_t answer = r.op == wire::Op::replica_index
+                                   ? std::min<std::uint64_t>(server_.grant.region_bytes / 2, 1ull << 30)
+                                   : floats_bytes;
   s.message_total = table + (rows_back ? std::max<std::uint64_t>(answer, sizeof(RowsTarget)) : payload);
   auto what = [&] {
     return "a " + std::string(wire::op_name(static_cast<std::uint16_t>(r.op))) + " of " + std::to_string(n) +
@@ -231,6 +234,8 @@ void RdmaConnection::prepare(InFlight& s) {
   if (floats_bytes > server_.max_payload_bytes)
     throw Error(Errc::capacity,
                 what() + " exceeds the request limit of " + endpoint_ + " (raise --max-request-mb or " + smaller + ")");
+  if (rows_back && s.message_total - table > UINT32_MAX)
+    throw Error(Errc::capacity, what() + " asks for more than 4 GiB of answer at once: " + smaller);
   if (align_up(s.message_total, kDescriptorAlign) > server_.grant.region_bytes)
     throw Error(Errc::capacity, what() + " does not fit the " + std::to_string(server_.grant.region_bytes >> 20) +
                                     " MiB receive region of " + endpoint_ + ": raise the server's --rdma-recv-mb or " +
@@ -809,11 +814,14 @@ void RdmaConnection::on_reply(std::uint32_t buffer, std::uint32_t bytes) {
   if (status != Errc::ok && text.empty()) text = std::string(errc_name(status));
   const wire::Op op = s.request->op;
   if (in_region(op)) {
-    region_tail_ = s.region_end;
+    // Replies may come out of order (a push parked for its replicas, a later request refused at
+    // once), but the server consumed every message before the one it answers, so the tail only
+    // moves forward.
+    region_tail_ = std::max(region_tail_, s.region_end);
     // RC order: the rows this reply follows were WRITTEN into the ring before it arrived. They
     // are taken now, before the next request may be given this room.
-    const std::byte* room = rows_ring_.data() + s.region_offset + s.rows_at;
     if (op == wire::Op::replica_index && status == Errc::ok) {
+      const std::byte* room = rows_ring_.data() + s.region_offset + s.rows_at;
       if (h.arg1 > s.message_total - s.rows_at || !s.request->text_out) {
         fail_all(Errc::protocol, endpoint_ + " answered a replica index with " + std::to_string(h.arg1) +
                                      " bytes, more than the room it was given");
@@ -821,6 +829,7 @@ void RdmaConnection::on_reply(std::uint32_t buffer, std::uint32_t bytes) {
       }
       s.request->text_out->assign(reinterpret_cast<const char*>(room), h.arg1);
     } else if (answered_into_room(op) && status == Errc::ok) {
+      const std::byte* room = rows_ring_.data() + s.region_offset + s.rows_at;
       for (const KeySlice& k : s.request->keys) {
         std::memcpy(k.data, room, std::size_t{k.length} * sizeof(float));
         room += std::size_t{k.length} * sizeof(float);

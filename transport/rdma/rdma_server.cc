@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "common/log.h"
 #include "transport/rdma/rdma_server_internal.h"
 
 namespace pskv::rdma {
@@ -234,16 +235,22 @@ void RdmaServer::on_connect_request(rdma_cm_event* ev) {
   const std::string address = address_text(rdma_get_peer_addr(id));
   const bool server_peer = req.worker_id == wire::kServerPeer;
   // Nothing here for another server: no replicas to ship to, none kept for others.
-  if (server_peer && !engine_->replicator() && engine_->options().replica_of.empty())
+  if (server_peer && !engine_->replicator() && engine_->options().replica_of.empty()) {
+    log::warn("rdma.refused",
+              "server " + std::to_string(engine_->options().server_id) + " refused " + address +
+                  ": it connected as a server of a replicating ring, but this server does not replicate");
     return refuse(id, Errc::permission, "connected as a server of a replicating ring; this server does not replicate");
+  }
   const auth::Token* token = server_peer && options_.peer_token ? options_.peer_token.get() : options_.token.get();
-  if (token && !(req.flags & kHasToken))
-    return refuse(id, Errc::permission,
-                  auth::refuse(engine_->options().server_id, address,
-                               server_peer && options_.peer_token
-                                   ? "says it is a server but has no token (this server requires --peer-token-file "
-                                     "on its peers)"
-                                   : "has no token"));
+  if (token && !(req.flags & kHasToken)) {
+    // The REJ carries 132 bytes: the hint that matters, not the generic refusal text.
+    const std::string what =
+        server_peer && options_.peer_token
+            ? "says it is a server but has no token: this server requires a token (--peer-token-file)"
+            : "has no token: this server requires a token (--auth-token-file)";
+    auth::refuse(engine_->options().server_id, address, what);  // logged; its text is longer than a REJ holds
+    return refuse(id, Errc::permission, "authentication failed: this connection " + what);
+  }
   std::string why;
   if (!server_peer && req.worker_id != kNoWorker && engine_->check_worker(req.worker_id, &why) != Errc::ok)
     return refuse(id, Errc::invalid_argument, why);
@@ -278,11 +285,13 @@ void RdmaServer::on_connect_request(rdma_cm_event* ev) {
     conn->wrs_per_reply =
         1 + static_cast<std::uint32_t>((options_.region_bytes + conn->max_write - 1) / conn->max_write);
     const std::uint64_t send_wrs = std::uint64_t{2} * depth * conn->wrs_per_reply;
-    if (send_wrs > static_cast<std::uint64_t>(device_.max_qp_wr))
+    if (send_wrs > static_cast<std::uint64_t>(device_.max_qp_wr) ||
+        send_wrs > static_cast<std::uint64_t>(device_.max_cqe))
       throw Error(Errc::capacity, "a queue pair of depth " + std::to_string(depth) + " would need " +
                                       std::to_string(send_wrs) + " send queue entries; " + device_name_ + " has " +
                                       std::to_string(device_.max_qp_wr) + " (lower depth or --rdma-recv-mb)");
-    if (!(conn->send_cq = ibv_create_cq(ctx_, static_cast<int>(2 * depth), conn.get(), conn->owner->channel(), 0)) ||
+    // Sized for the whole send queue: a queue pair in error flushes its unsignaled WRITEs too.
+    if (!(conn->send_cq = ibv_create_cq(ctx_, static_cast<int>(send_wrs), conn.get(), conn->owner->channel(), 0)) ||
         !(conn->recv_cq = ibv_create_cq(ctx_, static_cast<int>(depth), conn.get(), conn->owner->channel(), 0)))
       throw Error(Errc::io, "ibv_create_cq: " + errno_text(errno));
     ibv_qp_init_attr qa{};

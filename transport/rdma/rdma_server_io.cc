@@ -496,8 +496,10 @@ bool IoThread::answer_into_room(ServerConn& c, const wire::FrameHeader& h, std::
   const std::uint64_t rows = op == wire::Op::replica_index ? 0 : floats * sizeof(float);
   if (target.room > left || target.room < sizeof target || rows > target.room) {
     send_error(c, h, Errc::protocol,
-               "the " + std::string(wire::op_name(h.op)) + "'s room of " + std::to_string(target.room) + " bytes for " +
-                   std::to_string(rows) + " bytes of answer would pass the end of the receive region");
+               "the " + std::string(wire::op_name(h.op)) + " declares a room of " + std::to_string(target.room) +
+                   " bytes for " + std::to_string(rows) + " bytes of answer, with " + std::to_string(left) +
+                   " bytes left in the receive region: " +
+                   (target.room > left ? "it would pass the end of the receive region" : "too small"));
     return false;
   }
   if (rows > server_.options_.limits.max_payload_bytes)
