@@ -83,6 +83,9 @@ class Listener {
   virtual void drain() noexcept = 0;
   virtual void close() noexcept = 0;
   virtual ListenerStats stats() const = 0;
+  // The largest request frame a peer can send this backend whatever the limits say (rdma: one
+  // client's receive region); unbounded where only ListenOptions::limits bound it.
+  virtual std::uint64_t largest_request() const noexcept { return UINT64_MAX; }
 };
 
 // By scheme (transport/factory/listen.cc). Throws Error naming what is wrong with the URI.

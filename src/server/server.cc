@@ -72,18 +72,17 @@ void validate(const ServerOptions& o) {
       reject(
           "--replicas runs over tcp:// and rdma:// (shm:// servers adopt their predecessor's segment with "
           "shm://NAME?adopt=1 instead)");
-    // The ring's own transport: its servers' --uri (tcp, or rdma verbs), or, for rdma:// servers
-    // with --peer-uri, tcp between them.
-    const std::string ring = rdma && o.peer_uri.empty() ? "rdma://" : "tcp://";
-    if (rdma && !o.peer_uri.empty() && o.peer_uri.rfind("tcp://", 0) != 0)
+    // The ring runs on the servers' --uri (tcp, or rdma verbs), or, for rdma:// servers with
+    // --peer-uri, on tcp between them.
+    const bool over_peer_uri = rdma && !o.peer_uri.empty();
+    if (over_peer_uri && o.peer_uri.rfind("tcp://", 0) != 0)
       reject("--peer-uri is a tcp://HOST:PORT where the peers of an rdma:// server replicate to it over tcp, got " +
              o.peer_uri);
+    const std::string ring = rdma && !over_peer_uri ? "rdma://" : "tcp://";
     for (const std::string& p : o.peers)
       if (p.rfind(ring, 0) != 0)
-        reject("--peers lists " + p + ", but this ring replicates over " + ring +
-               (rdma ? (o.peer_uri.empty() ? " (each server's --uri; with --peer-uri, tcp:// between servers)"
-                                           : " (each server's --peer-uri)")
-                     : " (each server's --uri)"));
+        reject("--peers lists " + p + ", but this ring replicates over " + ring + " (--peers lists each server's " +
+               (over_peer_uri ? "--peer-uri" : "--uri") + ")");
     if (tcp && !o.peer_uri.empty())
       reject("--peer-uri is for rdma:// servers; a tcp:// server takes its peers on --uri");
     if (o.rejoin && o.replicas < 2) reject("--rejoin takes the keys back from replicas: it needs --replicas 2 or more");
@@ -122,12 +121,6 @@ class ServerImpl {
     r.server_id = o.server_id;
     r.io_timeout = o.frame_timeout;
     r.max_request_bytes = o.max_request_bytes;
-    if (o.uri.rfind("rdma://", 0) == 0 && o.peer_uri.empty()) {
-      // Over verbs a request must fit the replica's receive region (every server of a ring
-      // takes the same --rdma-recv-mb): half of it for a shipment's records, as for any request.
-      const std::uint64_t region = UriParams(parse_uri(o.uri)).number("recv_mb", 32, 1, 262143) << 20;
-      r.max_request_bytes = std::min(r.max_request_bytes, region);
-    }
     r.max_in_flight_bytes = std::max(o.memory_budget_bytes / 2, o.max_request_bytes);
     const auto servers = static_cast<std::uint32_t>(o.peers.size());
     for (std::uint32_t j = 1; j < o.replicas; ++j) {
@@ -150,6 +143,9 @@ class ServerImpl {
     r.token = l.peer_token ? l.peer_token : l.token;
     listener_ = transport::listen(parse_uri(o.uri), l);
     if (!o.peer_uri.empty()) peer_listener_ = transport::listen(parse_uri(o.peer_uri), l);
+    // A ring on this server's own transport sends what this listener takes: over verbs, what fits
+    // a receive region (every server of a ring takes the same --rdma-recv-mb).
+    if (!peer_listener_) r.max_request_bytes = std::min(r.max_request_bytes, listener_->largest_request());
     transport::EngineMemory memory = listener_->engine_memory(e);
     engine_ = std::make_unique<ShardEngine>(e, std::move(memory.store), memory.clocks);
     if (!o.restore_dir.empty()) {

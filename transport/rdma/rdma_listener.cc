@@ -42,6 +42,7 @@ class RdmaListener final : public transport::Listener {
     uri_.port = server_->port();
   }
   std::string uri() const override { return uri_.str(); }
+  std::uint64_t largest_request() const noexcept override { return options_.region_bytes; }
   void stop_accepting() noexcept override {
     if (server_) server_->stop_accepting();
   }
