@@ -66,14 +66,6 @@ static_assert(offsetof(SlotHeader, seq) == offsetof(SlotImage, seq) &&
 bool is_push(wire::Op op) {
   return op == wire::Op::push || op == wire::Op::init;
 }
-// Requests answered into the room they leave in the receive region (rdma_protocol.h, RowsTarget).
-bool answered_into_room(wire::Op op) {
-  return op == wire::Op::table_pull || op == wire::Op::replica_pull || op == wire::Op::replica_index;
-}
-// Written into the receive region: what carries values, and what is answered into its room.
-bool in_region(wire::Op op) {
-  return is_push(op) || wire::op_is_table(op) || op == wire::Op::replicate || answered_into_room(op);
-}
 
 }  // namespace
 
@@ -103,30 +95,15 @@ std::string RdmaConnection::key_text(const InFlight& op, std::uint32_t k) const 
 // --- submission -------------------------------------------------------------------------------
 
 void RdmaConnection::submit(Request& request) {
-  switch (request.op) {
-    case wire::Op::init:
-    case wire::Op::push:
-    case wire::Op::pull:
-    case wire::Op::clock:
-    case wire::Op::barrier:
-    case wire::Op::stats:
-    case wire::Op::table_create:
-    case wire::Op::table_pull:
-    case wire::Op::table_push:
-      break;
-    case wire::Op::replicate:
-    case wire::Op::replica_pull:
-    case wire::Op::replica_index:
-    case wire::Op::replica_clock:
-    case wire::Op::replica_barrier:
-    case wire::Op::replica_evict:
-      if (options_.worker_id == wire::kServerPeer) break;
-      [[fallthrough]];
-    default:
-      request.completion->complete_part(Errc::unsupported,
-                                        "op " + std::string(wire::op_name(static_cast<std::uint16_t>(request.op))) +
-                                            " is not a client request on rdma://");
-      return;
+  const wire::Op op = request.op;
+  const bool ours = op == wire::Op::init || op == wire::Op::push || op == wire::Op::pull || op == wire::Op::clock ||
+                    op == wire::Op::barrier || op == wire::Op::stats || wire::op_is_table(op) ||
+                    (wire::op_is_replication(op) && options_.worker_id == wire::kServerPeer);
+  if (!ours) {
+    request.completion->complete_part(
+        Errc::unsupported,
+        "op " + std::string(wire::op_name(static_cast<std::uint16_t>(op))) + " is not a client request on rdma://");
+    return;
   }
   const std::uint32_t index = acquire_slot(&request);
   if (index == UINT32_MAX) {
@@ -200,7 +177,7 @@ void RdmaConnection::prepare(InFlight& s) {
     ensure_staging(s, std::max(kControlBytes, bounce_base() + std::min(bounce, kRoundBounce)));
     return;
   }
-  if (!in_region(r.op)) {
+  if (!written_into_region(r.op)) {
     ensure_staging(s, kControlBytes);
     const wire::FrameHeader h = wire::make_header(r.op, s.id, 0, 0, r.arg0, r.arg1);
     std::memcpy(s.staging.data(), &h, kHeader);
@@ -386,7 +363,7 @@ bool RdmaConnection::post_message(std::uint32_t index) {
   if (credits_ == 0) return false;
   ibv_send_wr* bad = nullptr;
   std::uint32_t chain = 1;
-  if (!in_region(s.sent_op)) {
+  if (!written_into_region(s.sent_op)) {
     if (sq_free() < 1) return false;
     ibv_sge sge{reinterpret_cast<std::uint64_t>(s.staging.data()), s.message_bytes, s.staging.mr.lkey()};
     ibv_send_wr wr{};
@@ -813,7 +790,7 @@ void RdmaConnection::on_reply(std::uint32_t buffer, std::uint32_t bytes) {
   if (h.flags & wire::kText) text.assign(reinterpret_cast<const char*>(p + kHeader), h.payload_bytes);
   if (status != Errc::ok && text.empty()) text = std::string(errc_name(status));
   const wire::Op op = s.request->op;
-  if (in_region(op)) {
+  if (written_into_region(op)) {
     // Replies may come out of order (a push parked for its replicas, a later request refused at
     // once), but the server consumed every message before the one it answers, so the tail only
     // moves forward.

@@ -104,6 +104,16 @@ struct RowsTarget {
 };
 static_assert(sizeof(RowsTarget) == 16);
 
+// Requests answered into the room they leave in the receive region (RowsTarget).
+inline bool answered_into_room(wire::Op op) noexcept {
+  return op == wire::Op::table_pull || op == wire::Op::replica_pull || op == wire::Op::replica_index;
+}
+// Requests written into the receive region, not SENT: what carries values, and what is answered
+// into its room. Everything else is a control message.
+inline bool written_into_region(wire::Op op) noexcept {
+  return wire::op_carries_values(op) || answered_into_room(op);
+}
+
 // One per key in a LOOKUP reply, in request order. offset 0 means "no such key" (offset 0 of the
 // region is the store header, never a slot).
 struct LookupEntry {

@@ -291,6 +291,7 @@ bool IoThread::handle_control(ServerConn& c, std::uint32_t buffer, std::uint32_t
     send_error(c, h, e, why);
     return false;
   }
+  if (wire::op_is_replication(static_cast<wire::Op>(h.op)) && !c.server_peer) return refuse_replication(c, h);
   return dispatch(c, h);
 }
 
@@ -355,7 +356,6 @@ bool IoThread::dispatch(ServerConn& c, const wire::FrameHeader& h) {
     case wire::Op::replica_clock:
     case wire::Op::replica_barrier:
     case wire::Op::replica_evict: {
-      if (!c.server_peer) return refuse_replication(c, h);
       const auto word = static_cast<WorkerWord>(h.op - static_cast<std::uint16_t>(wire::Op::replica_clock));
       if (Errc e = engine_.apply_replica_word(word, wire::replica_clock_origin(h), wire::replica_clock_worker(h),
                                               wire::worker_word_value(h), &why);
@@ -405,12 +405,11 @@ bool IoThread::handle_region_message(ServerConn& c, std::uint32_t imm) {
     return false;
   }
   const auto op = static_cast<wire::Op>(h.op);
-  const bool replication = op == wire::Op::replicate || op == wire::Op::replica_pull || op == wire::Op::replica_index;
-  if (op != wire::Op::push && op != wire::Op::init && !wire::op_is_table(op) && !replication) {
+  if (!written_into_region(op)) {
     send_error(c, h, Errc::protocol, std::string(wire::op_name(h.op)) + " cannot arrive by RDMA WRITE");
     return false;
   }
-  if (replication && !c.server_peer) return refuse_replication(c, h);
+  if (wire::op_is_replication(op) && !c.server_peer) return refuse_replication(c, h);
   const std::uint64_t key_bytes = std::uint64_t{h.num_keys} * sizeof(wire::KeyEntry);
   if (key_bytes + h.payload_bytes > region - offset - kHeader) {
     send_error(c, h, Errc::protocol,
