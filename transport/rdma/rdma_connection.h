@@ -9,7 +9,8 @@
 //            immediate on the last WRITE saying where it is; the server answers with a SEND.
 //   tables   table_create and table_push travel as pushes do; a table_pull too, with room for its
 //            rows after its key table: the server reads the rows into that room and RDMA WRITEs
-//            them into a ring of this client's (rows_ring_) just before its reply.
+//            them into a ring of this client's (rows_ring_) just before its reply. A server peer's
+//            replicate, replica_pull and replica_index (rdma_protocol.h) travel the same ways.
 //   control  clock, barrier, stats, lookup, wait: SENDs of wire frames, answered by SENDs.
 //
 // Control path (connect, register, teardown) is in rdma_connection.cc, the hot path (posting
@@ -101,7 +102,6 @@ class RdmaConnection final : public transport::Connection {
     std::uint64_t message_total = 0;
     std::uint64_t region_end = 0;
     std::uint64_t region_offset = 0;  // where in the ring the message went
-    std::uint64_t rows_at = 0;        // table_pull: its rows' offset in the message
     std::vector<ibv_sge> gather;
     std::vector<std::uint32_t> wr_groups;
     // pull

@@ -62,6 +62,11 @@ static_assert(offsetof(SlotHeader, seq) == offsetof(SlotImage, seq) &&
               offsetof(SlotHeader, key) == offsetof(SlotImage, key) &&
               offsetof(SlotHeader, length) == offsetof(SlotImage, length));
 
+// A request answered into its room: where the room starts in its message (after the key table).
+std::uint64_t room_at(const Request& r) {
+  return kHeader + r.keys.size() * sizeof(wire::KeyEntry);
+}
+
 // Pushes, as the pulls of this client wait behind them (program order).
 bool is_push(wire::Op op) {
   return op == wire::Op::push || op == wire::Op::init;
@@ -218,44 +223,33 @@ void RdmaConnection::prepare(InFlight& s) {
                                     " MiB receive region of " + endpoint_ + ": raise the server's --rdma-recv-mb or " +
                                     smaller);
   if (rows_back) {
-    // The rows land in a ring of ours that mirrors the receive region: a request's room there
+    // The answer lands in a ring of ours that mirrors the receive region: a request's room there
     // is its own until its reply, so the mirror needs no allocator of its own.
     std::call_once(rows_ring_once_, [&] {
       rows_ring_ = RegisteredBuffer(verbs_->pd, server_.grant.region_bytes,
                                     IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE, "table rows ring");
     });
-    ensure_staging(s, table + sizeof(RowsTarget));
-    wire::FrameHeader h = wire::make_header(r.op, s.id, static_cast<std::uint32_t>(n), 0, r.arg0, r.arg1);
-    auto* entries = reinterpret_cast<wire::KeyEntry*>(s.staging.data() + kHeader);
-    for (std::size_t i = 0; i < n; ++i) entries[i] = {keys[i].key, keys[i].length, 0};
-    if (options_.checksum) {
-      h.flags |= wire::kChecksum;
-      h.checksum = wire::crc32_update(0, entries, n * sizeof(wire::KeyEntry));
-    }
-    std::memcpy(s.staging.data(), &h, kHeader);
-    // post_message() fills in the RowsTarget once it knows where in the ring the message goes.
-    s.gather.push_back({reinterpret_cast<std::uint64_t>(s.staging.data()),
-                        static_cast<std::uint32_t>(table + sizeof(RowsTarget)), s.staging.mr.lkey()});
-    s.wr_groups.push_back(1);
-    s.rows_at = table;
-    s.sent_op = r.op;
-    return;
   }
   // Registered slices are gathered in place (zero copy); small unannounced ones are copied next
   // to the descriptor. A push of very many registered slices would need more gather entries
-  // than the send queue holds, so then everything is copied into staging.
-  const std::size_t max_entries = std::size_t{std::max(1u, send_depth_ / 4)} * max_sge_;
-  std::size_t in_place = 0;
-  for (const KeySlice& k : keys) in_place += cache_->find(k.data, std::size_t{k.length} * sizeof(float)) != 0;
-  const bool copy_all = 1 + 2 * in_place > max_entries;
+  // than the send queue holds, so then everything is copied into staging. A request answered
+  // into its room sends no values: its descriptor ends with the RowsTarget, which post_message()
+  // fills in once it knows where in the ring the message goes.
   std::uint64_t copied = 0;
-  for (const KeySlice& k : keys) {
-    const std::size_t bytes = std::size_t{k.length} * sizeof(float);
-    const std::uint32_t lkey = copy_all ? 0 : local_key(s, k.data, bytes);
-    s.lkeys.push_back(lkey);
-    if (lkey == 0) copied += bytes;
+  if (!rows_back) {
+    const std::size_t max_entries = std::size_t{std::max(1u, send_depth_ / 4)} * max_sge_;
+    std::size_t in_place = 0;
+    for (const KeySlice& k : keys) in_place += cache_->find(k.data, std::size_t{k.length} * sizeof(float)) != 0;
+    const bool copy_all = 1 + 2 * in_place > max_entries;
+    for (const KeySlice& k : keys) {
+      const std::size_t bytes = std::size_t{k.length} * sizeof(float);
+      const std::uint32_t lkey = copy_all ? 0 : local_key(s, k.data, bytes);
+      s.lkeys.push_back(lkey);
+      if (lkey == 0) copied += bytes;
+    }
   }
-  ensure_staging(s, table + copied);
+  const std::uint64_t descriptor = table + (rows_back ? sizeof(RowsTarget) : 0);
+  ensure_staging(s, descriptor + copied);
   std::byte* staging = s.staging.data();
   wire::FrameHeader h = wire::make_header(r.op, s.id, static_cast<std::uint32_t>(n), payload, r.arg0, r.arg1);
   auto* entries = reinterpret_cast<wire::KeyEntry*>(staging + kHeader);
@@ -263,7 +257,8 @@ void RdmaConnection::prepare(InFlight& s) {
   if (options_.checksum) {
     h.flags |= wire::kChecksum;
     std::uint32_t crc = wire::crc32_update(0, entries, n * sizeof(wire::KeyEntry));
-    for (const KeySlice& k : keys) crc = wire::crc32_update(crc, k.data, std::size_t{k.length} * sizeof(float));
+    if (!rows_back)
+      for (const KeySlice& k : keys) crc = wire::crc32_update(crc, k.data, std::size_t{k.length} * sizeof(float));
     h.checksum = crc;
   }
   std::memcpy(staging, &h, kHeader);
@@ -282,9 +277,9 @@ void RdmaConnection::prepare(InFlight& s) {
       bytes -= len;
     }
   };
-  add(staging, table, staging_key);
-  std::byte* copy_at = staging + table;
-  for (std::size_t i = 0; i < n; ++i) {
+  add(staging, descriptor, staging_key);
+  std::byte* copy_at = staging + descriptor;
+  for (std::size_t i = 0; i < s.lkeys.size(); ++i) {
     const std::size_t bytes = std::size_t{keys[i].length} * sizeof(float);
     if (s.lkeys[i] == 0) {
       std::memcpy(copy_at, keys[i].data, bytes);
@@ -387,9 +382,10 @@ bool RdmaConnection::post_message(std::uint32_t index) {
     if (at + need - region_tail_ > ring) return false;
     const std::uint64_t offset = at % ring;
     if (answered_into_room(s.sent_op)) {
-      const RowsTarget target{reinterpret_cast<std::uint64_t>(rows_ring_.data() + offset + s.rows_at),
-                              rows_ring_.mr.rkey(), static_cast<std::uint32_t>(s.message_total - s.rows_at)};
-      std::memcpy(s.staging.data() + s.rows_at, &target, sizeof target);
+      const std::uint64_t at = room_at(*s.request);
+      const RowsTarget target{reinterpret_cast<std::uint64_t>(rows_ring_.data() + offset + at), rows_ring_.mr.rkey(),
+                              static_cast<std::uint32_t>(s.message_total - at)};
+      std::memcpy(s.staging.data() + at, &target, sizeof target);
     }
     wrs_.assign(chain, ibv_send_wr{});
     std::uint64_t remote = server_.grant.region_addr + offset;
@@ -797,27 +793,26 @@ void RdmaConnection::on_reply(std::uint32_t buffer, std::uint32_t bytes) {
     region_tail_ = std::max(region_tail_, s.region_end);
     // RC order: the rows this reply follows were WRITTEN into the ring before it arrived. They
     // are taken now, before the next request may be given this room.
-    if (op == wire::Op::replica_index && status == Errc::ok) {
-      const std::byte* room = rows_ring_.data() + s.region_offset + s.rows_at;
-      if (h.arg1 > s.message_total - s.rows_at || !s.request->text_out) {
+    if (answered_into_room(op) && status == Errc::ok) {
+      const std::uint64_t at = room_at(*s.request);
+      const std::byte* room = rows_ring_.data() + s.region_offset + at;
+      if (op != wire::Op::replica_index) {
+        for (const KeySlice& k : s.request->keys) {
+          std::memcpy(k.data, room, std::size_t{k.length} * sizeof(float));
+          room += std::size_t{k.length} * sizeof(float);
+        }
+      } else if (h.arg1 <= s.message_total - at && s.request->text_out) {
+        s.request->text_out->assign(reinterpret_cast<const char*>(room), h.arg1);
+      } else {
         fail_all(Errc::protocol, endpoint_ + " answered a replica index with " + std::to_string(h.arg1) +
                                      " bytes, more than the room it was given");
         return;
       }
-      s.request->text_out->assign(reinterpret_cast<const char*>(room), h.arg1);
-    } else if (answered_into_room(op) && status == Errc::ok) {
-      const std::byte* room = rows_ring_.data() + s.region_offset + s.rows_at;
-      for (const KeySlice& k : s.request->keys) {
-        std::memcpy(k.data, room, std::size_t{k.length} * sizeof(float));
-        room += std::size_t{k.length} * sizeof(float);
-      }
     }
+    finish(index, status, text);
     if (is_push(op)) {
       ++pushes_done_;
-      finish(index, status, text);
       wake_own_push_waiters();
-    } else {
-      finish(index, status, text);
     }
     return;
   }
