@@ -202,7 +202,7 @@ TEST_P(Tables, ClientSideMisuseIsRefusedBeforeAnythingIsSent) {
 }
 
 // Many pulls in flight at once, for long enough that rdma's rows ring wraps twice over: each
-// gets its own ids' rows, whatever order the replies come back in.
+// gets its own ids' rows.
 TEST_P(Tables, ManyPullsInFlightEachGetTheirOwnRows) {
   Client c(options());
   TableSpec s = spec();

@@ -1,6 +1,7 @@
 // Hot path of the RDMA server: each completion thread drains its connections' completion
-// queues, applies pushes straight from the client's receive region, answers control messages,
-// and sends the replies of parked requests. Every length a client declares is checked against
+// queues, applies pushes (and table pushes, and a server peer's records) straight from the
+// client's receive region, answers table and replica reads by RDMA WRITE into the client's rows
+// ring, answers control messages, and sends the replies of parked requests. Every length a client declares is checked against
 // the memory it claims to be in before anything is read or allocated.
 #include <arpa/inet.h>
 #include <poll.h>
