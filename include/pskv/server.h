@@ -54,19 +54,20 @@ struct ServerOptions {
   // tcp/rdma: a file holding a shared secret (mode 0600). Every connection must then pass an
   // HMAC-SHA256 challenge before it is served; refused peers are logged. shm:// ignores it.
   std::string auth_token_file;
-  // tcp with replicas: the secret the servers of the ring prove to each other, so that no client
+  // tcp and rdma with replicas: the secret the servers of the ring prove to each other, so that no client
   // holding auth_token_file can send the replication ops. Empty: auth_token_file.
   std::string peer_token_file;
-  // Replication (tcp): every server's keys are also kept by the next replicas - 1 servers of
+  // Replication (tcp and rdma): every server's keys are also kept by the next replicas - 1 servers of
   // `peers` (every server's URI, in server-id order, the same list on every server and in the
   // clients' ClientOptions::servers). An init or push is acknowledged once every live replica
   // holds it. `rejoin`: this server restarts after a failure and takes its keys back from a
   // synced replica before serving (docs/ARCHITECTURE.md, "Replication").
   std::uint32_t replicas = 1;
   std::vector<std::string> peers;
-  // A server whose `uri` is rdma:// takes its peers' replication traffic on this tcp:// address
-  // instead (its own listener, on the same store), and `peers` then lists every server's
-  // peer_uri. Not used with a tcp:// `uri`, which carries both.
+  // Empty: the ring runs on `uri` (rdma:// servers replicate over verbs). Set on an rdma://
+  // server, it takes its peers' replication traffic on this tcp:// address instead (its own
+  // listener, on the same store), and `peers` then lists every server's peer_uri. Not used with
+  // a tcp:// `uri`, which carries both.
   std::string peer_uri;
   bool rejoin = false;
 };

@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "pskv/client.h"
+#include "pskv/server.h"
 #include "support/process.h"
 #include "support/stats.h"
 #include "support/stop.h"
@@ -749,6 +750,40 @@ TEST(TcpReplicationPeers, OnlyServersMaySendTheReplicationOps) {
   ring.kill(1);
   ring.restart(1);
   EXPECT_EQ(ask_replica_index(ring.uris()[1], 0, wire::kServerPeer, servers.path).code, Errc::ok);
+}
+
+// A ring runs on one transport: the servers' --uri, or, for rdma:// servers with --peer-uri, tcp.
+// --peers naming another is refused before anything starts, saying which list it should be.
+TEST(TcpReplicationPeers, PeersOfAnotherTransportAreRefusedByName) {
+  auto refusal = [](ServerOptions so) {
+    so.replicas = 2;
+    try {
+      Server s(so);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  ServerOptions tcp;
+  tcp.uri = "tcp://127.0.0.1:0";
+  tcp.peers = {"rdma://10.0.0.1:9700", "rdma://10.0.0.2:9700"};
+  const std::string a = refusal(tcp);
+  EXPECT_NE(a.find("this ring replicates over tcp:// (--peers lists each server's --uri)"), std::string::npos) << a;
+  ServerOptions rdma_over_tcp;
+  rdma_over_tcp.uri = "rdma://10.0.0.1:9700";
+  rdma_over_tcp.peer_uri = "tcp://10.0.0.1:9800";
+  rdma_over_tcp.peers = {"rdma://10.0.0.1:9700", "rdma://10.0.0.2:9700"};
+  const std::string b = refusal(rdma_over_tcp);
+  EXPECT_NE(b.find("this ring replicates over tcp:// (--peers lists each server's --peer-uri)"), std::string::npos)
+      << b;
+  ServerOptions verbs = rdma_over_tcp;
+  verbs.peer_uri.clear();
+  verbs.peers = {"tcp://10.0.0.1:9800", "tcp://10.0.0.2:9800"};
+  const std::string c = refusal(verbs);
+  EXPECT_NE(c.find("this ring replicates over rdma:// (--peers lists each server's --uri)"), std::string::npos) << c;
+  rdma_over_tcp.peer_uri = "udp://10.0.0.1:9800";
+  const std::string d = refusal(rdma_over_tcp);
+  EXPECT_NE(d.find("--peer-uri is a tcp://HOST:PORT"), std::string::npos) << d;
 }
 
 // Rows are not shipped to replicas yet: a replicated server refuses every table op by name
