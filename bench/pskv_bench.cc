@@ -940,8 +940,9 @@ int main(int argc, char** argv) {
       so.max_request_bytes = std::max<std::uint64_t>(so.max_request_bytes, biggest * 2);
       if (workload == "sparse") so.max_keys = table_keys / static_cast<std::uint64_t>(servers) * 5 / 4 + 1024;
       // Every server is given room for the whole table (a cap is per server): 32 bytes a row beside
-      // its floats covers its key, links and index (ShardEngine's row_bytes_bound).
-      if (workload == "rows") so.table_memory_bytes = (table_keys * (32 + key_floats * 4) + (64u << 20));
+      // its floats covers its key, links and index (ShardEngine's row_bytes_bound), once per
+      // replica (a server also keeps its predecessors' copies).
+      if (workload == "rows") so.table_memory_bytes = (table_keys * (32 + key_floats * 4) + (64u << 20)) * replicas;
       return so;
     };
     // SIGTERM must run the destructors (a shm server removes its segment), so a server waits for it.

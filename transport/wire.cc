@@ -6,7 +6,8 @@
 namespace pskv::wire {
 
 bool op_carries_values(Op op) noexcept {
-  return op == Op::init || op == Op::push || op == Op::replicate || op == Op::table_create || op == Op::table_push;
+  return op == Op::init || op == Op::push || op == Op::replicate || op == Op::table_create || op == Op::table_push ||
+         op == Op::replica_table || op == Op::replica_rows;
 }
 
 void encode_table_spec(const TableSpec& spec, float out[kTableSpecFloats]) noexcept {
@@ -116,6 +117,14 @@ std::string_view op_name(std::uint16_t op) noexcept {
       return "table_pull";
     case Op::table_push:
       return "table_push";
+    case Op::replica_table:
+      return "replica_table";
+    case Op::replica_rows:
+      return "replica_rows";
+    case Op::replica_unrows:
+      return "replica_unrows";
+    case Op::replica_table_rows:
+      return "replica_table_rows";
   }
   return "unknown";
 }

@@ -46,6 +46,15 @@ enum class Op : std::uint16_t {
   table_create = 17,  // one key (the table id) whose kTableSpecFloats values are the spec's words
   table_pull = 18,    // keys: row ids, each of the table's dimension; arg0 = the worker's clock; reply carries the rows
   table_push = 19,    // keys + gradients, each of the table's dimension; arg0 = the worker's clock
+  // Replication of tables (tcp rings; docs/protocol.md, "Replication"). arg0 = the origin | the
+  // frame's position in the origin's table stream << 32 (replica_table_rows: the origin alone);
+  // arg1 = the table id. A row's record is [value (dim) | optimizer state].
+  replica_table = 20,       // one key (the table id) whose kTableSpecFloats values are the origin's spec:
+                            // (re)start this replica's copy of it, empty
+  replica_rows = 21,        // keys: row ids, each with its record; the origin's rows as they are now
+  replica_unrows = 22,      // keys: row ids (length 1, no payload) the origin no longer holds
+  replica_table_rows = 23,  // one key {cursor: the row to go on from, length: at most that many rows}; reply:
+                            // a text payload, ReplicaRowsHeader then each row's id (u64) then their records
 };
 
 inline constexpr std::uint32_t kReplicaSyncing = 1, kReplicaSynced = 2;
@@ -137,7 +146,8 @@ std::string_view op_name(std::uint16_t op) noexcept;
 // Ops only another server of the ring may send (it says hello as kServerPeer).
 inline bool op_is_replication(Op op) noexcept {
   return op == Op::replicate || op == Op::replica_pull || op == Op::replica_index || op == Op::replica_clock ||
-         op == Op::replica_barrier || op == Op::replica_evict;
+         op == Op::replica_barrier || op == Op::replica_evict || op == Op::replica_table || op == Op::replica_rows ||
+         op == Op::replica_unrows || op == Op::replica_table_rows;
 }
 // replica_clock and replica_barrier carry a 64-bit clock or generation in 32 bits: the highest
 // (kClockDone, a finished worker) travels as UINT32_MAX, and so would any past it.
@@ -196,6 +206,22 @@ Errc decode_table_spec(const float in[kTableSpecFloats], TableSpec* spec, std::s
 // for an id or spec out of range, with *why.
 Errc decode_table_create(std::span<const KeyEntry> keys, const float* payload, std::uint32_t* table, TableSpec* spec,
                          std::string* why);
+
+// Where a table frame sits in its origin's table stream (arg0 >> 32): replicas apply that stream
+// in order, and a rejoining origin takes its tables from the replica furthest along it.
+inline std::uint64_t replica_table_arg0(std::uint32_t origin, std::uint32_t position) noexcept {
+  return (std::uint64_t{position} << 32) | origin;
+}
+struct ReplicaRowsHeader {
+  std::uint32_t exists;    // 0: this replica holds no such table of the origin (nothing follows)
+  std::uint32_t position;  // how far along the origin's table stream the replica is
+  std::uint32_t next;      // the cursor to go on from, 0 once every row was sent
+  std::uint32_t rows;
+  std::uint32_t record_floats;
+  std::uint32_t synced;          // 1 if the replica holds every key and row of the origin
+  std::uint64_t max_rows;        // the table's cap at the origin
+  float spec[kTableSpecFloats];  // the spec it was created with
+};
 
 // The optional checksum (flag kChecksum) is layout/crc.h's CRC-32.
 using pskv::crc32_update;

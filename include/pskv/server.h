@@ -44,7 +44,9 @@ struct ServerOptions {
   std::chrono::milliseconds frame_timeout{5000};
   std::uint64_t memory_budget_bytes = 1ull << 30;
   // Embedding tables (Client::create_table): what all tables' rows may take at their caps. A table
-  // whose cap would pass it is refused; one created without max_rows gets what is left.
+  // whose cap would pass it is refused; one created without max_rows gets what is left. With
+  // replicas (tcp), it also holds the copies of the predecessors' tables: a table costs its cap
+  // once per replica, and one without max_rows gets 1/replicas of what is left.
   std::uint64_t table_memory_bytes = 4ull << 30;
   // Checkpoints: the shard is written to checkpoint_dir every checkpoint_interval (0: only at
   // stop) and at stop; restore_dir loads this server's shard from there before serving.

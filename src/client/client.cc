@@ -592,8 +592,9 @@ class ClientImpl {
                                               std::to_string(kMaxTables) + " a server holds");
     if (retrying_)
       throw Error(Errc::unsupported, std::string(what) +
-                                         ": embedding tables are not replicated yet, so a retrying client "
-                                         "(retry_timeout) cannot use them");
+                                         ": a retrying client (retry_timeout) cannot use embedding tables yet: "
+                                         "a table push sent again after a failure could be applied twice (rows "
+                                         "carry no push marks)");
   }
 
   void require_worker(const char* what) const {

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <sstream>
+#include <utility>
 
 #include "table/embedding_table.h"
 
@@ -571,23 +572,37 @@ Errc ShardEngine::apply_replica(std::uint32_t origin, std::span<const KeyEntry> 
 }
 
 Errc ShardEngine::take_replicate(std::uint32_t origin, std::uint32_t mark, std::span<const KeyEntry> keys,
-                                 const float* records, std::string* why) {
+                                 const float* records, std::string* why, std::uint64_t connection) {
   if (!keys.empty()) return apply_replica(origin, keys, records, why);
   if (mark == static_cast<std::uint32_t>(ReplicaMark::syncing) ||
       mark == static_cast<std::uint32_t>(ReplicaMark::synced))
-    return mark_replica(origin, static_cast<ReplicaMark>(mark), why);
+    return mark_replica(origin, static_cast<ReplicaMark>(mark), why, connection);
   *why = "replicate without keys marks a transfer's start or end, not " + std::to_string(mark);
   return Errc::protocol;
 }
 
-Errc ShardEngine::mark_replica(std::uint32_t origin, ReplicaMark mark, std::string* why) {
+Errc ShardEngine::mark_replica(std::uint32_t origin, ReplicaMark mark, std::string* why, std::uint64_t connection) {
   Replica* r = replica(origin, why);
   if (!r) return Errc::invalid_argument;
-  // A transfer sends the origin's clocks as they are now: those of an earlier incarnation (an
-  // origin restarted from a checkpoint rather than its replicas) must not outlive it here.
-  if (mark == ReplicaMark::syncing)
+  std::lock_guard lock(r->tables_mu);
+  // A mark that comes late on a connection the origin has since replaced (its transfer there
+  // timed out) says nothing of the transfer under way: a tcp connection's tag grows with every
+  // connection this server accepts (its high half), so the older one is known. (rdma passes 0.)
+  if (connection != 0 && r->table_connection != 0) {
+    if (mark == ReplicaMark::syncing && (connection >> 32) < (r->table_connection >> 32)) return Errc::ok;
+    if (mark == ReplicaMark::synced && connection != r->table_connection) return Errc::ok;
+  }
+  if (mark == ReplicaMark::syncing) {
+    r->mark.store(static_cast<std::uint32_t>(mark), std::memory_order_release);
+    // A transfer sends the origin's clocks as they are now: those of an earlier incarnation (an
+    // origin restarted from a checkpoint rather than its replicas) must not outlive it here.
     for (auto& words : r->words)
       for (std::uint32_t w = 0; w < options_.num_workers; ++w) words[w].store(0, std::memory_order_relaxed);
+    // Its tables too: the transfer sends each again, and only this connection's frames count.
+    r->table_connection = connection;
+    for (auto& t : r->tables) t.reset();
+    r->table_position.store(0, std::memory_order_release);
+  }
   r->mark.store(static_cast<std::uint32_t>(mark), std::memory_order_release);
   return Errc::ok;
 }
@@ -742,6 +757,9 @@ std::string ShardEngine::stats_json(std::uint64_t external_pushes, const JsonObj
         .add(at + "_state", mark == static_cast<std::uint32_t>(ReplicaMark::synced)    ? "synced"
                             : mark == static_cast<std::uint32_t>(ReplicaMark::syncing) ? "syncing"
                                                                                        : "empty");
+    std::lock_guard lock(r->tables_mu);
+    for (std::uint32_t id = 0; id < kMaxTables; ++id)
+      if (r->tables[id]) j.add(at + "_table_" + std::to_string(id) + "_rows", r->tables[id]->stats().rows);
   }
   for (std::uint32_t id = 0; id < kMaxTables; ++id) {
     const EmbeddingTable* t = tables_[id].load(std::memory_order_acquire);
@@ -762,12 +780,54 @@ std::string ShardEngine::stats_json(std::uint64_t external_pushes, const JsonObj
 
 bool ShardEngine::tables_refused(std::string* why) const {
   // Their rows would be lost with this server: refused rather than acknowledged unreplicated.
-  if (!replicator_) return false;
-  *why = "embedding tables are not replicated yet; run the servers without --replicas to use them";
+  if (!replicator_ || options_.replicate_tables) return false;
+  *why =
+      "rdma:// servers do not replicate embedding tables yet; run them without --replicas, or use tcp:// "
+      "servers, to use tables";
   return true;
 }
 
-Errc ShardEngine::create_table(std::uint32_t id, const TableSpec& spec, std::string* why) {
+std::uint64_t ShardEngine::table_cost(const TableSpec& spec, std::uint64_t* max_rows) const noexcept {
+  // A replicated server also keeps the copies of its predecessors' tables, which every server of
+  // the job creates alike: a table takes its rows at the cap once per replica.
+  const std::uint64_t copies = options_.replicate_tables ? options_.replica_of.size() + 1 : 1;
+  const std::uint64_t fixed = EmbeddingTable::fixed_bytes(spec);
+  const std::uint64_t per_row = EmbeddingTable::row_bytes_bound(spec);
+  const std::uint64_t left =
+      (options_.table_memory_bytes - std::min(options_.table_memory_bytes, table_bytes_promised_)) / copies;
+  if (*max_rows == 0) *max_rows = left > fixed ? std::min<std::uint64_t>((left - fixed) / per_row, UINT32_MAX - 1) : 0;
+  return (fixed + *max_rows * per_row) * copies;
+}
+
+Errc ShardEngine::make_table(std::uint32_t id, const TableSpec& spec, std::string* why, std::uint64_t max_rows) {
+  TableSpec effective = spec;
+  if (max_rows != 0) effective.max_rows = max_rows;
+  const std::uint64_t needs = table_cost(spec, &effective.max_rows);
+  const std::uint64_t left = options_.table_memory_bytes - std::min(options_.table_memory_bytes, table_bytes_promised_);
+  if (effective.max_rows == 0 || needs > left) {
+    *why = "table " + std::to_string(id) + " would take " + std::to_string(needs >> 20) + " MiB at its cap of " +
+           std::to_string(effective.max_rows) + " rows" +
+           (options_.replicate_tables ? " (with the copies of the predecessors' tables this server keeps)" : "") +
+           "; the server's table memory (--table-memory-mb) has " + std::to_string(left >> 20) + " MiB left";
+    return Errc::capacity;
+  }
+  try {
+    // Indexed for the cap the workers declared, not for the one this server's memory sets.
+    table_owner_.push_back(std::make_unique<EmbeddingTable>(effective, spec.max_rows));
+  } catch (const std::exception& e) {
+    *why = std::string("table ") + std::to_string(id) + ": " + e.what();
+    return Errc::capacity;
+  }
+  if (options_.track_table_changes) table_owner_.back()->track_changes();
+  if (options_.replicate_tables) table_owner_.back()->list_removals();
+  table_bytes_promised_ += needs;
+  table_requested_[id] = spec;
+  tables_[id].store(table_owner_.back().get(), std::memory_order_release);
+  return Errc::ok;
+}
+
+Errc ShardEngine::create_table(std::uint32_t id, const TableSpec& spec, std::string* why, bool* created) {
+  if (created) *created = false;
   if (tables_refused(why)) return Errc::unsupported;
   if (id >= kMaxTables) {
     *why = "table id " + std::to_string(id) + " is past the " + std::to_string(kMaxTables) + " tables a server holds";
@@ -784,32 +844,9 @@ Errc ShardEngine::create_table(std::uint32_t id, const TableSpec& spec, std::str
            std::to_string(table_requested_[id].dim) + "); every creator must give the same one";
     return Errc::invalid_argument;
   }
-  // A table costs its rows at the cap, plus what it takes empty.
-  const std::uint64_t fixed = EmbeddingTable::fixed_bytes(spec);
-  const std::uint64_t per_row = EmbeddingTable::row_bytes_bound(spec);
-  const std::uint64_t left = options_.table_memory_bytes - std::min(options_.table_memory_bytes, table_bytes_promised_);
-  TableSpec effective = spec;
-  if (effective.max_rows == 0)
-    effective.max_rows = left > fixed ? std::min<std::uint64_t>((left - fixed) / per_row, UINT32_MAX - 1) : 0;
-  const std::uint64_t needs = fixed + effective.max_rows * per_row;
-  if (effective.max_rows == 0 || needs > left) {
-    *why = "table " + std::to_string(id) + " would take " + std::to_string(needs >> 20) + " MiB at its cap of " +
-           std::to_string(effective.max_rows) + " rows; the server's table memory (--table-memory-mb) has " +
-           std::to_string(left >> 20) + " MiB left";
-    return Errc::capacity;
-  }
-  try {
-    // Indexed for the cap the workers declared, not for the one this server's memory sets.
-    table_owner_.push_back(std::make_unique<EmbeddingTable>(effective, spec.max_rows));
-  } catch (const std::exception& e) {
-    *why = std::string("table ") + std::to_string(id) + ": " + e.what();
-    return Errc::capacity;
-  }
-  if (options_.track_table_changes) table_owner_.back()->track_changes();
-  table_bytes_promised_ += needs;
-  table_requested_[id] = spec;
-  tables_[id].store(table_owner_.back().get(), std::memory_order_release);
-  return Errc::ok;
+  const Errc e = make_table(id, spec, why);
+  if (created) *created = e == Errc::ok;
+  return e;
 }
 
 EmbeddingTable* ShardEngine::table_at(std::uint32_t id, TableSpec* requested) {
@@ -859,6 +896,182 @@ Errc ShardEngine::table_push(std::uint32_t id, std::uint64_t clock, std::span<co
   if (!t) return Errc::invalid_argument;
   t->push(keys, grads, clock);
   pushes_.fetch_add(ids.size(), std::memory_order_relaxed);
+  return Errc::ok;
+}
+
+std::uint64_t ShardEngine::table_record_floats(std::uint32_t id) const noexcept {
+  const EmbeddingTable* t = id < kMaxTables ? tables_[id].load(std::memory_order_acquire) : nullptr;
+  return t ? t->dim() + t->state_floats_per_row() : 0;
+}
+
+Errc ShardEngine::apply_replica_table(std::uint32_t origin, std::uint64_t connection, std::uint32_t position,
+                                      std::uint32_t id, const TableSpec& requested, std::uint64_t max_rows,
+                                      std::string* why) {
+  Replica* r = replica(origin, why);
+  if (!r) return Errc::invalid_argument;
+  if (id >= kMaxTables) {
+    *why = "table id " + std::to_string(id) + " is past the " + std::to_string(kMaxTables) + " tables a server holds";
+    return Errc::invalid_argument;
+  }
+  if (std::string problem = check_table_spec(requested); !problem.empty()) {
+    *why = "server " + std::to_string(origin) + "'s table " + std::to_string(id) + ": " + problem;
+    return Errc::invalid_argument;
+  }
+  if (max_rows == 0 || max_rows >= UINT32_MAX || (requested.max_rows != 0 && max_rows != requested.max_rows)) {
+    *why = "server " + std::to_string(origin) + "'s table " + std::to_string(id) + " cannot have a cap of " +
+           std::to_string(max_rows) + " rows";
+    return Errc::invalid_argument;
+  }
+  // The copy takes what its origin ships and never evicts on its own: between one shipment's
+  // removals and its rows, a push on another thread may make a row and evict one whose removal
+  // comes in the next shipment, so a copy may briefly hold a row more than the cap. Its index
+  // starts as its origin's did.
+  TableSpec copy = requested;
+  copy.max_rows = 0;
+  copy.eviction = RowEviction::none;
+  copy.admit_after = 1;
+  std::lock_guard lock(r->tables_mu);
+  if (connection != r->table_connection) return Errc::ok;  // a connection given up on
+  r->tables[id].reset();
+  try {
+    r->tables[id] = std::make_shared<EmbeddingTable>(copy, requested.max_rows);
+  } catch (const std::exception& e) {
+    // The copy is gone: no rejoin may take this replica for whole until a transfer restarts it.
+    r->mark.store(static_cast<std::uint32_t>(ReplicaMark::syncing), std::memory_order_release);
+    *why = "the copy of server " + std::to_string(origin) + "'s table " + std::to_string(id) + ": " + e.what();
+    return Errc::capacity;
+  }
+  r->table_requested[id] = requested;
+  r->table_cap[id] = max_rows;
+  r->table_position.store(position, std::memory_order_release);
+  return Errc::ok;
+}
+
+Errc ShardEngine::apply_replica_rows(std::uint32_t origin, std::uint64_t connection, std::uint32_t position,
+                                     std::uint32_t id, std::span<const KeyEntry> rows, const float* records,
+                                     std::string* why) {
+  Replica* r = replica(origin, why);
+  if (!r) return Errc::invalid_argument;
+  std::shared_ptr<EmbeddingTable> t;
+  bool current = false;
+  if (id < kMaxTables) {
+    std::lock_guard lock(r->tables_mu);
+    t = r->tables[id];
+    current = connection == r->table_connection;
+  }
+  if (!t) {
+    // Shipments reach a replica from the moment it is connected, before its full transfer's mark
+    // and copy: that transfer reads the rows again, after these.
+    if ((!current || r->mark.load(std::memory_order_acquire) != static_cast<std::uint32_t>(ReplicaMark::synced)) &&
+        id < kMaxTables)
+      return Errc::ok;
+    *why = "rows of server " + std::to_string(origin) + "'s table " + std::to_string(id) +
+           ", of which this server holds no copy";
+    return Errc::invalid_argument;
+  }
+  const std::uint32_t dim = t->dim();
+  const std::uint64_t floats = dim + t->state_floats_per_row();
+  for (const KeyEntry& k : rows)
+    if (k.length != (records ? floats : 1)) {
+      *why = "row " + std::to_string(k.key) + " of server " + std::to_string(origin) + "'s table " +
+             std::to_string(id) + " comes with " + std::to_string(k.length) + " floats, not " +
+             std::to_string(records ? floats : 1);
+      return Errc::protocol;
+    }
+  if (!current) return Errc::ok;  // a connection given up on
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    if (!records) {
+      t->remove_row(rows[i].key);
+    } else if (const float* at = records + i * floats; !t->restore_row(rows[i].key, at, at + dim)) {
+      // Its copy now misses a row: no rejoin may take it for whole until a transfer restarts it.
+      r->mark.store(static_cast<std::uint32_t>(ReplicaMark::syncing), std::memory_order_release);
+      *why = "the copy of server " + std::to_string(origin) + "'s table " + std::to_string(id) +
+             " has no memory for row " + std::to_string(rows[i].key);
+      return Errc::capacity;
+    }
+  }
+  r->table_position.store(position, std::memory_order_release);
+  return Errc::ok;
+}
+
+Errc ShardEngine::replica_table_rows(std::uint32_t origin, std::uint32_t id, std::uint32_t cursor,
+                                     std::uint32_t max_rows, std::uint64_t max_bytes, ReplicaTableRows* out,
+                                     std::string* why) const {
+  *out = ReplicaTableRows{};
+  // This server's own table when asked for its own id, as read_records does for keys.
+  std::shared_ptr<EmbeddingTable> t;
+  if (origin == options_.server_id) {
+    EmbeddingTable* own = id < kMaxTables ? tables_[id].load(std::memory_order_acquire) : nullptr;
+    out->synced = true;
+    if (own) {
+      t = std::shared_ptr<EmbeddingTable>(own, [](EmbeddingTable*) {});  // never removed while the engine lives
+      std::lock_guard lock(tables_mu_);
+      out->requested = table_requested_[id];
+      out->max_rows = own->spec().max_rows;
+    }
+  } else {
+    Replica* r = replica(origin, why);
+    if (!r) return Errc::invalid_argument;
+    out->position = r->table_position.load(std::memory_order_acquire);
+    out->synced = r->mark.load(std::memory_order_acquire) == static_cast<std::uint32_t>(ReplicaMark::synced);
+    if (id < kMaxTables) {
+      std::lock_guard lock(r->tables_mu);
+      t = r->tables[id];
+      out->requested = r->table_requested[id];
+      out->max_rows = r->table_cap[id];
+    }
+  }
+  if (!t) return Errc::ok;
+  out->exists = true;
+  const std::uint32_t dim = t->dim();
+  out->record_floats = static_cast<std::uint32_t>(dim + t->state_floats_per_row());
+  // A page never passes what the reply may carry.
+  const std::uint64_t per_row = sizeof(Key) + std::uint64_t{out->record_floats} * sizeof(float);
+  const auto rows = static_cast<std::uint32_t>(std::min<std::uint64_t>(max_rows, max_bytes / per_row));
+  if (rows == 0) {
+    *why = "a row of server " + std::to_string(origin) + "'s table " + std::to_string(id) +
+           " does not fit the reply's limit";
+    return Errc::capacity;
+  }
+  out->next = t->scan(cursor, rows, [&](Key key, const float* row, const float* state) {
+    out->ids.push_back(key);
+    out->records.insert(out->records.end(), row, row + dim);
+    out->records.insert(out->records.end(), state, state + (out->record_floats - dim));
+  });
+  return Errc::ok;
+}
+
+Errc ShardEngine::restore_table_rows(std::uint32_t id, const TableSpec& requested, std::uint64_t max_rows,
+                                     std::span<const Key> ids, const float* records, std::string* why) {
+  if (id >= kMaxTables) {
+    *why = "table id " + std::to_string(id) + " is past the " + std::to_string(kMaxTables) + " tables a server holds";
+    return Errc::invalid_argument;
+  }
+  EmbeddingTable* t;
+  {
+    std::lock_guard lock(tables_mu_);
+    if (!tables_[id].load(std::memory_order_relaxed)) {
+      if (std::string problem = check_table_spec(requested); !problem.empty()) {
+        *why = "table " + std::to_string(id) + ": " + problem;
+        return Errc::invalid_argument;
+      }
+      if (max_rows == 0 || max_rows >= UINT32_MAX) {
+        *why = "table " + std::to_string(id) + " comes back with a cap of " + std::to_string(max_rows) + " rows";
+        return Errc::invalid_argument;
+      }
+      if (Errc e = make_table(id, requested, why, max_rows); e != Errc::ok) return e;
+    } else if (!(table_requested_[id] == requested)) {
+      *why = "table " + std::to_string(id) + " exists here with another spec than its replica's";
+      return Errc::invalid_argument;
+    }
+    t = tables_[id].load(std::memory_order_relaxed);
+  }
+  const std::uint64_t floats = t->dim() + t->state_floats_per_row();
+  for (std::size_t i = 0; i < ids.size(); ++i)
+    if (!t->restore_row(ids[i], records + i * floats, records + i * floats + t->dim())) {
+      *why = "table " + std::to_string(id) + " has no room for row " + std::to_string(ids[i]);
+      return Errc::capacity;
+    }
   return Errc::ok;
 }
 

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <span>
@@ -53,6 +54,22 @@ struct EngineOptions {
   std::uint64_t table_memory_bytes = 4ull << 30;
   // Tables mark the rows each push changes, for incremental checkpoints (--checkpoint-dir).
   bool track_table_changes = false;
+  // With a replicator: the transport ships tables' rows too (tcp), so table ops are served;
+  // otherwise a replicated server refuses them.
+  bool replicate_tables = false;
+};
+
+// A replica's copy of one of its origin's tables, as replica_table_rows reads it out.
+struct ReplicaTableRows {
+  bool exists = false;         // the replica holds this table of the origin
+  bool synced = false;         // ... and every key and row of the origin
+  std::uint32_t position = 0;  // how far along the origin's table stream the replica is
+  std::uint32_t next = 0;      // the cursor to go on from; 0 once every row was read
+  TableSpec requested{};       // the spec the origin's table was created with
+  std::uint64_t max_rows = 0;  // its cap there
+  std::uint32_t record_floats = 0;
+  std::vector<Key> ids;
+  std::vector<float> records;  // record_floats per id
 };
 
 // A deferred reply. resume() runs exactly once, on an engine or transport thread, never under
@@ -90,6 +107,20 @@ class Replicator {
   virtual void ship_barrier(std::uint32_t worker, std::uint64_t generation, std::unique_ptr<Parked> reply) = 0;
   // `worker` was evicted here (a straggler); shipped in order, answering nobody.
   virtual void ship_eviction(std::uint32_t worker) = 0;
+  // Tables (EngineOptions::replicate_tables). Room for `bytes` of row records, taken before a
+  // table_push is applied and given back as reserve()'s is.
+  virtual Errc reserve_bytes(std::uint64_t bytes, std::string* why) = 0;
+  virtual void release_bytes(std::uint64_t bytes) = 0;
+  // Creates table `id` in the engine (ShardEngine::create_table) and, if this call made it, queues
+  // its empty copy to every live replica in the same step, so that no row of it can reach a
+  // replica before the copy; *parked is then set and park()'s reply resumes once they have it.
+  virtual Errc create_table(std::uint32_t id, const TableSpec& spec, std::string* why,
+                            const std::function<std::unique_ptr<Parked>()>& park, bool* parked) = 0;
+  // A table_push of `ids` was just applied to `table` (after reserve_bytes of `reserved`): the
+  // rows of those ids as they are now, and every row the table lost since the last shipment,
+  // reach every live replica in the order they were read before `reply` resumes.
+  virtual void ship_rows(std::uint32_t table, std::span<const KeyEntry> ids, std::uint64_t reserved,
+                         std::unique_ptr<Parked> reply) = 0;
   virtual JsonObject stats() const = 0;
 };
 
@@ -183,11 +214,14 @@ class ShardEngine {
   }
   // This server's replica of `origin` (one of options().replica_of) takes the records.
   Errc apply_replica(std::uint32_t origin, std::span<const KeyEntry> keys, const float* records, std::string* why);
-  Errc mark_replica(std::uint32_t origin, ReplicaMark mark, std::string* why);
+  // `connection`: the transport's tag of the connection the mark came on. A transfer's syncing
+  // mark makes it the one the origin's table frames are taken from, and drops the copies of the
+  // origin's tables (its transfer sends them again).
+  Errc mark_replica(std::uint32_t origin, ReplicaMark mark, std::string* why, std::uint64_t connection = 0);
   // A `replicate` request as every backend takes it: records for `keys`, or, with no keys, the
   // mark `mark` (a ReplicaMark's value; anything else is a protocol error).
   Errc take_replicate(std::uint32_t origin, std::uint32_t mark, std::span<const KeyEntry> keys, const float* records,
-                      std::string* why);
+                      std::string* why, std::uint64_t connection = 0);
   // The replica of `origin` learns a word of `worker` there, kept if higher than what it holds (so
   // that a restarted origin knows every clock, barrier arrival and eviction it acknowledged).
   Errc apply_replica_word(WorkerWord word, std::uint32_t origin, std::uint32_t worker, std::uint64_t value,
@@ -216,16 +250,37 @@ class ShardEngine {
   // Creates table `id`, or checks that the table of that id was created with this very spec
   // (the first creator wins, as with init; another spec is invalid_argument). A spec without
   // max_rows gets the rows the table memory budget has left; one whose rows at its cap would
-  // pass the budget is refused (capacity). On a replicated server these three are refused
-  // (unsupported): rows are not shipped to replicas yet.
-  Errc create_table(std::uint32_t id, const TableSpec& spec, std::string* why);
+  // pass the budget is refused (capacity). A replicated server refuses these three (unsupported)
+  // unless its transport ships rows (EngineOptions::replicate_tables). *created: whether this
+  // call made the table.
+  Errc create_table(std::uint32_t id, const TableSpec& spec, std::string* why, bool* created = nullptr);
   // Rows of `ids` (each entry's length must be the table's dimension) into out, one after another.
   Errc table_pull(std::uint32_t id, std::span<const KeyEntry> ids, float* out, std::string* why);
   Errc table_push(std::uint32_t id, std::uint64_t clock, std::span<const KeyEntry> ids, const float* grads,
                   std::string* why);
   // Table `id` (null if there is none) and the spec it was created with (for checkpoints).
   EmbeddingTable* table_at(std::uint32_t id, TableSpec* requested = nullptr);
+  std::uint64_t table_record_floats(std::uint32_t id) const noexcept;  // 0: no such table
 
+  // Replicas of the origins' tables, applied in the order they come (the origin queues them in
+  // the order it read them). replica_table (re)starts the copy of table `id`, empty and without a
+  // cap or eviction of its own (its memory is promised by this server's own table of that id:
+  // create_table counts the copies); replica_rows writes rows as the origin holds them ([value |
+  // state] each), or, with `records` null, removes them. `position`: the frame's place in the
+  // origin's table stream, which a rejoin compares. Frames that come on another connection than
+  // the current transfer's (mark_replica) are checked, then dropped: a connection the origin gave
+  // up on may still deliver what it had queued, after the new transfer's copy.
+  Errc apply_replica_table(std::uint32_t origin, std::uint64_t connection, std::uint32_t position, std::uint32_t id,
+                           const TableSpec& requested, std::uint64_t max_rows, std::string* why);
+  Errc apply_replica_rows(std::uint32_t origin, std::uint64_t connection, std::uint32_t position, std::uint32_t id,
+                          std::span<const KeyEntry> rows, const float* records, std::string* why);
+  // Up to max_rows rows (and at most max_bytes of ids and records) of the replica of `origin`'s
+  // table `id`, from `cursor` on.
+  Errc replica_table_rows(std::uint32_t origin, std::uint32_t id, std::uint32_t cursor, std::uint32_t max_rows,
+                          std::uint64_t max_bytes, ReplicaTableRows* out, std::string* why) const;
+  // A rejoining server takes table `id` back: created with the spec and cap it had, then the rows.
+  Errc restore_table_rows(std::uint32_t id, const TableSpec& requested, std::uint64_t max_rows,
+                          std::span<const Key> ids, const float* records, std::string* why);
   Errc check_worker(std::uint32_t worker, std::string* why) const;
   // A replicated server ships clocks and barrier generations in 32 bits (UINT32_MAX standing for
   // a finished worker): invalid_argument for a larger one, which its replicas could not hold.
@@ -274,20 +329,32 @@ class ShardEngine {
     // Per WorkerWord, one per worker: the origin's.
     std::array<std::unique_ptr<std::atomic<std::uint64_t>[]>, kWorkerWords> words;
     std::unique_ptr<SyncAccumulator> sync;  // sync mode: the origin's pending steps
+    // The origin's tables; a copy is replaced whole by replica_table, so readers hold a share.
+    mutable std::mutex tables_mu;
+    std::array<std::shared_ptr<EmbeddingTable>, kMaxTables> tables;
+    std::array<TableSpec, kMaxTables> table_requested{};
+    std::array<std::uint64_t, kMaxTables> table_cap{};  // the origin's caps (a copy itself has none)
+    std::uint64_t table_connection = 0;                 // under tables_mu: see mark_replica
+    std::atomic<std::uint32_t> table_position{0};
   };
   std::vector<std::unique_ptr<Replica>> replicas_;
   Replicator* replicator_ = nullptr;
   // A table is published once whole and never removed while the engine lives, so lookups take
   // no lock.
   std::array<std::atomic<EmbeddingTable*>, kMaxTables> tables_{};
-  std::mutex tables_mu_;  // creating one
+  mutable std::mutex tables_mu_;  // creating one
   std::vector<std::unique_ptr<EmbeddingTable>> table_owner_;
   std::array<TableSpec, kMaxTables> table_requested_{};  // the spec each table was created with
   std::uint64_t table_bytes_promised_ = 0;               // under tables_mu_
   // Table `id`, with the ids of `entries` in `keys` once every entry is checked to be one row of
   // it; null, with *why, if there is no such table or a row is of another length.
-  // With replicas: table ops are refused (*why says so).
+  // On a replicated server whose transport does not ship rows: table ops are refused (*why says so).
   bool tables_refused(std::string* why) const;
+  // Makes table `id` under tables_mu_ (the caller checked it is absent), charged to the table
+  // memory; with the cap `max_rows` when given (a rejoin restores the cap the table had).
+  Errc make_table(std::uint32_t id, const TableSpec& spec, std::string* why, std::uint64_t max_rows = 0);
+  // What a table of `spec` takes at the cap `max_rows`; its cap from what is left when 0.
+  std::uint64_t table_cost(const TableSpec& spec, std::uint64_t* max_rows) const noexcept;
   EmbeddingTable* table_rows(std::uint32_t id, std::span<const KeyEntry> entries, std::vector<Key>& keys,
                              std::string* why) const;
   Replica* replica(std::uint32_t origin, std::string* why) const;

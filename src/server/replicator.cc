@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "common/log.h"
+#include "table/embedding_table.h"
 #include "transport/uri.h"
 
 namespace pskv {
@@ -63,7 +64,7 @@ std::vector<std::pair<std::size_t, std::size_t>> cut(std::span<const KeyEntry> k
 }  // namespace
 
 TcpReplicator::TcpReplicator(ShardEngine& engine, const ReplicatorOptions& options)
-    : engine_(engine), options_(options) {
+    : engine_(engine), options_(options), table_position_(options.table_position) {
   for (const ReplicaPeer& p : options_.replicas) {
     auto r = std::make_unique<Replica>();
     r->peer = p;
@@ -208,7 +209,10 @@ Errc TcpReplicator::reserve(std::span<const KeyEntry> keys, bool creating, std::
                "chunk_floats";
         return Errc::capacity;
       }
-  const std::uint64_t bytes = record_bytes(keys);
+  return reserve_bytes(record_bytes(keys), why);
+}
+
+Errc TcpReplicator::reserve_bytes(std::uint64_t bytes, std::string* why) {
   std::uint64_t now = reserved_bytes_.load(std::memory_order_relaxed);
   do {
     // One request alone is always let through (it fits a request, checked at init).
@@ -223,7 +227,118 @@ Errc TcpReplicator::reserve(std::span<const KeyEntry> keys, bool creating, std::
 }
 
 void TcpReplicator::release(std::span<const KeyEntry> keys) {
-  reserved_bytes_.fetch_sub(record_bytes(keys), std::memory_order_relaxed);
+  release_bytes(record_bytes(keys));
+}
+
+void TcpReplicator::release_bytes(std::uint64_t bytes) {
+  reserved_bytes_.fetch_sub(bytes, std::memory_order_relaxed);
+}
+
+void TcpReplicator::table_spec_shipment(std::uint32_t table, Shipment* s) {
+  TableSpec requested;
+  const EmbeddingTable* t = engine_.table_at(table, &requested);
+  constexpr std::uint32_t kFloats = wire::kTableSpecFloats + 2;  // the spec, then the cap here (u64)
+  s->op = wire::Op::replica_table;
+  s->arg0 = wire::replica_table_arg0(options_.server_id, ++table_position_);
+  s->arg1 = table;
+  if (s->capacity < kFloats) {
+    s->records.reset(new float[kFloats]);
+    s->capacity = kFloats;
+  }
+  wire::encode_table_spec(requested, s->records.get());
+  const std::uint64_t cap = t->spec().max_rows;
+  std::memcpy(s->records.get() + wire::kTableSpecFloats, &cap, sizeof cap);
+  s->record_floats = kFloats;
+  s->keys.assign(1, KeyEntry{table, kFloats, 0});
+  s->slices.assign(1, transport::KeySlice{table, kFloats, s->records.get()});
+}
+
+void TcpReplicator::rows_shipment(std::uint32_t table, std::span<const Key> removed, std::span<const KeyEntry> ids,
+                                  Shipment* s, std::vector<std::pair<std::size_t, std::size_t>>* ranges) {
+  const EmbeddingTable* t = engine_.table_at(table);
+  const std::uint32_t dim = t->dim();
+  const std::uint64_t floats = dim + t->state_floats_per_row();
+  s->arg0 = wire::replica_table_arg0(options_.server_id, ++table_position_);
+  s->arg1 = table;
+  s->keys.clear();
+  s->slices.clear();
+  if (!removed.empty()) {
+    // Nothing to read: the ids alone say those rows are gone.
+    s->op = wire::Op::replica_unrows;
+    s->record_floats = 0;
+    for (const Key id : removed) {
+      s->keys.push_back({id, 1, 0});
+      s->slices.push_back({id, 1, nullptr});
+    }
+    *ranges = cut(s->keys, options_.max_request_bytes / 2);
+    return;
+  }
+  s->op = wire::Op::replica_rows;
+  if (s->capacity < ids.size() * floats) {
+    s->records.reset(new float[ids.size() * floats]);
+    s->capacity = ids.size() * floats;
+  }
+  float* at = s->records.get();
+  for (const KeyEntry& k : ids) {
+    // An id with no row here (not admitted, no room, or evicted since the removals were taken)
+    // needs nothing now: a row that went is listed, and its removal goes with the next shipment.
+    if (!t->read_record(k.key, at, at + dim)) continue;
+    s->keys.push_back({k.key, static_cast<std::uint32_t>(floats), 0});
+    s->slices.push_back({k.key, static_cast<std::uint32_t>(floats), at});
+    at += floats;
+  }
+  s->record_floats = static_cast<std::uint64_t>(at - s->records.get());
+  *ranges = cut(s->keys, options_.max_request_bytes / 2);
+}
+
+Errc TcpReplicator::create_table(std::uint32_t id, const TableSpec& spec, std::string* why,
+                                 const std::function<std::unique_ptr<Parked>()>& park, bool* parked) {
+  *parked = false;
+  std::lock_guard lock(table_order_mu_);
+  bool created = false;
+  const Errc e = engine_.create_table(id, spec, why, &created);
+  if (e != Errc::ok || !created) return e;
+  auto s = take_shipment();
+  s->reply = park();
+  *parked = true;
+  if (stopping_.load()) {
+    s->reply->resume(Errc::peer_failure, "the server is stopping");
+    give_back(std::move(s));
+    return Errc::ok;
+  }
+  table_spec_shipment(id, s.get());
+  dispatch(std::move(s), {{0, 1}});
+  return Errc::ok;
+}
+
+void TcpReplicator::ship_rows(std::uint32_t table, std::span<const KeyEntry> ids, std::uint64_t reserved,
+                              std::unique_ptr<Parked> reply) {
+  if (stopping_.load()) {
+    release_bytes(reserved);
+    if (reply) reply->resume(Errc::peer_failure, "the server is stopping");
+    return;
+  }
+  EmbeddingTable* t = engine_.table_at(table);
+  std::vector<std::pair<std::size_t, std::size_t>> ranges;
+  std::lock_guard lock(table_order_mu_);
+  // The rows the table lost since the last shipment go first: a row read below may have taken
+  // the place of one of them, and a copy should not hold both for longer than it must.
+  t->take_removals(&removed_);
+  if (!removed_.empty()) {
+    auto gone = take_shipment();
+    rows_shipment(table, removed_, {}, gone.get(), &ranges);
+    dispatch(std::move(gone), ranges);
+  }
+  auto s = take_shipment();
+  s->reply = std::move(reply);
+  s->reserved = reserved;
+  rows_shipment(table, {}, ids, s.get(), &ranges);
+  if (s->keys.empty()) {
+    if (s->reply) s->reply->resume(Errc::ok, {});  // nothing of it is held anywhere
+    give_back(std::move(s));
+    return;
+  }
+  dispatch(std::move(s), ranges);
 }
 
 void TcpReplicator::ship(std::span<const KeyEntry> keys, std::unique_ptr<Parked> reply) {
@@ -433,6 +548,7 @@ bool TcpReplicator::full_transfer(Replica& r, const std::shared_ptr<transport::C
     prepare(s, leg, ranges);
     if (!keeper_send(r, conn, leg)) return false;
   }
+  if (!transfer_tables(r, conn)) return false;
   // Then the clocks, barrier generations and evictions, which a rejoining origin takes back with
   // its keys.
   for (std::size_t k = 0; k < kWorkerWords; ++k)
@@ -440,6 +556,98 @@ bool TcpReplicator::full_transfer(Replica& r, const std::shared_ptr<transport::C
   if (stopping_.load() || !mark(wire::kReplicaSynced)) return false;
   r.transfers.fetch_add(1, std::memory_order_relaxed);
   return true;
+}
+
+bool TcpReplicator::send_in_order(Replica& r, const std::shared_ptr<transport::Connection>& conn, Shipment& s,
+                                  const std::vector<std::pair<std::size_t, std::size_t>>& ranges) {
+  Leg& leg = s.legs.emplace_back();
+  leg.replica = &r;
+  leg.conn = conn;
+  prepare(s, leg, ranges);
+  r.unanswered_bytes.fetch_add(leg.wire_bytes);
+  {
+    // Under out_mu, as the sender looks at the flag: a leg queued after it stopped would wait forever.
+    std::lock_guard lock(r.out_mu);
+    if (senders_stop_.load()) {
+      r.unanswered_bytes.fetch_sub(leg.wire_bytes);
+      return false;
+    }
+    r.outbox.push_back(&leg);
+  }
+  r.out_cv.notify_one();
+  return true;
+}
+
+bool TcpReplicator::transfer_tables(Replica& r, const std::shared_ptr<transport::Connection>& conn) {
+  // Rows per request: small enough that reading them under the order lock holds up the pushes'
+  // shipments for well under a millisecond.
+  constexpr std::uint32_t kRowsPerRequest = 2048;
+  std::deque<Shipment> sent;
+  bool ok = true;
+  // Waits for the oldest legs (all of them with `all`, or once one failed: every leg queued must
+  // be answered or failed before its shipment goes, since the sender and the connection hold it).
+  auto settle = [&](bool all) {
+    while (!sent.empty() && (all || !ok || sent.size() > 4)) {
+      Leg& leg = sent.front().legs.front();
+      wait_done(leg.done, leg.conn.get());
+      while (!leg.sent.load(std::memory_order_acquire)) std::this_thread::yield();
+      r.unanswered_bytes.fetch_sub(leg.wire_bytes);
+      if (leg.done.status() != Errc::ok && ok) {
+        drop(r, conn.get(), leg.done.message());
+        ok = false;
+      }
+      sent.pop_front();
+    }
+    return ok;
+  };
+  for (std::uint32_t id = 0; id < kMaxTables && ok; ++id) {
+    EmbeddingTable* t = engine_.table_at(id);
+    if (!t) continue;
+    const std::uint32_t dim = t->dim();
+    const std::uint64_t floats = dim + t->state_floats_per_row();
+    // First the copy restarts empty, then the rows, each batch read and queued under the order
+    // lock, behind every shipment queued before it.
+    std::uint32_t cursor = 0;
+    for (bool spec = true; ok; spec = false) {
+      if (stopping_.load()) {
+        ok = false;
+        break;
+      }
+      Shipment& s = sent.emplace_back();
+      std::vector<std::pair<std::size_t, std::size_t>> ranges;
+      {
+        std::lock_guard lock(table_order_mu_);
+        if (spec) {
+          table_spec_shipment(id, &s);
+          ranges = {{0, 1}};
+        } else {
+          s.op = wire::Op::replica_rows;
+          s.arg0 = wire::replica_table_arg0(options_.server_id, ++table_position_);
+          s.arg1 = id;
+          s.records.reset(new float[std::uint64_t{kRowsPerRequest} * floats]);
+          s.capacity = std::uint64_t{kRowsPerRequest} * floats;
+          float* at = s.records.get();
+          cursor = t->scan(cursor, kRowsPerRequest, [&](Key key, const float* row, const float* state) {
+            std::memcpy(at, row, dim * sizeof(float));
+            std::memcpy(at + dim, state, (floats - dim) * sizeof(float));
+            s.keys.push_back({key, static_cast<std::uint32_t>(floats), 0});
+            s.slices.push_back({key, static_cast<std::uint32_t>(floats), at});
+            at += floats;
+          });
+          s.record_floats = static_cast<std::uint64_t>(at - s.records.get());
+          ranges = cut(s.keys, options_.max_request_bytes / 2);
+        }
+        if (s.keys.empty() || !send_in_order(r, conn, s, ranges)) {
+          const bool stopped = !s.keys.empty();
+          sent.pop_back();
+          if (stopped) ok = false;
+        }
+      }
+      settle(false);
+      if (!spec && cursor == 0) break;
+    }
+  }
+  return settle(true);
 }
 
 bool TcpReplicator::send_worker_words(Replica& r, const std::shared_ptr<transport::Connection>& conn, wire::Op op,
@@ -655,6 +863,95 @@ void take_replica(ShardEngine& engine, const ReplicaPeer& peer, const Replicator
     if (evicted) engine.restore_eviction(w);
   }
 }
+// One replica_table_rows request: up to max_rows rows of `peer`'s copy of table `id` from `cursor`.
+ReplicaTableRows read_table_rows(transport::Connection& conn, const ReplicatorOptions& options, std::uint32_t id,
+                                 std::uint32_t cursor, std::uint32_t max_rows) {
+  std::string bytes;
+  transport::Completion done;
+  done.reset(1);
+  transport::Request q;
+  q.op = wire::Op::replica_table_rows;
+  q.arg0 = options.server_id;
+  q.arg1 = id;
+  transport::KeySlice ask{cursor, max_rows, nullptr};
+  q.keys = std::span<const transport::KeySlice>(&ask, 1);
+  q.completion = &done;
+  q.text_out = &bytes;
+  conn.submit(q);
+  wait_done(done, &conn);
+  if (done.status() != Errc::ok) throw Error(done.status(), done.message());
+  wire::ReplicaRowsHeader head{};
+  if (bytes.size() < sizeof head) throw Error(Errc::protocol, "a short replica_table_rows reply");
+  std::memcpy(&head, bytes.data(), sizeof head);
+  ReplicaTableRows out;
+  out.exists = head.exists != 0;
+  out.synced = head.synced != 0;
+  out.position = head.position;
+  out.next = head.next;
+  out.max_rows = head.max_rows;
+  out.record_floats = head.record_floats;
+  if (!out.exists) return out;
+  std::string why;
+  if (wire::decode_table_spec(head.spec, &out.requested, &why) != Errc::ok)
+    throw Error(Errc::protocol, "table " + std::to_string(id) + ": " + why);
+  const std::uint64_t need =
+      sizeof head + std::uint64_t{head.rows} * (sizeof(Key) + head.record_floats * sizeof(float));
+  if (head.rows > max_rows || head.record_floats == 0 || bytes.size() != need)
+    throw Error(Errc::protocol, "a replica_table_rows reply whose size does not match its row count");
+  out.ids.resize(head.rows);
+  out.records.resize(std::uint64_t{head.rows} * head.record_floats);
+  std::memcpy(out.ids.data(), bytes.data() + sizeof head, head.rows * sizeof(Key));
+  std::memcpy(out.records.data(), bytes.data() + sizeof head + head.rows * sizeof(Key),
+              out.records.size() * sizeof(float));
+  return out;
+}
+
+// Takes every table back from the replica furthest along this server's table stream.
+void take_tables(ShardEngine& engine, const ReplicatorOptions& options, RejoinReport* report) {
+  constexpr std::uint32_t kRows = 1u << 14;
+  // Every replica the keys came from is asked: a failed probe could hide the one furthest along,
+  // so it fails the round (rejoin_from_replicas tries again) rather than settle for another.
+  const ReplicaPeer* best = nullptr;
+  std::uint32_t best_position = 0;
+  for (const ReplicaPeer& peer : options.replicas) {
+    if (std::find(report->from.begin(), report->from.end(), peer.id) == report->from.end()) continue;
+    ReplicaTableRows probe;
+    try {
+      auto c = connect_to(peer, options, std::chrono::milliseconds(1000));
+      probe = read_table_rows(*c, options, 0, 0, 1);
+    } catch (const Error& e) {
+      throw Error(e.code(), "server " + std::to_string(peer.id) + " did not say how far its tables are: " + e.what());
+    }
+    // Serial-number order: replicas of one origin are never 2^31 frames apart.
+    if (probe.synced && (!best || static_cast<std::int32_t>(probe.position - best_position) > 0)) {
+      best = &peer;
+      best_position = probe.position;
+    }
+  }
+  if (!best) throw Error(Errc::peer_failure, "no replica the keys came from holds synced tables");
+  auto conn = connect_to(*best, options, std::chrono::milliseconds(1000));
+  std::string why;
+  for (std::uint32_t id = 0; id < kMaxTables; ++id) {
+    std::uint32_t cursor = 0;
+    bool any = false;
+    do {
+      const ReplicaTableRows got = read_table_rows(*conn, options, id, cursor, kRows);
+      if (!got.exists) break;
+      if (got.record_floats != got.requested.dim + EmbeddingTable::state_floats_for(got.requested))
+        throw Error(Errc::protocol, "table " + std::to_string(id) + "'s rows come with " +
+                                        std::to_string(got.record_floats) + " floats, not its spec's");
+      if (Errc e = engine.restore_table_rows(id, got.requested, got.max_rows, got.ids, got.records.data(), &why);
+          e != Errc::ok)
+        throw Error(e, why);
+      any = true;
+      report->table_rows += static_cast<std::uint32_t>(got.ids.size());
+      cursor = got.next;
+    } while (cursor != 0);
+    report->tables += any ? 1 : 0;
+  }
+  report->tables_from = best->id;
+  report->table_position = best_position;
+}
 }  // namespace
 
 RejoinReport rejoin_from_replicas(ShardEngine& engine, const ReplicatorOptions& options,
@@ -673,6 +970,16 @@ RejoinReport rejoin_from_replicas(ShardEngine& engine, const ReplicatorOptions& 
       } catch (const Error& e) {
         tried +=
             (tried.empty() ? "" : "; ") + ("server " + std::to_string(peer.id) + " (" + peer.uri + "): " + e.what());
+      }
+    }
+    // Only servers that ship tables' rows keep copies of them (tcp://).
+    if (!report.from.empty() && engine.options().replicate_tables) {
+      try {
+        take_tables(engine, options, &report);
+      } catch (const Error& e) {
+        // Tried again with the keys: both are taken idempotently (newest records, rows overwritten).
+        tried += (tried.empty() ? "" : "; ") + std::string("the tables: ") + e.what();
+        report.from.clear();
       }
     }
     if (!report.from.empty()) {

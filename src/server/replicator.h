@@ -35,6 +35,9 @@ struct ReplicatorOptions {
   // Records shipped and not yet answered, over all clients: a push that would pass it is refused
   // (capacity) before it is applied.
   std::uint64_t max_in_flight_bytes = 512ull << 20;
+  // Where this server's table stream starts (the furthest a replica had seen, after a rejoin), so
+  // that its replicas see every new frame as later than what they hold.
+  std::uint32_t table_position = 0;
 };
 
 // Ships the state of each key an init or push applied here (its record: update count, value,
@@ -49,7 +52,11 @@ struct ReplicatorOptions {
 // since this server started is waited for (up to the io timeout): servers of a job start one by
 // one, and acknowledging before the replica has the keys would promise what it cannot keep.
 //
-// Thread-safety: ship() and stats() from any thread; stop() once, from the server's stop.
+// Embedding tables' rows are not versioned: they reach each replica in the order they were read
+// (ship_table, ship_rows and the full transfer's tables all read and queue under table_order_mu_),
+// and the replica applies them as they come (docs/ARCHITECTURE.md, "Embedding tables").
+//
+// Thread-safety: ship*() and stats() from any thread; stop() once, from the server's stop.
 class TcpReplicator final : public Replicator {
  public:
   TcpReplicator(ShardEngine& engine, const ReplicatorOptions& options);
@@ -63,6 +70,12 @@ class TcpReplicator final : public Replicator {
   void ship_clock(std::uint32_t worker, std::uint64_t clock, std::unique_ptr<Parked> reply) override;
   void ship_barrier(std::uint32_t worker, std::uint64_t generation, std::unique_ptr<Parked> reply) override;
   void ship_eviction(std::uint32_t worker) override;
+  Errc reserve_bytes(std::uint64_t bytes, std::string* why) override;
+  void release_bytes(std::uint64_t bytes) override;
+  Errc create_table(std::uint32_t id, const TableSpec& spec, std::string* why,
+                    const std::function<std::unique_ptr<Parked>()>& park, bool* parked) override;
+  void ship_rows(std::uint32_t table, std::span<const KeyEntry> ids, std::uint64_t reserved,
+                 std::unique_ptr<Parked> reply) override;
   JsonObject stats() const override;
   // Waits (up to the io timeout) for the acknowledgements of what was shipped, resumes every
   // waiting reply, and stops the threads. Call after the listener drained, before it closes.
@@ -157,6 +170,17 @@ class TcpReplicator final : public Replicator {
   // Asks the replica for its stats over its connection: false (and dropped) if it is gone.
   bool still_there(Replica& r);
   bool full_transfer(Replica& r, const std::shared_ptr<transport::Connection>& conn);
+  // Tables travel in one order per replica (the order their rows were read in, under
+  // table_order_mu_), so the replica needs no versions: it applies them as they come. These fill
+  // `s` with a table's spec, or with the removals and rows of `ids` read now; under table_order_mu_.
+  void table_spec_shipment(std::uint32_t table, Shipment* s);
+  void rows_shipment(std::uint32_t table, std::span<const Key> removed, std::span<const KeyEntry> ids, Shipment* s,
+                     std::vector<std::pair<std::size_t, std::size_t>>* ranges);
+  // The keeper's table transfer: each table's copy restarted, then its rows, every leg queued
+  // behind the shipments before it (not sent by the keeper itself, which could overtake them).
+  bool transfer_tables(Replica& r, const std::shared_ptr<transport::Connection>& conn);
+  bool send_in_order(Replica& r, const std::shared_ptr<transport::Connection>& conn, Shipment& s,
+                     const std::vector<std::pair<std::size_t, std::size_t>>& ranges);
   void acker();
 
   ShardEngine& engine_;
@@ -173,6 +197,9 @@ class TcpReplicator final : public Replicator {
   std::atomic<bool> senders_stop_{false};  // after the acker has answered everything
   std::atomic<std::uint64_t> reserved_bytes_{0};
   std::uint64_t record_bytes(std::span<const KeyEntry> keys) const noexcept;
+  std::mutex table_order_mu_;     // reading tables' rows and queueing them, in one order
+  std::uint32_t table_position_;  // under table_order_mu_: the last table frame's position
+  std::vector<Key> removed_;      // under table_order_mu_: scratch
   bool stopped_ = false;
   std::thread acker_;
 };
@@ -184,6 +211,10 @@ struct RejoinReport {
   std::vector<std::uint32_t> from;
   std::uint64_t keys = 0, bytes = 0;
   double milliseconds = 0;
+  // Tables come from the one replica furthest along the table stream (every replica applies the
+  // same stream in order; one dropped for a timeout stopped early).
+  std::uint32_t tables = 0, table_rows = 0, table_position = 0;
+  std::uint32_t tables_from = UINT32_MAX;
 };
 RejoinReport rejoin_from_replicas(ShardEngine& engine, const ReplicatorOptions& options,
                                   std::chrono::milliseconds patience);

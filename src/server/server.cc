@@ -115,6 +115,8 @@ class ServerImpl {
     e.server_id = o.server_id;
     e.table_memory_bytes = o.table_memory_bytes;
     e.track_table_changes = !o.checkpoint_dir.empty();
+    // Rows are shipped by the tcp server; an rdma:// one refuses table ops while it replicates.
+    e.replicate_tables = o.replicas > 1 && o.uri.rfind("tcp://", 0) == 0;
     // This server keeps the keys of the replicas - 1 servers before it on the ring; its own are
     // kept by the ones after it.
     ReplicatorOptions r;
@@ -163,10 +165,15 @@ class ServerImpl {
       table_checkpointer_ = std::make_unique<TableCheckpointer>(o.checkpoint_dir, o.server_id);
     if (o.rejoin) {
       const RejoinReport got = rejoin_from_replicas(*engine_, r, std::chrono::milliseconds(o.wait_timeout) * 3);
-      log::info("replication", "server " + std::to_string(o.server_id) + " rejoined: " + std::to_string(got.keys) +
-                                   " records (" + std::to_string(got.bytes >> 20) + " MiB) from " +
-                                   std::to_string(got.from.size()) + " replicas in " +
-                                   std::to_string(static_cast<long long>(got.milliseconds)) + " ms");
+      log::info(
+          "replication",
+          "server " + std::to_string(o.server_id) + " rejoined: " + std::to_string(got.keys) + " records (" +
+              std::to_string(got.bytes >> 20) + " MiB) from " + std::to_string(got.from.size()) + " replicas in " +
+              std::to_string(static_cast<long long>(got.milliseconds)) + " ms" +
+              (got.tables == 0 ? std::string()
+                               : ", and " + std::to_string(got.tables) + " tables (" + std::to_string(got.table_rows) +
+                                     " rows) from server " + std::to_string(got.tables_from)));
+      r.table_position = got.table_position;
     }
     if (!r.replicas.empty()) {
       replicator_ = std::make_unique<TcpReplicator>(*engine_, r);

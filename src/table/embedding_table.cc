@@ -428,10 +428,7 @@ std::uint32_t EmbeddingTable::evict_one(Shard& locked) noexcept {
     if (still) {
       unlink(shard, link, best);
       // Listed before the shard is let go: no push can create the id again before it is listed.
-      if (tracking_.load(std::memory_order_relaxed)) {
-        std::lock_guard lock(removed_mu_);
-        removed_.push_back(id);
-      }
+      note_removal(id);
     }
     if (&shard != &locked) shard.lock.unlock();
     if (!still) continue;
@@ -615,15 +612,42 @@ void EmbeddingTable::remove_row(Key id) noexcept {
     row = find_locked(shard, id, hash, &link);
     if (row == 0) return;
     unlink(shard, link, row);
+    note_removal(id);
   }
   rows_.fetch_sub(1, std::memory_order_relaxed);
-  if (tracking_.load(std::memory_order_relaxed)) {
-    std::lock_guard lock(removed_mu_);
-    removed_.push_back(id);
-  }
   std::lock_guard lock(free_mu_);
   free_rows_.push_back(row);
   free_count_.store(free_rows_.size(), std::memory_order_relaxed);
+}
+
+void EmbeddingTable::note_removal(Key id) {
+  const bool tracking = tracking_.load(std::memory_order_relaxed), listing = listing_.load(std::memory_order_relaxed);
+  if (!tracking && !listing) return;
+  std::lock_guard lock(removed_mu_);
+  if (tracking) removed_.push_back(id);
+  if (listing) removals_.push_back(id);
+}
+
+void EmbeddingTable::take_removals(std::vector<Key>* out) {
+  out->clear();
+  std::lock_guard lock(removed_mu_);
+  out->swap(removals_);
+}
+
+bool EmbeddingTable::read_record(Key id, float* row, float* st) const noexcept {
+  const std::uint64_t hash = index_hash(id);
+  Shard& shard = shard_of(hash);
+  for (;;) {
+    std::uint32_t r;
+    {
+      std::lock_guard lock(shard.lock);
+      r = find_locked(shard, id, hash, nullptr);
+    }
+    if (r == 0) return false;
+    Key again;
+    // Evicted and given to another id after the lookup: look again.
+    if (read_live(r, &again, row, st) && again == id) return true;
+  }
 }
 
 TableStats EmbeddingTable::stats() const noexcept {

@@ -78,6 +78,18 @@ class EmbeddingTable {
   bool restore_row(Key id, const float* row, const float* state) noexcept;
   // Removes id's row, if any (an eviction recorded by a later checkpoint).
   void remove_row(Key id) noexcept;
+
+  // Replication. read_record copies id's row and state as they are now (validated against the
+  // row's seqlock word); false if id has no row. Once list_removals() is called, every id whose
+  // row goes (evicted, or remove_row) is listed until take_removals hands the list over: an origin
+  // ships those to its replicas before the rows it reads after them.
+  bool read_record(Key id, float* row, float* state) const noexcept;
+  void list_removals() noexcept { listing_.store(true, std::memory_order_relaxed); }
+  void take_removals(std::vector<Key>* out);
+  // Visits up to max_rows live rows from row index `cursor` on (0 or 1: the first):
+  // visit(id, row floats, state floats). Returns the cursor to go on from, 0 past the last row.
+  template <class Visit>
+  std::uint32_t scan(std::uint32_t cursor, std::uint32_t max_rows, Visit&& visit) const;
   std::uint64_t state_floats_per_row() const noexcept { return state_floats_; }
 
   // What a spec costs, from this layout: optimizer-state floats per row (Adam's moments and its
@@ -198,9 +210,31 @@ class EmbeddingTable {
   std::atomic<bool> tracking_{false};
   std::mutex removed_mu_;
   std::vector<Key> removed_;  // ids evicted since the last take_changes, while tracking
+  std::atomic<bool> listing_{false};
+  std::vector<Key> removals_;  // under removed_mu_: ids gone since the last take_removals, while listing
+  void note_removal(Key id);   // under the id's shard lock, so no push makes it again before it is listed
   std::mutex free_mu_;
   std::vector<std::uint32_t> free_rows_;  // rows of removed ids and of grants given back, reused first
 };
+
+template <class Visit>
+std::uint32_t EmbeddingTable::scan(std::uint32_t cursor, std::uint32_t max_rows, Visit&& visit) const {
+  std::vector<float> row(spec_.dim), st(state_floats_);
+  const std::uint32_t made = rows_handed_out();
+  std::uint32_t seen = 0;
+  for (std::uint32_t r = std::max<std::uint32_t>(cursor, 1); r < made; ++r) {
+    if (seen == max_rows) return r;
+    if (segments_[r >> kSegmentBits].load(std::memory_order_acquire) == nullptr) {
+      r |= kSegmentRows - 1;
+      continue;
+    }
+    Key id;
+    if (!read_live(r, &id, row.data(), st.data())) continue;
+    visit(id, row.data(), st.data());
+    ++seen;
+  }
+  return 0;
+}
 
 template <class Visit>
 void EmbeddingTable::take_changes(bool all, Visit&& visit, std::vector<Key>* removed) {

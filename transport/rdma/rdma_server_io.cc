@@ -1,8 +1,8 @@
 // Hot path of the RDMA server: each completion thread drains its connections' completion
 // queues, applies pushes (and table pushes, and a server peer's records) straight from the
 // client's receive region, answers table and replica reads by RDMA WRITE into the client's rows
-// ring, answers control messages, and sends the replies of parked requests. Every length a client declares is checked against
-// the memory it claims to be in before anything is read or allocated.
+// ring, answers control messages, and sends the replies of parked requests. Every length a client declares is checked
+// against the memory it claims to be in before anything is read or allocated.
 #include <arpa/inet.h>
 #include <poll.h>
 #include <sys/eventfd.h>
@@ -354,6 +354,13 @@ bool IoThread::dispatch(ServerConn& c, const wire::FrameHeader& h) {
     case wire::Op::auth:  // handled before dispatch
       return send_error(c, h, Errc::unsupported,
                         std::string(wire::op_name(h.op)) + " is not an rdma:// control message");
+    case wire::Op::replica_table:
+    case wire::Op::replica_rows:
+    case wire::Op::replica_unrows:
+    case wire::Op::replica_table_rows:
+      // rdma:// servers serve no tables while they replicate (ShardEngine::tables_refused).
+      return send_error(c, h, Errc::unsupported,
+                        std::string(wire::op_name(h.op)) + ": tables are replicated over tcp:// rings only");
     case wire::Op::replica_clock:
     case wire::Op::replica_barrier:
     case wire::Op::replica_evict: {

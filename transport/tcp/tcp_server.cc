@@ -1120,7 +1120,7 @@ bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payl
       if (engine_.replicator()) engine_.replicator()->release(peer.keys);
       break;
     case wire::Op::replicate:
-      status = engine_.take_replicate(static_cast<std::uint32_t>(h.arg0), h.arg1, peer.keys, payload, &why);
+      status = engine_.take_replicate(static_cast<std::uint32_t>(h.arg0), h.arg1, peer.keys, payload, &why, peer.tag());
       break;
     case wire::Op::replica_clock:
     case wire::Op::replica_barrier:
@@ -1137,6 +1137,29 @@ bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payl
     }
     case wire::Op::replica_pull:
       return answer_records(peer, h);
+    case wire::Op::replica_table: {
+      const auto origin = static_cast<std::uint32_t>(h.arg0);
+      const auto position = static_cast<std::uint32_t>(h.arg0 >> 32);
+      if (peer.keys.size() != 1 || peer.keys[0].length != wire::kTableSpecFloats + 2 || peer.keys[0].key != h.arg1) {
+        status = Errc::protocol;
+        why = "replica_table carries one key, the table id, with its spec and cap";
+        break;
+      }
+      TableSpec spec;
+      if ((status = wire::decode_table_spec(payload, &spec, &why)) != Errc::ok) break;
+      std::uint64_t cap = 0;
+      std::memcpy(&cap, payload + wire::kTableSpecFloats, sizeof cap);
+      status = engine_.apply_replica_table(origin, peer.tag(), position, h.arg1, spec, cap, &why);
+      break;
+    }
+    case wire::Op::replica_rows:
+    case wire::Op::replica_unrows:
+      status = engine_.apply_replica_rows(
+          static_cast<std::uint32_t>(h.arg0), peer.tag(), static_cast<std::uint32_t>(h.arg0 >> 32), h.arg1, peer.keys,
+          h.op == static_cast<std::uint16_t>(wire::Op::replica_rows) ? payload : nullptr, &why);
+      break;
+    case wire::Op::replica_table_rows:
+      return answer_table_rows(peer, h);
     case wire::Op::replica_index: {
       std::vector<std::pair<Key, std::uint32_t>> keys;
       std::vector<std::uint64_t> words;
@@ -1225,13 +1248,34 @@ bool TcpServer::handle_table(Peer& peer, const wire::FrameHeader& h, const float
   std::string why;
   Errc status = Errc::ok;
   const auto op = static_cast<wire::Op>(h.op);
+  Replicator* replicator = engine_.replicator();
   if (op == wire::Op::table_create) {
     TableSpec spec;
     std::uint32_t table = 0;
-    if ((status = wire::decode_table_create(peer.keys, payload, &table, &spec, &why)) == Errc::ok)
-      status = engine_.create_table(table, spec, &why);
+    if ((status = wire::decode_table_create(peer.keys, payload, &table, &spec, &why)) == Errc::ok) {
+      if (!replicator) {
+        status = engine_.create_table(table, spec, &why);
+      } else {
+        // The table's copy is queued to the replicas as the table is made, before any row of it;
+        // the creator's answer waits for their copies.
+        bool parked = false;
+        status = replicator->create_table(
+            table, spec, &why, [&] { return park(peer, h, {}, /*charge=*/false); }, &parked);
+        if (parked) return true;
+      }
+    }
   } else if (op == wire::Op::table_push) {
+    // Room for the rows' records on their way to the replicas, taken before anything is applied.
+    const std::uint64_t reserved =
+        replicator ? peer.keys.size() * engine_.table_record_floats(h.arg1) * sizeof(float) : 0;
+    if (replicator && replicator->reserve_bytes(reserved, &why) != Errc::ok)
+      return send_error(peer, h, Errc::capacity, why);
     status = engine_.table_push(h.arg1, h.arg0, peer.keys, payload, &why);
+    if (status == Errc::ok && replicator) {
+      replicator->ship_rows(h.arg1, peer.keys, reserved, park(peer, h, {}, /*charge=*/false));
+      return true;
+    }
+    if (replicator) replicator->release_bytes(reserved);
   } else {
     return answer_table_pull(peer, h);
   }
@@ -1249,6 +1293,38 @@ bool TcpServer::answer_table_pull(Peer& peer, const wire::FrameHeader& h) {
     return send_error(peer, h, e, why);
   if (Errc e = engine_.table_pull(h.arg1, peer.keys, payload, &why); e != Errc::ok) return send_error(peer, h, e, why);
   return send_values(peer, h, std::move(r), payload, bytes);
+}
+
+bool TcpServer::answer_table_rows(Peer& peer, const wire::FrameHeader& h) {
+  std::string why;
+  if (peer.keys.size() != 1)
+    return send_error(peer, h, Errc::protocol, "replica_table_rows carries one key: {cursor, rows}");
+  if (peer.keys[0].key > UINT32_MAX) return send_error(peer, h, Errc::protocol, "a cursor past the table's rows");
+  ReplicaTableRows got;
+  if (Errc e = engine_.replica_table_rows(
+          static_cast<std::uint32_t>(h.arg0), h.arg1, static_cast<std::uint32_t>(peer.keys[0].key), peer.keys[0].length,
+          options_.limits.max_payload_bytes - sizeof(wire::ReplicaRowsHeader), &got, &why);
+      e != Errc::ok)
+    return send_error(peer, h, e, why);
+  wire::ReplicaRowsHeader head{};
+  head.exists = got.exists ? 1 : 0;
+  head.position = got.position;
+  head.next = got.next;
+  head.rows = static_cast<std::uint32_t>(got.ids.size());
+  head.record_floats = got.record_floats;
+  head.synced = got.synced ? 1 : 0;
+  head.max_rows = got.max_rows;
+  wire::encode_table_spec(got.requested, head.spec);
+  std::string bytes(sizeof head + got.ids.size() * sizeof(Key) + got.records.size() * sizeof(float), '\0');
+  std::memcpy(bytes.data(), &head, sizeof head);
+  if (!got.ids.empty()) {
+    std::memcpy(bytes.data() + sizeof head, got.ids.data(), got.ids.size() * sizeof(Key));
+    std::memcpy(bytes.data() + sizeof head + got.ids.size() * sizeof(Key), got.records.data(),
+                got.records.size() * sizeof(float));
+  }
+  Reply r(reply_header(h, bytes.size()), bytes.data(), bytes.size());
+  r.header.flags |= wire::kText;  // opaque bytes the requester asked for, read as a text payload
+  return send(peer, std::move(r));
 }
 
 bool TcpServer::reserve_for_replicas(Peer& peer, bool creating, std::string* why) {

@@ -186,6 +186,8 @@ class TcpServer {
   // `owner`: called by the connection's owner, which may answer small pulls from peer.reply.
   // table_create, table_pull and table_push (docs/protocol.md, "Ops").
   bool handle_table(Peer& peer, const wire::FrameHeader& h, const float* payload);
+  // replica_table_rows: a page of this server's copy of an origin's table (a rejoin reads them).
+  bool answer_table_rows(Peer& peer, const wire::FrameHeader& h);
   bool answer_table_pull(Peer& peer, const wire::FrameHeader& h);
   // The bytes of a reply holding `keys`' values: capacity (logged, with *why naming `what` to
   // pull fewer of) past the request limit.
