@@ -629,7 +629,7 @@ bool TcpReplicator::transfer_tables(Replica& r, const std::shared_ptr<transport:
           float* at = s.records.get();
           cursor = t->scan(cursor, kRowsPerRequest, [&](Key key, const float* row, const float* state) {
             std::memcpy(at, row, dim * sizeof(float));
-            std::memcpy(at + dim, state, (floats - dim) * sizeof(float));
+            if (floats > dim) std::memcpy(at + dim, state, (floats - dim) * sizeof(float));  // none for SGD
             s.keys.push_back({key, static_cast<std::uint32_t>(floats), 0});
             s.slices.push_back({key, static_cast<std::uint32_t>(floats), at});
             at += floats;
@@ -898,6 +898,7 @@ ReplicaTableRows read_table_rows(transport::Connection& conn, const ReplicatorOp
       sizeof head + std::uint64_t{head.rows} * (sizeof(Key) + head.record_floats * sizeof(float));
   if (head.rows > max_rows || head.record_floats == 0 || bytes.size() != need)
     throw Error(Errc::protocol, "a replica_table_rows reply whose size does not match its row count");
+  if (head.rows == 0) return out;
   out.ids.resize(head.rows);
   out.records.resize(std::uint64_t{head.rows} * head.record_floats);
   std::memcpy(out.ids.data(), bytes.data() + sizeof head, head.rows * sizeof(Key));
