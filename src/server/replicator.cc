@@ -780,22 +780,33 @@ JsonObject TcpReplicator::stats() const {
 }
 
 namespace {
+// A request whose answer is opaque bytes (a text payload): a replica's index, a page of a table.
+// Throws Error with the replica's refusal.
+std::string ask_for_bytes(transport::Connection& conn, wire::Op op, std::uint64_t arg0, std::uint32_t arg1,
+                          std::span<const transport::KeySlice> keys) {
+  std::string bytes;
+  transport::Completion done;
+  done.reset(1);
+  transport::Request q;
+  q.op = op;
+  q.arg0 = arg0;
+  q.arg1 = arg1;
+  q.keys = keys;
+  q.completion = &done;
+  q.text_out = &bytes;
+  conn.submit(q);
+  wait_done(done, &conn);
+  if (done.status() != Errc::ok) throw Error(done.status(), done.message());
+  return bytes;
+}
+
 // Takes every record of `peer`'s replica of this server into the engine's store (newest wins).
 // Throws Error when the replica cannot be read or is not synced.
 void take_replica(ShardEngine& engine, const ReplicaPeer& peer, const ReplicatorOptions& options,
                   RejoinReport* report) {
   auto conn = connect_to(peer, options, std::chrono::milliseconds(1000));
-  std::string index;
+  const std::string index = ask_for_bytes(*conn, wire::Op::replica_index, options.server_id, 0, {});
   transport::Completion done;
-  done.reset(1);
-  transport::Request q;
-  q.op = wire::Op::replica_index;
-  q.arg0 = options.server_id;
-  q.completion = &done;
-  q.text_out = &index;
-  conn->submit(q);
-  wait_done(done, conn.get());
-  if (done.status() != Errc::ok) throw Error(done.status(), done.message());
   wire::ReplicaIndexHeader head{};
   if (index.size() < sizeof head) throw Error(Errc::protocol, "a short replica index");
   std::memcpy(&head, index.data(), sizeof head);
@@ -866,20 +877,8 @@ void take_replica(ShardEngine& engine, const ReplicaPeer& peer, const Replicator
 // One replica_table_rows request: up to max_rows rows of `peer`'s copy of table `id` from `cursor`.
 ReplicaTableRows read_table_rows(transport::Connection& conn, const ReplicatorOptions& options, std::uint32_t id,
                                  std::uint32_t cursor, std::uint32_t max_rows) {
-  std::string bytes;
-  transport::Completion done;
-  done.reset(1);
-  transport::Request q;
-  q.op = wire::Op::replica_table_rows;
-  q.arg0 = options.server_id;
-  q.arg1 = id;
-  transport::KeySlice ask{cursor, max_rows, nullptr};
-  q.keys = std::span<const transport::KeySlice>(&ask, 1);
-  q.completion = &done;
-  q.text_out = &bytes;
-  conn.submit(q);
-  wait_done(done, &conn);
-  if (done.status() != Errc::ok) throw Error(done.status(), done.message());
+  const transport::KeySlice ask{cursor, max_rows, nullptr};
+  const std::string bytes = ask_for_bytes(conn, wire::Op::replica_table_rows, options.server_id, id, {&ask, 1});
   wire::ReplicaRowsHeader head{};
   if (bytes.size() < sizeof head) throw Error(Errc::protocol, "a short replica_table_rows reply");
   std::memcpy(&head, bytes.data(), sizeof head);
