@@ -7,7 +7,7 @@ namespace pskv::wire {
 
 bool op_carries_values(Op op) noexcept {
   return op == Op::init || op == Op::push || op == Op::replicate || op == Op::table_create || op == Op::table_push ||
-         op == Op::replica_table || op == Op::replica_rows;
+         op == Op::replica_table || op == Op::replica_rows || op == Op::replica_rows_marked;
 }
 
 void encode_table_spec(const TableSpec& spec, float out[kTableSpecFloats]) noexcept {
@@ -125,6 +125,8 @@ std::string_view op_name(std::uint16_t op) noexcept {
       return "replica_unrows";
     case Op::replica_table_rows:
       return "replica_table_rows";
+    case Op::replica_rows_marked:
+      return "replica_rows_marked";
   }
   return "unknown";
 }
@@ -192,6 +194,14 @@ std::string encode_replica_index(bool synced, std::span<const std::pair<std::uin
 Errc validate_keys(const FrameHeader& h, std::span<const KeyEntry> keys, std::string* why) {
   std::uint64_t floats = 0;
   for (const KeyEntry& k : keys) {
+    if (k.length == 0 && &k == keys.data() && static_cast<Op>(h.op) == Op::table_push) {
+      // A retrying client's identity (take_table_push_identity): a session and a sequence number.
+      if ((k.key >> 32) == 0 || static_cast<std::uint32_t>(k.key) == 0) {
+        if (why) *why = "a table_push identity without a session or a sequence number";
+        return Errc::protocol;
+      }
+      continue;
+    }
     if (k.length == 0) {
       if (why) *why = "key " + std::to_string(k.key) + " has length 0";
       return Errc::invalid_argument;

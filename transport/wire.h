@@ -17,7 +17,7 @@
 namespace pskv::wire {
 
 inline constexpr std::uint32_t kMagic = 0x564b5350;  // "PSKV"
-inline constexpr std::uint16_t kVersion = 2;
+inline constexpr std::uint16_t kVersion = 3;
 
 enum class Op : std::uint16_t {
   hello =
@@ -45,16 +45,20 @@ enum class Op : std::uint16_t {
   // Embedding tables (docs/protocol.md, "Ops"): arg1 = the table id.
   table_create = 17,  // one key (the table id) whose kTableSpecFloats values are the spec's words
   table_pull = 18,    // keys: row ids, each of the table's dimension; arg0 = the worker's clock; reply carries the rows
-  table_push = 19,    // keys + gradients, each of the table's dimension; arg0 = the worker's clock
+  table_push = 19,    // keys + gradients, each of the table's dimension; arg0 = the worker's clock; a retrying
+                      // client's first key is its identity {session << 32 | seq, length 0} (table_push_identity)
   // Replication of tables (tcp rings; docs/protocol.md, "Replication"). arg0 = the origin | the
   // frame's position in the origin's table stream << 32 (replica_table_rows: the origin alone);
   // arg1 = the table id. A row's record is [value (dim) | optimizer state].
-  replica_table = 20,       // one key (the table id) whose kTableSpecFloats values are the origin's spec:
-                            // (re)start this replica's copy of it, empty
-  replica_rows = 21,        // keys: row ids, each with its record; the origin's rows as they are now
-  replica_unrows = 22,      // keys: row ids (length 1, no payload) the origin no longer holds
-  replica_table_rows = 23,  // one key {cursor: the row to go on from, length: at most that many rows}; reply:
-                            // a text payload, ReplicaRowsHeader then each row's id (u64) then their records
+  replica_table = 20,        // one key (the table id) whose kTableSpecFloats values are the origin's spec:
+                             // (re)start this replica's copy of it, empty
+  replica_rows = 21,         // keys: row ids, each with its record; the origin's rows as they are now
+  replica_unrows = 22,       // keys: row ids (length 1, no payload) the origin no longer holds
+  replica_table_rows = 23,   // one key {cursor: the row to go on from, length: at most that many rows}; reply:
+                             // a text payload, ReplicaRowsHeader, the push marks (u64 each), each row's id
+                             // (u64), then their records
+  replica_rows_marked = 24,  // as replica_rows, the rows of an identified push; the first key is {worker, 2},
+                             // whose value is that worker's push mark (u64) the rows now hold
 };
 
 inline constexpr std::uint32_t kReplicaSyncing = 1, kReplicaSynced = 2;
@@ -147,7 +151,7 @@ std::string_view op_name(std::uint16_t op) noexcept;
 inline bool op_is_replication(Op op) noexcept {
   return op == Op::replicate || op == Op::replica_pull || op == Op::replica_index || op == Op::replica_clock ||
          op == Op::replica_barrier || op == Op::replica_evict || op == Op::replica_table || op == Op::replica_rows ||
-         op == Op::replica_unrows || op == Op::replica_table_rows;
+         op == Op::replica_unrows || op == Op::replica_table_rows || op == Op::replica_rows_marked;
 }
 // replica_clock and replica_barrier carry a 64-bit clock or generation in 32 bits: the highest
 // (kClockDone, a finished worker) travels as UINT32_MAX, and so would any past it.
@@ -181,13 +185,22 @@ inline std::uint64_t identified_push_arg0(std::uint64_t clock, std::uint32_t ses
 inline bool push_is_identified(const FrameHeader& h) noexcept {
   return h.arg1 != 0;
 }
-// A clock or an identified push is applied before its reply waits for the replicas. Should that
+// A clock, an identified push or a table push is applied before its reply waits for the replicas. Should that
 // wait fail, a server closes the request's connection rather than refuse it: a retrying client
 // then sends it again (a push's marks say it is applied; a clock only moves forward), where a
 // refusal would be an error its worker sees.
 inline bool applied_before_replicated(const FrameHeader& h) noexcept {
   const auto op = static_cast<Op>(h.op);
-  return op == Op::clock || (op == Op::push && push_is_identified(h));
+  return op == Op::clock || op == Op::table_push || (op == Op::push && push_is_identified(h));
+}
+// A retrying client's table_push leads its key table with its identity: {session << 32 | seq,
+// length 0}, not a row (the header's args hold the table and the clock). Takes it off `keys`
+// and returns it; 0 for a push that carries none.
+inline std::uint64_t take_table_push_identity(std::span<const KeyEntry>* keys) noexcept {
+  if (keys->empty() || (*keys)[0].length != 0) return 0;
+  const std::uint64_t identity = (*keys)[0].key;
+  *keys = keys->subspan(1);
+  return identity;
 }
 inline std::uint32_t push_session(const FrameHeader& h) noexcept {
   return push_is_identified(h) ? static_cast<std::uint32_t>(h.arg0 >> 32) : 0;
@@ -221,7 +234,10 @@ struct ReplicaRowsHeader {
   std::uint32_t synced;          // 1 if the replica holds every key and row of the origin
   std::uint64_t max_rows;        // the table's cap at the origin
   float spec[kTableSpecFloats];  // the spec it was created with
+  std::uint32_t marks;           // push marks (u64 each, one per worker or none) after this header
+  std::uint32_t reserved;
 };
+static_assert(sizeof(ReplicaRowsHeader) == 104);
 
 // The optional checksum (flag kChecksum) is layout/crc.h's CRC-32.
 using pskv::crc32_update;

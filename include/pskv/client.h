@@ -53,8 +53,10 @@ struct ClientOptions {
   // tcp and rdma, servers run with --replicas: when a server's connection fails (it died, or went silent
   // past io_timeout), keep reconnecting to it for up to this long and send its unanswered
   // requests again, in order, instead of failing them: a server restarted with --rejoin takes
-  // its keys back from its replicas, and the marks those keys carry let it apply each push sent
-  // again exactly once. Nothing fails meanwhile: a wait() or wait_for() that finds the connection
+  // its keys back from its replicas, and the marks those keys (and tables) carry let it apply
+  // each push and push_rows sent again exactly once (a push_rows' rows and optimizer state on a
+  // replicated tcp:// server must then fit half of --max-request-mb, and its identity takes one
+  // key of each server's request). Nothing fails meanwhile: a wait() or wait_for() that finds the connection
   // failed reconnects before it returns (blocking up to retry_timeout, whatever wait_for's own
   // timeout), and done() stays false until a wait has sent the request again. Needs worker_id (a
   // retried push is recognised by its worker) and tcp:// or rdma:// servers; pushes must carry clocks below

@@ -197,7 +197,7 @@ class ClientImpl {
     op->clock_at_issue = clock_.load(std::memory_order_relaxed);
     if (retrying_) {
       try {
-        submit_for_retry(op, kind, arg0, text_out);
+        submit_for_retry(op, kind, arg0, arg1, text_out);
       } catch (...) {
         release(ticket);  // refused before anything was sent
         throw;
@@ -223,24 +223,30 @@ class ClientImpl {
   // finished, so that a reconnection can send again whatever its connection failed, in order.
   // The push's sequence number and its submissions are taken under one lock, so every server
   // receives one client's pushes in sequence order (what PushId relies on). A push carries its
-  // session in arg0's high half (its clock in the low one) and its sequence number in arg1.
-  void submit_for_retry(Op* op, wire::Op kind, std::uint64_t arg0, std::string* text_out) {
+  // session in arg0's high half (its clock in the low one) and its sequence number in arg1; a
+  // table push, whose args name the table and the clock, carries both in its first key
+  // (wire::take_table_push_identity).
+  void submit_for_retry(Op* op, wire::Op kind, std::uint64_t arg0, std::uint32_t arg1, std::string* text_out) {
     std::lock_guard order(order_mu_);
-    std::uint32_t seq = 0;
     if (kind == wire::Op::push) {
       if (arg0 >> 32)
         throw Error(Errc::invalid_argument, "clock " + std::to_string(arg0) +
                                                 " is past 2^32, which a retrying "
                                                 "client's pushes cannot carry");
-      seq = pushes_->next([&] { return pushes_may_be_sent_again(); });
+      arg1 = pushes_->next([&] { return pushes_may_be_sent_again(); });
       arg0 = wire::identified_push_arg0(arg0, pushes_->session());
+    } else if (kind == wire::Op::table_push) {
+      const std::uint32_t seq = pushes_->next([&] { return pushes_may_be_sent_again(); });
+      const Key identity = (Key{pushes_->session()} << 32) | seq;
+      for (std::size_t s = 0; s < links_.size(); ++s)
+        if (op->targeted[s]) op->slices[s].insert(op->slices[s].begin(), transport::KeySlice{identity, 0, &no_values_});
     }
     for (std::size_t s = 0; s < links_.size(); ++s) {
       if (!op->targeted[s]) continue;
       transport::Request& r = op->requests[s];
       r.op = kind;
       r.arg0 = arg0;
-      r.arg1 = seq;
+      r.arg1 = arg1;
       r.keys = op->slices[s];
       r.completion = &op->parts[s].completion;
       r.text_out = text_out;
@@ -264,7 +270,9 @@ class ClientImpl {
     for (auto& l : links_) {
       std::lock_guard lock(l->mu);
       for (Sent* p = l->head; p; p = p->next)
-        if (p->op->kind == wire::Op::push && (!p->completion.done() || to_send_again(*p))) return true;
+        if ((p->op->kind == wire::Op::push || p->op->kind == wire::Op::table_push) &&
+            (!p->completion.done() || to_send_again(*p)))
+          return true;
     }
     return false;
   }
@@ -590,11 +598,6 @@ class ClientImpl {
     if (table >= kMaxTables)
       throw Error(Errc::invalid_argument, std::string(what) + ": table id " + std::to_string(table) + " is past the " +
                                               std::to_string(kMaxTables) + " a server holds");
-    if (retrying_)
-      throw Error(Errc::unsupported, std::string(what) +
-                                         ": a retrying client (retry_timeout) cannot use embedding tables yet: "
-                                         "a table push sent again after a failure could be applied twice (rows "
-                                         "carry no push marks)");
   }
 
   void require_worker(const char* what) const {
@@ -746,6 +749,7 @@ class ClientImpl {
   PlacementOptions placement_;
   transport::ConnectOptions connect_options_;
   bool retrying_ = false;
+  float no_values_ = 0;                 // where a table push's identity points: no floats, but never null (memcpy)
   std::atomic<bool> closing_{false};    // the destructor's goodbye: not worth waiting for a restart
   std::mutex order_mu_;                 // retry mode: a push's sequence number and its submissions
   std::optional<PushSequence> pushes_;  // retry mode only (it draws a session); under order_mu_

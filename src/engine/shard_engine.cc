@@ -65,6 +65,7 @@ ShardEngine::ShardEngine(const EngineOptions& options, std::unique_ptr<MemoryRes
   // in the records, so that whichever server a retried push reaches applies it once.
   const std::uint32_t marks = options.replica_of.empty() ? 0 : options.num_workers;
   store_->keep_push_marks(marks);
+  table_marks_per_table_ = options.replicate_tables ? marks : 0;
   record_head_ = kRecordHeaderFloats + 2 * marks;
   for (std::uint32_t origin : options.replica_of) {
     auto r = std::make_unique<Replica>();
@@ -822,6 +823,10 @@ Errc ShardEngine::make_table(std::uint32_t id, const TableSpec& spec, std::strin
   if (options_.replicate_tables) table_owner_.back()->list_removals();
   table_bytes_promised_ += needs;
   table_requested_[id] = spec;
+  {
+    std::lock_guard marks(table_marks_mu_);
+    table_marks_[id].assign(table_marks_per_table_, 0);
+  }
   tables_[id].store(table_owner_.back().get(), std::memory_order_release);
   return Errc::ok;
 }
@@ -889,13 +894,54 @@ Errc ShardEngine::table_pull(std::uint32_t id, std::span<const KeyEntry> ids, fl
 }
 
 Errc ShardEngine::table_push(std::uint32_t id, std::uint64_t clock, std::span<const KeyEntry> ids, const float* grads,
-                             std::string* why) {
+                             std::string* why, PushId push, bool* duplicate) {
+  if (duplicate) *duplicate = false;
   if (tables_refused(why)) return Errc::unsupported;
   thread_local std::vector<Key> keys;
   EmbeddingTable* t = table_rows(id, ids, keys, why);
   if (!t) return Errc::invalid_argument;
+  const bool marked = push.identified() && table_marks_per_table_ > 0;
+  if (marked) {
+    if (push.worker >= table_marks_per_table_) {
+      *why = "an identified table push from worker " + std::to_string(push.worker) + ", past the " +
+             std::to_string(table_marks_per_table_) + " workers (--workers) this server marks pushes of";
+      return Errc::invalid_argument;
+    }
+    std::lock_guard lock(table_marks_mu_);
+    if (push.already_in(table_marks_[id][push.worker])) {
+      if (duplicate) *duplicate = true;
+      duplicate_pushes_.fetch_add(ids.size(), std::memory_order_relaxed);
+      return Errc::ok;
+    }
+  }
   t->push(keys, grads, clock);
+  if (marked) {
+    std::lock_guard lock(table_marks_mu_);
+    table_marks_[id][push.worker] = push.mark();
+  }
   pushes_.fetch_add(ids.size(), std::memory_order_relaxed);
+  return Errc::ok;
+}
+
+std::vector<std::uint64_t> ShardEngine::table_marks(std::uint32_t id) const {
+  if (id >= kMaxTables) return {};
+  std::lock_guard lock(table_marks_mu_);
+  return table_marks_[id];
+}
+
+Errc ShardEngine::restore_table_marks(std::uint32_t id, std::span<const std::uint64_t> marks, std::string* why) {
+  if (id >= kMaxTables || !tables_[id].load(std::memory_order_acquire)) {
+    *why = "push marks for table " + std::to_string(id) + ", which this server does not hold";
+    return Errc::invalid_argument;
+  }
+  if (marks.empty()) return Errc::ok;
+  if (marks.size() != table_marks_per_table_) {
+    *why = "table " + std::to_string(id) + " comes back with " + std::to_string(marks.size()) +
+           " push marks; this server marks the pushes of " + std::to_string(table_marks_per_table_) + " workers";
+    return Errc::invalid_argument;
+  }
+  std::lock_guard lock(table_marks_mu_);
+  table_marks_[id].assign(marks.begin(), marks.end());
   return Errc::ok;
 }
 
@@ -906,9 +952,15 @@ std::uint64_t ShardEngine::table_record_floats(std::uint32_t id) const noexcept 
 
 Errc ShardEngine::apply_replica_table(std::uint32_t origin, std::uint64_t connection, std::uint32_t position,
                                       std::uint32_t id, const TableSpec& requested, std::uint64_t max_rows,
-                                      std::string* why) {
+                                      std::span<const std::uint64_t> marks, std::string* why) {
   Replica* r = replica(origin, why);
   if (!r) return Errc::invalid_argument;
+  if (!marks.empty() && marks.size() != table_marks_per_table_) {
+    *why = "server " + std::to_string(origin) + "'s table " + std::to_string(id) + " comes with " +
+           std::to_string(marks.size()) + " push marks; this server marks the pushes of " +
+           std::to_string(table_marks_per_table_) + " workers (servers of a ring share --workers)";
+    return Errc::protocol;
+  }
   if (id >= kMaxTables) {
     *why = "table id " + std::to_string(id) + " is past the " + std::to_string(kMaxTables) + " tables a server holds";
     return Errc::invalid_argument;
@@ -930,6 +982,7 @@ Errc ShardEngine::apply_replica_table(std::uint32_t origin, std::uint64_t connec
   copy.max_rows = 0;
   copy.eviction = RowEviction::none;
   copy.admit_after = 1;
+  std::lock_guard applying(r->table_apply_mu);
   std::lock_guard lock(r->tables_mu);
   if (connection != r->table_connection) return Errc::ok;  // a connection given up on
   r->tables[id].reset();
@@ -943,15 +996,24 @@ Errc ShardEngine::apply_replica_table(std::uint32_t origin, std::uint64_t connec
   }
   r->table_requested[id] = requested;
   r->table_cap[id] = max_rows;
+  r->table_marks[id].assign(table_marks_per_table_, 0);
+  std::copy(marks.begin(), marks.end(), r->table_marks[id].begin());
   r->table_position.store(position, std::memory_order_release);
   return Errc::ok;
 }
 
 Errc ShardEngine::apply_replica_rows(std::uint32_t origin, std::uint64_t connection, std::uint32_t position,
                                      std::uint32_t id, std::span<const KeyEntry> rows, const float* records,
-                                     std::string* why) {
+                                     std::string* why, const RowsMark* marked) {
   Replica* r = replica(origin, why);
   if (!r) return Errc::invalid_argument;
+  std::lock_guard applying(r->table_apply_mu);
+  if (marked && marked->worker >= table_marks_per_table_) {
+    *why = "rows of server " + std::to_string(origin) + "'s table " + std::to_string(id) + " marked by worker " +
+           std::to_string(marked->worker) + ", past the " + std::to_string(table_marks_per_table_) +
+           " workers this server marks pushes of";
+    return Errc::protocol;
+  }
   std::shared_ptr<EmbeddingTable> t;
   bool current = false;
   if (id < kMaxTables) {
@@ -990,6 +1052,12 @@ Errc ShardEngine::apply_replica_rows(std::uint32_t origin, std::uint64_t connect
       return Errc::capacity;
     }
   }
+  if (marked) {
+    std::lock_guard lock(r->tables_mu);
+    // Rows and mark arrive in one frame, applied by this one thread: a rejoin reading this copy
+    // (its origin is gone, so no frame is coming) sees both or neither.
+    if (connection == r->table_connection && r->tables[id] == t) r->table_marks[id][marked->worker] = marked->mark;
+  }
   r->table_position.store(position, std::memory_order_release);
   return Errc::ok;
 }
@@ -1000,6 +1068,7 @@ Errc ShardEngine::replica_table_rows(std::uint32_t origin, std::uint32_t id, std
   *out = ReplicaTableRows{};
   // This server's own table when asked for its own id, as read_records does for keys.
   std::shared_ptr<EmbeddingTable> t;
+  std::unique_lock<std::mutex> applying;
   if (origin == options_.server_id) {
     EmbeddingTable* own = id < kMaxTables ? tables_[id].load(std::memory_order_acquire) : nullptr;
     out->synced = true;
@@ -1009,9 +1078,12 @@ Errc ShardEngine::replica_table_rows(std::uint32_t origin, std::uint32_t id, std
       out->requested = table_requested_[id];
       out->max_rows = own->spec().max_rows;
     }
+    if (own) out->marks = table_marks(id);
   } else {
     Replica* r = replica(origin, why);
     if (!r) return Errc::invalid_argument;
+    // No frame applies while the page is read: its position, marks and rows are of one point.
+    applying = std::unique_lock(r->table_apply_mu);
     out->position = r->table_position.load(std::memory_order_acquire);
     out->synced = r->mark.load(std::memory_order_acquire) == static_cast<std::uint32_t>(ReplicaMark::synced);
     if (id < kMaxTables) {
@@ -1019,15 +1091,18 @@ Errc ShardEngine::replica_table_rows(std::uint32_t origin, std::uint32_t id, std
       t = r->tables[id];
       out->requested = r->table_requested[id];
       out->max_rows = r->table_cap[id];
+      if (t) out->marks = r->table_marks[id];
     }
   }
   if (!t) return Errc::ok;
   out->exists = true;
   const std::uint32_t dim = t->dim();
   out->record_floats = static_cast<std::uint32_t>(dim + t->state_floats_per_row());
-  // A page never passes what the reply may carry.
+  // A page never passes what the reply may carry, marks included.
   const std::uint64_t per_row = sizeof(Key) + std::uint64_t{out->record_floats} * sizeof(float);
-  const auto rows = static_cast<std::uint32_t>(std::min<std::uint64_t>(max_rows, max_bytes / per_row));
+  const std::uint64_t marks_bytes = out->marks.size() * sizeof(std::uint64_t);
+  const auto rows = static_cast<std::uint32_t>(
+      std::min<std::uint64_t>(max_rows, (max_bytes - std::min(max_bytes, marks_bytes)) / per_row));
   if (rows == 0) {
     *why = "a row of server " + std::to_string(origin) + "'s table " + std::to_string(id) +
            " does not fit the reply's limit";

@@ -69,7 +69,8 @@ struct ReplicaTableRows {
   std::uint64_t max_rows = 0;  // its cap there
   std::uint32_t record_floats = 0;
   std::vector<Key> ids;
-  std::vector<float> records;  // record_floats per id
+  std::vector<float> records;        // record_floats per id
+  std::vector<std::uint64_t> marks;  // per worker, the newest identified push the rows hold
 };
 
 // A deferred reply. resume() runs exactly once, on an engine or transport thread, never under
@@ -121,6 +122,16 @@ class Replicator {
   // reach every live replica in the order they were read before `reply` resumes.
   virtual void ship_rows(std::uint32_t table, std::span<const KeyEntry> ids, std::uint64_t reserved,
                          std::unique_ptr<Parked> reply) = 0;
+  // An identified table_push (a retrying client's, by `worker`): apply() (ShardEngine::table_push
+  // with its PushId) runs in the order of the table stream, and its rows go out with the worker's
+  // push mark in one frame, so that every replica holds the rows and the mark of a push, or
+  // neither, and no frame holds part of it. On success *parked is set and park()'s reply resumes
+  // once every live replica has the frame; an error (from apply(), or a push whose rows would
+  // not fit one frame) is returned with nothing parked and nothing applied.
+  virtual Errc push_rows_in_order(std::uint32_t table, std::uint32_t worker, std::span<const KeyEntry> ids,
+                                  std::uint64_t reserved, const std::function<Errc()>& apply,
+                                  const std::function<std::unique_ptr<Parked>()>& park, std::string* why,
+                                  bool* parked) = 0;
   virtual JsonObject stats() const = 0;
 };
 
@@ -256,8 +267,16 @@ class ShardEngine {
   Errc create_table(std::uint32_t id, const TableSpec& spec, std::string* why, bool* created = nullptr);
   // Rows of `ids` (each entry's length must be the table's dimension) into out, one after another.
   Errc table_pull(std::uint32_t id, std::span<const KeyEntry> ids, float* out, std::string* why);
+  // An identified push (a retrying client's) is applied once: on a server that keeps table push
+  // marks, one at or before its worker's mark of the table is left alone (*duplicate set). The
+  // marks are per table, not per row, so such pushes must reach the table one at a time, with
+  // the reading of their rows for the replicas: the replicator orders them (push_rows_in_order).
   Errc table_push(std::uint32_t id, std::uint64_t clock, std::span<const KeyEntry> ids, const float* grads,
-                  std::string* why);
+                  std::string* why, PushId push = {}, bool* duplicate = nullptr);
+  // Marks per table (one per worker) when identified table pushes are tracked: on servers whose
+  // tables are replicated; 0 elsewhere.
+  std::uint32_t table_push_marks() const noexcept { return table_marks_per_table_; }
+  std::vector<std::uint64_t> table_marks(std::uint32_t id) const;
   // Table `id` (null if there is none) and the spec it was created with (for checkpoints).
   EmbeddingTable* table_at(std::uint32_t id, TableSpec* requested = nullptr);
   std::uint64_t table_record_floats(std::uint32_t id) const noexcept;  // 0: no such table
@@ -270,10 +289,18 @@ class ShardEngine {
   // origin's table stream, which a rejoin compares. Frames that come on another connection than
   // the current transfer's (mark_replica) are checked, then dropped: a connection the origin gave
   // up on may still deliver what it had queued, after the new transfer's copy.
+  // A copy keeps its origin's push marks: all of them from replica_table (`marks`, empty or one
+  // per worker), and one worker's from each replica_rows frame of an identified push (`marked`).
   Errc apply_replica_table(std::uint32_t origin, std::uint64_t connection, std::uint32_t position, std::uint32_t id,
-                           const TableSpec& requested, std::uint64_t max_rows, std::string* why);
+                           const TableSpec& requested, std::uint64_t max_rows, std::span<const std::uint64_t> marks,
+                           std::string* why);
+  struct RowsMark {
+    std::uint32_t worker = 0;
+    std::uint64_t mark = 0;
+  };
   Errc apply_replica_rows(std::uint32_t origin, std::uint64_t connection, std::uint32_t position, std::uint32_t id,
-                          std::span<const KeyEntry> rows, const float* records, std::string* why);
+                          std::span<const KeyEntry> rows, const float* records, std::string* why,
+                          const RowsMark* marked = nullptr);
   // Up to max_rows rows (and at most max_bytes of ids and records) of the replica of `origin`'s
   // table `id`, from `cursor` on.
   Errc replica_table_rows(std::uint32_t origin, std::uint32_t id, std::uint32_t cursor, std::uint32_t max_rows,
@@ -281,6 +308,8 @@ class ShardEngine {
   // A rejoining server takes table `id` back: created with the spec and cap it had, then the rows.
   Errc restore_table_rows(std::uint32_t id, const TableSpec& requested, std::uint64_t max_rows,
                           std::span<const Key> ids, const float* records, std::string* why);
+  // ... and its push marks (table_push_marks() of them, or none).
+  Errc restore_table_marks(std::uint32_t id, std::span<const std::uint64_t> marks, std::string* why);
   Errc check_worker(std::uint32_t worker, std::string* why) const;
   // A replicated server ships clocks and barrier generations in 32 bits (UINT32_MAX standing for
   // a finished worker): invalid_argument for a larger one, which its replicas could not hold.
@@ -333,8 +362,12 @@ class ShardEngine {
     mutable std::mutex tables_mu;
     std::array<std::shared_ptr<EmbeddingTable>, kMaxTables> tables;
     std::array<TableSpec, kMaxTables> table_requested{};
-    std::array<std::uint64_t, kMaxTables> table_cap{};  // the origin's caps (a copy itself has none)
-    std::uint64_t table_connection = 0;                 // under tables_mu: see mark_replica
+    std::array<std::uint64_t, kMaxTables> table_cap{};               // the origin's caps (a copy itself has none)
+    std::array<std::vector<std::uint64_t>, kMaxTables> table_marks;  // the origin's push marks
+    std::uint64_t table_connection = 0;                              // under tables_mu: see mark_replica
+    // Held while a table frame is applied, and while replica_table_rows reads a page: a page is
+    // of one point of the origin's stream, its marks agreeing with its rows.
+    mutable std::mutex table_apply_mu;
     std::atomic<std::uint32_t> table_position{0};
   };
   std::vector<std::unique_ptr<Replica>> replicas_;
@@ -346,6 +379,9 @@ class ShardEngine {
   std::vector<std::unique_ptr<EmbeddingTable>> table_owner_;
   std::array<TableSpec, kMaxTables> table_requested_{};  // the spec each table was created with
   std::uint64_t table_bytes_promised_ = 0;               // under tables_mu_
+  std::uint32_t table_marks_per_table_ = 0;
+  mutable std::mutex table_marks_mu_;
+  std::array<std::vector<std::uint64_t>, kMaxTables> table_marks_;  // under table_marks_mu_
   // Table `id`, with the ids of `entries` in `keys` once every entry is checked to be one row of
   // it; null, with *why, if there is no such table or a row is of another length.
   // On a replicated server whose transport does not ship rows: table ops are refused (*why says so).

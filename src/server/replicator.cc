@@ -237,29 +237,32 @@ void TcpReplicator::release_bytes(std::uint64_t bytes) {
 void TcpReplicator::table_spec_shipment(std::uint32_t table, Shipment* s) {
   TableSpec requested;
   const EmbeddingTable* t = engine_.table_at(table, &requested);
-  constexpr std::uint32_t kFloats = wire::kTableSpecFloats + 2;  // the spec, then the cap here (u64)
+  const std::vector<std::uint64_t> marks = engine_.table_marks(table);
+  // The spec, the cap here (u64), then the push marks (u64 each).
+  const auto floats = static_cast<std::uint32_t>(wire::kTableSpecFloats + 2 + 2 * marks.size());
   s->op = wire::Op::replica_table;
-  s->arg0 = wire::replica_table_arg0(options_.server_id, ++table_position_);
-  s->arg1 = table;
-  if (s->capacity < kFloats) {
-    s->records.reset(new float[kFloats]);
-    s->capacity = kFloats;
+  s->arg1 = table;  // arg0 when it is queued
+  if (s->capacity < floats) {
+    s->records.reset(new float[floats]);
+    s->capacity = floats;
   }
   wire::encode_table_spec(requested, s->records.get());
   const std::uint64_t cap = t->spec().max_rows;
   std::memcpy(s->records.get() + wire::kTableSpecFloats, &cap, sizeof cap);
-  s->record_floats = kFloats;
-  s->keys.assign(1, KeyEntry{table, kFloats, 0});
-  s->slices.assign(1, transport::KeySlice{table, kFloats, s->records.get()});
+  if (!marks.empty())
+    std::memcpy(s->records.get() + wire::kTableSpecFloats + 2, marks.data(), marks.size() * sizeof(std::uint64_t));
+  s->record_floats = floats;
+  s->keys.assign(1, KeyEntry{table, floats, 0});
+  s->slices.assign(1, transport::KeySlice{table, floats, s->records.get()});
 }
 
 void TcpReplicator::rows_shipment(std::uint32_t table, std::span<const Key> removed, std::span<const KeyEntry> ids,
-                                  Shipment* s, std::vector<std::pair<std::size_t, std::size_t>>* ranges) {
+                                  Shipment* s, std::vector<std::pair<std::size_t, std::size_t>>* ranges,
+                                  const ShardEngine::RowsMark* marked) {
   const EmbeddingTable* t = engine_.table_at(table);
   const std::uint32_t dim = t->dim();
   const std::uint64_t floats = dim + t->state_floats_per_row();
-  s->arg0 = wire::replica_table_arg0(options_.server_id, ++table_position_);
-  s->arg1 = table;
+  s->arg1 = table;  // arg0 when it is queued (dispatch_in_order)
   s->keys.clear();
   s->slices.clear();
   if (!removed.empty()) {
@@ -273,16 +276,26 @@ void TcpReplicator::rows_shipment(std::uint32_t table, std::span<const Key> remo
     *ranges = cut(s->keys, options_.max_request_bytes / 2);
     return;
   }
-  s->op = wire::Op::replica_rows;
-  if (s->capacity < ids.size() * floats) {
-    s->records.reset(new float[ids.size() * floats]);
-    s->capacity = ids.size() * floats;
+  missing_.clear();
+  s->op = marked ? wire::Op::replica_rows_marked : wire::Op::replica_rows;
+  const std::uint64_t need = ids.size() * floats + (marked ? 2 : 0);
+  if (s->capacity < need) {
+    s->records.reset(new float[need]);
+    s->capacity = need;
   }
   float* at = s->records.get();
+  if (marked) {
+    std::memcpy(at, &marked->mark, sizeof marked->mark);
+    s->keys.push_back({marked->worker, 2, 0});
+    s->slices.push_back({marked->worker, 2, at});
+    at += 2;
+  }
   for (const KeyEntry& k : ids) {
-    // An id with no row here (not admitted, no room, or evicted since the removals were taken)
-    // needs nothing now: a row that went is listed, and its removal goes with the next shipment.
-    if (!t->read_record(k.key, at, at + dim)) continue;
+    // An id with no row here: not admitted, no room, or evicted since the removals were taken.
+    if (!t->read_record(k.key, at, at + dim)) {
+      missing_.push_back(k.key);
+      continue;
+    }
     s->keys.push_back({k.key, static_cast<std::uint32_t>(floats), 0});
     s->slices.push_back({k.key, static_cast<std::uint32_t>(floats), at});
     at += floats;
@@ -307,8 +320,36 @@ Errc TcpReplicator::create_table(std::uint32_t id, const TableSpec& spec, std::s
     return Errc::ok;
   }
   table_spec_shipment(id, s.get());
-  dispatch(std::move(s), {{0, 1}});
+  dispatch_in_order(std::move(s), {{0, 1}});
   return Errc::ok;
+}
+
+void TcpReplicator::dispatch_in_order(std::unique_ptr<Shipment> s,
+                                      const std::vector<std::pair<std::size_t, std::size_t>>& ranges) {
+  s->arg0 = wire::replica_table_arg0(options_.server_id, ++table_position_);
+  dispatch(std::move(s), ranges);
+}
+
+std::unique_ptr<TcpReplicator::Shipment> TcpReplicator::read_pushed_rows(
+    std::uint32_t table, std::span<const KeyEntry> ids, std::uint64_t reserved, const ShardEngine::RowsMark* marked,
+    std::unique_ptr<TcpReplicator::Shipment>* gone, std::vector<std::pair<std::size_t, std::size_t>>* ranges,
+    std::vector<std::pair<std::size_t, std::size_t>>* gone_ranges) {
+  auto s = take_shipment();
+  s->reserved = reserved;
+  try {
+    ship_removals(table);
+    rows_shipment(table, {}, ids, s.get(), ranges, marked);
+    // A row pushed here and evicted since by another push is not in the frame; its removal
+    // goes before it, not with the next shipment, so no copy keeps the row as it was before.
+    if (!missing_.empty()) {
+      *gone = take_shipment();
+      rows_shipment(table, missing_, {}, gone->get(), gone_ranges);
+    }
+  } catch (...) {
+    give_back(std::move(s));  // and with it the reserved room
+    throw;
+  }
+  return s;
 }
 
 void TcpReplicator::ship_rows(std::uint32_t table, std::span<const KeyEntry> ids, std::uint64_t reserved,
@@ -318,27 +359,79 @@ void TcpReplicator::ship_rows(std::uint32_t table, std::span<const KeyEntry> ids
     if (reply) reply->resume(Errc::peer_failure, "the server is stopping");
     return;
   }
-  EmbeddingTable* t = engine_.table_at(table);
-  std::vector<std::pair<std::size_t, std::size_t>> ranges;
+  std::vector<std::pair<std::size_t, std::size_t>> ranges, gone_ranges;
+  std::unique_ptr<Shipment> s, gone;
   std::lock_guard lock(table_order_mu_);
-  // The rows the table lost since the last shipment go first: a row read below may have taken
-  // the place of one of them, and a copy should not hold both for longer than it must.
-  t->take_removals(&removed_);
-  if (!removed_.empty()) {
-    auto gone = take_shipment();
-    rows_shipment(table, removed_, {}, gone.get(), &ranges);
-    dispatch(std::move(gone), ranges);
+  try {
+    s = read_pushed_rows(table, ids, reserved, nullptr, &gone, &ranges, &gone_ranges);
+  } catch (const std::exception& e) {
+    if (reply) reply->resume(Errc::capacity, std::string("applied here, but not replicated: ") + e.what());
+    return;
   }
-  auto s = take_shipment();
   s->reply = std::move(reply);
-  s->reserved = reserved;
-  rows_shipment(table, {}, ids, s.get(), &ranges);
+  if (gone) dispatch_in_order(std::move(gone), gone_ranges);
   if (s->keys.empty()) {
     if (s->reply) s->reply->resume(Errc::ok, {});  // nothing of it is held anywhere
     give_back(std::move(s));
     return;
   }
-  dispatch(std::move(s), ranges);
+  dispatch_in_order(std::move(s), ranges);
+}
+
+void TcpReplicator::ship_removals(std::uint32_t table) {
+  // The rows the table lost since the last shipment go first: a row read after may have taken
+  // the place of one of them, and a copy should not hold both for longer than it must.
+  engine_.table_at(table)->take_removals(&removed_);
+  if (removed_.empty()) return;
+  std::vector<std::pair<std::size_t, std::size_t>> ranges;
+  auto gone = take_shipment();
+  rows_shipment(table, removed_, {}, gone.get(), &ranges);
+  dispatch_in_order(std::move(gone), ranges);
+}
+
+Errc TcpReplicator::push_rows_in_order(std::uint32_t table, std::uint32_t worker, std::span<const KeyEntry> ids,
+                                       std::uint64_t reserved, const std::function<Errc()>& apply,
+                                       const std::function<std::unique_ptr<Parked>()>& park, std::string* why,
+                                       bool* parked) {
+  *parked = false;
+  // Rows and mark must reach a replica in one frame, whatever cut() would make of them. Its keys
+  // are as many as the push's own frame had (the mark in place of the identity), which this
+  // server took, and the servers of a ring share their limits; its records may be larger.
+  const std::uint64_t frame_bytes =
+      (ids.size() + 1) * sizeof(KeyEntry) + (ids.size() * engine_.table_record_floats(table) + 2) * sizeof(float);
+  if (frame_bytes > options_.max_request_bytes / 2) {
+    *why = "a retrying client's table push of " + std::to_string(ids.size()) + " rows ships " +
+           std::to_string(frame_bytes >> 20) + " MiB of records to the replicas in one frame, past half of " +
+           std::to_string(options_.max_request_bytes >> 20) + " MiB (--max-request-mb): push fewer rows at once";
+    return Errc::capacity;
+  }
+  std::lock_guard lock(table_order_mu_);
+  if (Errc e = apply(); e != Errc::ok) return e;
+  std::uint64_t mark = 0;
+  if (const std::vector<std::uint64_t> marks = engine_.table_marks(table); worker < marks.size()) mark = marks[worker];
+  const ShardEngine::RowsMark marked{worker, mark};
+  std::vector<std::pair<std::size_t, std::size_t>> ranges, gone_ranges;
+  std::unique_ptr<Shipment> s, gone;
+  std::string failed;
+  try {
+    s = read_pushed_rows(table, ids, reserved, &marked, &gone, &ranges, &gone_ranges);
+  } catch (const std::exception& e) {
+    // Applied, not shipped: the answer is a failure, and the connection closes on it
+    // (wire::applied_before_replicated), so the client sends the push again and finds it marked.
+    failed = std::string("applied here, but not replicated: ") + e.what();
+  }
+  auto reply = park();
+  *parked = true;
+  if (!s || stopping_.load()) {
+    reply->resume(s ? Errc::peer_failure : Errc::capacity, s ? "the server is stopping" : failed);
+    if (s) give_back(std::move(s));  // and with it the reserved room
+    return Errc::ok;
+  }
+  s->reply = std::move(reply);
+  if (gone) dispatch_in_order(std::move(gone), gone_ranges);
+  ranges.assign(1, {0, s->keys.size()});
+  dispatch_in_order(std::move(s), ranges);
+  return Errc::ok;
 }
 
 void TcpReplicator::ship(std::span<const KeyEntry> keys, std::unique_ptr<Parked> reply) {
@@ -619,6 +712,7 @@ bool TcpReplicator::transfer_tables(Replica& r, const std::shared_ptr<transport:
         std::lock_guard lock(table_order_mu_);
         if (spec) {
           table_spec_shipment(id, &s);
+          s.arg0 = wire::replica_table_arg0(options_.server_id, ++table_position_);
           ranges = {{0, 1}};
         } else {
           s.op = wire::Op::replica_rows;
@@ -893,15 +987,17 @@ ReplicaTableRows read_table_rows(transport::Connection& conn, const ReplicatorOp
   std::string why;
   if (wire::decode_table_spec(head.spec, &out.requested, &why) != Errc::ok)
     throw Error(Errc::protocol, "table " + std::to_string(id) + ": " + why);
-  const std::uint64_t need =
-      sizeof head + std::uint64_t{head.rows} * (sizeof(Key) + head.record_floats * sizeof(float));
+  const std::uint64_t marks_end = sizeof head + std::uint64_t{head.marks} * sizeof(std::uint64_t);
+  const std::uint64_t need = marks_end + std::uint64_t{head.rows} * (sizeof(Key) + head.record_floats * sizeof(float));
   if (head.rows > max_rows || head.record_floats == 0 || bytes.size() != need)
-    throw Error(Errc::protocol, "a replica_table_rows reply whose size does not match its row count");
+    throw Error(Errc::protocol, "a replica_table_rows reply whose size does not match its row and mark counts");
+  out.marks.resize(head.marks);
+  if (head.marks) std::memcpy(out.marks.data(), bytes.data() + sizeof head, head.marks * sizeof(std::uint64_t));
   if (head.rows == 0) return out;
   out.ids.resize(head.rows);
   out.records.resize(std::uint64_t{head.rows} * head.record_floats);
-  std::memcpy(out.ids.data(), bytes.data() + sizeof head, head.rows * sizeof(Key));
-  std::memcpy(out.records.data(), bytes.data() + sizeof head + head.rows * sizeof(Key),
+  std::memcpy(out.ids.data(), bytes.data() + marks_end, head.rows * sizeof(Key));
+  std::memcpy(out.records.data(), bytes.data() + marks_end + head.rows * sizeof(Key),
               out.records.size() * sizeof(float));
   return out;
 }
@@ -932,17 +1028,27 @@ void take_tables(ShardEngine& engine, const ReplicatorOptions& options, RejoinRe
   auto conn = connect_to(*best, options, std::chrono::milliseconds(1000));
   std::string why;
   for (std::uint32_t id = 0; id < kMaxTables; ++id) {
-    std::uint32_t cursor = 0;
+    std::uint32_t cursor = 0, position = 0;
     bool any = false;
     do {
       const ReplicaTableRows got = read_table_rows(*conn, options, id, cursor, kRows);
       if (!got.exists) break;
+      // Each page is read whole between two frames; a frame between two pages (one the dead
+      // incarnation left in the replica's socket) would pair page 0's marks with later rows.
+      if (cursor == 0) position = got.position;
+      if (got.position != position)
+        throw Error(Errc::peer_failure, "server " + std::to_string(best->id) + "'s copy of table " +
+                                            std::to_string(id) + " moved while it was read; reading it again");
       if (got.record_floats != got.requested.dim + EmbeddingTable::state_floats_for(got.requested))
         throw Error(Errc::protocol, "table " + std::to_string(id) + "'s rows come with " +
                                         std::to_string(got.record_floats) + " floats, not its spec's");
       if (Errc e = engine.restore_table_rows(id, got.requested, got.max_rows, got.ids, got.records.data(), &why);
           e != Errc::ok)
         throw Error(e, why);
+      // The marks of the copy as this page was read: the replica's origin is gone, so the copy
+      // no longer moves, and any page's marks are those of every row.
+      if (cursor == 0)
+        if (Errc e = engine.restore_table_marks(id, got.marks, &why); e != Errc::ok) throw Error(e, why);
       any = true;
       report->table_rows += static_cast<std::uint32_t>(got.ids.size());
       cursor = got.next;

@@ -76,6 +76,10 @@ class TcpReplicator final : public Replicator {
                     const std::function<std::unique_ptr<Parked>()>& park, bool* parked) override;
   void ship_rows(std::uint32_t table, std::span<const KeyEntry> ids, std::uint64_t reserved,
                  std::unique_ptr<Parked> reply) override;
+  Errc push_rows_in_order(std::uint32_t table, std::uint32_t worker, std::span<const KeyEntry> ids,
+                          std::uint64_t reserved, const std::function<Errc()>& apply,
+                          const std::function<std::unique_ptr<Parked>()>& park, std::string* why,
+                          bool* parked) override;
   JsonObject stats() const override;
   // Waits (up to the io timeout) for the acknowledgements of what was shipped, resumes every
   // waiting reply, and stops the threads. Call after the listener drained, before it closes.
@@ -172,10 +176,25 @@ class TcpReplicator final : public Replicator {
   bool full_transfer(Replica& r, const std::shared_ptr<transport::Connection>& conn);
   // Tables travel in one order per replica (the order their rows were read in, under
   // table_order_mu_), so the replica needs no versions: it applies them as they come. These fill
-  // `s` with a table's spec, or with the removals and rows of `ids` read now; under table_order_mu_.
+  // `s` with a table's spec and push marks, or with the removals and rows of `ids` read now (and,
+  // for an identified push, its worker's mark: `marked`); under table_order_mu_.
   void table_spec_shipment(std::uint32_t table, Shipment* s);
   void rows_shipment(std::uint32_t table, std::span<const Key> removed, std::span<const KeyEntry> ids, Shipment* s,
-                     std::vector<std::pair<std::size_t, std::size_t>>* ranges);
+                     std::vector<std::pair<std::size_t, std::size_t>>* ranges,
+                     const ShardEngine::RowsMark* marked = nullptr);
+  // Ships the rows `table` lost since the last shipment; under table_order_mu_.
+  void ship_removals(std::uint32_t table);
+  // Queues a table shipment behind every other, at the next position of the table stream; under
+  // table_order_mu_.
+  void dispatch_in_order(std::unique_ptr<Shipment> s, const std::vector<std::pair<std::size_t, std::size_t>>& ranges);
+  // After a push to `table` (under table_order_mu_): queues the removals since the last
+  // shipment, and returns the shipment of `ids`' rows as they are now (with `marked`'s mark),
+  // holding `reserved`; *gone, if set, removes the ids pushed but no longer held, and must be
+  // queued before it. Throws (bad_alloc) with nothing held.
+  std::unique_ptr<Shipment> read_pushed_rows(std::uint32_t table, std::span<const KeyEntry> ids, std::uint64_t reserved,
+                                             const ShardEngine::RowsMark* marked, std::unique_ptr<Shipment>* gone,
+                                             std::vector<std::pair<std::size_t, std::size_t>>* ranges,
+                                             std::vector<std::pair<std::size_t, std::size_t>>* gone_ranges);
   // The keeper's table transfer: each table's copy restarted, then its rows, every leg queued
   // behind the shipments before it (not sent by the keeper itself, which could overtake them).
   bool transfer_tables(Replica& r, const std::shared_ptr<transport::Connection>& conn);
@@ -200,6 +219,7 @@ class TcpReplicator final : public Replicator {
   std::mutex table_order_mu_;     // reading tables' rows and queueing them, in one order
   std::uint32_t table_position_;  // under table_order_mu_: the last table frame's position
   std::vector<Key> removed_;      // under table_order_mu_: scratch
+  std::vector<Key> missing_;      // under table_order_mu_: the ids rows_shipment found no row for
   bool stopped_ = false;
   std::thread acker_;
 };

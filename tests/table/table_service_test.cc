@@ -284,6 +284,36 @@ TEST(TableLimits, ABatchWhoseReplyPassesTheRequestLimitIsRefusedByName) {
   c.wait(c.pull_rows(0, ids, out));
 }
 
+// A retrying worker's table pushes carry their identity (session, sequence number) as the first
+// key of each server's part; a server that does not replicate takes it off and applies the rows
+// as any push. (What a replicated server does with it: tests/replication.)
+TEST(TablesRetrying, ARetryingWorkerPushesAndPullsRowsAsAnyOther) {
+  PSKV_TABLES_REQUIRE_BACKEND();
+  std::vector<std::unique_ptr<Server>> servers;
+  ClientOptions o;
+  for (std::uint32_t id = 0; id < 2; ++id) {
+    ServerOptions so = server_options(id);
+    so.num_workers = 1;
+    servers.push_back(std::make_unique<Server>(so));
+    o.servers.push_back(servers.back()->uri());
+  }
+  o.worker_id = 0;
+  o.retry_timeout = std::chrono::seconds(10);
+  Client c(o);
+  TableSpec s = spec();
+  s.init = RowInit::zeros;
+  c.create_table(2, s);
+  std::vector<Key> ids(300);
+  for (std::size_t i = 0; i < ids.size(); ++i) ids[i] = i * 7919;
+  ids.push_back(ids[5]);  // a repeat, summed before it is sent
+  std::vector<float> ones(ids.size() * 8, 1.0f);
+  for (int round = 0; round < 3; ++round) c.wait(c.push_rows(2, ids, ones));
+  std::vector<float> out(ids.size() * 8);
+  c.wait(c.pull_rows(2, ids, out));
+  for (std::size_t i = 0; i < ids.size(); ++i)
+    ASSERT_EQ(out[i * 8], i == 5 || i == 300 ? 6.0f : 3.0f) << "row " << ids[i];
+}
+
 TEST(TablesAcrossARestart, AServerRestoredFromItsCheckpointHasEveryRow) {
   PSKV_TABLES_REQUIRE_BACKEND();
   const auto dir = std::filesystem::temp_directory_path() / ("pskv-tables-" + std::to_string(getpid()));

@@ -358,6 +358,7 @@ bool IoThread::dispatch(ServerConn& c, const wire::FrameHeader& h) {
     case wire::Op::replica_rows:
     case wire::Op::replica_unrows:
     case wire::Op::replica_table_rows:
+    case wire::Op::replica_rows_marked:
       // rdma:// servers serve no tables while they replicate (ShardEngine::tables_refused).
       return send_error(c, h, Errc::unsupported,
                         std::string(wire::op_name(h.op)) + ": tables are replicated over tcp:// rings only");
@@ -450,9 +451,13 @@ bool IoThread::handle_region_message(ServerConn& c, std::uint32_t imm) {
     case wire::Op::replicate:
       status = engine_.take_replicate(static_cast<std::uint32_t>(h.arg0), h.arg1, c.keys, values, &why);
       break;
-    case wire::Op::table_push:
-      status = engine_.table_push(h.arg1, h.arg0, c.keys, values, &why);
+    case wire::Op::table_push: {
+      // A retrying client's identity matters only to servers that replicate tables (tcp rings).
+      std::span<const KeyEntry> rows = c.keys;
+      wire::take_table_push_identity(&rows);
+      status = engine_.table_push(h.arg1, h.arg0, rows, values, &why);
       break;
+    }
     case wire::Op::table_create: {
       TableSpec spec;
       std::uint32_t table = 0;

@@ -212,9 +212,13 @@ bool ShmServer::process(std::uint32_t i, RingEntry& e, std::uint64_t seq) {
           status = engine_->create_table(id, spec, &why);
         break;
       }
-      case wire::Op::table_push:
-        status = engine_->table_push(table, arg0, keys, payload, &why);
+      case wire::Op::table_push: {
+        // A retrying client's identity matters only to replicated (tcp) servers.
+        std::span<const wire::KeyEntry> rows = keys;
+        wire::take_table_push_identity(&rows);
+        status = engine_->table_push(table, arg0, rows, payload, &why);
         break;
+      }
       case wire::Op::table_pull: {
         // The rows go into the entry's own data, after its key table (where `payload` points):
         // sized by the client, checked here against the bounds decode_entry checked.

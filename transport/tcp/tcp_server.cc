@@ -1140,16 +1140,20 @@ bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payl
     case wire::Op::replica_table: {
       const auto origin = static_cast<std::uint32_t>(h.arg0);
       const auto position = static_cast<std::uint32_t>(h.arg0 >> 32);
-      if (peer.keys.size() != 1 || peer.keys[0].length != wire::kTableSpecFloats + 2 || peer.keys[0].key != h.arg1) {
+      constexpr std::uint32_t kFixed = wire::kTableSpecFloats + 2;  // the spec and the cap (u64)
+      if (peer.keys.size() != 1 || peer.keys[0].length < kFixed || (peer.keys[0].length - kFixed) % 2 != 0 ||
+          peer.keys[0].key != h.arg1) {
         status = Errc::protocol;
-        why = "replica_table carries one key, the table id, with its spec and cap";
+        why = "replica_table carries one key, the table id, with its spec, cap and push marks";
         break;
       }
       TableSpec spec;
       if ((status = wire::decode_table_spec(payload, &spec, &why)) != Errc::ok) break;
       std::uint64_t cap = 0;
       std::memcpy(&cap, payload + wire::kTableSpecFloats, sizeof cap);
-      status = engine_.apply_replica_table(origin, peer.tag(), position, h.arg1, spec, cap, &why);
+      std::vector<std::uint64_t> marks((peer.keys[0].length - kFixed) / 2);
+      if (!marks.empty()) std::memcpy(marks.data(), payload + kFixed, marks.size() * sizeof(std::uint64_t));
+      status = engine_.apply_replica_table(origin, peer.tag(), position, h.arg1, spec, cap, marks, &why);
       break;
     }
     case wire::Op::replica_rows:
@@ -1158,6 +1162,19 @@ bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payl
           static_cast<std::uint32_t>(h.arg0), peer.tag(), static_cast<std::uint32_t>(h.arg0 >> 32), h.arg1, peer.keys,
           h.op == static_cast<std::uint16_t>(wire::Op::replica_rows) ? payload : nullptr, &why);
       break;
+    case wire::Op::replica_rows_marked: {
+      if (peer.keys.empty() || peer.keys[0].length != 2 || peer.keys[0].key > UINT32_MAX) {
+        status = Errc::protocol;
+        why = "replica_rows_marked begins with its push mark: {worker, 2} and the u64 mark";
+        break;
+      }
+      ShardEngine::RowsMark marked{static_cast<std::uint32_t>(peer.keys[0].key), 0};
+      std::memcpy(&marked.mark, payload, sizeof marked.mark);
+      status = engine_.apply_replica_rows(static_cast<std::uint32_t>(h.arg0), peer.tag(),
+                                          static_cast<std::uint32_t>(h.arg0 >> 32), h.arg1,
+                                          std::span<const KeyEntry>(peer.keys).subspan(1), payload + 2, &why, &marked);
+      break;
+    }
     case wire::Op::replica_table_rows:
       return answer_table_rows(peer, h);
     case wire::Op::replica_index: {
@@ -1265,15 +1282,30 @@ bool TcpServer::handle_table(Peer& peer, const wire::FrameHeader& h, const float
       }
     }
   } else if (op == wire::Op::table_push) {
+    std::span<const KeyEntry> rows = peer.keys;
+    const std::uint64_t identity = wire::take_table_push_identity(&rows);
+    const PushId push{.worker = peer.worker,
+                      .session = static_cast<std::uint32_t>(identity >> 32),
+                      .seq = static_cast<std::uint32_t>(identity)};
     // Room for the rows' records on their way to the replicas, taken before anything is applied.
     const std::uint64_t reserved =
-        replicator ? peer.keys.size() * engine_.table_record_floats(h.arg1) * sizeof(float) : 0;
+        replicator ? (rows.size() * engine_.table_record_floats(h.arg1) + 2) * sizeof(float) : 0;
     if (replicator && replicator->reserve_bytes(reserved, &why) != Errc::ok)
       return send_error(peer, h, Errc::capacity, why);
-    status = engine_.table_push(h.arg1, h.arg0, peer.keys, payload, &why);
-    if (status == Errc::ok && replicator) {
-      replicator->ship_rows(h.arg1, peer.keys, reserved, park(peer, h, {}, /*charge=*/false));
-      return true;
+    if (replicator && push.identified() && engine_.table_push_marks() > 0) {
+      // Applied in the table stream's order, its rows shipped with its mark (PushId).
+      bool parked = false;
+      status = replicator->push_rows_in_order(
+          h.arg1, push.worker, rows, reserved,
+          [&] { return engine_.table_push(h.arg1, h.arg0, rows, payload, &why, push); },
+          [&] { return park(peer, h, {}, /*charge=*/false); }, &why, &parked);
+      if (parked) return true;
+    } else {
+      status = engine_.table_push(h.arg1, h.arg0, rows, payload, &why, push);
+      if (status == Errc::ok && replicator) {
+        replicator->ship_rows(h.arg1, rows, reserved, park(peer, h, {}, /*charge=*/false));
+        return true;
+      }
     }
     if (replicator) replicator->release_bytes(reserved);
   } else {
@@ -1315,11 +1347,15 @@ bool TcpServer::answer_table_rows(Peer& peer, const wire::FrameHeader& h) {
   head.synced = got.synced ? 1 : 0;
   head.max_rows = got.max_rows;
   wire::encode_table_spec(got.requested, head.spec);
-  std::string bytes(sizeof head + got.ids.size() * sizeof(Key) + got.records.size() * sizeof(float), '\0');
+  head.marks = static_cast<std::uint32_t>(got.marks.size());
+  const std::size_t marks_end = sizeof head + got.marks.size() * sizeof(std::uint64_t);
+  std::string bytes(marks_end + got.ids.size() * sizeof(Key) + got.records.size() * sizeof(float), '\0');
   std::memcpy(bytes.data(), &head, sizeof head);
+  if (!got.marks.empty())
+    std::memcpy(bytes.data() + sizeof head, got.marks.data(), got.marks.size() * sizeof(std::uint64_t));
   if (!got.ids.empty()) {
-    std::memcpy(bytes.data() + sizeof head, got.ids.data(), got.ids.size() * sizeof(Key));
-    std::memcpy(bytes.data() + sizeof head + got.ids.size() * sizeof(Key), got.records.data(),
+    std::memcpy(bytes.data() + marks_end, got.ids.data(), got.ids.size() * sizeof(Key));
+    std::memcpy(bytes.data() + marks_end + got.ids.size() * sizeof(Key), got.records.data(),
                 got.records.size() * sizeof(float));
   }
   Reply r(reply_header(h, bytes.size()), bytes.data(), bytes.size());
