@@ -72,7 +72,7 @@ constexpr std::size_t kBandwidthBytes = 64u << 10;
 
 // Client settings every workload shares (--chunk-floats, --auth-token-file).
 pskv::ClientOptions g_client_defaults;
-// steps workload: the workers' ClientOptions::retry_timeout (--retry-timeout-ms).
+// steps and rows workloads: the workers' ClientOptions::retry_timeout (--retry-timeout-ms).
 std::chrono::milliseconds g_worker_retry{0};
 
 pskv::ClientOptions client_options(const std::vector<std::string>& servers) {
@@ -629,6 +629,16 @@ pskv::TableSpec rows_spec(std::size_t dim, std::uint64_t rows) {
   return spec;
 }
 
+// A rows workload client: worker `c`, retrying (its row pushes identified) with --retry-timeout-ms.
+pskv::ClientOptions rows_client(const std::vector<std::string>& servers, int c) {
+  pskv::ClientOptions o = client_options(servers);
+  if (g_worker_retry.count() > 0) {
+    o.worker_id = static_cast<std::uint32_t>(c);
+    o.retry_timeout = g_worker_retry;
+  }
+  return o;
+}
+
 // One number of a server's stats JSON (flat, as JsonObject writes it); 0 when absent.
 double stat_of(const std::string& json, const std::string& name) {
   const auto at = json.find("\"" + name + "\":");
@@ -649,7 +659,7 @@ InsertPoint insert_rows(const std::vector<std::string>& servers, std::uint64_t r
   for (int c = 0; c < clients; ++c)
     threads.emplace_back([&, c] {
       try {
-        pskv::Client client(client_options(servers));
+        pskv::Client client(rows_client(servers, c));
         client.create_table(0, rows_spec(dim, rows));
         std::vector<float> grads(batch_keys * dim, 0.0f);
         std::vector<pskv::Key> ids;
@@ -692,8 +702,7 @@ SparsePoint measure_sparse(const std::vector<std::string>& servers, const std::s
   for (int c = 0; c < clients; ++c)
     threads.emplace_back([&, c] {
       try {
-        pskv::ClientOptions o = client_options(servers);
-        pskv::Client client(o);
+        pskv::Client client(table_rows ? rows_client(servers, c) : client_options(servers));
         if (table_rows) client.create_table(0, rows_spec(floats, table_rows));
         std::vector<float> buf(batch_keys * floats, 1e-3f);
         client.register_buffer(buf.data(), buf.size() * sizeof(float));
@@ -867,8 +876,9 @@ int main(int argc, char** argv) {
   app.add_option("--steps", steps, "steps workload: steps per worker")->capture_default_str();
   std::int64_t retry_ms = 0;
   app.add_option("--retry-timeout-ms", retry_ms,
-                 "steps workload: the workers retry a failed server for this long (ClientOptions::retry_timeout; "
-                 "their pushes are identified, and a replicated server applies them whole)")
+                 "steps and rows workloads: the workers retry a failed server for this long "
+                 "(ClientOptions::retry_timeout; their pushes are identified: a replicated server applies dense ones "
+                 "whole, and table pushes one at a time)")
       ->capture_default_str();
   app.add_option("--straggler-us", straggler_us, "steps workload: worker 0 sleeps this long per step")
       ->capture_default_str();
@@ -943,6 +953,7 @@ int main(int argc, char** argv) {
       // its floats covers its key, links and index (ShardEngine's row_bytes_bound), once per
       // replica (a server also keeps its predecessors' copies).
       if (workload == "rows") so.table_memory_bytes = (table_keys * (32 + key_floats * 4) + (64u << 20)) * replicas;
+      if (workload == "rows" && retry_ms > 0) so.num_workers = static_cast<std::uint32_t>(max_clients);
       return so;
     };
     // SIGTERM must run the destructors (a shm server removes its segment), so a server waits for it.
@@ -1174,6 +1185,8 @@ int main(int argc, char** argv) {
                        .add("table_rows", table_keys)
                        .add("clients", inserters)
                        .add("servers", targets.size())
+                       .add("replicas", replicas)
+                       .add("retry_timeout_ms", retry_ms)
                        .add("inserts_per_s", ins.inserts_per_s, 0)
                        .add("bytes_per_row", ins.bytes_per_row, 1));
       else
@@ -1210,7 +1223,8 @@ int main(int argc, char** argv) {
                 .add(rows ? "table_rows" : "table_keys", table_keys)
                 .add("clients", clients)
                 .add("servers", targets.size());
-            if (!rows) j.add("replicas", replicas);
+            j.add("replicas", replicas);
+            if (rows) j.add("retry_timeout_ms", retry_ms);
             print_json(j.add("ops", p.batches)
                            .add(rows ? "rows_per_s" : "keys_per_s", p.keys_per_s, 0)
                            .add("bytes_per_s", p.bytes_per_s, 0)
