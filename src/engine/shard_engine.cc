@@ -783,8 +783,8 @@ bool ShardEngine::tables_refused(std::string* why) const {
   // Their rows would be lost with this server: refused rather than acknowledged unreplicated.
   if (!replicator_ || options_.replicate_tables) return false;
   *why =
-      "rdma:// servers do not replicate embedding tables yet; run them without --replicas, or use tcp:// "
-      "servers, to use tables";
+      "this server replicates, and its transport does not ship table rows to the replicas; run it without "
+      "--replicas to use tables";
   return true;
 }
 

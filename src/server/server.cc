@@ -115,8 +115,8 @@ class ServerImpl {
     e.server_id = o.server_id;
     e.table_memory_bytes = o.table_memory_bytes;
     e.track_table_changes = !o.checkpoint_dir.empty();
-    // Rows are shipped by the tcp server; an rdma:// one refuses table ops while it replicates.
-    e.replicate_tables = o.replicas > 1 && o.uri.rfind("tcp://", 0) == 0;
+    // Rows are shipped by tcp:// and rdma:// servers alike (over the ring's own transport).
+    e.replicate_tables = o.replicas > 1;
     // This server keeps the keys of the replicas - 1 servers before it on the ring; its own are
     // kept by the ones after it.
     ReplicatorOptions r;

@@ -15,12 +15,15 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <numeric>
+#include <random>
 #include <sstream>
 #include <stdexcept>
 #include <thread>
 
 #include "rdma_support.h"
+#include "support/replica_tables.h"
 #include "support/stats.h"
 #include "support/token_file.h"
 #include "support/workloads.h"
@@ -680,27 +683,101 @@ TEST(Rdma, IdleProcessesSleepAndBusyPollingWorks) {
 // marks in the restored records make a push sent again land once.
 enum class Ring { verbs, tcp };
 
-void replicated_kill(bool retrying, Ring ring) {
-  constexpr int kServers = 3;
-  std::vector<std::string> uris, peer_uris;
-  for (int s = 0; s < kServers; ++s) {
-    uris.push_back("rdma://" + rdma_ip() + ":" + std::to_string(tcp::free_loopback_port()));
-    peer_uris.push_back("tcp://" + rdma_ip() + ":" + std::to_string(tcp::free_loopback_port()));
+// Three rdma:// servers with --replicas 2, replicating over verbs (their --uri in --peers) or
+// over tcp (--peer-uri), each started with `extra` arguments too.
+struct RdmaRing {
+  static constexpr int kServers = 3;
+  RdmaRing(Ring ring, std::vector<std::string> extra) : ring(ring), extra(std::move(extra)) {
+    for (int s = 0; s < kServers; ++s) {
+      uris.push_back("rdma://" + rdma_ip() + ":" + std::to_string(tcp::free_loopback_port()));
+      peer_uris.push_back("tcp://" + rdma_ip() + ":" + std::to_string(tcp::free_loopback_port()));
+    }
+    for (const auto& u : ring_uris()) peers += (peers.empty() ? "" : ",") + u;
+    for (int s = 0; s < kServers; ++s) servers.push_back(start(s, false));
   }
-  std::string peers;
-  for (const auto& u : ring == Ring::verbs ? uris : peer_uris) peers += (peers.empty() ? "" : ",") + u;
-  auto start = [&](int s, bool rejoin) {
-    std::vector<std::string> args{"--uri",       uris[std::size_t(s)], "--peers", peers, "--replicas", "2",
-                                  "--server-id", std::to_string(s),    "--rule",  "add", "--workers",  "1"};
+  ServerProcess start(int s, bool rejoin) {
+    std::vector<std::string> args{"--uri", uris[std::size_t(s)], "--peers",        peers, "--replicas",
+                                  "2",     "--server-id",        std::to_string(s)};
+    args.insert(args.end(), extra.begin(), extra.end());
     if (ring == Ring::tcp) args.insert(args.end(), {"--peer-uri", peer_uris[std::size_t(s)]});
     if (rejoin) args.push_back("--rejoin");
     return start_rdma_server(args);
-  };
+  }
+  // SIGKILLs server s and, a moment later, starts it again with --rejoin.
+  void kill_and_rejoin(int s) {
+    servers[std::size_t(s)].process.signal(SIGKILL);
+    servers[std::size_t(s)].process.wait();
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    servers[std::size_t(s)] = start(s, true);
+  }
+  // The addresses the servers replicate over (what a replica's copies are read from).
+  const std::vector<std::string>& ring_uris() const { return ring == Ring::verbs ? uris : peer_uris; }
+  Ring ring;
+  std::vector<std::string> extra, uris, peer_uris;
+  std::string peers;
   std::vector<ServerProcess> servers;
-  for (int s = 0; s < kServers; ++s) servers.push_back(start(s, false));
+};
+
+// What a worker saw while server 1 of a ring was killed and rejoined under it.
+struct KillTally {
+  std::uint64_t acked = 0, failed = 0, errors = 0;
+  std::string last_error;
+};
+
+// A worker thread (worker 0 of `o`, retrying with `retrying`) runs `round` until stopped: it
+// returns the pushes it had acknowledged and counts in *in_flight those that may or may not land
+// if it throws. A client that fails is dropped and made again (with `setup`). Meanwhile server 1
+// is SIGKILLed and restarted with --rejoin. A retrying worker must see no error, and the
+// restarted server take its pushes; a reconnecting one must see the kill fail a push.
+KillTally push_through_a_kill(RdmaRing& servers, const ClientOptions& o, bool retrying,
+                              const std::function<void(Client&)>& setup,
+                              const std::function<std::uint64_t(Client&, std::uint64_t*)>& round) {
+  ClientOptions mine = o;
+  mine.worker_id = 0;
+  if (retrying) mine.retry_timeout = std::chrono::seconds(30);
+  std::atomic<bool> stop{false};
+  KillTally t;
+  std::thread worker([&] {
+    std::unique_ptr<Client> c;
+    while (!stop.load()) {
+      std::uint64_t in_flight = 0;
+      try {
+        if (!c) {
+          c = std::make_unique<Client>(mine);
+          setup(*c);
+        }
+        t.acked += round(*c, &in_flight);
+      } catch (const Error& e) {
+        ++t.errors;
+        t.failed += in_flight;
+        t.last_error = e.what();
+        c.reset();
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      }
+    }
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  servers.kill_and_rejoin(1);
+  std::this_thread::sleep_for(std::chrono::milliseconds(800));
+  stop.store(true);
+  worker.join();
+  EXPECT_GT(t.acked, 0u) << t.last_error;
+  if (retrying) {
+    EXPECT_EQ(t.errors, 0u) << "the retrying worker saw: " << t.last_error;
+    // The same client went on through the restart: the restarted server took its pushes.
+    Client check(o);
+    EXPECT_GT(testing::stats_field(check.server_stats(1), "pushes"), 0) << check.server_stats(1);
+  } else {
+    EXPECT_GE(t.failed, 1u) << "the kill failed no push: it did not land under load";
+  }
+  return t;
+}
+
+void replicated_kill(bool retrying, Ring ring) {
+  RdmaRing servers(ring, {"--rule", "add", "--workers", "1"});
   constexpr Key kKeys = 12;
   constexpr std::size_t kLen = 256;
-  ClientOptions o = rdma_client(uris);
+  ClientOptions o = rdma_client(servers.uris);
   o.io_timeout = std::chrono::seconds(5);
   {
     Client admin(o);
@@ -708,61 +785,78 @@ void replicated_kill(bool retrying, Ring ring) {
     for (Key k = 0; k < kKeys; ++k) admin.wait(admin.init(k, zeros));
     testing::wait_replicas_synced(admin, 2);
   }
-  ClientOptions mine = o;
-  mine.worker_id = 0;
-  if (retrying) mine.retry_timeout = std::chrono::seconds(30);
-  std::atomic<bool> stop{false};
-  std::uint64_t acked = 0, failed = 0, errors = 0;
-  std::string last_error;
-  std::thread worker([&] {
-    std::vector<Key> keys(kKeys);
-    std::iota(keys.begin(), keys.end(), Key(0));
-    const std::vector<float> ones(kLen, 1.0f);
-    const std::vector<std::span<const float>> values(kKeys, ones);
-    std::unique_ptr<Client> c;
-    while (!stop.load()) {
-      std::uint64_t in_flight = 0;  // pushes that may or may not land if this round fails
-      try {
-        if (!c) c = std::make_unique<Client>(mine);
+  std::vector<Key> keys(kKeys);
+  std::iota(keys.begin(), keys.end(), Key(0));
+  const std::vector<float> ones(kLen, 1.0f);
+  const std::vector<std::span<const float>> values(kKeys, ones);
+  const KillTally t = push_through_a_kill(
+      servers, o, retrying, [](Client&) {},
+      [&](Client& c, std::uint64_t* in_flight) {
         // Two in flight: a retrying client sends a sequence again, in order.
-        const Ticket a = c->push(keys, values);
-        ++in_flight;
-        const Ticket b = c->push(keys, values);
-        ++in_flight;
-        c->wait(a);
-        ++acked;
-        --in_flight;
-        c->wait(b);
-        ++acked;
-        --in_flight;
-      } catch (const Error& e) {
-        ++errors;
-        failed += in_flight;
-        last_error = e.what();
-        c.reset();
-        std::this_thread::sleep_for(std::chrono::milliseconds(50));
-      }
-    }
-  });
-  std::this_thread::sleep_for(std::chrono::milliseconds(500));
-  servers[1].process.signal(SIGKILL);
-  servers[1].process.wait();
-  std::this_thread::sleep_for(std::chrono::milliseconds(200));
-  servers[1] = start(1, true);
-  std::this_thread::sleep_for(std::chrono::milliseconds(800));
-  stop.store(true);
-  worker.join();
-  ASSERT_GT(acked, 0u) << last_error;
+        const Ticket a = c.push(keys, values);
+        ++*in_flight;
+        const Ticket b = c.push(keys, values);
+        ++*in_flight;
+        c.wait(a);
+        --*in_flight;
+        c.wait(b);
+        --*in_flight;
+        return std::uint64_t{2};
+      });
   Client check(o);
-  if (retrying) {
-    EXPECT_EQ(errors, 0u) << "the retrying worker saw: " << last_error;
-    testing::expect_pushes_between(check, kKeys, kLen, acked, 0, "retrying");
-    // The same client went on through the restart: the restarted server took its pushes.
-    EXPECT_GT(testing::stats_field(check.server_stats(1), "pushes"), 0) << check.server_stats(1);
-  } else {
-    EXPECT_GE(failed, 1u) << "the kill failed no push: it did not land under load";
-    testing::expect_pushes_between(check, kKeys, kLen, acked, failed, std::to_string(failed) + " failed");
+  testing::expect_pushes_between(check, kKeys, kLen, t.acked, t.failed,
+                                 retrying ? "retrying" : std::to_string(t.failed) + " failed");
+}
+
+// rdma:// servers replicate embedding tables too, over verbs or over a tcp ring. A worker pushes
+// rounds of rows (testing::RowTables: +1 to 300 rows, random rows of a capped Adam table), two
+// pushes in flight; server 1 is SIGKILLed and restarted with --rejoin. Every counted row ends
+// between the acknowledged rounds and those plus the failed ones (a retrying worker: no error,
+// and exactly the acknowledged ones), and every copy equals its origin (rows, optimizer state,
+// push marks), read as a rejoin reads it, over the ring's own transport.
+void replicated_table_kill(bool retrying, Ring ring) {
+  RdmaRing servers(ring, {"--workers", "1", "--table-memory-mb", "256"});
+  const testing::RowTables tables;
+  ClientOptions o = rdma_client(servers.uris);
+  o.io_timeout = std::chrono::seconds(5);
+  {
+    Client admin(o);
+    tables.create(admin);
+    testing::wait_replicas_synced(admin, 2);
   }
+  std::mt19937 rng(5);
+  const KillTally t = push_through_a_kill(
+      servers, o, retrying, [&](Client& c) { tables.create(c); },
+      [&](Client& c, std::uint64_t* in_flight) {
+        bool sent = false;  // the counted push may land once it is on its way
+        try {
+          tables.push_round(c, rng, &sent);
+        } catch (...) {
+          *in_flight = sent ? 1 : 0;
+          throw;
+        }
+        return std::uint64_t{1};
+      });
+  Client check(o);
+  tables.expect_counted(check, t.acked, t.failed, retrying ? "retrying" : std::to_string(t.failed) + " failed");
+  testing::wait_replicas_synced(check, 2);
+  testing::expect_table_copies_equal(servers.ring_uris(), 2, 0);
+  testing::expect_table_copies_equal(servers.ring_uris(), 2, 1);
+}
+
+TEST(Rdma, ReplicatedTablesLoseNoAcknowledgedRow) {
+  PSKV_REQUIRE_RDMA();
+  replicated_table_kill(false, Ring::verbs);
+}
+
+TEST(Rdma, AWorkerThatRetriesPushesEachRowOnce) {
+  PSKV_REQUIRE_RDMA();
+  replicated_table_kill(true, Ring::verbs);
+}
+
+TEST(Rdma, TablesReplicatedOverATcpRingLoseNoAcknowledgedRow) {
+  PSKV_REQUIRE_RDMA();
+  replicated_table_kill(true, Ring::tcp);
 }
 
 TEST(Rdma, ReplicatedServersLoseNoAcknowledgedPush) {
@@ -820,6 +914,11 @@ TEST(Rdma, OnlyServersMaySendTheReplicationOps) {
   }
   const auto [ok, why_ok] = ask(uri1, wire::kServerPeer, wire::Op::replica_index);
   EXPECT_EQ(ok, Errc::ok) << why_ok;
+  // Table frames are written into the region as pushes are, and checked as table frames, never
+  // applied as a push: a replica_table without its one key is refused by name.
+  const auto [shape, why_shape] = ask(uri1, wire::kServerPeer, wire::Op::replica_table);
+  EXPECT_EQ(shape, Errc::protocol) << why_shape;
+  EXPECT_NE(why_shape.find("replica_table carries one key"), std::string::npos) << why_shape;
   // Sent raw by a peer that did not connect as a server: refused by the server, which closes it.
   {
     RawPeer p(uri1);

@@ -20,6 +20,7 @@
 #include "pskv/client.h"
 #include "pskv/server.h"
 #include "support/process.h"
+#include "support/replica_tables.h"
 #include "support/stats.h"
 #include "support/stop.h"
 #include "support/token_file.h"
@@ -796,101 +797,8 @@ TEST(TcpReplicationPeers, PeersOfAnotherTransportAreRefusedByName) {
   EXPECT_NE(d.find("--peer-uri is a tcp://HOST:PORT"), std::string::npos) << d;
 }
 
-// A replica's copy of `origin`'s table `table`, as the server at `uri` holds it: each row's id
-// with its record [value | optimizer state], in the replica's own order.
-struct TableCopy {
-  bool exists = false, synced = false;
-  std::uint32_t record_floats = 0;
-  std::map<Key, std::vector<float>> rows;
-  std::vector<std::uint64_t> marks;  // per worker, the newest identified push the rows hold
-};
-TableCopy table_copy(const std::string& uri, std::uint32_t origin, std::uint32_t table) {
-  transport::ConnectOptions c;
-  c.worker_id = wire::kServerPeer;
-  auto conn = transport::connect(parse_uri(uri), c);
-  TableCopy copy;
-  std::uint32_t cursor = 0;
-  do {
-    std::string bytes;
-    transport::Completion done;
-    done.reset(1);
-    transport::Request q;
-    q.op = wire::Op::replica_table_rows;
-    q.arg0 = origin;
-    q.arg1 = table;
-    transport::KeySlice ask{cursor, 1000, nullptr};
-    q.keys = std::span<const transport::KeySlice>(&ask, 1);
-    q.completion = &done;
-    q.text_out = &bytes;
-    conn->submit(q);
-    EXPECT_TRUE(done.wait(std::chrono::steady_clock::now() + std::chrono::seconds(20)));
-    EXPECT_EQ(done.status(), Errc::ok) << done.message();
-    wire::ReplicaRowsHeader head{};
-    if (bytes.size() < sizeof head) {
-      ADD_FAILURE() << "a short replica_table_rows reply from " << uri;
-      return copy;
-    }
-    std::memcpy(&head, bytes.data(), sizeof head);
-    copy.exists = head.exists != 0;
-    copy.synced = head.synced != 0;
-    copy.record_floats = head.record_floats;
-    if (!copy.exists) return copy;
-    const std::size_t marks_end = sizeof head + head.marks * sizeof(std::uint64_t);
-    EXPECT_EQ(bytes.size(), marks_end + head.rows * (sizeof(Key) + head.record_floats * sizeof(float)));
-    copy.marks.resize(head.marks);
-    if (head.marks) std::memcpy(copy.marks.data(), bytes.data() + sizeof head, head.marks * sizeof(std::uint64_t));
-    const char* ids = bytes.data() + marks_end;
-    const auto* records = reinterpret_cast<const float*>(ids + head.rows * sizeof(Key));
-    for (std::uint32_t i = 0; i < head.rows; ++i) {
-      Key id;
-      std::memcpy(&id, ids + i * sizeof id, sizeof id);
-      EXPECT_TRUE(copy.rows
-                      .emplace(id, std::vector<float>(records + std::size_t{i} * head.record_floats,
-                                                      records + std::size_t{i + 1} * head.record_floats))
-                      .second)
-          << "row " << id << " twice in " << uri << "'s copy of server " << origin << "'s table";
-    }
-    cursor = head.next;
-  } while (cursor != 0);
-  return copy;
-}
-
-// Every server's table rows against each replica's copy of them: the same ids, each with the
-// very bytes of its value and optimizer state. A replica restarted a moment ago may still be
-// listed synced by its origin, which notices within its next look (500 ms) and transfers again,
-// so a copy that differs is read again for up to 30 s before it counts as different.
 void expect_table_replicas_equal(const Ring& ring, std::uint32_t replicas, std::uint32_t table) {
-  const auto n = static_cast<std::uint32_t>(ring.size());
-  for (std::uint32_t s = 0; s < n; ++s) {
-    const TableCopy own = table_copy(ring.uris()[s], s, table);
-    ASSERT_TRUE(own.exists) << "server " << s << " has no table " << table;
-    for (std::uint32_t j = 1; j < replicas; ++j) {
-      const std::string& at = ring.uris()[(s + j) % n];
-      const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-      TableCopy copy;
-      while (!(copy = table_copy(at, s, table)).synced || copy.rows != own.rows || copy.marks != own.marks) {
-        if (std::chrono::steady_clock::now() > give_up) break;
-        std::this_thread::sleep_for(std::chrono::milliseconds(50));
-      }
-      ASSERT_TRUE(copy.exists) << "server " << (s + j) % n << " has no copy of server " << s << "'s table";
-      EXPECT_TRUE(copy.synced);
-      ASSERT_EQ(copy.record_floats, own.record_floats);
-      EXPECT_EQ(copy.rows.size(), own.rows.size())
-          << "server " << (s + j) % n << "'s copy of server " << s << "'s table has another row count";
-      std::size_t differ = 0, missing = 0;
-      for (const auto& [id, record] : own.rows) {
-        const auto it = copy.rows.find(id);
-        if (it == copy.rows.end())
-          ++missing;
-        else if (std::memcmp(it->second.data(), record.data(), record.size() * sizeof(float)) != 0)
-          ++differ;
-      }
-      EXPECT_EQ(missing, 0u) << "rows of server " << s << " missing from server " << (s + j) % n << "'s copy";
-      EXPECT_EQ(differ, 0u) << "rows of server " << s << " whose bytes differ on server " << (s + j) % n;
-      EXPECT_EQ(copy.marks, own.marks) << "server " << (s + j) % n << "'s copy of server " << s
-                                       << "'s table holds other push marks";
-    }
-  }
+  testing::expect_table_copies_equal(ring.uris(), replicas, table);
 }
 
 // Rows reach every replica as their origin holds them (values and Adam's moments), evictions
@@ -937,34 +845,25 @@ TEST(TcpReplicationTables, EveryReplicaHoldsItsOriginsRowsThroughEvictions) {
   expect_table_replicas_equal(ring, kReplicas, 3);
 }
 
-// Workers push +1 to rows of a table spread over 3 servers (R=2) and reconnect whenever a server
-// fails them; one server is SIGKILLed at a random instant and comes back with --rejoin, taking its
-// rows back from its replica. Every row must hold at least every acknowledged push and at most
-// those plus one per failed push, and every copy must end equal to its origin. Then its replica's
-// own copy is restarted: the origin transfers every table to it again.
-TEST(TcpReplicationTables, AKilledServerRejoinsWithEveryAcknowledgedRow) {
-  constexpr std::uint32_t kDim = 16;
+// Two workers push rounds of rows (testing::RowTables: +1 to 300 rows of one table, random rows
+// of a capped Adam table) to 3 servers (R=2) while a random server is SIGKILLed and comes back
+// with --rejoin, taking its rows back from its replica. Reconnecting workers: every counted row
+// ends between the acknowledged rounds and those plus the failed ones. Retrying workers
+// (retry_timeout): no error, and every row at exactly the acknowledged rounds, each push applied
+// once whether it was sent again to the restarted server or not. Either way both tables' copies
+// end equal to their origins, push marks included; a reconnecting trial then restarts the
+// victim's replica, to which its origin transfers every table again.
+void row_kill_trials(bool retrying) {
   constexpr int kWorkers = 2;
-  std::mt19937 rng(23);
-  TableSpec spec;
-  spec.dim = kDim;
-  spec.init = RowInit::zeros;
-  spec.rule = UpdateRuleConfig{UpdateRule::add};
-  // Beside it, a capped Adam table with evictions, whose rows and moments must cross the rejoin.
-  TableSpec capped;
-  capped.dim = kDim;
-  capped.rule = UpdateRuleConfig{UpdateRule::adam};
-  capped.eviction = RowEviction::lru;
-  capped.max_rows = 300;
-  std::vector<Key> ids(300);
-  for (std::size_t i = 0; i < ids.size(); ++i) ids[i] = i * 7919 + 3;
+  const testing::RowTables tables;
+  std::mt19937 rng(retrying ? 29 : 23);
   for (int trial = 0; trial < std::max(2, testing::fault_trials() / 4); ++trial) {
-    Ring ring(3, 2, {"--frame-timeout-ms", "5000"});
+    Ring ring(3, 2, {"--frame-timeout-ms", "5000", "--workers", std::to_string(kWorkers)});
     const ClientOptions o = trial_options(ring);
+    wait_synced(ring, 2);  // a server killed before its first transfer has no replica to rejoin from
     {
       Client admin(o);
-      admin.create_table(1, capped);  // first: a table without a cap takes what is left
-      admin.create_table(0, spec);
+      tables.create(admin);
     }
     testing::SharedArray<testing::PushTally> tally(kWorkers);
     testing::SharedArray<std::atomic<int>> stop(1);
@@ -972,32 +871,23 @@ TEST(TcpReplicationTables, AKilledServerRejoinsWithEveryAcknowledgedRow) {
     const testing::KillOnExit reap(pids);
     for (int w = 0; w < kWorkers; ++w)
       pids.push_back(fork_worker([&, w] {
-        const std::vector<float> ones(ids.size() * kDim, 1.0f);
         std::mt19937 mine(static_cast<unsigned>(w) + 100);
-        std::vector<Key> others(100);
         std::unique_ptr<Client> c;
         const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(60);
         while (stop[0].load() == 0) {
           bool sent = false;
           try {
             if (!c) {
-              c = std::make_unique<Client>(o);
-              c->create_table(1, capped);
-              c->create_table(0, spec);
+              c = std::make_unique<Client>(retrying ? retrying_worker(o, static_cast<std::uint32_t>(w)) : o);
+              tables.create(*c);
             }
-            others.resize(100);
-            for (Key& id : others) id = mine() % 2000;
-            std::sort(others.begin(), others.end());
-            others.erase(std::unique(others.begin(), others.end()), others.end());
-            c->wait(c->push_rows(1, others, std::span<const float>(ones).first(others.size() * kDim)));
-            sent = true;
-            c->wait(c->push_rows(0, ids, ones));
+            tables.push_round(*c, mine, &sent);
             tally[w].acknowledged.fetch_add(1);
           } catch (const Error& e) {
             if (sent) tally[w].failed.fetch_add(1);
             c.reset();
-            if (std::chrono::steady_clock::now() > give_up) {
-              std::fprintf(stderr, "row pusher: %s\n", e.what());
+            if (retrying || std::chrono::steady_clock::now() > give_up) {
+              std::fprintf(stderr, "row pusher %d: %s\n", w, e.what());
               return 1;
             }
             std::this_thread::sleep_for(std::chrono::milliseconds(2));
@@ -1015,20 +905,13 @@ TEST(TcpReplicationTables, AKilledServerRejoinsWithEveryAcknowledgedRow) {
     for (pid_t p : pids) ASSERT_EQ(wait_pid(p, std::chrono::seconds(120)), 0) << "a worker failed, trial " << trial;
     const auto [acked, failed] = totals(tally, kWorkers);
     Client check(o);
-    check.create_table(0, spec);
-    std::vector<float> rows(ids.size() * kDim);
-    check.wait(check.pull_rows(0, ids, rows));
-    for (std::size_t i = 0; i < ids.size(); ++i) {
-      const float got = rows[i * kDim];
-      for (std::uint32_t d = 0; d < kDim; ++d) ASSERT_EQ(rows[i * kDim + d], got) << "row " << ids[i] << " is torn";
-      EXPECT_GE(got, float(acked)) << "row " << ids[i] << " lost acknowledged pushes, trial " << trial << " (killed "
-                                   << victim << ")";
-      EXPECT_LE(got, float(acked + failed)) << "row " << ids[i] << " holds a push applied twice, trial " << trial;
-    }
+    tables.expect_counted(check, acked, failed,
+                          "trial " + std::to_string(trial) + ", killed " + std::to_string(victim));
     wait_synced(ring, 2);
     expect_table_replicas_equal(ring, 2, 0);
     expect_table_replicas_equal(ring, 2, 1);
-    // The victim's replica restarts empty; its origin transfers the table to it again.
+    if (retrying) continue;
+    // The victim's replica restarts empty; its origin transfers the tables to it again.
     const int replica = (victim + 1) % 3;
     ring.kill(replica);
     ring.restart(replica);
@@ -1036,6 +919,14 @@ TEST(TcpReplicationTables, AKilledServerRejoinsWithEveryAcknowledgedRow) {
     expect_table_replicas_equal(ring, 2, 0);
     expect_table_replicas_equal(ring, 2, 1);
   }
+}
+
+TEST(TcpReplicationTables, AKilledServerRejoinsWithEveryAcknowledgedRow) {
+  row_kill_trials(false);
+}
+
+TEST(TcpReplicationTables, RetryingWorkersSeeNoErrorAndEveryRowPushLandsOnce) {
+  row_kill_trials(true);
 }
 
 // A row push is answered only once its replica holds it: with the replica stopped (SIGSTOP), the
@@ -1193,7 +1084,7 @@ TEST(TcpReplicationTables, ATablePushSentAgainIsAppliedOnce) {
   EXPECT_EQ(push(9, 1, 0).first, Errc::ok);  // a new session of worker 0
   EXPECT_EQ(value(), 4.0f);
   EXPECT_EQ(testing::stats_field(c.server_stats(0), "pushes_already_applied"), 2) << c.server_stats(0);
-  const TableCopy own = table_copy(origin, 0, 2);
+  const testing::TableCopy own = testing::table_copy(origin, 0, 2);
   EXPECT_EQ(own.marks, (std::vector<std::uint64_t>{(9ull << 32) | 1, (7ull << 32) | 1}));
   expect_table_replicas_equal(ring, 2, 2);
   // An identity without a session, and a client pushing as nobody.
@@ -1212,87 +1103,6 @@ TEST(TcpReplicationTables, ATablePushSentAgainIsAppliedOnce) {
       send_table_frame(ring.uris()[1], wire::Op::replica_rows_marked, 0, 2, {{0, 4, row.data()}});
   EXPECT_EQ(shape, Errc::protocol) << why_shape;
   expect_table_replicas_equal(ring, 2, 2);
-}
-
-// Workers that retry (retry_timeout) push +1 to rows of a table over 3 servers (R=2) while one
-// server is SIGKILLed at a random instant and comes back with --rejoin: no worker sees an error,
-// and every row ends at exactly the number of pushes acknowledged, each applied once whether it
-// was sent again to the restarted server or not. A capped Adam table with evictions beside it
-// must end equal on every replica, push marks included.
-TEST(TcpReplicationTables, RetryingWorkersSeeNoErrorAndEveryRowPushLandsOnce) {
-  constexpr std::uint32_t kDim = 16;
-  constexpr int kWorkers = 2;
-  std::mt19937 rng(29);
-  TableSpec spec;
-  spec.dim = kDim;
-  spec.init = RowInit::zeros;
-  spec.rule = UpdateRuleConfig{UpdateRule::add};
-  TableSpec capped;
-  capped.dim = kDim;
-  capped.rule = UpdateRuleConfig{UpdateRule::adam};
-  capped.eviction = RowEviction::lru;
-  capped.max_rows = 300;
-  std::vector<Key> ids(300);
-  for (std::size_t i = 0; i < ids.size(); ++i) ids[i] = i * 7919 + 3;
-  for (int trial = 0; trial < std::max(2, testing::fault_trials() / 4); ++trial) {
-    Ring ring(3, 2, {"--frame-timeout-ms", "5000", "--workers", std::to_string(kWorkers)});
-    const ClientOptions o = trial_options(ring);
-    wait_synced(ring, 2);  // a server killed before its first transfer has no replica to rejoin from
-    testing::SharedArray<testing::PushTally> tally(kWorkers);
-    testing::SharedArray<std::atomic<int>> stop(1);
-    std::vector<pid_t> pids;
-    const testing::KillOnExit reap(pids);
-    for (int w = 0; w < kWorkers; ++w)
-      pids.push_back(fork_worker([&, w] {
-        try {
-          Client c(retrying_worker(o, static_cast<std::uint32_t>(w)));
-          c.create_table(1, capped);  // first: a table without a cap takes what is left
-          c.create_table(0, spec);
-          const std::vector<float> ones(ids.size() * kDim, 1.0f);
-          std::mt19937 mine(static_cast<unsigned>(w) + 100);
-          std::vector<Key> others;
-          while (stop[0].load() == 0) {
-            others.resize(100);
-            for (Key& id : others) id = mine() % 2000;
-            std::sort(others.begin(), others.end());
-            others.erase(std::unique(others.begin(), others.end()), others.end());
-            const Ticket a = c.push_rows(1, others, std::span<const float>(ones).first(others.size() * kDim));
-            const Ticket b = c.push_rows(0, ids, ones);
-            c.wait(a);
-            c.wait(b);
-            tally[w].acknowledged.fetch_add(1);
-          }
-          return 0;
-        } catch (const Error& e) {
-          std::fprintf(stderr, "retrying row pusher %d: %s\n", w, e.what());
-          return 1;
-        }
-      }));
-    std::this_thread::sleep_for(std::chrono::milliseconds(100 + rng() % 300));
-    const int victim = static_cast<int>(rng() % 3);
-    ring.kill(victim);
-    std::this_thread::sleep_for(std::chrono::milliseconds(rng() % 200));
-    ring.restart(victim);
-    std::this_thread::sleep_for(std::chrono::milliseconds(200 + rng() % 200));
-    stop[0].store(1);
-    for (pid_t p : pids)
-      ASSERT_EQ(wait_pid(p, std::chrono::seconds(120)), 0) << "a worker saw an error, trial " << trial;
-    const auto [acked, failed] = totals(tally, kWorkers);
-    ASSERT_EQ(failed, 0u);
-    Client check(o);
-    check.create_table(0, spec);
-    std::vector<float> rows(ids.size() * kDim);
-    check.wait(check.pull_rows(0, ids, rows));
-    for (std::size_t i = 0; i < ids.size(); ++i) {
-      for (std::uint32_t d = 0; d < kDim; ++d)
-        ASSERT_EQ(rows[i * kDim + d], rows[i * kDim]) << "row " << ids[i] << " is torn";
-      EXPECT_EQ(rows[i * kDim], float(acked)) << "row " << ids[i] << ": " << acked << " pushes acknowledged, trial "
-                                              << trial << " (killed " << victim << ")";
-    }
-    wait_synced(ring, 2);
-    expect_table_replicas_equal(ring, 2, 0);
-    expect_table_replicas_equal(ring, 2, 1);
-  }
 }
 
 }  // namespace

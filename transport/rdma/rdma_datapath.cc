@@ -195,15 +195,16 @@ void RdmaConnection::prepare(InFlight& s) {
   // its room has, in place of values, room for the answer, beginning with where it is to go.
   const std::size_t n = keys.size();
   const bool rows_back = answered_into_room(r.op);
+  // What travels after the key table: values, or nothing (an answer's room, a replica_unrows).
+  const bool sends_values = !rows_back && wire::op_carries_values(r.op);
   std::uint64_t floats_bytes = 0;
   for (const KeySlice& k : keys) floats_bytes += std::uint64_t{k.length} * sizeof(float);
-  const std::uint64_t payload = rows_back ? 0 : floats_bytes;
+  const std::uint64_t payload = sends_values ? floats_bytes : 0;
   const std::uint64_t table = kHeader + n * sizeof(wire::KeyEntry);
   // An index's size is the server's to know: it gets half the region, and is refused past it.
   // RowsTarget::room is 32 bits: an index gets at most 1 GiB, and rows past 4 GiB are refused below.
-  const std::uint64_t answer = r.op == wire::Op::replica_index
-                                   ? std::min<std::uint64_t>(server_.grant.region_bytes / 2, 1ull << 30)
-                                   : floats_bytes;
+  const std::uint64_t answer =
+      answered_with_bytes(r.op) ? std::min<std::uint64_t>(server_.grant.region_bytes / 2, 1ull << 30) : floats_bytes;
   s.message_total = table + (rows_back ? std::max<std::uint64_t>(answer, sizeof(RowsTarget)) : payload);
   auto what = [&] {
     return "a " + std::string(wire::op_name(static_cast<std::uint16_t>(r.op))) + " of " + std::to_string(n) +
@@ -236,7 +237,7 @@ void RdmaConnection::prepare(InFlight& s) {
   // into its room sends no values: its descriptor ends with the RowsTarget, which post_message()
   // fills in once it knows where in the ring the message goes.
   std::uint64_t copied = 0;
-  if (!rows_back) {
+  if (sends_values) {
     const std::size_t max_entries = std::size_t{std::max(1u, send_depth_ / 4)} * max_sge_;
     std::size_t in_place = 0;
     for (const KeySlice& k : keys) in_place += cache_->find(k.data, std::size_t{k.length} * sizeof(float)) != 0;
@@ -257,7 +258,7 @@ void RdmaConnection::prepare(InFlight& s) {
   if (options_.checksum) {
     h.flags |= wire::kChecksum;
     std::uint32_t crc = wire::crc32_update(0, entries, n * sizeof(wire::KeyEntry));
-    if (!rows_back)
+    if (sends_values)
       for (const KeySlice& k : keys) crc = wire::crc32_update(crc, k.data, std::size_t{k.length} * sizeof(float));
     h.checksum = crc;
   }
@@ -796,7 +797,7 @@ void RdmaConnection::on_reply(std::uint32_t buffer, std::uint32_t bytes) {
     if (answered_into_room(op) && status == Errc::ok) {
       const std::uint64_t at = room_at(*s.request);
       const std::byte* room = rows_ring_.data() + s.region_offset + at;
-      if (op != wire::Op::replica_index) {
+      if (!answered_with_bytes(op)) {
         for (const KeySlice& k : s.request->keys) {
           std::memcpy(k.data, room, std::size_t{k.length} * sizeof(float));
           room += std::size_t{k.length} * sizeof(float);
@@ -804,8 +805,8 @@ void RdmaConnection::on_reply(std::uint32_t buffer, std::uint32_t bytes) {
       } else if (h.arg1 <= s.message_total - at && s.request->text_out) {
         s.request->text_out->assign(reinterpret_cast<const char*>(room), h.arg1);
       } else {
-        fail_all(Errc::protocol, endpoint_ + " answered a replica index with " + std::to_string(h.arg1) +
-                                     " bytes, more than the room it was given");
+        fail_all(Errc::protocol, endpoint_ + " answered a " + std::string(wire::op_name(h.op)) + " with " +
+                                     std::to_string(h.arg1) + " bytes, more than the room it was given");
         return;
       }
     }

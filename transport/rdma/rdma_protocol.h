@@ -106,12 +106,19 @@ static_assert(sizeof(RowsTarget) == 16);
 
 // Requests answered into the room they leave in the receive region (RowsTarget).
 inline bool answered_into_room(wire::Op op) noexcept {
-  return op == wire::Op::table_pull || op == wire::Op::replica_pull || op == wire::Op::replica_index;
+  return op == wire::Op::table_pull || op == wire::Op::replica_pull || op == wire::Op::replica_index ||
+         op == wire::Op::replica_table_rows;
 }
-// Requests written into the receive region, not SENT: what carries values, and what is answered
-// into its room. Everything else is a control message.
+// ... with bytes whose size only the server knows (an index, a table page), not the keys' values:
+// the room is half the region.
+inline bool answered_with_bytes(wire::Op op) noexcept {
+  return op == wire::Op::replica_index || op == wire::Op::replica_table_rows;
+}
+// Requests written into the receive region, not SENT: what carries values, what is answered
+// into its room, and a replica_unrows' key table (ids, no values). Everything else is a control
+// message.
 inline bool written_into_region(wire::Op op) noexcept {
-  return wire::op_carries_values(op) || answered_into_room(op);
+  return wire::op_carries_values(op) || answered_into_room(op) || op == wire::Op::replica_unrows;
 }
 
 // One per key in a LOOKUP reply, in request order. offset 0 means "no such key" (offset 0 of the

@@ -94,6 +94,7 @@ class RdmaServer {
 
   std::vector<std::unique_ptr<IoThread>> io_;
   std::uint32_t next_io_ = 0;
+  std::uint64_t accepted_ = 0;  // connections accepted so far (the rdma_cm thread's): their tags
   std::unordered_map<rdma_cm_id*, std::shared_ptr<ServerConn>> conns_;  // the cm thread's
   std::mutex retire_mu_;
   std::vector<std::shared_ptr<ServerConn>> retired_;

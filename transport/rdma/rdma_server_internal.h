@@ -28,6 +28,9 @@ class ServerConn : public std::enable_shared_from_this<ServerConn> {
   std::uint32_t hello_worker = kNoWorker;
   // Connected as another server of the ring (wire::kServerPeer): may send the replication ops.
   bool server_peer = false;
+  // Grows with every accept: which connection a replica's table frames came on
+  // (ShardEngine::mark_replica).
+  std::uint64_t tag = 0;
   const auth::Token* token = nullptr;  // what it must prove (the server's; null: nothing)
   // With a token: nothing but AUTH is served until the client's proof matched.
   bool authenticated = false;
@@ -80,6 +83,8 @@ class IoThread {
   // A message the client wrote into its receive region: push, init, or a table op.
   bool handle_region_message(ServerConn& c, std::uint32_t imm);
   bool apply_push(ServerConn& c, const wire::FrameHeader& h, const float* values);
+  // A table_push: its rows applied (and, with replicas, shipped before the reply).
+  bool apply_table_push(ServerConn& c, const wire::FrameHeader& h, const float* values);
   // table_pull, replica_pull, replica_index: the answer goes into the room the request left
   // (`left`: what the region has after its key table) and from there to the client's RowsTarget.
   bool answer_into_room(ServerConn& c, const wire::FrameHeader& h, std::byte* room, std::uint64_t left);

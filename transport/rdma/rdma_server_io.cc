@@ -13,6 +13,7 @@
 
 #include "common/log.h"
 #include "common/sync.h"
+#include "replication/table_frames.h"
 #include "transport/rdma/rdma_server_internal.h"
 
 namespace pskv::rdma {
@@ -346,6 +347,11 @@ bool IoThread::dispatch(ServerConn& c, const wire::FrameHeader& h) {
     case wire::Op::replicate:
     case wire::Op::replica_pull:
     case wire::Op::replica_index:
+    case wire::Op::replica_table:
+    case wire::Op::replica_rows:
+    case wire::Op::replica_unrows:
+    case wire::Op::replica_table_rows:
+    case wire::Op::replica_rows_marked:
       return send_error(
           c, h, Errc::protocol,
           std::string(wire::op_name(h.op)) + " travels by RDMA WRITE into the receive region, not in a SEND");
@@ -354,14 +360,6 @@ bool IoThread::dispatch(ServerConn& c, const wire::FrameHeader& h) {
     case wire::Op::auth:  // handled before dispatch
       return send_error(c, h, Errc::unsupported,
                         std::string(wire::op_name(h.op)) + " is not an rdma:// control message");
-    case wire::Op::replica_table:
-    case wire::Op::replica_rows:
-    case wire::Op::replica_unrows:
-    case wire::Op::replica_table_rows:
-    case wire::Op::replica_rows_marked:
-      // rdma:// servers serve no tables while they replicate (ShardEngine::tables_refused).
-      return send_error(c, h, Errc::unsupported,
-                        std::string(wire::op_name(h.op)) + ": tables are replicated over tcp:// rings only");
     case wire::Op::replica_clock:
     case wire::Op::replica_barrier:
     case wire::Op::replica_evict: {
@@ -447,29 +445,78 @@ bool IoThread::handle_region_message(ServerConn& c, std::uint32_t imm) {
     case wire::Op::table_pull:
     case wire::Op::replica_pull:
     case wire::Op::replica_index:
+    case wire::Op::replica_table_rows:
       return answer_into_room(c, h, after_keys, region - offset - kHeader - key_bytes);
     case wire::Op::replicate:
-      status = engine_.take_replicate(static_cast<std::uint32_t>(h.arg0), h.arg1, c.keys, values, &why);
+      status = engine_.take_replicate(static_cast<std::uint32_t>(h.arg0), h.arg1, c.keys, values, &why, c.tag);
       break;
-    case wire::Op::table_push: {
-      // A retrying client's identity matters only to servers that replicate tables (tcp rings).
-      std::span<const KeyEntry> rows = c.keys;
-      wire::take_table_push_identity(&rows);
-      status = engine_.table_push(h.arg1, h.arg0, rows, values, &why);
+    case wire::Op::replica_table:
+    case wire::Op::replica_rows:
+    case wire::Op::replica_unrows:
+    case wire::Op::replica_rows_marked:
+      status = replication::apply_table_frame(engine_, h, c.keys, values, c.tag, &why);
       break;
-    }
+    case wire::Op::table_push:
+      return apply_table_push(c, h, values);
     case wire::Op::table_create: {
       TableSpec spec;
       std::uint32_t table = 0;
-      if ((status = wire::decode_table_create(c.keys, values, &table, &spec, &why)) == Errc::ok)
+      if ((status = wire::decode_table_create(c.keys, values, &table, &spec, &why)) != Errc::ok) break;
+      Replicator* replicator = engine_.replicator();
+      if (!replicator) {
         status = engine_.create_table(table, spec, &why);
+        break;
+      }
+      // Made, and its empty copy queued to the replicas, in one step; the creator's answer waits
+      // for the copies.
+      bool parked = false;
+      status = replicator->create_table(
+          table, spec, &why, [&] { return std::make_unique<ParkedReply>(c.shared_from_this(), h); }, &parked);
+      if (parked) return true;
       break;
     }
-    default:
+    case wire::Op::init:
+    case wire::Op::push:
       return apply_push(c, h, values);
+    default:
+      send_error(c, h, Errc::protocol, std::string(wire::op_name(h.op)) + " is not taken from the receive region");
+      return false;
   }
   if (status != Errc::ok) return send_error(c, h, status, why);
   return reply(c, h, Errc::ok, nullptr, 0);
+}
+
+bool IoThread::apply_table_push(ServerConn& c, const wire::FrameHeader& h, const float* values) {
+  std::string why;
+  std::span<const KeyEntry> rows = c.keys;
+  const std::uint64_t identity = wire::take_table_push_identity(&rows);
+  const PushId push{.worker = c.worker,
+                    .session = static_cast<std::uint32_t>(identity >> 32),
+                    .seq = static_cast<std::uint32_t>(identity)};
+  Replicator* replicator = engine_.replicator();
+  if (!replicator) {
+    if (Errc e = engine_.table_push(h.arg1, h.arg0, rows, values, &why, push); e != Errc::ok)
+      return send_error(c, h, e, why);
+    return reply(c, h, Errc::ok, nullptr, 0);
+  }
+  // Room for the rows' records on their way to the replicas, taken before anything is applied;
+  // the reply waits until every live replica holds the rows (as tcp's: TcpServer::handle_table).
+  const std::uint64_t reserved = (rows.size() * engine_.table_record_floats(h.arg1) + 2) * sizeof(float);
+  if (Errc e = replicator->reserve_bytes(reserved, &why); e != Errc::ok) return send_error(c, h, e, why);
+  auto park = [&] { return std::make_unique<ParkedReply>(c.shared_from_this(), h); };
+  Errc status = Errc::ok;
+  if (push.identified() && engine_.table_push_marks() > 0) {
+    bool parked = false;
+    status = replicator->push_rows_in_order(
+        h.arg1, push.worker, rows, reserved,
+        [&] { return engine_.table_push(h.arg1, h.arg0, rows, values, &why, push); }, park, &why, &parked);
+    if (parked) return true;
+  } else if ((status = engine_.table_push(h.arg1, h.arg0, rows, values, &why, push)) == Errc::ok) {
+    replicator->ship_rows(h.arg1, rows, reserved, park());
+    return true;
+  }
+  replicator->release_bytes(reserved);
+  return send_error(c, h, status, why);
 }
 
 bool IoThread::apply_push(ServerConn& c, const wire::FrameHeader& h, const float* values) {
@@ -505,7 +552,7 @@ bool IoThread::answer_into_room(ServerConn& c, const wire::FrameHeader& h, std::
   std::uint64_t floats = 0;
   for (const wire::KeyEntry& k : c.keys) floats += k.length;
   const auto op = static_cast<wire::Op>(h.op);
-  const std::uint64_t rows = op == wire::Op::replica_index ? 0 : floats * sizeof(float);
+  const std::uint64_t rows = answered_with_bytes(op) ? 0 : floats * sizeof(float);
   if (target.room > left || target.room < sizeof target || rows > target.room) {
     send_error(c, h, Errc::protocol,
                "the " + std::string(wire::op_name(h.op)) + " declares a room of " + std::to_string(target.room) +
@@ -532,6 +579,15 @@ bool IoThread::answer_into_room(ServerConn& c, const wire::FrameHeader& h, std::
     case wire::Op::replica_pull:
       status = engine_.read_records(static_cast<std::uint32_t>(h.arg0), c.keys, out, &why);
       break;
+    case wire::Op::replica_table_rows: {
+      // A page no larger than the room its requester left (and than the request limit).
+      std::string page;
+      status = replication::read_table_page(
+          engine_, h, c.keys, std::min<std::uint64_t>(target.room, server_.options_.limits.max_payload_bytes), &page,
+          &why);
+      if (status == Errc::ok) std::memcpy(room, page.data(), bytes = page.size());
+      break;
+    }
     default: {
       std::vector<std::pair<Key, std::uint32_t>> keys;
       std::vector<std::uint64_t> words;

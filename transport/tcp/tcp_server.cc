@@ -16,6 +16,7 @@
 #include "common/log.h"
 #include "common/memory.h"
 #include "common/sync.h"
+#include "replication/table_frames.h"
 
 namespace pskv::tcp {
 
@@ -1137,44 +1138,12 @@ bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payl
     }
     case wire::Op::replica_pull:
       return answer_records(peer, h);
-    case wire::Op::replica_table: {
-      const auto origin = static_cast<std::uint32_t>(h.arg0);
-      const auto position = static_cast<std::uint32_t>(h.arg0 >> 32);
-      constexpr std::uint32_t kFixed = wire::kTableSpecFloats + 2;  // the spec and the cap (u64)
-      if (peer.keys.size() != 1 || peer.keys[0].length < kFixed || (peer.keys[0].length - kFixed) % 2 != 0 ||
-          peer.keys[0].key != h.arg1) {
-        status = Errc::protocol;
-        why = "replica_table carries one key, the table id, with its spec, cap and push marks";
-        break;
-      }
-      TableSpec spec;
-      if ((status = wire::decode_table_spec(payload, &spec, &why)) != Errc::ok) break;
-      std::uint64_t cap = 0;
-      std::memcpy(&cap, payload + wire::kTableSpecFloats, sizeof cap);
-      std::vector<std::uint64_t> marks((peer.keys[0].length - kFixed) / 2);
-      if (!marks.empty()) std::memcpy(marks.data(), payload + kFixed, marks.size() * sizeof(std::uint64_t));
-      status = engine_.apply_replica_table(origin, peer.tag(), position, h.arg1, spec, cap, marks, &why);
-      break;
-    }
+    case wire::Op::replica_table:
     case wire::Op::replica_rows:
     case wire::Op::replica_unrows:
-      status = engine_.apply_replica_rows(
-          static_cast<std::uint32_t>(h.arg0), peer.tag(), static_cast<std::uint32_t>(h.arg0 >> 32), h.arg1, peer.keys,
-          h.op == static_cast<std::uint16_t>(wire::Op::replica_rows) ? payload : nullptr, &why);
+    case wire::Op::replica_rows_marked:
+      status = replication::apply_table_frame(engine_, h, peer.keys, payload, peer.tag(), &why);
       break;
-    case wire::Op::replica_rows_marked: {
-      if (peer.keys.empty() || peer.keys[0].length != 2 || peer.keys[0].key > UINT32_MAX) {
-        status = Errc::protocol;
-        why = "replica_rows_marked begins with its push mark: {worker, 2} and the u64 mark";
-        break;
-      }
-      ShardEngine::RowsMark marked{static_cast<std::uint32_t>(peer.keys[0].key), 0};
-      std::memcpy(&marked.mark, payload, sizeof marked.mark);
-      status = engine_.apply_replica_rows(static_cast<std::uint32_t>(h.arg0), peer.tag(),
-                                          static_cast<std::uint32_t>(h.arg0 >> 32), h.arg1,
-                                          std::span<const KeyEntry>(peer.keys).subspan(1), payload + 2, &why, &marked);
-      break;
-    }
     case wire::Op::replica_table_rows:
       return answer_table_rows(peer, h);
     case wire::Op::replica_index: {
@@ -1328,36 +1297,10 @@ bool TcpServer::answer_table_pull(Peer& peer, const wire::FrameHeader& h) {
 }
 
 bool TcpServer::answer_table_rows(Peer& peer, const wire::FrameHeader& h) {
-  std::string why;
-  if (peer.keys.size() != 1)
-    return send_error(peer, h, Errc::protocol, "replica_table_rows carries one key: {cursor, rows}");
-  if (peer.keys[0].key > UINT32_MAX) return send_error(peer, h, Errc::protocol, "a cursor past the table's rows");
-  ReplicaTableRows got;
-  if (Errc e = engine_.replica_table_rows(
-          static_cast<std::uint32_t>(h.arg0), h.arg1, static_cast<std::uint32_t>(peer.keys[0].key), peer.keys[0].length,
-          options_.limits.max_payload_bytes - sizeof(wire::ReplicaRowsHeader), &got, &why);
+  std::string why, bytes;
+  if (Errc e = replication::read_table_page(engine_, h, peer.keys, options_.limits.max_payload_bytes, &bytes, &why);
       e != Errc::ok)
     return send_error(peer, h, e, why);
-  wire::ReplicaRowsHeader head{};
-  head.exists = got.exists ? 1 : 0;
-  head.position = got.position;
-  head.next = got.next;
-  head.rows = static_cast<std::uint32_t>(got.ids.size());
-  head.record_floats = got.record_floats;
-  head.synced = got.synced ? 1 : 0;
-  head.max_rows = got.max_rows;
-  wire::encode_table_spec(got.requested, head.spec);
-  head.marks = static_cast<std::uint32_t>(got.marks.size());
-  const std::size_t marks_end = sizeof head + got.marks.size() * sizeof(std::uint64_t);
-  std::string bytes(marks_end + got.ids.size() * sizeof(Key) + got.records.size() * sizeof(float), '\0');
-  std::memcpy(bytes.data(), &head, sizeof head);
-  if (!got.marks.empty())
-    std::memcpy(bytes.data() + sizeof head, got.marks.data(), got.marks.size() * sizeof(std::uint64_t));
-  if (!got.ids.empty()) {
-    std::memcpy(bytes.data() + marks_end, got.ids.data(), got.ids.size() * sizeof(Key));
-    std::memcpy(bytes.data() + marks_end + got.ids.size() * sizeof(Key), got.records.data(),
-                got.records.size() * sizeof(float));
-  }
   Reply r(reply_header(h, bytes.size()), bytes.data(), bytes.size());
   r.header.flags |= wire::kText;  // opaque bytes the requester asked for, read as a text payload
   return send(peer, std::move(r));

@@ -1,0 +1,103 @@
+#include "replication/table_frames.h"
+
+#include <cstring>
+#include <vector>
+
+namespace pskv::replication {
+
+namespace {
+
+std::uint32_t origin_of(const wire::FrameHeader& h) noexcept {
+  return static_cast<std::uint32_t>(h.arg0);
+}
+std::uint32_t position_of(const wire::FrameHeader& h) noexcept {
+  return static_cast<std::uint32_t>(h.arg0 >> 32);
+}
+
+Errc apply_replica_table(ShardEngine& engine, const wire::FrameHeader& h, std::span<const KeyEntry> keys,
+                         const float* payload, std::uint64_t connection, std::string* why) {
+  constexpr std::uint32_t kFixed = wire::kTableSpecFloats + 2;  // the spec and the cap (u64)
+  if (keys.size() != 1 || keys[0].length < kFixed || (keys[0].length - kFixed) % 2 != 0 || keys[0].key != h.arg1) {
+    *why = "replica_table carries one key, the table id, with its spec, cap and push marks";
+    return Errc::protocol;
+  }
+  TableSpec spec;
+  if (Errc e = wire::decode_table_spec(payload, &spec, why); e != Errc::ok) return e;
+  std::uint64_t cap = 0;
+  std::memcpy(&cap, payload + wire::kTableSpecFloats, sizeof cap);
+  std::vector<std::uint64_t> marks((keys[0].length - kFixed) / 2);
+  if (!marks.empty()) std::memcpy(marks.data(), payload + kFixed, marks.size() * sizeof(std::uint64_t));
+  return engine.apply_replica_table(origin_of(h), connection, position_of(h), h.arg1, spec, cap, marks, why);
+}
+
+}  // namespace
+
+Errc apply_table_frame(ShardEngine& engine, const wire::FrameHeader& h, std::span<const KeyEntry> keys,
+                       const float* payload, std::uint64_t connection, std::string* why) {
+  switch (static_cast<wire::Op>(h.op)) {
+    case wire::Op::replica_table:
+      return apply_replica_table(engine, h, keys, payload, connection, why);
+    case wire::Op::replica_rows:
+      return engine.apply_replica_rows(origin_of(h), connection, position_of(h), h.arg1, keys, payload, why);
+    case wire::Op::replica_unrows:
+      return engine.apply_replica_rows(origin_of(h), connection, position_of(h), h.arg1, keys, nullptr, why);
+    case wire::Op::replica_rows_marked: {
+      // Its first key is the mark: {worker, 2} and the u64 the origin set with these rows.
+      if (keys.empty() || keys[0].length != 2 || keys[0].key > UINT32_MAX) {
+        *why = "replica_rows_marked begins with its push mark: {worker, 2} and the u64 mark";
+        return Errc::protocol;
+      }
+      ShardEngine::RowsMark marked{static_cast<std::uint32_t>(keys[0].key), 0};
+      std::memcpy(&marked.mark, payload, sizeof marked.mark);
+      return engine.apply_replica_rows(origin_of(h), connection, position_of(h), h.arg1, keys.subspan(1), payload + 2,
+                                       why, &marked);
+    }
+    default:
+      *why = std::string(wire::op_name(h.op)) + " is not a table replication frame";
+      return Errc::protocol;
+  }
+}
+
+Errc read_table_page(const ShardEngine& engine, const wire::FrameHeader& h, std::span<const KeyEntry> keys,
+                     std::uint64_t max_bytes, std::string* bytes, std::string* why) {
+  if (keys.size() != 1) {
+    *why = "replica_table_rows carries one key: {cursor, rows}";
+    return Errc::protocol;
+  }
+  if (keys[0].key > UINT32_MAX) {
+    *why = "a cursor past the table's rows";
+    return Errc::protocol;
+  }
+  if (max_bytes <= sizeof(wire::ReplicaRowsHeader)) {
+    *why = "no room for a table page's header";
+    return Errc::capacity;
+  }
+  ReplicaTableRows got;
+  if (Errc e = engine.replica_table_rows(origin_of(h), h.arg1, static_cast<std::uint32_t>(keys[0].key), keys[0].length,
+                                         max_bytes - sizeof(wire::ReplicaRowsHeader), &got, why);
+      e != Errc::ok)
+    return e;
+  wire::ReplicaRowsHeader head{};
+  head.exists = got.exists ? 1 : 0;
+  head.position = got.position;
+  head.next = got.next;
+  head.rows = static_cast<std::uint32_t>(got.ids.size());
+  head.record_floats = got.record_floats;
+  head.synced = got.synced ? 1 : 0;
+  head.max_rows = got.max_rows;
+  wire::encode_table_spec(got.requested, head.spec);
+  head.marks = static_cast<std::uint32_t>(got.marks.size());
+  const std::size_t marks_end = sizeof head + got.marks.size() * sizeof(std::uint64_t);
+  const std::size_t ids_bytes = got.ids.size() * sizeof(Key);
+  bytes->assign(marks_end + ids_bytes + got.records.size() * sizeof(float), '\0');
+  std::memcpy(bytes->data(), &head, sizeof head);
+  if (!got.marks.empty())
+    std::memcpy(bytes->data() + sizeof head, got.marks.data(), got.marks.size() * sizeof(std::uint64_t));
+  if (!got.ids.empty()) {
+    std::memcpy(bytes->data() + marks_end, got.ids.data(), ids_bytes);
+    std::memcpy(bytes->data() + marks_end + ids_bytes, got.records.data(), got.records.size() * sizeof(float));
+  }
+  return Errc::ok;
+}
+
+}  // namespace pskv::replication
