@@ -587,8 +587,8 @@ Errc ShardEngine::mark_replica(std::uint32_t origin, ReplicaMark mark, std::stri
   if (!r) return Errc::invalid_argument;
   std::lock_guard lock(r->tables_mu);
   // A mark that comes late on a connection the origin has since replaced (its transfer there
-  // timed out) says nothing of the transfer under way: a tcp connection's tag grows with every
-  // connection this server accepts (its high half), so the older one is known. (rdma passes 0.)
+  // timed out) says nothing of the transfer under way: a connection's tag grows with every
+  // connection this server's listener accepts (its high half), so the older one is known.
   if (connection != 0 && r->table_connection != 0) {
     if (mark == ReplicaMark::syncing && (connection >> 32) < (r->table_connection >> 32)) return Errc::ok;
     if (mark == ReplicaMark::synced && connection != r->table_connection) return Errc::ok;

@@ -54,8 +54,8 @@ struct EngineOptions {
   std::uint64_t table_memory_bytes = 4ull << 30;
   // Tables mark the rows each push changes, for incremental checkpoints (--checkpoint-dir).
   bool track_table_changes = false;
-  // With a replicator: the transport ships tables' rows too (tcp), so table ops are served;
-  // otherwise a replicated server refuses them.
+  // With a replicator: the transport ships tables' rows too (tcp and rdma servers do), so table
+  // ops are served; otherwise a replicated server refuses them.
   bool replicate_tables = false;
 };
 

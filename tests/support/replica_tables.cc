@@ -53,11 +53,22 @@ void RowTables::expect_counted(Client& c, std::uint64_t acked, std::uint64_t fai
   }
 }
 
-TableCopy table_copy(const std::string& uri, std::uint32_t origin, std::uint32_t table) {
+namespace {
+
+std::shared_ptr<transport::Connection> connect_as_server(const std::string& uri) {
   transport::ConnectOptions c;
   c.worker_id = wire::kServerPeer;
-  auto conn = transport::connect(parse_uri(uri), c);
+  return transport::connect(parse_uri(uri), c);
+}
+
+// The copy read over `conn` (to the server at `uri`), page by page.
+TableCopy read_copy(std::shared_ptr<transport::Connection>& conn, const std::string& uri, std::uint32_t origin,
+                    std::uint32_t table) {
   TableCopy copy;
+  if (!conn) {
+    ADD_FAILURE() << uri << " went silent earlier";
+    return copy;
+  }
   std::uint32_t cursor = 0;
   do {
     std::string bytes;
@@ -72,7 +83,12 @@ TableCopy table_copy(const std::string& uri, std::uint32_t origin, std::uint32_t
     q.completion = &done;
     q.text_out = &bytes;
     conn->submit(q);
-    EXPECT_TRUE(done.wait(std::chrono::steady_clock::now() + std::chrono::seconds(20)));
+    if (!done.wait(std::chrono::steady_clock::now() + std::chrono::seconds(20))) {
+      // The request still points at this frame's locals: the connection goes first.
+      conn.reset();
+      ADD_FAILURE() << uri << " did not answer a replica_table_rows in 20 s";
+      return copy;
+    }
     EXPECT_EQ(done.status(), Errc::ok) << done.message();
     wire::ReplicaRowsHeader head{};
     if (bytes.size() < sizeof head) {
@@ -104,17 +120,30 @@ TableCopy table_copy(const std::string& uri, std::uint32_t origin, std::uint32_t
   return copy;
 }
 
+}  // namespace
+
+TableCopy table_copy(const std::string& uri, std::uint32_t origin, std::uint32_t table) {
+  auto conn = connect_as_server(uri);
+  return read_copy(conn, uri, origin, table);
+}
+
 void expect_table_copies_equal(const std::vector<std::string>& uris, std::uint32_t replicas, std::uint32_t table) {
   const auto n = static_cast<std::uint32_t>(uris.size());
+  // One connection per server, read again and again (over rdma each one costs a registered
+  // receive region on the server).
+  std::vector<std::shared_ptr<transport::Connection>> conns;
+  for (const auto& uri : uris) conns.push_back(connect_as_server(uri));
   for (std::uint32_t s = 0; s < n; ++s) {
-    const TableCopy own = table_copy(uris[s], s, table);
+    const TableCopy own = read_copy(conns[s], uris[s], s, table);
+    ASSERT_TRUE(conns[s]) << "server " << s << " went silent";
     ASSERT_TRUE(own.exists) << "server " << s << " has no table " << table;
     for (std::uint32_t j = 1; j < replicas; ++j) {
-      const std::string& at = uris[(s + j) % n];
+      const std::uint32_t r = (s + j) % n;
+      const std::string& at = uris[r];
       const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(30);
       TableCopy copy;
-      while (!(copy = table_copy(at, s, table)).synced || copy.rows != own.rows || copy.marks != own.marks) {
-        if (std::chrono::steady_clock::now() > give_up) break;
+      while (!(copy = read_copy(conns[r], at, s, table)).synced || copy.rows != own.rows || copy.marks != own.marks) {
+        if (!conns[r] || std::chrono::steady_clock::now() > give_up) break;
         std::this_thread::sleep_for(std::chrono::milliseconds(50));
       }
       ASSERT_TRUE(copy.exists) << "server " << (s + j) % n << " has no copy of server " << s << "'s table";

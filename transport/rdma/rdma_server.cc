@@ -263,7 +263,7 @@ void RdmaServer::on_connect_request(rdma_cm_event* ev) {
                   "this server serves device " + device_name_ + " only; connect to an address on that device");
 
   auto conn = std::make_shared<ServerConn>();
-  conn->tag = ++accepted_;
+  conn->tag = std::uint64_t{++accepted_} << 32;  // the generation in the high half, as tcp's tags
   conn->id = id;
   conn->owner = io_[next_io_++ % io_.size()].get();
   conn->hello_worker = server_peer ? kNoWorker : req.worker_id;

@@ -28,8 +28,8 @@ class ServerConn : public std::enable_shared_from_this<ServerConn> {
   std::uint32_t hello_worker = kNoWorker;
   // Connected as another server of the ring (wire::kServerPeer): may send the replication ops.
   bool server_peer = false;
-  // Grows with every accept: which connection a replica's table frames came on
-  // (ShardEngine::mark_replica).
+  // Which connection a replica's frames came on (ShardEngine::mark_replica): the accept count
+  // in the high half, as a tcp connection's tag has its generation there.
   std::uint64_t tag = 0;
   const auth::Token* token = nullptr;  // what it must prove (the server's; null: nothing)
   // With a token: nothing but AUTH is served until the client's proof matched.
