@@ -4,6 +4,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -78,3 +80,27 @@ def test_the_click_through_rate_example_learns_the_hidden_model():
     assert summary["train_samples"] == 600000 and summary["rows"] > 100000, summary
     assert 0.7 < summary["generator_auc"] < 0.9, summary
     assert summary["gap"] < 0.1, summary
+
+
+def test_a_replicated_server_killed_mid_run_costs_a_retrying_workers_row_pushes_nothing():
+    # pskv.launch(replicas=2): a server SIGKILLed while row pushes are in flight and restarted
+    # (it takes its tables back from its replica); the worker, made with retry_timeout, sees no
+    # error, and every row push lands exactly once: each row ends at the number of pushes.
+    ids = np.arange(0, 300 * 7919, 7919, dtype=np.int64)
+    with pskv.launch(3, "tcp", replicas=2, workers=1, arena_mb=16) as servers:
+        c = pskv.Client(servers.uris, worker_id=0, retry_timeout=30.0)
+        c.create_table(0, 8, init="zeros", rule="add", max_rows=10000)
+        ones = np.ones(len(ids) * 8, np.float32)
+        crash = threading.Thread(target=lambda: (time.sleep(0.3), servers.kill(1), time.sleep(0.1), servers.restart(1)))
+        crash.start()
+        pushes = 0
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline or crash.is_alive():
+            c.push_rows(0, ids, ones, async_op=False)
+            pushes += 1
+        crash.join()
+        out = np.zeros(len(ids) * 8, np.float32)
+        c.pull_rows(0, ids, out).wait()
+        assert (out == float(pushes)).all(), (out[:: 8 * 50], pushes)
+        assert c.server_stats(1)["table_0_rows"] > 0  # the restarted server holds its rows again
+        c.close()
