@@ -35,7 +35,8 @@ enum class Op : std::uint16_t {
   // Replication between servers (tcp; docs/protocol.md, "Replication"). arg0 = the origin: the
   // server whose keys these are. A key's record is [update count (2 floats) | value | state].
   replicate = 11,        // keys + records: the origin's state of those keys; arg1 = kReplicaSyncing/kReplicaSynced
-                         // with no keys: a full transfer begins / is complete
+                         // with no keys: a full transfer begins / is complete (syncing: arg0's high half is the
+                         // origin's incarnation, its start in seconds)
   replica_pull = 12,     // keys (record lengths); reply: their records from this server's replica of the origin
   replica_index = 13,    // reply: text payload, a ReplicaIndex header, one ReplicaIndexEntry per key, then
                          // each worker's clock at the origin, its barrier generation, and 1 if evicted (u64 each)
@@ -235,7 +236,7 @@ struct ReplicaRowsHeader {
   std::uint64_t max_rows;        // the table's cap at the origin
   float spec[kTableSpecFloats];  // the spec it was created with
   std::uint32_t marks;           // push marks (u64 each, one per worker or none) after this header
-  std::uint32_t reserved;
+  std::uint32_t epoch;           // the origin's incarnation (start, seconds) that transferred to the copy
 };
 static_assert(sizeof(ReplicaRowsHeader) == 104);
 

@@ -573,16 +573,18 @@ Errc ShardEngine::apply_replica(std::uint32_t origin, std::span<const KeyEntry> 
 }
 
 Errc ShardEngine::take_replicate(std::uint32_t origin, std::uint32_t mark, std::span<const KeyEntry> keys,
-                                 const float* records, std::string* why, std::uint64_t connection) {
+                                 const float* records, std::string* why, std::uint64_t connection,
+                                 std::uint32_t epoch_seconds) {
   if (!keys.empty()) return apply_replica(origin, keys, records, why);
   if (mark == static_cast<std::uint32_t>(ReplicaMark::syncing) ||
       mark == static_cast<std::uint32_t>(ReplicaMark::synced))
-    return mark_replica(origin, static_cast<ReplicaMark>(mark), why, connection);
+    return mark_replica(origin, static_cast<ReplicaMark>(mark), why, connection, epoch_seconds);
   *why = "replicate without keys marks a transfer's start or end, not " + std::to_string(mark);
   return Errc::protocol;
 }
 
-Errc ShardEngine::mark_replica(std::uint32_t origin, ReplicaMark mark, std::string* why, std::uint64_t connection) {
+Errc ShardEngine::mark_replica(std::uint32_t origin, ReplicaMark mark, std::string* why, std::uint64_t connection,
+                               std::uint32_t epoch_seconds) {
   Replica* r = replica(origin, why);
   if (!r) return Errc::invalid_argument;
   std::lock_guard lock(r->tables_mu);
@@ -603,6 +605,7 @@ Errc ShardEngine::mark_replica(std::uint32_t origin, ReplicaMark mark, std::stri
     r->table_connection = connection;
     for (auto& t : r->tables) t.reset();
     r->table_position.store(0, std::memory_order_release);
+    r->table_epoch.store(epoch_seconds, std::memory_order_release);
   }
   r->mark.store(static_cast<std::uint32_t>(mark), std::memory_order_release);
   return Errc::ok;
@@ -1072,6 +1075,7 @@ Errc ShardEngine::replica_table_rows(std::uint32_t origin, std::uint32_t id, std
   if (origin == options_.server_id) {
     EmbeddingTable* own = id < kMaxTables ? tables_[id].load(std::memory_order_acquire) : nullptr;
     out->synced = true;
+    out->epoch = epoch_seconds();
     if (own) {
       t = std::shared_ptr<EmbeddingTable>(own, [](EmbeddingTable*) {});  // never removed while the engine lives
       std::lock_guard lock(tables_mu_);
@@ -1085,6 +1089,7 @@ Errc ShardEngine::replica_table_rows(std::uint32_t origin, std::uint32_t id, std
     // No frame applies while the page is read: its position, marks and rows are of one point.
     applying = std::unique_lock(r->table_apply_mu);
     out->position = r->table_position.load(std::memory_order_acquire);
+    out->epoch = r->table_epoch.load(std::memory_order_acquire);
     out->synced = r->mark.load(std::memory_order_acquire) == static_cast<std::uint32_t>(ReplicaMark::synced);
     if (id < kMaxTables) {
       std::lock_guard lock(r->tables_mu);

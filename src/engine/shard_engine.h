@@ -64,6 +64,7 @@ struct ReplicaTableRows {
   bool exists = false;         // the replica holds this table of the origin
   bool synced = false;         // ... and every key and row of the origin
   std::uint32_t position = 0;  // how far along the origin's table stream the replica is
+  std::uint32_t epoch = 0;     // ... of the origin's incarnation (seconds) that transferred to it
   std::uint32_t next = 0;      // the cursor to go on from; 0 once every row was read
   TableSpec requested{};       // the spec the origin's table was created with
   std::uint64_t max_rows = 0;  // its cap there
@@ -228,11 +229,17 @@ class ShardEngine {
   // `connection`: the transport's tag of the connection the mark came on. A transfer's syncing
   // mark makes it the one the origin's table frames are taken from, and drops the copies of the
   // origin's tables (its transfer sends them again).
-  Errc mark_replica(std::uint32_t origin, ReplicaMark mark, std::string* why, std::uint64_t connection = 0);
+  // A syncing mark also carries the origin's incarnation (`epoch_seconds`: its start, in
+  // seconds), which the copies then report: a rejoin prefers a later incarnation's copies to
+  // an earlier one's, whatever their positions in the table stream.
+  Errc mark_replica(std::uint32_t origin, ReplicaMark mark, std::string* why, std::uint64_t connection = 0,
+                    std::uint32_t epoch_seconds = 0);
   // A `replicate` request as every backend takes it: records for `keys`, or, with no keys, the
   // mark `mark` (a ReplicaMark's value; anything else is a protocol error).
   Errc take_replicate(std::uint32_t origin, std::uint32_t mark, std::span<const KeyEntry> keys, const float* records,
-                      std::string* why, std::uint64_t connection = 0);
+                      std::string* why, std::uint64_t connection = 0, std::uint32_t epoch_seconds = 0);
+  // This server's incarnation in seconds, as its syncing marks carry it.
+  std::uint32_t epoch_seconds() const noexcept { return static_cast<std::uint32_t>(epoch_ / 1000000000u); }
   // The replica of `origin` learns a word of `worker` there, kept if higher than what it holds (so
   // that a restarted origin knows every clock, barrier arrival and eviction it acknowledged).
   Errc apply_replica_word(WorkerWord word, std::uint32_t origin, std::uint32_t worker, std::uint64_t value,
@@ -369,6 +376,7 @@ class ShardEngine {
     // of one point of the origin's stream, its marks agreeing with its rows.
     mutable std::mutex table_apply_mu;
     std::atomic<std::uint32_t> table_position{0};
+    std::atomic<std::uint32_t> table_epoch{0};  // the incarnation (seconds) of the latest transfer
   };
   std::vector<std::unique_ptr<Replica>> replicas_;
   Replicator* replicator_ = nullptr;

@@ -87,6 +87,7 @@ Errc read_table_page(const ShardEngine& engine, const wire::FrameHeader& h, std:
   head.max_rows = got.max_rows;
   wire::encode_table_spec(got.requested, head.spec);
   head.marks = static_cast<std::uint32_t>(got.marks.size());
+  head.epoch = got.epoch;
   const std::size_t marks_end = sizeof head + got.marks.size() * sizeof(std::uint64_t);
   const std::size_t ids_bytes = got.ids.size() * sizeof(Key);
   bytes->assign(marks_end + ids_bytes + got.records.size() * sizeof(float), '\0');

@@ -607,7 +607,8 @@ void TcpReplicator::headers_only(Leg& leg, std::size_t requests) {
 bool TcpReplicator::full_transfer(Replica& r, const std::shared_ptr<transport::Connection>& conn) {
   auto mark = [&](std::uint32_t arg1) {
     Shipment s;
-    s.arg0 = options_.server_id;
+    // The syncing mark names this incarnation: a rejoin prefers its copies to a stale one's.
+    s.arg0 = options_.server_id | (arg1 == wire::kReplicaSyncing ? std::uint64_t{engine_.epoch_seconds()} << 32 : 0);
     s.arg1 = arg1;
     Leg& leg = s.legs.emplace_back();
     prepare(s, leg, {});
@@ -983,6 +984,7 @@ ReplicaTableRows read_table_rows(transport::Connection& conn, const ReplicatorOp
   out.next = head.next;
   out.max_rows = head.max_rows;
   out.record_floats = head.record_floats;
+  out.epoch = head.epoch;
   if (!out.exists) return out;
   std::string why;
   if (wire::decode_table_spec(head.spec, &out.requested, &why) != Errc::ok)
@@ -1002,13 +1004,15 @@ ReplicaTableRows read_table_rows(transport::Connection& conn, const ReplicatorOp
   return out;
 }
 
-// Takes every table back from the replica furthest along this server's table stream.
+// Takes every table back from the replica furthest along this server's table stream, of its
+// latest incarnation: a copy an earlier incarnation transferred (its replica unreachable since)
+// loses to a later one's, whatever its position.
 void take_tables(ShardEngine& engine, const ReplicatorOptions& options, RejoinReport* report) {
   constexpr std::uint32_t kRows = 1u << 14;
   // Every replica the keys came from is asked: a failed probe could hide the one furthest along,
   // so it fails the round (rejoin_from_replicas tries again) rather than settle for another.
   const ReplicaPeer* best = nullptr;
-  std::uint32_t best_position = 0;
+  std::uint32_t best_position = 0, best_epoch = 0;
   for (const ReplicaPeer& peer : options.replicas) {
     if (std::find(report->from.begin(), report->from.end(), peer.id) == report->from.end()) continue;
     ReplicaTableRows probe;
@@ -1018,10 +1022,13 @@ void take_tables(ShardEngine& engine, const ReplicatorOptions& options, RejoinRe
     } catch (const Error& e) {
       throw Error(e.code(), "server " + std::to_string(peer.id) + " did not say how far its tables are: " + e.what());
     }
-    // Serial-number order: replicas of one origin are never 2^31 frames apart.
-    if (probe.synced && (!best || static_cast<std::int32_t>(probe.position - best_position) > 0)) {
+    // Positions in serial-number order: replicas of one incarnation are never 2^31 frames apart.
+    const bool later = !best || probe.epoch > best_epoch ||
+                       (probe.epoch == best_epoch && static_cast<std::int32_t>(probe.position - best_position) > 0);
+    if (probe.synced && later) {
       best = &peer;
       best_position = probe.position;
+      best_epoch = probe.epoch;
     }
   }
   if (!best) throw Error(Errc::peer_failure, "no replica the keys came from holds synced tables");

@@ -63,6 +63,8 @@ class Ring {
     servers_[std::size_t(s)].process.wait();
   }
   void restart(int s) { servers_[std::size_t(s)] = start(s, true); }
+  // Back at its address as a new incarnation that takes nothing from its replicas.
+  void restart_empty(int s) { servers_[std::size_t(s)] = start(s, false); }
   void signal(int s, int sig) { servers_[std::size_t(s)].process.signal(sig); }
   // SIGSTOPs server s and returns once it is stopped (kill() only queues the signal).
   bool stop(int s) { return testing::stop_process(servers_[std::size_t(s)].process.pid()); }
@@ -1103,6 +1105,67 @@ TEST(TcpReplicationTables, ATablePushSentAgainIsAppliedOnce) {
       send_table_frame(ring.uris()[1], wire::Op::replica_rows_marked, 0, 2, {{0, 4, row.data()}});
   EXPECT_EQ(shape, Errc::protocol) << why_shape;
   expect_table_replicas_equal(ring, 2, 2);
+}
+
+// A server restarted without --rejoin is a new incarnation whose table stream counts from 0 again.
+// A replica stopped meanwhile (SIGSTOP) keeps the earlier incarnation's copy, further along that
+// stream and still saying synced. Killed again and restarted with --rejoin, the server must take
+// its tables from the copy its latest incarnation transferred, not from the stale one: the
+// syncing mark names the incarnation, and a rejoin compares it before the position.
+TEST(TcpReplicationTables, ARejoinPrefersTheLatestIncarnationsCopyToAStaleOne) {
+  Ring ring(3, 3, {"--frame-timeout-ms", "1000"});
+  ClientOptions o = trial_options(ring);
+  o.io_timeout = std::chrono::seconds(20);
+  TableSpec spec;
+  spec.dim = 4;
+  spec.init = RowInit::zeros;
+  spec.rule = UpdateRuleConfig{UpdateRule::add};
+  spec.max_rows = 10000;
+  PlacementOptions placement;
+  placement.servers = 3;
+  std::vector<Key> ids;
+  for (Key id = 0; ids.size() < 50; ++id)
+    if (home_server(placement, id) == 0) ids.push_back(id);
+  const std::vector<float> ones(ids.size() * spec.dim, 1.0f);
+  {
+    Client c(o);
+    c.create_table(0, spec);
+    for (int i = 0; i < 100; ++i) c.wait(c.push_rows(0, ids, ones));  // a long stream
+  }
+  wait_synced(ring, 3);
+  ASSERT_TRUE(ring.stop(2));  // server 2 keeps that incarnation's copy
+  ring.kill(0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(1100));  // incarnations are named in seconds
+  ring.restart_empty(0);
+  // A short one, over a connection of its own (a client would also connect to server 2).
+  std::vector<float> words(wire::kTableSpecFloats);
+  wire::encode_table_spec(spec, words.data());
+  ASSERT_EQ(send_table_frame(ring.uris()[0], wire::Op::table_create, 0, 0, {{0, wire::kTableSpecFloats, words.data()}},
+                             kNoWorker)
+                .first,
+            Errc::ok);
+  std::vector<transport::KeySlice> rows;
+  for (std::size_t i = 0; i < ids.size(); ++i)
+    rows.push_back({ids[i], spec.dim, const_cast<float*>(ones.data()) + i * spec.dim});
+  for (int i = 0; i < 3; ++i) {
+    const auto [pushed, why] = send_table_frame(ring.uris()[0], wire::Op::table_push, 0, 0, rows, kNoWorker);
+    ASSERT_EQ(pushed, Errc::ok) << why;
+  }
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  testing::TableCopy fresh;
+  while (!(fresh = testing::table_copy(ring.uris()[1], 0, 0)).synced || fresh.rows.size() != ids.size()) {
+    ASSERT_LT(std::chrono::steady_clock::now(), give_up) << "server 1 never held the new incarnation's copy";
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ring.kill(0);
+  ring.signal(2, SIGCONT);
+  ring.restart(0);
+  Client c(o);
+  c.create_table(0, spec);
+  std::vector<float> back(ones.size());
+  c.wait(c.pull_rows(0, ids, back));
+  for (std::size_t i = 0; i < ids.size(); ++i)
+    ASSERT_EQ(back[i * spec.dim], 3.0f) << "row " << ids[i] << " came back from the earlier incarnation";
 }
 
 }  // namespace

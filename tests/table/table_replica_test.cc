@@ -79,6 +79,17 @@ TEST(TableReplica, FramesAndMarksOfAConnectionGivenUpOnChangeNothing) {
   EXPECT_TRUE(copy_of(e).synced);
 }
 
+TEST(TableReplica, ACopyReportsTheIncarnationThatTransferredIt) {
+  ShardEngine e(replica_options());
+  std::string why;
+  ASSERT_EQ(e.mark_replica(kOrigin, ReplicaMark::syncing, &why, kOld, 1000), Errc::ok) << why;
+  EXPECT_EQ(copy_of(e).epoch, 1000u);  // even before it holds a table
+  ASSERT_EQ(e.mark_replica(kOrigin, ReplicaMark::syncing, &why, kNew, 2000), Errc::ok) << why;
+  EXPECT_EQ(copy_of(e).epoch, 2000u);
+  ASSERT_EQ(e.mark_replica(kOrigin, ReplicaMark::syncing, &why, kOld, 1000), Errc::ok) << why;  // late
+  EXPECT_EQ(copy_of(e).epoch, 2000u);
+}
+
 TEST(TableReplica, ACopyKeepsItsOriginsPushMarksAndChecksThem) {
   ShardEngine e(replica_options());
   std::string why;

@@ -448,7 +448,8 @@ bool IoThread::handle_region_message(ServerConn& c, std::uint32_t imm) {
     case wire::Op::replica_table_rows:
       return answer_into_room(c, h, after_keys, region - offset - kHeader - key_bytes);
     case wire::Op::replicate:
-      status = engine_.take_replicate(static_cast<std::uint32_t>(h.arg0), h.arg1, c.keys, values, &why, c.tag);
+      status = engine_.take_replicate(static_cast<std::uint32_t>(h.arg0), h.arg1, c.keys, values, &why, c.tag,
+                                      static_cast<std::uint32_t>(h.arg0 >> 32));
       break;
     case wire::Op::replica_table:
     case wire::Op::replica_rows:

@@ -1121,7 +1121,8 @@ bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payl
       if (engine_.replicator()) engine_.replicator()->release(peer.keys);
       break;
     case wire::Op::replicate:
-      status = engine_.take_replicate(static_cast<std::uint32_t>(h.arg0), h.arg1, peer.keys, payload, &why, peer.tag());
+      status = engine_.take_replicate(static_cast<std::uint32_t>(h.arg0), h.arg1, peer.keys, payload, &why, peer.tag(),
+                                      static_cast<std::uint32_t>(h.arg0 >> 32));
       break;
     case wire::Op::replica_clock:
     case wire::Op::replica_barrier:
