@@ -587,6 +587,8 @@ Errc ShardEngine::mark_replica(std::uint32_t origin, ReplicaMark mark, std::stri
                                std::uint32_t epoch_seconds) {
   Replica* r = replica(origin, why);
   if (!r) return Errc::invalid_argument;
+  // As a table frame's: a page read (replica_table_rows) sees the copy before or after the mark.
+  std::lock_guard applying(r->table_apply_mu);
   std::lock_guard lock(r->tables_mu);
   // A mark that comes late on a connection the origin has since replaced (its transfer there
   // timed out) says nothing of the transfer under way: a connection's tag grows with every
@@ -606,7 +608,9 @@ Errc ShardEngine::mark_replica(std::uint32_t origin, ReplicaMark mark, std::stri
     for (auto& t : r->tables) t.reset();
     r->table_position.store(0, std::memory_order_release);
     r->table_epoch.store(epoch_seconds, std::memory_order_release);
+    r->tables_broken = false;
   }
+  if (mark == ReplicaMark::synced && r->tables_broken) return Errc::ok;  // it stays syncing
   r->mark.store(static_cast<std::uint32_t>(mark), std::memory_order_release);
   return Errc::ok;
 }
@@ -993,6 +997,7 @@ Errc ShardEngine::apply_replica_table(std::uint32_t origin, std::uint64_t connec
     r->tables[id] = std::make_shared<EmbeddingTable>(copy, requested.max_rows);
   } catch (const std::exception& e) {
     // The copy is gone: no rejoin may take this replica for whole until a transfer restarts it.
+    r->tables_broken = true;
     r->mark.store(static_cast<std::uint32_t>(ReplicaMark::syncing), std::memory_order_release);
     *why = "the copy of server " + std::to_string(origin) + "'s table " + std::to_string(id) + ": " + e.what();
     return Errc::capacity;
@@ -1049,6 +1054,10 @@ Errc ShardEngine::apply_replica_rows(std::uint32_t origin, std::uint64_t connect
       t->remove_row(rows[i].key);
     } else if (const float* at = records + i * floats; !t->restore_row(rows[i].key, at, at + dim)) {
       // Its copy now misses a row: no rejoin may take it for whole until a transfer restarts it.
+      {
+        std::lock_guard lock(r->tables_mu);
+        r->tables_broken = true;
+      }
       r->mark.store(static_cast<std::uint32_t>(ReplicaMark::syncing), std::memory_order_release);
       *why = "the copy of server " + std::to_string(origin) + "'s table " + std::to_string(id) +
              " has no memory for row " + std::to_string(rows[i].key);

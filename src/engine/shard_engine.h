@@ -377,6 +377,9 @@ class ShardEngine {
     mutable std::mutex table_apply_mu;
     std::atomic<std::uint32_t> table_position{0};
     std::atomic<std::uint32_t> table_epoch{0};  // the incarnation (seconds) of the latest transfer
+    // A table frame of the current transfer failed here (no memory): the copy misses something,
+    // so no synced mark counts until a new transfer's syncing mark restarts it. Under tables_mu.
+    bool tables_broken = false;
   };
   std::vector<std::unique_ptr<Replica>> replicas_;
   Replicator* replicator_ = nullptr;

@@ -334,7 +334,13 @@ std::unique_ptr<TcpReplicator::Shipment> TcpReplicator::read_pushed_rows(
     std::uint32_t table, std::span<const KeyEntry> ids, std::uint64_t reserved, const ShardEngine::RowsMark* marked,
     std::unique_ptr<TcpReplicator::Shipment>* gone, std::vector<std::pair<std::size_t, std::size_t>>* ranges,
     std::vector<std::pair<std::size_t, std::size_t>>* gone_ranges) {
-  auto s = take_shipment();
+  std::unique_ptr<Shipment> s;
+  try {
+    s = take_shipment();
+  } catch (...) {
+    release_bytes(reserved);
+    throw;
+  }
   s->reserved = reserved;
   try {
     ship_removals(table);
@@ -1012,7 +1018,7 @@ void take_tables(ShardEngine& engine, const ReplicatorOptions& options, RejoinRe
   // Every replica the keys came from is asked: a failed probe could hide the one furthest along,
   // so it fails the round (rejoin_from_replicas tries again) rather than settle for another.
   const ReplicaPeer* best = nullptr;
-  std::uint32_t best_position = 0, best_epoch = 0;
+  std::uint32_t best_position = 0, best_epoch = 0, latest_epoch = 0, latest_from = 0;
   for (const ReplicaPeer& peer : options.replicas) {
     if (std::find(report->from.begin(), report->from.end(), peer.id) == report->from.end()) continue;
     ReplicaTableRows probe;
@@ -1030,22 +1036,38 @@ void take_tables(ShardEngine& engine, const ReplicatorOptions& options, RejoinRe
       best_position = probe.position;
       best_epoch = probe.epoch;
     }
+    if (probe.epoch > latest_epoch) {
+      latest_epoch = probe.epoch;
+      latest_from = peer.id;
+    }
   }
   if (!best) throw Error(Errc::peer_failure, "no replica the keys came from holds synced tables");
+  // A later incarnation reached a replica that is not synced yet: the synced copies are older
+  // than what that incarnation may have acknowledged, and taking them would hide it.
+  if (best_epoch < latest_epoch)
+    throw Error(Errc::peer_failure, "server " + std::to_string(latest_from) +
+                                        " holds tables of a later incarnation of this server that it has not finished "
+                                        "receiving, and the synced copies are older; start without --rejoin to "
+                                        "discard them");
+  if (best_epoch > engine.epoch_seconds())
+    log::warn("replication", "server " + std::to_string(options.server_id) + ": the tables of server " +
+                                 std::to_string(best->id) + " come from an incarnation that started " +
+                                 std::to_string(best_epoch - engine.epoch_seconds()) +
+                                 " s after this one did: has this host's clock stepped back?");
   auto conn = connect_to(*best, options, std::chrono::milliseconds(1000));
   std::string why;
   for (std::uint32_t id = 0; id < kMaxTables; ++id) {
-    std::uint32_t cursor = 0, position = 0;
+    std::uint32_t cursor = 0;
     bool any = false;
     do {
       const ReplicaTableRows got = read_table_rows(*conn, options, id, cursor, kRows);
-      if (!got.exists) break;
-      // Each page is read whole between two frames; a frame between two pages (one the dead
-      // incarnation left in the replica's socket) would pair page 0's marks with later rows.
-      if (cursor == 0) position = got.position;
-      if (got.position != position)
+      // Each page is read whole between two frames, and every page (an absent table's too) must
+      // be of the point the probe saw: a frame or mark between them (one the dead incarnation
+      // left in the replica's socket) would pair page 0's marks with later rows, or empty the copy.
+      if (!got.synced || got.epoch != best_epoch || got.position != best_position)
         throw Error(Errc::peer_failure, "server " + std::to_string(best->id) + "'s copy of table " +
                                             std::to_string(id) + " moved while it was read; reading it again");
+      if (!got.exists) break;
       if (got.record_floats != got.requested.dim + EmbeddingTable::state_floats_for(got.requested))
         throw Error(Errc::protocol, "table " + std::to_string(id) + "'s rows come with " +
                                         std::to_string(got.record_floats) + " floats, not its spec's");

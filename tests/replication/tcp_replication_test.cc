@@ -1159,6 +1159,11 @@ TEST(TcpReplicationTables, ARejoinPrefersTheLatestIncarnationsCopyToAStaleOne) {
   }
   ring.kill(0);
   ring.signal(2, SIGCONT);
+  // Server 2 answers again with the first incarnation's copy, synced, further along: the rejoin
+  // must pass it over.
+  const testing::TableCopy stale = testing::table_copy(ring.uris()[2], 0, 0);
+  ASSERT_TRUE(stale.exists && stale.synced);
+  ASSERT_EQ(stale.rows.begin()->second[0], 100.0f);
   ring.restart(0);
   Client c(o);
   c.create_table(0, spec);

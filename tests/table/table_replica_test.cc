@@ -88,6 +88,9 @@ TEST(TableReplica, ACopyReportsTheIncarnationThatTransferredIt) {
   EXPECT_EQ(copy_of(e).epoch, 2000u);
   ASSERT_EQ(e.mark_replica(kOrigin, ReplicaMark::syncing, &why, kOld, 1000), Errc::ok) << why;  // late
   EXPECT_EQ(copy_of(e).epoch, 2000u);
+  ASSERT_EQ(e.mark_replica(kOrigin, ReplicaMark::synced, &why, kNew), Errc::ok) << why;
+  EXPECT_EQ(copy_of(e).epoch, 2000u);
+  EXPECT_TRUE(copy_of(e).synced);
 }
 
 TEST(TableReplica, ACopyKeepsItsOriginsPushMarksAndChecksThem) {
