@@ -936,6 +936,12 @@ std::vector<std::uint64_t> ShardEngine::table_marks(std::uint32_t id) const {
   return table_marks_[id];
 }
 
+std::uint64_t ShardEngine::table_mark(std::uint32_t id, std::uint32_t worker) const {
+  if (id >= kMaxTables) return 0;
+  std::lock_guard lock(table_marks_mu_);
+  return worker < table_marks_[id].size() ? table_marks_[id][worker] : 0;
+}
+
 Errc ShardEngine::restore_table_marks(std::uint32_t id, std::span<const std::uint64_t> marks, std::string* why) {
   if (id >= kMaxTables || !tables_[id].load(std::memory_order_acquire)) {
     *why = "push marks for table " + std::to_string(id) + ", which this server does not hold";

@@ -284,6 +284,7 @@ class ShardEngine {
   // tables are replicated; 0 elsewhere.
   std::uint32_t table_push_marks() const noexcept { return table_marks_per_table_; }
   std::vector<std::uint64_t> table_marks(std::uint32_t id) const;
+  std::uint64_t table_mark(std::uint32_t id, std::uint32_t worker) const;  // 0: none kept
   // Table `id` (null if there is none) and the spec it was created with (for checkpoints).
   EmbeddingTable* table_at(std::uint32_t id, TableSpec* requested = nullptr);
   std::uint64_t table_record_floats(std::uint32_t id) const noexcept;  // 0: no such table

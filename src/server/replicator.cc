@@ -413,9 +413,7 @@ Errc TcpReplicator::push_rows_in_order(std::uint32_t table, std::uint32_t worker
   }
   std::lock_guard lock(table_order_mu_);
   if (Errc e = apply(); e != Errc::ok) return e;
-  std::uint64_t mark = 0;
-  if (const std::vector<std::uint64_t> marks = engine_.table_marks(table); worker < marks.size()) mark = marks[worker];
-  const ShardEngine::RowsMark marked{worker, mark};
+  const ShardEngine::RowsMark marked{worker, engine_.table_mark(table, worker)};
   std::vector<std::pair<std::size_t, std::size_t>> ranges, gone_ranges;
   std::unique_ptr<Shipment> s, gone;
   std::string failed;
