@@ -21,6 +21,7 @@
 #include "pskv/server.h"
 #include "support/process.h"
 #include "support/replica_tables.h"
+#include "support/requests.h"
 #include "support/stats.h"
 #include "support/stop.h"
 #include "support/token_file.h"
@@ -127,18 +128,9 @@ IndexReply ask_replica_index(const std::string& uri, std::uint32_t origin, std::
   c.worker_id = hello_as;
   if (!token_file.empty()) c.token = auth::Token::load_file(token_file);
   try {
-    auto conn = transport::connect(parse_uri(uri), c);
-    std::string index;
-    transport::Completion done;
-    done.reset(1);
-    transport::Request q;
-    q.op = wire::Op::replica_index;
-    q.arg0 = origin;
-    q.completion = &done;
-    q.text_out = &index;
-    conn->submit(q);
-    if (!done.wait(std::chrono::steady_clock::now() + std::chrono::seconds(20))) return {Errc::timeout, "no answer"};
-    return {done.status(), done.status() == Errc::ok ? index : done.message()};
+    std::shared_ptr<transport::Connection> conn = transport::connect(parse_uri(uri), c);
+    testing::Answer got = testing::ask(conn, wire::Op::replica_index, origin);
+    return {got.code, std::move(got.text)};
   } catch (const Error& e) {
     return {e.code(), e.what()};
   }
@@ -799,6 +791,16 @@ TEST(TcpReplicationPeers, PeersOfAnotherTransportAreRefusedByName) {
   EXPECT_NE(d.find("--peer-uri is a tcp://HOST:PORT"), std::string::npos) << d;
 }
 
+// The first `count` ids whose home is server `s` of `servers`: a push of them touches it alone.
+std::vector<Key> ids_homed_on(std::size_t s, std::uint32_t servers, std::size_t count) {
+  PlacementOptions placement;
+  placement.servers = servers;
+  std::vector<Key> ids;
+  for (Key id = 0; ids.size() < count; ++id)
+    if (home_server(placement, id) == s) ids.push_back(id);
+  return ids;
+}
+
 void expect_table_replicas_equal(const Ring& ring, std::uint32_t replicas, std::uint32_t table) {
   testing::expect_table_copies_equal(ring.uris(), replicas, table);
 }
@@ -946,11 +948,7 @@ TEST(TcpReplicationTables, ARowPushIsAnsweredOnlyOnceTheReplicaHoldsIt) {
   spec.rule = UpdateRuleConfig{UpdateRule::add};
   c.create_table(0, spec);
   // Ids that live on server 0 only, so nothing of the push waits for the stopped server itself.
-  PlacementOptions placement;
-  placement.servers = 2;
-  std::vector<Key> ids;
-  for (Key id = 0; ids.size() < 50; ++id)
-    if (home_server(placement, id) == 0) ids.push_back(id);
+  const std::vector<Key> ids = ids_homed_on(0, 2, 50);
   const std::vector<float> ones(ids.size() * spec.dim, 1.0f);
   c.wait(c.push_rows(0, ids, ones));
   wait_synced(ring, 2);
@@ -978,20 +976,9 @@ std::pair<Errc, std::string> send_table_frame(const std::string& uri, wire::Op o
   transport::ConnectOptions c;
   c.worker_id = hello_as;
   try {
-    auto conn = transport::connect(parse_uri(uri), c);
-    std::string text;
-    transport::Completion done;
-    done.reset(1);
-    transport::Request q;
-    q.op = op;
-    q.arg0 = arg0;
-    q.arg1 = table;
-    q.keys = keys;
-    q.completion = &done;
-    q.text_out = &text;
-    conn->submit(q);
-    if (!done.wait(std::chrono::steady_clock::now() + std::chrono::seconds(20))) return {Errc::timeout, "no answer"};
-    return {done.status(), done.message()};
+    std::shared_ptr<transport::Connection> conn = transport::connect(parse_uri(uri), c);
+    const testing::Answer got = testing::ask(conn, op, arg0, table, keys);
+    return {got.code, got.code == Errc::ok ? std::string() : got.text};
   } catch (const Error& e) {
     return {e.code(), e.what()};
   }
@@ -1059,10 +1046,7 @@ TEST(TcpReplicationTables, ATablePushSentAgainIsAppliedOnce) {
   spec.rule = UpdateRuleConfig{UpdateRule::add};
   c.create_table(2, spec);
   wait_synced(ring, 2);
-  PlacementOptions placement;
-  placement.servers = 2;
-  Key id = 0;
-  while (home_server(placement, id) != 0) ++id;
+  const Key id = ids_homed_on(0, 2, 1)[0];
   std::vector<float> row(4, 1.0f);
   float none = 0;
   const std::string& origin = ring.uris()[0];
@@ -1121,11 +1105,7 @@ TEST(TcpReplicationTables, ARejoinPrefersTheLatestIncarnationsCopyToAStaleOne) {
   spec.init = RowInit::zeros;
   spec.rule = UpdateRuleConfig{UpdateRule::add};
   spec.max_rows = 10000;
-  PlacementOptions placement;
-  placement.servers = 3;
-  std::vector<Key> ids;
-  for (Key id = 0; ids.size() < 50; ++id)
-    if (home_server(placement, id) == 0) ids.push_back(id);
+  const std::vector<Key> ids = ids_homed_on(0, 3, 50);
   const std::vector<float> ones(ids.size() * spec.dim, 1.0f);
   {
     Client c(o);

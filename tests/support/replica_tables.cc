@@ -6,6 +6,7 @@
 #include <cstring>
 #include <thread>
 
+#include "support/requests.h"
 #include "transport/transport.h"
 #include "transport/uri.h"
 #include "transport/wire.h"
@@ -71,25 +72,14 @@ TableCopy read_copy(std::shared_ptr<transport::Connection>& conn, const std::str
   }
   std::uint32_t cursor = 0;
   do {
-    std::string bytes;
-    transport::Completion done;
-    done.reset(1);
-    transport::Request q;
-    q.op = wire::Op::replica_table_rows;
-    q.arg0 = origin;
-    q.arg1 = table;
-    transport::KeySlice ask{cursor, 1000, nullptr};
-    q.keys = std::span<const transport::KeySlice>(&ask, 1);
-    q.completion = &done;
-    q.text_out = &bytes;
-    conn->submit(q);
-    if (!done.wait(std::chrono::steady_clock::now() + std::chrono::seconds(20))) {
-      // The request still points at this frame's locals: the connection goes first.
-      conn.reset();
+    const transport::KeySlice page{cursor, 1000, nullptr};
+    const Answer got = ask(conn, wire::Op::replica_table_rows, origin, table, {&page, 1});
+    if (!conn) {
       ADD_FAILURE() << uri << " did not answer a replica_table_rows in 20 s";
       return copy;
     }
-    EXPECT_EQ(done.status(), Errc::ok) << done.message();
+    EXPECT_EQ(got.code, Errc::ok) << got.text;
+    const std::string& bytes = got.text;
     wire::ReplicaRowsHeader head{};
     if (bytes.size() < sizeof head) {
       ADD_FAILURE() << "a short replica_table_rows reply from " << uri;
