@@ -32,6 +32,44 @@ Errc apply_replica_table(ShardEngine& engine, const wire::FrameHeader& h, std::s
 
 }  // namespace
 
+Errc create_table(ShardEngine& engine, std::span<const KeyEntry> keys, const float* payload, const Park& park,
+                  std::string* why, bool* parked) {
+  *parked = false;
+  TableSpec spec;
+  std::uint32_t table = 0;
+  if (Errc e = wire::decode_table_create(keys, payload, &table, &spec, why); e != Errc::ok) return e;
+  Replicator* replicator = engine.replicator();
+  if (!replicator) return engine.create_table(table, spec, why);
+  return replicator->create_table(table, spec, why, park, parked);
+}
+
+Errc push_table(ShardEngine& engine, const wire::FrameHeader& h, std::span<const KeyEntry> keys, const float* grads,
+                std::uint32_t worker, const Park& park, std::string* why, bool* parked) {
+  *parked = false;
+  std::span<const KeyEntry> rows = keys;
+  const std::uint64_t identity = wire::take_table_push_identity(&rows);
+  const PushId push{.worker = worker,
+                    .session = static_cast<std::uint32_t>(identity >> 32),
+                    .seq = static_cast<std::uint32_t>(identity)};
+  const auto apply = [&] { return engine.table_push(h.arg1, h.arg0, rows, grads, why, push); };
+  Replicator* replicator = engine.replicator();
+  if (!replicator) return apply();
+  // The rows' records (and a mark's two floats), reserved before anything is applied.
+  const std::uint64_t reserved = (rows.size() * engine.table_record_floats(h.arg1) + 2) * sizeof(float);
+  if (Errc e = replicator->reserve_bytes(reserved, why); e != Errc::ok) return e;
+  Errc status = Errc::ok;
+  if (push.identified() && engine.table_push_marks() > 0) {
+    status = replicator->push_rows_in_order(h.arg1, push.worker, rows, reserved, apply, park, why, parked);
+    if (*parked) return Errc::ok;
+  } else if ((status = apply()) == Errc::ok) {
+    replicator->ship_rows(h.arg1, rows, reserved, park());
+    *parked = true;
+    return Errc::ok;
+  }
+  replicator->release_bytes(reserved);
+  return status;
+}
+
 Errc apply_table_frame(ShardEngine& engine, const wire::FrameHeader& h, std::span<const KeyEntry> keys,
                        const float* payload, std::uint64_t connection, std::string* why) {
   switch (static_cast<wire::Op>(h.op)) {

@@ -83,8 +83,6 @@ class IoThread {
   // A message the client wrote into its receive region: push, init, or a table op.
   bool handle_region_message(ServerConn& c, std::uint32_t imm);
   bool apply_push(ServerConn& c, const wire::FrameHeader& h, const float* values);
-  // A table_push: its rows applied (and, with replicas, shipped before the reply).
-  bool apply_table_push(ServerConn& c, const wire::FrameHeader& h, const float* values);
   // table_pull, replica_pull, replica_index: the answer goes into the room the request left
   // (`left`: what the region has after its key table) and from there to the client's RowsTarget.
   bool answer_into_room(ServerConn& c, const wire::FrameHeader& h, std::byte* room, std::uint64_t left);

@@ -458,21 +458,12 @@ bool IoThread::handle_region_message(ServerConn& c, std::uint32_t imm) {
       status = replication::apply_table_frame(engine_, h, c.keys, values, c.tag, &why);
       break;
     case wire::Op::table_push:
-      return apply_table_push(c, h, values);
     case wire::Op::table_create: {
-      TableSpec spec;
-      std::uint32_t table = 0;
-      if ((status = wire::decode_table_create(c.keys, values, &table, &spec, &why)) != Errc::ok) break;
-      Replicator* replicator = engine_.replicator();
-      if (!replicator) {
-        status = engine_.create_table(table, spec, &why);
-        break;
-      }
-      // Made, and its empty copy queued to the replicas, in one step; the creator's answer waits
-      // for the copies.
       bool parked = false;
-      status = replicator->create_table(
-          table, spec, &why, [&] { return std::make_unique<ParkedReply>(c.shared_from_this(), h); }, &parked);
+      const replication::Park park = [&] { return std::make_unique<ParkedReply>(c.shared_from_this(), h); };
+      status = op == wire::Op::table_create
+                   ? replication::create_table(engine_, c.keys, values, park, &why, &parked)
+                   : replication::push_table(engine_, h, c.keys, values, c.worker, park, &why, &parked);
       if (parked) return true;
       break;
     }
@@ -485,39 +476,6 @@ bool IoThread::handle_region_message(ServerConn& c, std::uint32_t imm) {
   }
   if (status != Errc::ok) return send_error(c, h, status, why);
   return reply(c, h, Errc::ok, nullptr, 0);
-}
-
-bool IoThread::apply_table_push(ServerConn& c, const wire::FrameHeader& h, const float* values) {
-  std::string why;
-  std::span<const KeyEntry> rows = c.keys;
-  const std::uint64_t identity = wire::take_table_push_identity(&rows);
-  const PushId push{.worker = c.worker,
-                    .session = static_cast<std::uint32_t>(identity >> 32),
-                    .seq = static_cast<std::uint32_t>(identity)};
-  Replicator* replicator = engine_.replicator();
-  if (!replicator) {
-    if (Errc e = engine_.table_push(h.arg1, h.arg0, rows, values, &why, push); e != Errc::ok)
-      return send_error(c, h, e, why);
-    return reply(c, h, Errc::ok, nullptr, 0);
-  }
-  // Room for the rows' records on their way to the replicas, taken before anything is applied;
-  // the reply waits until every live replica holds the rows (as tcp's: TcpServer::handle_table).
-  const std::uint64_t reserved = (rows.size() * engine_.table_record_floats(h.arg1) + 2) * sizeof(float);
-  if (Errc e = replicator->reserve_bytes(reserved, &why); e != Errc::ok) return send_error(c, h, e, why);
-  auto park = [&] { return std::make_unique<ParkedReply>(c.shared_from_this(), h); };
-  Errc status = Errc::ok;
-  if (push.identified() && engine_.table_push_marks() > 0) {
-    bool parked = false;
-    status = replicator->push_rows_in_order(
-        h.arg1, push.worker, rows, reserved,
-        [&] { return engine_.table_push(h.arg1, h.arg0, rows, values, &why, push); }, park, &why, &parked);
-    if (parked) return true;
-  } else if ((status = engine_.table_push(h.arg1, h.arg0, rows, values, &why, push)) == Errc::ok) {
-    replicator->ship_rows(h.arg1, rows, reserved, park());
-    return true;
-  }
-  replicator->release_bytes(reserved);
-  return send_error(c, h, status, why);
 }
 
 bool IoThread::apply_push(ServerConn& c, const wire::FrameHeader& h, const float* values) {

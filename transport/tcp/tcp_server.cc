@@ -1232,55 +1232,16 @@ bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payl
 }
 
 bool TcpServer::handle_table(Peer& peer, const wire::FrameHeader& h, const float* payload) {
-  std::string why;
-  Errc status = Errc::ok;
   const auto op = static_cast<wire::Op>(h.op);
-  Replicator* replicator = engine_.replicator();
-  if (op == wire::Op::table_create) {
-    TableSpec spec;
-    std::uint32_t table = 0;
-    if ((status = wire::decode_table_create(peer.keys, payload, &table, &spec, &why)) == Errc::ok) {
-      if (!replicator) {
-        status = engine_.create_table(table, spec, &why);
-      } else {
-        // The table's copy is queued to the replicas as the table is made, before any row of it;
-        // the creator's answer waits for their copies.
-        bool parked = false;
-        status = replicator->create_table(
-            table, spec, &why, [&] { return park(peer, h, {}, /*charge=*/false); }, &parked);
-        if (parked) return true;
-      }
-    }
-  } else if (op == wire::Op::table_push) {
-    std::span<const KeyEntry> rows = peer.keys;
-    const std::uint64_t identity = wire::take_table_push_identity(&rows);
-    const PushId push{.worker = peer.worker,
-                      .session = static_cast<std::uint32_t>(identity >> 32),
-                      .seq = static_cast<std::uint32_t>(identity)};
-    // Room for the rows' records on their way to the replicas, taken before anything is applied.
-    const std::uint64_t reserved =
-        replicator ? (rows.size() * engine_.table_record_floats(h.arg1) + 2) * sizeof(float) : 0;
-    if (replicator && replicator->reserve_bytes(reserved, &why) != Errc::ok)
-      return send_error(peer, h, Errc::capacity, why);
-    if (replicator && push.identified() && engine_.table_push_marks() > 0) {
-      // Applied in the table stream's order, its rows shipped with its mark (PushId).
-      bool parked = false;
-      status = replicator->push_rows_in_order(
-          h.arg1, push.worker, rows, reserved,
-          [&] { return engine_.table_push(h.arg1, h.arg0, rows, payload, &why, push); },
-          [&] { return park(peer, h, {}, /*charge=*/false); }, &why, &parked);
-      if (parked) return true;
-    } else {
-      status = engine_.table_push(h.arg1, h.arg0, rows, payload, &why, push);
-      if (status == Errc::ok && replicator) {
-        replicator->ship_rows(h.arg1, rows, reserved, park(peer, h, {}, /*charge=*/false));
-        return true;
-      }
-    }
-    if (replicator) replicator->release_bytes(reserved);
-  } else {
-    return answer_table_pull(peer, h);
-  }
+  if (op == wire::Op::table_pull) return answer_table_pull(peer, h);
+  std::string why;
+  bool parked = false;
+  const replication::Park park_reply = [&] { return park(peer, h, {}, /*charge=*/false); };
+  const Errc status =
+      op == wire::Op::table_create
+          ? replication::create_table(engine_, peer.keys, payload, park_reply, &why, &parked)
+          : replication::push_table(engine_, h, peer.keys, payload, peer.worker, park_reply, &why, &parked);
+  if (parked) return true;
   if (status != Errc::ok) return send_error(peer, h, status, why);
   return send_empty(peer, h);
 }
