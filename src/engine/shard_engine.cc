@@ -1072,8 +1072,8 @@ Errc ShardEngine::apply_replica_rows(std::uint32_t origin, std::uint64_t connect
   }
   if (marked) {
     std::lock_guard lock(r->tables_mu);
-    // Rows and mark arrive in one frame, applied by this one thread: a rejoin reading this copy
-    // (its origin is gone, so no frame is coming) sees both or neither.
+    // Rows and mark arrive in one frame, applied under table_apply_mu: a page a rejoin reads
+    // (replica_table_rows, under the same lock) holds both or neither.
     if (connection == r->table_connection && r->tables[id] == t) r->table_marks[id][marked->worker] = marked->mark;
   }
   r->table_position.store(position, std::memory_order_release);
