@@ -113,6 +113,7 @@ struct ConnectOptions {
 struct ServerInfo {
   std::uint32_t server_id = 0;
   std::uint32_t num_workers = 0;
+  std::uint32_t incarnation = 0;  // tcp: the server's start, in seconds (0 where not told)
 };
 
 // Thread-safety: submit() and register_buffer() may be called from any number of threads.

@@ -7,7 +7,8 @@ namespace pskv::wire {
 
 bool op_carries_values(Op op) noexcept {
   return op == Op::init || op == Op::push || op == Op::replicate || op == Op::table_create || op == Op::table_push ||
-         op == Op::replica_table || op == Op::replica_rows || op == Op::replica_rows_marked;
+         op == Op::replica_table || op == Op::replica_rows || op == Op::replica_rows_marked || op == Op::down_vote ||
+         op == Op::down_certified;
 }
 
 void encode_table_spec(const TableSpec& spec, float out[kTableSpecFloats]) noexcept {
@@ -127,6 +128,12 @@ std::string_view op_name(std::uint16_t op) noexcept {
       return "replica_table_rows";
     case Op::replica_rows_marked:
       return "replica_rows_marked";
+    case Op::down_vote:
+      return "down_vote";
+    case Op::down_certified:
+      return "down_certified";
+    case Op::certificates:
+      return "certificates";
   }
   return "unknown";
 }
@@ -237,6 +244,101 @@ ParseResult parse_request(const std::byte* data, std::size_t avail, const Limits
   }
   out->payload = data + sizeof(FrameHeader) + key_bytes;
   return ParseResult::complete;
+}
+
+std::vector<float> encode_down_vote(const Certificate& c, std::uint32_t requester) {
+  const DownVote v{c.server, c.incarnation, c.holder, requester, static_cast<std::uint32_t>(c.uri.size()), 0};
+  std::vector<float> out((sizeof v + c.uri.size() + sizeof(float) - 1) / sizeof(float), 0.0f);
+  std::memcpy(out.data(), &v, sizeof v);
+  std::memcpy(reinterpret_cast<char*>(out.data()) + sizeof v, c.uri.data(), c.uri.size());
+  return out;
+}
+
+namespace {
+// A holder's URI as a client will connect to it: tcp://HOST:PORT, nothing it could not parse.
+bool plausible_uri(std::string_view uri) noexcept {
+  if (uri.size() > kMaxCertificateUri || uri.rfind("tcp://", 0) != 0) return false;
+  for (char ch : uri)
+    if (ch <= ' ' || ch > '~') return false;
+  return true;
+}
+}  // namespace
+
+Errc decode_down_vote(std::span<const KeyEntry> keys, const float* payload, std::uint64_t payload_bytes, Certificate* c,
+                      std::uint32_t* requester, std::string* why) {
+  DownVote v{};
+  if (keys.size() != 1 || keys[0].key != 0 || payload_bytes < sizeof v) {
+    *why = "a down vote carries one key {0, floats} holding a DownVote and the holder's URI";
+    return Errc::protocol;
+  }
+  std::memcpy(&v, payload, sizeof v);
+  const std::uint64_t need =
+      (sizeof v + std::uint64_t{v.uri_bytes} + sizeof(float) - 1) / sizeof(float) * sizeof(float);
+  if (v.uri_bytes > kMaxCertificateUri || need != payload_bytes) {
+    *why = "a down vote whose URI length (" + std::to_string(v.uri_bytes) + " bytes) does not match its payload";
+    return Errc::protocol;
+  }
+  c->server = v.server;
+  c->incarnation = v.incarnation;
+  c->holder = v.holder;
+  c->uri.assign(reinterpret_cast<const char*>(payload) + sizeof v, v.uri_bytes);
+  if (!c->uri.empty() && !plausible_uri(c->uri)) {
+    *why = "a down vote names a holder URI that is not tcp://HOST:PORT";
+    return Errc::protocol;
+  }
+  *requester = v.requester;
+  return Errc::ok;
+}
+
+std::string encode_certificates(std::span<const Certificate> certificates) {
+  std::string text;
+  for (const Certificate& c : certificates)
+    text += std::to_string(c.server) + ' ' + std::to_string(c.incarnation) + ' ' + std::to_string(c.holder) + ' ' +
+            (c.uri.empty() ? "-" : c.uri) + '\n';
+  return text;
+}
+
+Errc decode_certificates(std::string_view text, std::vector<Certificate>* out, std::string* why) {
+  out->clear();
+  while (!text.empty()) {
+    const std::size_t end = text.find('\n');
+    if (end == std::string_view::npos) {
+      *why = "a certificates reply that does not end its last line";
+      return Errc::protocol;
+    }
+    std::string_view line = text.substr(0, end);
+    text.remove_prefix(end + 1);
+    std::uint32_t fields[3] = {};
+    for (std::uint32_t& f : fields) {
+      const std::size_t space = line.find(' ');
+      const std::string_view digits = line.substr(0, space);
+      if (space == std::string_view::npos || digits.empty() || digits.size() > 10) {
+        *why = "a malformed certificate line";
+        return Errc::protocol;
+      }
+      std::uint64_t value = 0;
+      for (char ch : digits) {
+        if (ch < '0' || ch > '9') {
+          *why = "a malformed certificate line";
+          return Errc::protocol;
+        }
+        value = value * 10 + static_cast<std::uint64_t>(ch - '0');
+      }
+      if (value > UINT32_MAX) {
+        *why = "a certificate names a number past 32 bits";
+        return Errc::protocol;
+      }
+      f = static_cast<std::uint32_t>(value);
+      line.remove_prefix(space + 1);
+    }
+    Certificate c{fields[0], fields[1], fields[2], line == "-" ? std::string() : std::string(line)};
+    if (line != "-" && !plausible_uri(line)) {
+      *why = "a certificate names a holder URI that is not tcp://HOST:PORT";
+      return Errc::protocol;
+    }
+    out->push_back(std::move(c));
+  }
+  return Errc::ok;
 }
 
 }  // namespace pskv::wire

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "layout/crc.h"
@@ -17,7 +18,7 @@
 namespace pskv::wire {
 
 inline constexpr std::uint32_t kMagic = 0x564b5350;  // "PSKV"
-inline constexpr std::uint16_t kVersion = 3;
+inline constexpr std::uint16_t kVersion = 4;
 
 enum class Op : std::uint16_t {
   hello =
@@ -60,9 +61,47 @@ enum class Op : std::uint16_t {
                              // (u64), then their records
   replica_rows_marked = 24,  // as replica_rows, the rows of an identified push; the first key is {worker, 2},
                              // whose value is that worker's push mark (u64) the rows now hold
+  // Failover (docs/ARCHITECTURE.md, "Failover"): one key {0, floats} whose values are a DownVote
+  // and the holder's URI (encode_down_vote).
+  down_vote = 25,       // a server asks for this server's vote on the certificate; ok: granted; an error:
+                        // refused, its text says why (stale_resource: the requester itself is down)
+  down_certified = 26,  // a server that won a certificate tells this one: record it
+  certificates = 27,    // anyone: reply: a text payload, one line "server incarnation holder uri" per
+                        // certificate this server knows to have won (encode_certificates)
 };
 
 inline constexpr std::uint32_t kReplicaSyncing = 1, kReplicaSynced = 2;
+// down(server, incarnation, holder): "incarnation `incarnation` (its start, in seconds) of
+// `server` may no longer acknowledge anything; its keys are served by `holder`, at `uri`". With
+// holder == server, a restarted server's claim to its own keys (it wins only if no other
+// holder took them). The requester names itself, so that a voter refuses a server it knows
+// to be down.
+struct DownVote {
+  std::uint32_t server;
+  std::uint32_t incarnation;
+  std::uint32_t holder;
+  std::uint32_t requester;
+  std::uint32_t uri_bytes;  // the URI follows, padded to whole floats
+  std::uint32_t reserved;
+};
+struct Certificate {
+  std::uint32_t server = 0, incarnation = 0, holder = 0;
+  std::string uri;  // where the holder serves the keys (empty in a restarted server's own claim)
+  bool operator==(const Certificate&) const = default;
+};
+inline constexpr std::size_t kMaxCertificateUri = 512;
+// The payload of down_vote and down_certified (whole floats: one key of that many).
+std::vector<float> encode_down_vote(const Certificate& c, std::uint32_t requester);
+Errc decode_down_vote(std::span<const KeyEntry> keys, const float* payload, std::uint64_t payload_bytes, Certificate* c,
+                      std::uint32_t* requester, std::string* why);
+std::string encode_certificates(std::span<const Certificate> certificates);
+// Strict: a line that is not four fields, a number out of range or a URI that is not tcp:// is
+// a protocol error, since a client follows what it reads here.
+Errc decode_certificates(std::string_view text, std::vector<Certificate>* out, std::string* why);
+// hello's reply: arg0 = the server id | its incarnation (start, seconds) << 32.
+inline std::uint64_t hello_reply_arg0(std::uint32_t server_id, std::uint32_t incarnation) noexcept {
+  return (std::uint64_t{incarnation} << 32) | server_id;
+}
 // hello's arg0 from another server of the ring (replication): only such a connection may send
 // the replication ops, and on a server with a peer token it must prove that token.
 inline constexpr std::uint32_t kServerPeer = 0xFFFFFFFEu;
@@ -152,7 +191,8 @@ std::string_view op_name(std::uint16_t op) noexcept;
 inline bool op_is_replication(Op op) noexcept {
   return op == Op::replicate || op == Op::replica_pull || op == Op::replica_index || op == Op::replica_clock ||
          op == Op::replica_barrier || op == Op::replica_evict || op == Op::replica_table || op == Op::replica_rows ||
-         op == Op::replica_unrows || op == Op::replica_table_rows || op == Op::replica_rows_marked;
+         op == Op::replica_unrows || op == Op::replica_table_rows || op == Op::replica_rows_marked ||
+         op == Op::down_vote || op == Op::down_certified;
 }
 // replica_clock and replica_barrier carry a 64-bit clock or generation in 32 bits: the highest
 // (kClockDone, a finished worker) travels as UINT32_MAX, and so would any past it.

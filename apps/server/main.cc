@@ -148,9 +148,10 @@ int main(int argc, char** argv) {
   app.add_option("--auth-token-file", o.auth_token_file,
                  "tcp/rdma: shared secret (a chmod 600 file); every client must pass an HMAC-SHA256 challenge with it")
       ->envname("PSKV_AUTH_TOKEN_FILE");
-  app.add_option("--peer-token-file", o.peer_token_file,
-                 "tcp or rdma with --replicas: the secret the servers prove to each other (a chmod 600 file), so that no "
-                 "client holding --auth-token-file can send the replication ops; default: --auth-token-file")
+  app.add_option(
+         "--peer-token-file", o.peer_token_file,
+         "tcp or rdma with --replicas: the secret the servers prove to each other (a chmod 600 file), so that no "
+         "client holding --auth-token-file can send the replication ops; default: --auth-token-file")
       ->envname("PSKV_PEER_TOKEN_FILE");
   app.add_option("--peer-uri", o.peer_uri,
                  "rdma:// with --replicas: replicate over tcp instead of verbs; the tcp://HOST:PORT where this "
@@ -166,6 +167,15 @@ int main(int argc, char** argv) {
   app.add_option("--peers", o.peers, "Every server's URI in server-id order, this one's included (with --replicas)")
       ->delimiter(',')
       ->envname("PSKV_PEERS");
+  std::int64_t failover_ms = 0;
+  app.add_option("--failover-ms", failover_ms,
+                 "tcp with --replicas and 3+ servers: a server silent this long is certified down by a majority and "
+                 "the next server of its chain serves its keys (0: off; a dead server's clients wait for its restart)")
+      ->envname("PSKV_FAILOVER_MS")
+      ->capture_default_str();
+  app.add_option("--failover-dir", o.failover_dir,
+                 "With --failover-ms: where this server keeps its votes (it must never vote twice, even restarted)")
+      ->envname("PSKV_FAILOVER_DIR");
   app.add_flag("--rejoin", o.rejoin,
                "Restarting after a failure: take this server's keys back from a synced replica before serving");
   backend[4].option =
@@ -217,6 +227,7 @@ int main(int argc, char** argv) {
   o.handshake_timeout = std::chrono::milliseconds(handshake_ms);
   o.memory_budget_bytes = budget_mb << 20;
   o.table_memory_bytes = table_mb << 20;
+  o.failover_timeout = std::chrono::milliseconds(failover_ms);
 
   // Block the stop signals before any thread starts, then wait for them here.
   sigset_t stop_signals;
@@ -230,7 +241,14 @@ int main(int argc, char** argv) {
                 rule.c_str(), o.num_workers);
     std::fflush(stdout);
     int sig = 0;
-    sigwait(&stop_signals, &sig);
+    // Woken now and then to see whether a majority certified this server down (failover).
+    const timespec look{0, 200 * 1000 * 1000};
+    while ((sig = sigtimedwait(&stop_signals, nullptr, &look)) < 0) {
+      if (const std::string why = server.deposed(); !why.empty()) {
+        std::fprintf(stderr, "pskv-server: certified down, stopped: %s\n", why.c_str());
+        return 3;
+      }
+    }
     std::fprintf(stderr, "pskv-server: stopping on signal %d; stats %s\n", sig, server.stats_json().c_str());
   } catch (const pskv::Error& e) {
     std::fprintf(stderr, "pskv-server: %s\n", e.what());

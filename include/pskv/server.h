@@ -72,6 +72,13 @@ struct ServerOptions {
   // a tcp:// `uri`, which carries both.
   std::string peer_uri;
   bool rejoin = false;
+  // Failover (tcp, replicas >= 2, at least 3 peers; docs/ARCHITECTURE.md, "Failover"): a server
+  // silent for failover_timeout (0: off) is certified down by a majority of the servers, and the
+  // next server of its chain serves its keys from its replica, at a new port of its host that
+  // clients with retry_timeout find by themselves. A server certified down stops (deposed()).
+  // failover_dir keeps this server's votes across restarts (it must never vote twice).
+  std::chrono::milliseconds failover_timeout{0};
+  std::string failover_dir;
 };
 
 namespace detail {
@@ -94,6 +101,9 @@ class Server {
   // Non-empty once the job cannot go on under --straggler-policy fail: which worker died or
   // stalled. A launcher should stop the job (the workers get their own errors).
   std::string failure() const;
+  // Non-empty once a majority certified this server down (failover): why. It has stopped
+  // serving; another server holds its keys.
+  std::string deposed() const;
   void stop();
 
  private:

@@ -102,7 +102,15 @@ class ClientImpl {
     for (const auto& s : o.servers) {
       auto link = std::make_unique<Link>();
       link->uri = parse_uri(s);
-      link->conn = transport::connect(link->uri, c);
+      try {
+        link->conn = transport::connect(link->uri, c);
+      } catch (const Error&) {
+        // A retrying client may start after a failover moved a dead server's keys elsewhere.
+        const std::string to = retrying_ && link->uri.scheme == "tcp" ? moved_to(links_.size()) : std::string();
+        if (to.empty()) throw;
+        link->uri = parse_uri(to);
+        link->conn = transport::connect(link->uri, c);
+      }
       // A retrying client replaces connections, so no waiter may keep a pointer into one.
       if (!retrying_) poller_.add(link->conn->poller());
       links_.push_back(std::move(link));
@@ -368,6 +376,12 @@ class ClientImpl {
     std::string last = "no attempt";
     // A restarted server is back within tens of ms: look often at first, then back off.
     auto pause = std::chrono::milliseconds(2);
+    const std::size_t server = index_of(link);
+    // Failover: the server's keys may be served elsewhere now. Each look asks every other server,
+    // so looks come at 20, 40, 80, ... up to 500 ms apart: soon after a takeover (which takes tens
+    // of ms), and rarely while a server is merely restarting.
+    auto next_lookup = std::chrono::steady_clock::now();
+    auto lookup_pause = std::chrono::milliseconds(20);
     while (std::chrono::steady_clock::now() < deadline) {
       try {
         auto conn = std::shared_ptr<transport::Connection>(transport::connect(link.uri, connect_options_));
@@ -409,11 +423,64 @@ class ClientImpl {
       } catch (const Error& e) {
         last = e.what();
       }
+      if (link.uri.scheme == "tcp" && std::chrono::steady_clock::now() >= next_lookup) {
+        next_lookup = std::chrono::steady_clock::now() + lookup_pause;
+        lookup_pause = std::min(lookup_pause * 2, std::chrono::milliseconds(500));
+        if (std::string to = moved_to(server); !to.empty() && to != link.uri.str()) {
+          link.uri = parse_uri(to);
+          last = "server " + std::to_string(server) + "'s keys moved to " + to;
+          continue;
+        }
+      }
       std::this_thread::sleep_for(pause);
       pause = std::min(pause * 2, std::chrono::milliseconds(25));
     }
     link.gave_up = "gave up on " + link.uri.str() + " after retrying for " +
                    std::to_string(options_.retry_timeout.count()) + " ms; last attempt: " + last;
+  }
+
+  std::size_t index_of(const Link& link) const {
+    for (std::size_t s = 0; s < links_.size(); ++s)
+      if (links_[s].get() == &link) return s;
+    return links_.size();
+  }
+
+  // Where server `server`'s keys are served now, if a failover moved them (a certificate another
+  // server knows: docs/ARCHITECTURE.md, "Failover"); empty if none says so. Each server is asked
+  // on a connection of its own, made without a worker id (a worker's connection coming and
+  // going would count as that worker joining and leaving).
+  std::string moved_to(std::size_t server) const {
+    transport::ConnectOptions c = connect_options_;
+    c.worker_id = kNoWorker;
+    c.connect_timeout = std::min(c.connect_timeout, std::chrono::milliseconds(500));
+    c.io_timeout = std::min(c.io_timeout, std::chrono::milliseconds(1000));
+    for (std::size_t s = 0; s < options_.servers.size(); ++s) {
+      if (s == server) continue;
+      try {
+        const Uri uri = parse_uri(options_.servers[s]);
+        if (uri.scheme != "tcp") continue;  // failover runs on tcp rings only
+        auto conn = transport::connect(uri, c);
+        std::string text;
+        transport::Completion done;
+        done.reset(1);
+        transport::Request q;
+        q.op = wire::Op::certificates;
+        q.text_out = &text;
+        q.completion = &done;
+        conn->submit(q);
+        // Bounded by the connection's io timeout, which fails the request.
+        while (!done.wait(std::chrono::steady_clock::now() + std::chrono::seconds(1), conn->poller())) {
+        }
+        std::vector<wire::Certificate> certificates;
+        std::string why;
+        if (done.status() != Errc::ok || wire::decode_certificates(text, &certificates, &why) != Errc::ok) continue;
+        for (const wire::Certificate& cert : certificates)
+          if (cert.server == server && cert.holder != server && !cert.uri.empty()) return cert.uri;
+      } catch (const Error&) {
+        // That server is down too, or not one that keeps certificates: ask the next.
+      }
+    }
+    return {};
   }
 
   void wait(Ticket ticket) {

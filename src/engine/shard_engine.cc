@@ -63,9 +63,9 @@ ShardEngine::ShardEngine(const EngineOptions& options, std::unique_ptr<MemoryRes
           .count());
   // A replicated server marks every key with its workers' newest pushes, and the marks travel
   // in the records, so that whichever server a retried push reaches applies it once.
-  const std::uint32_t marks = options.replica_of.empty() ? 0 : options.num_workers;
+  const std::uint32_t marks = options.replica_of.empty() && !options.mark_pushes ? 0 : options.num_workers;
   store_->keep_push_marks(marks);
-  table_marks_per_table_ = options.replicate_tables ? marks : 0;
+  table_marks_per_table_ = options.replicate_tables || options.mark_pushes ? marks : 0;
   record_head_ = kRecordHeaderFloats + 2 * marks;
   for (std::uint32_t origin : options.replica_of) {
     auto r = std::make_unique<Replica>();
@@ -78,7 +78,7 @@ ShardEngine::ShardEngine(const EngineOptions& options, std::unique_ptr<MemoryRes
   if (options.mode == ConsistencyMode::sync) {
     const SyncOptions sync{.num_workers = options.num_workers,
                            .required = options.sync_required,
-                           .replicated = !options.replica_of.empty()};
+                           .replicated = !options.replica_of.empty() || options.mark_pushes};
     sync_ = std::make_unique<SyncAccumulator>(*store_, sync);
     for (auto& r : replicas_) r->sync = std::make_unique<SyncAccumulator>(*r->store, sync);
   }
@@ -507,6 +507,28 @@ ShardEngine::Replica* ShardEngine::replica(std::uint32_t origin, std::string* wh
   return nullptr;
 }
 
+Errc ShardEngine::sealed(std::uint32_t origin, std::string* why) const {
+  if (why)
+    *why = "server " + std::to_string(options_.server_id) + " takes no more of server " + std::to_string(origin) +
+           "'s frames: it is taking server " + std::to_string(origin) + "'s keys over (failover)";
+  return Errc::permission;
+}
+
+Errc ShardEngine::seal_replica(std::uint32_t origin, bool seal, std::string* why) {
+  Replica* r = replica(origin, why);
+  if (!r) return Errc::invalid_argument;
+  std::unique_lock frames(r->seal_mu);
+  r->sealed = seal;
+  return Errc::ok;
+}
+
+bool ShardEngine::replica_synced(std::uint32_t origin, std::uint32_t* incarnation) const {
+  const Replica* r = replica(origin, nullptr);
+  if (!r) return false;
+  if (incarnation) *incarnation = r->table_epoch.load(std::memory_order_acquire);
+  return r->mark.load(std::memory_order_acquire) == static_cast<std::uint32_t>(ReplicaMark::synced);
+}
+
 std::uint32_t ShardEngine::record_length_of(std::uint32_t floats) const noexcept {
   // record_floats() is linear in the length: head + fixed + length x per-value.
   const std::uint64_t fixed = record_head_ + (sync_ ? sync_->state_fixed_floats() : 0);
@@ -569,6 +591,8 @@ Errc ShardEngine::apply_replica(std::uint32_t origin, std::span<const KeyEntry> 
                                 std::string* why) {
   Replica* r = replica(origin, why);
   if (!r) return Errc::invalid_argument;
+  std::shared_lock frame(r->seal_mu);
+  if (r->sealed) return sealed(origin, why);
   return put_records(*r->store, r->sync.get(), keys, records, why);
 }
 
@@ -587,6 +611,8 @@ Errc ShardEngine::mark_replica(std::uint32_t origin, ReplicaMark mark, std::stri
                                std::uint32_t epoch_seconds) {
   Replica* r = replica(origin, why);
   if (!r) return Errc::invalid_argument;
+  std::shared_lock frame(r->seal_mu);
+  if (r->sealed) return sealed(origin, why);
   // As a table frame's: a page read (replica_table_rows) sees the copy before or after the mark.
   std::lock_guard applying(r->table_apply_mu);
   std::lock_guard lock(r->tables_mu);
@@ -619,6 +645,8 @@ Errc ShardEngine::apply_replica_word(WorkerWord word, std::uint32_t origin, std:
                                      std::string* why) {
   Replica* r = replica(origin, why);
   if (!r) return Errc::invalid_argument;
+  std::shared_lock frame(r->seal_mu);
+  if (r->sealed) return sealed(origin, why);
   if (worker >= options_.num_workers) {
     if (why)
       *why = "a word of worker " + std::to_string(worker) + ", but this server runs with --workers " +
@@ -783,6 +811,7 @@ std::string ShardEngine::stats_json(std::uint64_t external_pushes, const JsonObj
         .add(at + "_bytes", ts.bytes);
   }
   if (replicator_) j.merge(replicator_->stats());
+  if (membership_) j.merge(membership_->stats());
   return j.merge(extra).str();
 }
 
@@ -968,6 +997,8 @@ Errc ShardEngine::apply_replica_table(std::uint32_t origin, std::uint64_t connec
                                       std::span<const std::uint64_t> marks, std::string* why) {
   Replica* r = replica(origin, why);
   if (!r) return Errc::invalid_argument;
+  std::shared_lock frame(r->seal_mu);
+  if (r->sealed) return sealed(origin, why);
   if (!marks.empty() && marks.size() != table_marks_per_table_) {
     *why = "server " + std::to_string(origin) + "'s table " + std::to_string(id) + " comes with " +
            std::to_string(marks.size()) + " push marks; this server marks the pushes of " +
@@ -1021,6 +1052,8 @@ Errc ShardEngine::apply_replica_rows(std::uint32_t origin, std::uint64_t connect
                                      std::string* why, const RowsMark* marked) {
   Replica* r = replica(origin, why);
   if (!r) return Errc::invalid_argument;
+  std::shared_lock frame(r->seal_mu);
+  if (r->sealed) return sealed(origin, why);
   std::lock_guard applying(r->table_apply_mu);
   if (marked && marked->worker >= table_marks_per_table_) {
     *why = "rows of server " + std::to_string(origin) + "'s table " + std::to_string(id) + " marked by worker " +

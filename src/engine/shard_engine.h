@@ -10,6 +10,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <shared_mutex>
 #include <span>
 #include <string>
 #include <string_view>
@@ -57,6 +58,10 @@ struct EngineOptions {
   // With a replicator: the transport ships tables' rows too (tcp and rdma servers do), so table
   // ops are served; otherwise a replicated server refuses them.
   bool replicate_tables = false;
+  // Marks every key and table with its workers' newest pushes (as a replicated server does)
+  // without keeping replicas: a failover's takeover engine, built from a replica whose records
+  // carry the marks, applies a push retried there once (src/replication/takeover.h).
+  bool mark_pushes = false;
 };
 
 // A replica's copy of one of its origin's tables, as replica_table_rows reads it out.
@@ -134,6 +139,25 @@ class Replicator {
                                   const std::function<std::unique_ptr<Parked>()>& park, std::string* why,
                                   bool* parked) = 0;
   virtual JsonObject stats() const = 0;
+};
+
+// Failover's votes and certificates (src/replication/failover.h), as a transport serves them:
+// down(server, incarnation, holder) says that incarnation of `server` may no longer acknowledge
+// anything and its keys are served by `holder` at `uri` (docs/ARCHITECTURE.md, "Failover").
+// Thread-safety: every member from any thread.
+class Membership {
+ public:
+  virtual ~Membership() = default;
+  // `requester` asks for this server's vote: ok (granted, recorded before this returns), or a
+  // refusal with *why; stale_resource when the requester itself is certified down here.
+  virtual Errc vote(std::uint32_t server, std::uint32_t incarnation, std::uint32_t holder, const std::string& uri,
+                    std::uint32_t requester, std::string* why) = 0;
+  // A majority granted it (the winner says so): recorded, and acted on if it concerns this server.
+  virtual Errc certified(std::uint32_t server, std::uint32_t incarnation, std::uint32_t holder, const std::string& uri,
+                         std::string* why) = 0;
+  // What the certificates op answers: every certificate known to have won (wire::encode_certificates).
+  virtual std::string certificates() const = 0;
+  virtual JsonObject stats() const = 0;  // merged into the engine's stats
 };
 
 struct EngineStats {
@@ -261,7 +285,16 @@ class ShardEngine {
   // The own store takes the records where they are newer than what it holds (a rejoining server
   // restoring its keys from its replicas).
   Errc restore_records(std::span<const KeyEntry> keys, const float* records, std::string* why);
+  // Failover: a sealed replica of `origin` refuses its frames (permission), so that nothing
+  // `origin` ships after the seal is acknowledged by this server; a frame being applied finishes
+  // first. Unsealed again when the takeover it was for does not happen.
+  Errc seal_replica(std::uint32_t origin, bool seal, std::string* why);
+  // Whether the replica of `origin` holds all of its keys (a full transfer completed), and the
+  // incarnation (start, seconds) that transferred them.
+  bool replica_synced(std::uint32_t origin, std::uint32_t* incarnation = nullptr) const;
   void set_replicator(Replicator* replicator) noexcept { replicator_ = replicator; }
+  void set_membership(Membership* membership) noexcept { membership_ = membership; }
+  Membership* membership() const noexcept { return membership_; }
   Replicator* replicator() const noexcept { return replicator_; }
 
   // Embedding tables (docs/ARCHITECTURE.md, "Embedding tables"), ids below kMaxTables.
@@ -381,9 +414,13 @@ class ShardEngine {
     // A table frame of the current transfer failed here (no memory): the copy misses something,
     // so no synced mark counts until a new transfer's syncing mark restarts it. Under tables_mu.
     bool tables_broken = false;
+    // Held shared while a frame of the origin is applied, exclusively to seal the replica.
+    std::shared_mutex seal_mu;
+    bool sealed = false;  // under seal_mu
   };
   std::vector<std::unique_ptr<Replica>> replicas_;
   Replicator* replicator_ = nullptr;
+  Membership* membership_ = nullptr;
   // A table is published once whole and never removed while the engine lives, so lookups take
   // no lock.
   std::array<std::atomic<EmbeddingTable*>, kMaxTables> tables_{};
@@ -406,6 +443,7 @@ class ShardEngine {
   EmbeddingTable* table_rows(std::uint32_t id, std::span<const KeyEntry> entries, std::vector<Key>& keys,
                              std::string* why) const;
   Replica* replica(std::uint32_t origin, std::string* why) const;
+  Errc sealed(std::uint32_t origin, std::string* why) const;  // a frame refused by a sealed replica
   // Writes the records into `store` (with its pending steps into `sync`, in sync mode) where
   // they are newer (Store::put_if_newer).
   Errc put_records(Store& store, SyncAccumulator* sync, std::span<const KeyEntry> keys, const float* records,

@@ -527,7 +527,10 @@ void TcpReplicator::dispatch(std::unique_ptr<Shipment> s,
     r->out_cv.notify_one();
   }
   if (s->legs.empty()) {
-    if (s->reply) s->reply->resume(Errc::ok, {});
+    if (s->reply && deposed_.load())
+      s->reply->resume(Errc::peer_failure, "this server was certified down: another server holds its keys now");
+    else if (s->reply)
+      s->reply->resume(Errc::ok, {});
     give_back(std::move(s));
     return;
   }
@@ -538,7 +541,25 @@ void TcpReplicator::dispatch(std::unique_ptr<Shipment> s,
   queue_cv_.notify_one();
 }
 
+void TcpReplicator::depose() noexcept {
+  deposed_.store(true);
+}
+
 void TcpReplicator::drop(Replica& r, const transport::Connection* conn, const std::string& why) {
+  if (options_.may_drop) {
+    // A replica this server reached may hold a synced copy of its keys, and could serve them if
+    // its own successor took it for dead too: dropped only once a majority certified it down.
+    std::uint32_t incarnation = 0;
+    bool reached = false;
+    {
+      std::lock_guard lock(r.mu);
+      const int state = r.state.load();
+      if (state == static_cast<int>(State::down) || (conn && r.conn.get() != conn)) return;
+      reached = state != static_cast<int>(State::pending) && r.conn;
+      if (reached) incarnation = r.conn->info().incarnation;
+    }
+    if (reached && !options_.may_drop(r.peer.id, incarnation, why)) deposed_.store(true);
+  }
   std::lock_guard lock(r.mu);
   // A late failure of a connection already replaced says nothing about the current one.
   if (r.state.load() == static_cast<int>(State::down) || (conn && r.conn.get() != conn)) return;
@@ -583,6 +604,8 @@ void TcpReplicator::acker() {
       cut_short |= !leg.conn && leg.replica->state.load() != static_cast<int>(State::synced) &&
                    leg.replica->state.load() != static_cast<int>(State::down);
     if (!s->reply) {
+    } else if (deposed_.load()) {
+      s->reply->resume(Errc::peer_failure, "this server was certified down: another server holds its keys now");
     } else if (cut_short) {
       s->reply->resume(Errc::peer_failure, "the server stopped before its replicas held this update");
     } else {

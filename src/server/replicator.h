@@ -9,6 +9,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -38,6 +39,10 @@ struct ReplicatorOptions {
   // Where this server's table stream starts (the furthest a replica had seen, after a rejoin), so
   // that its replicas see every new frame as later than what they hold.
   std::uint32_t table_position = 0;
+  // Failover (src/server/failover.h): asked before a replica that was reached is dropped. False:
+  // this server may not drop it (it could not have it certified down, so it is deposed), and
+  // nothing that waits for that replica is acknowledged, from then on.
+  std::function<bool(std::uint32_t replica, std::uint32_t incarnation, const std::string& why)> may_drop;
 };
 
 // Ships the state of each key an init or push applied here (its record: update count, value,
@@ -81,6 +86,9 @@ class TcpReplicator final : public Replicator {
                           const std::function<std::unique_ptr<Parked>()>& park, std::string* why,
                           bool* parked) override;
   JsonObject stats() const override;
+  // This server was certified down (failover): from now on nothing is acknowledged; every reply
+  // that waits for the replicas, or would, is resumed with peer_failure.
+  void depose() noexcept;
   // Waits (up to the io timeout) for the acknowledgements of what was shipped, resumes every
   // waiting reply, and stops the threads. Call after the listener drained, before it closes.
   void stop() noexcept;
@@ -214,6 +222,7 @@ class TcpReplicator final : public Replicator {
   void give_back(std::unique_ptr<Shipment> s);
   std::atomic<bool> stopping_{false};
   std::atomic<bool> senders_stop_{false};  // after the acker has answered everything
+  std::atomic<bool> deposed_{false};       // may_drop refused: nothing is acknowledged any more
   std::atomic<std::uint64_t> reserved_bytes_{0};
   std::uint64_t record_bytes(std::span<const KeyEntry> keys) const noexcept;
   std::mutex table_order_mu_;     // reading tables' rows and queueing them, in one order

@@ -1,14 +1,17 @@
 #include "pskv/server.h"
 
+#include <sys/stat.h>
 #include <cmath>
 #include <condition_variable>
 #include <cstdio>
+#include <map>
 #include <mutex>
 #include <thread>
 
 #include "common/log.h"
 #include "engine/shard_engine.h"
 #include "server/checkpoint.h"
+#include "server/failover.h"
 #include "server/replicator.h"
 #include "server/table_checkpoint.h"
 #include "transport/listener.h"
@@ -89,11 +92,47 @@ void validate(const ServerOptions& o) {
   } else if (!o.peer_uri.empty()) {
     reject("--peer-uri is where replicating servers reach this one: it needs --replicas 2 or more");
   }
+  if (o.failover_timeout.count() < 0) reject("--failover-ms must not be negative");
+  if (o.failover_timeout.count() > 0) {
+    if (o.replicas < 2) reject("--failover-ms moves a dead server's keys to a replica: it needs --replicas 2 or more");
+    if (o.peers.size() < 3)
+      reject(
+          "--failover-ms needs at least 3 servers in --peers: a server is certified down by a majority, and "
+          "with 2 that is both");
+    if (o.uri.rfind("tcp://", 0) != 0)
+      reject("--failover-ms runs on tcp:// servers (rdma:// failover is not built yet)");
+    if (o.failover_dir.empty())
+      reject("--failover-ms needs --failover-dir: where this server keeps its votes, so that it never votes twice");
+  } else if (!o.failover_dir.empty()) {
+    reject("--failover-dir keeps the votes of --failover-ms, which is not set");
+  }
   if (o.memory_budget_bytes < o.max_request_bytes)
     reject("--memory-budget-mb (" + to_string(o.memory_budget_bytes >> 20) + ") must be at least --max-request-mb (" +
            to_string(o.max_request_bytes >> 20) + "), or a largest request could never be served");
 }
 }  // namespace
+
+// Another server's keys served here after a failover: an engine built from this server's replica
+// of them, its own listener, and its replicator to the rest of that server's chain.
+struct Takeover {
+  std::unique_ptr<transport::Listener> listener;
+  std::unique_ptr<ShardEngine> engine;
+  std::unique_ptr<TcpReplicator> replicator;
+  bool started = false;
+
+  // The stop sequence of ServerImpl::stop, for this engine.
+  void stop() {
+    if (!listener) return;
+    if (started) {
+      listener->stop_accepting();
+      listener->drain();
+    }
+    if (replicator) replicator->stop();
+    if (engine) engine->shutdown();
+    listener->close();
+    listener.reset();
+  }
+};
 
 // Thread-safety: construct and stop() from one thread; the accessors from any thread (they take
 // mu_, which stop() holds while it closes the listener).
@@ -130,7 +169,7 @@ class ServerImpl {
       const std::uint32_t next = (o.server_id + j) % servers;
       r.replicas.push_back({next, o.peers[next]});
     }
-    transport::ListenOptions l;
+    transport::ListenOptions& l = listen_options_;
     l.server_id = o.server_id;
     l.io_threads = o.io_threads;
     l.max_connections = o.max_connections;
@@ -163,6 +202,28 @@ class ServerImpl {
     }
     if (!o.checkpoint_dir.empty())
       table_checkpointer_ = std::make_unique<TableCheckpointer>(o.checkpoint_dir, o.server_id);
+    if (o.failover_timeout.count() > 0) {
+      ::mkdir(o.failover_dir.c_str(), 0700);  // Failover writes its votes there at once: an error shows
+      FailoverOptions f;
+      f.server_id = o.server_id;
+      f.peers = o.peers;
+      f.replicas = o.replicas;
+      f.timeout = o.failover_timeout;
+      f.votes_path = o.failover_dir + "/votes-" + std::to_string(o.server_id);
+      f.token = r.token;
+      f.incarnation = engine_->epoch_seconds();
+      FailoverHooks hooks;
+      hooks.serve = [this](std::uint32_t origin) { return serve_takeover(origin); };
+      hooks.depose = [this](const std::string& why) { depose(why); };
+      failover_ = std::make_unique<Failover>(*engine_, f, hooks);
+      engine_->set_membership(failover_.get());
+      r.may_drop = [this](std::uint32_t replica, std::uint32_t incarnation, const std::string& why) {
+        return failover_->may_drop(replica, incarnation, why);
+      };
+      // The claim goes first: a rejoin must not take keys a takeover already serves elsewhere.
+      if (o.rejoin) failover_->claim_own_keys(std::chrono::milliseconds(o.wait_timeout) * 3);
+    }
+    replicator_options_ = r;
     if (o.rejoin) {
       const RejoinReport got = rejoin_from_replicas(*engine_, r, std::chrono::milliseconds(o.wait_timeout) * 3);
       log::info(
@@ -194,11 +255,86 @@ class ServerImpl {
       throw;
     }
     uri_ = listener_->uri();
+    if (failover_) failover_->start();
     if (!o.checkpoint_dir.empty() && o.checkpoint_interval.count() > 0)
       checkpointer_ = std::thread([this] { checkpoint_loop(); });
   }
 
-  ~ServerImpl() { stop(); }
+  ~ServerImpl() {
+    stop();
+    std::lock_guard lock(deposer_mu_);
+    if (deposer_.joinable()) deposer_.join();  // a deposition's stop, begun on another thread
+  }
+
+  // Failover: another server's keys, served from this server's replica of them at a new port of
+  // this host (the certificate tells the clients where).
+  std::string serve_takeover(std::uint32_t origin) {
+    EngineOptions e = engine_->options();
+    e.server_id = origin;
+    e.replica_of.clear();
+    e.mark_pushes = true;
+    e.replicate_tables = true;
+    e.track_table_changes = false;
+    auto t = std::make_unique<Takeover>();
+    Uri at = parse_uri(options_.uri);
+    at.port = 0;
+    transport::ListenOptions l = listen_options_;
+    l.server_id = origin;
+    t->listener = transport::listen(at, l);
+    try {
+      transport::EngineMemory memory = t->listener->engine_memory(e);
+      t->engine = std::make_unique<ShardEngine>(e, std::move(memory.store), memory.clocks);
+      adopt_replica(*engine_, origin, *t->engine);
+      // The rest of the origin's chain keeps its keys, under its id and this engine's newer
+      // epoch (so these records win over the origin's there).
+      ReplicatorOptions r = replicator_options_;
+      r.server_id = origin;
+      r.replicas.clear();
+      r.table_position = 0;
+      const auto servers = static_cast<std::uint32_t>(options_.peers.size());
+      for (std::uint32_t j = 1; j < options_.replicas; ++j) {
+        const std::uint32_t next = (origin + j) % servers;
+        if (next != options_.server_id) r.replicas.push_back({next, options_.peers[next]});
+      }
+      if (!r.replicas.empty()) {
+        t->replicator = std::make_unique<TcpReplicator>(*t->engine, r);
+        t->engine->set_replicator(t->replicator.get());
+      }
+      t->engine->set_membership(failover_.get());
+      t->listener->start(*t->engine);
+      t->started = true;
+    } catch (...) {
+      t->stop();
+      throw;
+    }
+    const std::string uri = t->listener->uri();
+    std::lock_guard lock(takeovers_mu_);
+    takeovers_[origin] = std::move(t);
+    return uri;
+  }
+
+  // Certified down: this server may no longer acknowledge anything, so it stops serving (its
+  // clients find the keys' new holder through the certificates).
+  void depose(const std::string& why) {
+    {
+      std::lock_guard lock(stop_mu_);
+      deposed_ = why;
+    }
+    // Nothing is acknowledged from this instant, before the stop below gets that far.
+    if (replicator_) replicator_->depose();
+    {
+      std::lock_guard lock(takeovers_mu_);
+      for (auto& [origin, t] : takeovers_)
+        if (t->replicator) t->replicator->depose();
+    }
+    std::lock_guard lock(deposer_mu_);
+    if (!deposer_.joinable()) deposer_ = std::thread([this] { stop(); });
+  }
+
+  std::string deposed() const {
+    std::lock_guard lock(stop_mu_);
+    return deposed_;
+  }
 
   void checkpoint() {
     std::lock_guard lock(checkpoint_mu_);
@@ -234,6 +370,16 @@ class ServerImpl {
     if (peer_listener_) peer_listener_->stop_accepting();
     listener_->drain();
     if (peer_listener_) peer_listener_->drain();
+    // The watcher may be building a takeover: it is done once stopped, and the takeovers go next.
+    if (failover_) failover_->stop();
+    {
+      std::map<std::uint32_t, std::unique_ptr<Takeover>> takeovers;
+      {
+        std::lock_guard lock(takeovers_mu_);
+        takeovers.swap(takeovers_);
+      }
+      for (auto& [origin, t] : takeovers) t->stop();
+    }
     // Replies waiting for the replicas are resumed while their connections are still open.
     if (replicator_) replicator_->stop();
     if (!options_.checkpoint_dir.empty()) {
@@ -277,12 +423,23 @@ class ServerImpl {
   std::unique_ptr<transport::Listener> peer_listener_;  // rdma:// with replicas: the peers' tcp://
   std::unique_ptr<ShardEngine> engine_;
   std::unique_ptr<TcpReplicator> replicator_;  // stopped before the listener closes
-  std::mutex checkpoint_mu_, stop_mu_;
+  std::mutex checkpoint_mu_;
+  mutable std::mutex stop_mu_;
   mutable std::mutex mu_;
   std::condition_variable stop_cv_;
   bool stopping_ = false, closed_ = false;
   std::thread checkpointer_;
   std::unique_ptr<TableCheckpointer> table_checkpointer_;  // with --checkpoint-dir
+  transport::ListenOptions listen_options_;
+  ReplicatorOptions replicator_options_;
+  // Failover (--failover-ms). stop() stops it before the replicator that calls it, and the
+  // takeovers, whose engines it serves votes for, before it.
+  std::unique_ptr<Failover> failover_;
+  std::mutex takeovers_mu_;
+  std::map<std::uint32_t, std::unique_ptr<Takeover>> takeovers_;
+  std::string deposed_;  // under stop_mu_: why this server was certified down
+  std::mutex deposer_mu_;
+  std::thread deposer_;
 };
 
 }  // namespace detail
@@ -300,6 +457,9 @@ bool Server::workers_finished() const {
 }
 std::string Server::failure() const {
   return impl_->failure();
+}
+std::string Server::deposed() const {
+  return impl_->deposed();
 }
 void Server::stop() {
   impl_->stop();

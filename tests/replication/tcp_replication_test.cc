@@ -266,7 +266,7 @@ TEST(TcpReplication, AHungReplicaCostsABoundedAmountAndIsDroppedAtTheTimeout) {
   EXPECT_EQ(out[0], float(done));
 }
 
-// A trial's client options, and its keys [0, count), created as `length` zeros.
+// A trial's client options.
 ClientOptions trial_options(const Ring& ring) {
   ClientOptions o;
   o.servers = ring.uris();
@@ -282,13 +282,6 @@ ClientOptions retrying_worker(const ClientOptions& o, std::uint32_t w) {
   mine.retry_timeout = std::chrono::seconds(30);
   return mine;
 }
-std::vector<Key> make_keys(const ClientOptions& o, Key count, std::size_t length) {
-  std::vector<Key> keys(count);
-  Client admin(o);
-  const std::vector<float> zeros(length, 0.0f);
-  for (Key k = 0; k < count; ++k) admin.wait(admin.init(keys[k] = k, zeros));
-  return keys;
-}
 
 // An origin with nothing to ship still notices that its replica died and came back (empty of
 // the origin's keys) and transfers them again: otherwise the origin, killed next, could not
@@ -297,7 +290,7 @@ TEST(TcpReplication, AnIdleOriginNoticesItsReplicaRestartedAndSyncsItAgain) {
   Ring ring(2, 2, {"--rule", "add"});
   ClientOptions o;
   o.servers = ring.uris();
-  const std::vector<Key> keys = make_keys(o, 8, 16);
+  const std::vector<Key> keys = testing::make_zero_keys(o, 8, 16);
   {
     Client c(o);
     const std::vector<float> ones(16, 1.0f);
@@ -365,7 +358,7 @@ void kill_trials(std::uint32_t replicas, bool during_transfer) {
   for (int trial = 0; trial < n; ++trial) {
     Ring ring(3, replicas, {"--rule", "add", "--frame-timeout-ms", "2000"});
     const ClientOptions o = trial_options(ring);
-    const std::vector<Key> keys = make_keys(o, kKeys, kLen);
+    const std::vector<Key> keys = testing::make_zero_keys(o, kKeys, kLen);
     if (during_transfer) {
       Client admin(o);
       const std::vector<float> ballast(1024, 1.0f);
@@ -437,7 +430,7 @@ TEST_P(TcpReplicationRetry, WorkersThatRetrySeeNoErrorAndEveryPushLandsOnce) {
               {"--rule", "add", "--frame-timeout-ms", "2000", "--workers", std::to_string(kWorkers), "--mode", "ssp",
                "--staleness", "1", "--wait-timeout-ms", "30000"});
     const ClientOptions o = trial_options(ring);
-    const std::vector<Key> keys = make_keys(o, kKeys, kLen);
+    const std::vector<Key> keys = testing::make_zero_keys(o, kKeys, kLen);
     testing::SharedArray<testing::PushTally> tally(kWorkers);
     testing::SharedArray<std::atomic<int>> stop(1);
     std::vector<pid_t> pids;
@@ -506,7 +499,7 @@ TEST(TcpReplicationSync, AKilledServerKeepsTheStepsPartialSums) {
               {"--rule", "sgd", "--lr", "1", "--frame-timeout-ms", "2000", "--workers", std::to_string(kWorkers),
                "--mode", "sync", "--wait-timeout-ms", "30000"});
     const ClientOptions o = trial_options(ring);
-    const std::vector<Key> keys = make_keys(o, kKeys, kLen);
+    const std::vector<Key> keys = testing::make_zero_keys(o, kKeys, kLen);
     testing::SharedArray<std::atomic<int>> progress(1);  // worker 0's steps done
     std::vector<pid_t> pids;
     const testing::KillOnExit reap(pids);
@@ -561,7 +554,7 @@ TEST(TcpReplicationClocks, ARejoinedServerKnowsEveryClockItAcknowledged) {
   Ring ring(2, 2, {"--workers", "2", "--mode", "ssp", "--staleness", "1", "--wait-timeout-ms", "3000"});
   ClientOptions o;
   o.servers = ring.uris();
-  const std::vector<Key> keys = make_keys(o, 8, 16);  // on both servers
+  const std::vector<Key> keys = testing::make_zero_keys(o, 8, 16);  // on both servers
   ClientOptions w0 = o;
   w0.worker_id = 0;
   Client ahead(w0);
@@ -614,7 +607,7 @@ TEST(TcpReplicationClocks, ARejoinedServerKnowsWhomItEvicted) {
   Ring ring(2, 2, {"--workers", "2", "--mode", "bsp", "--straggler-policy", "evict", "--wait-timeout-ms", "1000"});
   ClientOptions o;
   o.servers = {ring.uris()[0]};  // everything on server 0
-  const std::vector<Key> keys = make_keys(o, 4, 16);
+  const std::vector<Key> keys = testing::make_zero_keys(o, 4, 16);
   ClientOptions w0 = o, w1 = o;
   w0.worker_id = 0;
   w1.worker_id = 1;
@@ -681,7 +674,7 @@ TEST(TcpReplicationClocks, APartLostWithItsServerIsSentAgainWhileTheOthersWait) 
   Ring ring(2, 2, {"--workers", "2", "--mode", "ssp", "--staleness", "0", "--wait-timeout-ms", "20000"});
   ClientOptions o;
   o.servers = ring.uris();
-  const std::vector<Key> keys = make_keys(o, 8, 16);  // on both servers
+  const std::vector<Key> keys = testing::make_zero_keys(o, 8, 16);  // on both servers
   wait_synced(ring, 2);
   ClientOptions w0 = o, w1 = o;
   w0.worker_id = 0;

@@ -107,4 +107,12 @@ int push_through_failures(const ClientOptions& options, std::span<const Key> key
   return 0;
 }
 
+std::vector<Key> make_zero_keys(const ClientOptions& options, Key count, std::size_t length) {
+  std::vector<Key> keys(count);
+  Client admin(options);
+  const std::vector<float> zeros(length, 0.0f);
+  for (Key k = 0; k < count; ++k) admin.wait(admin.init(keys[k] = k, zeros));
+  return keys;
+}
+
 }  // namespace pskv::testing

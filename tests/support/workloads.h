@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "pskv/client.h"
 #include "support/stats.h"
@@ -48,6 +49,9 @@ struct PushTally {
 // at a time, until `stop` is set. A push or connect that fails drops the client and connects
 // again, as a worker whose server died and came back does. Returns 0, or 1 if no server took it
 // back within `reconnect_within` (said on stderr).
+// Keys [0, count), each created as `length` zeros through a client of `options`.
+std::vector<Key> make_zero_keys(const ClientOptions& options, Key count, std::size_t length);
+
 int push_through_failures(const ClientOptions& options, std::span<const Key> keys, std::uint32_t length,
                           PushTally& tally, const std::atomic<int>& stop, std::chrono::seconds reconnect_within);
 

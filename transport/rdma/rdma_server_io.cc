@@ -360,6 +360,10 @@ bool IoThread::dispatch(ServerConn& c, const wire::FrameHeader& h) {
     case wire::Op::auth:  // handled before dispatch
       return send_error(c, h, Errc::unsupported,
                         std::string(wire::op_name(h.op)) + " is not an rdma:// control message");
+    case wire::Op::down_vote:
+    case wire::Op::down_certified:
+    case wire::Op::certificates:
+      return send_error(c, h, Errc::unsupported, "failover (--failover-ms) runs on tcp:// servers, not rdma://");
     case wire::Op::replica_clock:
     case wire::Op::replica_barrier:
     case wire::Op::replica_evict: {

@@ -67,6 +67,7 @@ void TcpConnection::handshake() {
   }
   if (r.payload_bytes != 0) throw Error(Errc::protocol, endpoint_ + " sent an unexpected payload in its hello reply");
   info_.server_id = static_cast<std::uint32_t>(r.arg0);
+  info_.incarnation = static_cast<std::uint32_t>(r.arg0 >> 32);
   info_.num_workers = r.arg1;
 }
 

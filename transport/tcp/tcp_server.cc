@@ -1226,6 +1226,29 @@ bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payl
     case wire::Op::table_pull:
     case wire::Op::table_push:
       return handle_table(peer, h, payload);
+    case wire::Op::down_vote:
+    case wire::Op::down_certified: {
+      Membership* membership = engine_.membership();
+      if (!membership) {
+        status = Errc::unsupported;
+        why = "server " + std::to_string(engine_.options().server_id) +
+              " runs without --failover-ms: it takes no part in failover votes";
+        break;
+      }
+      wire::Certificate c;
+      std::uint32_t requester = 0;
+      if ((status = wire::decode_down_vote(peer.keys, payload, h.payload_bytes, &c, &requester, &why)) != Errc::ok)
+        break;
+      status = op == wire::Op::down_vote ? membership->vote(c.server, c.incarnation, c.holder, c.uri, requester, &why)
+                                         : membership->certified(c.server, c.incarnation, c.holder, c.uri, &why);
+      break;
+    }
+    case wire::Op::certificates: {
+      const std::string text = engine_.membership() ? engine_.membership()->certificates() : std::string();
+      Reply r(reply_header(h, text.size()), text.data(), text.size());
+      r.header.flags |= wire::kText;
+      return send(peer, std::move(r));
+    }
   }
   if (status != Errc::ok) return send_error(peer, h, status, why);
   return send_empty(peer, h);
@@ -1479,7 +1502,8 @@ bool TcpServer::admit(Peer& peer, const wire::FrameHeader& h) {
   peer.worker = worker;
   peer.handshaken.store(true, std::memory_order_relaxed);
   if (worker != kNoWorker) engine_.worker_joined(worker);
-  return send_empty(peer, h, engine_.options().server_id, engine_.options().num_workers);
+  return send_empty(peer, h, wire::hello_reply_arg0(engine_.options().server_id, engine_.epoch_seconds()),
+                    engine_.options().num_workers);
 }
 
 const auth::Token* TcpServer::token_for(const Peer& peer) const noexcept {

@@ -1,0 +1,433 @@
+#include "server/failover.h"
+
+#include <algorithm>
+
+#include "common/log.h"
+#include "table/embedding_table.h"
+#include "transport/transport.h"
+#include "transport/uri.h"
+
+namespace pskv {
+namespace {
+constexpr std::uint64_t kAdoptBytes = 64ull << 20;  // records copied per step of adopt_replica
+
+std::unique_ptr<transport::Connection> connect_peer(const std::string& uri,
+                                                    const std::shared_ptr<const auth::Token>& token,
+                                                    std::chrono::milliseconds timeout) {
+  transport::ConnectOptions c;
+  c.worker_id = wire::kServerPeer;  // votes are taken from servers only
+  c.connect_timeout = timeout;
+  c.io_timeout = timeout;
+  c.token = token;
+  return transport::connect(parse_uri(uri), c);
+}
+
+// One request and its answer within `timeout`: ok, or the failure (timeout or the refusal). A
+// request not answered in time is failed by closing its connection (conn is reset), so nothing
+// refers to it once this returns.
+Errc ask(std::unique_ptr<transport::Connection>& conn, transport::Request& q, std::chrono::milliseconds timeout,
+         std::string* why) {
+  transport::Completion done;
+  done.reset(1);
+  q.completion = &done;
+  conn->submit(q);
+  if (!done.wait(std::chrono::steady_clock::now() + timeout, conn->poller())) {
+    conn.reset();
+    *why = "no answer within " + std::to_string(timeout.count()) + " ms";
+    return Errc::timeout;
+  }
+  *why = done.message();
+  return done.status();
+}
+}  // namespace
+
+void adopt_replica(ShardEngine& holder, std::uint32_t origin, ShardEngine& into) {
+  std::string why;
+  std::vector<std::pair<Key, std::uint32_t>> index;
+  std::vector<std::uint64_t> words;
+  bool synced = false;
+  if (holder.replica_index(origin, &index, &synced, &words, &why) != Errc::ok) throw Error(Errc::invalid_argument, why);
+  if (!synced) throw Error(Errc::peer_failure, "the replica of server " + std::to_string(origin) + " is not synced");
+  std::vector<KeyEntry> keys;
+  std::vector<float> records;
+  for (std::size_t begin = 0; begin < index.size();) {
+    keys.clear();
+    std::uint64_t floats = 0;
+    std::size_t end = begin;
+    for (; end < index.size() && (end == begin || floats * sizeof(float) < kAdoptBytes); ++end) {
+      const auto length = static_cast<std::uint32_t>(holder.record_floats(index[end].second));
+      keys.push_back({index[end].first, length, 0});
+      floats += length;
+    }
+    records.resize(floats);
+    if (Errc e = holder.read_records(origin, keys, records.data(), &why); e != Errc::ok) throw Error(e, why);
+    if (Errc e = into.restore_records(keys, records.data(), &why); e != Errc::ok) throw Error(e, why);
+    begin = end;
+  }
+  // Every clock, barrier arrival and eviction the origin acknowledged (as a rejoin takes them).
+  const std::size_t workers = words.size() / kWorkerWords;
+  for (std::size_t w = 0; w < workers; ++w) {
+    const auto worker = static_cast<std::uint32_t>(w);
+    if (words[w] > 0) into.advance_clock(worker, words[w]);
+    into.restore_barrier(worker, words[workers + w]);
+    if (words[2 * workers + w]) into.restore_eviction(worker);
+  }
+  for (std::uint32_t id = 0; id < kMaxTables; ++id) {
+    std::uint32_t cursor = 0;
+    do {
+      ReplicaTableRows page;
+      if (Errc e = holder.replica_table_rows(origin, id, cursor, 1u << 14, kAdoptBytes, &page, &why); e != Errc::ok)
+        throw Error(e, why);
+      if (!page.exists) break;
+      if (Errc e = into.restore_table_rows(id, page.requested, page.max_rows, page.ids, page.records.data(), &why);
+          e != Errc::ok)
+        throw Error(e, why);
+      if (cursor == 0)
+        if (Errc e = into.restore_table_marks(id, page.marks, &why); e != Errc::ok) throw Error(e, why);
+      cursor = page.next;
+    } while (cursor != 0);
+  }
+}
+
+Failover::Failover(ShardEngine& engine, FailoverOptions options, FailoverHooks hooks)
+    : engine_(engine), options_(std::move(options)), hooks_(std::move(hooks)), book_(options_.votes_path) {
+  book_.check_writable();
+  if (book_.takeover_of(options_.server_id))
+    throw Error(Errc::permission,
+                "server " + std::to_string(options_.server_id) + "'s keys were voted to server " +
+                    std::to_string(book_.takeover_of(options_.server_id)->holder) + " (see " + options_.votes_path +
+                    "): a server whose keys were taken over does not serve them again (moving them back is not built)");
+}
+
+void Failover::start() {
+  watcher_ = std::thread([this] { watch(); });
+}
+
+Failover::~Failover() {
+  stop();
+}
+
+void Failover::stop() noexcept {
+  {
+    std::lock_guard lock(mu_);
+    if (stopping_.exchange(true)) return;
+  }
+  cv_.notify_all();
+  if (watcher_.joinable()) watcher_.join();
+}
+
+Errc Failover::vote(std::uint32_t server, std::uint32_t incarnation, std::uint32_t holder, const std::string& uri,
+                    std::uint32_t requester, std::string* why) {
+  const auto n = static_cast<std::uint32_t>(options_.peers.size());
+  if (server >= n || holder >= n || requester >= n) {
+    *why = "a down vote names a server past the " + std::to_string(n) + " of --peers";
+    return Errc::invalid_argument;
+  }
+  return book_.vote({server, incarnation, holder, uri}, requester, why);
+}
+
+Errc Failover::certified(std::uint32_t server, std::uint32_t incarnation, std::uint32_t holder, const std::string& uri,
+                         std::string* why) {
+  const auto n = static_cast<std::uint32_t>(options_.peers.size());
+  if (server >= n || holder >= n) {
+    *why = "a certificate names a server past the " + std::to_string(n) + " of --peers";
+    return Errc::invalid_argument;
+  }
+  if (Errc e = book_.certified({server, incarnation, holder, uri}, why); e != Errc::ok) return e;
+  if (holder == server) return Errc::ok;  // a restarted server's claim: nothing moves
+  if (server == options_.server_id) {
+    // (An announcement about an earlier incarnation, arriving late, concerns nobody running.)
+    if (incarnation >= options_.incarnation)
+      depose("a majority certified it down; server " + std::to_string(holder) + " serves its keys");
+  } else if (holder == options_.server_id) {
+    queue_takeover(server, incarnation);
+  }
+  return Errc::ok;
+}
+
+void Failover::queue_takeover(std::uint32_t origin, std::uint32_t incarnation) {
+  std::lock_guard lock(mu_);
+  if (serving_.count(origin)) return;
+  for (const auto& [queued, e] : to_take_)
+    if (queued == origin) return;
+  to_take_.emplace_back(origin, incarnation);
+  cv_.notify_all();
+}
+
+std::string Failover::certificates() const {
+  std::vector<wire::Certificate> won = book_.won();
+  std::erase_if(won, [](const wire::Certificate& c) { return c.holder == c.server; });
+  return wire::encode_certificates(won);
+}
+
+std::uint32_t Failover::holder_for(std::uint32_t server) const {
+  const auto n = static_cast<std::uint32_t>(options_.peers.size());
+  for (std::uint32_t j = 1; j < options_.replicas; ++j) {
+    const std::uint32_t next = (server + j) % n;
+    if (!book_.takeover_of(next)) return next;
+  }
+  return UINT32_MAX;
+}
+
+std::vector<std::pair<Errc, std::string>> Failover::tell_everyone(wire::Op op, const wire::Certificate& c) const {
+  const auto n = options_.peers.size();
+  std::vector<std::pair<Errc, std::string>> answers(n, {Errc::timeout, {}});
+  const std::vector<float> payload = wire::encode_down_vote(c, options_.server_id);
+  // Every server at once: a hung one costs the timeout once, not once per server.
+  std::vector<std::thread> askers;
+  for (std::size_t s = 0; s < n; ++s) {
+    if (s == options_.server_id) continue;
+    askers.emplace_back([&, s] {
+      try {
+        auto conn = connect_peer(options_.peers[s], options_.token, options_.timeout);
+        const transport::KeySlice slice{0, static_cast<std::uint32_t>(payload.size()),
+                                        const_cast<float*>(payload.data())};
+        transport::Request q;
+        q.op = op;
+        q.keys = {&slice, 1};
+        answers[s].first = ask(conn, q, options_.timeout, &answers[s].second);
+      } catch (const Error& e) {
+        answers[s] = {e.code(), e.what()};
+      }
+    });
+  }
+  for (auto& t : askers) t.join();
+  return answers;
+}
+
+bool Failover::win(const wire::Certificate& c, bool* down, std::string* why, bool* superseded) {
+  std::lock_guard one(win_mu_);
+  *down = false;
+  if (superseded) *superseded = false;
+  std::string mine;
+  const Errc own = book_.vote(c, options_.server_id, &mine);
+  std::vector<std::pair<Errc, std::string>> answers = tell_everyone(wire::Op::down_vote, c);
+  answers[options_.server_id] = {own, mine};
+  std::uint32_t granted = 0;
+  why->clear();
+  for (std::size_t s = 0; s < answers.size(); ++s) {
+    const auto& [answer, reason] = answers[s];
+    if (answer == Errc::ok) {
+      ++granted;
+      continue;
+    }
+    *down |= answer == Errc::stale_resource;
+    if (superseded) *superseded |= answer == Errc::not_found;
+    if (!why->empty()) why->append("; ");
+    why->append("server ").append(std::to_string(s)).append(": ").append(reason);
+  }
+  return granted >= majority();
+}
+
+void Failover::announce(const wire::Certificate& c) {
+  std::string why;
+  book_.certified(c, &why);
+  // A server not told now learns nothing it needs: a voter of the majority refuses the certified
+  // server anyway, clients ask every server, and a deposed server asks too.
+  tell_everyone(wire::Op::down_certified, c);
+}
+
+bool Failover::may_drop(std::uint32_t replica, std::uint32_t incarnation, const std::string& why) {
+  if (deposed_.load()) return false;
+  if (book_.won_takeover_of(replica)) return true;
+  std::uint32_t holder = holder_for(replica);
+  if (holder == UINT32_MAX) holder = (replica + 1) % static_cast<std::uint32_t>(options_.peers.size());
+  const wire::Certificate c{replica, incarnation, holder, {}};
+  bool down = false, superseded = false;
+  std::string refused;
+  if (win(c, &down, &refused, &superseded)) {
+    log::warn("failover", "server " + std::to_string(options_.server_id) + ": replica server " +
+                              std::to_string(replica) + " certified down (" + why + "); server " +
+                              std::to_string(holder) + " takes its keys");
+    announce(c);
+    if (holder == options_.server_id) queue_takeover(replica, incarnation);
+    return true;
+  }
+  // That incarnation of the replica is gone: it was restarted, and its successor claimed its keys
+  // (it rejoins, and the keeper reconnects to it). Nothing is taken over.
+  if (superseded && !down) return true;
+  depose("its replica server " + std::to_string(replica) + " went silent (" + why +
+         ") and a majority would not certify it down: " + refused);
+  return false;
+}
+
+void Failover::claim_own_keys(std::chrono::milliseconds patience) {
+  const auto give_up = std::chrono::steady_clock::now() + patience;
+  const wire::Certificate c{options_.server_id, options_.incarnation, options_.server_id, {}};
+  for (;;) {
+    bool down = false;
+    std::string refused;
+    if (win(c, &down, &refused)) {
+      announce(c);
+      return;
+    }
+    if (down)
+      throw Error(Errc::permission, "server " + std::to_string(options_.server_id) +
+                                        "'s keys were taken over while it was down (" + refused +
+                                        "); a server whose keys were taken over does not serve them again");
+    if (std::chrono::steady_clock::now() > give_up)
+      throw Error(Errc::peer_failure, "no majority of the servers answered server " +
+                                          std::to_string(options_.server_id) + "'s claim of its keys within " +
+                                          std::to_string(patience.count()) + " ms: " + refused);
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+}
+
+std::string Failover::certified_down_at(std::size_t server) const {
+  try {
+    auto conn = connect_peer(options_.peers[server], options_.token, options_.timeout);
+    std::string text, why;
+    transport::Request q;
+    q.op = wire::Op::certificates;
+    q.text_out = &text;
+    std::vector<wire::Certificate> won;
+    if (ask(conn, q, options_.timeout, &why) != Errc::ok || wire::decode_certificates(text, &won, &why) != Errc::ok)
+      return {};
+    for (const wire::Certificate& c : won)
+      if (c.server == options_.server_id && c.holder != options_.server_id && c.incarnation >= options_.incarnation)
+        return "server " + std::to_string(server) + " knows it was certified down; server " + std::to_string(c.holder) +
+               " serves its keys";
+  } catch (const Error&) {
+    // Unreachable: asked again later, of another server.
+  }
+  return {};
+}
+
+void Failover::depose(const std::string& why) {
+  if (deposed_.exchange(true)) return;
+  log::error("failover",
+             "server " + std::to_string(options_.server_id) + " stops: it may no longer acknowledge anything: " + why);
+  hooks_.depose(why);
+}
+
+void Failover::take_over(std::uint32_t origin, std::uint32_t certified_incarnation) {
+  const std::string who = "server " + std::to_string(options_.server_id);
+  const std::string of = "server " + std::to_string(origin);
+  const bool won = certified_incarnation != 0;
+  std::uint32_t incarnation = 0;
+  std::string why;
+  if (!engine_.replica_synced(origin, &incarnation)) {
+    log::error("failover", who + " cannot take over " + of + "'s keys: its replica of them is not synced");
+    return;
+  }
+  // From here no frame of the origin is taken: whatever it acknowledged is in the replica now.
+  engine_.seal_replica(origin, true, &why);
+  if (!engine_.replica_synced(origin, &incarnation) || (won && incarnation != certified_incarnation)) {
+    engine_.seal_replica(origin, false, &why);
+    log::error("failover", who + " cannot take over " + of + "'s keys: its replica is not a synced copy of the " +
+                               "incarnation certified down");
+    return;
+  }
+  wire::Certificate c{origin, incarnation, options_.server_id, {}};
+  // Won first, served after: a takeover that loses must not have replicated anything under the
+  // origin's id (its records, newer than the origin's, would win at the origin's other replicas).
+  if (!won) {
+    bool down = false;
+    std::string refused;
+    if (!win(c, &down, &refused)) {
+      engine_.seal_replica(origin, false, &why);
+      log::warn("failover", who + " did not take " + of + "'s keys over: " + refused);
+      if (down) depose("a majority says it is down: " + refused);
+      return;
+    }
+  }
+  try {
+    c.uri = hooks_.serve(origin);
+  } catch (const std::exception& e) {
+    // Certified, and nobody else will serve them: the clients get their retry timeout's error.
+    log::error("failover", who + " won " + of + "'s keys but cannot serve them: " + e.what());
+    return;
+  }
+  {
+    std::lock_guard lock(mu_);
+    serving_.insert(origin);
+  }
+  announce(c);
+  log::info("failover", who + " serves " + of + "'s keys at " + c.uri);
+}
+
+void Failover::watch() {
+  struct Watched {
+    std::uint32_t origin;
+    std::unique_ptr<transport::Connection> conn;
+    std::chrono::steady_clock::time_point last_answer;
+  };
+  std::vector<Watched> watched;
+  for (std::uint32_t origin : engine_.options().replica_of)
+    watched.push_back({origin, nullptr, std::chrono::steady_clock::now()});
+  const auto look_every = std::max(options_.timeout / 4, std::chrono::milliseconds(20));
+  auto next_self_look = std::chrono::steady_clock::now();
+  std::size_t asked = options_.server_id;
+  std::unique_lock lock(mu_);
+  while (!stopping_.load()) {
+    cv_.wait_for(lock, look_every, [&] { return stopping_.load() || !to_take_.empty(); });
+    if (stopping_.load()) break;
+    // A server that was hung (or cut off) while it was certified down is told by nobody: the
+    // winner's announcement could not reach it. It asks one other server a second.
+    if (!deposed_.load() && std::chrono::steady_clock::now() >= next_self_look) {
+      next_self_look = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+      asked = (asked + 1) % options_.peers.size();
+      if (asked == options_.server_id) asked = (asked + 1) % options_.peers.size();
+      lock.unlock();
+      if (const std::string why = certified_down_at(asked); !why.empty()) depose(why);
+      lock.lock();
+      continue;
+    }
+    while (!to_take_.empty()) {
+      const auto [origin, incarnation] = to_take_.front();
+      to_take_.pop_front();
+      if (serving_.count(origin)) continue;
+      lock.unlock();
+      take_over(origin, std::max(incarnation, 1u));
+      lock.lock();
+    }
+    if (deposed_.load()) continue;
+    for (Watched& w : watched) {
+      if (serving_.count(w.origin) || holder_for(w.origin) != options_.server_id || book_.won_takeover_of(w.origin)) {
+        w.last_answer = std::chrono::steady_clock::now();
+        continue;
+      }
+      lock.unlock();
+      // A look: the stats of the origin, over a connection kept between looks. A refused
+      // connection (the process is gone) or an unanswered look counts as silence.
+      try {
+        if (!w.conn) w.conn = connect_peer(options_.peers[w.origin], options_.token, options_.timeout);
+        std::string stats, why;
+        transport::Request q;
+        q.op = wire::Op::stats;
+        q.text_out = &stats;
+        if (ask(w.conn, q, options_.timeout, &why) == Errc::ok)
+          w.last_answer = std::chrono::steady_clock::now();
+        else
+          w.conn.reset();
+      } catch (const Error&) {
+        w.conn.reset();
+      }
+      if (std::chrono::steady_clock::now() - w.last_answer > options_.timeout && !stopping_.load()) {
+        log::warn("failover", "server " + std::to_string(options_.server_id) + ": server " + std::to_string(w.origin) +
+                                  " silent for " + std::to_string(options_.timeout.count()) +
+                                  " ms; taking its keys over");
+        take_over(w.origin, 0);
+        w.last_answer = std::chrono::steady_clock::now();
+      }
+      lock.lock();
+    }
+  }
+}
+
+JsonObject Failover::stats() const {
+  JsonObject j;
+  std::string serving;
+  {
+    std::lock_guard lock(mu_);
+    for (std::uint32_t s : serving_) {
+      if (!serving.empty()) serving.push_back(',');
+      serving.append(std::to_string(s));
+    }
+  }
+  j.add("failover_deposed", deposed_.load()).add("failover_serving", serving);
+  j.add("failover_certificates", book_.won().size());
+  return j;
+}
+
+}  // namespace pskv

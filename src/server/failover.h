@@ -1,0 +1,124 @@
+// Failover (--failover-ms): when a server dies or hangs, the next server of its chain serves its
+// keys from its replica, and a server that may no longer acknowledge learns it and stops.
+// docs/ARCHITECTURE.md, "Failover", has the protocol and why two servers never both hold a shard.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/json.h"
+#include "engine/shard_engine.h"
+#include "server/vote_book.h"
+#include "transport/auth.h"
+#include "transport/wire.h"
+
+namespace pskv {
+
+// Builds a second engine for another server's keys from this server's replica of them: records
+// (values, optimizer state, update counts, push marks, sync steps), every worker's clock, barrier
+// generation and eviction, and tables with their push marks. The replica must be synced and
+// sealed (nothing may apply to it meanwhile). Throws Error naming what could not be copied.
+void adopt_replica(ShardEngine& holder, std::uint32_t origin, ShardEngine& into);
+
+struct FailoverOptions {
+  std::uint32_t server_id = 0;
+  std::vector<std::string> peers;  // every server's URI, in server-id order
+  std::uint32_t replicas = 2;
+  // A server silent this long (no answer to a look, or its connection refused) is suspected.
+  std::chrono::milliseconds timeout{1000};
+  std::string votes_path;  // the VoteBook's file
+  std::shared_ptr<const auth::Token> token;
+  std::uint32_t incarnation = 0;  // this server's start, in seconds (ShardEngine::epoch_seconds)
+};
+
+// What the server does when this decides: `serve` starts a takeover engine for `origin`'s keys
+// (built with adopt_replica, once the certificate is won) and returns the URI it serves at;
+// `depose` stops this server: it may no longer acknowledge anything. Each is called from a
+// Failover thread (or, for depose, one a request or the replicator runs on), never under its
+// locks.
+struct FailoverHooks {
+  std::function<std::string(std::uint32_t origin)> serve;
+  std::function<void(const std::string& why)> depose;
+};
+
+// Thread-safety: every member from any thread; stop() once, before the engine goes.
+class Failover final : public Membership {
+ public:
+  // Throws Error when this server's keys were taken over (it must not serve them again) or its
+  // votes cannot be kept.
+  Failover(ShardEngine& engine, FailoverOptions options, FailoverHooks hooks);
+  ~Failover() override;
+  // Starts watching the predecessors, once the server around it is complete.
+  void start();
+  Failover(const Failover&) = delete;
+  Failover& operator=(const Failover&) = delete;
+  void stop() noexcept;
+
+  Errc vote(std::uint32_t server, std::uint32_t incarnation, std::uint32_t holder, const std::string& uri,
+            std::uint32_t requester, std::string* why) override;
+  Errc certified(std::uint32_t server, std::uint32_t incarnation, std::uint32_t holder, const std::string& uri,
+                 std::string* why) override;
+  std::string certificates() const override;
+
+  // A replicator's silent replica `replica` (incarnation as its hello said) is dropped only once
+  // it is certified down: true once it is. False when this server could not win that (it is
+  // down itself, or cut off from a majority): it is then deposed, and must not acknowledge.
+  bool may_drop(std::uint32_t replica, std::uint32_t incarnation, const std::string& why);
+  // A restarted server (--rejoin) claims its keys back before serving them. Throws Error if
+  // another server holds them now, or no majority answers within `patience`.
+  void claim_own_keys(std::chrono::milliseconds patience);
+  bool deposed() const noexcept { return deposed_.load(); }
+  // Whether this server was deposed, whose keys it serves besides its own, and how many
+  // certificates it knows to have won.
+  JsonObject stats() const override;
+
+ private:
+  // Asks every server (this one through its own book) for its vote on `c`; true once a majority
+  // granted. *down: some voter says this server is down.
+  // *superseded: some voter says the incarnation asked about was replaced by a later one's claim.
+  bool win(const wire::Certificate& c, bool* down, std::string* why, bool* superseded = nullptr);
+  // Tells every other server that `c` won (best effort: the certificates op finds it anyway on
+  // the servers that were told).
+  void announce(const wire::Certificate& c);
+  // Sends `op` (down_vote or down_certified) about `c` to every other server at once; their
+  // answers, by server id (this server's entry stays timeout).
+  std::vector<std::pair<Errc, std::string>> tell_everyone(wire::Op op, const wire::Certificate& c) const;
+  // The server that takes `server`'s keys: the first of the next replicas - 1 servers not taken
+  // over; UINT32_MAX if none is left.
+  std::uint32_t holder_for(std::uint32_t server) const;
+  void watch();
+  // Seals this server's replica of `origin`, wins the certificate for it (unless one was won for
+  // `certified_incarnation`, when not 0: the replica must be of that incarnation), then serves
+  // its keys and tells every server where.
+  void take_over(std::uint32_t origin, std::uint32_t certified_incarnation);
+  void queue_takeover(std::uint32_t origin, std::uint32_t incarnation);
+  void depose(const std::string& why);
+  // Why `server` says this server was certified down; empty if it does not (or cannot be asked).
+  std::string certified_down_at(std::size_t server) const;
+  std::uint32_t majority() const noexcept { return static_cast<std::uint32_t>(options_.peers.size() / 2 + 1); }
+
+  ShardEngine& engine_;
+  FailoverOptions options_;
+  FailoverHooks hooks_;
+  VoteBook book_;
+  std::atomic<bool> deposed_{false}, stopping_{false};
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  // Certificates won elsewhere naming this server the holder: origin and incarnation.
+  std::deque<std::pair<std::uint32_t, std::uint32_t>> to_take_;
+  std::set<std::uint32_t> serving_;  // origins whose keys this server serves now
+  std::mutex win_mu_;                // one certificate asked for at a time
+  std::thread watcher_;
+};
+
+}  // namespace pskv

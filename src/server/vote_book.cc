@@ -1,0 +1,175 @@
+#include "server/vote_book.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+namespace pskv {
+namespace {
+[[noreturn]] void io_fail(const std::string& what, const std::string& path) {
+  throw Error(Errc::io, what + " " + path + ": " + std::strerror(errno));
+}
+}  // namespace
+
+VoteBook::VoteBook(std::string path) : path_(std::move(path)) {
+  if (path_.empty()) return;
+  std::ifstream in(path_);
+  if (!in) {
+    if (errno == ENOENT) return;
+    io_fail("cannot read the failover votes in", path_);
+  }
+  // One line per server: "server incarnation holder won uri", uri "-" when none.
+  std::string line;
+  std::uint64_t number = 0;
+  while (std::getline(in, line)) {
+    ++number;
+    std::istringstream fields(line);
+    Entry e;
+    int won = 0;
+    std::string uri;
+    if (!(fields >> e.c.server >> e.c.incarnation >> e.c.holder >> won >> uri) || (won != 0 && won != 1))
+      throw Error(Errc::protocol, "line " + std::to_string(number) + " of the failover votes in " + path_ +
+                                      " is malformed; the file is written by pskv-server alone");
+    e.won = won == 1;
+    if (uri != "-") e.c.uri = uri;
+    entries_[e.c.server] = e;
+  }
+}
+
+void VoteBook::check_writable() {
+  std::lock_guard lock(mu_);
+  save();
+}
+
+void VoteBook::save() {
+  if (path_.empty()) return;
+  std::string text;
+  for (const auto& [server, e] : entries_)
+    text += std::to_string(e.c.server) + ' ' + std::to_string(e.c.incarnation) + ' ' + std::to_string(e.c.holder) +
+            ' ' + (e.won ? "1 " : "0 ") + (e.c.uri.empty() ? "-" : e.c.uri) + '\n';
+  const std::string tmp = path_ + ".tmp";
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  if (fd < 0) io_fail("cannot write the failover votes to", tmp);
+  std::size_t done = 0;
+  while (done < text.size()) {
+    const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      ::close(fd);
+      io_fail("cannot write the failover votes to", tmp);
+    }
+    done += static_cast<std::size_t>(n);
+  }
+  // The vote is answered only once it would survive a crash of this host.
+  if (::fsync(fd) != 0) {
+    ::close(fd);
+    io_fail("cannot fsync", tmp);
+  }
+  ::close(fd);
+  if (::rename(tmp.c_str(), path_.c_str()) != 0) io_fail("cannot rename the failover votes into place at", path_);
+  const std::string dir = path_.substr(0, path_.rfind('/') == std::string::npos ? 1 : path_.rfind('/'));
+  const int dfd = ::open(path_.find('/') == std::string::npos ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd >= 0) {
+    ::fsync(dfd);
+    ::close(dfd);
+  }
+}
+
+bool VoteBook::taken_over(std::uint32_t server) const {
+  const auto it = entries_.find(server);
+  return it != entries_.end() && it->second.c.holder != server;
+}
+
+Errc VoteBook::vote(const wire::Certificate& c, std::uint32_t requester, std::string* why) {
+  using std::to_string;
+  std::lock_guard lock(mu_);
+  if (taken_over(requester)) {
+    *why = "server " + to_string(requester) + " is down: its keys were voted to server " +
+           to_string(entries_.at(requester).c.holder);
+    return Errc::stale_resource;
+  }
+  if (taken_over(c.holder)) {
+    *why =
+        "server " + to_string(c.holder) + ", named to hold server " + to_string(c.server) + "'s keys, is down itself";
+    return Errc::permission;
+  }
+  const auto it = entries_.find(c.server);
+  if (c.holder == c.server) {
+    if (requester != c.server) {
+      *why = "only server " + to_string(c.server) + " may claim its own keys";
+      return Errc::permission;
+    }
+    // (taken_over(requester) refused a claim after a takeover above.)
+  } else if (it != entries_.end()) {
+    const wire::Certificate& had = it->second.c;
+    if (had.holder != c.server && (had.holder != c.holder || had.incarnation != c.incarnation)) {
+      *why = "server " + to_string(c.server) + "'s keys were already voted to server " + to_string(had.holder);
+      return Errc::permission;
+    }
+    if (had.holder == c.server && had.incarnation > c.incarnation) {
+      *why = "server " + to_string(c.server) + " restarted (incarnation " + to_string(had.incarnation) +
+             ") after the incarnation " + to_string(c.incarnation) + " this asks about";
+      return Errc::not_found;
+    }
+  }
+  Entry e{c, it != entries_.end() && it->second.won && it->second.c.holder == c.holder &&
+                 it->second.c.incarnation == c.incarnation};
+  // A retried or second request for the same takeover may name the holder's URI where the first
+  // did not: the URI is kept once known.
+  if (e.c.uri.empty() && it != entries_.end() && it->second.c.holder == c.holder) e.c.uri = it->second.c.uri;
+  const std::optional<Entry> before = it != entries_.end() ? std::optional<Entry>(it->second) : std::nullopt;
+  entries_[c.server] = e;
+  try {
+    save();
+  } catch (const Error& err) {
+    if (before)
+      entries_[c.server] = *before;
+    else
+      entries_.erase(c.server);
+    *why = std::string("this server could not keep its vote: ") + err.what();
+    return Errc::io;
+  }
+  return Errc::ok;
+}
+
+Errc VoteBook::certified(const wire::Certificate& c, std::string* why) {
+  std::lock_guard lock(mu_);
+  Entry& e = entries_[c.server];
+  const std::string uri = !c.uri.empty() || e.c.holder != c.holder ? c.uri : e.c.uri;
+  e.c = c;
+  e.c.uri = uri;
+  e.won = true;
+  try {
+    save();
+  } catch (const Error& err) {
+    *why = err.what();
+    return Errc::io;
+  }
+  return Errc::ok;
+}
+
+std::vector<wire::Certificate> VoteBook::won() const {
+  std::lock_guard lock(mu_);
+  std::vector<wire::Certificate> out;
+  for (const auto& [server, e] : entries_)
+    if (e.won) out.push_back(e.c);
+  return out;
+}
+
+std::optional<wire::Certificate> VoteBook::takeover_of(std::uint32_t server) const {
+  std::lock_guard lock(mu_);
+  if (!taken_over(server)) return std::nullopt;
+  return entries_.at(server).c;
+}
+
+bool VoteBook::won_takeover_of(std::uint32_t server) const {
+  std::lock_guard lock(mu_);
+  const auto it = entries_.find(server);
+  return it != entries_.end() && it->second.won && it->second.c.holder != server;
+}
+
+}  // namespace pskv

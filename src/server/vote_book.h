@@ -1,0 +1,62 @@
+// A server's votes on failover certificates, and the certificates it knows to have won, kept in a
+// file so that a restarted server never votes twice on the same question (docs/ARCHITECTURE.md,
+// "Failover").
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "pskv/error.h"
+#include "transport/wire.h"
+
+namespace pskv {
+
+// One entry per server id: the last certificate this server granted about it (or learned won).
+// The rules, which make at most one holder win for each incarnation of a server, and make a
+// server certified down unable to win anything:
+// - a requester, or a holder, that some granted certificate names as taken over is refused
+//   (stale_resource for the requester: it is down, and learns it from this refusal);
+// - a takeover of server X (holder != X) is granted if nothing was granted about X, if the same
+//   takeover was (a retry, or a second requester), or if X's last claim is of an incarnation no
+//   later than the one asked about; another holder is refused (permission), and so is an
+//   incarnation that a later one's claim replaced (not_found);
+// - a restarted X's claim of its own keys (holder == X == requester) is granted unless a takeover
+//   of X was granted.
+// Thread-safety: every member from any thread.
+class VoteBook {
+ public:
+  // Reads `path` when it exists (an empty path: nothing is kept, for tests). Throws Error when
+  // it cannot be read or parsed: a voter that forgot its votes could grant two holders.
+  explicit VoteBook(std::string path);
+  // Writes the file as it stands: throws Error(io) if it cannot be kept (checked at start, not
+  // at the first vote).
+  void check_writable();
+
+  // Grants (recorded, and written to the file, before it returns) or refuses with *why.
+  Errc vote(const wire::Certificate& c, std::uint32_t requester, std::string* why);
+  // A majority granted `c`: recorded as won.
+  Errc certified(const wire::Certificate& c, std::string* why);
+  // Every certificate known to have won.
+  std::vector<wire::Certificate> won() const;
+  // The takeover of `server` granted or won here, if any.
+  std::optional<wire::Certificate> takeover_of(std::uint32_t server) const;
+  bool won_takeover_of(std::uint32_t server) const;
+
+ private:
+  struct Entry {
+    wire::Certificate c;
+    bool won = false;
+  };
+  bool taken_over(std::uint32_t server) const;  // under mu_
+  void save();                                  // under mu_; throws Error(io)
+
+  std::string path_;
+  mutable std::mutex mu_;
+  std::map<std::uint32_t, Entry> entries_;
+};
+
+}  // namespace pskv
