@@ -22,6 +22,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <functional>
 #include <mutex>
 #include <new>
@@ -887,6 +888,11 @@ int main(int argc, char** argv) {
                  "steps workload with --replicas and --retry-timeout-ms: when worker 0 reaches this step, SIGKILL "
                  "server 1 and restart it with --rejoin (from a process forked beforehand); reports the longest "
                  "step (max_step_us) and how long the restart took (restart_ms)");
+  int failover_ms = 0;
+  app.add_option("--failover-ms", failover_ms,
+                 "with --replicas and 3+ --servers: the servers fail over (pskv-server --failover-ms); with "
+                 "--kill-at-step, server 1 is then not restarted: its successor serves its keys")
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   g_worker_retry = std::chrono::milliseconds(retry_ms);
 
@@ -910,6 +916,13 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "pskv-bench: --replicas needs --transport tcp, servers it starts, and --servers >= it\n");
     return 2;
   }
+  if (failover_ms > 0 && (replicas < 2 || servers < 3)) {
+    std::fprintf(stderr, "pskv-bench: --failover-ms needs --replicas 2 or more and --servers 3 or more\n");
+    return 2;
+  }
+  // The servers' votes, removed at the end.
+  char votes_dir[] = "/tmp/pskv-bench-votes-XXXXXX";
+  if (failover_ms > 0 && !::mkdtemp(votes_dir)) return 1;
   if (kill_at_step >= 0 && (workload != "steps" || replicas < 2 || retry_ms <= 0 || kill_at_step >= steps)) {
     std::fprintf(stderr,
                  "pskv-bench: --kill-at-step needs --workload steps, --replicas 2 or more, --retry-timeout-ms and a "
@@ -939,6 +952,10 @@ int main(int argc, char** argv) {
         so.uri = ring[static_cast<std::size_t>(s)] + "?push=" + tcp_push;
         so.replicas = replicas;
         so.peers = ring;
+        if (failover_ms > 0) {
+          so.failover_timeout = std::chrono::milliseconds(failover_ms);
+          so.failover_dir = votes_dir;
+        }
       }
       if (workload == "steps") {
         so.num_workers = static_cast<std::uint32_t>(workers);
@@ -1000,7 +1017,7 @@ int main(int argc, char** argv) {
       uri.pop_back();
       targets.push_back(uri);
     }
-    if (kill_at_step >= 0) {
+    if (kill_at_step >= 0 && failover_ms == 0) {
       // Server 1's successor, forked now (a process with threads must not fork and go on): it
       // waits on `go` for the instant server 1 was killed (steady clock ns, the same in every
       // process), serves server 1's address with --rejoin, and writes how long that took (ms).
@@ -1122,6 +1139,7 @@ int main(int argc, char** argv) {
           kill(server_pids[1], SIGKILL);
           waitpid(server_pids[1], nullptr, 0);
           server_pids[1] = std::exchange(spare, -1);
+          if (failover_ms > 0) return;  // server 2 takes its keys over; nothing restarts
           if (write(spare_go, &killed_ns, sizeof killed_ns) != sizeof killed_ns)
             throw std::runtime_error("the spare server is gone");
         };
@@ -1153,12 +1171,15 @@ int main(int argc, char** argv) {
                        .add("max_step_us", r.max_step_us, 1)
                        .add("killed_at_step", kill_at_step)
                        .add("restart_ms", restart_ms, 1)
+                       .add("failover_ms", failover_ms)
                        .add("max_staleness", r.max_staleness)
                        .add("staleness_histogram", std::span<const std::uint64_t>(histogram)));
       } else {
-        const std::string killed = kill_at_step < 0 ? ""
-                                                    : ", server 1 killed at step " + std::to_string(kill_at_step) +
-                                                          " and back in " + std::to_string(restart_ms) + " ms";
+        const std::string killed =
+            kill_at_step < 0  ? ""
+            : failover_ms > 0 ? ", server 1 killed at step " + std::to_string(kill_at_step) + " and its keys taken over"
+                              : ", server 1 killed at step " + std::to_string(kill_at_step) + " and back in " +
+                                    std::to_string(restart_ms) + " ms";
         std::printf(
             "%s %s s=%u workers=%d value=%zu B straggler=%d us: %.0f steps/s, p50 step %.0f us, longest %.0f us, "
             "max staleness %llu, histogram [%s]%s\n",
@@ -1310,9 +1331,13 @@ int main(int argc, char** argv) {
   if (spare_go >= 0) close(spare_go);  // an unused spare exits
   if (spare_ready >= 0) close(spare_ready);
   if (spare > 0) waitpid(spare, nullptr, 0);
-  for (pid_t pid : server_pids) kill(pid, SIGTERM);
+  for (pid_t pid : server_pids)
+    if (pid > 0) kill(pid, SIGTERM);
   for (pid_t pid : peers.pids) kill(pid, SIGKILL);
-  for (pid_t pid : server_pids) waitpid(pid, nullptr, 0);
+  for (pid_t pid : server_pids)
+    if (pid > 0) waitpid(pid, nullptr, 0);
+  std::error_code ignored;
+  if (failover_ms > 0) std::filesystem::remove_all(votes_dir, ignored);
   for (pid_t pid : peers.pids) waitpid(pid, nullptr, 0);
   return rc;
 }

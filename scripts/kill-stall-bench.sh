@@ -3,18 +3,23 @@
 # --rejoin (docs/bench/replication.md): pskv-bench's steps workload with --kill-at-step, retrying
 # workers, TRIALS runs per value size. Prints, per size, the p50 and max over the trials of the
 # longest step and of the restart (kill to serving).
+# FAILOVER_MS=MS: 3 servers fail over instead (pskv-server --failover-ms); nothing restarts, and
+# the longest step is the failover's stall (the restart columns are then -1).
 #
-#   scripts/kill-stall-bench.sh BUILD_DIR [TRIALS]        (default 10)
+#   [FAILOVER_MS=MS] scripts/kill-stall-bench.sh BUILD_DIR [TRIALS]        (default 10)
 set -euo pipefail
 [ $# -ge 1 ] || { sed -n 2,8p "$0" >&2; exit 2; }
 BIN=$1/bench/pskv-bench TRIALS=${2:-10}
 [ -x "$BIN" ] || { echo "no $BIN" >&2; exit 1; }
+FAILOVER_MS=${FAILOVER_MS:-0} SERVERS=2
+[ "$FAILOVER_MS" -gt 0 ] && SERVERS=3
 OUT=$(mktemp /tmp/pskv-kill-stall.XXXXXX.jsonl)
 for t in $(seq 1 "$TRIALS"); do
   for size in 4K 1M; do
     steps=2000; [ "$size" = 1M ] && steps=400
-    "$BIN" --json --workload steps --transport tcp --servers 2 --replicas 2 --workers 2 --sizes "$size" \
-      --mode ssp --steps "$steps" --retry-timeout-ms 30000 --kill-at-step $((steps / 2)) 2>/dev/null |
+    "$BIN" --json --workload steps --transport tcp --servers "$SERVERS" --replicas 2 --workers 2 --sizes "$size" \
+      --mode ssp --steps "$steps" --retry-timeout-ms 30000 --kill-at-step $((steps / 2)) \
+      --failover-ms "$FAILOVER_MS" 2>/dev/null |
       grep '"workload":"steps"' >>"$OUT"
   done
   echo "trial $t of $TRIALS done" >&2

@@ -97,6 +97,10 @@ int main(int argc, char** argv) {
                  "its keys back from its replicas")
       ->check(CLI::Range(1, 16))
       ->capture_default_str();
+  app.add_option("--failover-ms", c.failover_ms,
+                 "tcp with --replicas and 3+ --servers: a killed server's keys are served by its successor after this "
+                 "long, and it is not restarted (pskv-server --failover-ms; 0: off)")
+      ->capture_default_str();
   app.add_option("--auth-token-file", c.auth_token_file,
                  "tcp/rdma: shared secret (chmod 600) servers demand and workers prove (HMAC-SHA256)")
       ->envname("PSKV_AUTH_TOKEN_FILE");
@@ -124,6 +128,10 @@ int main(int argc, char** argv) {
   if (c.replicas > 1 && (c.transport != "tcp" || c.replicas > c.servers)) {
     std::fprintf(stderr, "pskv-mnist: --replicas %d needs --transport tcp and at least as many --servers\n",
                  c.replicas);
+    return 2;
+  }
+  if (c.failover_ms > 0 && (c.replicas < 2 || c.servers < 3)) {
+    std::fprintf(stderr, "pskv-mnist: --failover-ms needs --replicas 2 or more and at least 3 --servers\n");
     return 2;
   }
   if (c.checkpoint_dir.empty() && c.restore) {

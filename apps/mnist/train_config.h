@@ -52,6 +52,9 @@ struct TrainConfig {
   int checkpoint_every_s = 10;
   bool restore = false;
   int replicas = 1;  // tcp: servers holding each key; a killed server rejoins from its replicas
+  // With replicas and 3+ servers: a killed server's keys move to its successor after this long
+  // instead of waiting for its restart (0: off); the votes go to a directory of the job's.
+  int failover_ms = 0;
 
   // Output.
   std::string csv;

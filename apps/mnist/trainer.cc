@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <numeric>
@@ -256,6 +257,11 @@ TrainResult run_worker(const TrainConfig& c, int rank, const std::vector<std::st
 }
 
 namespace {
+// Where the servers of a job keep their failover votes: beside its checkpoints, or in /tmp.
+std::string failover_dir(const TrainConfig& c) {
+  return c.checkpoint_dir.empty() ? "/tmp/" + c.job + "-failover" : c.checkpoint_dir + "/failover";
+}
+
 ServerOptions server_options(const TrainConfig& c, int server_id, const std::vector<std::string>& uris, bool restore) {
   ServerOptions so;
   const std::string& uri = uris[static_cast<std::size_t>(server_id)];
@@ -285,6 +291,10 @@ ServerOptions server_options(const TrainConfig& c, int server_id, const std::vec
     so.peers = uris;
     so.rejoin = restore;
   }
+  if (c.failover_ms > 0) {
+    so.failover_timeout = std::chrono::milliseconds(c.failover_ms);
+    so.failover_dir = failover_dir(c);
+  }
   return so;
 }
 }  // namespace
@@ -302,6 +312,10 @@ int run_server(const TrainConfig& c, int server_id, const std::vector<std::strin
   for (;;) {
     if (sigtimedwait(&stop, nullptr, &tick) > 0) return 0;
     if (server.workers_finished()) return 0;
+    if (const std::string why = server.deposed(); !why.empty()) {
+      std::fprintf(stderr, "server %d stops: certified down: %s\n", server_id, why.c_str());
+      return 3;
+    }
     // A failed job must not leave servers behind (srun without kill-on-bad-exit would hang).
     // Linger a few seconds so the surviving workers get their own, more specific errors.
     const std::string failure = server.failure();
@@ -338,9 +352,13 @@ pid_t fork_child(const std::function<int()>& body) {
 
 }  // namespace
 
-TrainResult launch(const TrainConfig& c) {
+TrainResult launch(const TrainConfig& config) {
   std::vector<std::string> uris;
-  const std::string job = c.job.empty() ? "mnist-" + std::to_string(getpid()) : c.job;
+  TrainConfig c = config;
+  if (c.job.empty()) c.job = "mnist-" + std::to_string(getpid());
+  const std::string job = c.job;
+  // Votes belong to one ring: a new launch starts with none (an old one would refuse its servers).
+  if (std::error_code ignored; c.failover_ms > 0) std::filesystem::remove_all(failover_dir(c), ignored);
   for (int s = 0; s < c.servers; ++s) {
     if (c.transport == "shm")
       uris.push_back("shm://" + job + "-" + std::to_string(s));
@@ -411,7 +429,12 @@ TrainResult launch(const TrainConfig& c) {
     // Only a server that was killed is restarted; one that stopped on its own (the job failed)
     // is not.
     const bool adopts = uris[static_cast<std::size_t>(id)].rfind("shm://", 0) == 0;
-    if ((adopts || c.replicas > 1 || !c.checkpoint_dir.empty()) && workers_left > 0 && WIFSIGNALED(status)) {
+    if (c.failover_ms > 0 && workers_left > 0) {
+      // Its successor serves its keys (it may have been certified down and stopped): no restart.
+      std::fprintf(stderr, "pskv-mnist: server %d ended (%s %d); its successor serves its keys (failover)\n", id,
+                   WIFEXITED(status) ? "exit" : "signal", WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status));
+      *s = -1;
+    } else if ((adopts || c.replicas > 1 || !c.checkpoint_dir.empty()) && workers_left > 0 && WIFSIGNALED(status)) {
       std::fprintf(stderr, "pskv-mnist: server %d died (%s %d); restarting it from %s\n", id,
                    WIFEXITED(status) ? "exit" : "signal", WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status),
                    adopts           ? "its shared-memory segment"
@@ -454,6 +477,8 @@ TrainResult launch(const TrainConfig& c) {
   job_result.reconnects = restarts;
   if (failures > 0)
     throw Error(Errc::peer_failure, std::to_string(failures) + " worker(s) failed; see the messages above");
+  std::error_code ignored;
+  if (c.failover_ms > 0 && c.checkpoint_dir.empty()) std::filesystem::remove_all(failover_dir(c), ignored);
   return job_result;
 }
 

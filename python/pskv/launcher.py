@@ -7,6 +7,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -96,6 +97,10 @@ class ServerGroup:
     and restart(i) starts it again at its address with --rejoin: it takes its keys back from its
     replicas, and clients made with retry_timeout (and a worker_id) see no error.
 
+    failover_ms=MS (with replicas and count >= 3): a killed server is not restarted at all; the
+    next server of its chain serves its keys after at most MS ms, and retrying clients follow
+    them there (--failover-ms; the votes go to a directory removed with the group).
+
     Thread-safety: start and stop from one thread. The servers are stopped by stop(), by leaving a
     `with` block, when the group is garbage collected, at interpreter exit, and (SIGTERM from the
     kernel) if this process dies.
@@ -103,18 +108,22 @@ class ServerGroup:
 
     def __init__(self, count: int = 1, transport: str = "shm", workers: int = 0, mode: str = "asp",
                  staleness: int = 0, rule: str = "add", lr: float = 0.01, host: str = "127.0.0.1",
-                 job: Optional[str] = None, start_timeout: float = 30.0, replicas: int = 1, **options):
+                 job: Optional[str] = None, start_timeout: float = 30.0, replicas: int = 1,
+                 failover_ms: int = 0, **options):
         if count < 1:
             raise ValueError("count must be >= 1")
         if transport not in ("shm", "tcp", "rdma"):
             raise ValueError(f"transport must be shm, tcp or rdma, not {transport!r}")
         if replicas != 1 and (transport != "tcp" or not 1 <= replicas <= count):
             raise ValueError(f"replicas={replicas} needs transport='tcp' and at most count={count} servers")
+        if failover_ms and (replicas < 2 or count < 3):
+            raise ValueError("failover_ms needs replicas >= 2 and count >= 3 servers (a majority decides)")
         binary = self.binary = server_binary()
         job = job or f"py-{os.getpid()}-{id(self) & 0xffff:x}"
         self.processes: List[subprocess.Popen] = []
         self.uris: List[str] = []
-        self._finalizer = weakref.finalize(self, ServerGroup._stop_all, self.processes)
+        votes = tempfile.mkdtemp(prefix="pskv-votes-") if failover_ms else None
+        self._finalizer = weakref.finalize(self, ServerGroup._stop_all, self.processes, votes)
         self._start_timeout = start_timeout
         self._args: List[List[str]] = []
         ring = [f"tcp://{host}:{p}" for p in _free_ports(host, count)] if replicas > 1 else []
@@ -126,6 +135,8 @@ class ServerGroup:
                         "--staleness", str(staleness), "--rule", rule, "--lr", repr(float(lr))]
                 if ring:
                     args += ["--replicas", str(replicas), "--peers", ",".join(ring)]
+                if votes:
+                    args += ["--failover-ms", str(int(failover_ms)), "--failover-dir", votes]
                 for name, value in options.items():
                     args += _flag(name, value)
                 self._args.append(args)
@@ -214,7 +225,7 @@ class ServerGroup:
         return words[3]
 
     @staticmethod
-    def _stop_all(processes):
+    def _stop_all(processes, votes=None):
         for p in processes:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
@@ -226,6 +237,8 @@ class ServerGroup:
                 p.wait()
             if p.stdout:
                 p.stdout.close()
+        if votes:
+            shutil.rmtree(votes, ignore_errors=True)
 
     def stop(self):
         self._finalizer()

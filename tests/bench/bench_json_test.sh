@@ -46,4 +46,11 @@ out=$("$BENCH" --json --workload steps --transport tcp --servers 2 --replicas 2 
 steps=$(grep '"workload":"steps"' <<<"$out") || fail "no steps result with a kill"
 grep -Eq '"max_step_us":[1-9]' <<<"$steps" || fail "no longest step: $steps"
 grep -Eq '"killed_at_step":100,"restart_ms":[0-9]*\.?[0-9]*[1-9]' <<<"$steps" || fail "no restart time: $steps"
+# With failover the killed server is not restarted: its successor serves its keys, and the
+# workers carry on there.
+out=$("$BENCH" --json --workload steps --transport tcp --servers 3 --replicas 2 --workers 2 --sizes 4K --mode ssp \
+  --steps 200 --retry-timeout-ms 30000 --kill-at-step 100 --failover-ms 500 2>/dev/null) ||
+  fail "the run with a kill and failover failed"
+steps=$(grep '"workload":"steps"' <<<"$out") || fail "no steps result with a kill and failover"
+grep -Eq '"restart_ms":-1.0,"failover_ms":500' <<<"$steps" || fail "a restart with failover: $steps"
 echo "pskv-bench JSON: ok"

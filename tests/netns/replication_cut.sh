@@ -18,8 +18,14 @@
 #   cut-client  the link between the worker and server 1 is cut for 5 s: the worker's pushes stop
 #               until it is back (its io timeout fails the connection, it reconnects once it can
 #               and sends its unanswered pushes again), and it sees no error.
-# In both: the worker ends with every key equal to its number of pushes, all acknowledged
-# (nothing lost, nothing applied twice), and every replica synced.
+#   failover-cut-backup  as cut-backup, with failover (--failover-ms 1000): server 2, which holds
+#               server 1's replica, takes server 1 for dead, and server 1 takes server 2 for dead.
+#               Documented behaviour: each asks the servers for the other's certificate; server 0
+#               grants only one, so exactly one of them wins and the other, refused as down, stops
+#               (exit status 3): no split brain. The worker follows the keys of the stopped one to
+#               the winner's side and sees no error.
+# In all: the worker ends with every key equal to its number of pushes, all acknowledged
+# (nothing lost, nothing applied twice), and (but after a failover) every replica synced.
 #
 # Skips (exit 0, "SKIPPED: ...") only when not root or when `ip netns add` is refused.
 set -uo pipefail
@@ -36,7 +42,7 @@ fail() {
   exit 1
 }
 
-case $scenario in cut-backup | cut-client) ;; *) echo "unknown scenario '$scenario'" >&2; exit 2 ;; esac
+case $scenario in cut-backup | cut-client | failover-cut-backup) ;; *) echo "unknown scenario '$scenario'" >&2; exit 2 ;; esac
 [ "$(id -u)" = 0 ] || skip "netns tests need root (ip netns); running as uid $(id -u)"
 tag=pskvrep$$
 brns=$tag-br
@@ -62,15 +68,19 @@ heal() { ip -n "${hosts[$1]}" route del blackhole "${ips[$2]}/32" && ip -n "${ho
 acknowledged() { sed -n 's/^acknowledged \([0-9]*\)$/\1/p' "$work/worker.log" | tail -1; }
 
 peers="tcp://${ips[0]}:$port,tcp://${ips[1]}:$port,tcp://${ips[2]}:$port"
+failover=()
+[ "$scenario" = failover-cut-backup ] && failover=(--failover-ms 1000 --failover-dir "$work/votes")
 for s in 0 1 2; do
   ip netns exec "${hosts[$s]}" "$server" --uri "tcp://${ips[$s]}:$port" --server-id $s --replicas 2 --peers "$peers" \
-    --rule add --workers 1 --frame-timeout-ms 2000 >"$work/server$s.log" 2>&1 &
+    --rule add --workers 1 --frame-timeout-ms 2000 "${failover[@]}" >"$work/server$s.log" 2>&1 &
   pids+=($!)
 done
 for s in 0 1 2; do
   wait_for_file_line "$work/server$s.log" "listening on" 10 || fail "server $s did not start"
 done
-ip netns exec "${hosts[3]}" "$pusher" "$peers" 12 "$work/stop" >"$work/worker.log" 2>&1 &
+keys_only=()
+[ "$scenario" = failover-cut-backup ] && keys_only=(--keys-only)  # the server certified down stays down
+ip netns exec "${hosts[3]}" "$pusher" "$peers" 12 "$work/stop" "${keys_only[@]}" >"$work/worker.log" 2>&1 &
 worker=$!
 pids+=($worker)
 wait_for_file_line "$work/worker.log" "^acknowledged 200$" 60 || fail "the worker did not get going"
@@ -87,6 +97,28 @@ cut-backup)
   log "healed; the worker's pushes went from $before to $during during the cut's last 5 s"
   ((during > before)) || fail "server 1 stopped acknowledging while cut off from its backup ($before -> $during)"
   grep -q "replica server 2 .* dropped" "$work/server1.log" || fail "server 1 never dropped its cut-off backup"
+  ;;
+failover-cut-backup)
+  cut 1 2 || fail "could not cut the link"
+  log "cut: server 1 <-> server 2 (its backup), with failover"
+  sleep 8
+  heal 1 2 || fail "could not heal the link"
+  stopped=()
+  for s in 1 2; do
+    if ! kill -0 "${pids[$s]}" 2>/dev/null; then
+      wait "${pids[$s]}"
+      rc=$?
+      [ "$rc" = 3 ] || fail "server $s ended with status $rc, not 3 (deposed)"
+      stopped+=("$s")
+    fi
+  done
+  [ "${#stopped[@]}" = 1 ] || fail "servers ${stopped[*]:-none} stopped: exactly one of servers 1 and 2 must"
+  kill -0 "${pids[0]}" 2>/dev/null || fail "server 0 stopped"
+  winner=$((3 - stopped[0]))
+  grep -q "failover: server $winner serves server ${stopped[0]}'s keys" "$work/server$winner.log" ||
+    grep -q "failover: server 0 serves server ${stopped[0]}'s keys" "$work/server0.log" ||
+    fail "nobody serves the keys of server ${stopped[0]}, which stopped"
+  log "server ${stopped[0]} was certified down and stopped; server $winner carried on"
   ;;
 cut-client)
   cut 3 1 || fail "could not cut the link"

@@ -1,10 +1,12 @@
 // A worker that keeps pushing +1 to every one of its keys through whatever the netns test does
 // to the links, with ClientOptions::retry_timeout, so that it should never see an error.
-//   retrying_pusher SERVERS(comma-separated) KEYS STOP_FILE
+//   retrying_pusher SERVERS(comma-separated) KEYS STOP_FILE [--keys-only]
 // Initialises keys [0, KEYS) (1,024 zeros each, spread over the servers by the client's hash),
 // then pushes all of them in one push at a time until STOP_FILE exists, printing
 // "acknowledged N" after every 50 pushes (flushed) so the test can follow its progress. Then it
-// reads every key back: each must equal the number of pushes, all of which were acknowledged.
+// reads every key back: each must equal the number of pushes, all of which were acknowledged,
+// and (without --keys-only: after a failover a stopped server stays stopped) every replica of
+// every server must be synced again.
 // Prints "PASSED acknowledged N" and exits 0, or "error: WHY" and exits 1.
 #include <unistd.h>
 
@@ -17,8 +19,9 @@
 #include "pskv/client.h"
 
 int main(int argc, char** argv) {
-  if (argc != 4) {
-    std::fprintf(stderr, "usage: %s SERVERS KEYS STOP_FILE\n", argv[0]);
+  const bool keys_only = argc == 5 && std::string(argv[4]) == "--keys-only";
+  if (argc != 4 && !keys_only) {
+    std::fprintf(stderr, "usage: %s SERVERS KEYS STOP_FILE [--keys-only]\n", argv[0]);
     return 2;
   }
   constexpr std::size_t kFloats = 1024;
@@ -60,7 +63,7 @@ int main(int argc, char** argv) {
     // Every server's replicas, and its replicas of others, must be whole again (a replica cut
     // off is dropped and sent everything again once it is back).
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-    for (std::size_t s = 0; s < client.num_servers(); ++s)
+    for (std::size_t s = 0; s < client.num_servers() && !keys_only; ++s)
       for (;;) {
         const std::string stats = client.server_stats(s);
         const bool whole =

@@ -245,6 +245,33 @@ def test_dropped_work_is_completed_by_the_client(client):
     assert (out == 5.0).all()
 
 
+def test_with_failover_a_killed_servers_keys_move_and_the_worker_never_waits_for_a_restart():
+    # pskv.launch(replicas=2, failover_ms=...): a server SIGKILLed while pushes are in flight is
+    # never restarted; its successor serves its keys, the retrying worker follows them there
+    # without an error, and every push lands exactly once.
+    keys = list(range(12))
+    with pskv.launch(3, "tcp", replicas=2, failover_ms=400, workers=1, mode="ssp", staleness=1, rule="add",
+                     arena_mb=16) as servers:
+        c = pskv.Client(servers.uris, worker_id=0, retry_timeout=30.0)
+        c.init(keys, [np.zeros(64, np.float32) for _ in keys]).wait()
+        ones = [np.ones(64, np.float32) for _ in keys]
+        crash = threading.Thread(target=lambda: (time.sleep(0.3), servers.kill(1)))
+        crash.start()
+        pushes = 0
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline or crash.is_alive():
+            c.push(keys, ones).wait()
+            c.clock()
+            pushes += 1
+        crash.join()
+        out = [np.zeros(64, np.float32) for _ in keys]
+        c.pull(keys, out).wait()
+        assert all((o == float(pushes)).all() for o in out), ([o[0] for o in out], pushes)
+        assert servers.processes[1].poll() is not None  # nobody restarted it
+        assert c.server_stats(2)["failover_serving"] == "1"
+        c.close()
+
+
 def test_a_replicated_server_killed_mid_run_costs_a_retrying_worker_nothing():
     # pskv.launch(replicas=2): a server SIGKILLed while pushes are in flight and restarted (it
     # rejoins from its replicas); the worker, made with retry_timeout, sees no error, and every
