@@ -378,10 +378,11 @@ class ClientImpl {
     auto pause = std::chrono::milliseconds(2);
     const std::size_t server = index_of(link);
     // Failover: the server's keys may be served elsewhere now. Each look asks every other server,
-    // so looks come at 20, 40, 80, ... up to 500 ms apart: soon after a takeover (which takes tens
-    // of ms), and rarely while a server is merely restarting.
-    auto next_lookup = std::chrono::steady_clock::now();
-    auto lookup_pause = std::chrono::milliseconds(20);
+    // so looks come every 25 ms for the first second (a takeover takes tens of ms), then 50, 100,
+    // ... up to 500 ms apart (a server that is merely restarting is not asked about forever).
+    const auto failed_at = std::chrono::steady_clock::now();
+    auto next_lookup = failed_at;
+    auto lookup_pause = std::chrono::milliseconds(25);
     while (std::chrono::steady_clock::now() < deadline) {
       try {
         auto conn = std::shared_ptr<transport::Connection>(transport::connect(link.uri, connect_options_));
@@ -425,7 +426,8 @@ class ClientImpl {
       }
       if (link.uri.scheme == "tcp" && std::chrono::steady_clock::now() >= next_lookup) {
         next_lookup = std::chrono::steady_clock::now() + lookup_pause;
-        lookup_pause = std::min(lookup_pause * 2, std::chrono::milliseconds(500));
+        if (next_lookup - failed_at > std::chrono::seconds(1))
+          lookup_pause = std::min(lookup_pause * 2, std::chrono::milliseconds(500));
         if (std::string to = moved_to(server); !to.empty() && to != link.uri.str()) {
           link.uri = parse_uri(to);
           last = "server " + std::to_string(server) + "'s keys moved to " + to;

@@ -388,25 +388,36 @@ void Failover::watch() {
         continue;
       }
       lock.unlock();
-      // A look: the stats of the origin, over a connection kept between looks. A refused
-      // connection (the process is gone) or an unanswered look counts as silence.
-      try {
-        if (!w.conn) w.conn = connect_peer(options_.peers[w.origin], options_.token, options_.timeout);
-        std::string stats, why;
-        transport::Request q;
-        q.op = wire::Op::stats;
-        q.text_out = &stats;
-        if (ask(w.conn, q, options_.timeout, &why) == Errc::ok)
-          w.last_answer = std::chrono::steady_clock::now();
-        else
+      // A look: the stats of the origin, over a connection kept between looks. An unanswered
+      // look counts as silence; a connection refused twice, 20 ms apart, means the process is
+      // gone (a hung one still completes the TCP handshake, and its hello times out instead).
+      bool gone = false;
+      for (int attempt = 0; attempt < 2 && !gone; ++attempt) {
+        try {
+          if (!w.conn) w.conn = connect_peer(options_.peers[w.origin], options_.token, options_.timeout);
+          std::string stats, why;
+          transport::Request q;
+          q.op = wire::Op::stats;
+          q.text_out = &stats;
+          if (ask(w.conn, q, options_.timeout, &why) == Errc::ok) {
+            w.last_answer = std::chrono::steady_clock::now();
+            break;
+          }
           w.conn.reset();
-      } catch (const Error&) {
-        w.conn.reset();
+        } catch (const Error& e) {
+          w.conn.reset();
+          if (e.code() != Errc::peer_failure) break;
+          if (attempt == 1)
+            gone = true;
+          else
+            std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        }
       }
-      if (std::chrono::steady_clock::now() - w.last_answer > options_.timeout && !stopping_.load()) {
+      if ((gone || std::chrono::steady_clock::now() - w.last_answer > options_.timeout) && !stopping_.load()) {
         log::warn("failover", "server " + std::to_string(options_.server_id) + ": server " + std::to_string(w.origin) +
-                                  " silent for " + std::to_string(options_.timeout.count()) +
-                                  " ms; taking its keys over");
+                                  (gone ? " refuses connections"
+                                        : " silent for " + std::to_string(options_.timeout.count()) + " ms") +
+                                  "; taking its keys over");
         take_over(w.origin, 0);
         w.last_answer = std::chrono::steady_clock::now();
       }
