@@ -12,8 +12,8 @@
 #   cut-backup  the link between server 1 and its backup, server 2, is cut for 8 s. Documented
 #               behaviour: server 1 drops server 2 as a replica once it was silent for the frame
 #               timeout (2 s) and goes on acknowledging without it (the worker's pushes carry on
-#               during the cut); no other server starts serving server 1's keys (there is no
-#               failover), so there is no second primary; once the link is back, server 1 sends
+#               during the cut); no other server starts serving server 1's keys (these servers
+#               run without --failover-ms), so there is no second primary; once the link is back, server 1 sends
 #               server 2 all its keys again and it is synced.
 #   cut-client  the link between the worker and server 1 is cut for 5 s: the worker's pushes stop
 #               until it is back (its io timeout fails the connection, it reconnects once it can
@@ -24,6 +24,9 @@
 #               grants only one, so exactly one of them wins and the other, refused as down, stops
 #               (exit status 3): no split brain. The worker follows the keys of the stopped one to
 #               the winner's side and sees no error.
+#   failover-cut-client  as cut-client, with failover: the servers still reach each other, so
+#               nobody is certified down (no server stops), and the worker waits for the link
+#               as before.
 # In all: the worker ends with every key equal to its number of pushes, all acknowledged
 # (nothing lost, nothing applied twice), and (but after a failover) every replica synced.
 #
@@ -42,7 +45,7 @@ fail() {
   exit 1
 }
 
-case $scenario in cut-backup | cut-client | failover-cut-backup) ;; *) echo "unknown scenario '$scenario'" >&2; exit 2 ;; esac
+case $scenario in cut-backup | cut-client | failover-cut-backup | failover-cut-client) ;; *) echo "unknown scenario '$scenario'" >&2; exit 2 ;; esac
 [ "$(id -u)" = 0 ] || skip "netns tests need root (ip netns); running as uid $(id -u)"
 tag=pskvrep$$
 brns=$tag-br
@@ -69,7 +72,7 @@ acknowledged() { sed -n 's/^acknowledged \([0-9]*\)$/\1/p' "$work/worker.log" | 
 
 peers="tcp://${ips[0]}:$port,tcp://${ips[1]}:$port,tcp://${ips[2]}:$port"
 failover=()
-[ "$scenario" = failover-cut-backup ] && failover=(--failover-ms 1000 --failover-dir "$work/votes")
+[[ $scenario == failover-* ]] && failover=(--failover-ms 1000 --failover-dir "$work/votes")
 for s in 0 1 2; do
   ip netns exec "${hosts[$s]}" "$server" --uri "tcp://${ips[$s]}:$port" --server-id $s --replicas 2 --peers "$peers" \
     --rule add --workers 1 --frame-timeout-ms 2000 "${failover[@]}" >"$work/server$s.log" 2>&1 &
@@ -120,13 +123,16 @@ failover-cut-backup)
     fail "nobody serves the keys of server ${stopped[0]}, which stopped"
   log "server ${stopped[0]} was certified down and stopped; server $winner carried on"
   ;;
-cut-client)
+cut-client | failover-cut-client)
   cut 3 1 || fail "could not cut the link"
   log "cut: the worker <-> server 1"
   sleep 5
   heal 3 1 || fail "could not heal the link"
   during=$(acknowledged)
   log "healed at $during pushes"
+  for s in 0 1 2; do
+    kill -0 "${pids[$s]}" 2>/dev/null || fail "server $s stopped, though only a worker's link was cut"
+  done
   ;;
 esac
 # The worker carries on after the heal.
