@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <exception>
 #include <mutex>
 #include <optional>
@@ -106,7 +107,9 @@ class ClientImpl {
         link->conn = transport::connect(link->uri, c);
       } catch (const Error&) {
         // A retrying client may start after a failover moved a dead server's keys elsewhere.
-        const std::string to = retrying_ && link->uri.scheme == "tcp" ? moved_to(links_.size()) : std::string();
+        const std::string to = retrying_ && link->uri.scheme == "tcp"
+                                   ? moved_to(links_.size(), std::chrono::steady_clock::now() + o.connect_timeout)
+                                   : std::string();
         if (to.empty()) throw;
         link->uri = parse_uri(to);
         link->conn = transport::connect(link->uri, c);
@@ -424,11 +427,11 @@ class ClientImpl {
       } catch (const Error& e) {
         last = e.what();
       }
-      if (link.uri.scheme == "tcp" && std::chrono::steady_clock::now() >= next_lookup) {
+      if (link.uri.scheme == "tcp" && !no_failover_.load() && std::chrono::steady_clock::now() >= next_lookup) {
         next_lookup = std::chrono::steady_clock::now() + lookup_pause;
         if (next_lookup - failed_at > std::chrono::seconds(1))
           lookup_pause = std::min(lookup_pause * 2, std::chrono::milliseconds(500));
-        if (std::string to = moved_to(server); !to.empty() && to != link.uri.str()) {
+        if (std::string to = moved_to(server, deadline); !to.empty() && to != link.uri.str()) {
           link.uri = parse_uri(to);
           last = "server " + std::to_string(server) + "'s keys moved to " + to;
           continue;
@@ -451,16 +454,19 @@ class ClientImpl {
   // server knows: docs/ARCHITECTURE.md, "Failover"); empty if none says so. Each server is asked
   // on a connection of its own, made without a worker id (a worker's connection coming and
   // going would count as that worker joining and leaving).
-  std::string moved_to(std::size_t server) const {
+  // A ring whose servers all refuse the question (run without --failover-ms) is not asked again.
+  std::string moved_to(std::size_t server, std::chrono::steady_clock::time_point deadline) {
     transport::ConnectOptions c = connect_options_;
     c.worker_id = kNoWorker;
     c.connect_timeout = std::min(c.connect_timeout, std::chrono::milliseconds(500));
     c.io_timeout = std::min(c.io_timeout, std::chrono::milliseconds(1000));
+    std::size_t asked = 0, refused = 0;
     for (std::size_t s = 0; s < options_.servers.size(); ++s) {
-      if (s == server) continue;
+      if (s == server || std::chrono::steady_clock::now() >= deadline) continue;
       try {
         const Uri uri = parse_uri(options_.servers[s]);
         if (uri.scheme != "tcp") continue;  // failover runs on tcp rings only
+        ++asked;
         auto conn = transport::connect(uri, c);
         std::string text;
         transport::Completion done;
@@ -475,13 +481,15 @@ class ClientImpl {
         }
         std::vector<wire::Certificate> certificates;
         std::string why;
+        refused += done.status() == Errc::unsupported;
         if (done.status() != Errc::ok || wire::decode_certificates(text, &certificates, &why) != Errc::ok) continue;
         for (const wire::Certificate& cert : certificates)
           if (cert.server == server && cert.holder != server && !cert.uri.empty()) return cert.uri;
       } catch (const Error&) {
-        // That server is down too, or not one that keeps certificates: ask the next.
+        // That server is down too: ask the next.
       }
     }
+    if (asked > 0 && refused == asked) no_failover_.store(true);
     return {};
   }
 
@@ -818,6 +826,8 @@ class ClientImpl {
   PlacementOptions placement_;
   transport::ConnectOptions connect_options_;
   bool retrying_ = false;
+  // Every server asked for certificates said it runs without failover: recover() stops asking.
+  std::atomic<bool> no_failover_{false};
   float no_values_ = 0;                 // where a table push's identity points: no floats, but never null (memcpy)
   std::atomic<bool> closing_{false};    // the destructor's goodbye: not worth waiting for a restart
   std::mutex order_mu_;                 // retry mode: a push's sequence number and its submissions

@@ -943,17 +943,19 @@ Errc ShardEngine::table_push(std::uint32_t id, std::uint64_t clock, std::span<co
              std::to_string(table_marks_per_table_) + " workers (--workers) this server marks pushes of";
       return Errc::invalid_argument;
     }
+    // The check, the rows and the mark are one step: without a replicator ordering identified
+    // pushes (a failover's takeover engine with no replica left), a push sent again must not
+    // slip in between the check and the mark of its first copy.
     std::lock_guard lock(table_marks_mu_);
     if (push.already_in(table_marks_[id][push.worker])) {
       if (duplicate) *duplicate = true;
       duplicate_pushes_.fetch_add(ids.size(), std::memory_order_relaxed);
       return Errc::ok;
     }
-  }
-  t->push(keys, grads, clock);
-  if (marked) {
-    std::lock_guard lock(table_marks_mu_);
+    t->push(keys, grads, clock);
     table_marks_[id][push.worker] = push.mark();
+  } else {
+    t->push(keys, grads, clock);
   }
   pushes_.fetch_add(ids.size(), std::memory_order_relaxed);
   return Errc::ok;

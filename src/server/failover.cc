@@ -100,7 +100,8 @@ Failover::Failover(ShardEngine& engine, FailoverOptions options, FailoverHooks h
 }
 
 void Failover::start() {
-  watcher_ = std::thread([this] { watch(); });
+  std::lock_guard lock(mu_);
+  if (!stopping_.load() && !watcher_.joinable()) watcher_ = std::thread([this] { watch(); });
 }
 
 Failover::~Failover() {
@@ -331,6 +332,7 @@ void Failover::take_over(std::uint32_t origin, std::uint32_t certified_incarnati
       return;
     }
   }
+  if (deposed_.load()) return;  // certified down meanwhile: it serves nothing more
   try {
     c.uri = hooks_.serve(origin);
   } catch (const std::exception& e) {

@@ -58,8 +58,11 @@ class Failover final : public Membership {
   // votes cannot be kept.
   Failover(ShardEngine& engine, FailoverOptions options, FailoverHooks hooks);
   ~Failover() override;
-  // Starts watching the predecessors, once the server around it is complete.
+  // Starts watching the predecessors, once the server around it is complete (not after stop()).
   void start();
+  // This server ran before in this ring (its votes file was there): a restart, which must claim
+  // its keys before it serves them, with or without --rejoin.
+  bool restarted() const noexcept { return book_.existed(); }
   Failover(const Failover&) = delete;
   Failover& operator=(const Failover&) = delete;
   void stop() noexcept;
@@ -74,7 +77,7 @@ class Failover final : public Membership {
   // it is certified down: true once it is. False when this server could not win that (it is
   // down itself, or cut off from a majority): it is then deposed, and must not acknowledge.
   bool may_drop(std::uint32_t replica, std::uint32_t incarnation, const std::string& why);
-  // A restarted server (--rejoin) claims its keys back before serving them. Throws Error if
+  // A restarted server claims its keys back before serving them. Throws Error if
   // another server holds them now, or no majority answers within `patience`.
   void claim_own_keys(std::chrono::milliseconds patience);
   bool deposed() const noexcept { return deposed_.load(); }

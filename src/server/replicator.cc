@@ -377,7 +377,7 @@ void TcpReplicator::ship_rows(std::uint32_t table, std::span<const KeyEntry> ids
   s->reply = std::move(reply);
   if (gone) dispatch_in_order(std::move(gone), gone_ranges);
   if (s->keys.empty()) {
-    if (s->reply) s->reply->resume(Errc::ok, {});  // nothing of it is held anywhere
+    if (s->reply) answer_held(*s->reply);  // nothing of it is held anywhere
     give_back(std::move(s));
     return;
   }
@@ -495,7 +495,8 @@ void TcpReplicator::ship_worker_word(wire::Op op, std::uint32_t worker, std::uin
 void TcpReplicator::dispatch(std::unique_ptr<Shipment> s,
                              const std::vector<std::pair<std::size_t, std::size_t>>& ranges) {
   const std::uint64_t bytes = s->record_floats * sizeof(float);
-  for (auto& r : replicas_) {
+  // A deposed origin ships nothing more: its replicas now take the keys' new holder's frames.
+  for (auto& r : deposed_.load() ? std::span<std::unique_ptr<Replica>>() : std::span(replicas_)) {
     std::shared_ptr<transport::Connection> conn;
     int state;
     {
@@ -527,10 +528,7 @@ void TcpReplicator::dispatch(std::unique_ptr<Shipment> s,
     r->out_cv.notify_one();
   }
   if (s->legs.empty()) {
-    if (s->reply && deposed_.load())
-      s->reply->resume(Errc::peer_failure, "this server was certified down: another server holds its keys now");
-    else if (s->reply)
-      s->reply->resume(Errc::ok, {});
+    if (s->reply) answer_held(*s->reply);
     give_back(std::move(s));
     return;
   }
@@ -543,6 +541,13 @@ void TcpReplicator::dispatch(std::unique_ptr<Shipment> s,
 
 void TcpReplicator::depose() noexcept {
   deposed_.store(true);
+}
+
+void TcpReplicator::answer_held(Parked& reply) const {
+  if (deposed_.load())
+    reply.resume(Errc::peer_failure, "this server was certified down: another server holds its keys now");
+  else
+    reply.resume(Errc::ok, {});
 }
 
 void TcpReplicator::drop(Replica& r, const transport::Connection* conn, const std::string& why) {
@@ -604,12 +609,10 @@ void TcpReplicator::acker() {
       cut_short |= !leg.conn && leg.replica->state.load() != static_cast<int>(State::synced) &&
                    leg.replica->state.load() != static_cast<int>(State::down);
     if (!s->reply) {
-    } else if (deposed_.load()) {
-      s->reply->resume(Errc::peer_failure, "this server was certified down: another server holds its keys now");
     } else if (cut_short) {
       s->reply->resume(Errc::peer_failure, "the server stopped before its replicas held this update");
     } else {
-      s->reply->resume(Errc::ok, {});
+      answer_held(*s->reply);
     }
     give_back(std::move(s));
   }
@@ -806,6 +809,10 @@ void TcpReplicator::keeper(Replica& r) {
   const auto started = std::chrono::steady_clock::now();
   auto last_look = started;
   while (!stopping_.load()) {
+    if (deposed_.load()) {  // no transfer from a deposed origin: it would restart its copies
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      continue;
+    }
     if (r.state.load(std::memory_order_acquire) == static_cast<int>(State::pending) &&
         std::chrono::steady_clock::now() - started > options_.io_timeout) {
       int pending = static_cast<int>(State::pending);

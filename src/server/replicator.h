@@ -12,6 +12,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
@@ -89,6 +90,7 @@ class TcpReplicator final : public Replicator {
   // This server was certified down (failover): from now on nothing is acknowledged; every reply
   // that waits for the replicas, or would, is resumed with peer_failure.
   void depose() noexcept;
+
   // Waits (up to the io timeout) for the acknowledgements of what was shipped, resumes every
   // waiting reply, and stops the threads. Call after the listener drained, before it closes.
   void stop() noexcept;
@@ -209,6 +211,8 @@ class TcpReplicator final : public Replicator {
   bool send_in_order(Replica& r, const std::shared_ptr<transport::Connection>& conn, Shipment& s,
                      const std::vector<std::pair<std::size_t, std::size_t>>& ranges);
   void acker();
+  // Resumes a reply whose records every live replica holds: ok, unless this server was deposed.
+  void answer_held(Parked& reply) const;
 
   ShardEngine& engine_;
   ReplicatorOptions options_;

@@ -220,8 +220,10 @@ class ServerImpl {
       r.may_drop = [this](std::uint32_t replica, std::uint32_t incarnation, const std::string& why) {
         return failover_->may_drop(replica, incarnation, why);
       };
-      // The claim goes first: a rejoin must not take keys a takeover already serves elsewhere.
-      if (o.rejoin) failover_->claim_own_keys(std::chrono::milliseconds(o.wait_timeout) * 3);
+      // A restart (--rejoin, or votes left by an earlier run of this server in this ring) claims
+      // its keys first: it must not serve keys a takeover already serves elsewhere, and once it
+      // has claimed them no takeover of its earlier incarnation can win.
+      if (o.rejoin || failover_->restarted()) failover_->claim_own_keys(std::chrono::milliseconds(o.wait_timeout) * 3);
     }
     replicator_options_ = r;
     if (o.rejoin) {
@@ -256,6 +258,13 @@ class ServerImpl {
     }
     uri_ = listener_->uri();
     if (failover_) failover_->start();
+    {
+      // A deposition while this was being built (a replica's keeper can ask for a certificate
+      // at once) was recorded; it takes effect now that every member is in place.
+      std::lock_guard lock(stop_mu_);
+      constructed_ = true;
+    }
+    if (!deposed().empty()) depose(deposed());
     if (!o.checkpoint_dir.empty() && o.checkpoint_interval.count() > 0)
       checkpointer_ = std::thread([this] { checkpoint_loop(); });
   }
@@ -308,7 +317,12 @@ class ServerImpl {
       throw;
     }
     const std::string uri = t->listener->uri();
-    std::lock_guard lock(takeovers_mu_);
+    std::unique_lock lock(takeovers_mu_);
+    if (takeovers_deposed_) {
+      lock.unlock();
+      t->stop();
+      throw Error(Errc::peer_failure, "this server was certified down while it built the takeover");
+    }
     takeovers_[origin] = std::move(t);
     return uri;
   }
@@ -319,11 +333,13 @@ class ServerImpl {
     {
       std::lock_guard lock(stop_mu_);
       deposed_ = why;
+      if (!constructed_) return;  // the constructor acts on it once it is done
     }
     // Nothing is acknowledged from this instant, before the stop below gets that far.
     if (replicator_) replicator_->depose();
     {
       std::lock_guard lock(takeovers_mu_);
+      takeovers_deposed_ = true;
       for (auto& [origin, t] : takeovers_)
         if (t->replicator) t->replicator->depose();
     }
@@ -422,6 +438,9 @@ class ServerImpl {
   std::unique_ptr<transport::Listener> listener_;
   std::unique_ptr<transport::Listener> peer_listener_;  // rdma:// with replicas: the peers' tcp://
   std::unique_ptr<ShardEngine> engine_;
+  // Failover (--failover-ms): declared before the replicator, which calls it, so that it outlives
+  // it; stop() stops it before the takeovers, whose engines it serves votes for.
+  std::unique_ptr<Failover> failover_;
   std::unique_ptr<TcpReplicator> replicator_;  // stopped before the listener closes
   std::mutex checkpoint_mu_;
   mutable std::mutex stop_mu_;
@@ -432,12 +451,11 @@ class ServerImpl {
   std::unique_ptr<TableCheckpointer> table_checkpointer_;  // with --checkpoint-dir
   transport::ListenOptions listen_options_;
   ReplicatorOptions replicator_options_;
-  // Failover (--failover-ms). stop() stops it before the replicator that calls it, and the
-  // takeovers, whose engines it serves votes for, before it.
-  std::unique_ptr<Failover> failover_;
   std::mutex takeovers_mu_;
+  bool takeovers_deposed_ = false;  // under takeovers_mu_: no takeover is kept from then on
   std::map<std::uint32_t, std::unique_ptr<Takeover>> takeovers_;
-  std::string deposed_;  // under stop_mu_: why this server was certified down
+  std::string deposed_;       // under stop_mu_: why this server was certified down
+  bool constructed_ = false;  // under stop_mu_: every member is in place
   std::mutex deposer_mu_;
   std::thread deposer_;
 };

@@ -22,6 +22,7 @@ VoteBook::VoteBook(std::string path) : path_(std::move(path)) {
     if (errno == ENOENT) return;
     io_fail("cannot read the failover votes in", path_);
   }
+  existed_ = true;
   // One line per server: "server incarnation holder won uri", uri "-" when none.
   std::string line;
   std::uint64_t number = 0;

@@ -35,6 +35,8 @@ class VoteBook {
   // Writes the file as it stands: throws Error(io) if it cannot be kept (checked at start, not
   // at the first vote).
   void check_writable();
+  // Whether the file was there when this book was made: the server ran before in this ring.
+  bool existed() const noexcept { return existed_; }
 
   // Grants (recorded, and written to the file, before it returns) or refuses with *why.
   Errc vote(const wire::Certificate& c, std::uint32_t requester, std::string* why);
@@ -55,6 +57,7 @@ class VoteBook {
   void save();                                  // under mu_; throws Error(io)
 
   std::string path_;
+  bool existed_ = false;
   mutable std::mutex mu_;
   std::map<std::uint32_t, Entry> entries_;
 };

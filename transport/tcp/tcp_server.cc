@@ -1244,7 +1244,13 @@ bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payl
       break;
     }
     case wire::Op::certificates: {
-      const std::string text = engine_.membership() ? engine_.membership()->certificates() : std::string();
+      if (!engine_.membership()) {
+        // Clients take this to mean the ring has no failover, and stop asking.
+        status = Errc::unsupported;
+        why = "server " + std::to_string(engine_.options().server_id) + " runs without --failover-ms";
+        break;
+      }
+      const std::string text = engine_.membership()->certificates();
       Reply r(reply_header(h, text.size()), text.data(), text.size());
       r.header.flags |= wire::kText;
       return send(peer, std::move(r));
