@@ -196,6 +196,11 @@ std::vector<std::pair<Errc, std::string>> Failover::tell_everyone(wire::Op op, c
   return answers;
 }
 
+bool Failover::held_elsewhere(std::uint32_t server) const {
+  const std::optional<wire::Certificate> c = book_.takeover_of(server);
+  return c && book_.won_takeover_of(server) && !book_.takeover_of(c->holder);
+}
+
 bool Failover::win(const wire::Certificate& c, bool* down, std::string* why, bool* superseded) {
   std::lock_guard one(win_mu_);
   *down = false;
@@ -231,8 +236,11 @@ void Failover::announce(const wire::Certificate& c) {
 bool Failover::may_drop(std::uint32_t replica, std::uint32_t incarnation, const std::string& why) {
   if (deposed_.load()) return false;
   if (book_.won_takeover_of(replica)) return true;
+  // Every server of the replica's chain is down already: its keys have nowhere to go (they are
+  // lost with it). It is certified down all the same, naming this server, so that this one goes
+  // on acknowledging its own keys rather than stop for want of a holder.
   std::uint32_t holder = holder_for(replica);
-  if (holder == UINT32_MAX) holder = (replica + 1) % static_cast<std::uint32_t>(options_.peers.size());
+  if (holder == UINT32_MAX) holder = options_.server_id;
   const wire::Certificate c{replica, incarnation, holder, {}};
   bool down = false, superseded = false;
   std::string refused;
@@ -385,7 +393,13 @@ void Failover::watch() {
     }
     if (deposed_.load()) continue;
     for (Watched& w : watched) {
-      if (serving_.count(w.origin) || holder_for(w.origin) != options_.server_id || book_.won_takeover_of(w.origin)) {
+      // (A holder that died in its turn leaves the keys to the next server of the chain, which
+      // finds the origin's port refused and takes them from its replica, which the holder's
+      // takeover kept.)
+      // An origin whose keys this replica does not hold whole (it has not started yet, say) could
+      // not be taken over from here: not watched until it is synced.
+      if (serving_.count(w.origin) || holder_for(w.origin) != options_.server_id || held_elsewhere(w.origin) ||
+          !engine_.replica_synced(w.origin)) {
         w.last_answer = std::chrono::steady_clock::now();
         continue;
       }

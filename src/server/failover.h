@@ -81,6 +81,8 @@ class Failover final : public Membership {
   // another server holds them now, or no majority answers within `patience`.
   void claim_own_keys(std::chrono::milliseconds patience);
   bool deposed() const noexcept { return deposed_.load(); }
+  // Whether a takeover of `server` was granted or won here: it is down.
+  bool down(std::uint32_t server) const { return book_.takeover_of(server).has_value(); }
   // Whether this server was deposed, whose keys it serves besides its own, and how many
   // certificates it knows to have won.
   JsonObject stats() const override;
@@ -99,6 +101,8 @@ class Failover final : public Membership {
   // The server that takes `server`'s keys: the first of the next replicas - 1 servers not taken
   // over; UINT32_MAX if none is left.
   std::uint32_t holder_for(std::uint32_t server) const;
+  // `server`'s keys are served by a holder that a takeover named and that is not down itself.
+  bool held_elsewhere(std::uint32_t server) const;
   void watch();
   // Seals this server's replica of `origin`, wins the certificate for it (unless one was won for
   // `certified_incarnation`, when not 0: the replica must be of that incarnation), then serves

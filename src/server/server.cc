@@ -303,7 +303,8 @@ class ServerImpl {
       const auto servers = static_cast<std::uint32_t>(options_.peers.size());
       for (std::uint32_t j = 1; j < options_.replicas; ++j) {
         const std::uint32_t next = (origin + j) % servers;
-        if (next != options_.server_id) r.replicas.push_back({next, options_.peers[next]});
+        // Not a server certified down: it would be waited for as unreached, for the io timeout.
+        if (next != options_.server_id && !failover_->down(next)) r.replicas.push_back({next, options_.peers[next]});
       }
       if (!r.replicas.empty()) {
         t->replicator = std::make_unique<TcpReplicator>(*t->engine, r);

@@ -107,7 +107,10 @@ Errc VoteBook::vote(const wire::Certificate& c, std::uint32_t requester, std::st
     // (taken_over(requester) refused a claim after a takeover above.)
   } else if (it != entries_.end()) {
     const wire::Certificate& had = it->second.c;
-    if (had.holder != c.server && (had.holder != c.holder || had.incarnation != c.incarnation)) {
+    // Another holder was granted X's keys: refused, unless that holder is down itself (its
+    // keys, X's among them, move on to the next server of X's chain).
+    if (had.holder != c.server && (had.holder != c.holder || had.incarnation != c.incarnation) &&
+        !taken_over(had.holder)) {
       *why = "server " + to_string(c.server) + "'s keys were already voted to server " + to_string(had.holder);
       return Errc::permission;
     }

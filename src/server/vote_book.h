@@ -22,8 +22,9 @@ namespace pskv {
 //   (stale_resource for the requester: it is down, and learns it from this refusal);
 // - a takeover of server X (holder != X) is granted if nothing was granted about X, if the same
 //   takeover was (a retry, or a second requester), or if X's last claim is of an incarnation no
-//   later than the one asked about; another holder is refused (permission), and so is an
-//   incarnation that a later one's claim replaced (not_found);
+//   later than the one asked about; another holder is refused (permission) unless the one
+//   granted is down itself, and so is an incarnation that a later one's claim replaced
+//   (not_found);
 // - a restarted X's claim of its own keys (holder == X == requester) is granted unless a takeover
 //   of X was granted.
 // Thread-safety: every member from any thread.

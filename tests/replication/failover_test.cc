@@ -75,6 +75,17 @@ TEST(VoteBook, AClaimOfALaterIncarnationFencesOffTakeoversOfAnEarlierOne) {
   EXPECT_EQ(book.vote({1, 1, 1, {}}, 0, &why), Errc::permission) << "only a server claims its own keys";
 }
 
+TEST(VoteBook, AHolderThatIsDownItselfPassesTheKeysOnToTheNext) {
+  VoteBook book("");
+  std::string why;
+  ASSERT_EQ(book.vote(down(1, 100, 2), 2, &why), Errc::ok) << why;
+  EXPECT_EQ(book.vote(down(1, 300, 3), 3, &why), Errc::permission) << "server 2 holds them and is not down";
+  ASSERT_EQ(book.certified(down(2, 200, 3), &why), Errc::ok) << why;
+  // Server 3's replica of server 1 is of server 2's takeover: a later incarnation.
+  EXPECT_EQ(book.vote(down(1, 300, 3), 3, &why), Errc::ok) << why;
+  EXPECT_EQ(book.takeover_of(1)->holder, 3u);
+}
+
 TEST(VoteBook, VotesSurviveARestartOfTheVoter) {
   TempDir dir;
   const std::string path = dir.path + "/votes-0";
@@ -83,14 +94,14 @@ TEST(VoteBook, VotesSurviveARestartOfTheVoter) {
     VoteBook book(path);
     EXPECT_FALSE(book.existed());
     ASSERT_EQ(book.vote(down(1, 100, 2), 2, &why), Errc::ok) << why;
-    ASSERT_EQ(book.certified(down(2, 7, 0), &why), Errc::ok) << why;
+    ASSERT_EQ(book.certified(down(3, 7, 0), &why), Errc::ok) << why;
   }
   VoteBook again(path);
   EXPECT_TRUE(again.existed()) << "a server finding its votes knows it is restarting";
   EXPECT_EQ(again.vote(down(1, 100, 0), 0, &why), Errc::permission) << "a restarted voter voted twice";
-  EXPECT_TRUE(again.won_takeover_of(2));
+  EXPECT_TRUE(again.won_takeover_of(3));
   ASSERT_EQ(again.won().size(), 1u);
-  EXPECT_EQ(again.won()[0], down(2, 7, 0));
+  EXPECT_EQ(again.won()[0], down(3, 7, 0));
   std::ofstream(path, std::ios::app) << "garbage\n";
   EXPECT_THROW(VoteBook{path}, Error) << "a voter that cannot read its votes must not start";
 }
@@ -123,12 +134,13 @@ TEST(FailoverWire, CertificatesAndVotesAreCheckedBeforeTheyAreFollowed) {
             Errc::protocol);
 }
 
-// Three tcp servers with failover, each keeping its votes in one directory.
+// `n` tcp servers with failover, each keeping its votes in one directory.
 class Ring {
  public:
-  Ring(std::uint32_t replicas, std::vector<std::string> extra) : replicas_(replicas), extra_(std::move(extra)) {
-    for (int s = 0; s < 3; ++s) uris_.push_back("tcp://127.0.0.1:" + std::to_string(tcp::free_loopback_port()));
-    for (int s = 0; s < 3; ++s) servers_.push_back(ServerProcess::start(args(s, false)));
+  Ring(std::uint32_t replicas, std::vector<std::string> extra, int n = 3)
+      : replicas_(replicas), extra_(std::move(extra)) {
+    for (int s = 0; s < n; ++s) uris_.push_back("tcp://127.0.0.1:" + std::to_string(tcp::free_loopback_port()));
+    for (int s = 0; s < n; ++s) servers_.push_back(ServerProcess::start(args(s, false)));
   }
   std::vector<std::string> args(int s, bool rejoin) const {
     std::string peers;
@@ -309,6 +321,55 @@ std::string replicas_name(const ::testing::TestParamInfo<std::uint32_t>& info) {
   return "R" + std::to_string(info.param);
 }
 INSTANTIATE_TEST_SUITE_P(Replicas, FailoverKill, ::testing::Values(2u, 3u), replicas_name);
+
+// What server `s` of the ring says it serves besides its own keys (failover_serving).
+std::string serving(const Ring& ring, int s) {
+  ClientOptions at;
+  at.servers = {ring.uris()[std::size_t(s)]};
+  const std::string stats = Client(at).server_stats(0);
+  const auto from = stats.find("\"failover_serving\":\"");
+  if (from == std::string::npos) return "?";
+  const auto begin = from + std::string("\"failover_serving\":\"").size();
+  return stats.substr(begin, stats.find('"', begin) - begin);
+}
+
+// R=3 over 5 servers survives two failures, one after the other: server 1 is SIGKILLed and
+// server 2 takes its keys over; then server 2 is SIGKILLed, and server 3 takes over both its
+// keys and server 1's (from its replica of server 1, which server 2's takeover kept). The
+// workers see no error, and every key ends exact.
+TEST(FailoverTwice, AHoldersDeathMovesTheKeysItTookOverToTheNextServer) {
+  Ring ring(3, kServerFlags, 5);
+  const ClientOptions o = ring_options(ring);
+  constexpr Key kKeys = 20;
+  constexpr std::size_t kLen = 1024;
+  const std::vector<Key> keys = testing::make_zero_keys(o, kKeys, kLen);
+  wait_synced(ring.uris());
+  testing::SharedArray<Round> rounds(3);
+  testing::SharedArray<std::atomic<int>> stop(1);
+  std::vector<pid_t> pids = start_workers(o, keys, kLen, rounds, stop);
+  const testing::KillOnExit reap(pids);
+  const auto wait_serving = [&](int s, const std::string& want) {
+    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (serving(ring, s) != want) {
+      ASSERT_LT(std::chrono::steady_clock::now(), give_up) << "server " << s << " serves " << serving(ring, s);
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  };
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  ring.process(1).signal(SIGKILL);
+  ring.process(1).wait();
+  wait_serving(2, "1");
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));  // pushes land on the takeover
+  ring.process(2).signal(SIGKILL);
+  ring.process(2).wait();
+  wait_serving(3, "1,2");
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  stop[0].store(1);
+  for (pid_t p : pids) ASSERT_EQ(wait_pid(p, std::chrono::seconds(60)), 0) << "a worker saw an error";
+  std::uint64_t acked = 0;
+  for (int w = 0; w < 3; ++w) acked += rounds[w].acknowledged.load();
+  expect_every_push_once(o, kKeys, kLen, acked, "after two failures");
+}
 
 // A server that hangs (SIGSTOP) is taken for dead just the same; once it runs again it learns it
 // was certified down and stops (exit status 3) without acknowledging anything more, and no
