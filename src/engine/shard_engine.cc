@@ -70,17 +70,13 @@ ShardEngine::ShardEngine(const EngineOptions& options, std::unique_ptr<MemoryRes
   for (std::uint32_t origin : options.replica_of) {
     auto r = std::make_unique<Replica>();
     r->origin = origin;
-    r->store = Store::create(std::make_unique<HeapMemory>(Store::required_bytes(options.store)), options.store);
-    r->store->keep_push_marks(marks);
+    r->store = new_replica_store();
     for (auto& words : r->words) words = std::make_unique<std::atomic<std::uint64_t>[]>(options.num_workers);
     replicas_.push_back(std::move(r));
   }
   if (options.mode == ConsistencyMode::sync) {
-    const SyncOptions sync{.num_workers = options.num_workers,
-                           .required = options.sync_required,
-                           .replicated = !options.replica_of.empty() || options.mark_pushes};
-    sync_ = std::make_unique<SyncAccumulator>(*store_, sync);
-    for (auto& r : replicas_) r->sync = std::make_unique<SyncAccumulator>(*r->store, sync);
+    sync_ = std::make_unique<SyncAccumulator>(*store_, replica_sync_options());
+    for (auto& r : replicas_) r->sync = std::make_unique<SyncAccumulator>(*r->store, replica_sync_options());
   }
   watchdog_ = std::thread([this] { watchdog(); });
 }
@@ -507,6 +503,18 @@ ShardEngine::Replica* ShardEngine::replica(std::uint32_t origin, std::string* wh
   return nullptr;
 }
 
+std::unique_ptr<Store> ShardEngine::new_replica_store() const {
+  auto store = Store::create(std::make_unique<HeapMemory>(Store::required_bytes(options_.store)), options_.store);
+  store->keep_push_marks(store_->push_marks());
+  return store;
+}
+
+SyncOptions ShardEngine::replica_sync_options() const {
+  return {.num_workers = options_.num_workers,
+          .required = options_.sync_required,
+          .replicated = !options_.replica_of.empty() || options_.mark_pushes};
+}
+
 Errc ShardEngine::sealed(std::uint32_t origin, std::string* why) const {
   if (why)
     *why = "server " + std::to_string(options_.server_id) + " takes no more of server " + std::to_string(origin) +
@@ -611,7 +619,14 @@ Errc ShardEngine::mark_replica(std::uint32_t origin, ReplicaMark mark, std::stri
                                std::uint32_t epoch_seconds) {
   Replica* r = replica(origin, why);
   if (!r) return Errc::invalid_argument;
-  std::shared_lock frame(r->seal_mu);
+  // A syncing mark restarts the copy, its store included (below): no frame, and no read of the
+  // store, runs meanwhile.
+  std::shared_lock frame(r->seal_mu, std::defer_lock);
+  std::unique_lock restart(r->seal_mu, std::defer_lock);
+  if (mark == ReplicaMark::syncing)
+    restart.lock();
+  else
+    frame.lock();
   if (r->sealed) return sealed(origin, why);
   // As a table frame's: a page read (replica_table_rows) sees the copy before or after the mark.
   std::lock_guard applying(r->table_apply_mu);
@@ -635,6 +650,10 @@ Errc ShardEngine::mark_replica(std::uint32_t origin, ReplicaMark mark, std::stri
     r->table_position.store(0, std::memory_order_release);
     r->table_epoch.store(epoch_seconds, std::memory_order_release);
     r->tables_broken = false;
+    // And its keys: the transfer sends every key the origin holds, and a key only an earlier
+    // incarnation wrote must not outlive it here (a rejoin would take it back).
+    r->store = new_replica_store();
+    if (r->sync) r->sync = std::make_unique<SyncAccumulator>(*r->store, replica_sync_options());
   }
   if (mark == ReplicaMark::synced && r->tables_broken) return Errc::ok;  // it stays syncing
   r->mark.store(static_cast<std::uint32_t>(mark), std::memory_order_release);
@@ -685,9 +704,11 @@ Errc ShardEngine::restore_records(std::span<const KeyEntry> keys, const float* r
 Errc ShardEngine::read_records(std::uint32_t origin, std::span<const KeyEntry> keys, float* out, std::string* why) {
   Store* store = store_.get();
   SyncAccumulator* sync = sync_.get();
+  std::shared_lock<std::shared_mutex> reading;  // a replica's store, which a syncing mark replaces
   if (origin != options_.server_id) {
     Replica* r = replica(origin, why);
     if (!r) return Errc::invalid_argument;
+    reading = std::shared_lock(r->seal_mu);
     store = r->store.get();
     sync = r->sync.get();
   }
@@ -749,9 +770,11 @@ Errc ShardEngine::replica_keys(std::uint32_t origin, std::vector<std::pair<Key, 
                                std::string* why) {
   Store* store = store_.get();
   *synced = true;
+  std::shared_lock<std::shared_mutex> reading;  // a replica's store, which a syncing mark replaces
   if (origin != options_.server_id) {
     Replica* r = replica(origin, why);
     if (!r) return Errc::invalid_argument;
+    reading = std::shared_lock(r->seal_mu);
     store = r->store.get();
     *synced = r->mark.load(std::memory_order_acquire) == static_cast<std::uint32_t>(ReplicaMark::synced);
   }
@@ -789,7 +812,12 @@ std::string ShardEngine::stats_json(std::uint64_t external_pushes, const JsonObj
   for (const auto& r : replicas_) {
     const std::string at = "replica_of_" + std::to_string(r->origin);
     const std::uint32_t mark = r->mark.load(std::memory_order_acquire);
-    j.add(at + "_keys", r->store->key_count())
+    std::uint64_t keys = 0;
+    {
+      std::shared_lock reading(r->seal_mu);
+      keys = r->store->key_count();
+    }
+    j.add(at + "_keys", keys)
         .add(at + "_state", mark == static_cast<std::uint32_t>(ReplicaMark::synced)    ? "synced"
                             : mark == static_cast<std::uint32_t>(ReplicaMark::syncing) ? "syncing"
                                                                                        : "empty");

@@ -414,7 +414,8 @@ class ShardEngine {
     // A table frame of the current transfer failed here (no memory): the copy misses something,
     // so no synced mark counts until a new transfer's syncing mark restarts it. Under tables_mu.
     bool tables_broken = false;
-    // Held shared while a frame of the origin is applied, exclusively to seal the replica.
+    // Held shared while a frame of the origin is applied or the store is read, exclusively to
+    // seal the replica or to restart its copy (a syncing mark replaces `store`).
     std::shared_mutex seal_mu;
     bool sealed = false;  // under seal_mu
   };
@@ -444,6 +445,10 @@ class ShardEngine {
                              std::string* why) const;
   Replica* replica(std::uint32_t origin, std::string* why) const;
   Errc sealed(std::uint32_t origin, std::string* why) const;  // a frame refused by a sealed replica
+  // A replica's store (its origin's keys) and its pending steps' options, as made at start and
+  // again by each full transfer's syncing mark.
+  std::unique_ptr<Store> new_replica_store() const;
+  SyncOptions replica_sync_options() const;
   // Writes the records into `store` (with its pending steps into `sync`, in sync mode) where
   // they are newer (Store::put_if_newer).
   Errc put_records(Store& store, SyncAccumulator* sync, std::span<const KeyEntry> keys, const float* records,

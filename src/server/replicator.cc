@@ -1126,7 +1126,28 @@ RejoinReport rejoin_from_replicas(ShardEngine& engine, const ReplicatorOptions& 
     // this server dropped (a timeout) may still say synced while it missed what the others hold.
     RejoinReport report;
     std::string tried;
-    for (const ReplicaPeer& peer : options.replicas) {
+    // Only copies of this server's latest incarnation count: a replica an earlier one transferred
+    // to, and the later one never reached, would bring back keys (and clocks, merged by max) that
+    // only the earlier one wrote. Each replica says whose transfer its copy comes from.
+    std::vector<std::uint32_t> epochs(options.replicas.size(), 0);
+    std::uint32_t latest = 0;
+    for (std::size_t i = 0; i < options.replicas.size(); ++i) {
+      try {
+        auto c = connect_to(options.replicas[i], options, std::chrono::milliseconds(1000));
+        const ReplicaTableRows probe = read_table_rows(*c, options, 0, 0, 1);
+        epochs[i] = probe.epoch;
+        if (probe.synced) latest = std::max(latest, probe.epoch);
+      } catch (const Error&) {
+        // Unreachable now: take_replica below says so.
+      }
+    }
+    for (std::size_t i = 0; i < options.replicas.size(); ++i) {
+      const ReplicaPeer& peer = options.replicas[i];
+      if (epochs[i] < latest) {
+        tried += (tried.empty() ? "" : "; ") +
+                 ("server " + std::to_string(peer.id) + ": its copy is of an earlier incarnation of this server");
+        continue;
+      }
       try {
         take_replica(engine, peer, options, &report);
         report.from.push_back(peer.id);

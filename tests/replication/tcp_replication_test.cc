@@ -1089,6 +1089,7 @@ TEST(TcpReplicationTables, ATablePushSentAgainIsAppliedOnce) {
 // stream and still saying synced. Killed again and restarted with --rejoin, the server must take
 // its tables from the copy its latest incarnation transferred, not from the stale one: the
 // syncing mark names the incarnation, and a rejoin compares it before the position.
+// Its dense keys too: a key only the earlier incarnation wrote does not come back.
 TEST(TcpReplicationTables, ARejoinPrefersTheLatestIncarnationsCopyToAStaleOne) {
   Ring ring(3, 3, {"--frame-timeout-ms", "1000"});
   ClientOptions o = trial_options(ring);
@@ -1100,10 +1101,13 @@ TEST(TcpReplicationTables, ARejoinPrefersTheLatestIncarnationsCopyToAStaleOne) {
   spec.max_rows = 10000;
   const std::vector<Key> ids = ids_homed_on(0, 3, 50);
   const std::vector<float> ones(ids.size() * spec.dim, 1.0f);
+  // A dense key only the first incarnation holds (table rows and keys are spaces of their own).
+  const Key only_first = ids.front();
   {
     Client c(o);
     c.create_table(0, spec);
     for (int i = 0; i < 100; ++i) c.wait(c.push_rows(0, ids, ones));  // a long stream
+    c.wait(c.init(only_first, std::vector<float>(4, 7.0f)));
   }
   wait_synced(ring, 3);
   ASSERT_TRUE(ring.stop(2));  // server 2 keeps that incarnation's copy
@@ -1144,6 +1148,14 @@ TEST(TcpReplicationTables, ARejoinPrefersTheLatestIncarnationsCopyToAStaleOne) {
   c.wait(c.pull_rows(0, ids, back));
   for (std::size_t i = 0; i < ids.size(); ++i)
     ASSERT_EQ(back[i * spec.dim], 3.0f) << "row " << ids[i] << " came back from the earlier incarnation";
+  // Nor do dense keys: server 1's copy was restarted by the later incarnation's transfer.
+  std::vector<float> value(4);
+  try {
+    c.wait(c.pull(only_first, value));
+    ADD_FAILURE() << "key " << only_first << " came back from the earlier incarnation, holding " << value[0];
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::not_found) << e.what();
+  }
 }
 
 }  // namespace
