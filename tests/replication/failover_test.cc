@@ -256,6 +256,51 @@ void expect_every_push_once(const ClientOptions& o, std::size_t keys, std::size_
   }
 }
 
+// What server `s` of the ring says it serves besides its own keys (failover_serving).
+std::string serving(const Ring& ring, int s) {
+  ClientOptions at;
+  at.servers = {ring.uris()[std::size_t(s)]};
+  const std::string stats = Client(at).server_stats(0);
+  const auto from = stats.find("\"failover_serving\":\"");
+  if (from == std::string::npos) return "?";
+  const auto begin = from + std::string("\"failover_serving\":\"").size();
+  return stats.substr(begin, stats.find('"', begin) - begin);
+}
+
+// Three retrying workers (start_workers) on keys of their own, created and synced first.
+// finish() stops them, checks that none saw an error and that every key holds exactly the pushes
+// they were acknowledged, and keeps the longest round any of them waited.
+class Workload {
+ public:
+  static constexpr std::size_t kLen = 1024;
+  Workload(const Ring& ring, const ClientOptions& o, Key keys)
+      : options_(o), keys_(testing::make_zero_keys(o, keys, kLen)) {
+    wait_synced(ring.uris());
+    pids_ = start_workers(options_, keys_, kLen, rounds_, stop_);
+  }
+  void finish(const std::string& name) {
+    stop_[0].store(1);
+    for (pid_t p : pids_) ASSERT_EQ(wait_pid(p, std::chrono::seconds(60)), 0) << "a worker saw an error, " << name;
+    std::uint64_t acked = 0, longest = 0;
+    for (int w = 0; w < 3; ++w) {
+      acked += rounds_[w].acknowledged.load();
+      longest = std::max<std::uint64_t>(longest, rounds_[w].longest_us.load());
+    }
+    longest_ms_ = double(longest) / 1000.0;
+    expect_every_push_once(options_, keys_.size(), kLen, acked, name);
+  }
+  double longest_ms() const { return longest_ms_; }
+
+ private:
+  ClientOptions options_;
+  std::vector<Key> keys_;
+  testing::SharedArray<Round> rounds_{3};
+  testing::SharedArray<std::atomic<int>> stop_{1};
+  std::vector<pid_t> pids_;
+  const testing::KillOnExit reap_{pids_};
+  double longest_ms_ = 0;
+};
+
 class FailoverKill : public ::testing::TestWithParam<std::uint32_t> {};
 
 // One server of three is SIGKILLed at a random moment under load and never restarted. The next
@@ -267,42 +312,20 @@ class FailoverKill : public ::testing::TestWithParam<std::uint32_t> {};
 TEST_P(FailoverKill, ADeadServersKeysAreServedByItsSuccessorWithoutARestart) {
   const std::uint32_t replicas = GetParam();
   std::mt19937 rng(replicas * 113);
-  constexpr Key kKeys = 12;
-  constexpr std::size_t kLen = 1024;
   const int n = testing::fault_trials();
   std::vector<double> stalls_ms;
   for (int trial = 0; trial < n; ++trial) {
     const std::string name = "trial " + std::to_string(trial);
     Ring ring(replicas, kServerFlags);
-    const ClientOptions o = ring_options(ring);
-    const std::vector<Key> keys = testing::make_zero_keys(o, kKeys, kLen);
-    wait_synced(ring.uris());
-    testing::SharedArray<Round> rounds(3);
-    testing::SharedArray<std::atomic<int>> stop(1);
-    std::vector<pid_t> pids = start_workers(o, keys, kLen, rounds, stop);
-    const testing::KillOnExit reap(pids);
+    Workload load(ring, ring_options(ring), 12);
     std::this_thread::sleep_for(std::chrono::milliseconds(200 + rng() % 300));
     const int victim = static_cast<int>(rng() % 3);
     ring.process(victim).signal(SIGKILL);
     ring.process(victim).wait();
     std::this_thread::sleep_for(std::chrono::milliseconds(1500));
-    stop[0].store(1);
-    for (pid_t p : pids) ASSERT_EQ(wait_pid(p, std::chrono::seconds(60)), 0) << "a worker saw an error, " << name;
-
-    std::uint64_t acked = 0, longest = 0;
-    for (int w = 0; w < 3; ++w) {
-      acked += rounds[w].acknowledged.load();
-      longest = std::max<std::uint64_t>(longest, rounds[w].longest_us.load());
-    }
-    stalls_ms.push_back(double(longest) / 1000.0);
-    expect_every_push_once(o, kKeys, kLen, acked, name + " (killed server " + std::to_string(victim) + ")");
-
-    const int holder = (victim + 1) % 3;
-    ClientOptions at_holder;
-    at_holder.servers = {ring.uris()[std::size_t(holder)]};
-    const std::string stats = Client(at_holder).server_stats(0);
-    EXPECT_NE(stats.find("\"failover_serving\":\"" + std::to_string(victim) + "\""), std::string::npos)
-        << name << ": " << stats;
+    load.finish(name + " (killed server " + std::to_string(victim) + ")");
+    stalls_ms.push_back(load.longest_ms());
+    EXPECT_EQ(serving(ring, (victim + 1) % 3), std::to_string(victim)) << name;
     if (trial < 2) {
       // With --rejoin, and (trial 1) without: its votes file says it ran in this ring before.
       TempDir logs;
@@ -322,32 +345,13 @@ std::string replicas_name(const ::testing::TestParamInfo<std::uint32_t>& info) {
 }
 INSTANTIATE_TEST_SUITE_P(Replicas, FailoverKill, ::testing::Values(2u, 3u), replicas_name);
 
-// What server `s` of the ring says it serves besides its own keys (failover_serving).
-std::string serving(const Ring& ring, int s) {
-  ClientOptions at;
-  at.servers = {ring.uris()[std::size_t(s)]};
-  const std::string stats = Client(at).server_stats(0);
-  const auto from = stats.find("\"failover_serving\":\"");
-  if (from == std::string::npos) return "?";
-  const auto begin = from + std::string("\"failover_serving\":\"").size();
-  return stats.substr(begin, stats.find('"', begin) - begin);
-}
-
 // R=3 over 5 servers survives two failures, one after the other: server 1 is SIGKILLed and
 // server 2 takes its keys over; then server 2 is SIGKILLed, and server 3 takes over both its
 // keys and server 1's (from its replica of server 1, which server 2's takeover kept). The
 // workers see no error, and every key ends exact.
 TEST(FailoverTwice, AHoldersDeathMovesTheKeysItTookOverToTheNextServer) {
   Ring ring(3, kServerFlags, 5);
-  const ClientOptions o = ring_options(ring);
-  constexpr Key kKeys = 20;
-  constexpr std::size_t kLen = 1024;
-  const std::vector<Key> keys = testing::make_zero_keys(o, kKeys, kLen);
-  wait_synced(ring.uris());
-  testing::SharedArray<Round> rounds(3);
-  testing::SharedArray<std::atomic<int>> stop(1);
-  std::vector<pid_t> pids = start_workers(o, keys, kLen, rounds, stop);
-  const testing::KillOnExit reap(pids);
+  Workload load(ring, ring_options(ring), 20);
   const auto wait_serving = [&](int s, const std::string& want) {
     const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(20);
     while (serving(ring, s) != want) {
@@ -364,11 +368,7 @@ TEST(FailoverTwice, AHoldersDeathMovesTheKeysItTookOverToTheNextServer) {
   ring.process(2).wait();
   wait_serving(3, "1,2");
   std::this_thread::sleep_for(std::chrono::milliseconds(500));
-  stop[0].store(1);
-  for (pid_t p : pids) ASSERT_EQ(wait_pid(p, std::chrono::seconds(60)), 0) << "a worker saw an error";
-  std::uint64_t acked = 0;
-  for (int w = 0; w < 3; ++w) acked += rounds[w].acknowledged.load();
-  expect_every_push_once(o, kKeys, kLen, acked, "after two failures");
+  load.finish("after two failures");
 }
 
 // A server that hangs (SIGSTOP) is taken for dead just the same; once it runs again it learns it
@@ -378,26 +378,14 @@ TEST(FailoverTwice, AHoldersDeathMovesTheKeysItTookOverToTheNextServer) {
 // successor has its keys, and pushes it acknowledged now would be lost there).
 TEST(FailoverHang, AHungServerIsReplacedAndStopsWhenItWakes) {
   Ring ring(2, kServerFlags);
-  const ClientOptions o = ring_options(ring, std::chrono::seconds(15));
-  constexpr Key kKeys = 12;
-  constexpr std::size_t kLen = 1024;
-  const std::vector<Key> keys = testing::make_zero_keys(o, kKeys, kLen);
-  wait_synced(ring.uris());
-  testing::SharedArray<Round> rounds(3);
-  testing::SharedArray<std::atomic<int>> stop(1);
-  std::vector<pid_t> pids = start_workers(o, keys, kLen, rounds, stop);
-  const testing::KillOnExit reap(pids);
+  Workload load(ring, ring_options(ring, std::chrono::seconds(15)), 12);
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   ASSERT_TRUE(testing::stop_process(ring.process(1).pid()));
   std::this_thread::sleep_for(std::chrono::milliseconds(3000));
   ring.process(1).signal(SIGCONT);
   EXPECT_EQ(ring.process(1).wait(std::chrono::seconds(20)), 3) << "the deposed server did not stop";
   std::this_thread::sleep_for(std::chrono::milliseconds(500));
-  stop[0].store(1);
-  for (pid_t p : pids) ASSERT_EQ(wait_pid(p, std::chrono::seconds(60)), 0) << "a worker saw an error";
-  std::uint64_t acked = 0;
-  for (int w = 0; w < 3; ++w) acked += rounds[w].acknowledged.load();
-  expect_every_push_once(o, kKeys, kLen, acked, "after a hang");
+  load.finish("after a hang");
 }
 
 }  // namespace
