@@ -8,7 +8,7 @@ namespace pskv::wire {
 bool op_carries_values(Op op) noexcept {
   return op == Op::init || op == Op::push || op == Op::replicate || op == Op::table_create || op == Op::table_push ||
          op == Op::replica_table || op == Op::replica_rows || op == Op::replica_rows_marked || op == Op::down_vote ||
-         op == Op::down_certified;
+         op == Op::down_certified || op == Op::hand_back;
 }
 
 void encode_table_spec(const TableSpec& spec, float out[kTableSpecFloats]) noexcept {
@@ -134,6 +134,8 @@ std::string_view op_name(std::uint16_t op) noexcept {
       return "down_certified";
     case Op::certificates:
       return "certificates";
+    case Op::hand_back:
+      return "hand_back";
   }
   return "unknown";
 }

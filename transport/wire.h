@@ -18,7 +18,7 @@
 namespace pskv::wire {
 
 inline constexpr std::uint32_t kMagic = 0x564b5350;  // "PSKV"
-inline constexpr std::uint16_t kVersion = 4;
+inline constexpr std::uint16_t kVersion = 5;
 
 enum class Op : std::uint16_t {
   hello =
@@ -68,6 +68,8 @@ enum class Op : std::uint16_t {
   down_certified = 26,  // a server that won a certificate tells this one: record it
   certificates = 27,    // anyone: reply: a text payload, one line "server incarnation holder uri" per
                         // certificate this server knows to have won (encode_certificates)
+  hand_back = 28,       // a restarted server (the requester, with its claim as the certificate) asks the
+                        // server that holds its keys to give them back; ok: that server is on it
 };
 
 inline constexpr std::uint32_t kReplicaSyncing = 1, kReplicaSynced = 2;
@@ -90,7 +92,7 @@ struct Certificate {
   bool operator==(const Certificate&) const = default;
 };
 inline constexpr std::size_t kMaxCertificateUri = 512;
-// The payload of down_vote and down_certified (whole floats: one key of that many).
+// The payload of down_vote, down_certified and hand_back (whole floats: one key of that many).
 std::vector<float> encode_down_vote(const Certificate& c, std::uint32_t requester);
 Errc decode_down_vote(std::span<const KeyEntry> keys, const float* payload, std::uint64_t payload_bytes, Certificate* c,
                       std::uint32_t* requester, std::string* why);
@@ -192,7 +194,7 @@ inline bool op_is_replication(Op op) noexcept {
   return op == Op::replicate || op == Op::replica_pull || op == Op::replica_index || op == Op::replica_clock ||
          op == Op::replica_barrier || op == Op::replica_evict || op == Op::replica_table || op == Op::replica_rows ||
          op == Op::replica_unrows || op == Op::replica_table_rows || op == Op::replica_rows_marked ||
-         op == Op::down_vote || op == Op::down_certified;
+         op == Op::down_vote || op == Op::down_certified || op == Op::hand_back;
 }
 // replica_clock and replica_barrier carry a 64-bit clock or generation in 32 bits: the highest
 // (kClockDone, a finished worker) travels as UINT32_MAX, and so would any past it.

@@ -451,9 +451,10 @@ class ClientImpl {
   }
 
   // Where server `server`'s keys are served now, if a failover moved them (a certificate another
-  // server knows: docs/ARCHITECTURE.md, "Failover"); empty if none says so. Each server is asked
-  // on a connection of its own, made without a worker id (a worker's connection coming and
-  // going would count as that worker joining and leaving).
+  // server knows: docs/ARCHITECTURE.md, "Failover"); empty if none says so. The latest
+  // incarnation's certificate counts: a takeover's holder, or the server itself once a restart
+  // took its keys back. Each server is asked on a connection of its own, made without a worker
+  // id (a worker's connection coming and going would count as that worker joining and leaving).
   // A ring whose servers all refuse the question (run without --failover-ms) is not asked again.
   std::string moved_to(std::size_t server, std::chrono::steady_clock::time_point deadline) {
     transport::ConnectOptions c = connect_options_;
@@ -461,6 +462,7 @@ class ClientImpl {
     c.connect_timeout = std::min(c.connect_timeout, std::chrono::milliseconds(500));
     c.io_timeout = std::min(c.io_timeout, std::chrono::milliseconds(1000));
     std::size_t asked = 0, refused = 0;
+    std::optional<wire::Certificate> latest;
     for (std::size_t s = 0; s < options_.servers.size(); ++s) {
       if (s == server || std::chrono::steady_clock::now() >= deadline) continue;
       try {
@@ -483,14 +485,17 @@ class ClientImpl {
         std::string why;
         refused += done.status() == Errc::unsupported;
         if (done.status() != Errc::ok || wire::decode_certificates(text, &certificates, &why) != Errc::ok) continue;
-        for (const wire::Certificate& cert : certificates)
-          if (cert.server == server && cert.holder != server && !cert.uri.empty()) return cert.uri;
+        for (wire::Certificate& cert : certificates)
+          if (cert.server == server && (cert.holder == server || !cert.uri.empty()) &&
+              (!latest || cert.incarnation > latest->incarnation))
+            latest = std::move(cert);
       } catch (const Error&) {
         // That server is down too: ask the next.
       }
     }
     if (asked > 0 && refused == asked) no_failover_.store(true);
-    return {};
+    if (!latest) return {};
+    return latest->holder == server ? options_.servers[server] : latest->uri;
   }
 
   void wait(Ticket ticket) {

@@ -10,6 +10,9 @@
 namespace pskv {
 
 namespace {
+// The replica a failover hand-back refills on this thread (refill_sealed_replica): writable here
+// though sealed, while the origin's own frames stay refused.
+thread_local const void* refilling = nullptr;
 std::string key_error(Errc e, std::uint64_t key, std::uint32_t length, const Store& store) {
   const std::string k = "key " + std::to_string(key);
   switch (e) {
@@ -522,6 +525,22 @@ Errc ShardEngine::sealed(std::uint32_t origin, std::string* why) const {
   return Errc::permission;
 }
 
+Errc ShardEngine::refill_sealed_replica(std::uint32_t origin, const std::function<Errc(std::string*)>& fill,
+                                        std::string* why) {
+  Replica* r = replica(origin, why);
+  if (!r) return Errc::invalid_argument;
+  refilling = r;
+  Errc e = Errc::ok;
+  try {
+    e = fill(why);
+  } catch (...) {
+    refilling = nullptr;
+    throw;
+  }
+  refilling = nullptr;
+  return e;
+}
+
 Errc ShardEngine::seal_replica(std::uint32_t origin, bool seal, std::string* why) {
   Replica* r = replica(origin, why);
   if (!r) return Errc::invalid_argument;
@@ -535,6 +554,13 @@ bool ShardEngine::replica_synced(std::uint32_t origin, std::uint32_t* incarnatio
   if (!r) return false;
   if (incarnation) *incarnation = r->table_epoch.load(std::memory_order_acquire);
   return r->mark.load(std::memory_order_acquire) == static_cast<std::uint32_t>(ReplicaMark::synced);
+}
+
+std::uint64_t ShardEngine::replica_transfer(std::uint32_t origin) const {
+  const Replica* r = replica(origin, nullptr);
+  if (!r) return 0;
+  std::lock_guard lock(r->tables_mu);
+  return r->table_connection;
 }
 
 std::uint32_t ShardEngine::record_length_of(std::uint32_t floats) const noexcept {
@@ -600,7 +626,7 @@ Errc ShardEngine::apply_replica(std::uint32_t origin, std::span<const KeyEntry> 
   Replica* r = replica(origin, why);
   if (!r) return Errc::invalid_argument;
   std::shared_lock frame(r->seal_mu);
-  if (r->sealed) return sealed(origin, why);
+  if (r->sealed && refilling != r) return sealed(origin, why);
   return put_records(*r->store, r->sync.get(), keys, records, why);
 }
 
@@ -627,7 +653,7 @@ Errc ShardEngine::mark_replica(std::uint32_t origin, ReplicaMark mark, std::stri
     restart.lock();
   else
     frame.lock();
-  if (r->sealed) return sealed(origin, why);
+  if (r->sealed && refilling != r) return sealed(origin, why);
   // As a table frame's: a page read (replica_table_rows) sees the copy before or after the mark.
   std::lock_guard applying(r->table_apply_mu);
   std::lock_guard lock(r->tables_mu);
@@ -665,7 +691,7 @@ Errc ShardEngine::apply_replica_word(WorkerWord word, std::uint32_t origin, std:
   Replica* r = replica(origin, why);
   if (!r) return Errc::invalid_argument;
   std::shared_lock frame(r->seal_mu);
-  if (r->sealed) return sealed(origin, why);
+  if (r->sealed && refilling != r) return sealed(origin, why);
   if (worker >= options_.num_workers) {
     if (why)
       *why = "a word of worker " + std::to_string(worker) + ", but this server runs with --workers " +
@@ -1028,7 +1054,7 @@ Errc ShardEngine::apply_replica_table(std::uint32_t origin, std::uint64_t connec
   Replica* r = replica(origin, why);
   if (!r) return Errc::invalid_argument;
   std::shared_lock frame(r->seal_mu);
-  if (r->sealed) return sealed(origin, why);
+  if (r->sealed && refilling != r) return sealed(origin, why);
   if (!marks.empty() && marks.size() != table_marks_per_table_) {
     *why = "server " + std::to_string(origin) + "'s table " + std::to_string(id) + " comes with " +
            std::to_string(marks.size()) + " push marks; this server marks the pushes of " +
@@ -1083,7 +1109,7 @@ Errc ShardEngine::apply_replica_rows(std::uint32_t origin, std::uint64_t connect
   Replica* r = replica(origin, why);
   if (!r) return Errc::invalid_argument;
   std::shared_lock frame(r->seal_mu);
-  if (r->sealed) return sealed(origin, why);
+  if (r->sealed && refilling != r) return sealed(origin, why);
   std::lock_guard applying(r->table_apply_mu);
   if (marked && marked->worker >= table_marks_per_table_) {
     *why = "rows of server " + std::to_string(origin) + "'s table " + std::to_string(id) + " marked by worker " +

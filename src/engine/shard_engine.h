@@ -157,6 +157,11 @@ class Membership {
                          std::string* why) = 0;
   // What the certificates op answers: every certificate known to have won (wire::encode_certificates).
   virtual std::string certificates() const = 0;
+  // Restarted server `server` (incarnation `incarnation`, the requester) asks for its keys back
+  // from this server, which holds them: ok once this server has taken the request on (it gives
+  // them back in the background); not_found if it does not hold them.
+  virtual Errc hand_back(std::uint32_t server, std::uint32_t incarnation, std::uint32_t requester,
+                         std::string* why) = 0;
   virtual JsonObject stats() const = 0;  // merged into the engine's stats
 };
 
@@ -289,9 +294,15 @@ class ShardEngine {
   // `origin` ships after the seal is acknowledged by this server; a frame being applied finishes
   // first. Unsealed again when the takeover it was for does not happen.
   Errc seal_replica(std::uint32_t origin, bool seal, std::string* why);
+  // Failover's hand-back: runs `fill` with the sealed replica of `origin` writable from this
+  // thread alone, through the replica calls above (the origin's own frames stay refused).
+  Errc refill_sealed_replica(std::uint32_t origin, const std::function<Errc(std::string*)>& fill, std::string* why);
   // Whether the replica of `origin` holds all of its keys (a full transfer completed), and the
   // incarnation (start, seconds) that transferred them.
   bool replica_synced(std::uint32_t origin, std::uint32_t* incarnation = nullptr) const;
+  // Which transfer the replica of `origin` holds (its syncing mark's connection tag): it changes
+  // with every transfer that restarts the copy. 0 if none came.
+  std::uint64_t replica_transfer(std::uint32_t origin) const;
   void set_replicator(Replicator* replicator) noexcept { replicator_ = replicator; }
   void set_membership(Membership* membership) noexcept { membership_ = membership; }
   Membership* membership() const noexcept { return membership_; }

@@ -89,14 +89,73 @@ void adopt_replica(ShardEngine& holder, std::uint32_t origin, ShardEngine& into)
   }
 }
 
+void refill_replica(ShardEngine& from, std::uint32_t table_position, ShardEngine& holder) {
+  const std::uint32_t origin = from.options().server_id;
+  std::string why;
+  const Errc e = holder.refill_sealed_replica(
+      origin,
+      [&](std::string* failed) -> Errc {
+        // Connection 0: the table frames below are the transfer's, and the next transfer on a
+        // real connection (the restarted origin's) replaces it.
+        if (Errc m = holder.mark_replica(origin, ReplicaMark::syncing, failed, 0, from.epoch_seconds()); m != Errc::ok)
+          return m;
+        std::vector<std::pair<Key, std::uint32_t>> index;
+        std::vector<std::uint64_t> words;
+        bool synced = false;
+        if (Errc i = from.replica_index(origin, &index, &synced, &words, failed); i != Errc::ok) return i;
+        std::vector<KeyEntry> keys;
+        std::vector<float> records;
+        for (std::size_t begin = 0; begin < index.size();) {
+          keys.clear();
+          std::uint64_t floats = 0;
+          std::size_t end = begin;
+          for (; end < index.size() && (end == begin || floats * sizeof(float) < kAdoptBytes); ++end) {
+            const auto length = static_cast<std::uint32_t>(from.record_floats(index[end].second));
+            keys.push_back({index[end].first, length, 0});
+            floats += length;
+          }
+          records.resize(floats);
+          if (Errc r = from.read_records(origin, keys, records.data(), failed); r != Errc::ok) return r;
+          if (Errc a = holder.apply_replica(origin, keys, records.data(), failed); a != Errc::ok) return a;
+          begin = end;
+        }
+        const std::size_t workers = words.size() / kWorkerWords;
+        for (std::size_t k = 0; k < kWorkerWords; ++k)
+          for (std::size_t w = 0; w < workers; ++w)
+            if (Errc a = holder.apply_replica_word(static_cast<WorkerWord>(k), origin, static_cast<std::uint32_t>(w),
+                                                   words[k * workers + w], failed);
+                a != Errc::ok)
+              return a;
+        for (std::uint32_t id = 0; id < kMaxTables; ++id) {
+          std::uint32_t cursor = 0;
+          do {
+            ReplicaTableRows page;
+            if (Errc r = from.replica_table_rows(origin, id, cursor, 1u << 14, kAdoptBytes, &page, failed);
+                r != Errc::ok)
+              return r;
+            if (!page.exists) break;
+            if (cursor == 0)
+              if (Errc a = holder.apply_replica_table(origin, 0, table_position, id, page.requested, page.max_rows,
+                                                      page.marks, failed);
+                  a != Errc::ok)
+                return a;
+            keys.clear();
+            for (Key row : page.ids) keys.push_back({row, page.record_floats, 0});
+            if (Errc a = holder.apply_replica_rows(origin, 0, table_position, id, keys, page.records.data(), failed);
+                a != Errc::ok)
+              return a;
+            cursor = page.next;
+          } while (cursor != 0);
+        }
+        return holder.mark_replica(origin, ReplicaMark::synced, failed, 0);
+      },
+      &why);
+  if (e != Errc::ok) throw Error(e, "refilling the replica of server " + std::to_string(origin) + ": " + why);
+}
+
 Failover::Failover(ShardEngine& engine, FailoverOptions options, FailoverHooks hooks)
     : engine_(engine), options_(std::move(options)), hooks_(std::move(hooks)), book_(options_.votes_path) {
   book_.check_writable();
-  if (book_.takeover_of(options_.server_id))
-    throw Error(Errc::permission,
-                "server " + std::to_string(options_.server_id) + "'s keys were voted to server " +
-                    std::to_string(book_.takeover_of(options_.server_id)->holder) + " (see " + options_.votes_path +
-                    "): a server whose keys were taken over does not serve them again (moving them back is not built)");
 }
 
 void Failover::start() {
@@ -135,7 +194,10 @@ Errc Failover::certified(std::uint32_t server, std::uint32_t incarnation, std::u
     return Errc::invalid_argument;
   }
   if (Errc e = book_.certified({server, incarnation, holder, uri}, why); e != Errc::ok) return e;
-  if (holder == server) return Errc::ok;  // a restarted server's claim: nothing moves
+  if (holder == server) {  // a restarted server's claim: nothing moves
+    if (server != options_.server_id) claimed(server, incarnation);
+    return Errc::ok;
+  }
   if (server == options_.server_id) {
     // (An announcement about an earlier incarnation, arriving late, concerns nobody running.)
     if (incarnation >= options_.incarnation)
@@ -156,9 +218,111 @@ void Failover::queue_takeover(std::uint32_t origin, std::uint32_t incarnation) {
 }
 
 std::string Failover::certificates() const {
-  std::vector<wire::Certificate> won = book_.won();
-  std::erase_if(won, [](const wire::Certificate& c) { return c.holder == c.server; });
-  return wire::encode_certificates(won);
+  // Claims too: a client that followed a takeover finds its way back after a hand-back.
+  return wire::encode_certificates(book_.won());
+}
+
+Errc Failover::hand_back(std::uint32_t server, std::uint32_t incarnation, std::uint32_t requester, std::string* why) {
+  const auto n = static_cast<std::uint32_t>(options_.peers.size());
+  if (server >= n || requester != server) {
+    *why = "a hand-back is asked for by the restarted server itself, one of the " + std::to_string(n) + " of --peers";
+    return Errc::invalid_argument;
+  }
+  const std::string of = "server " + std::to_string(server);
+  std::lock_guard lock(mu_);
+  if (!serving_.count(server)) {
+    *why = "server " + std::to_string(options_.server_id) + " does not serve " + of + "'s keys";
+    return Errc::not_found;
+  }
+  // (A hand-back under way may have replaced the takeover in this server's own votes already.)
+  const std::optional<wire::Certificate> took = book_.takeover_of(server);
+  if (!handing_back_.count(server) && (!took || incarnation <= took->incarnation)) {
+    *why = of + "'s incarnation " + std::to_string(incarnation) + " is not later than the one taken over";
+    return Errc::invalid_argument;
+  }
+  to_give_back_[server] = incarnation;
+  cv_.notify_all();
+  return Errc::ok;
+}
+
+bool Failover::give_back(std::uint32_t origin, std::uint32_t incarnation) {
+  const std::string who = "server " + std::to_string(options_.server_id);
+  const std::string of = "server " + std::to_string(origin);
+  if (deposed_.load()) return false;
+  {
+    std::lock_guard lock(mu_);
+    if (!serving_.count(origin)) return true;
+    handing_back_.insert(origin);
+  }
+  std::string why;
+  if (!hooks_.quiesce(origin, &why)) {
+    log::warn("failover", who + " cannot give " + of + "'s keys back yet: " + why);
+    return false;
+  }
+  // Nothing is acknowledged for these keys from here, and this server's replica of them holds
+  // everything that was: the restarted server rejoins from it once this claim wins.
+  const wire::Certificate c{origin, incarnation, origin, {}};
+  bool down = false;
+  std::string refused;
+  if (!win(c, &down, &refused)) {
+    log::warn("failover", who + " could not give " + of + "'s keys back yet: " + refused);
+    if (down) depose("a majority says it is down: " + refused);
+    return false;
+  }
+  announce(c);
+  hooks_.release(origin);
+  {
+    std::lock_guard lock(mu_);
+    serving_.erase(origin);
+    handing_back_.erase(origin);
+  }
+  claimed(origin, incarnation);
+  log::info("failover", who + " gave " + of + "'s keys back to its incarnation " + std::to_string(incarnation));
+  return true;
+}
+
+bool Failover::ask_hand_back(std::string* why) const {
+  // The takeover of this server's latest earlier incarnation, as the others know it.
+  std::optional<wire::Certificate> took;
+  for (std::size_t s = 0; s < options_.peers.size(); ++s) {
+    if (s == options_.server_id) continue;
+    try {
+      auto conn = connect_peer(options_.peers[s], options_.token, options_.timeout);
+      std::string text, failed;
+      transport::Request q;
+      q.op = wire::Op::certificates;
+      q.text_out = &text;
+      std::vector<wire::Certificate> won;
+      if (ask(conn, q, options_.timeout, &failed) != Errc::ok ||
+          wire::decode_certificates(text, &won, &failed) != Errc::ok)
+        continue;
+      for (const wire::Certificate& c : won)
+        if (c.server == options_.server_id && c.holder != c.server && c.incarnation < options_.incarnation &&
+            (!took || c.incarnation >= took->incarnation))
+          took = c;
+    } catch (const Error&) {
+      // Down too: the others answer.
+    }
+  }
+  if (!took) {
+    *why = "no server knows which one holds them";
+    return false;
+  }
+  try {
+    auto conn = connect_peer(options_.peers[took->holder], options_.token, options_.timeout);
+    const std::vector<float> payload =
+        wire::encode_down_vote({options_.server_id, options_.incarnation, options_.server_id, {}}, options_.server_id);
+    const transport::KeySlice slice{0, static_cast<std::uint32_t>(payload.size()), const_cast<float*>(payload.data())};
+    transport::Request q;
+    q.op = wire::Op::hand_back;
+    q.keys = {&slice, 1};
+    std::string answer;
+    if (ask(conn, q, options_.timeout, &answer) == Errc::ok) return true;
+    *why = "server " + std::to_string(took->holder) + ": " + answer;
+  } catch (const Error& e) {
+    *why = "server " + std::to_string(took->holder) + ": " + e.what();
+  }
+  return false;
 }
 
 std::uint32_t Failover::holder_for(std::uint32_t server) const {
@@ -194,6 +358,27 @@ std::vector<std::pair<Errc, std::string>> Failover::tell_everyone(wire::Op op, c
   }
   for (auto& t : askers) t.join();
   return answers;
+}
+
+void Failover::claimed(std::uint32_t origin, std::uint32_t incarnation) {
+  // This server's replica of `origin` is an earlier incarnation's copy, or a takeover's, until the
+  // new incarnation's transfer restarts it: nothing to take the new one over from (a takeover's
+  // incarnation, its start in seconds, may even equal the new incarnation's). A second
+  // announcement of the same claim may come after that transfer began: not recorded again.
+  std::lock_guard lock(mu_);
+  const auto it = stale_copy_.find(origin);
+  if (it == stale_copy_.end() || it->second.incarnation < incarnation)
+    stale_copy_[origin] = {incarnation, engine_.replica_transfer(origin)};
+}
+
+bool Failover::holds_stale_copy(std::uint32_t origin) const {
+  std::lock_guard lock(mu_);
+  return holds_stale_copy_locked(origin);
+}
+
+bool Failover::holds_stale_copy_locked(std::uint32_t origin) const {
+  const auto it = stale_copy_.find(origin);
+  return it != stale_copy_.end() && it->second.transfer == engine_.replica_transfer(origin);
 }
 
 bool Failover::held_elsewhere(std::uint32_t server) const {
@@ -260,25 +445,34 @@ bool Failover::may_drop(std::uint32_t replica, std::uint32_t incarnation, const 
   return false;
 }
 
-void Failover::claim_own_keys(std::chrono::milliseconds patience) {
+void Failover::claim_own_keys(std::chrono::milliseconds patience, bool take_back) {
+  const std::string who = "server " + std::to_string(options_.server_id);
   const auto give_up = std::chrono::steady_clock::now() + patience;
   const wire::Certificate c{options_.server_id, options_.incarnation, options_.server_id, {}};
+  auto next_report = std::chrono::steady_clock::now();
   for (;;) {
     bool down = false;
-    std::string refused;
+    std::string refused, asked;
     if (win(c, &down, &refused)) {
       announce(c);
       return;
     }
-    if (down)
-      throw Error(Errc::permission, "server " + std::to_string(options_.server_id) +
-                                        "'s keys were taken over while it was down (" + refused +
-                                        "); a server whose keys were taken over does not serve them again");
+    if (down && !take_back)
+      throw Error(Errc::permission, who + "'s keys were taken over while it was down (" + refused +
+                                        "); restart it with --rejoin to take them back from the server holding them");
+    // The holder stops serving them, then claims them for this incarnation (a hand-back); this
+    // claim wins once that one has.
+    if (down && !ask_hand_back(&asked) && std::chrono::steady_clock::now() >= next_report) {
+      log::warn("failover", who + " asked for its keys back: " + asked);
+      next_report = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+    }
     if (std::chrono::steady_clock::now() > give_up)
-      throw Error(Errc::peer_failure, "no majority of the servers answered server " +
-                                          std::to_string(options_.server_id) + "'s claim of its keys within " +
-                                          std::to_string(patience.count()) + " ms: " + refused);
-    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      throw Error(Errc::peer_failure,
+                  down ? who + "'s keys were taken over while it was down, and not given back within " +
+                             std::to_string(patience.count()) + " ms: " + (asked.empty() ? refused : asked)
+                       : "no majority of the servers answered " + who + "'s claim of its keys within " +
+                             std::to_string(patience.count()) + " ms: " + refused);
+    std::this_thread::sleep_for(std::chrono::milliseconds(down ? 50 : 200));
   }
 }
 
@@ -319,6 +513,9 @@ void Failover::take_over(std::uint32_t origin, std::uint32_t certified_incarnati
     log::error("failover", who + " cannot take over " + of + "'s keys: its replica of them is not synced");
     return;
   }
+  // A copy older than the origin's last claim (its restart took its keys back, and its transfer
+  // to this replica has not begun yet) is not the origin's state.
+  if (book_.claimed_incarnation(origin) > incarnation || holds_stale_copy(origin)) return;
   // From here no frame of the origin is taken: whatever it acknowledged is in the replica now.
   engine_.seal_replica(origin, true, &why);
   if (!engine_.replica_synced(origin, &incarnation) || (won && incarnation != certified_incarnation)) {
@@ -370,8 +567,15 @@ void Failover::watch() {
   std::size_t asked = options_.server_id;
   std::unique_lock lock(mu_);
   while (!stopping_.load()) {
-    cv_.wait_for(lock, look_every, [&] { return stopping_.load() || !to_take_.empty(); });
+    cv_.wait_for(lock, look_every, [&] { return stopping_.load() || !to_take_.empty() || !to_give_back_.empty(); });
     if (stopping_.load()) break;
+    while (!to_give_back_.empty() && !deposed_.load()) {
+      const auto [origin, incarnation] = *to_give_back_.begin();
+      to_give_back_.erase(to_give_back_.begin());
+      lock.unlock();
+      give_back(origin, incarnation);  // (not done yet: the restarted server asks again)
+      lock.lock();
+    }
     // A server that was hung (or cut off) while it was certified down is told by nobody: the
     // winner's announcement could not reach it. It asks one other server a second.
     if (!deposed_.load() && std::chrono::steady_clock::now() >= next_self_look) {
@@ -399,7 +603,7 @@ void Failover::watch() {
       // An origin whose keys this replica does not hold whole (it has not started yet, say) could
       // not be taken over from here: not watched until it is synced.
       if (serving_.count(w.origin) || holder_for(w.origin) != options_.server_id || held_elsewhere(w.origin) ||
-          !engine_.replica_synced(w.origin)) {
+          !engine_.replica_synced(w.origin) || holds_stale_copy_locked(w.origin)) {
         w.last_answer = std::chrono::steady_clock::now();
         continue;
       }

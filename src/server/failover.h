@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <set>
@@ -30,6 +31,11 @@ namespace pskv {
 // sealed (nothing may apply to it meanwhile). Throws Error naming what could not be copied.
 void adopt_replica(ShardEngine& holder, std::uint32_t origin, ShardEngine& into);
 
+// The reverse, for a hand-back: `holder`'s sealed replica of the keys `from` served (a takeover
+// engine, quiesced) becomes a copy of `from` as it stands, tables at `table_position` of the
+// takeover's table stream. Throws Error naming what could not be copied.
+void refill_replica(ShardEngine& from, std::uint32_t table_position, ShardEngine& holder);
+
 struct FailoverOptions {
   std::uint32_t server_id = 0;
   std::vector<std::string> peers;  // every server's URI, in server-id order
@@ -46,16 +52,21 @@ struct FailoverOptions {
 // `depose` stops this server: it may no longer acknowledge anything. Each is called from a
 // Failover thread (or, for depose, one a request or the replicator runs on), never under its
 // locks.
+// A hand-back: `quiesce` stops serving `origin`'s keys (its clients are cut off, and no request is
+// applied to them any more) and returns true once this server's own replica of them holds
+// everything acknowledged; false, with *why, while it does not (asked again later). `release`
+// then lets the takeover go.
 struct FailoverHooks {
   std::function<std::string(std::uint32_t origin)> serve;
   std::function<void(const std::string& why)> depose;
+  std::function<bool(std::uint32_t origin, std::string* why)> quiesce;
+  std::function<void(std::uint32_t origin)> release;
 };
 
 // Thread-safety: every member from any thread; stop() once, before the engine goes.
 class Failover final : public Membership {
  public:
-  // Throws Error when this server's keys were taken over (it must not serve them again) or its
-  // votes cannot be kept.
+  // Throws Error when its votes cannot be kept.
   Failover(ShardEngine& engine, FailoverOptions options, FailoverHooks hooks);
   ~Failover() override;
   // Starts watching the predecessors, once the server around it is complete (not after stop()).
@@ -72,14 +83,16 @@ class Failover final : public Membership {
   Errc certified(std::uint32_t server, std::uint32_t incarnation, std::uint32_t holder, const std::string& uri,
                  std::string* why) override;
   std::string certificates() const override;
+  Errc hand_back(std::uint32_t server, std::uint32_t incarnation, std::uint32_t requester, std::string* why) override;
 
   // A replicator's silent replica `replica` (incarnation as its hello said) is dropped only once
   // it is certified down: true once it is. False when this server could not win that (it is
   // down itself, or cut off from a majority): it is then deposed, and must not acknowledge.
   bool may_drop(std::uint32_t replica, std::uint32_t incarnation, const std::string& why);
-  // A restarted server claims its keys back before serving them. Throws Error if
-  // another server holds them now, or no majority answers within `patience`.
-  void claim_own_keys(std::chrono::milliseconds patience);
+  // A restarted server claims its keys before serving them. If another server took them over, it
+  // asks that server to give them back when `take_back` (it then rejoins from its replicas, the
+  // holder's among them); without, or if no majority answers within `patience`, throws Error.
+  void claim_own_keys(std::chrono::milliseconds patience, bool take_back);
   bool deposed() const noexcept { return deposed_.load(); }
   // Whether a takeover of `server` was granted or won here: it is down.
   bool down(std::uint32_t server) const { return book_.takeover_of(server).has_value(); }
@@ -103,12 +116,25 @@ class Failover final : public Membership {
   std::uint32_t holder_for(std::uint32_t server) const;
   // `server`'s keys are served by a holder that a takeover named and that is not down itself.
   bool held_elsewhere(std::uint32_t server) const;
+  // This server's replica of `origin` is still the one it held when the origin's latest
+  // incarnation claimed its keys (under mu_: _locked).
+  bool holds_stale_copy(std::uint32_t origin) const;
+  bool holds_stale_copy_locked(std::uint32_t origin) const;
+  // `origin`'s incarnation `incarnation` claimed its keys: this server's replica of them is
+  // stale until that incarnation's transfer restarts it (recorded once per incarnation).
+  void claimed(std::uint32_t origin, std::uint32_t incarnation);
   void watch();
   // Seals this server's replica of `origin`, wins the certificate for it (unless one was won for
   // `certified_incarnation`, when not 0: the replica must be of that incarnation), then serves
   // its keys and tells every server where.
   void take_over(std::uint32_t origin, std::uint32_t certified_incarnation);
   void queue_takeover(std::uint32_t origin, std::uint32_t incarnation);
+  // Stops serving `origin`'s keys, then claims them for its `incarnation` (the hand-back); false
+  // while that cannot be done yet (the restarted server asks again).
+  bool give_back(std::uint32_t origin, std::uint32_t incarnation);
+  // Asks the server holding this one's keys (from the certificates of the others) to give them
+  // back; the refusal or the failure in *why when it cannot be asked.
+  bool ask_hand_back(std::string* why) const;
   void depose(const std::string& why);
   // Why `server` says this server was certified down; empty if it does not (or cannot be asked).
   std::string certified_down_at(std::size_t server) const;
@@ -123,8 +149,19 @@ class Failover final : public Membership {
   std::condition_variable cv_;
   // Certificates won elsewhere naming this server the holder: origin and incarnation.
   std::deque<std::pair<std::uint32_t, std::uint32_t>> to_take_;
-  std::set<std::uint32_t> serving_;  // origins whose keys this server serves now
-  std::mutex win_mu_;                // one certificate asked for at a time
+  // Hand-backs asked for: origin, and the incarnation it restarted as.
+  std::map<std::uint32_t, std::uint32_t> to_give_back_;
+  std::set<std::uint32_t> serving_;       // origins whose keys this server serves now
+  std::set<std::uint32_t> handing_back_;  // of those, the ones it stopped serving to give them back
+  // Origins whose latest incarnation claimed its keys (a restart, or a hand-back), and the
+  // transfer this server's replica of them held then: an earlier incarnation's copy, or a
+  // takeover's, not the new incarnation's, until its own transfer restarts the replica.
+  struct StaleCopy {
+    std::uint32_t incarnation;
+    std::uint64_t transfer;
+  };
+  std::map<std::uint32_t, StaleCopy> stale_copy_;
+  std::mutex win_mu_;  // one certificate asked for at a time
   std::thread watcher_;
 };
 

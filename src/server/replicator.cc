@@ -890,6 +890,11 @@ void TcpReplicator::stop() noexcept {
   queue_.clear();
 }
 
+std::uint32_t TcpReplicator::table_position() {
+  std::lock_guard lock(table_order_mu_);
+  return table_position_;
+}
+
 JsonObject TcpReplicator::stats() const {
   JsonObject j;
   j.add("replicas", replicas_.size() + 1)

@@ -91,6 +91,9 @@ class TcpReplicator final : public Replicator {
   // that waits for the replicas, or would, is resumed with peer_failure.
   void depose() noexcept;
 
+  // The position of the last table frame queued (in this server's table stream).
+  std::uint32_t table_position();
+
   // Waits (up to the io timeout) for the acknowledgements of what was shipped, resumes every
   // waiting reply, and stops the threads. Call after the listener drained, before it closes.
   void stop() noexcept;

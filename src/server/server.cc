@@ -119,17 +119,18 @@ struct Takeover {
   std::unique_ptr<ShardEngine> engine;
   std::unique_ptr<TcpReplicator> replicator;
   bool started = false;
+  bool quiesced = false;  // being handed back: its listener no longer serves anyone
 
   // The stop sequence of ServerImpl::stop, for this engine.
   void stop() {
     if (!listener) return;
-    if (started) {
+    if (started && !quiesced) {
       listener->stop_accepting();
       listener->drain();
     }
     if (replicator) replicator->stop();
     if (engine) engine->shutdown();
-    listener->close();
+    if (!quiesced) listener->close();
     listener.reset();
   }
 };
@@ -215,6 +216,8 @@ class ServerImpl {
       FailoverHooks hooks;
       hooks.serve = [this](std::uint32_t origin) { return serve_takeover(origin); };
       hooks.depose = [this](const std::string& why) { depose(why); };
+      hooks.quiesce = [this](std::uint32_t origin, std::string* why) { return quiesce_takeover(origin, why); };
+      hooks.release = [this](std::uint32_t origin) { release_takeover(origin); };
       failover_ = std::make_unique<Failover>(*engine_, f, hooks);
       engine_->set_membership(failover_.get());
       r.may_drop = [this](std::uint32_t replica, std::uint32_t incarnation, const std::string& why) {
@@ -223,7 +226,9 @@ class ServerImpl {
       // A restart (--rejoin, or votes left by an earlier run of this server in this ring) claims
       // its keys first: it must not serve keys a takeover already serves elsewhere, and once it
       // has claimed them no takeover of its earlier incarnation can win.
-      if (o.rejoin || failover_->restarted()) failover_->claim_own_keys(std::chrono::milliseconds(o.wait_timeout) * 3);
+      // With --rejoin, keys taken over while it was down are handed back to it first.
+      if (o.rejoin || failover_->restarted())
+        failover_->claim_own_keys(std::chrono::milliseconds(o.wait_timeout) * 3, o.rejoin);
     }
     replicator_options_ = r;
     if (o.rejoin) {
@@ -295,7 +300,9 @@ class ServerImpl {
       t->engine = std::make_unique<ShardEngine>(e, std::move(memory.store), memory.clocks);
       adopt_replica(*engine_, origin, *t->engine);
       // The rest of the origin's chain keeps its keys, under its id and this engine's newer
-      // epoch (so these records win over the origin's there).
+      // epoch (so these records win over the origin's there). This server's own replica of them
+      // stays sealed (a hung origin waking up must not have frames acknowledged there) until a
+      // hand-back refills it from this engine.
       ReplicatorOptions r = replicator_options_;
       r.server_id = origin;
       r.replicas.clear();
@@ -326,6 +333,53 @@ class ServerImpl {
     }
     takeovers_[origin] = std::move(t);
     return uri;
+  }
+
+  // A hand-back of `origin`'s keys: the takeover's clients are cut off (they find the keys'
+  // next place through the certificates), nothing more is applied or shipped, and this server's
+  // (sealed) replica of them is refilled from the takeover: the restarted origin rejoins from it.
+  bool quiesce_takeover(std::uint32_t origin, std::string* why) {
+    Takeover* t = nullptr;
+    {
+      std::lock_guard lock(takeovers_mu_);
+      // (Takeovers leave the map only in stop(), after the Failover thread that calls this, and
+      // in release_takeover(), from that thread.)
+      if (auto it = takeovers_.find(origin); it != takeovers_.end()) t = it->second.get();
+    }
+    if (!t) {
+      *why = "it serves no takeover of server " + std::to_string(origin);
+      return false;
+    }
+    if (!t->quiesced) {
+      t->listener->stop_accepting();
+      t->listener->drain();
+      t->listener->close();
+      // Every shipment answered or its replica dropped: the rest of the chain is still.
+      if (t->replicator) t->replicator->stop();
+      t->quiesced = true;
+    }
+    try {
+      refill_replica(*t->engine, t->replicator ? t->replicator->table_position() : 0, *engine_);
+    } catch (const std::exception& e) {
+      *why = e.what();
+      return false;
+    }
+    return true;
+  }
+
+  void release_takeover(std::uint32_t origin) {
+    std::unique_ptr<Takeover> t;
+    {
+      std::lock_guard lock(takeovers_mu_);
+      if (auto it = takeovers_.find(origin); it != takeovers_.end()) {
+        t = std::move(it->second);
+        takeovers_.erase(it);
+      }
+    }
+    if (t) t->stop();
+    // The origin's new incarnation ships to it from now on (its transfer restarts the copy).
+    std::string why;
+    engine_->seal_replica(origin, false, &why);
   }
 
   // Certified down: this server may no longer acknowledge anything, so it stops serving (its

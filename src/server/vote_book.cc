@@ -93,18 +93,25 @@ Errc VoteBook::vote(const wire::Certificate& c, std::uint32_t requester, std::st
            to_string(entries_.at(requester).c.holder);
     return Errc::stale_resource;
   }
-  if (taken_over(c.holder)) {
-    *why =
-        "server " + to_string(c.holder) + ", named to hold server " + to_string(c.server) + "'s keys, is down itself";
-    return Errc::permission;
-  }
   const auto it = entries_.find(c.server);
   if (c.holder == c.server) {
     if (requester != c.server) {
-      *why = "only server " + to_string(c.server) + " may claim its own keys";
-      return Errc::permission;
+      // A hand-back: the holder of X's keys claims them for X's later incarnation, once it has
+      // stopped serving them. A voter that never heard of a takeover grants it as X's own claim.
+      const bool holder_gives_back = it != entries_.end() && it->second.c.holder == requester &&
+                                     requester != c.server && c.incarnation > it->second.c.incarnation;
+      const bool nothing_moved =
+          it == entries_.end() || (it->second.c.holder == c.server && c.incarnation >= it->second.c.incarnation);
+      if (!holder_gives_back && !nothing_moved) {
+        *why = "only server " + to_string(c.server) + ", or the server holding its keys, may claim them for it";
+        return Errc::permission;
+      }
     }
-    // (taken_over(requester) refused a claim after a takeover above.)
+    // (taken_over(requester) refused X's own claim after a takeover above.)
+  } else if (taken_over(c.holder)) {
+    *why =
+        "server " + to_string(c.holder) + ", named to hold server " + to_string(c.server) + "'s keys, is down itself";
+    return Errc::permission;
   } else if (it != entries_.end()) {
     const wire::Certificate& had = it->second.c;
     // Another holder was granted X's keys: refused, unless that holder is down itself (its
@@ -142,6 +149,11 @@ Errc VoteBook::vote(const wire::Certificate& c, std::uint32_t requester, std::st
 
 Errc VoteBook::certified(const wire::Certificate& c, std::string* why) {
   std::lock_guard lock(mu_);
+  // An announcement about an incarnation that a later one's claim replaced, arriving late,
+  // changes nothing: the keys went back to that later incarnation.
+  if (const auto it = entries_.find(c.server); it != entries_.end() && it->second.c.holder == c.server &&
+                                               c.holder != c.server && it->second.c.incarnation > c.incarnation)
+    return Errc::ok;
   Entry& e = entries_[c.server];
   const std::string uri = !c.uri.empty() || e.c.holder != c.holder ? c.uri : e.c.uri;
   e.c = c;
@@ -168,6 +180,12 @@ std::optional<wire::Certificate> VoteBook::takeover_of(std::uint32_t server) con
   std::lock_guard lock(mu_);
   if (!taken_over(server)) return std::nullopt;
   return entries_.at(server).c;
+}
+
+std::uint32_t VoteBook::claimed_incarnation(std::uint32_t server) const {
+  std::lock_guard lock(mu_);
+  const auto it = entries_.find(server);
+  return it != entries_.end() && it->second.c.holder == server ? it->second.c.incarnation : 0;
 }
 
 bool VoteBook::won_takeover_of(std::uint32_t server) const {

@@ -26,7 +26,11 @@ namespace pskv {
 //   granted is down itself, and so is an incarnation that a later one's claim replaced
 //   (not_found);
 // - a restarted X's claim of its own keys (holder == X == requester) is granted unless a takeover
-//   of X was granted.
+//   of X was granted;
+// - a hand-back (holder == X, requested by another server) is granted to the holder the last
+//   takeover of X named, for a later incarnation of X than that takeover's, or when nothing
+//   moved X's keys;
+// - an announcement of a takeover of an incarnation that a later claim replaced is ignored.
 // Thread-safety: every member from any thread.
 class VoteBook {
  public:
@@ -48,6 +52,9 @@ class VoteBook {
   // The takeover of `server` granted or won here, if any.
   std::optional<wire::Certificate> takeover_of(std::uint32_t server) const;
   bool won_takeover_of(std::uint32_t server) const;
+  // The incarnation of `server`'s last claim of its own keys granted here; 0 if the last
+  // entry about it is a takeover, or there is none.
+  std::uint32_t claimed_incarnation(std::uint32_t server) const;
 
  private:
   struct Entry {

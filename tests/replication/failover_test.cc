@@ -13,12 +13,14 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <random>
 #include <thread>
 
 #include "pskv/client.h"
 #include "server/vote_book.h"
 #include "support/process.h"
+#include "support/replica_tables.h"
 #include "support/stats.h"
 #include "support/stop.h"
 #include "support/workloads.h"
@@ -84,6 +86,29 @@ TEST(VoteBook, AHolderThatIsDownItselfPassesTheKeysOnToTheNext) {
   // Server 3's replica of server 1 is of server 2's takeover: a later incarnation.
   EXPECT_EQ(book.vote(down(1, 300, 3), 3, &why), Errc::ok) << why;
   EXPECT_EQ(book.takeover_of(1)->holder, 3u);
+}
+
+TEST(VoteBook, OnlyTheHolderGivesTheKeysBackAndOnlyToALaterIncarnation) {
+  VoteBook book("");
+  std::string why;
+  ASSERT_EQ(book.vote(down(1, 100, 2), 2, &why), Errc::ok) << why;
+  ASSERT_EQ(book.certified(down(1, 100, 2), &why), Errc::ok) << why;
+  EXPECT_EQ(book.vote({1, 100, 1, {}}, 2, &why), Errc::permission) << "the incarnation that was taken over";
+  EXPECT_EQ(book.vote({1, 300, 1, {}}, 0, &why), Errc::permission) << "a server that does not hold them";
+  EXPECT_EQ(book.vote({1, 300, 1, {}}, 1, &why), Errc::stale_resource) << "server 1 is down until they are back";
+  ASSERT_EQ(book.vote({1, 300, 1, {}}, 2, &why), Errc::ok) << why;
+  EXPECT_FALSE(book.takeover_of(1)) << "server 1 holds its keys again";
+  EXPECT_EQ(book.claimed_incarnation(1), 300u);
+  EXPECT_EQ(book.vote({1, 300, 1, {}}, 1, &why), Errc::ok) << "server 1's own claim, once given back: " << why;
+  EXPECT_EQ(book.vote(down(1, 100, 2), 2, &why), Errc::not_found) << "the earlier incarnation's takeover again";
+  // A late announcement of that takeover changes nothing.
+  ASSERT_EQ(book.certified(down(1, 100, 2), &why), Errc::ok) << why;
+  EXPECT_EQ(book.claimed_incarnation(1), 300u);
+  EXPECT_EQ(book.vote(down(1, 300, 2), 2, &why), Errc::ok) << "the new incarnation may be taken over in its turn";
+  // A voter that never heard of a takeover grants the holder's claim as the server's own.
+  VoteBook missed("");
+  EXPECT_EQ(missed.vote({1, 300, 1, {}}, 2, &why), Errc::ok) << why;
+  EXPECT_EQ(missed.vote({1, 200, 1, {}}, 2, &why), Errc::permission) << "an incarnation older than the last claim";
 }
 
 TEST(VoteBook, VotesSurviveARestartOfTheVoter) {
@@ -156,6 +181,8 @@ class Ring {
     return a;
   }
   testing::Process& process(int s) { return servers_[std::size_t(s)].process; }
+  // Starts server `s` again (once it printed that it listens).
+  void restart(int s, bool rejoin) { servers_[std::size_t(s)] = ServerProcess::start(args(s, rejoin)); }
   const std::vector<std::string>& uris() const { return uris_; }
 
  private:
@@ -186,13 +213,16 @@ void wait_synced(const std::vector<std::string>& uris) {
 
 struct Round {
   std::atomic<std::uint64_t> acknowledged{0};
-  std::atomic<std::uint64_t> longest_us{0};  // the longest round this worker waited for
+  std::atomic<std::uint64_t> table_rounds{0};  // with tables: rounds of rows acknowledged
+  std::atomic<std::uint64_t> longest_us{0};    // the longest round this worker waited for
 };
 
-// Three retrying workers push +1 (two pushes in flight) to 12 keys over the 3 servers, enter the
-// next clock and make an SSP-bounded pull, until told to stop; each must see no error.
+// Three retrying workers push +1 (two pushes in flight) to 12 keys over the 3 servers, and with
+// `tables` a round of rows (RowTables::push_round), enter the next clock and make an SSP-bounded
+// pull, until told to stop; each must see no error.
 std::vector<pid_t> start_workers(const ClientOptions& o, const std::vector<Key>& keys, std::size_t length,
-                                 testing::SharedArray<Round>& rounds, testing::SharedArray<std::atomic<int>>& stop) {
+                                 const testing::RowTables* tables, testing::SharedArray<Round>& rounds,
+                                 testing::SharedArray<std::atomic<int>>& stop) {
   std::vector<pid_t> pids;
   for (std::uint32_t w = 0; w < 3; ++w)
     pids.push_back(fork_worker([&, w] {
@@ -201,6 +231,8 @@ std::vector<pid_t> start_workers(const ClientOptions& o, const std::vector<Key>&
         mine.worker_id = w;
         mine.retry_timeout = std::chrono::seconds(30);
         Client c(mine);
+        std::mt19937 rng(w + 7);
+        if (tables) tables->create(c);
         const std::vector<float> ones(length, 1.0f);
         const std::vector<std::span<const float>> values(keys.size(), ones);
         std::vector<std::vector<float>> read(keys.size(), std::vector<float>(length));
@@ -212,6 +244,11 @@ std::vector<pid_t> start_workers(const ClientOptions& o, const std::vector<Key>&
           c.wait(a);
           c.wait(b);
           rounds[w].acknowledged.fetch_add(2);
+          if (tables) {
+            bool sent = false;
+            tables->push_round(c, rng, &sent);
+            rounds[w].table_rounds.fetch_add(1);
+          }
           c.clock();
           c.wait(c.pull(keys, into));
           const auto us = static_cast<std::uint64_t>(
@@ -267,33 +304,53 @@ std::string serving(const Ring& ring, int s) {
   return stats.substr(begin, stats.find('"', begin) - begin);
 }
 
+// Waits until server `s` serves `want` besides its own keys.
+void wait_serving(const Ring& ring, int s, const std::string& want) {
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (serving(ring, s) != want) {
+    ASSERT_LT(std::chrono::steady_clock::now(), give_up) << "server " << s << " serves " << serving(ring, s);
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
+
 // Three retrying workers (start_workers) on keys of their own, created and synced first.
 // finish() stops them, checks that none saw an error and that every key holds exactly the pushes
-// they were acknowledged, and keeps the longest round any of them waited.
+// they were acknowledged (and every counted row the rounds of rows, with `tables`), and keeps
+// the longest round any of them waited.
 class Workload {
  public:
   static constexpr std::size_t kLen = 1024;
-  Workload(const Ring& ring, const ClientOptions& o, Key keys)
+  Workload(const Ring& ring, const ClientOptions& o, Key keys, bool tables = false)
       : options_(o), keys_(testing::make_zero_keys(o, keys, kLen)) {
     wait_synced(ring.uris());
-    pids_ = start_workers(options_, keys_, kLen, rounds_, stop_);
+    if (tables) tables_.emplace();
+    pids_ = start_workers(options_, keys_, kLen, tables_ ? &*tables_ : nullptr, rounds_, stop_);
   }
   void finish(const std::string& name) {
     stop_[0].store(1);
     for (pid_t p : pids_) ASSERT_EQ(wait_pid(p, std::chrono::seconds(60)), 0) << "a worker saw an error, " << name;
-    std::uint64_t acked = 0, longest = 0;
+    std::uint64_t acked = 0, longest = 0, table_rounds = 0;
     for (int w = 0; w < 3; ++w) {
       acked += rounds_[w].acknowledged.load();
+      table_rounds += rounds_[w].table_rounds.load();
       longest = std::max<std::uint64_t>(longest, rounds_[w].longest_us.load());
     }
     longest_ms_ = double(longest) / 1000.0;
     expect_every_push_once(options_, keys_.size(), kLen, acked, name);
+    if (tables_) {
+      ClientOptions reader = options_;
+      reader.worker_id = 0;
+      reader.retry_timeout = std::chrono::seconds(20);
+      Client check(reader);
+      tables_->expect_counted(check, table_rounds, 0, name);
+    }
   }
   double longest_ms() const { return longest_ms_; }
 
  private:
   ClientOptions options_;
   std::vector<Key> keys_;
+  std::optional<testing::RowTables> tables_;
   testing::SharedArray<Round> rounds_{3};
   testing::SharedArray<std::atomic<int>> stop_{1};
   std::vector<pid_t> pids_;
@@ -306,9 +363,9 @@ class FailoverKill : public ::testing::TestWithParam<std::uint32_t> {};
 // One server of three is SIGKILLed at a random moment under load and never restarted. The next
 // server of its chain serves its keys within the failover timeout; the workers follow them there
 // and see no error; every key ends equal to the acknowledged pushes. The longest round a worker
-// waited (the stall) is printed: a figure, not a bound, on a shared machine. The first two trials
-// also restart the dead server (with --rejoin, then without): its keys were taken over, so it
-// must refuse to start.
+// waited (the stall) is printed: a figure, not a bound, on a shared machine. The first trial also
+// restarts the dead server without --rejoin: its keys were taken over, and it would start empty,
+// so it must refuse to (FailoverGiveBack restarts it with --rejoin).
 TEST_P(FailoverKill, ADeadServersKeysAreServedByItsSuccessorWithoutARestart) {
   const std::uint32_t replicas = GetParam();
   std::mt19937 rng(replicas * 113);
@@ -326,13 +383,13 @@ TEST_P(FailoverKill, ADeadServersKeysAreServedByItsSuccessorWithoutARestart) {
     load.finish(name + " (killed server " + std::to_string(victim) + ")");
     stalls_ms.push_back(load.longest_ms());
     EXPECT_EQ(serving(ring, (victim + 1) % 3), std::to_string(victim)) << name;
-    if (trial < 2) {
-      // With --rejoin, and (trial 1) without: its votes file says it ran in this ring before.
+    if (trial == 0) {
+      // Its votes file says it ran in this ring before.
       TempDir logs;
       const std::string log = logs.path + "/stderr";
-      testing::Process again(PSKV_SERVER_BIN, ring.args(victim, trial == 0), log);
-      EXPECT_EQ(again.wait(std::chrono::seconds(30)), 1) << "a server whose keys were taken over started again";
-      EXPECT_NE(testing::read_file(log).find("taken over"), std::string::npos) << testing::read_file(log);
+      testing::Process again(PSKV_SERVER_BIN, ring.args(victim, false), log);
+      EXPECT_EQ(again.wait(std::chrono::seconds(30)), 1) << "a server whose keys were taken over started empty";
+      EXPECT_NE(testing::read_file(log).find("restart it with --rejoin"), std::string::npos) << testing::read_file(log);
     }
   }
   std::sort(stalls_ms.begin(), stalls_ms.end());
@@ -352,24 +409,47 @@ INSTANTIATE_TEST_SUITE_P(Replicas, FailoverKill, ::testing::Values(2u, 3u), repl
 TEST(FailoverTwice, AHoldersDeathMovesTheKeysItTookOverToTheNextServer) {
   Ring ring(3, kServerFlags, 5);
   Workload load(ring, ring_options(ring), 20);
-  const auto wait_serving = [&](int s, const std::string& want) {
-    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-    while (serving(ring, s) != want) {
-      ASSERT_LT(std::chrono::steady_clock::now(), give_up) << "server " << s << " serves " << serving(ring, s);
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-  };
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   ring.process(1).signal(SIGKILL);
   ring.process(1).wait();
-  wait_serving(2, "1");
+  wait_serving(ring, 2, "1");
   std::this_thread::sleep_for(std::chrono::milliseconds(500));  // pushes land on the takeover
   ring.process(2).signal(SIGKILL);
   ring.process(2).wait();
-  wait_serving(3, "1,2");
+  wait_serving(ring, 3, "1,2");
   std::this_thread::sleep_for(std::chrono::milliseconds(500));
   load.finish("after two failures");
 }
+
+class FailoverGiveBack : public ::testing::TestWithParam<std::uint32_t> {};
+
+// The dead server, restarted with --rejoin, takes its keys back while the workers go on (a
+// hand-back): the holder stops serving them and claims them for the new incarnation, and the
+// restarted server rejoins from the holder's replica. The workers follow the keys back without an
+// error. R is whole again: killed once more, the server's keys move over again, and every key
+// and counted row ends exact, every table's copies equal to their origin's. The workers push rows
+// too, so the takeover and the hand-back carry tables and their push marks.
+TEST_P(FailoverGiveBack, ARestartedServerTakesItsKeysBackAndCanFailOverAgain) {
+  Ring ring(GetParam(), kServerFlags);
+  Workload load(ring, ring_options(ring), 12, /*tables=*/true);
+  for (int round = 0; round < 2; ++round) {
+    const std::string name = "round " + std::to_string(round);
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    ring.process(1).signal(SIGKILL);
+    ring.process(1).wait();
+    wait_serving(ring, 2, "1");
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));  // pushes land on the takeover
+    ring.restart(1, true);
+    EXPECT_EQ(serving(ring, 2), "") << "server 2 still serves server 1's keys, " << name;
+    wait_synced(ring.uris());  // every chain whole again, server 1's own among them
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  load.finish("after two hand-backs");
+  // Every copy of every table bitwise equal to its origin's, push marks included.
+  wait_synced(ring.uris());
+  for (std::uint32_t table : {0u, 1u}) testing::expect_table_copies_equal(ring.uris(), GetParam(), table);
+}
+INSTANTIATE_TEST_SUITE_P(Replicas, FailoverGiveBack, ::testing::Values(2u, 3u), replicas_name);
 
 // A server that hangs (SIGSTOP) is taken for dead just the same; once it runs again it learns it
 // was certified down and stops (exit status 3) without acknowledging anything more, and no

@@ -363,6 +363,7 @@ bool IoThread::dispatch(ServerConn& c, const wire::FrameHeader& h) {
     case wire::Op::down_vote:
     case wire::Op::down_certified:
     case wire::Op::certificates:
+    case wire::Op::hand_back:
       return send_error(c, h, Errc::unsupported, "failover (--failover-ms) runs on tcp:// servers, not rdma://");
     case wire::Op::replica_clock:
     case wire::Op::replica_barrier:

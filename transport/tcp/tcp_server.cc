@@ -1227,7 +1227,8 @@ bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payl
     case wire::Op::table_push:
       return handle_table(peer, h, payload);
     case wire::Op::down_vote:
-    case wire::Op::down_certified: {
+    case wire::Op::down_certified:
+    case wire::Op::hand_back: {
       Membership* membership = engine_.membership();
       if (!membership) {
         status = Errc::unsupported;
@@ -1239,8 +1240,12 @@ bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payl
       std::uint32_t requester = 0;
       if ((status = wire::decode_down_vote(peer.keys, payload, h.payload_bytes, &c, &requester, &why)) != Errc::ok)
         break;
-      status = op == wire::Op::down_vote ? membership->vote(c.server, c.incarnation, c.holder, c.uri, requester, &why)
-                                         : membership->certified(c.server, c.incarnation, c.holder, c.uri, &why);
+      if (op == wire::Op::down_vote)
+        status = membership->vote(c.server, c.incarnation, c.holder, c.uri, requester, &why);
+      else if (op == wire::Op::down_certified)
+        status = membership->certified(c.server, c.incarnation, c.holder, c.uri, &why);
+      else
+        status = membership->hand_back(c.server, c.incarnation, requester, &why);
       break;
     }
     case wire::Op::certificates: {
