@@ -485,9 +485,12 @@ class ClientImpl {
         std::string why;
         refused += done.status() == Errc::unsupported;
         if (done.status() != Errc::ok || wire::decode_certificates(text, &certificates, &why) != Errc::ok) continue;
+        // Of one incarnation, a takeover is later than its claim (a claim's hand-back names a
+        // later incarnation than the takeover it ends).
         for (wire::Certificate& cert : certificates)
           if (cert.server == server && (cert.holder == server || !cert.uri.empty()) &&
-              (!latest || cert.incarnation > latest->incarnation))
+              (!latest || cert.incarnation > latest->incarnation ||
+               (cert.incarnation == latest->incarnation && latest->holder == server && cert.holder != server)))
             latest = std::move(cert);
       } catch (const Error&) {
         // That server is down too: ask the next.

@@ -61,9 +61,10 @@ ShardEngine::ShardEngine(const EngineOptions& options, std::unique_ptr<MemoryRes
                                             " needs the number of workers (--workers N)");
   }
   spv_ = state_floats_per_value(options.store.rule.rule);
-  epoch_ = static_cast<std::uint64_t>(
-      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch())
-          .count());
+  epoch_ = std::max(static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                                   std::chrono::system_clock::now().time_since_epoch())
+                                                   .count()),
+                    std::uint64_t{options.min_incarnation} * 1000000000u);
   // A replicated server marks every key with its workers' newest pushes, and the marks travel
   // in the records, so that whichever server a retried push reaches applies it once.
   const std::uint32_t marks = options.replica_of.empty() && !options.mark_pushes ? 0 : options.num_workers;

@@ -60,8 +60,12 @@ struct EngineOptions {
   bool replicate_tables = false;
   // Marks every key and table with its workers' newest pushes (as a replicated server does)
   // without keeping replicas: a failover's takeover engine, built from a replica whose records
-  // carry the marks, applies a push retried there once (src/replication/takeover.h).
+  // carry the marks, applies a push retried there once (src/server/failover.h).
   bool mark_pushes = false;
+  // This engine's incarnation (its start, in seconds: epoch_seconds) is at least this, even if
+  // the clock says otherwise: a failover server restarted within the second of its previous
+  // start must still be a later incarnation.
+  std::uint32_t min_incarnation = 0;
 };
 
 // A replica's copy of one of its origin's tables, as replica_table_rows reads it out.
@@ -158,10 +162,11 @@ class Membership {
   // What the certificates op answers: every certificate known to have won (wire::encode_certificates).
   virtual std::string certificates() const = 0;
   // Restarted server `server` (incarnation `incarnation`, the requester) asks for its keys back
-  // from this server, which holds them: ok once this server has taken the request on (it gives
-  // them back in the background); not_found if it does not hold them.
-  virtual Errc hand_back(std::uint32_t server, std::uint32_t incarnation, std::uint32_t requester,
-                         std::string* why) = 0;
+  // from this server, which holds them, with its own claim (holder == server, no URI): ok once
+  // this server has taken the request on (it gives them back in the background); not_found if
+  // it does not hold them.
+  virtual Errc hand_back(std::uint32_t server, std::uint32_t incarnation, std::uint32_t holder, const std::string& uri,
+                         std::uint32_t requester, std::string* why) = 0;
   virtual JsonObject stats() const = 0;  // merged into the engine's stats
 };
 

@@ -155,7 +155,7 @@ void refill_replica(ShardEngine& from, std::uint32_t table_position, ShardEngine
 
 Failover::Failover(ShardEngine& engine, FailoverOptions options, FailoverHooks hooks)
     : engine_(engine), options_(std::move(options)), hooks_(std::move(hooks)), book_(options_.votes_path) {
-  book_.check_writable();
+  book_.record_start(options_.incarnation);  // (and so the votes can be kept: checked at start)
 }
 
 void Failover::start() {
@@ -195,7 +195,17 @@ Errc Failover::certified(std::uint32_t server, std::uint32_t incarnation, std::u
   }
   if (Errc e = book_.certified({server, incarnation, holder, uri}, why); e != Errc::ok) return e;
   if (holder == server) {  // a restarted server's claim: nothing moves
-    if (server != options_.server_id) claimed(server, incarnation);
+    if (server == options_.server_id) return Errc::ok;
+    std::lock_guard lock(mu_);
+    if (handing_back_.count(server)) {
+      // Its own claim won while this server gives its keys back: the watcher finishes at once.
+      give_back_now_ = true;
+      cv_.notify_all();
+      return Errc::ok;
+    }
+  }
+  if (holder == server) {
+    claimed(server, incarnation);
     return Errc::ok;
   }
   if (server == options_.server_id) {
@@ -222,10 +232,12 @@ std::string Failover::certificates() const {
   return wire::encode_certificates(book_.won());
 }
 
-Errc Failover::hand_back(std::uint32_t server, std::uint32_t incarnation, std::uint32_t requester, std::string* why) {
+Errc Failover::hand_back(std::uint32_t server, std::uint32_t incarnation, std::uint32_t holder, const std::string& uri,
+                         std::uint32_t requester, std::string* why) {
   const auto n = static_cast<std::uint32_t>(options_.peers.size());
-  if (server >= n || requester != server) {
-    *why = "a hand-back is asked for by the restarted server itself, one of the " + std::to_string(n) + " of --peers";
+  if (server >= n || requester != server || holder != server || !uri.empty()) {
+    *why = "a hand-back is asked for by the restarted server itself (one of the " + std::to_string(n) +
+           " of --peers), for its own claim, which names no URI";
     return Errc::invalid_argument;
   }
   const std::string of = "server " + std::to_string(server);
@@ -234,51 +246,55 @@ Errc Failover::hand_back(std::uint32_t server, std::uint32_t incarnation, std::u
     *why = "server " + std::to_string(options_.server_id) + " does not serve " + of + "'s keys";
     return Errc::not_found;
   }
-  // (A hand-back under way may have replaced the takeover in this server's own votes already.)
+  // A later restart of the server replaces a hand-back under way (whose own claim may have
+  // replaced the takeover in this server's votes already); an earlier one does not.
+  const auto under_way = handing_back_.find(server);
   const std::optional<wire::Certificate> took = book_.takeover_of(server);
-  if (!handing_back_.count(server) && (!took || incarnation <= took->incarnation)) {
-    *why = of + "'s incarnation " + std::to_string(incarnation) + " is not later than the one taken over";
+  if (under_way != handing_back_.end() ? incarnation < under_way->second : !took || incarnation <= took->incarnation) {
+    *why = of + "'s incarnation " + std::to_string(incarnation) + " is not later than the one its keys " +
+           (under_way != handing_back_.end() ? "are being given back to" : "were taken over from");
     return Errc::invalid_argument;
   }
-  to_give_back_[server] = incarnation;
+  handing_back_[server] = incarnation;
+  give_back_now_ = true;
   cv_.notify_all();
   return Errc::ok;
 }
 
-bool Failover::give_back(std::uint32_t origin, std::uint32_t incarnation) {
+void Failover::give_back(std::uint32_t origin, std::uint32_t incarnation) {
   const std::string who = "server " + std::to_string(options_.server_id);
   const std::string of = "server " + std::to_string(origin);
-  if (deposed_.load()) return false;
-  {
-    std::lock_guard lock(mu_);
-    if (!serving_.count(origin)) return true;
-    handing_back_.insert(origin);
-  }
+  if (deposed_.load()) return;
   std::string why;
   if (!hooks_.quiesce(origin, &why)) {
     log::warn("failover", who + " cannot give " + of + "'s keys back yet: " + why);
-    return false;
+    return;
   }
   // Nothing is acknowledged for these keys from here, and this server's replica of them holds
-  // everything that was: the restarted server rejoins from it once this claim wins.
+  // everything that was: the restarted server rejoins from it once this claim wins. (If the
+  // server's own claim won meanwhile, this is that very certificate: granted again.)
   const wire::Certificate c{origin, incarnation, origin, {}};
   bool down = false;
   std::string refused;
   if (!win(c, &down, &refused)) {
-    log::warn("failover", who + " could not give " + of + "'s keys back yet: " + refused);
+    log::warn("failover", who + " could not give " + of + "'s keys back yet (it tries again): " + refused);
     if (down) depose("a majority says it is down: " + refused);
-    return false;
+    return;
   }
-  announce(c);
-  hooks_.release(origin);
   {
     std::lock_guard lock(mu_);
+    const auto it = handing_back_.find(origin);
+    if (it == handing_back_.end() || it->second != incarnation) return;  // a later restart asked meanwhile
+    handing_back_.erase(it);
     serving_.erase(origin);
-    handing_back_.erase(origin);
   }
+  // Before the replica is unsealed: the copy it holds is the takeover's, not the new incarnation's.
   claimed(origin, incarnation);
+  // At once, before the announcement (which may wait on a slow server): the restarted server may
+  // already have won its claim, and its transfer must find this replica open.
+  hooks_.release(origin);
+  announce(c);
   log::info("failover", who + " gave " + of + "'s keys back to its incarnation " + std::to_string(incarnation));
-  return true;
 }
 
 bool Failover::ask_hand_back(std::string* why) const {
@@ -567,13 +583,16 @@ void Failover::watch() {
   std::size_t asked = options_.server_id;
   std::unique_lock lock(mu_);
   while (!stopping_.load()) {
-    cv_.wait_for(lock, look_every, [&] { return stopping_.load() || !to_take_.empty() || !to_give_back_.empty(); });
+    cv_.wait_for(lock, look_every, [&] { return stopping_.load() || !to_take_.empty() || give_back_now_; });
     if (stopping_.load()) break;
-    while (!to_give_back_.empty() && !deposed_.load()) {
-      const auto [origin, incarnation] = *to_give_back_.begin();
-      to_give_back_.erase(to_give_back_.begin());
+    // Hand-backs under way, tried again at every look until their claim wins: once quiesced,
+    // nobody else serves those keys.
+    give_back_now_ = false;
+    const std::map<std::uint32_t, std::uint32_t> giving = handing_back_;
+    for (const auto& [origin, incarnation] : giving) {
+      if (deposed_.load()) break;
       lock.unlock();
-      give_back(origin, incarnation);  // (not done yet: the restarted server asks again)
+      give_back(origin, incarnation);
       lock.lock();
     }
     // A server that was hung (or cut off) while it was certified down is told by nobody: the

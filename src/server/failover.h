@@ -83,7 +83,8 @@ class Failover final : public Membership {
   Errc certified(std::uint32_t server, std::uint32_t incarnation, std::uint32_t holder, const std::string& uri,
                  std::string* why) override;
   std::string certificates() const override;
-  Errc hand_back(std::uint32_t server, std::uint32_t incarnation, std::uint32_t requester, std::string* why) override;
+  Errc hand_back(std::uint32_t server, std::uint32_t incarnation, std::uint32_t holder, const std::string& uri,
+                 std::uint32_t requester, std::string* why) override;
 
   // A replicator's silent replica `replica` (incarnation as its hello said) is dropped only once
   // it is certified down: true once it is. False when this server could not win that (it is
@@ -129,9 +130,9 @@ class Failover final : public Membership {
   // its keys and tells every server where.
   void take_over(std::uint32_t origin, std::uint32_t certified_incarnation);
   void queue_takeover(std::uint32_t origin, std::uint32_t incarnation);
-  // Stops serving `origin`'s keys, then claims them for its `incarnation` (the hand-back); false
-  // while that cannot be done yet (the restarted server asks again).
-  bool give_back(std::uint32_t origin, std::uint32_t incarnation);
+  // Stops serving `origin`'s keys, then claims them for its `incarnation` (the hand-back), then
+  // lets the takeover go; what cannot be done yet is tried again at the watcher's next look.
+  void give_back(std::uint32_t origin, std::uint32_t incarnation);
   // Asks the server holding this one's keys (from the certificates of the others) to give them
   // back; the refusal or the failure in *why when it cannot be asked.
   bool ask_hand_back(std::string* why) const;
@@ -149,10 +150,10 @@ class Failover final : public Membership {
   std::condition_variable cv_;
   // Certificates won elsewhere naming this server the holder: origin and incarnation.
   std::deque<std::pair<std::uint32_t, std::uint32_t>> to_take_;
-  // Hand-backs asked for: origin, and the incarnation it restarted as.
-  std::map<std::uint32_t, std::uint32_t> to_give_back_;
-  std::set<std::uint32_t> serving_;       // origins whose keys this server serves now
-  std::set<std::uint32_t> handing_back_;  // of those, the ones it stopped serving to give them back
+  // Hand-backs under way (origins in serving_), and the incarnation each goes to.
+  std::map<std::uint32_t, std::uint32_t> handing_back_;
+  bool give_back_now_ = false;       // the watcher should try them without waiting for its next look
+  std::set<std::uint32_t> serving_;  // origins whose keys this server serves now
   // Origins whose latest incarnation claimed its keys (a restart, or a hand-back), and the
   // transfer this server's replica of them held then: an earlier incarnation's copy, or a
   // takeover's, not the new incarnation's, until its own transfer restarts the replica.

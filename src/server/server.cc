@@ -120,6 +120,7 @@ struct Takeover {
   std::unique_ptr<TcpReplicator> replicator;
   bool started = false;
   bool quiesced = false;  // being handed back: its listener no longer serves anyone
+  bool refilled = false;  // ... and the server's replica of its keys is a copy of this engine
 
   // The stop sequence of ServerImpl::stop, for this engine.
   void stop() {
@@ -188,6 +189,13 @@ class ServerImpl {
     // A ring on this server's own transport sends what this listener takes: over verbs, what fits
     // a receive region (every server of a ring takes the same --rdma-recv-mb).
     if (!peer_listener_) r.max_request_bytes = std::min(r.max_request_bytes, listener_->largest_request());
+    const std::string votes_path = o.failover_dir + "/votes-" + std::to_string(o.server_id);
+    if (o.failover_timeout.count() > 0) {
+      ::mkdir(o.failover_dir.c_str(), 0700);  // Failover writes its votes there at once: an error shows
+      // Incarnations order a server's starts: a restart within the second of the previous start
+      // is still a later one.
+      if (const std::uint32_t last = VoteBook(votes_path).last_start(); last > 0) e.min_incarnation = last + 1;
+    }
     transport::EngineMemory memory = listener_->engine_memory(e);
     engine_ = std::make_unique<ShardEngine>(e, std::move(memory.store), memory.clocks);
     if (!o.restore_dir.empty()) {
@@ -204,13 +212,12 @@ class ServerImpl {
     if (!o.checkpoint_dir.empty())
       table_checkpointer_ = std::make_unique<TableCheckpointer>(o.checkpoint_dir, o.server_id);
     if (o.failover_timeout.count() > 0) {
-      ::mkdir(o.failover_dir.c_str(), 0700);  // Failover writes its votes there at once: an error shows
       FailoverOptions f;
       f.server_id = o.server_id;
       f.peers = o.peers;
       f.replicas = o.replicas;
       f.timeout = o.failover_timeout;
-      f.votes_path = o.failover_dir + "/votes-" + std::to_string(o.server_id);
+      f.votes_path = votes_path;
       f.token = r.token;
       f.incarnation = engine_->epoch_seconds();
       FailoverHooks hooks;
@@ -358,11 +365,15 @@ class ServerImpl {
       if (t->replicator) t->replicator->stop();
       t->quiesced = true;
     }
-    try {
-      refill_replica(*t->engine, t->replicator ? t->replicator->table_position() : 0, *engine_);
-    } catch (const std::exception& e) {
-      *why = e.what();
-      return false;
+    // Once: nothing changes the quiesced engine, and only this refills the sealed replica.
+    if (!t->refilled) {
+      try {
+        refill_replica(*t->engine, t->replicator ? t->replicator->table_position() : 0, *engine_);
+      } catch (const std::exception& e) {
+        *why = e.what();
+        return false;
+      }
+      t->refilled = true;
     }
     return true;
   }

@@ -23,12 +23,20 @@ VoteBook::VoteBook(std::string path) : path_(std::move(path)) {
     io_fail("cannot read the failover votes in", path_);
   }
   existed_ = true;
-  // One line per server: "server incarnation holder won uri", uri "-" when none.
+  // One line per server: "server incarnation holder won uri", uri "-" when none; and
+  // "start incarnation", this server's latest start.
   std::string line;
   std::uint64_t number = 0;
   while (std::getline(in, line)) {
     ++number;
     std::istringstream fields(line);
+    if (line.rfind("start ", 0) == 0) {
+      std::string word;
+      if (!(fields >> word >> last_start_))
+        throw Error(Errc::protocol, "line " + std::to_string(number) + " of the failover votes in " + path_ +
+                                        " is malformed; the file is written by pskv-server alone");
+      continue;
+    }
     Entry e;
     int won = 0;
     std::string uri;
@@ -46,9 +54,15 @@ void VoteBook::check_writable() {
   save();
 }
 
+void VoteBook::record_start(std::uint32_t incarnation) {
+  std::lock_guard lock(mu_);
+  last_start_ = incarnation;
+  save();
+}
+
 void VoteBook::save() {
   if (path_.empty()) return;
-  std::string text;
+  std::string text = last_start_ ? "start " + std::to_string(last_start_) + '\n' : std::string();
   for (const auto& [server, e] : entries_)
     text += std::to_string(e.c.server) + ' ' + std::to_string(e.c.incarnation) + ' ' + std::to_string(e.c.holder) +
             ' ' + (e.won ? "1 " : "0 ") + (e.c.uri.empty() ? "-" : e.c.uri) + '\n';

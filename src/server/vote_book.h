@@ -42,6 +42,11 @@ class VoteBook {
   void check_writable();
   // Whether the file was there when this book was made: the server ran before in this ring.
   bool existed() const noexcept { return existed_; }
+  // This server's incarnation at its latest start (0: none recorded). A restart's incarnation
+  // must be later (ShardEngine's EngineOptions::min_incarnation), even within the same second.
+  std::uint32_t last_start() const noexcept { return last_start_; }
+  // Records this start (written to the file before it returns; throws Error(io) if it cannot be).
+  void record_start(std::uint32_t incarnation);
 
   // Grants (recorded, and written to the file, before it returns) or refuses with *why.
   Errc vote(const wire::Certificate& c, std::uint32_t requester, std::string* why);
@@ -66,6 +71,7 @@ class VoteBook {
 
   std::string path_;
   bool existed_ = false;
+  std::uint32_t last_start_ = 0;  // under mu_ once constructed
   mutable std::mutex mu_;
   std::map<std::uint32_t, Entry> entries_;
 };

@@ -1245,7 +1245,7 @@ bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payl
       else if (op == wire::Op::down_certified)
         status = membership->certified(c.server, c.incarnation, c.holder, c.uri, &why);
       else
-        status = membership->hand_back(c.server, c.incarnation, requester, &why);
+        status = membership->hand_back(c.server, c.incarnation, c.holder, c.uri, requester, &why);
       break;
     }
     case wire::Op::certificates: {
