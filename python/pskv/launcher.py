@@ -97,9 +97,10 @@ class ServerGroup:
     and restart(i) starts it again at its address with --rejoin: it takes its keys back from its
     replicas, and clients made with retry_timeout (and a worker_id) see no error.
 
-    failover_ms=MS (with replicas and count >= 3): a killed server is not restarted at all; the
+    failover_ms=MS (with replicas and count >= 3): a killed server need not be restarted; the
     next server of its chain serves its keys after at most MS ms, and retrying clients follow
-    them there (--failover-ms; the votes go to a directory removed with the group).
+    them there (--failover-ms; the votes go to a directory removed with the group). restart(i)
+    then gives server i its keys back from that server, and the clients follow them back.
 
     Thread-safety: start and stop from one thread. The servers are stopped by stop(), by leaving a
     `with` block, when the group is garbage collected, at interpreter exit, and (SIGTERM from the

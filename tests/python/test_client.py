@@ -247,8 +247,9 @@ def test_dropped_work_is_completed_by_the_client(client):
 
 def test_with_failover_a_killed_servers_keys_move_and_the_worker_never_waits_for_a_restart():
     # pskv.launch(replicas=2, failover_ms=...): a server SIGKILLed while pushes are in flight is
-    # never restarted; its successor serves its keys, the retrying worker follows them there
-    # without an error, and every push lands exactly once.
+    # not restarted; its successor serves its keys, the retrying worker follows them there
+    # without an error, and every push lands exactly once. Restarted later, it takes its keys
+    # back (a hand-back), the worker follows them back, and still every push lands once.
     keys = list(range(12))
     with pskv.launch(3, "tcp", replicas=2, failover_ms=400, workers=1, mode="ssp", staleness=1, rule="add",
                      arena_mb=16) as servers:
@@ -269,6 +270,20 @@ def test_with_failover_a_killed_servers_keys_move_and_the_worker_never_waits_for
         assert all((o == float(pushes)).all() for o in out), ([o[0] for o in out], pushes)
         assert servers.processes[1].poll() is not None  # nobody restarted it
         assert c.server_stats(2)["failover_serving"] == "1"
+        back = threading.Thread(target=lambda: servers.restart(1))
+        back.start()
+        while back.is_alive():
+            c.push(keys, ones).wait()
+            c.clock()
+            pushes += 1
+        back.join()
+        for _ in range(20):
+            c.push(keys, ones).wait()
+            c.clock()
+            pushes += 1
+        c.pull(keys, out).wait()
+        assert all((o == float(pushes)).all() for o in out), ([o[0] for o in out], pushes)
+        assert c.server_stats(2)["failover_serving"] == ""
         c.close()
 
 
