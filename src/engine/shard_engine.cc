@@ -830,11 +830,15 @@ std::string ShardEngine::stats_json(std::uint64_t external_pushes, const JsonObj
       .add("mode", to_string(options_.mode));
   if (clocks_) {
     std::vector<std::int64_t> by_worker(clocks_->workers());
+    std::uint64_t evicted = 0;
     for (std::uint32_t w = 0; w < clocks_->workers(); ++w) {
       const std::uint64_t c = clocks_->clock(w);
       by_worker[w] = c == kClockDone ? -1 : static_cast<std::int64_t>(c);  // -1: finished
+      evicted += clocks_->evicted(w);
     }
-    j.add("clocks_by_worker", std::span<const std::int64_t>(by_worker));
+    // Evicted workers no longer hold any bound here, whoever evicted them (this server, or the
+    // one whose keys it took back).
+    j.add("clocks_by_worker", std::span<const std::int64_t>(by_worker)).add("workers_evicted", evicted);
   }
   for (const auto& r : replicas_) {
     const std::string at = "replica_of_" + std::to_string(r->origin);

@@ -297,46 +297,77 @@ void Failover::give_back(std::uint32_t origin, std::uint32_t incarnation) {
   log::info("failover", who + " gave " + of + "'s keys back to its incarnation " + std::to_string(incarnation));
 }
 
-bool Failover::ask_hand_back(std::string* why) const {
-  // The takeover of this server's latest earlier incarnation, as the others know it.
-  std::optional<wire::Certificate> took;
-  for (std::size_t s = 0; s < options_.peers.size(); ++s) {
-    if (s == options_.server_id) continue;
+std::vector<wire::Certificate> known_takeovers_of(std::uint32_t server, const std::vector<std::string>& peers,
+                                                  const std::shared_ptr<const auth::Token>& token,
+                                                  std::chrono::milliseconds timeout) {
+  std::vector<wire::Certificate> took;
+  for (std::size_t s = 0; s < peers.size(); ++s) {
+    if (s == server) continue;
     try {
-      auto conn = connect_peer(options_.peers[s], options_.token, options_.timeout);
+      auto conn = connect_peer(peers[s], token, timeout);
       std::string text, failed;
       transport::Request q;
       q.op = wire::Op::certificates;
       q.text_out = &text;
       std::vector<wire::Certificate> won;
-      if (ask(conn, q, options_.timeout, &failed) != Errc::ok ||
-          wire::decode_certificates(text, &won, &failed) != Errc::ok)
+      if (ask(conn, q, timeout, &failed) != Errc::ok || wire::decode_certificates(text, &won, &failed) != Errc::ok)
         continue;
       for (const wire::Certificate& c : won)
-        if (c.server == options_.server_id && c.holder != c.server && c.incarnation < options_.incarnation &&
-            (!took || c.incarnation >= took->incarnation))
-          took = c;
+        if (c.server == server && c.holder != c.server && std::find(took.begin(), took.end(), c) == took.end())
+          took.push_back(c);
     } catch (const Error&) {
       // Down too: the others answer.
     }
   }
-  if (!took) {
+  return took;
+}
+
+std::uint32_t takeover_start_floor(std::uint32_t server, const std::vector<std::string>& peers,
+                                   const std::shared_ptr<const auth::Token>& token, std::chrono::milliseconds timeout) {
+  std::uint32_t latest = 0;
+  for (const wire::Certificate& c : known_takeovers_of(server, peers, token, timeout)) {
+    if (c.uri.empty()) continue;
+    try {
+      latest = std::max(latest, connect_peer(c.uri, token, timeout)->info().incarnation);
+    } catch (const Error&) {
+      // Not served there (any more): its engine is gone, and nothing of it can come late.
+    }
+  }
+  return latest;
+}
+
+bool Failover::ask_hand_back(std::string* why) const {
+  // The takeovers of this server's latest earlier incarnation, as the others know them: more
+  // than one holder when the first died in its turn and a server missed the second's news.
+  std::vector<wire::Certificate> took =
+      known_takeovers_of(options_.server_id, options_.peers, options_.token, options_.timeout);
+  std::erase_if(took, [&](const wire::Certificate& c) { return c.incarnation >= options_.incarnation; });
+  if (took.empty()) {
     *why = "no server knows which one holds them";
     return false;
   }
-  try {
-    auto conn = connect_peer(options_.peers[took->holder], options_.token, options_.timeout);
-    const std::vector<float> payload =
-        wire::encode_down_vote({options_.server_id, options_.incarnation, options_.server_id, {}}, options_.server_id);
-    const transport::KeySlice slice{0, static_cast<std::uint32_t>(payload.size()), const_cast<float*>(payload.data())};
-    transport::Request q;
-    q.op = wire::Op::hand_back;
-    q.keys = {&slice, 1};
+  const std::uint32_t latest = std::max_element(took.begin(), took.end(), [](const auto& a, const auto& b) {
+                                 return a.incarnation < b.incarnation;
+                               })->incarnation;
+  const std::vector<float> payload =
+      wire::encode_down_vote({options_.server_id, options_.incarnation, options_.server_id, {}}, options_.server_id);
+  why->clear();
+  for (const wire::Certificate& c : took) {
+    if (c.incarnation != latest) continue;
     std::string answer;
-    if (ask(conn, q, options_.timeout, &answer) == Errc::ok) return true;
-    *why = "server " + std::to_string(took->holder) + ": " + answer;
-  } catch (const Error& e) {
-    *why = "server " + std::to_string(took->holder) + ": " + e.what();
+    try {
+      auto conn = connect_peer(options_.peers[c.holder], options_.token, options_.timeout);
+      const transport::KeySlice slice{0, static_cast<std::uint32_t>(payload.size()),
+                                      const_cast<float*>(payload.data())};
+      transport::Request q;
+      q.op = wire::Op::hand_back;
+      q.keys = {&slice, 1};
+      if (ask(conn, q, options_.timeout, &answer) == Errc::ok) return true;
+    } catch (const Error& e) {
+      answer = e.what();
+    }
+    if (!why->empty()) why->append("; ");
+    why->append("server ").append(std::to_string(c.holder)).append(": ").append(answer);
   }
   return false;
 }

@@ -36,6 +36,17 @@ void adopt_replica(ShardEngine& holder, std::uint32_t origin, ShardEngine& into)
 // takeover's table stream. Throws Error naming what could not be copied.
 void refill_replica(ShardEngine& from, std::uint32_t table_position, ShardEngine& holder);
 
+// The takeovers of `server`'s keys that the other servers (`peers`) know to have won.
+std::vector<wire::Certificate> known_takeovers_of(std::uint32_t server, const std::vector<std::string>& peers,
+                                                  const std::shared_ptr<const auth::Token>& token,
+                                                  std::chrono::milliseconds timeout);
+// The latest start (incarnation) of the engines serving those takeovers now, as their hello
+// replies say; 0 if none answers. A restart taking its keys back must be a later incarnation
+// than any of them, so that its records win over theirs wherever a late one lands, whatever
+// the hosts' clocks say.
+std::uint32_t takeover_start_floor(std::uint32_t server, const std::vector<std::string>& peers,
+                                   const std::shared_ptr<const auth::Token>& token, std::chrono::milliseconds timeout);
+
 struct FailoverOptions {
   std::uint32_t server_id = 0;
   std::vector<std::string> peers;  // every server's URI, in server-id order

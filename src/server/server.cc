@@ -119,7 +119,7 @@ struct Takeover {
   std::unique_ptr<ShardEngine> engine;
   std::unique_ptr<TcpReplicator> replicator;
   bool started = false;
-  bool quiesced = false;  // being handed back: its listener no longer serves anyone
+  bool quiesced = false;  // being handed back: its listener applies nothing more (closed by stop())
   bool refilled = false;  // ... and the server's replica of its keys is a copy of this engine
 
   // The stop sequence of ServerImpl::stop, for this engine.
@@ -131,7 +131,7 @@ struct Takeover {
     }
     if (replicator) replicator->stop();
     if (engine) engine->shutdown();
-    if (!quiesced) listener->close();
+    listener->close();
     listener.reset();
   }
 };
@@ -195,6 +195,10 @@ class ServerImpl {
       // Incarnations order a server's starts: a restart within the second of the previous start
       // is still a later one.
       if (const std::uint32_t last = VoteBook(votes_path).last_start(); last > 0) e.min_incarnation = last + 1;
+      // And a restart taking its keys back comes after the takeover serving them started.
+      if (o.rejoin)
+        e.min_incarnation =
+            std::max(e.min_incarnation, takeover_start_floor(o.server_id, o.peers, r.token, o.failover_timeout) + 1);
     }
     transport::EngineMemory memory = listener_->engine_memory(e);
     engine_ = std::make_unique<ShardEngine>(e, std::move(memory.store), memory.clocks);
@@ -342,9 +346,10 @@ class ServerImpl {
     return uri;
   }
 
-  // A hand-back of `origin`'s keys: the takeover's clients are cut off (they find the keys'
-  // next place through the certificates), nothing more is applied or shipped, and this server's
-  // (sealed) replica of them is refilled from the takeover: the restarted origin rejoins from it.
+  // A hand-back of `origin`'s keys: nothing more is applied or shipped, and this server's (sealed)
+  // replica of them is refilled from the takeover: the restarted origin rejoins from it. The
+  // takeover's clients are cut off when it is let go (release_takeover), and find the keys'
+  // next place through the certificates.
   bool quiesce_takeover(std::uint32_t origin, std::string* why) {
     Takeover* t = nullptr;
     {
@@ -358,9 +363,11 @@ class ServerImpl {
       return false;
     }
     if (!t->quiesced) {
+      // The connections stay open until the takeover is let go (stop()): closing them now would
+      // count their workers as gone (evicted, with --straggler-policy evict) in the state the
+      // refill copies. They are answered nothing meanwhile.
       t->listener->stop_accepting();
       t->listener->drain();
-      t->listener->close();
       // Every shipment answered or its replica dropped: the rest of the chain is still.
       if (t->replicator) t->replicator->stop();
       t->quiesced = true;

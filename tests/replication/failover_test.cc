@@ -449,20 +449,33 @@ TEST(FailoverWire, AHandBackIsCheckedBeforeItIsTakenOn) {
       {{1, 2000000000, 1, "tcp://127.0.0.1:1"}, 1, Errc::invalid_argument, "a claim with a URI"},
       {{7, 2000000000, 7, {}}, 7, Errc::invalid_argument, "a server past the ring"},
   };
-  testing::RawPeer p(ring.uris()[2]);
-  p.hello(wire::kServerPeer);
   std::uint64_t id = 10;
-  for (const Case& c : cases) {
-    const std::vector<float> payload = wire::encode_down_vote(c.claim, c.requester);
-    const wire::KeyEntry key{0, static_cast<std::uint32_t>(payload.size()), 0};
-    wire::FrameHeader h = wire::make_header(wire::Op::hand_back, ++id, 1, payload.size() * sizeof(float));
-    p.send(&h, sizeof h);
-    p.send(&key, sizeof key);
-    p.send(payload.data(), payload.size() * sizeof(float));
-    const auto [status, text] = p.reply();
-    EXPECT_EQ(status, int(c.want)) << c.what << ": " << text;
-  }
-  EXPECT_EQ(serving(ring, 2), "") << "a refused hand-back changed nothing";
+  const auto send_all = [&](const std::vector<Case>& to_send) {
+    testing::RawPeer p(ring.uris()[2]);
+    p.hello(wire::kServerPeer);
+    for (const Case& c : to_send) {
+      const std::vector<float> payload = wire::encode_down_vote(c.claim, c.requester);
+      const wire::KeyEntry key{0, static_cast<std::uint32_t>(payload.size()), 0};
+      wire::FrameHeader h = wire::make_header(wire::Op::hand_back, ++id, 1, payload.size() * sizeof(float));
+      p.send(&h, sizeof h);
+      p.send(&key, sizeof key);
+      p.send(payload.data(), payload.size() * sizeof(float));
+      const auto [status, text] = p.reply();
+      EXPECT_EQ(status, int(c.want)) << c.what << ": " << text;
+    }
+  };
+  send_all(cases);
+  // Server 2 holds server 1's keys now: a claim of an incarnation no later than the one taken
+  // over (incarnations are start times in seconds) is refused, and so is every malformed one;
+  // server 2 goes on serving them.
+  ring.process(1).signal(SIGKILL);
+  ring.process(1).wait();
+  wait_serving(ring, 2, "1");
+  std::vector<Case> to_holder(cases.begin() + 1, cases.end());
+  to_holder.push_back({{1, 1, 1, {}}, 1, Errc::invalid_argument, "an incarnation before the takeover's"});
+  send_all(to_holder);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  EXPECT_EQ(serving(ring, 2), "1") << "a refused hand-back stopped the takeover";
 }
 
 class FailoverGiveBack : public ::testing::TestWithParam<std::uint32_t> {};
@@ -474,7 +487,11 @@ class FailoverGiveBack : public ::testing::TestWithParam<std::uint32_t> {};
 // and counted row ends exact, every table's copies equal to their origin's. The workers push rows
 // too, so the takeover and the hand-back carry tables and their push marks.
 TEST_P(FailoverGiveBack, ARestartedServerTakesItsKeysBackAndCanFailOverAgain) {
-  Ring ring(GetParam(), kServerFlags);
+  // Stalled or departed workers evicted: the hand-back must not count the takeover's clients as
+  // departed when it cuts them off (the restarted server would take the evictions back).
+  std::vector<std::string> flags = kServerFlags;
+  flags.insert(flags.end(), {"--straggler-policy", "evict"});
+  Ring ring(GetParam(), flags);
   Workload load(ring, ring_options(ring), 12, /*tables=*/true);
   for (int round = 0; round < 2; ++round) {
     const std::string name = "round " + std::to_string(round);
@@ -493,6 +510,11 @@ TEST_P(FailoverGiveBack, ARestartedServerTakesItsKeysBackAndCanFailOverAgain) {
                 GetParam(), name.c_str(), failover_ms, load.longest_since_last_ms());
   }
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  for (int s = 0; s < 3; ++s) {
+    ClientOptions at;
+    at.servers = {ring.uris()[std::size_t(s)]};
+    EXPECT_EQ(testing::stats_field(Client(at).server_stats(0), "workers_evicted"), 0) << "server " << s;
+  }
   load.finish("after two hand-backs");
   // Every copy of every table bitwise equal to its origin's, push marks included.
   wait_synced(ring.uris());
