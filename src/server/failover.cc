@@ -242,14 +242,17 @@ Errc Failover::hand_back(std::uint32_t server, std::uint32_t incarnation, std::u
   }
   const std::string of = "server " + std::to_string(server);
   std::lock_guard lock(mu_);
-  if (!serving_.count(server)) {
+  const auto under_way = handing_back_.find(server);
+  const std::optional<wire::Certificate> took = book_.takeover_of(server);
+  // A takeover this server won but could not serve (its engine could not be built) leaves the
+  // keys in its sealed replica: given back all the same, with nothing to quiesce.
+  const bool won_here = took && took->holder == options_.server_id && book_.won_takeover_of(server);
+  if (!serving_.count(server) && !won_here && under_way == handing_back_.end()) {
     *why = "server " + std::to_string(options_.server_id) + " does not serve " + of + "'s keys";
     return Errc::not_found;
   }
   // A later restart of the server replaces a hand-back under way (whose own claim may have
   // replaced the takeover in this server's votes already); an earlier one does not.
-  const auto under_way = handing_back_.find(server);
-  const std::optional<wire::Certificate> took = book_.takeover_of(server);
   if (under_way != handing_back_.end() ? incarnation < under_way->second : !took || incarnation <= took->incarnation) {
     *why = of + "'s incarnation " + std::to_string(incarnation) + " is not later than the one its keys " +
            (under_way != handing_back_.end() ? "are being given back to" : "were taken over from");
@@ -265,8 +268,13 @@ void Failover::give_back(std::uint32_t origin, std::uint32_t incarnation) {
   const std::string who = "server " + std::to_string(options_.server_id);
   const std::string of = "server " + std::to_string(origin);
   if (deposed_.load()) return;
+  bool serving = false;
+  {
+    std::lock_guard lock(mu_);
+    serving = serving_.count(origin) > 0;
+  }
   std::string why;
-  if (!hooks_.quiesce(origin, &why)) {
+  if (serving && !hooks_.quiesce(origin, &why)) {
     log::warn("failover", who + " cannot give " + of + "'s keys back yet: " + why);
     return;
   }
