@@ -177,7 +177,8 @@ int main(int argc, char** argv) {
                  "With --failover-ms: where this server keeps its votes (it must never vote twice, even restarted)")
       ->envname("PSKV_FAILOVER_DIR");
   app.add_flag("--rejoin", o.rejoin,
-               "Restarting after a failure: take this server's keys back from a synced replica before serving");
+               "Restarting after a failure: take this server's keys back from a synced replica before serving "
+               "(with --failover-ms, from the server that took them over, which gives them back)");
   backend[4].option =
       app.add_option("--rdma-device", backend[4].value,
                      "rdma: expected device (the URI's address picks it; a mismatch is an error); URI dev=")
