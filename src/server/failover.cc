@@ -1,6 +1,7 @@
 #include "server/failover.h"
 
 #include <algorithm>
+#include <span>
 
 #include "common/log.h"
 #include "table/embedding_table.h"
@@ -39,14 +40,29 @@ Errc ask(std::unique_ptr<transport::Connection>& conn, transport::Request& q, st
   *why = done.message();
   return done.status();
 }
-}  // namespace
 
-void adopt_replica(ShardEngine& holder, std::uint32_t origin, ShardEngine& into) {
+// Where copy_state hands a server's state, piece by piece. Each returns ok or the failure (with
+// *why).
+struct StateSink {
+  std::function<Errc(std::span<const KeyEntry> keys, const float* records, std::string* why)> records;
+  // Every worker's words: all clocks, then barrier generations, then evictions.
+  std::function<Errc(const std::vector<std::uint64_t>& words, std::string* why)> words;
+  // A page of table `id` (`first`: the table's first page, with its spec and push marks).
+  std::function<Errc(std::uint32_t id, const ReplicaTableRows& page, bool first, std::string* why)> table_page;
+};
+
+// Reads server `origin`'s state as `from` holds it (its replica of `origin`, or its own store when
+// `origin` is its id): records in batches of up to kAdoptBytes, every worker's words, then each
+// table's pages. Throws Error naming what failed, or if that copy is not whole (not synced).
+void copy_state(ShardEngine& from, std::uint32_t origin, const StateSink& into) {
   std::string why;
+  const auto check = [&](Errc e) {
+    if (e != Errc::ok) throw Error(e, why);
+  };
   std::vector<std::pair<Key, std::uint32_t>> index;
   std::vector<std::uint64_t> words;
   bool synced = false;
-  if (holder.replica_index(origin, &index, &synced, &words, &why) != Errc::ok) throw Error(Errc::invalid_argument, why);
+  check(from.replica_index(origin, &index, &synced, &words, &why));
   if (!synced) throw Error(Errc::peer_failure, "the replica of server " + std::to_string(origin) + " is not synced");
   std::vector<KeyEntry> keys;
   std::vector<float> records;
@@ -55,98 +71,91 @@ void adopt_replica(ShardEngine& holder, std::uint32_t origin, ShardEngine& into)
     std::uint64_t floats = 0;
     std::size_t end = begin;
     for (; end < index.size() && (end == begin || floats * sizeof(float) < kAdoptBytes); ++end) {
-      const auto length = static_cast<std::uint32_t>(holder.record_floats(index[end].second));
+      const auto length = static_cast<std::uint32_t>(from.record_floats(index[end].second));
       keys.push_back({index[end].first, length, 0});
       floats += length;
     }
     records.resize(floats);
-    if (Errc e = holder.read_records(origin, keys, records.data(), &why); e != Errc::ok) throw Error(e, why);
-    if (Errc e = into.restore_records(keys, records.data(), &why); e != Errc::ok) throw Error(e, why);
+    check(from.read_records(origin, keys, records.data(), &why));
+    check(into.records(keys, records.data(), &why));
     begin = end;
   }
-  // Every clock, barrier arrival and eviction the origin acknowledged (as a rejoin takes them).
-  const std::size_t workers = words.size() / kWorkerWords;
-  for (std::size_t w = 0; w < workers; ++w) {
-    const auto worker = static_cast<std::uint32_t>(w);
-    if (words[w] > 0) into.advance_clock(worker, words[w]);
-    into.restore_barrier(worker, words[workers + w]);
-    if (words[2 * workers + w]) into.restore_eviction(worker);
-  }
+  check(into.words(words, &why));
   for (std::uint32_t id = 0; id < kMaxTables; ++id) {
     std::uint32_t cursor = 0;
     do {
       ReplicaTableRows page;
-      if (Errc e = holder.replica_table_rows(origin, id, cursor, 1u << 14, kAdoptBytes, &page, &why); e != Errc::ok)
-        throw Error(e, why);
+      check(from.replica_table_rows(origin, id, cursor, 1u << 14, kAdoptBytes, &page, &why));
       if (!page.exists) break;
-      if (Errc e = into.restore_table_rows(id, page.requested, page.max_rows, page.ids, page.records.data(), &why);
-          e != Errc::ok)
-        throw Error(e, why);
-      if (cursor == 0)
-        if (Errc e = into.restore_table_marks(id, page.marks, &why); e != Errc::ok) throw Error(e, why);
+      check(into.table_page(id, page, cursor == 0, &why));
       cursor = page.next;
     } while (cursor != 0);
   }
 }
+}  // namespace
+
+void adopt_replica(ShardEngine& holder, std::uint32_t origin, ShardEngine& into) {
+  StateSink sink;
+  sink.records = [&](std::span<const KeyEntry> keys, const float* records, std::string* why) {
+    return into.restore_records(keys, records, why);
+  };
+  // Every clock, barrier arrival and eviction the origin acknowledged (as a rejoin takes them).
+  sink.words = [&](const std::vector<std::uint64_t>& words, std::string*) {
+    const std::size_t workers = words.size() / kWorkerWords;
+    for (std::size_t w = 0; w < workers; ++w) {
+      const auto worker = static_cast<std::uint32_t>(w);
+      if (words[w] > 0) into.advance_clock(worker, words[w]);
+      into.restore_barrier(worker, words[workers + w]);
+      if (words[2 * workers + w]) into.restore_eviction(worker);
+    }
+    return Errc::ok;
+  };
+  sink.table_page = [&](std::uint32_t id, const ReplicaTableRows& page, bool first, std::string* why) {
+    if (Errc e = into.restore_table_rows(id, page.requested, page.max_rows, page.ids, page.records.data(), why);
+        e != Errc::ok)
+      return e;
+    return first ? into.restore_table_marks(id, page.marks, why) : Errc::ok;
+  };
+  copy_state(holder, origin, sink);
+}
 
 void refill_replica(ShardEngine& from, std::uint32_t table_position, ShardEngine& holder) {
   const std::uint32_t origin = from.options().server_id;
+  StateSink sink;
+  sink.records = [&](std::span<const KeyEntry> keys, const float* records, std::string* why) {
+    return holder.apply_replica(origin, keys, records, why);
+  };
+  sink.words = [&](const std::vector<std::uint64_t>& words, std::string* why) {
+    const std::size_t workers = words.size() / kWorkerWords;
+    for (std::size_t k = 0; k < kWorkerWords; ++k)
+      for (std::size_t w = 0; w < workers; ++w)
+        if (Errc e = holder.apply_replica_word(static_cast<WorkerWord>(k), origin, static_cast<std::uint32_t>(w),
+                                               words[k * workers + w], why);
+            e != Errc::ok)
+          return e;
+    return Errc::ok;
+  };
+  // Connection 0: these table frames are this transfer's, and the next transfer on a real
+  // connection (the restarted origin's) replaces it.
+  std::vector<KeyEntry> rows;
+  sink.table_page = [&](std::uint32_t id, const ReplicaTableRows& page, bool first, std::string* why) {
+    if (first)
+      if (Errc e =
+              holder.apply_replica_table(origin, 0, table_position, id, page.requested, page.max_rows, page.marks, why);
+          e != Errc::ok)
+        return e;
+    rows.clear();
+    for (Key row : page.ids) rows.push_back({row, page.record_floats, 0});
+    return holder.apply_replica_rows(origin, 0, table_position, id, rows, page.records.data(), why);
+  };
+  // (copy_state throws what it cannot copy; the marks' failures are thrown here.)
   std::string why;
   const Errc e = holder.refill_sealed_replica(
       origin,
-      [&](std::string* failed) -> Errc {
-        // Connection 0: the table frames below are the transfer's, and the next transfer on a
-        // real connection (the restarted origin's) replaces it.
+      [&](std::string* failed) {
         if (Errc m = holder.mark_replica(origin, ReplicaMark::syncing, failed, 0, from.epoch_seconds()); m != Errc::ok)
           return m;
-        std::vector<std::pair<Key, std::uint32_t>> index;
-        std::vector<std::uint64_t> words;
-        bool synced = false;
-        if (Errc i = from.replica_index(origin, &index, &synced, &words, failed); i != Errc::ok) return i;
-        std::vector<KeyEntry> keys;
-        std::vector<float> records;
-        for (std::size_t begin = 0; begin < index.size();) {
-          keys.clear();
-          std::uint64_t floats = 0;
-          std::size_t end = begin;
-          for (; end < index.size() && (end == begin || floats * sizeof(float) < kAdoptBytes); ++end) {
-            const auto length = static_cast<std::uint32_t>(from.record_floats(index[end].second));
-            keys.push_back({index[end].first, length, 0});
-            floats += length;
-          }
-          records.resize(floats);
-          if (Errc r = from.read_records(origin, keys, records.data(), failed); r != Errc::ok) return r;
-          if (Errc a = holder.apply_replica(origin, keys, records.data(), failed); a != Errc::ok) return a;
-          begin = end;
-        }
-        const std::size_t workers = words.size() / kWorkerWords;
-        for (std::size_t k = 0; k < kWorkerWords; ++k)
-          for (std::size_t w = 0; w < workers; ++w)
-            if (Errc a = holder.apply_replica_word(static_cast<WorkerWord>(k), origin, static_cast<std::uint32_t>(w),
-                                                   words[k * workers + w], failed);
-                a != Errc::ok)
-              return a;
-        for (std::uint32_t id = 0; id < kMaxTables; ++id) {
-          std::uint32_t cursor = 0;
-          do {
-            ReplicaTableRows page;
-            if (Errc r = from.replica_table_rows(origin, id, cursor, 1u << 14, kAdoptBytes, &page, failed);
-                r != Errc::ok)
-              return r;
-            if (!page.exists) break;
-            if (cursor == 0)
-              if (Errc a = holder.apply_replica_table(origin, 0, table_position, id, page.requested, page.max_rows,
-                                                      page.marks, failed);
-                  a != Errc::ok)
-                return a;
-            keys.clear();
-            for (Key row : page.ids) keys.push_back({row, page.record_floats, 0});
-            if (Errc a = holder.apply_replica_rows(origin, 0, table_position, id, keys, page.records.data(), failed);
-                a != Errc::ok)
-              return a;
-            cursor = page.next;
-          } while (cursor != 0);
-        }
+        copy_state(from, origin, sink);
         return holder.mark_replica(origin, ReplicaMark::synced, failed, 0);
       },
       &why);
