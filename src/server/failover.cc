@@ -41,6 +41,21 @@ Errc ask(std::unique_ptr<transport::Connection>& conn, transport::Request& q, st
   return done.status();
 }
 
+// The certificates the server at `uri` knows to have won; false if it cannot be asked.
+bool certificates_at(const std::string& uri, const std::shared_ptr<const auth::Token>& token,
+                     std::chrono::milliseconds timeout, std::vector<wire::Certificate>* won) {
+  try {
+    auto conn = connect_peer(uri, token, timeout);
+    std::string text, why;
+    transport::Request q;
+    q.op = wire::Op::certificates;
+    q.text_out = &text;
+    return ask(conn, q, timeout, &why) == Errc::ok && wire::decode_certificates(text, won, &why) == Errc::ok;
+  } catch (const Error&) {
+    return false;  // down, or not a server of this ring any more
+  }
+}
+
 // Where copy_state hands a server's state, piece by piece. Each returns ok or the failure (with
 // *why).
 struct StateSink {
@@ -317,24 +332,12 @@ void Failover::give_back(std::uint32_t origin, std::uint32_t incarnation) {
 std::vector<wire::Certificate> known_takeovers_of(std::uint32_t server, const std::vector<std::string>& peers,
                                                   const std::shared_ptr<const auth::Token>& token,
                                                   std::chrono::milliseconds timeout) {
-  std::vector<wire::Certificate> took;
+  std::vector<wire::Certificate> took, won;
   for (std::size_t s = 0; s < peers.size(); ++s) {
-    if (s == server) continue;
-    try {
-      auto conn = connect_peer(peers[s], token, timeout);
-      std::string text, failed;
-      transport::Request q;
-      q.op = wire::Op::certificates;
-      q.text_out = &text;
-      std::vector<wire::Certificate> won;
-      if (ask(conn, q, timeout, &failed) != Errc::ok || wire::decode_certificates(text, &won, &failed) != Errc::ok)
-        continue;
-      for (const wire::Certificate& c : won)
-        if (c.server == server && c.holder != c.server && std::find(took.begin(), took.end(), c) == took.end())
-          took.push_back(c);
-    } catch (const Error&) {
-      // Down too: the others answer.
-    }
+    if (s == server || !certificates_at(peers[s], token, timeout, &won)) continue;  // (down too: the others answer)
+    for (const wire::Certificate& c : won)
+      if (c.server == server && c.holder != c.server && std::find(took.begin(), took.end(), c) == took.end())
+        took.push_back(c);
   }
   return took;
 }
@@ -541,22 +544,13 @@ void Failover::claim_own_keys(std::chrono::milliseconds patience, bool take_back
 }
 
 std::string Failover::certified_down_at(std::size_t server) const {
-  try {
-    auto conn = connect_peer(options_.peers[server], options_.token, options_.timeout);
-    std::string text, why;
-    transport::Request q;
-    q.op = wire::Op::certificates;
-    q.text_out = &text;
-    std::vector<wire::Certificate> won;
-    if (ask(conn, q, options_.timeout, &why) != Errc::ok || wire::decode_certificates(text, &won, &why) != Errc::ok)
-      return {};
-    for (const wire::Certificate& c : won)
-      if (c.server == options_.server_id && c.holder != options_.server_id && c.incarnation >= options_.incarnation)
-        return "server " + std::to_string(server) + " knows it was certified down; server " + std::to_string(c.holder) +
-               " serves its keys";
-  } catch (const Error&) {
-    // Unreachable: asked again later, of another server.
-  }
+  // (Unreachable: asked again later, of another server.)
+  std::vector<wire::Certificate> won;
+  if (!certificates_at(options_.peers[server], options_.token, options_.timeout, &won)) return {};
+  for (const wire::Certificate& c : won)
+    if (c.server == options_.server_id && c.holder != options_.server_id && c.incarnation >= options_.incarnation)
+      return "server " + std::to_string(server) + " knows it was certified down; server " + std::to_string(c.holder) +
+             " serves its keys";
   return {};
 }
 
