@@ -220,16 +220,18 @@ Errc Failover::certified(std::uint32_t server, std::uint32_t incarnation, std::u
   if (Errc e = book_.certified({server, incarnation, holder, uri}, why); e != Errc::ok) return e;
   if (holder == server) {  // a restarted server's claim: nothing moves
     if (server == options_.server_id) return Errc::ok;
-    std::lock_guard lock(mu_);
-    if (handing_back_.count(server)) {
-      // Its own claim won while this server gives its keys back: the watcher finishes at once.
-      give_back_now_ = true;
-      cv_.notify_all();
-      return Errc::ok;
+    bool handing_back = false;
+    {
+      std::lock_guard lock(mu_);
+      // Its own claim won while this server gives its keys back: the watcher finishes at once
+      // (and records the claim itself, before it unseals its replica).
+      handing_back = handing_back_.count(server) > 0;
+      give_back_now_ |= handing_back;
     }
-  }
-  if (holder == server) {
-    claimed(server, incarnation);
+    if (handing_back)
+      cv_.notify_all();
+    else
+      claimed(server, incarnation);
     return Errc::ok;
   }
   if (server == options_.server_id) {
