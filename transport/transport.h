@@ -100,6 +100,10 @@ struct Request {
 struct ConnectOptions {
   std::uint32_t worker_id = kNoWorker;
   std::chrono::milliseconds connect_timeout{10000};
+  // rdma: a port nobody listens on is asked again until connect_timeout (the server may still be
+  // starting). false fails at once, as tcp's refused connection does: a caller that looks for a
+  // dead server's replacement elsewhere must not spend its timeout on the dead one.
+  bool wait_for_listener = true;
   // No byte from a server for this long while requests are outstanding means it is gone.
   std::chrono::milliseconds io_timeout{30000};
   std::uint32_t max_in_flight = 128;
@@ -113,7 +117,7 @@ struct ConnectOptions {
 struct ServerInfo {
   std::uint32_t server_id = 0;
   std::uint32_t num_workers = 0;
-  std::uint32_t incarnation = 0;  // tcp: the server's start, in seconds (0 where not told)
+  std::uint32_t incarnation = 0;  // the server's start, in seconds (0 where not told: shm)
 };
 
 // Thread-safety: submit() and register_buffer() may be called from any number of threads.

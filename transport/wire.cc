@@ -257,9 +257,9 @@ std::vector<float> encode_down_vote(const Certificate& c, std::uint32_t requeste
 }
 
 namespace {
-// A holder's URI as a client will connect to it: tcp://HOST:PORT, nothing it could not parse.
+// A holder's URI as a client will connect to it: tcp:// or rdma://, nothing it could not parse.
 bool plausible_uri(std::string_view uri) noexcept {
-  if (uri.size() > kMaxCertificateUri || uri.rfind("tcp://", 0) != 0) return false;
+  if (uri.size() > kMaxCertificateUri || (uri.rfind("tcp://", 0) != 0 && uri.rfind("rdma://", 0) != 0)) return false;
   for (char ch : uri)
     if (ch <= ' ' || ch > '~') return false;
   return true;
@@ -285,7 +285,7 @@ Errc decode_down_vote(std::span<const KeyEntry> keys, const float* payload, std:
   c->holder = v.holder;
   c->uri.assign(reinterpret_cast<const char*>(payload) + sizeof v, v.uri_bytes);
   if (!c->uri.empty() && !plausible_uri(c->uri)) {
-    *why = "a down vote names a holder URI that is not tcp://HOST:PORT";
+    *why = "a down vote names a holder URI that is not tcp:// or rdma://HOST:PORT";
     return Errc::protocol;
   }
   *requester = v.requester;
@@ -335,7 +335,7 @@ Errc decode_certificates(std::string_view text, std::vector<Certificate>* out, s
     }
     Certificate c{fields[0], fields[1], fields[2], line == "-" ? std::string() : std::string(line)};
     if (line != "-" && !plausible_uri(line)) {
-      *why = "a certificate names a holder URI that is not tcp://HOST:PORT";
+      *why = "a certificate names a holder URI that is not tcp:// or rdma://HOST:PORT";
       return Errc::protocol;
     }
     out->push_back(std::move(c));

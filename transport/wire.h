@@ -97,7 +97,7 @@ std::vector<float> encode_down_vote(const Certificate& c, std::uint32_t requeste
 Errc decode_down_vote(std::span<const KeyEntry> keys, const float* payload, std::uint64_t payload_bytes, Certificate* c,
                       std::uint32_t* requester, std::string* why);
 std::string encode_certificates(std::span<const Certificate> certificates);
-// Strict: a line that is not four fields, a number out of range or a URI that is not tcp:// is
+// Strict: a line that is not four fields, a number out of range or a URI that is not tcp:// or rdma:// is
 // a protocol error, since a client follows what it reads here.
 Errc decode_certificates(std::string_view text, std::vector<Certificate>* out, std::string* why);
 // hello's reply: arg0 = the server id | its incarnation (start, seconds) << 32.

@@ -312,6 +312,9 @@ class ShardEngine {
   void set_membership(Membership* membership) noexcept { membership_ = membership; }
   Membership* membership() const noexcept { return membership_; }
   Replicator* replicator() const noexcept { return replicator_; }
+  // Whether another server of a ring has business here: replicas to ship to, copies kept for
+  // others, or failover (votes, and a takeover's start, which a restarting origin reads).
+  bool takes_server_peers() const noexcept { return replicator_ || !options_.replica_of.empty() || membership_; }
 
   // Embedding tables (docs/ARCHITECTURE.md, "Embedding tables"), ids below kMaxTables.
   // Creates table `id`, or checks that the table of that id was created with this very spec

@@ -18,6 +18,7 @@ std::unique_ptr<transport::Connection> connect_peer(const std::string& uri,
   transport::ConnectOptions c;
   c.worker_id = wire::kServerPeer;  // votes are taken from servers only
   c.connect_timeout = timeout;
+  c.wait_for_listener = false;  // rdma: a refused port is a dead server, as over tcp
   c.io_timeout = timeout;
   c.token = token;
   return transport::connect(parse_uri(uri), c);

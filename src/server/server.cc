@@ -99,8 +99,8 @@ void validate(const ServerOptions& o) {
       reject(
           "--failover-ms needs at least 3 servers in --peers: a server is certified down by a majority, and "
           "with 2 that is both");
-    if (o.uri.rfind("tcp://", 0) != 0)
-      reject("--failover-ms runs on tcp:// servers (rdma:// failover is not built yet)");
+    if (o.uri.rfind("tcp://", 0) != 0 && o.uri.rfind("rdma://", 0) != 0)
+      reject("--failover-ms runs on tcp:// and rdma:// servers");
     if (o.failover_dir.empty())
       reject("--failover-ms needs --failover-dir: where this server keeps its votes, so that it never votes twice");
   } else if (!o.failover_dir.empty()) {

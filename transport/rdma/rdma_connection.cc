@@ -70,9 +70,10 @@ RdmaConnection::RdmaConnection(const Uri& uri, const transport::ConnectOptions& 
   auto pause = std::chrono::milliseconds(20);
   std::string refusal;  // why the last attempt was rejected
   auto nothing_accepts = [&] {
-    return Error(Errc::peer_failure, "nothing accepts connections at " + endpoint_ + " (" + refusal + ", retried for " +
-                                         std::to_string(options.connect_timeout.count()) +
-                                         " ms); is pskv-server running with that --uri?");
+    const std::string retried =
+        options_.wait_for_listener ? ", retried for " + std::to_string(options.connect_timeout.count()) + " ms" : "";
+    return Error(Errc::peer_failure, "nothing accepts connections at " + endpoint_ + " (" + refusal + retried +
+                                         "); is pskv-server running with that --uri?");
   };
   for (;;) {
     std::string this_refusal;
@@ -87,7 +88,7 @@ RdmaConnection::RdmaConnection(const Uri& uri, const transport::ConnectOptions& 
     }
     if (connected) break;
     refusal = this_refusal;
-    if (Clock::now() + pause >= deadline) throw nothing_accepts();
+    if (!options_.wait_for_listener || Clock::now() + pause >= deadline) throw nothing_accepts();
     std::this_thread::sleep_for(pause);
     pause = std::min(pause * 2, std::chrono::milliseconds(500));
   }
@@ -102,6 +103,7 @@ RdmaConnection::RdmaConnection(const Uri& uri, const transport::ConnectOptions& 
 
   info_.server_id = server_.server_id;
   info_.num_workers = server_.num_workers;
+  info_.incarnation = server_.incarnation;
   const auto mode = static_cast<ConsistencyMode>(server_.mode);
   bounded_ = server_.num_workers > 0 && mode != ConsistencyMode::asp;
   staleness_ = mode == ConsistencyMode::ssp ? server_.staleness : 0;

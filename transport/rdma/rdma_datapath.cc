@@ -102,8 +102,8 @@ std::string RdmaConnection::key_text(const InFlight& op, std::uint32_t k) const 
 void RdmaConnection::submit(Request& request) {
   const wire::Op op = request.op;
   const bool ours = op == wire::Op::init || op == wire::Op::push || op == wire::Op::pull || op == wire::Op::clock ||
-                    op == wire::Op::barrier || op == wire::Op::stats || wire::op_is_table(op) ||
-                    (wire::op_is_replication(op) && options_.worker_id == wire::kServerPeer);
+                    op == wire::Op::barrier || op == wire::Op::stats || op == wire::Op::certificates ||
+                    wire::op_is_table(op) || (wire::op_is_replication(op) && options_.worker_id == wire::kServerPeer);
   if (!ours) {
     request.completion->complete_part(
         Errc::unsupported,
@@ -823,7 +823,7 @@ void RdmaConnection::on_reply(std::uint32_t buffer, std::uint32_t bytes) {
       s.bound = h.arg0;
       s.have_bound = true;
     }
-    if (status == Errc::ok && op == wire::Op::stats) {
+    if (status == Errc::ok && (op == wire::Op::stats || op == wire::Op::certificates)) {
       if (s.request->text_out)
         s.request->text_out->swap(text);
       else

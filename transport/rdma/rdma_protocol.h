@@ -72,8 +72,8 @@ struct AcceptInfo {
   std::uint32_t wait_timeout_ms;
   std::uint32_t credits;  // messages (SEND or WRITE_WITH_IMM) the client may have unanswered
   std::uint32_t control_bytes;
-  std::uint32_t max_keys;  // the server's wire::Limits
-  std::uint32_t reserved2;
+  std::uint32_t max_keys;     // the server's wire::Limits
+  std::uint32_t incarnation;  // the engine's start in seconds (0 from builds before failover ran here)
   std::uint64_t max_payload_bytes;
   Grant grant;
   std::uint8_t nonce[wire::kAuthNonceBytes];  // with kAuthRequired: the server's nonce

@@ -234,8 +234,7 @@ void RdmaServer::on_connect_request(rdma_cm_event* ev) {
                       std::to_string(kRdmaVersion) + ": use matching pskv builds");
   const std::string address = address_text(rdma_get_peer_addr(id));
   const bool server_peer = req.worker_id == wire::kServerPeer;
-  // Nothing here for another server: no replicas to ship to, none kept for others.
-  if (server_peer && !engine_->replicator() && engine_->options().replica_of.empty()) {
+  if (server_peer && !engine_->takes_server_peers()) {
     log::warn("rdma.refused",
               "server " + std::to_string(engine_->options().server_id) + " refused " + address +
                   ": it connected as a server of a replicating ring, but this server does not replicate");
@@ -347,6 +346,7 @@ void RdmaServer::on_connect_request(rdma_cm_event* ev) {
   a.quorum = eo.mode == ConsistencyMode::sync ? (eo.sync_required ? eo.sync_required : eo.num_workers) : 0;
   a.wait_timeout_ms = static_cast<std::uint32_t>(eo.wait_timeout.count());
   a.credits = conn->depth;
+  a.incarnation = engine_->epoch_seconds();
   a.control_bytes = static_cast<std::uint32_t>(kControlBytes);
   Grant& g = conn->grant;
   g.store_addr = reinterpret_cast<std::uint64_t>(engine_->store().region());

@@ -13,6 +13,7 @@
 
 #include "common/log.h"
 #include "common/sync.h"
+#include "replication/failover_frames.h"
 #include "replication/table_frames.h"
 #include "transport/rdma/rdma_server_internal.h"
 
@@ -341,6 +342,9 @@ bool IoThread::dispatch(ServerConn& c, const wire::FrameHeader& h) {
     }
     case wire::Op::push:
     case wire::Op::init:
+    case wire::Op::down_vote:
+    case wire::Op::down_certified:
+    case wire::Op::hand_back:
     case wire::Op::table_create:
     case wire::Op::table_pull:
     case wire::Op::table_push:
@@ -360,11 +364,11 @@ bool IoThread::dispatch(ServerConn& c, const wire::FrameHeader& h) {
     case wire::Op::auth:  // handled before dispatch
       return send_error(c, h, Errc::unsupported,
                         std::string(wire::op_name(h.op)) + " is not an rdma:// control message");
-    case wire::Op::down_vote:
-    case wire::Op::down_certified:
-    case wire::Op::certificates:
-    case wire::Op::hand_back:
-      return send_error(c, h, Errc::unsupported, "failover (--failover-ms) runs on tcp:// servers, not rdma://");
+    case wire::Op::certificates: {
+      std::string text;
+      if (Errc e = replication::read_certificates(engine_, &text, &why); e != Errc::ok) return send_error(c, h, e, why);
+      return reply(c, h, Errc::ok, text.data(), text.size(), wire::kText);
+    }
     case wire::Op::replica_clock:
     case wire::Op::replica_barrier:
     case wire::Op::replica_evict: {
@@ -461,6 +465,11 @@ bool IoThread::handle_region_message(ServerConn& c, std::uint32_t imm) {
     case wire::Op::replica_unrows:
     case wire::Op::replica_rows_marked:
       status = replication::apply_table_frame(engine_, h, c.keys, values, c.tag, &why);
+      break;
+    case wire::Op::down_vote:
+    case wire::Op::down_certified:
+    case wire::Op::hand_back:
+      status = replication::take_failover_frame(engine_, op, c.keys, values, h.payload_bytes, &why);
       break;
     case wire::Op::table_push:
     case wire::Op::table_create: {

@@ -16,6 +16,7 @@
 #include "common/log.h"
 #include "common/memory.h"
 #include "common/sync.h"
+#include "replication/failover_frames.h"
 #include "replication/table_frames.h"
 
 namespace pskv::tcp {
@@ -1228,34 +1229,12 @@ bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payl
       return handle_table(peer, h, payload);
     case wire::Op::down_vote:
     case wire::Op::down_certified:
-    case wire::Op::hand_back: {
-      Membership* membership = engine_.membership();
-      if (!membership) {
-        status = Errc::unsupported;
-        why = "server " + std::to_string(engine_.options().server_id) +
-              " runs without --failover-ms: it takes no part in failover votes";
-        break;
-      }
-      wire::Certificate c;
-      std::uint32_t requester = 0;
-      if ((status = wire::decode_down_vote(peer.keys, payload, h.payload_bytes, &c, &requester, &why)) != Errc::ok)
-        break;
-      if (op == wire::Op::down_vote)
-        status = membership->vote(c.server, c.incarnation, c.holder, c.uri, requester, &why);
-      else if (op == wire::Op::down_certified)
-        status = membership->certified(c.server, c.incarnation, c.holder, c.uri, &why);
-      else
-        status = membership->hand_back(c.server, c.incarnation, c.holder, c.uri, requester, &why);
+    case wire::Op::hand_back:
+      status = replication::take_failover_frame(engine_, op, peer.keys, payload, h.payload_bytes, &why);
       break;
-    }
     case wire::Op::certificates: {
-      if (!engine_.membership()) {
-        // Clients take this to mean the ring has no failover, and stop asking.
-        status = Errc::unsupported;
-        why = "server " + std::to_string(engine_.options().server_id) + " runs without --failover-ms";
-        break;
-      }
-      const std::string text = engine_.membership()->certificates();
+      std::string text;
+      if ((status = replication::read_certificates(engine_, &text, &why)) != Errc::ok) break;
       Reply r(reply_header(h, text.size()), text.data(), text.size());
       r.header.flags |= wire::kText;
       return send(peer, std::move(r));
@@ -1498,8 +1477,7 @@ bool TcpServer::send_empty(Peer& peer, const wire::FrameHeader& req, std::uint64
 bool TcpServer::admit(Peer& peer, const wire::FrameHeader& h) {
   std::string why;
   peer.server_peer = peer.hello_worker == wire::kServerPeer;
-  // Nothing here for another server: no replicas to ship to, none kept for others.
-  if (peer.server_peer && !engine_.replicator() && engine_.options().replica_of.empty())
+  if (peer.server_peer && !engine_.takes_server_peers())
     return refuse(peer, h, "said hello as a server of a replicating ring, but this server does not replicate");
   const std::uint32_t worker = peer.server_peer ? kNoWorker : peer.hello_worker;
   if (worker != kNoWorker) {
