@@ -61,7 +61,9 @@ struct ClientOptions {
   // timeout), and done() stays false until a wait has sent the request again. Needs worker_id (a
   // retried push is recognised by its worker) and tcp:// or rdma:// servers; pushes must carry clocks below
   // 2^32. A wait sends a part of its request lost with its server again within 50 ms, whatever
-  // the request's other parts wait for. 0: a failed server fails its requests.
+  // the request's other parts wait for. The constructor, too, keeps trying a server it cannot
+  // reach (or, with --failover-ms, wherever its keys are served now) for up to this long.
+  // 0: a failed server fails its requests.
   std::chrono::milliseconds retry_timeout{0};
 };
 

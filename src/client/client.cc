@@ -106,13 +106,10 @@ class ClientImpl {
       try {
         link->conn = transport::connect(link->uri, c);
       } catch (const Error&) {
-        // A retrying client may start after a failover moved a dead server's keys elsewhere.
-        const std::string to = retrying_ && link->uri.scheme == "tcp"
-                                   ? moved_to(links_.size(), std::chrono::steady_clock::now() + o.connect_timeout)
-                                   : std::string();
-        if (to.empty()) throw;
-        link->uri = parse_uri(to);
-        link->conn = transport::connect(link->uri, c);
+        if (!retrying_) throw;
+        // A retrying client may start while a failover (or a hand-back) moves a server's keys:
+        // it follows the certificates, for its retry timeout, as a broken connection does.
+        link->conn = connect_following(*link, links_.size(), std::chrono::steady_clock::now() + o.retry_timeout);
       }
       // A retrying client replaces connections, so no waiter may keep a pointer into one.
       if (!retrying_) poller_.add(link->conn->poller());
@@ -386,9 +383,13 @@ class ClientImpl {
     const auto failed_at = std::chrono::steady_clock::now();
     auto next_lookup = failed_at;
     auto lookup_pause = std::chrono::milliseconds(25);
+    // This loop is the retry (an rdma connection would otherwise wait out its connect timeout on
+    // a dead server's port before the certificates are asked).
+    transport::ConnectOptions reconnect = connect_options_;
+    reconnect.wait_for_listener = false;
     while (std::chrono::steady_clock::now() < deadline) {
       try {
-        auto conn = std::shared_ptr<transport::Connection>(transport::connect(link.uri, connect_options_));
+        auto conn = std::shared_ptr<transport::Connection>(transport::connect(link.uri, reconnect));
         // The restarted server knows nothing of this worker's clock (a retrying client always has
         // a worker id): announce the one its oldest unanswered request was issued at (what was
         // answered before it came earlier); the clock requests sent again carry it forward in order.
@@ -427,7 +428,7 @@ class ClientImpl {
       } catch (const Error& e) {
         last = e.what();
       }
-      if (link.uri.scheme == "tcp" && !no_failover_.load() && std::chrono::steady_clock::now() >= next_lookup) {
+      if (!no_failover_.load() && std::chrono::steady_clock::now() >= next_lookup) {
         next_lookup = std::chrono::steady_clock::now() + lookup_pause;
         if (next_lookup - failed_at > std::chrono::seconds(1))
           lookup_pause = std::min(lookup_pause * 2, std::chrono::milliseconds(500));
@@ -442,6 +443,28 @@ class ClientImpl {
     }
     link.gave_up = "gave up on " + link.uri.str() + " after retrying for " +
                    std::to_string(options_.retry_timeout.count()) + " ms; last attempt: " + last;
+  }
+
+  // Connects to server `server`, wherever the certificates say its keys are served now, trying
+  // again until `deadline`; throws the last attempt's error then. For the constructor: nothing
+  // is outstanding on the link yet.
+  std::shared_ptr<transport::Connection> connect_following(Link& link, std::size_t server,
+                                                           std::chrono::steady_clock::time_point deadline) {
+    transport::ConnectOptions once = connect_options_;
+    once.wait_for_listener = false;  // this loop is the retry
+    for (;;) {
+      try {
+        return std::shared_ptr<transport::Connection>(transport::connect(link.uri, once));
+      } catch (const Error&) {
+        if (std::chrono::steady_clock::now() >= deadline) throw;
+      }
+      if (std::string to = no_failover_.load() ? std::string() : moved_to(server, deadline);
+          !to.empty() && to != link.uri.str()) {
+        link.uri = parse_uri(to);
+        continue;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(25));
+    }
   }
 
   std::size_t index_of(const Link& link) const {
@@ -461,13 +484,13 @@ class ClientImpl {
     c.worker_id = kNoWorker;
     c.connect_timeout = std::min(c.connect_timeout, std::chrono::milliseconds(500));
     c.io_timeout = std::min(c.io_timeout, std::chrono::milliseconds(1000));
+    c.wait_for_listener = false;  // a dead server: the next is asked
     std::size_t asked = 0, refused = 0;
     std::optional<wire::Certificate> latest;
     for (std::size_t s = 0; s < options_.servers.size(); ++s) {
       if (s == server || std::chrono::steady_clock::now() >= deadline) continue;
       try {
         const Uri uri = parse_uri(options_.servers[s]);
-        if (uri.scheme != "tcp") continue;  // failover runs on tcp rings only
         ++asked;
         auto conn = transport::connect(uri, c);
         std::string text;
