@@ -9,7 +9,8 @@
 #   tsan        ThreadSanitizer build; label concurrency            (PSKV_TEST_TSAN)
 #   asan        ASan+UBSan build; labels unit and integration       (PSKV_TEST_ASAN)
 #   fuzz        libFuzzer targets, PSKV_FUZZ_SECONDS each (60)      (PSKV_TEST_FUZZ)
-#   rdma        label rdma inside the Soft-RoCE VM (scripts/rdma-vm.sh)  (PSKV_TEST_RDMA)
+#   rdma        label rdma inside the Soft-RoCE VM (scripts/rdma-vm.sh)  (PSKV_TEST_RDMA); its
+#               kill loops run PSKV_RDMA_FAULT_TRIALS trials (5): the VM emulates its CPU
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -76,7 +77,8 @@ fi
 
 if enabled "${PSKV_TEST_RDMA:-1}" && [ -f "$BUILD/tests/rdma/CTestTestfile.cmake" ]; then
   step "RDMA tests inside the Soft-RoCE VM"
-  scripts/rdma-vm.sh "ctest --test-dir '$BUILD' --output-on-failure -L rdma"
+  PSKV_FAULT_TRIALS=${PSKV_RDMA_FAULT_TRIALS:-5} RDMA_VM_ENV=PSKV_FAULT_TRIALS \
+    scripts/rdma-vm.sh "ctest --test-dir '$BUILD' --output-on-failure -L rdma"
 fi
 
 step "all tests passed in $(( $(date +%s) - T0 )) s"
