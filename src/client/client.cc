@@ -484,15 +484,16 @@ class ClientImpl {
     c.worker_id = kNoWorker;
     c.connect_timeout = std::min(c.connect_timeout, std::chrono::milliseconds(500));
     c.io_timeout = std::min(c.io_timeout, std::chrono::milliseconds(1000));
-    c.wait_for_listener = false;  // a dead server: the next is asked
-    std::size_t asked = 0, refused = 0;
-    std::optional<wire::Certificate> latest;
-    for (std::size_t s = 0; s < options_.servers.size(); ++s) {
-      if (s == server || std::chrono::steady_clock::now() >= deadline) continue;
+    c.wait_for_listener = false;  // a dead server: the others answer
+    // The servers are asked at once (a few at a time), so a lookup costs the slowest answer, not
+    // their sum: a hung server costs its io timeout once, and an rdma connection's setup once.
+    constexpr std::size_t kAtOnce = 8;
+    const std::size_t n = options_.servers.size();
+    std::vector<Errc> status(n, Errc::peer_failure);
+    std::vector<std::vector<wire::Certificate>> known(n);
+    const auto ask = [&](std::size_t s) {
       try {
-        const Uri uri = parse_uri(options_.servers[s]);
-        ++asked;
-        auto conn = transport::connect(uri, c);
+        auto conn = transport::connect(parse_uri(options_.servers[s]), c);
         std::string text;
         transport::Completion done;
         done.reset(1);
@@ -504,20 +505,36 @@ class ClientImpl {
         // Bounded by the connection's io timeout, which fails the request.
         while (!done.wait(std::chrono::steady_clock::now() + std::chrono::seconds(1), conn->poller())) {
         }
-        std::vector<wire::Certificate> certificates;
         std::string why;
-        refused += done.status() == Errc::unsupported;
-        if (done.status() != Errc::ok || wire::decode_certificates(text, &certificates, &why) != Errc::ok) continue;
-        // Of one incarnation, a takeover is later than its claim (a claim's hand-back names a
-        // later incarnation than the takeover it ends).
-        for (wire::Certificate& cert : certificates)
-          if (cert.server == server && (cert.holder == server || !cert.uri.empty()) &&
-              (!latest || cert.incarnation > latest->incarnation ||
-               (cert.incarnation == latest->incarnation && latest->holder == server && cert.holder != server)))
-            latest = std::move(cert);
+        status[s] = done.status();
+        if (status[s] == Errc::ok && wire::decode_certificates(text, &known[s], &why) != Errc::ok)
+          status[s] = Errc::protocol;
       } catch (const Error&) {
-        // That server is down too: ask the next.
+        // That server is down too: the others answer.
       }
+    };
+    std::size_t asked = 0;
+    for (std::size_t begin = 0; begin < n && std::chrono::steady_clock::now() < deadline; begin += kAtOnce) {
+      std::vector<std::thread> askers;
+      for (std::size_t s = begin; s < std::min(n, begin + kAtOnce); ++s)
+        if (s != server) {
+          askers.emplace_back(ask, s);
+          ++asked;
+        }
+      for (std::thread& t : askers) t.join();
+    }
+    std::size_t refused = 0;
+    std::optional<wire::Certificate> latest;
+    for (std::size_t s = 0; s < n; ++s) {
+      refused += status[s] == Errc::unsupported;
+      if (status[s] != Errc::ok) continue;
+      // Of one incarnation, a takeover is later than its claim (a claim's hand-back names a
+      // later incarnation than the takeover it ends).
+      for (wire::Certificate& cert : known[s])
+        if (cert.server == server && (cert.holder == server || !cert.uri.empty()) &&
+            (!latest || cert.incarnation > latest->incarnation ||
+             (cert.incarnation == latest->incarnation && latest->holder == server && cert.holder != server)))
+          latest = std::move(cert);
     }
     if (asked > 0 && refused == asked) no_failover_.store(true);
     if (!latest) return {};
