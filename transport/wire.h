@@ -97,6 +97,15 @@ std::vector<float> encode_down_vote(const Certificate& c, std::uint32_t requeste
 Errc decode_down_vote(std::span<const KeyEntry> keys, const float* payload, std::uint64_t payload_bytes, Certificate* c,
                       std::uint32_t* requester, std::string* why);
 std::string encode_certificates(std::span<const Certificate> certificates);
+// certificates' arg0: 0 asks for every certificate (what servers before it took every request
+// for), server + 1 for those about that server only (so the answer stays small in a large ring:
+// it must fit an rdma control message).
+inline std::uint64_t certificates_about(std::uint32_t server) noexcept {
+  return std::uint64_t{server} + 1;
+}
+inline std::uint32_t certificates_of(std::uint64_t arg0) noexcept {
+  return arg0 == 0 || arg0 > UINT32_MAX ? UINT32_MAX : static_cast<std::uint32_t>(arg0 - 1);
+}
 // Strict: a line that is not four fields, a number out of range or a URI that is not tcp:// or rdma:// is
 // a protocol error, since a client follows what it reads here.
 Errc decode_certificates(std::string_view text, std::vector<Certificate>* out, std::string* why);

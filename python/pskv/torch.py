@@ -53,6 +53,8 @@ def client_from_env(servers: Optional[List[str]] = None, connect_for: float = 60
     len(servers) ranks are the servers and worker ids start after them, as in pskv-mnist.
     Connecting is retried for `connect_for` seconds while the servers may still be starting
     (connection refused, no segment yet); other errors (a bad option, a missing token file) at once.
+    A client made with `retry_timeout` keeps trying an unreachable server that long itself, in
+    each try here: with both, the wait may reach their sum.
     """
     uris = servers or servers_from_env()
     if not uris:

@@ -377,12 +377,8 @@ class ClientImpl {
     // A restarted server is back within tens of ms: look often at first, then back off.
     auto pause = std::chrono::milliseconds(2);
     const std::size_t server = index_of(link);
-    // Failover: the server's keys may be served elsewhere now. Each look asks every other server,
-    // so looks come every 25 ms for the first second (a takeover takes tens of ms), then 50, 100,
-    // ... up to 500 ms apart (a server that is merely restarting is not asked about forever).
-    const auto failed_at = std::chrono::steady_clock::now();
-    auto next_lookup = failed_at;
-    auto lookup_pause = std::chrono::milliseconds(25);
+    // Failover: the server's keys may be served elsewhere now.
+    LookupSchedule lookups;
     // This loop is the retry (an rdma connection would otherwise wait out its connect timeout on
     // a dead server's port before the certificates are asked).
     transport::ConnectOptions reconnect = connect_options_;
@@ -428,13 +424,10 @@ class ClientImpl {
       } catch (const Error& e) {
         last = e.what();
       }
-      if (!no_failover_.load() && std::chrono::steady_clock::now() >= next_lookup) {
-        next_lookup = std::chrono::steady_clock::now() + lookup_pause;
-        if (next_lookup - failed_at > std::chrono::seconds(1))
-          lookup_pause = std::min(lookup_pause * 2, std::chrono::milliseconds(500));
-        if (std::string to = moved_to(server, deadline); !to.empty() && to != link.uri.str()) {
-          link.uri = parse_uri(to);
-          last = "server " + std::to_string(server) + "'s keys moved to " + to;
+      if (!no_failover_.load() && lookups.due()) {
+        if (std::optional<Uri> to = moved_to(server, deadline); to && !same_endpoint(*to, link.uri)) {
+          link.uri = *to;
+          last = "server " + std::to_string(server) + "'s keys moved to " + to->str();
           continue;
         }
       }
@@ -452,19 +445,47 @@ class ClientImpl {
                                                            std::chrono::steady_clock::time_point deadline) {
     transport::ConnectOptions once = connect_options_;
     once.wait_for_listener = false;  // this loop is the retry
+    LookupSchedule lookups;
     for (;;) {
       try {
         return std::shared_ptr<transport::Connection>(transport::connect(link.uri, once));
-      } catch (const Error&) {
-        if (std::chrono::steady_clock::now() >= deadline) throw;
+      } catch (const Error& e) {
+        // Only a server that is not there, or not answering, is waited for: a wrong token, a
+        // worker id out of range or another protocol version is said at once.
+        if ((e.code() != Errc::peer_failure && e.code() != Errc::timeout) ||
+            std::chrono::steady_clock::now() >= deadline)
+          throw;
       }
-      if (std::string to = no_failover_.load() ? std::string() : moved_to(server, deadline);
-          !to.empty() && to != link.uri.str()) {
-        link.uri = parse_uri(to);
-        continue;
-      }
+      if (!no_failover_.load() && lookups.due())
+        if (std::optional<Uri> to = moved_to(server, deadline); to && !same_endpoint(*to, link.uri)) {
+          link.uri = *to;
+          continue;
+        }
       std::this_thread::sleep_for(std::chrono::milliseconds(25));
     }
+  }
+
+  // When a client that cannot reach a server asks the others where its keys went. Each look asks
+  // every other server, so looks come every 25 ms for the first second (a takeover takes tens of
+  // ms), then 50, 100, ... up to 500 ms apart (a server that is merely restarting is not asked
+  // about forever).
+  class LookupSchedule {
+   public:
+    bool due() {
+      const auto now = std::chrono::steady_clock::now();
+      if (now < next_) return false;
+      next_ = now + pause_;
+      if (next_ - began_ > std::chrono::seconds(1)) pause_ = std::min(pause_ * 2, std::chrono::milliseconds(500));
+      return true;
+    }
+
+   private:
+    std::chrono::steady_clock::time_point began_ = std::chrono::steady_clock::now(), next_ = began_;
+    std::chrono::milliseconds pause_{25};
+  };
+
+  static bool same_endpoint(const Uri& a, const Uri& b) noexcept {
+    return a.scheme == b.scheme && a.host == b.host && a.port == b.port;
   }
 
   std::size_t index_of(const Link& link) const {
@@ -474,12 +495,13 @@ class ClientImpl {
   }
 
   // Where server `server`'s keys are served now, if a failover moved them (a certificate another
-  // server knows: docs/ARCHITECTURE.md, "Failover"); empty if none says so. The latest
-  // incarnation's certificate counts: a takeover's holder, or the server itself once a restart
-  // took its keys back. Each server is asked on a connection of its own, made without a worker
-  // id (a worker's connection coming and going would count as that worker joining and leaving).
-  // A ring whose servers all refuse the question (run without --failover-ms) is not asked again.
-  std::string moved_to(std::size_t server, std::chrono::steady_clock::time_point deadline) {
+  // server knows: docs/ARCHITECTURE.md, "Failover"); nothing if none says so, or if it names a URI
+  // no client could follow. The latest incarnation's certificate counts: a takeover's holder, or
+  // the server itself once a restart took its keys back. Each server is asked on a connection of
+  // its own, made without a worker id (a worker's connection coming and going would count as that
+  // worker joining and leaving). A ring whose servers all refuse the question (run without
+  // --failover-ms) is not asked again.
+  std::optional<Uri> moved_to(std::size_t server, std::chrono::steady_clock::time_point deadline) {
     transport::ConnectOptions c = connect_options_;
     c.worker_id = kNoWorker;
     c.connect_timeout = std::min(c.connect_timeout, std::chrono::milliseconds(500));
@@ -499,6 +521,7 @@ class ClientImpl {
         done.reset(1);
         transport::Request q;
         q.op = wire::Op::certificates;
+        q.arg0 = wire::certificates_about(static_cast<std::uint32_t>(server));
         q.text_out = &text;
         q.completion = &done;
         conn->submit(q);
@@ -537,8 +560,16 @@ class ClientImpl {
           latest = std::move(cert);
     }
     if (asked > 0 && refused == asked) no_failover_.store(true);
-    if (!latest) return {};
-    return latest->holder == server ? options_.servers[server] : latest->uri;
+    if (!latest) return std::nullopt;
+    try {
+      Uri to = parse_uri(latest->holder == server ? options_.servers[server] : latest->uri);
+      // This client's own parameters go along (rdma's poll=busy, dev, gid): a holder's URI has none.
+      if (const Uri mine = parse_uri(options_.servers[server]); mine.scheme == to.scheme)
+        for (const auto& [key, value] : mine.params) to.params.emplace(key, value);
+      return to;
+    } catch (const Error&) {
+      return std::nullopt;  // a URI no client could follow
+    }
   }
 
   void wait(Ticket ticket) {

@@ -159,8 +159,10 @@ class Membership {
   // A majority granted it (the winner says so): recorded, and acted on if it concerns this server.
   virtual Errc certified(std::uint32_t server, std::uint32_t incarnation, std::uint32_t holder, const std::string& uri,
                          std::string* why) = 0;
-  // What the certificates op answers: every certificate known to have won (wire::encode_certificates).
-  virtual std::string certificates() const = 0;
+  // What the certificates op answers: every certificate known to have won about server `about`
+  // (every one with kAllServers), as wire::encode_certificates writes them.
+  static constexpr std::uint32_t kAllServers = UINT32_MAX;
+  virtual std::string certificates(std::uint32_t about) const = 0;
   // Restarted server `server` (incarnation `incarnation`, the requester) asks for its keys back
   // from this server, which holds them, with its own claim (holder == server, no URI): ok once
   // this server has taken the request on (it gives them back in the background); not_found if

@@ -31,13 +31,13 @@ Errc take_failover_frame(ShardEngine& engine, wire::Op op, std::span<const KeyEn
   }
 }
 
-Errc read_certificates(const ShardEngine& engine, std::string* text, std::string* why) {
+Errc read_certificates(const ShardEngine& engine, std::uint64_t arg0, std::string* text, std::string* why) {
   const Membership* membership = engine.membership();
   if (!membership) {
     *why = no_failover(engine);
     return Errc::unsupported;
   }
-  *text = membership->certificates();
+  *text = membership->certificates(wire::certificates_of(arg0));
   return Errc::ok;
 }
 

@@ -17,9 +17,9 @@ namespace pskv::replication {
 Errc take_failover_frame(ShardEngine& engine, wire::Op op, std::span<const KeyEntry> keys, const float* payload,
                          std::uint64_t payload_bytes, std::string* why);
 
-// certificates: every certificate this server knows to have won, as the answer's text
-// (wire::encode_certificates). unsupported from a server without --failover-ms, which clients take
-// to mean that the ring has no failover.
-Errc read_certificates(const ShardEngine& engine, std::string* text, std::string* why);
+// certificates (its arg0: wire::certificates_about): every certificate this server knows to have
+// won, of one server or of all, as the answer's text (wire::encode_certificates). unsupported
+// from a server without --failover-ms, which clients take to mean that the ring has no failover.
+Errc read_certificates(const ShardEngine& engine, std::uint64_t arg0, std::string* text, std::string* why);
 
 }  // namespace pskv::replication

@@ -43,13 +43,14 @@ Errc ask(std::unique_ptr<transport::Connection>& conn, transport::Request& q, st
 }
 
 // The certificates the server at `uri` knows to have won; false if it cannot be asked.
-bool certificates_at(const std::string& uri, const std::shared_ptr<const auth::Token>& token,
+bool certificates_at(const std::string& uri, std::uint32_t about, const std::shared_ptr<const auth::Token>& token,
                      std::chrono::milliseconds timeout, std::vector<wire::Certificate>* won) {
   try {
     auto conn = connect_peer(uri, token, timeout);
     std::string text, why;
     transport::Request q;
     q.op = wire::Op::certificates;
+    q.arg0 = wire::certificates_about(about);
     q.text_out = &text;
     return ask(conn, q, timeout, &why) == Errc::ok && wire::decode_certificates(text, won, &why) == Errc::ok;
   } catch (const Error&) {
@@ -254,9 +255,13 @@ void Failover::queue_takeover(std::uint32_t origin, std::uint32_t incarnation) {
   cv_.notify_all();
 }
 
-std::string Failover::certificates() const {
+std::string Failover::certificates(std::uint32_t about) const {
   // Claims too: a client that followed a takeover finds its way back after a hand-back.
-  return wire::encode_certificates(book_.won());
+  std::vector<wire::Certificate> won = book_.won();
+  if (about != kAllServers)
+    won.erase(std::remove_if(won.begin(), won.end(), [&](const wire::Certificate& c) { return c.server != about; }),
+              won.end());
+  return wire::encode_certificates(won);
 }
 
 Errc Failover::hand_back(std::uint32_t server, std::uint32_t incarnation, std::uint32_t holder, const std::string& uri,
@@ -337,7 +342,8 @@ std::vector<wire::Certificate> known_takeovers_of(std::uint32_t server, const st
                                                   std::chrono::milliseconds timeout) {
   std::vector<wire::Certificate> took, won;
   for (std::size_t s = 0; s < peers.size(); ++s) {
-    if (s == server || !certificates_at(peers[s], token, timeout, &won)) continue;  // (down too: the others answer)
+    if (s == server || !certificates_at(peers[s], server, token, timeout, &won))
+      continue;  // (down too: the others answer)
     for (const wire::Certificate& c : won)
       if (c.server == server && c.holder != c.server && std::find(took.begin(), took.end(), c) == took.end())
         took.push_back(c);
@@ -549,7 +555,7 @@ void Failover::claim_own_keys(std::chrono::milliseconds patience, bool take_back
 std::string Failover::certified_down_at(std::size_t server) const {
   // (Unreachable: asked again later, of another server.)
   std::vector<wire::Certificate> won;
-  if (!certificates_at(options_.peers[server], options_.token, options_.timeout, &won)) return {};
+  if (!certificates_at(options_.peers[server], options_.server_id, options_.token, options_.timeout, &won)) return {};
   for (const wire::Certificate& c : won)
     if (c.server == options_.server_id && c.holder != options_.server_id && c.incarnation >= options_.incarnation)
       return "server " + std::to_string(server) + " knows it was certified down; server " + std::to_string(c.holder) +

@@ -93,7 +93,7 @@ class Failover final : public Membership {
             std::uint32_t requester, std::string* why) override;
   Errc certified(std::uint32_t server, std::uint32_t incarnation, std::uint32_t holder, const std::string& uri,
                  std::string* why) override;
-  std::string certificates() const override;
+  std::string certificates(std::uint32_t about) const override;
   Errc hand_back(std::uint32_t server, std::uint32_t incarnation, std::uint32_t holder, const std::string& uri,
                  std::uint32_t requester, std::string* why) override;
 

@@ -538,6 +538,26 @@ TEST(FailoverWire, AHandBackIsCheckedBeforeItIsTakenOn) {
   send_all(to_holder);
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   EXPECT_EQ(serving(ring, 2), "1") << "a refused hand-back stopped the takeover";
+  // The certificates of one server, or of all (arg0 0, as before the filter): a large ring's
+  // answer must fit an rdma control message.
+  testing::RawPeer p(ring.uris()[0]);
+  p.hello(kNoWorker);
+  const auto certificates = [&](std::uint64_t arg0) {
+    wire::FrameHeader h = wire::make_header(wire::Op::certificates, ++id, 0, 0, arg0);
+    p.send(&h, sizeof h);
+    const auto [status, text] = p.reply();
+    EXPECT_EQ(status, int(Errc::ok)) << text;
+    std::vector<wire::Certificate> got;
+    std::string why;
+    EXPECT_EQ(wire::decode_certificates(text, &got, &why), Errc::ok) << why;
+    return got;
+  };
+  const std::vector<wire::Certificate> all = certificates(0), of_1 = certificates(wire::certificates_about(1));
+  ASSERT_EQ(of_1.size(), 1u);
+  EXPECT_EQ(of_1[0].server, 1u);
+  EXPECT_EQ(of_1[0].holder, 2u);
+  EXPECT_NE(std::find(all.begin(), all.end(), of_1[0]), all.end());
+  EXPECT_TRUE(certificates(wire::certificates_about(0)).empty()) << "server 0 was never certified";
 }
 #endif
 

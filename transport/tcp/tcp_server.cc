@@ -1234,7 +1234,7 @@ bool TcpServer::handle(Peer& peer, const wire::FrameHeader& h, const float* payl
       break;
     case wire::Op::certificates: {
       std::string text;
-      if ((status = replication::read_certificates(engine_, &text, &why)) != Errc::ok) break;
+      if ((status = replication::read_certificates(engine_, h.arg0, &text, &why)) != Errc::ok) break;
       Reply r(reply_header(h, text.size()), text.data(), text.size());
       r.header.flags |= wire::kText;
       return send(peer, std::move(r));
