@@ -169,8 +169,9 @@ int main(int argc, char** argv) {
       ->envname("PSKV_PEERS");
   std::int64_t failover_ms = 0;
   app.add_option("--failover-ms", failover_ms,
-                 "tcp or rdma, with --replicas and 3+ servers: a server silent this long is certified down by a majority and "
-                 "the next server of its chain serves its keys (0: off; a dead server's clients wait for its restart)")
+                 "tcp or rdma, with --replicas and 3+ servers: a server silent this long is certified down by a "
+                 "majority and the next server of its chain serves its keys (0: off; a dead server's clients wait for "
+                 "its restart)")
       ->envname("PSKV_FAILOVER_MS")
       ->capture_default_str();
   app.add_option("--failover-dir", o.failover_dir,

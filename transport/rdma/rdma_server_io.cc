@@ -366,7 +366,8 @@ bool IoThread::dispatch(ServerConn& c, const wire::FrameHeader& h) {
                         std::string(wire::op_name(h.op)) + " is not an rdma:// control message");
     case wire::Op::certificates: {
       std::string text;
-      if (Errc e = replication::read_certificates(engine_, h.arg0, &text, &why); e != Errc::ok) return send_error(c, h, e, why);
+      if (Errc e = replication::read_certificates(engine_, h.arg0, &text, &why); e != Errc::ok)
+        return send_error(c, h, e, why);
       return reply(c, h, Errc::ok, text.data(), text.size(), wire::kText);
     }
     case wire::Op::replica_clock:
