@@ -939,6 +939,25 @@ TEST(Rdma, OnlyServersMaySendTheReplicationOps) {
     EXPECT_NE(text.find("only another server"), std::string::npos) << text;
     EXPECT_TRUE(p.closed_by_server());
   }
+  // The failover frames travel as the replication frames do: a client's down_vote is refused as
+  // any of them, a server's is refused by name by a ring run without --failover-ms, and anyone
+  // may ask for certificates, which such a ring does not keep.
+  {
+    RawPeer p(uri1);
+    const wire::FrameHeader h = wire::make_header(wire::Op::down_vote, 3, 0, 0);
+    p.write_imm(&h, sizeof h, 0, 0);
+    auto [status, text] = p.reply();
+    EXPECT_EQ(status, int(Errc::permission)) << text;
+    EXPECT_TRUE(p.closed_by_server());
+  }
+  const auto [vote, why_vote] = ask(uri1, wire::kServerPeer, wire::Op::down_vote);
+  EXPECT_EQ(vote, Errc::unsupported) << why_vote;
+  EXPECT_NE(why_vote.find("without --failover-ms"), std::string::npos) << why_vote;
+  for (std::uint32_t as : {kNoWorker, 0u}) {
+    const auto [certificates, why_certificates] = ask(uri1, as, wire::Op::certificates);
+    EXPECT_EQ(certificates, Errc::unsupported) << why_certificates;
+    EXPECT_NE(why_certificates.find("without --failover-ms"), std::string::npos) << why_certificates;
+  }
   // A server that does not replicate refuses a server's connection outright.
   auto lone = start_rdma_server({});
   try {
