@@ -25,8 +25,7 @@ std::string rdma_skip_reason() {
          "(scripts/rdma-vm.sh 'cd build-rdma && ctest -L rdma --output-on-failure')";
 }
 
-ServerProcess start_rdma_server(std::vector<std::string> extra) {
-  // Small defaults: the VM has 2 GiB and a server pins its whole store and receive regions.
+std::vector<std::string> rdma_server_args(std::vector<std::string> extra) {
   const std::vector<std::pair<std::string, std::string>> defaults{{"--uri", "rdma://" + rdma_ip() + ":0"},
                                                                   {"--io-threads", "2"},
                                                                   {"--arena-mb", "48"},
@@ -35,7 +34,11 @@ ServerProcess start_rdma_server(std::vector<std::string> extra) {
   std::vector<std::string> args = extra;
   for (const auto& [flag, value] : defaults)
     if (std::find(extra.begin(), extra.end(), flag) == extra.end()) args.insert(args.end(), {flag, value});
-  return ServerProcess::start(args);
+  return args;
+}
+
+ServerProcess start_rdma_server(std::vector<std::string> extra) {
+  return ServerProcess::start(rdma_server_args(std::move(extra)));
 }
 
 ClientOptions rdma_client(const std::vector<std::string>& uris) {

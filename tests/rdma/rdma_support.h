@@ -16,6 +16,9 @@ std::string rdma_ip();
 // (RDMA_VM unset) with no device they skip; inside it a missing device is a failure.
 std::string rdma_skip_reason();
 
+// `extra` with this VM's small defaults for the flags it does not set (the VM has 2 GiB, and a
+// server pins its store and every receive region).
+std::vector<std::string> rdma_server_args(std::vector<std::string> extra);
 ServerProcess start_rdma_server(std::vector<std::string> extra = {});
 ClientOptions rdma_client(const std::vector<std::string>& uris);
 

@@ -202,14 +202,13 @@ class Ring {
       : replicas_(replicas), extra_(std::move(extra)) {
 #ifdef PSKV_FAILOVER_OVER_RDMA
     const std::string at = "rdma://" + testing::rdma_ip() + ":";
-    // The VM has 2 GiB, and a server pins its store and each connection's receive region: small
-    // ones (a push here is 48 KiB). In args(), so that a server started by hand gets them too.
-    extra_.insert(extra_.end(), {"--arena-mb", "48", "--max-keys", "4096", "--io-threads", "2", "--rdma-recv-mb", "2"});
+    // Receive regions smaller than the VM's default (a push here is 48 KiB).
+    extra_.insert(extra_.end(), {"--rdma-recv-mb", "2"});
 #else
     const std::string at = "tcp://127.0.0.1:";
 #endif
     for (int s = 0; s < n; ++s) uris_.push_back(at + std::to_string(tcp::free_loopback_port()));
-    for (int s = 0; s < n; ++s) servers_.push_back(start(args(s, false)));
+    for (int s = 0; s < n; ++s) servers_.push_back(ServerProcess::start(args(s, false)));
   }
   std::vector<std::string> args(int s, bool rejoin) const {
     std::string peers;
@@ -219,6 +218,9 @@ class Ring {
                                   "--failover-ms", std::to_string(kFailoverMs), "--failover-dir", dir_.path};
     a.insert(a.end(), extra_.begin(), extra_.end());
     if (rejoin) a.push_back("--rejoin");
+#ifdef PSKV_FAILOVER_OVER_RDMA
+    a = testing::rdma_server_args(std::move(a));  // also for a server started by hand
+#endif
     return a;
   }
   testing::Process& process(int s) {
@@ -226,20 +228,13 @@ class Ring {
   }
   // Starts server `s` again (once it printed that it listens).
   void restart(int s, bool rejoin) {
-    servers_[std::size_t(s)] = start(args(s, rejoin));
+    servers_[std::size_t(s)] = ServerProcess::start(args(s, rejoin));
   }
   const std::vector<std::string>& uris() const {
     return uris_;
   }
 
  private:
-  static ServerProcess start(const std::vector<std::string>& args) {
-#ifdef PSKV_FAILOVER_OVER_RDMA
-    return testing::start_rdma_server(args);
-#else
-    return ServerProcess::start(args);
-#endif
-  }
   std::uint32_t replicas_;
   std::vector<std::string> extra_, uris_;
   TempDir dir_;
