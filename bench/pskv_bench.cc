@@ -648,6 +648,7 @@ double stat_of(const std::string& json, const std::string& name) {
 
 struct InsertPoint {
   double inserts_per_s, bytes_per_row;
+  double p50_us, p99_us, max_us;  // per batch: a push that grows the table waits for its growth
 };
 
 // Creates every row of the rows workload's table once, ids [0, rows) in batches, `clients`
@@ -655,6 +656,7 @@ struct InsertPoint {
 InsertPoint insert_rows(const std::vector<std::string>& servers, std::uint64_t rows, std::size_t dim,
                         std::size_t batch_keys, int clients) {
   std::vector<std::string> errors(clients);
+  std::vector<std::vector<double>> lat(clients);
   std::vector<std::thread> threads;
   const auto t0 = Clock::now();
   for (int c = 0; c < clients; ++c)
@@ -664,11 +666,14 @@ InsertPoint insert_rows(const std::vector<std::string>& servers, std::uint64_t r
         client.create_table(0, rows_spec(dim, rows));
         std::vector<float> grads(batch_keys * dim, 0.0f);
         std::vector<pskv::Key> ids;
+        lat[c].reserve(rows / batch_keys / clients + 1);
         for (std::uint64_t base = std::uint64_t(c) * batch_keys; base < rows;
              base += std::uint64_t(clients) * batch_keys) {
           ids.clear();
           for (std::uint64_t id = base; id < std::min(rows, base + batch_keys); ++id) ids.push_back(id);
+          const auto s = Clock::now();
           client.wait(client.push_rows(0, ids, std::span<const float>(grads.data(), ids.size() * dim)));
+          lat[c].push_back(seconds_since(s) * 1e6);
         }
       } catch (const std::exception& e) {
         errors[c] = e.what();
@@ -688,7 +693,10 @@ InsertPoint insert_rows(const std::vector<std::string>& servers, std::uint64_t r
   if (alive != double(rows))
     throw std::runtime_error("the servers hold " + std::to_string(alive) + " rows after inserting " +
                              std::to_string(rows));
-  return {double(rows) / wall, bytes / alive};
+  std::vector<double> all;
+  for (const auto& l : lat) all.insert(all.end(), l.begin(), l.end());
+  const double max_us = all.empty() ? 0 : *std::max_element(all.begin(), all.end());
+  return {double(rows) / wall, bytes / alive, percentile(all, 0.5), percentile(all, 0.99), max_us};
 }
 
 SparsePoint measure_sparse(const std::vector<std::string>& servers, const std::string& op, const KeyDraw& draw,
@@ -1209,11 +1217,16 @@ int main(int argc, char** argv) {
                        .add("replicas", replicas)
                        .add("retry_timeout_ms", retry_ms)
                        .add("inserts_per_s", ins.inserts_per_s, 0)
-                       .add("bytes_per_row", ins.bytes_per_row, 1));
+                       .add("bytes_per_row", ins.bytes_per_row, 1)
+                       .add("p50_us", ins.p50_us, 1)
+                       .add("p99_us", ins.p99_us, 1)
+                       .add("max_us", ins.max_us, 1));
       else
-        std::printf("%-5s rows insert %" PRIu64 " rows x %zu B, %d clients: %.2f M rows/s, %.1f bytes per row\n",
+        std::printf("%-5s rows insert %" PRIu64
+                    " rows x %zu B, %d clients: %.2f M rows/s, %.1f bytes per row, batch p50 %.0f / p99 %.0f / max "
+                    "%.0f us\n",
                     transport.c_str(), table_keys, key_floats * 4, inserters, ins.inserts_per_s / 1e6,
-                    ins.bytes_per_row);
+                    ins.bytes_per_row, ins.p50_us, ins.p99_us, ins.max_us);
       std::fflush(stdout);
     } catch (const std::exception& e) {
       std::fprintf(stderr, "pskv-bench: %s\n", e.what());
