@@ -6,6 +6,7 @@
 #include <cstring>
 #include <new>
 #include <random>
+#include <system_error>
 #include <utility>
 
 #include "common/memory.h"
@@ -113,6 +114,12 @@ void EmbeddingTable::end_write(std::atomic<std::uint32_t>& version, std::uint32_
 }
 
 EmbeddingTable::~EmbeddingTable() {
+  {
+    std::lock_guard lock(prepare_mu_);
+    prepare_stop_ = true;
+  }
+  prepare_cv_.notify_one();
+  if (preparer_.joinable()) preparer_.join();
   for (std::uint32_t s = 0; s < kMaxSegments; ++s) delete segments_[s].load(std::memory_order_relaxed);
 }
 
@@ -322,6 +329,7 @@ std::uint32_t EmbeddingTable::take_row(Grant& g) noexcept {
     if (g.count == 0) {
       const std::uint64_t first = next_row_.fetch_add(g.row_block, std::memory_order_relaxed);
       if (first >= kFreeRow) return 0;  // 2^32 - 2 rows made: no row number left
+      prepare_after(first + g.row_block);
       // Kept in reverse, so that the push takes them (from the back) in increasing order.
       for (std::uint64_t r = std::min<std::uint64_t>(first + g.row_block, kFreeRow); r > first;)
         g.rows[g.count++] = static_cast<std::uint32_t>(--r);
@@ -350,6 +358,22 @@ bool EmbeddingTable::ensure_segment(std::uint32_t row) noexcept {
   if (segments_[s].load(std::memory_order_acquire) != nullptr) return true;
   std::lock_guard lock(grow_mu_);
   if (segments_[s].load(std::memory_order_relaxed) != nullptr) return true;
+  auto seg = make_segment(/*touch=*/false);
+  if (!seg) return false;
+  segment_bytes_.fetch_add(seg->memory->size(), std::memory_order_relaxed);
+  segments_[s].store(seg.release(), std::memory_order_release);
+  segment_count_.fetch_add(1, std::memory_order_relaxed);
+  return true;
+}
+
+std::size_t EmbeddingTable::make_segment_bytes() const noexcept {
+  return align_up(sizeof(RowMeta) * kSegmentRows, kCacheLine) +
+         align_up(std::size_t{spec_.dim} * sizeof(float) * kSegmentRows, kCacheLine) +
+         align_up(state_floats_ * sizeof(float) * kSegmentRows, kCacheLine) +
+         (stamps_ ? align_up(4 * kSegmentRows, kCacheLine) : 0) + kSegmentRows / 8;
+}
+
+std::unique_ptr<EmbeddingTable::Segment> EmbeddingTable::make_segment(bool touch) const noexcept {
   // Zero pages as mapped: every atomic starts at 0, and only `next` needs another value.
   const std::size_t meta_bytes = align_up(sizeof(RowMeta) * kSegmentRows, kCacheLine);
   const std::size_t data_bytes = align_up(std::size_t{spec_.dim} * sizeof(float) * kSegmentRows, kCacheLine);
@@ -357,12 +381,12 @@ bool EmbeddingTable::ensure_segment(std::uint32_t row) noexcept {
   const std::size_t stamp_bytes = stamps_ ? align_up(4 * kSegmentRows, kCacheLine) : 0;
   const std::size_t mark_bytes = kSegmentRows / 8;
   auto seg = std::unique_ptr<Segment>(new (std::nothrow) Segment);
-  if (!seg) return false;
+  if (!seg) return nullptr;
   try {
     seg->memory = std::make_unique<HeapMemory>(meta_bytes + data_bytes + state_bytes + stamp_bytes + mark_bytes,
                                                "an embedding table's rows");
   } catch (const std::exception&) {
-    return false;
+    return nullptr;
   }
   std::byte* at = seg->memory->data();
   auto carve = [&at](std::size_t bytes) { return std::exchange(at, at + bytes); };
@@ -376,10 +400,66 @@ bool EmbeddingTable::ensure_segment(std::uint32_t row) noexcept {
     new (&seg->meta[i].next) std::atomic<std::uint32_t>(kFreeRow);
     new (&seg->meta[i].version) std::atomic<std::uint32_t>(0);
   }
-  segment_bytes_.fetch_add(seg->memory->size(), std::memory_order_relaxed);
-  segments_[s].store(seg.release(), std::memory_order_release);
-  segment_count_.fetch_add(1, std::memory_order_relaxed);
-  return true;
+  if (touch) {
+    // Not yet shared with anyone: a zero written over a zero page only makes the kernel back it.
+    constexpr std::size_t kPage = 4096;
+    std::byte* end = seg->memory->data() + seg->memory->size();
+    for (std::byte* p = reinterpret_cast<std::byte*>(seg->data); p < end; p += kPage)
+      *reinterpret_cast<volatile std::byte*>(p) = std::byte{0};
+  }
+  return seg;
+}
+
+void EmbeddingTable::prepare_after(std::uint64_t handed_out) noexcept {
+  // A capped table keeps about kPrepareBytes made ahead, within its cap (rows are numbered from
+  // 1): memory it will use anyway, and enough that the preparer, which shares the cores with the
+  // pushes, stays ahead of them. A table without a cap, whose growth may stop anywhere, keeps one
+  // segment ahead from the middle of the current one.
+  constexpr std::uint64_t kPrepareBytes = 32ull << 20;
+  const std::uint64_t lead = spec_.max_rows ? std::max<std::uint64_t>(1, kPrepareBytes / make_segment_bytes()) : 1;
+  std::uint64_t next = (handed_out + kSegmentRows / 2) >> kSegmentBits;
+  if (spec_.max_rows) next = std::min((handed_out >> kSegmentBits) + lead, spec_.max_rows >> kSegmentBits);
+  if (next >= kMaxSegments || next == 0) return;
+  // Both checks without a lock: every block of rows handed out comes here.
+  if (segments_[next].load(std::memory_order_acquire) != nullptr ||
+      next <= prepare_up_to_.load(std::memory_order_relaxed))
+    return;
+  std::lock_guard lock(prepare_mu_);
+  if (prepare_stop_ || next <= prepare_up_to_.load(std::memory_order_relaxed)) return;
+  prepare_up_to_.store(static_cast<std::uint32_t>(next), std::memory_order_relaxed);
+  if (!preparer_.joinable()) {
+    try {
+      preparer_ = std::thread([this] { prepare_segments(); });
+    } catch (const std::system_error&) {
+      return;  // no thread: the pushes make their segments themselves, as before
+    }
+  }
+  prepare_cv_.notify_one();
+}
+
+void EmbeddingTable::prepare_segments() noexcept {
+  // Segments below `done` are made (segment 0 by the first push, before any is wanted ahead), or
+  // were passed over: one the pushes already made costs a look.
+  std::uint32_t done = 1;
+  std::unique_lock lock(prepare_mu_);
+  for (;;) {
+    prepare_cv_.wait(lock, [&] { return prepare_stop_ || prepare_up_to_.load(std::memory_order_relaxed) >= done; });
+    if (prepare_stop_) return;
+    const std::uint32_t s = done++;
+    lock.unlock();
+    if (segments_[s].load(std::memory_order_acquire) == nullptr) {
+      // Made and touched outside grow_mu_: a push that needs this segment first makes its own,
+      // and this one is dropped.
+      auto seg = make_segment(/*touch=*/true);
+      std::lock_guard grow(grow_mu_);
+      if (seg && segments_[s].load(std::memory_order_relaxed) == nullptr) {
+        segment_bytes_.fetch_add(seg->memory->size(), std::memory_order_relaxed);
+        segments_[s].store(seg.release(), std::memory_order_release);
+        segment_count_.fetch_add(1, std::memory_order_relaxed);
+      }
+    }
+    lock.lock();
+  }
 }
 
 std::uint32_t EmbeddingTable::victim_score(std::uint32_t row) const noexcept {
@@ -657,6 +737,7 @@ TableStats EmbeddingTable::stats() const noexcept {
   s.evicted = evicted_.load(std::memory_order_relaxed);
   s.not_admitted = not_admitted_.load(std::memory_order_relaxed);
   s.grows = grows_.load(std::memory_order_relaxed);
+  s.segments = segment_count_.load(std::memory_order_relaxed);
   s.bytes = index_bytes_.load(std::memory_order_relaxed) + segment_bytes_.load(std::memory_order_relaxed) +
             segment_count_.load(std::memory_order_relaxed) * sizeof(Segment) +
             std::uint64_t{sizeof(std::atomic<Segment*>)} * kMaxSegments +

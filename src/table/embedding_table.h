@@ -5,11 +5,13 @@
 
 #include <array>
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
 #include <mutex>
 #include <span>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "common/memory.h"
@@ -27,6 +29,7 @@ struct TableStats {
   std::uint64_t evicted = 0;       // rows removed to make room under max_rows
   std::uint64_t not_admitted = 0;  // row updates dropped: the id was not admitted (yet), or no room
   std::uint64_t grows = 0;         // index shards rehashed to twice their buckets
+  std::uint64_t segments = 0;      // row segments allocated, those made ahead of the pushes included
   std::uint64_t bytes = 0;         // everything the table has allocated
 };
 
@@ -40,7 +43,9 @@ struct TableStats {
 // never blocks a writer: it validates what it copied against the row's and the shard's seqlock
 // words and retries, so it never returns a torn row or another id's row. push() takes the lock of
 // the shard of each id it touches (and try-locks the shard of an eviction victim, so two pushes
-// never wait on each other in a cycle).
+// never wait on each other in a cycle). A table that grows past half a segment runs a thread of
+// its own, which makes segments ahead of the pushes; the destructor stops and joins it, so a
+// table must be destroyed in the process that made it grow (not in a fork()ed child).
 class EmbeddingTable {
  public:
   // Throws Error(invalid_argument) when check_table_spec refuses `spec`. The index starts with
@@ -170,6 +175,16 @@ class EmbeddingTable {
   std::uint32_t take_row(Grant& grant) noexcept;  // 0: none left, or no memory for its segment
   void give_back(Grant& grant) noexcept;
   bool ensure_segment(std::uint32_t row) noexcept;
+  // A segment's memory, carved and its rows marked free; null without memory. `touch`: every
+  // page written too, so that the rows written into it later take no page fault.
+  std::unique_ptr<Segment> make_segment(bool touch) const noexcept;
+  std::size_t make_segment_bytes() const noexcept;  // what make_segment maps
+  // Growth ahead of the pushes: as rows are handed out, the next segments are made and their
+  // pages touched by the table's preparer thread (started on first need),
+  // so that no push waits for a segment's allocation or its first page faults (a few ms each
+  // for fresh memory on a VM, and the other I/O threads wait on grow_mu_ for the same segment).
+  void prepare_after(std::uint64_t handed_out) noexcept;
+  void prepare_segments() noexcept;  // the preparer thread
   // Row numbers below this have been handed to a grant (used or free); none at or above it has.
   std::uint32_t rows_handed_out() const noexcept {
     return static_cast<std::uint32_t>(std::min<std::uint64_t>(next_row_.load(std::memory_order_acquire), kFreeRow));
@@ -196,6 +211,11 @@ class EmbeddingTable {
   std::unique_ptr<HeapMemory> initial_heads_;
   std::unique_ptr<std::atomic<Segment*>[]> segments_;
   std::mutex grow_mu_;  // allocating a segment
+  std::mutex prepare_mu_;
+  std::condition_variable prepare_cv_;
+  std::atomic<std::uint32_t> prepare_up_to_{0};  // the last segment wanted ahead; written under prepare_mu_
+  bool prepare_stop_ = false;                    // under prepare_mu_
+  std::thread preparer_;                         // started under prepare_mu_
   // Rows never handed out start here (up to kFreeRow). The counters pushes move get a cache
   // line each: two I/O threads creating rows would otherwise share one.
   alignas(64) std::atomic<std::uint64_t> next_row_{1};

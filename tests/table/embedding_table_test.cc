@@ -2,8 +2,10 @@
 // eviction under a cap, growth, and what it costs per row.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
 #include <numeric>
+#include <thread>
 #include <vector>
 
 #include "table/embedding_table.h"
@@ -235,6 +237,69 @@ TEST(EmbeddingTable, A16FloatRowCostsAtMost96Bytes) {
   const double per_row = double(st.bytes) / double(st.rows);
   EXPECT_LE(per_row, 96.0);
   EXPECT_GE(per_row, 80.0) << "16 bytes of key and links plus 64 of floats: less means the count is wrong";
+}
+
+// The table's segment count once it reaches `want`, or after 10 s, whatever it is then: the
+// segments ahead of the pushes come from the table's own thread.
+std::uint64_t segments_once(const EmbeddingTable& t, std::uint64_t want) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (t.stats().segments < want && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  return t.stats().segments;
+}
+
+// No push waits for a segment's memory: a capped table makes segments ahead of the rows handed
+// out, within its cap, and every row still lands where it is found.
+TEST(EmbeddingTable, ACappedTableMakesItsSegmentsAheadOfThePushesWithinItsCap) {
+  TableSpec s = spec(16);
+  s.init = RowInit::zeros;
+  s.rule.rule = UpdateRule::assign;
+  s.max_rows = 8 * 65536 - 1;  // eight whole segments (row 0 is never used)
+  EmbeddingTable t(s);
+  const Key first = 7;
+  const float one = 1.0f;
+  std::vector<float> row(16, one);
+  t.push({&first, 1}, row.data(), 0);
+  // One row handed out, and more segments come without another push.
+  EXPECT_GT(segments_once(t, 2), 1u);
+  std::vector<Key> ids(1000);
+  std::vector<float> values(ids.size() * 16);
+  for (Key base = 0; base < s.max_rows; base += ids.size()) {
+    const std::size_t n = std::min<Key>(ids.size(), s.max_rows - base);
+    for (std::size_t i = 0; i < n; ++i) {
+      ids[i] = base + i;
+      std::fill_n(values.begin() + i * 16, 16, float(base + i));
+    }
+    t.push(std::span<const Key>(ids.data(), n), values.data(), 0);
+  }
+  const TableStats st = t.stats();
+  EXPECT_EQ(st.rows, s.max_rows);
+  EXPECT_EQ(st.segments, 8u) << "never a segment past the cap";
+  std::vector<float> out(16);
+  for (Key id = 0; id < s.max_rows; id += 997) {
+    t.pull({&id, 1}, out.data());
+    ASSERT_EQ(out, std::vector<float>(16, float(id))) << "row " << id;
+  }
+}
+
+// A table without a cap may stop growing anywhere: it makes one segment ahead, from the middle of
+// the current one, and no more.
+TEST(EmbeddingTable, ATableWithoutACapMakesOneSegmentAhead) {
+  EmbeddingTable t(spec(16));
+  std::vector<Key> ids(1000);
+  std::vector<float> grads(ids.size() * 16, 0.0f);
+  for (Key base = 0; base < 20000; base += ids.size()) {
+    std::iota(ids.begin(), ids.end(), base);
+    t.push(ids, grads.data(), 0);
+  }
+  EXPECT_EQ(t.stats().segments, 1u) << "before the middle of the first segment, nothing ahead";
+  for (Key base = 20000; base < 40000; base += ids.size()) {
+    std::iota(ids.begin(), ids.end(), base);
+    t.push(ids, grads.data(), 0);
+  }
+  EXPECT_EQ(segments_once(t, 2), 2u);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_EQ(t.stats().segments, 2u);
 }
 
 // A table with a cap gets the buckets for it when it is made: filling it never rehashes.
