@@ -79,6 +79,9 @@ EmbeddingTable::EmbeddingTable(const TableSpec& spec, std::uint64_t index_rows)
   }
   index_bytes_ = (std::uint64_t{sizeof(Shard)} + sizeof(Buckets) + std::uint64_t{buckets} * 4) << kShardBits;
   segments_ = std::make_unique<std::atomic<Segment*>[]>(kMaxSegments);
+  prepare_limit_rows_ = spec.max_rows ? spec.max_rows : index_rows;
+  const std::size_t segment = make_segment_bytes();
+  prepare_lead_ = segment > kPrepareBytes ? 0 : prepare_limit_rows_ ? kPrepareBytes / segment : 1;
   if (spec.admit_after > 1) filter_ = std::make_unique<std::atomic<std::uint8_t>[]>(std::size_t{2} << kFilterBits);
 }
 
@@ -116,7 +119,7 @@ void EmbeddingTable::end_write(std::atomic<std::uint32_t>& version, std::uint32_
 EmbeddingTable::~EmbeddingTable() {
   {
     std::lock_guard lock(prepare_mu_);
-    prepare_stop_ = true;
+    prepare_stop_.store(true, std::memory_order_relaxed);
   }
   prepare_cv_.notify_one();
   if (preparer_.joinable()) preparer_.join();
@@ -402,30 +405,35 @@ std::unique_ptr<EmbeddingTable::Segment> EmbeddingTable::make_segment(bool touch
   }
   if (touch) {
     // Not yet shared with anyone: a zero written over a zero page only makes the kernel back it.
-    constexpr std::size_t kPage = 4096;
+    // A table being destroyed stops this within 2 MiB (its destructor may run under a replica's
+    // locks, and fresh memory here backs at ~0.5 GB/s).
+    constexpr std::size_t kPage = 4096, kPagesBetweenLooks = 512;
     std::byte* end = seg->memory->data() + seg->memory->size();
-    for (std::byte* p = reinterpret_cast<std::byte*>(seg->data); p < end; p += kPage)
+    std::size_t pages = 0;
+    for (std::byte* p = reinterpret_cast<std::byte*>(seg->data); p < end; p += kPage) {
+      if (++pages % kPagesBetweenLooks == 0 && prepare_stop_.load(std::memory_order_relaxed)) return nullptr;
       *reinterpret_cast<volatile std::byte*>(p) = std::byte{0};
+    }
   }
   return seg;
 }
 
 void EmbeddingTable::prepare_after(std::uint64_t handed_out) noexcept {
-  // A capped table keeps about kPrepareBytes made ahead, within its cap (rows are numbered from
-  // 1): memory it will use anyway, and enough that the preparer, which shares the cores with the
-  // pushes, stays ahead of them. A table without a cap, whose growth may stop anywhere, keeps one
-  // segment ahead from the middle of the current one.
-  constexpr std::uint64_t kPrepareBytes = 32ull << 20;
-  const std::uint64_t lead = spec_.max_rows ? std::max<std::uint64_t>(1, kPrepareBytes / make_segment_bytes()) : 1;
-  std::uint64_t next = (handed_out + kSegmentRows / 2) >> kSegmentBits;
-  if (spec_.max_rows) next = std::min((handed_out >> kSegmentBits) + lead, spec_.max_rows >> kSegmentBits);
+  // Nothing ahead before half of the first segment is used (most tables stay small), nor for
+  // segments larger than the whole lead (rows that wide amortise their own page faults). Then a
+  // table with a bound (its cap, or for a replica's copy its origin's) keeps about kPrepareBytes
+  // made ahead within it: memory it is charged for. A table without one, whose growth may stop
+  // anywhere, keeps one segment ahead, from the middle of the current one.
+  if (prepare_lead_ == 0 || handed_out < kSegmentRows / 2) return;
+  std::uint64_t next = ((handed_out + kSegmentRows / 2) >> kSegmentBits) - 1 + prepare_lead_;
+  if (prepare_limit_rows_) next = std::min(next, prepare_limit_rows_ >> kSegmentBits);
   if (next >= kMaxSegments || next == 0) return;
   // Both checks without a lock: every block of rows handed out comes here.
   if (segments_[next].load(std::memory_order_acquire) != nullptr ||
       next <= prepare_up_to_.load(std::memory_order_relaxed))
     return;
   std::lock_guard lock(prepare_mu_);
-  if (prepare_stop_ || next <= prepare_up_to_.load(std::memory_order_relaxed)) return;
+  if (prepare_stop_.load(std::memory_order_relaxed) || next <= prepare_up_to_.load(std::memory_order_relaxed)) return;
   prepare_up_to_.store(static_cast<std::uint32_t>(next), std::memory_order_relaxed);
   if (!preparer_.joinable()) {
     try {
@@ -443,8 +451,10 @@ void EmbeddingTable::prepare_segments() noexcept {
   std::uint32_t done = 1;
   std::unique_lock lock(prepare_mu_);
   for (;;) {
-    prepare_cv_.wait(lock, [&] { return prepare_stop_ || prepare_up_to_.load(std::memory_order_relaxed) >= done; });
-    if (prepare_stop_) return;
+    prepare_cv_.wait(lock, [&] {
+      return prepare_stop_.load(std::memory_order_relaxed) || prepare_up_to_.load(std::memory_order_relaxed) >= done;
+    });
+    if (prepare_stop_.load(std::memory_order_relaxed)) return;
     const std::uint32_t s = done++;
     lock.unlock();
     if (segments_[s].load(std::memory_order_acquire) == nullptr) {

@@ -179,8 +179,8 @@ class EmbeddingTable {
   // page written too, so that the rows written into it later take no page fault.
   std::unique_ptr<Segment> make_segment(bool touch) const noexcept;
   std::size_t make_segment_bytes() const noexcept;  // what make_segment maps
-  // Growth ahead of the pushes: as rows are handed out, the next segments are made and their
-  // pages touched by the table's preparer thread (started on first need),
+  // Growth ahead of the pushes: once half of the first segment is handed out, the next segments
+  // are made and their pages touched by the table's preparer thread (started on first need),
   // so that no push waits for a segment's allocation or its first page faults (a few ms each
   // for fresh memory on a VM, and the other I/O threads wait on grow_mu_ for the same segment).
   void prepare_after(std::uint64_t handed_out) noexcept;
@@ -213,9 +213,12 @@ class EmbeddingTable {
   std::mutex grow_mu_;  // allocating a segment
   std::mutex prepare_mu_;
   std::condition_variable prepare_cv_;
-  std::atomic<std::uint32_t> prepare_up_to_{0};  // the last segment wanted ahead; written under prepare_mu_
-  bool prepare_stop_ = false;                    // under prepare_mu_
-  std::thread preparer_;                         // started under prepare_mu_
+  std::atomic<std::uint32_t> prepare_up_to_{0};            // the last segment wanted ahead; written under prepare_mu_
+  std::atomic<bool> prepare_stop_{false};                  // set under prepare_mu_; the touch loop reads it too
+  static constexpr std::size_t kPrepareBytes = 32u << 20;  // how far ahead a bounded table goes
+  std::uint64_t prepare_limit_rows_ = 0;                   // rows past which nothing is made ahead (0: no bound)
+  std::uint64_t prepare_lead_ = 0;                         // segments made ahead (0: none)
+  std::thread preparer_;                                   // started under prepare_mu_
   // Rows never handed out start here (up to kFreeRow). The counters pushes move get a cache
   // line each: two I/O threads creating rows would otherwise share one.
   alignas(64) std::atomic<std::uint64_t> next_row_{1};

@@ -248,30 +248,33 @@ std::uint64_t segments_once(const EmbeddingTable& t, std::uint64_t want) {
   return t.stats().segments;
 }
 
-// No push waits for a segment's memory: a capped table makes segments ahead of the rows handed
-// out, within its cap, and every row still lands where it is found.
+// No push waits for a segment's memory: once half of its first segment is used, a capped table
+// makes segments ahead of the rows handed out, within its cap, and every row still lands where it
+// is found.
 TEST(EmbeddingTable, ACappedTableMakesItsSegmentsAheadOfThePushesWithinItsCap) {
   TableSpec s = spec(16);
   s.init = RowInit::zeros;
   s.rule.rule = UpdateRule::assign;
   s.max_rows = 8 * 65536 - 1;  // eight whole segments (row 0 is never used)
   EmbeddingTable t(s);
-  const Key first = 7;
-  const float one = 1.0f;
-  std::vector<float> row(16, one);
-  t.push({&first, 1}, row.data(), 0);
-  // One row handed out, and more segments come without another push.
-  EXPECT_GT(segments_once(t, 2), 1u);
   std::vector<Key> ids(1000);
   std::vector<float> values(ids.size() * 16);
-  for (Key base = 0; base < s.max_rows; base += ids.size()) {
-    const std::size_t n = std::min<Key>(ids.size(), s.max_rows - base);
-    for (std::size_t i = 0; i < n; ++i) {
-      ids[i] = base + i;
-      std::fill_n(values.begin() + i * 16, 16, float(base + i));
+  auto fill = [&](Key from, Key to) {
+    for (Key base = from; base < to; base += ids.size()) {
+      const std::size_t n = std::min<Key>(ids.size(), to - base);
+      for (std::size_t i = 0; i < n; ++i) {
+        ids[i] = base + i;
+        std::fill_n(values.begin() + i * 16, 16, float(base + i));
+      }
+      t.push(std::span<const Key>(ids.data(), n), values.data(), 0);
     }
-    t.push(std::span<const Key>(ids.data(), n), values.data(), 0);
-  }
+  };
+  fill(0, 30000);
+  EXPECT_EQ(t.stats().segments, 1u) << "before half of the first segment is used, nothing ahead";
+  fill(30000, 40000);
+  // More segments come without another push.
+  EXPECT_GT(segments_once(t, 3), 2u);
+  fill(40000, s.max_rows);
   const TableStats st = t.stats();
   EXPECT_EQ(st.rows, s.max_rows);
   EXPECT_EQ(st.segments, 8u) << "never a segment past the cap";
@@ -280,6 +283,21 @@ TEST(EmbeddingTable, ACappedTableMakesItsSegmentsAheadOfThePushesWithinItsCap) {
     t.pull({&id, 1}, out.data());
     ASSERT_EQ(out, std::vector<float>(16, float(id))) << "row " << id;
   }
+}
+
+// A replica's copy of a table has no cap of its own (it takes what its origin ships) but is
+// sized for its origin's: nothing is made ahead past that bound.
+TEST(EmbeddingTable, AnUncappedTableWithABoundMakesNothingPastIt) {
+  EmbeddingTable t(spec(16), /*index_rows=*/100000);  // rows up to 100,000: segments 0 and 1
+  std::vector<Key> ids(1000);
+  std::vector<float> grads(ids.size() * 16, 0.0f);
+  for (Key base = 0; base < 99000; base += ids.size()) {
+    std::iota(ids.begin(), ids.end(), base);
+    t.push(ids, grads.data(), 0);
+  }
+  EXPECT_EQ(segments_once(t, 2), 2u);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_EQ(t.stats().segments, 2u) << "segment 2 would hold only rows past the bound";
 }
 
 // A table without a cap may stop growing anywhere: it makes one segment ahead, from the middle of
