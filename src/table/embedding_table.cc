@@ -80,7 +80,7 @@ EmbeddingTable::EmbeddingTable(const TableSpec& spec, std::uint64_t index_rows)
   index_bytes_ = (std::uint64_t{sizeof(Shard)} + sizeof(Buckets) + std::uint64_t{buckets} * 4) << kShardBits;
   segments_ = std::make_unique<std::atomic<Segment*>[]>(kMaxSegments);
   prepare_limit_rows_ = spec.max_rows ? spec.max_rows : index_rows;
-  const std::size_t segment = make_segment_bytes();
+  const std::size_t segment = segment_layout().bytes();
   prepare_lead_ = segment > kPrepareBytes ? 0 : prepare_limit_rows_ ? kPrepareBytes / segment : 1;
   if (spec.admit_after > 1) filter_ = std::make_unique<std::atomic<std::uint8_t>[]>(std::size_t{2} << kFilterBits);
 }
@@ -363,41 +363,40 @@ bool EmbeddingTable::ensure_segment(std::uint32_t row) noexcept {
   if (segments_[s].load(std::memory_order_relaxed) != nullptr) return true;
   auto seg = make_segment(/*touch=*/false);
   if (!seg) return false;
-  segment_bytes_.fetch_add(seg->memory->size(), std::memory_order_relaxed);
-  segments_[s].store(seg.release(), std::memory_order_release);
-  segment_count_.fetch_add(1, std::memory_order_relaxed);
+  install_segment(s, std::move(seg));
   return true;
 }
 
-std::size_t EmbeddingTable::make_segment_bytes() const noexcept {
-  return align_up(sizeof(RowMeta) * kSegmentRows, kCacheLine) +
-         align_up(std::size_t{spec_.dim} * sizeof(float) * kSegmentRows, kCacheLine) +
-         align_up(state_floats_ * sizeof(float) * kSegmentRows, kCacheLine) +
-         (stamps_ ? align_up(4 * kSegmentRows, kCacheLine) : 0) + kSegmentRows / 8;
+void EmbeddingTable::install_segment(std::uint32_t s, std::unique_ptr<Segment> seg) noexcept {
+  segment_bytes_.fetch_add(seg->memory->size(), std::memory_order_relaxed);
+  segments_[s].store(seg.release(), std::memory_order_release);
+  segment_count_.fetch_add(1, std::memory_order_relaxed);
+}
+
+EmbeddingTable::SegmentLayout EmbeddingTable::segment_layout() const noexcept {
+  return {align_up(sizeof(RowMeta) * kSegmentRows, kCacheLine),
+          align_up(std::size_t{spec_.dim} * sizeof(float) * kSegmentRows, kCacheLine),
+          align_up(state_floats_ * sizeof(float) * kSegmentRows, kCacheLine),
+          stamps_ ? align_up(4 * kSegmentRows, kCacheLine) : 0, kSegmentRows / 8};
 }
 
 std::unique_ptr<EmbeddingTable::Segment> EmbeddingTable::make_segment(bool touch) const noexcept {
   // Zero pages as mapped: every atomic starts at 0, and only `next` needs another value.
-  const std::size_t meta_bytes = align_up(sizeof(RowMeta) * kSegmentRows, kCacheLine);
-  const std::size_t data_bytes = align_up(std::size_t{spec_.dim} * sizeof(float) * kSegmentRows, kCacheLine);
-  const std::size_t state_bytes = align_up(state_floats_ * sizeof(float) * kSegmentRows, kCacheLine);
-  const std::size_t stamp_bytes = stamps_ ? align_up(4 * kSegmentRows, kCacheLine) : 0;
-  const std::size_t mark_bytes = kSegmentRows / 8;
+  const SegmentLayout layout = segment_layout();
   auto seg = std::unique_ptr<Segment>(new (std::nothrow) Segment);
   if (!seg) return nullptr;
   try {
-    seg->memory = std::make_unique<HeapMemory>(meta_bytes + data_bytes + state_bytes + stamp_bytes + mark_bytes,
-                                               "an embedding table's rows");
+    seg->memory = std::make_unique<HeapMemory>(layout.bytes(), "an embedding table's rows");
   } catch (const std::exception&) {
     return nullptr;
   }
   std::byte* at = seg->memory->data();
   auto carve = [&at](std::size_t bytes) { return std::exchange(at, at + bytes); };
-  seg->meta = reinterpret_cast<RowMeta*>(carve(meta_bytes));
-  seg->data = reinterpret_cast<float*>(carve(data_bytes));
-  seg->state = state_bytes ? reinterpret_cast<float*>(carve(state_bytes)) : nullptr;
-  seg->stamps = stamp_bytes ? reinterpret_cast<std::atomic<std::uint32_t>*>(carve(stamp_bytes)) : nullptr;
-  seg->marks = reinterpret_cast<std::atomic<std::uint64_t>*>(carve(mark_bytes));
+  seg->meta = reinterpret_cast<RowMeta*>(carve(layout.meta));
+  seg->data = reinterpret_cast<float*>(carve(layout.data));
+  seg->state = layout.state ? reinterpret_cast<float*>(carve(layout.state)) : nullptr;
+  seg->stamps = layout.stamps ? reinterpret_cast<std::atomic<std::uint32_t>*>(carve(layout.stamps)) : nullptr;
+  seg->marks = reinterpret_cast<std::atomic<std::uint64_t>*>(carve(layout.marks));
   for (std::uint32_t i = 0; i < kSegmentRows; ++i) {
     new (&seg->meta[i].key) std::atomic<std::uint64_t>(0);
     new (&seg->meta[i].next) std::atomic<std::uint32_t>(kFreeRow);
@@ -462,11 +461,7 @@ void EmbeddingTable::prepare_segments() noexcept {
       // and this one is dropped.
       auto seg = make_segment(/*touch=*/true);
       std::lock_guard grow(grow_mu_);
-      if (seg && segments_[s].load(std::memory_order_relaxed) == nullptr) {
-        segment_bytes_.fetch_add(seg->memory->size(), std::memory_order_relaxed);
-        segments_[s].store(seg.release(), std::memory_order_release);
-        segment_count_.fetch_add(1, std::memory_order_relaxed);
-      }
+      if (seg && segments_[s].load(std::memory_order_relaxed) == nullptr) install_segment(s, std::move(seg));
     }
     lock.lock();
   }

@@ -178,7 +178,14 @@ class EmbeddingTable {
   // A segment's memory, carved and its rows marked free; null without memory. `touch`: every
   // page written too, so that the rows written into it later take no page fault.
   std::unique_ptr<Segment> make_segment(bool touch) const noexcept;
-  std::size_t make_segment_bytes() const noexcept;  // what make_segment maps
+  // The bytes of a segment's arrays, in the order make_segment carves them.
+  struct SegmentLayout {
+    std::size_t meta, data, state, stamps, marks;
+    std::size_t bytes() const noexcept { return meta + data + state + stamps + marks; }
+  };
+  SegmentLayout segment_layout() const noexcept;
+  // Publishes segment `s` (null until now); under grow_mu_.
+  void install_segment(std::uint32_t s, std::unique_ptr<Segment> seg) noexcept;
   // Growth ahead of the pushes: once half of the first segment is handed out, the next segments
   // are made and their pages touched by the table's preparer thread (started on first need),
   // so that no push waits for a segment's allocation or its first page faults (a few ms each
