@@ -291,11 +291,18 @@ TEST(EmbeddingTable, AnUncappedTableWithABoundMakesNothingPastIt) {
   EmbeddingTable t(spec(16), /*index_rows=*/100000);  // rows up to 100,000: segments 0 and 1
   std::vector<Key> ids(1000);
   std::vector<float> grads(ids.size() * 16, 0.0f);
-  for (Key base = 0; base < 99000; base += ids.size()) {
-    std::iota(ids.begin(), ids.end(), base);
-    t.push(ids, grads.data(), 0);
-  }
+  auto fill = [&](Key from, Key to) {
+    for (Key base = from; base < to; base += ids.size()) {
+      std::iota(ids.begin(), ids.end(), base);
+      t.push(ids, grads.data(), 0);
+    }
+  };
+  fill(0, 40000);
+  // No push has reached row 65,536 yet: segment 1 comes from the table's thread, within the bound.
   EXPECT_EQ(segments_once(t, 2), 2u);
+  fill(40000, 99000);
+  // Segment 2 would hold only rows past the bound. Without a cap, the thread would be asked for
+  // it here: a window to make it in, since nothing says when a thread has nothing to do.
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
   EXPECT_EQ(t.stats().segments, 2u) << "segment 2 would hold only rows past the bound";
 }
@@ -316,6 +323,7 @@ TEST(EmbeddingTable, ATableWithoutACapMakesOneSegmentAhead) {
     t.push(ids, grads.data(), 0);
   }
   EXPECT_EQ(segments_once(t, 2), 2u);
+  // A window for a second segment ahead to appear, were one asked for (see above).
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
   EXPECT_EQ(t.stats().segments, 2u);
 }
