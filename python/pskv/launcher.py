@@ -1,6 +1,7 @@
 """pskv.launch(): pskv-server processes on this node, stopped when the group is (or Python exits)."""
 
 import ctypes
+import glob
 import os
 import select
 import shutil
@@ -124,7 +125,7 @@ class ServerGroup:
         self.processes: List[subprocess.Popen] = []
         self.uris: List[str] = []
         votes = tempfile.mkdtemp(prefix="pskv-votes-") if failover_ms else None
-        self._finalizer = weakref.finalize(self, ServerGroup._stop_all, self.processes, votes)
+        self._finalizer = weakref.finalize(self, ServerGroup._stop_all, self.processes, votes, self.uris)
         self._start_timeout = start_timeout
         self._args: List[List[str]] = []
         ring = [f"tcp://{host}:{p}" for p in _free_ports(host, count)] if replicas > 1 else []
@@ -226,7 +227,7 @@ class ServerGroup:
         return words[3]
 
     @staticmethod
-    def _stop_all(processes, votes=None):
+    def _stop_all(processes, votes=None, uris=()):
         for p in processes:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
@@ -240,6 +241,19 @@ class ServerGroup:
                 p.stdout.close()
         if votes:
             shutil.rmtree(votes, ignore_errors=True)
+        # All servers are reaped now. One that did not stop cleanly (kill(), a crash) left its
+        # segment and table files, which only a server of the same name would reclaim, and job
+        # names are not reused. A server that stopped cleanly removed its own.
+        for p, uri in zip(processes, uris):
+            if p.returncode != 0 and uri.startswith("shm://"):
+                name = "/dev/shm/pskv-" + uri[len("shm://"):].split("?")[0]
+                for path in [name] + glob.glob(glob.escape(name) + ".tables.*"):
+                    try:
+                        os.unlink(path)
+                    except IsADirectoryError:
+                        shutil.rmtree(path, ignore_errors=True)
+                    except FileNotFoundError:
+                        pass
 
     def stop(self):
         self._finalizer()
