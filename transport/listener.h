@@ -20,6 +20,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -32,6 +33,8 @@
 namespace pskv {
 struct EngineOptions;
 class ShardEngine;
+class TableStorage;
+struct TableSpec;
 }  // namespace pskv
 
 namespace pskv::transport {
@@ -54,10 +57,13 @@ struct ListenOptions {
   std::shared_ptr<const auth::Token> peer_token;
 };
 
-// Where the engine keeps its store and its clock table. Null: the engine's own heap.
+// Where the engine keeps its store, its clock table and its tables' rows. Null: the engine's own
+// heap. `tables` (ShardEngine's TableStorageMaker) makes the storage of each table it creates.
 struct EngineMemory {
   std::unique_ptr<MemoryResource> store;
   void* clocks = nullptr;
+  std::function<std::unique_ptr<TableStorage>(std::uint32_t id, const TableSpec& requested, std::uint64_t max_rows)>
+      tables;
 };
 
 // What a backend adds to the engine's stats: keys applied without the engine (shm clients apply

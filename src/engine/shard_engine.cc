@@ -43,8 +43,9 @@ std::string key_error(Errc e, std::uint64_t key, std::uint32_t length, const Sto
 }
 }  // namespace
 
-ShardEngine::ShardEngine(const EngineOptions& options, std::unique_ptr<MemoryResource> store_memory, void* clock_memory)
-    : options_(options) {
+ShardEngine::ShardEngine(const EngineOptions& options, std::unique_ptr<MemoryResource> store_memory, void* clock_memory,
+                         TableStorageMaker table_storage)
+    : options_(options), table_storage_(std::move(table_storage)) {
   if (!store_memory) store_memory = std::make_unique<HeapMemory>(Store::required_bytes(options.store));
   store_ = Store::create(std::move(store_memory), options.store);
   if (options.num_workers > 0) {
@@ -909,7 +910,8 @@ Errc ShardEngine::make_table(std::uint32_t id, const TableSpec& spec, std::strin
   }
   try {
     // Indexed for the cap the workers declared, not for the one this server's memory sets.
-    table_owner_.push_back(std::make_unique<EmbeddingTable>(effective, spec.max_rows));
+    table_owner_.push_back(std::make_unique<EmbeddingTable>(
+        effective, spec.max_rows, table_storage_ ? table_storage_(id, spec, effective.max_rows) : nullptr));
   } catch (const std::exception& e) {
     *why = std::string("table ") + std::to_string(id) + ": " + e.what();
     return Errc::capacity;

@@ -28,6 +28,7 @@
 namespace pskv {
 
 class EmbeddingTable;
+class TableStorage;
 
 // How far a replica is from holding all of its origin's keys: a full transfer from the origin
 // marks it syncing, then synced once every key has arrived (the values of the wire's
@@ -177,12 +178,18 @@ struct EngineStats {
   SyncStats sync;
 };
 
+// Makes the storage of the engine's own table `id` (src/table/table_storage.h), created with
+// `requested` and capped at `max_rows` rows; throws Error when it cannot.
+using TableStorageMaker =
+    std::function<std::unique_ptr<TableStorage>(std::uint32_t id, const TableSpec& requested, std::uint64_t max_rows)>;
+
 // Thread-safety: every member may be called concurrently from any thread.
 class ShardEngine {
  public:
-  // `store_memory` null: anonymous heap memory sized for options.store.
+  // `store_memory` null: anonymous heap memory sized for options.store. `table_storage` empty:
+  // tables keep their rows in the process's memory (replicas' copies always do).
   ShardEngine(const EngineOptions& options, std::unique_ptr<MemoryResource> store_memory = nullptr,
-              void* clock_memory = nullptr);
+              void* clock_memory = nullptr, TableStorageMaker table_storage = {});
   ~ShardEngine();
   ShardEngine(const ShardEngine&) = delete;
   ShardEngine& operator=(const ShardEngine&) = delete;
@@ -448,6 +455,7 @@ class ShardEngine {
   std::array<std::atomic<EmbeddingTable*>, kMaxTables> tables_{};
   mutable std::mutex tables_mu_;  // creating one
   std::vector<std::unique_ptr<EmbeddingTable>> table_owner_;
+  TableStorageMaker table_storage_;
   std::array<TableSpec, kMaxTables> table_requested_{};  // the spec each table was created with
   std::uint64_t table_bytes_promised_ = 0;               // under tables_mu_
   std::uint32_t table_marks_per_table_ = 0;

@@ -18,7 +18,7 @@ namespace pskv {
 // One mapping per segment, on huge pages where the kernel gives them: a pull of random rows
 // misses the TLB on every row otherwise (2^20 rows span 20,000 4 KiB pages).
 struct EmbeddingTable::Segment {
-  std::unique_ptr<HeapMemory> memory;
+  std::unique_ptr<MemoryResource> memory;
   RowMeta* meta = nullptr;
   float* data = nullptr;
   float* state = nullptr;
@@ -58,11 +58,19 @@ std::uint32_t initial_buckets(std::uint64_t rows_expected, std::uint32_t shard_b
 
 }  // namespace
 
-EmbeddingTable::EmbeddingTable(const TableSpec& spec, std::uint64_t index_rows)
-    : spec_(spec), index_key_((std::uint64_t{std::random_device{}()} << 32) | std::random_device{}()) {
+EmbeddingTable::EmbeddingTable(const TableSpec& spec, std::uint64_t index_rows, std::unique_ptr<TableStorage> storage)
+    : spec_(spec),
+      storage_(std::move(storage)),
+      index_key_((std::uint64_t{std::random_device{}()} << 32) | std::random_device{}()) {
   if (std::string why = check_table_spec(spec); !why.empty()) throw Error(Errc::invalid_argument, why);
   state_floats_ = state_floats_for(spec);
   stamps_ = spec.eviction != RowEviction::none;
+  if (storage_) {
+    undo_stride_ = undo_stride(spec.dim, state_floats_);
+    undo_ = storage_->undo(undo_stride_ << kShardBits);
+    for (std::size_t s = 0; s < (std::size_t{1} << kShardBits); ++s)
+      new (&reinterpret_cast<UndoHead*>(undo_->data() + s * undo_stride_)->row) std::atomic<std::uint32_t>(0);
+  }
   shards_ = std::make_unique<Shard[]>(std::size_t{1} << kShardBits);
   const std::uint32_t buckets =
       initial_buckets(spec.max_rows ? std::min(index_rows, spec.max_rows) : index_rows, kShardBits);
@@ -362,22 +370,28 @@ bool EmbeddingTable::ensure_segment(std::uint32_t row) noexcept {
   std::lock_guard lock(grow_mu_);
   if (segments_[s].load(std::memory_order_relaxed) != nullptr) return true;
   auto seg = make_segment(/*touch=*/false);
-  if (!seg) return false;
-  install_segment(s, std::move(seg));
-  return true;
+  return seg && install_segment(s, std::move(seg));
 }
 
-void EmbeddingTable::install_segment(std::uint32_t s, std::unique_ptr<Segment> seg) noexcept {
+bool EmbeddingTable::install_segment(std::uint32_t s, std::unique_ptr<Segment> seg) noexcept {
+  if (storage_) {
+    try {
+      storage_->publish(*seg->memory, s);
+    } catch (const std::exception&) {
+      return false;  // a segment its storage does not keep would lose its rows to a successor
+    }
+  }
   segment_bytes_.fetch_add(seg->memory->size(), std::memory_order_relaxed);
   segments_[s].store(seg.release(), std::memory_order_release);
   segment_count_.fetch_add(1, std::memory_order_relaxed);
+  return true;
 }
 
-EmbeddingTable::SegmentLayout EmbeddingTable::segment_layout() const noexcept {
+EmbeddingTable::SegmentLayout EmbeddingTable::segment_layout_for(const TableSpec& spec) noexcept {
   return {align_up(sizeof(RowMeta) * kSegmentRows, kCacheLine),
-          align_up(std::size_t{spec_.dim} * sizeof(float) * kSegmentRows, kCacheLine),
-          align_up(state_floats_ * sizeof(float) * kSegmentRows, kCacheLine),
-          stamps_ ? align_up(4 * kSegmentRows, kCacheLine) : 0, kSegmentRows / 8};
+          align_up(std::size_t{spec.dim} * sizeof(float) * kSegmentRows, kCacheLine),
+          align_up(state_floats_for(spec) * sizeof(float) * kSegmentRows, kCacheLine),
+          spec.eviction != RowEviction::none ? align_up(4 * kSegmentRows, kCacheLine) : 0, kSegmentRows / 8};
 }
 
 std::unique_ptr<EmbeddingTable::Segment> EmbeddingTable::make_segment(bool touch) const noexcept {
@@ -386,7 +400,8 @@ std::unique_ptr<EmbeddingTable::Segment> EmbeddingTable::make_segment(bool touch
   auto seg = std::unique_ptr<Segment>(new (std::nothrow) Segment);
   if (!seg) return nullptr;
   try {
-    seg->memory = std::make_unique<HeapMemory>(layout.bytes(), "an embedding table's rows");
+    seg->memory = storage_ ? storage_->segment(layout.bytes())
+                           : std::make_unique<HeapMemory>(layout.bytes(), "an embedding table's rows");
   } catch (const std::exception&) {
     return nullptr;
   }
@@ -402,7 +417,7 @@ std::unique_ptr<EmbeddingTable::Segment> EmbeddingTable::make_segment(bool touch
     new (&seg->meta[i].next) std::atomic<std::uint32_t>(kFreeRow);
     new (&seg->meta[i].version) std::atomic<std::uint32_t>(0);
   }
-  if (touch) {
+  if (touch && !storage_) {  // a storage's memory comes backed
     // Not yet shared with anyone: a zero written over a zero page only makes the kernel back it.
     // A table being destroyed stops this within 2 MiB (its destructor may run under a replica's
     // locks, and fresh memory here backs at ~0.5 GB/s).
@@ -461,7 +476,7 @@ void EmbeddingTable::prepare_segments() noexcept {
       // and this one is dropped.
       auto seg = make_segment(/*touch=*/true);
       std::lock_guard grow(grow_mu_);
-      if (seg && segments_[s].load(std::memory_order_relaxed) == nullptr) install_segment(s, std::move(seg));
+      if (seg && segments_[s].load(std::memory_order_relaxed) == nullptr) (void)install_segment(s, std::move(seg));
     }
     lock.lock();
   }
@@ -566,12 +581,14 @@ std::uint32_t EmbeddingTable::create_row(Shard& shard, Key id, std::uint64_t has
   RowMeta& m = meta(row);
   // The row's version only ever grows, through every reuse, so a reader that copied it for
   // the id it held before sees the change.
+  save_undo(shard, row);
   const std::uint32_t rv = begin_write(m.version);
   m.key.store(id, std::memory_order_relaxed);
   initial_row(id, data(row));
   if (state_floats_ > 0) std::memset(state(row), 0, state_floats_ * sizeof(float));
   if (stamps_) stamp(row)->store(0, std::memory_order_relaxed);
   end_write(m.version, rv);
+  clear_undo(shard);
   Buckets* b = shard.buckets.load(std::memory_order_relaxed);
   auto& head = b->heads[hash & b->mask];
   m.next.store(head.load(std::memory_order_relaxed), std::memory_order_relaxed);
@@ -599,6 +616,7 @@ void EmbeddingTable::push(std::span<const Key> ids, const float* grads, std::uin
       continue;
     }
     RowMeta& m = meta(row);
+    save_undo(shard, row);
     const std::uint32_t rv = begin_write(m.version);
     float* st = state(row);
     std::uint64_t updates = 0;
@@ -610,10 +628,92 @@ void EmbeddingTable::push(std::span<const Key> ids, const float* grads, std::uin
     }
     apply_update(spec_.rule, data(row), state_floats_ > 0 ? st : nullptr, grads + i * dim, dim, updates, 1.0f);
     end_write(m.version, rv);
+    clear_undo(shard);
     mark(row);
     if (stamps_) touch(row, step);
   }
   give_back(grant);
+}
+
+void EmbeddingTable::save_undo(const Shard& shard, std::uint32_t row) const noexcept {
+  if (!undo_) return;
+  std::byte* record = undo_->data() + static_cast<std::size_t>(&shard - shards_.get()) * undo_stride_;
+  auto* head = reinterpret_cast<UndoHead*>(record);
+  head->key = meta(row).key.load(std::memory_order_relaxed);
+  auto* old = reinterpret_cast<float*>(record + sizeof(UndoHead));
+  std::memcpy(old, data(row), std::size_t{spec_.dim} * sizeof(float));
+  if (state_floats_ > 0) std::memcpy(old + spec_.dim, state(row), state_floats_ * sizeof(float));
+  head->row.store(row, std::memory_order_release);
+  // The record must be in memory before the row's word turns odd (a store that follows): a
+  // process killed between the two leaves an odd row with nothing to put back otherwise.
+  std::atomic_thread_fence(std::memory_order_release);
+}
+
+void EmbeddingTable::clear_undo(const Shard& shard) const noexcept {
+  if (!undo_) return;
+  // A release store: the row's even word (end_write) is in memory before the record goes.
+  reinterpret_cast<UndoHead*>(undo_->data() + static_cast<std::size_t>(&shard - shards_.get()) * undo_stride_)
+      ->row.store(0, std::memory_order_release);
+}
+
+EmbeddingTable::LeftRows EmbeddingTable::recover_rows(
+    const TableSpec& spec, std::span<const std::span<std::byte>> segments, std::span<std::byte> undo,
+    const std::function<void(Key id, const float* row, const float* state)>& visit) {
+  if (std::string why = check_table_spec(spec); !why.empty()) throw Error(Errc::invalid_argument, why);
+  const SegmentLayout layout = segment_layout_for(spec);
+  const std::uint64_t state_floats = state_floats_for(spec);
+  const std::size_t stride = undo_stride(spec.dim, state_floats);
+  if (undo.size() != stride << kShardBits)
+    throw Error(Errc::invalid_argument, "its undo records take " + std::to_string(undo.size()) +
+                                            " bytes; this spec's take " + std::to_string(stride << kShardBits));
+  if (segments.size() > kMaxSegments)
+    throw Error(Errc::invalid_argument, std::to_string(segments.size()) + " segments, past the " +
+                                            std::to_string(kMaxSegments) + " a table has");
+  for (std::size_t i = 0; i < segments.size(); ++i)
+    if (!segments[i].empty() && segments[i].size() != layout.bytes())
+      throw Error(Errc::invalid_argument, "segment " + std::to_string(i) + " has " +
+                                              std::to_string(segments[i].size()) + " bytes; this spec lays out " +
+                                              std::to_string(layout.bytes()));
+  auto meta_of = [&](std::uint32_t row) {
+    return reinterpret_cast<RowMeta*>(segments[row >> kSegmentBits].data()) + (row & (kSegmentRows - 1));
+  };
+  auto data_of = [&](std::uint32_t row) {
+    return reinterpret_cast<float*>(segments[row >> kSegmentBits].data() + layout.meta) +
+           std::size_t{row & (kSegmentRows - 1)} * spec.dim;
+  };
+  auto state_of = [&](std::uint32_t row) {
+    return reinterpret_cast<float*>(segments[row >> kSegmentBits].data() + layout.meta + layout.data) +
+           std::size_t{row & (kSegmentRows - 1)} * state_floats;
+  };
+  LeftRows left;
+  for (std::size_t s = 0; s < (std::size_t{1} << kShardBits); ++s) {
+    std::byte* record = undo.data() + s * stride;
+    const std::uint32_t row = reinterpret_cast<UndoHead*>(record)->row.load(std::memory_order_acquire);
+    // A record names its row last, so one naming a row is whole; the row is put back only if its
+    // write never ended (an even word: the write ended and the record was about to go).
+    if (row == 0 || (row >> kSegmentBits) >= segments.size() || segments[row >> kSegmentBits].empty()) continue;
+    RowMeta& m = *meta_of(row);
+    const std::uint32_t v = m.version.load(std::memory_order_relaxed);
+    if ((v & 1) == 0) continue;
+    const auto* old = reinterpret_cast<const float*>(record + sizeof(UndoHead));
+    m.key.store(reinterpret_cast<UndoHead*>(record)->key, std::memory_order_relaxed);
+    std::memcpy(data_of(row), old, std::size_t{spec.dim} * sizeof(float));
+    if (state_floats > 0) std::memcpy(state_of(row), old + spec.dim, state_floats * sizeof(float));
+    m.version.store(v + 1, std::memory_order_relaxed);
+    ++left.rolled_back;
+  }
+  for (std::size_t s = 0; s < segments.size(); ++s) {
+    if (segments[s].empty()) continue;
+    for (std::uint32_t i = s == 0 ? 1 : 0; i < kSegmentRows; ++i) {
+      const auto row = static_cast<std::uint32_t>((s << kSegmentBits) | i);
+      const RowMeta& m = *meta_of(row);
+      if (m.next.load(std::memory_order_relaxed) == kFreeRow) continue;
+      if (m.version.load(std::memory_order_relaxed) & 1) ++left.torn;
+      visit(m.key.load(std::memory_order_relaxed), data_of(row), state_floats > 0 ? state_of(row) : nullptr);
+      ++left.rows;
+    }
+  }
+  return left;
 }
 
 void EmbeddingTable::mark(std::uint32_t row) noexcept {
@@ -679,10 +779,12 @@ bool EmbeddingTable::restore_row(Key id, const float* values, const float* st) n
   }
   if (row == 0) return false;
   RowMeta& m = meta(row);
+  save_undo(shard, row);
   const std::uint32_t rv = begin_write(m.version);
   std::memcpy(data(row), values, std::size_t{spec_.dim} * sizeof(float));
   if (state_floats_ > 0) std::memcpy(state(row), st, state_floats_ * sizeof(float));
   end_write(m.version, rv);
+  clear_undo(shard);
   mark(row);
   return true;
 }

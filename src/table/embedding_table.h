@@ -7,6 +7,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <span>
@@ -20,6 +21,7 @@
 #include "pskv/error.h"
 #include "pskv/table.h"
 #include "pskv/types.h"
+#include "table/table_storage.h"
 
 namespace pskv {
 
@@ -46,13 +48,19 @@ struct TableStats {
 // never wait on each other in a cycle). A table that grows past half a segment runs a thread of
 // its own, which makes segments ahead of the pushes; the destructor stops and joins it, so a
 // table must be destroyed in the process that made it grow (not in a fork()ed child).
+//
+// With a TableStorage, the segments live where it puts them and every row write is logged
+// first: the row's id, floats and state go to the undo record of its index shard (written under
+// the shard's lock) before the row's seqlock word turns odd, and the record is cleared once the
+// word is even again. A process that dies inside a write thus leaves each row whole, or odd with
+// its old bytes in a record, which recover_rows puts back.
 class EmbeddingTable {
  public:
   // Throws Error(invalid_argument) when check_table_spec refuses `spec`. The index starts with
   // buckets for `index_rows` rows (spec.max_rows by default): a server gives a table declared
   // without a cap one from its memory, which the table may never approach, and sizes it for 0.
   explicit EmbeddingTable(const TableSpec& spec) : EmbeddingTable(spec, spec.max_rows) {}
-  EmbeddingTable(const TableSpec& spec, std::uint64_t index_rows);
+  EmbeddingTable(const TableSpec& spec, std::uint64_t index_rows, std::unique_ptr<TableStorage> storage = nullptr);
   ~EmbeddingTable();
   EmbeddingTable(const EmbeddingTable&) = delete;
   EmbeddingTable& operator=(const EmbeddingTable&) = delete;
@@ -105,6 +113,20 @@ class EmbeddingTable {
   static std::uint64_t row_bytes_bound(const TableSpec& spec) noexcept;
   static std::uint64_t fixed_bytes(const TableSpec& spec) noexcept;
 
+  // The rows a dead process left in a table's storage. `segments[i]`: the memory it published as
+  // segment i (empty: none), `undo`: its undo records, both as mapped here and writable. Writes
+  // the process died inside are rolled back from their undo records first (into that memory);
+  // then visit(id, row floats, state floats) sees every live row, in row order. Throws
+  // Error(invalid_argument) when a segment or the records are not the size this spec lays out.
+  struct LeftRows {
+    std::uint64_t rows = 0;         // live rows visited
+    std::uint64_t rolled_back = 0;  // rows put back from an undo record
+    std::uint64_t torn = 0;         // rows inside a write that no record covers (visited as they are)
+  };
+  static LeftRows recover_rows(const TableSpec& spec, std::span<const std::span<std::byte>> segments,
+                               std::span<std::byte> undo,
+                               const std::function<void(Key id, const float* row, const float* state)>& visit);
+
  private:
   static constexpr std::uint32_t kSegmentBits = 16;
   static constexpr std::uint32_t kSegmentRows = 1u << kSegmentBits;
@@ -125,6 +147,16 @@ class EmbeddingTable {
     std::atomic<std::uint32_t> next;     // the following row of its bucket's chain, 0 for none
     std::atomic<std::uint32_t> version;  // odd while its floats are being written
   };
+  // An index shard's undo record (with a TableStorage): the row being written (0: none), the id
+  // it held, then its floats and state as they were.
+  struct UndoHead {
+    std::atomic<std::uint32_t> row;
+    std::uint32_t reserved;
+    std::uint64_t key;
+  };
+  static std::size_t undo_stride(std::uint32_t dim, std::uint64_t state_floats) noexcept {
+    return align_up(sizeof(UndoHead) + (dim + state_floats) * sizeof(float), kCacheLine);
+  }
   struct Segment;
   // A shard's bucket array: heads[b] is the first row of bucket b's chain (0: empty). The arrays
   // a table starts with are slices of one mapping (initial_heads_); a rehash's own their memory.
@@ -143,6 +175,9 @@ class EmbeddingTable {
     std::vector<std::unique_ptr<Buckets>> all;
   };
 
+  // Under shard's lock, before and after a write of `row` (nothing without a TableStorage).
+  void save_undo(const Shard& shard, std::uint32_t row) const noexcept;
+  void clear_undo(const Shard& shard) const noexcept;
   RowMeta& meta(std::uint32_t row) const noexcept;
   float* data(std::uint32_t row) const noexcept;
   float* state(std::uint32_t row) const noexcept;
@@ -183,9 +218,11 @@ class EmbeddingTable {
     std::size_t meta, data, state, stamps, marks;
     std::size_t bytes() const noexcept { return meta + data + state + stamps + marks; }
   };
-  SegmentLayout segment_layout() const noexcept;
-  // Publishes segment `s` (null until now); under grow_mu_.
-  void install_segment(std::uint32_t s, std::unique_ptr<Segment> seg) noexcept;
+  static SegmentLayout segment_layout_for(const TableSpec& spec) noexcept;
+  SegmentLayout segment_layout() const noexcept { return segment_layout_for(spec_); }
+  // Publishes segment `s` (null until now); under grow_mu_. False (and `seg` dropped) when the
+  // table's storage cannot record it.
+  [[nodiscard]] bool install_segment(std::uint32_t s, std::unique_ptr<Segment> seg) noexcept;
   // Growth ahead of the pushes: once half of the first segment is handed out, the next segments
   // are made and their pages touched by the table's preparer thread (started on first need),
   // so that no push waits for a segment's allocation or its first page faults (a few ms each
@@ -209,6 +246,9 @@ class EmbeddingTable {
   static void end_write(std::atomic<std::uint32_t>& version, std::uint32_t begun) noexcept;
 
   TableSpec spec_;
+  std::unique_ptr<TableStorage> storage_;  // null: segments are the process's own memory
+  std::unique_ptr<MemoryResource> undo_;   // with storage_: one record per shard, undo_stride_ apart
+  std::size_t undo_stride_ = 0;
   std::uint64_t index_key_;         // random per table: see index_hash
   std::uint64_t state_floats_ = 0;  // per row
   bool stamps_ = false;

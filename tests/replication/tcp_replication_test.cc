@@ -868,29 +868,8 @@ void row_kill_trials(bool retrying) {
     const testing::KillOnExit reap(pids);
     for (int w = 0; w < kWorkers; ++w)
       pids.push_back(fork_worker([&, w] {
-        std::mt19937 mine(static_cast<unsigned>(w) + 100);
-        std::unique_ptr<Client> c;
-        const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-        while (stop[0].load() == 0) {
-          bool sent = false;
-          try {
-            if (!c) {
-              c = std::make_unique<Client>(retrying ? retrying_worker(o, static_cast<std::uint32_t>(w)) : o);
-              tables.create(*c);
-            }
-            tables.push_round(*c, mine, &sent);
-            tally[w].acknowledged.fetch_add(1);
-          } catch (const Error& e) {
-            if (sent) tally[w].failed.fetch_add(1);
-            c.reset();
-            if (retrying || std::chrono::steady_clock::now() > give_up) {
-              std::fprintf(stderr, "row pusher %d: %s\n", w, e.what());
-              return 1;
-            }
-            std::this_thread::sleep_for(std::chrono::milliseconds(2));
-          }
-        }
-        return 0;
+        return tables.push_rounds(retrying ? retrying_worker(o, static_cast<std::uint32_t>(w)) : o,
+                                  std::mt19937(static_cast<unsigned>(w) + 100), tally[w], stop[0], retrying);
       }));
     std::this_thread::sleep_for(std::chrono::milliseconds(100 + rng() % 300));
     const int victim = static_cast<int>(rng() % 3);

@@ -3,7 +3,10 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
+#include <cstdio>
 #include <cstring>
+#include <memory>
 #include <thread>
 
 #include "support/requests.h"
@@ -52,6 +55,32 @@ void RowTables::expect_counted(Client& c, std::uint64_t acked, std::uint64_t fai
     EXPECT_GE(got, float(acked)) << "row " << ids[i] << " lost acknowledged pushes (" << context << ")";
     EXPECT_LE(got, float(acked + failed)) << "row " << ids[i] << " holds a push applied twice (" << context << ")";
   }
+}
+
+int RowTables::push_rounds(const ClientOptions& options, std::mt19937 rng, PushTally& tally,
+                           const std::atomic<int>& stop, bool fail_fast) const {
+  std::unique_ptr<Client> c;
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (stop.load() == 0) {
+    bool sent = false;
+    try {
+      if (!c) {
+        c = std::make_unique<Client>(options);
+        create(*c);
+      }
+      push_round(*c, rng, &sent);
+      tally.acknowledged.fetch_add(1);
+    } catch (const Error& e) {
+      if (sent) tally.failed.fetch_add(1);
+      c.reset();
+      if (fail_fast || std::chrono::steady_clock::now() > give_up) {
+        std::fprintf(stderr, "row pusher (worker %u): %s\n", options.worker_id, e.what());
+        return 1;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+  }
+  return 0;
 }
 
 namespace {

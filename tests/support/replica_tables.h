@@ -12,6 +12,7 @@
 
 #include "pskv/client.h"
 #include "pskv/types.h"
+#include "support/workloads.h"
 
 namespace pskv::testing {
 
@@ -31,6 +32,12 @@ struct RowTables {
   void push_round(Client& c, std::mt19937& rng, bool* sent) const;
   // Table 0's rows are whole and each lies between `acked` and acked + `failed` pushes.
   void expect_counted(Client& c, std::uint64_t acked, std::uint64_t failed, const std::string& context) const;
+  // Run in a forked worker: rounds until `stop` is set, each counted in `tally` (acknowledged,
+  // or failed once sent), with a new client (and the tables created again) after a failed one.
+  // Returns 1, saying why on stderr, at an error when `fail_fast` (a retrying worker must see
+  // none) or once errors go on for 60 s; 0 otherwise.
+  int push_rounds(const ClientOptions& options, std::mt19937 rng, PushTally& tally, const std::atomic<int>& stop,
+                  bool fail_fast) const;
 };
 
 // A replica's copy of `origin`'s table `table`, as the server at `uri` holds it: each row's id

@@ -35,7 +35,9 @@ class RdmaListener final : public transport::Listener {
   transport::EngineMemory engine_memory(const EngineOptions& engine) override {
     // The clock table is read remotely: in memory of its own, pinned and registered once.
     if (engine.num_workers > 0) clocks_ = PinnedBuffer(align_up(ClockTable::bytes_for(engine.num_workers), 4096));
-    return {nullptr, engine.num_workers ? clocks_.data() : nullptr};
+    transport::EngineMemory memory;
+    memory.clocks = engine.num_workers ? clocks_.data() : nullptr;
+    return memory;
   }
   void start(ShardEngine& engine) override {
     server_ = std::make_unique<RdmaServer>(uri_, engine, clocks_, options_);

@@ -4,13 +4,18 @@
 #include <stdio.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
+#include <iterator>
 #include <thread>
 #include <vector>
 
 #include "common/log.h"
 #include "layout/clock_table.h"
+#include "table/embedding_table.h"
+#include "transport/shm/table_files.h"
 
 namespace pskv::shm {
 
@@ -23,6 +28,11 @@ JsonObject AdoptionReport::fields() const {
       .add("adopted_refused", refused)
       .add("adopted_torn", torn)
       .add("adopted_clocks", clocks)
+      .add("adopted_tables", tables)
+      .add("adopted_rows", rows)
+      .add("adopted_rows_rolled_back", rows_rolled_back)
+      .add("adopted_rows_torn", rows_torn)
+      .add("adopted_rows_refused", rows_refused)
       .add("adopted_ms", milliseconds, 1);
   return j;
 }
@@ -31,6 +41,8 @@ Predecessor::~Predecessor() {
   if (aside_.empty()) return;
   if (copied_) {
     ::unlink(aside_.c_str());
+    std::error_code ec;
+    std::filesystem::remove_all(tables_, ec);
     return;
   }
   // Not copied: this server failed to start. Back under its name (unless a segment took it since).
@@ -55,6 +67,7 @@ std::unique_ptr<Predecessor> Predecessor::take(const std::string& name, std::chr
   }
   const SegmentGeometry& g = segment->geometry();
   p->report_.predecessor_pid = g.server_pid;
+  p->tables_ = shm::tables_directory(name, g.server_pid);
   const std::string dead = "pskv-server pid " + std::to_string(g.server_pid);
   auto& h = segment->header();
   h.accepting.store(0, std::memory_order_seq_cst);
@@ -162,15 +175,58 @@ AdoptionReport Predecessor::copy_into(ShardEngine& engine) {
                                  "): workers announce theirs again when they reconnect");
     }
   }
+  copy_tables_into(engine);
   copied_ = true;
   report_.milliseconds = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - began_).count();
   log::info("shm.adopt", "adopted " + std::to_string(report_.keys) + " keys (" +
                              std::to_string(report_.value_bytes >> 20) + " MiB of values) and " +
-                             std::to_string(report_.clocks) + " worker clocks from the segment of " + dead + " in " +
-                             std::to_string(static_cast<long long>(report_.milliseconds)) + " ms; " +
+                             std::to_string(report_.clocks) + " worker clocks, " + std::to_string(report_.rows) +
+                             " rows of " + std::to_string(report_.tables) + " tables from the segment of " + dead +
+                             " in " + std::to_string(static_cast<long long>(report_.milliseconds)) + " ms; " +
                              std::to_string(report_.rolled_back) + " half-applied pushes rolled back, " +
                              std::to_string(report_.refused) + " keys refused");
   return report_;
+}
+
+void Predecessor::copy_tables_into(ShardEngine& engine) {
+  const std::string dead = "pskv-server pid " + std::to_string(report_.predecessor_pid);
+  for (const LeftTable& left : left_tables(tables_)) {
+    std::string why;
+    if (const Errc e = engine.create_table(left.id, left.requested, &why); e != Errc::ok)
+      throw Error(e, "cannot adopt table " + std::to_string(left.id) + " of " + dead + ": " + why);
+    EmbeddingTable& table = *engine.table_at(left.id);
+    // A table restored from a checkpoint may hold rows the dead server evicted since: they go.
+    std::vector<Key> before;
+    table.scan(0, UINT32_MAX, [&](Key id, const float*, const float*) { before.push_back(id); });
+    std::vector<Key> adopted;
+    std::uint64_t refused = 0;
+    const EmbeddingTable::LeftRows rows = read_left_rows(left, [&](Key id, const float* row, const float* state) {
+      if (table.restore_row(id, row, state)) {
+        if (!before.empty()) adopted.push_back(id);
+      } else {
+        ++refused;
+      }
+    });
+    if (!before.empty()) {
+      std::sort(before.begin(), before.end());
+      std::sort(adopted.begin(), adopted.end());
+      std::vector<Key> gone;
+      std::set_difference(before.begin(), before.end(), adopted.begin(), adopted.end(), std::back_inserter(gone));
+      for (const Key id : gone) table.remove_row(id);
+    }
+    ++report_.tables;
+    report_.rows += rows.rows - refused;
+    report_.rows_refused += refused;
+    report_.rows_rolled_back += rows.rolled_back;
+    report_.rows_torn += rows.torn;
+    if (rows.torn > 0)
+      log::warn("shm.adopt", std::to_string(rows.torn) + " rows of table " + std::to_string(left.id) + " of " + dead +
+                                 " were left inside a write that no undo record covers; adopted as they are");
+    if (refused > 0)
+      log::warn("shm.adopt", std::to_string(refused) + " rows of table " + std::to_string(left.id) + " of " + dead +
+                                 " found no room in this server's table (its cap is " +
+                                 std::to_string(table.spec().max_rows) + " rows): not adopted");
+  }
 }
 
 }  // namespace pskv::shm

@@ -21,11 +21,15 @@ namespace pskv::shm {
 struct AdoptionReport {
   std::int32_t predecessor_pid = 0;
   std::uint64_t keys = 0, value_bytes = 0;
-  std::uint64_t rolled_back = 0;  // pushes dead clients left half-applied
-  std::uint64_t refused = 0;      // keys whose slot did not check out (logged)
-  std::uint64_t torn = 0;         // values a writer left inside an update nobody logged (logged)
-  std::uint64_t clocks = 0;       // worker clocks carried over
-  double milliseconds = 0;        // fencing, repair and copy
+  std::uint64_t rolled_back = 0;       // pushes dead clients left half-applied
+  std::uint64_t refused = 0;           // keys whose slot did not check out (logged)
+  std::uint64_t torn = 0;              // values a writer left inside an update nobody logged (logged)
+  std::uint64_t clocks = 0;            // worker clocks carried over
+  std::uint64_t tables = 0, rows = 0;  // embedding tables and their rows carried over
+  std::uint64_t rows_rolled_back = 0;  // rows a dead server thread left inside a write, put back
+  std::uint64_t rows_torn = 0;         // rows inside a write no undo record covers (logged)
+  std::uint64_t rows_refused = 0;      // rows this server's table had no room for (logged)
+  double milliseconds = 0;             // fencing, repair and copy
   JsonObject fields() const;
 };
 
@@ -49,10 +53,14 @@ class Predecessor {
   Predecessor(const Predecessor&) = delete;
   Predecessor& operator=(const Predecessor&) = delete;
 
-  // Copies every key that checks out, then the workers' clocks, into `engine` (whose store must
-  // keep the same kind of optimizer state). Keys already there (a --restore) are overwritten: the
-  // segment is newer than any checkpoint.
+  // Copies every key that checks out, then the workers' clocks, then every embedding table's
+  // rows (transport/shm/table_files.h), into `engine` (whose store must keep the same kind of
+  // optimizer state). Keys and tables already there (a --restore) are overwritten: the segment
+  // and the table files are newer than any checkpoint, and a table keeps only the rows the dead
+  // server held.
   AdoptionReport copy_into(ShardEngine& engine);
+  // Where the dead server kept its tables' rows (removed once copy_into() succeeds).
+  const std::string& tables_directory() const noexcept { return tables_; }
 
  private:
   Predecessor() = default;
@@ -61,6 +69,8 @@ class Predecessor {
   std::vector<Store::Adoptable> slots_;  // what take() accepted; the old store no longer changes
   AdoptionReport report_;
   std::string name_, aside_;  // the object's path in /dev/shm, and where it was moved
+  std::string tables_;        // the dead server's table files
+  void copy_tables_into(ShardEngine& engine);
   bool copied_ = false;
   std::chrono::steady_clock::time_point began_;
 };

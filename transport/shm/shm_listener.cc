@@ -1,12 +1,16 @@
 #include "transport/shm/shm_listener.h"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <filesystem>
 #include <thread>
 
 #include "engine/shard_engine.h"
 #include "transport/shm/adoption.h"
 #include "transport/shm/segment.h"
 #include "transport/shm/shm_server.h"
+#include "transport/shm/table_files.h"
 
 namespace pskv::shm {
 namespace {
@@ -48,7 +52,20 @@ class ShmListener final : public transport::Listener {
     // Before create(), which reclaims a dead server's name: the old mapping outlives it.
     if (adopt_) predecessor_ = Predecessor::take(name_, std::chrono::milliseconds(c.wait_timeout_ms));
     segment_ = Segment::create(name_, c);
-    return {segment_->store_memory(), engine.num_workers ? segment_->clock_memory() : nullptr};
+    // This server holds the name now: the table files of any other server of it are left overs,
+    // but for those of the predecessor it adopts.
+    remove_left_tables(name_, predecessor_ ? predecessor_->tables_directory() : std::string());
+    transport::EngineMemory memory;
+    memory.store = segment_->store_memory();
+    memory.clocks = engine.num_workers ? segment_->clock_memory() : nullptr;
+    if (adopt_) {
+      // Tables keep their rows in files, so that a successor can adopt them too.
+      tables_ = shm::tables_directory(name_, ::getpid());
+      memory.tables = [root = tables_](std::uint32_t id, const TableSpec& requested, std::uint64_t max_rows) {
+        return std::make_unique<TableFiles>(root, id, requested, max_rows);
+      };
+    }
+    return memory;
   }
 
   void start(ShardEngine& engine) override {
@@ -75,6 +92,11 @@ class ShmListener final : public transport::Listener {
       segment_->remove();  // laid out but never served (a restore failed)
     }
     segment_.reset();
+    if (!tables_.empty()) {
+      // Stopped: nothing to adopt (the files of tables still mapped go once they are unmapped).
+      std::error_code ec;
+      std::filesystem::remove_all(tables_, ec);
+    }
   }
   transport::ListenerStats stats() const override {
     return server_ ? transport::ListenerStats{server_->worker_pushes(), server_->stats_fields()}
@@ -87,6 +109,7 @@ class ShmListener final : public transport::Listener {
   std::uint64_t area_bytes_ = 32ull << 20;
   bool worker_push_ = true;
   bool adopt_ = false;
+  std::string tables_;                        // with adopt_: where this server's tables keep their rows
   std::unique_ptr<Predecessor> predecessor_;  // between engine_memory() and start()
   JsonObject adopted_;                        // what was taken over, for stats
   // The server before the segment it serves goes away (members are destroyed in reverse).

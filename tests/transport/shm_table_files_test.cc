@@ -1,0 +1,243 @@
+// Tables of an shm server started to be adopted keep their rows in files of /dev/shm
+// (transport/shm/table_files.h): whatever instant the process dies at, inside a row write or not,
+// a successor reads back every row whole, optimizer state included.
+#include "transport/shm/table_files.h"
+
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <random>
+#include <thread>
+#include <vector>
+
+namespace pskv::shm {
+namespace {
+
+namespace fs = std::filesystem;
+
+// A tables directory of this test's own, removed when the test ends.
+struct Root {
+  std::string path;
+  explicit Root(const std::string& tag) : path(tables_directory("table-files-" + tag, getpid())) {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+  ~Root() {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+};
+
+// Runs `body` in a child that leaves as a killed server would: without destructors (_exit), so its
+// table's files stay as they are. Returns its pid.
+template <class Body>
+pid_t in_child(Body body) {
+  const pid_t pid = fork();
+  if (pid == 0) {
+    body();
+    _exit(0);
+  }
+  return pid;
+}
+
+int wait_for(pid_t pid) {
+  int status = 0;
+  waitpid(pid, &status, 0);
+  return status;
+}
+
+using Rows = std::map<Key, std::vector<float>>;
+
+Rows read_rows(const LeftTable& table, EmbeddingTable::LeftRows* counts) {
+  Rows rows;
+  const std::uint64_t state = EmbeddingTable::state_floats_for(table.requested);
+  *counts = read_left_rows(table, [&](Key id, const float* row, const float* st) {
+    std::vector<float>& r = rows[id];
+    EXPECT_TRUE(r.empty()) << "id " << id << " is in two rows";
+    r.assign(row, row + table.requested.dim);
+    if (state > 0) r.insert(r.end(), st, st + state);
+  });
+  return rows;
+}
+
+// An Adam table at an LRU cap, pushed past it: the files hold exactly the rows the table held,
+// bit for bit with their moments and counts, and the spec it was made with.
+TEST(TableFiles, ATableInFilesComesBackWithEveryRowAndItsState) {
+  const Root root("state");
+  TableSpec spec;
+  spec.dim = 16;
+  spec.init = RowInit::normal;
+  spec.seed = 5;
+  spec.rule = UpdateRuleConfig{UpdateRule::adam};
+  spec.rule.lr = 0.01f;
+  spec.eviction = RowEviction::lru;
+  spec.max_rows = 3000;
+  const std::string expected_file = root.path + ".expected";
+  const pid_t child = in_child([&] {
+    EmbeddingTable table(spec, spec.max_rows, std::make_unique<TableFiles>(root.path, 3, spec, spec.max_rows));
+    std::mt19937 rng(3);
+    std::normal_distribution<float> g;
+    std::vector<Key> ids(500);
+    std::vector<float> grads(ids.size() * spec.dim);
+    for (int round = 0; round < 40; ++round) {
+      for (Key& id : ids) id = rng() % 9000;
+      for (float& x : grads) x = g(rng);
+      table.push(ids, grads.data(), static_cast<std::uint64_t>(round));
+    }
+    std::ofstream out(expected_file, std::ios::binary);
+    table.scan(0, UINT32_MAX, [&](Key id, const float* row, const float* st) {
+      out.write(reinterpret_cast<const char*>(&id), sizeof id);
+      out.write(reinterpret_cast<const char*>(row), spec.dim * sizeof(float));
+      out.write(reinterpret_cast<const char*>(st), EmbeddingTable::state_floats_for(spec) * sizeof(float));
+    });
+    out.close();
+    std::fflush(nullptr);
+    _exit(table.stats().evicted > 0 ? 0 : 2);  // the table itself is never destroyed
+  });
+  ASSERT_EQ(wait_for(child), 0) << "the child failed, or evicted nothing";
+  Rows expected;
+  {
+    const std::size_t floats = spec.dim + EmbeddingTable::state_floats_for(spec);
+    std::ifstream in(expected_file, std::ios::binary);
+    Key id;
+    while (in.read(reinterpret_cast<char*>(&id), sizeof id)) {
+      std::vector<float>& r = expected[id];
+      r.resize(floats);
+      in.read(reinterpret_cast<char*>(r.data()), static_cast<std::streamsize>(floats * sizeof(float)));
+    }
+    fs::remove(expected_file);
+  }
+  ASSERT_EQ(expected.size(), spec.max_rows);
+  const std::vector<LeftTable> left = left_tables(root.path);
+  ASSERT_EQ(left.size(), 1u);
+  EXPECT_EQ(left[0].id, 3u);
+  EXPECT_EQ(left[0].requested, spec);
+  EXPECT_EQ(left[0].max_rows, spec.max_rows);
+  EmbeddingTable::LeftRows counts;
+  const Rows got = read_rows(left[0], &counts);
+  EXPECT_EQ(counts.rows, expected.size());
+  EXPECT_EQ(counts.torn, 0u);
+  ASSERT_EQ(got.size(), expected.size());
+  for (const auto& [id, row] : expected) {
+    const auto it = got.find(id);
+    ASSERT_NE(it, got.end()) << "id " << id << " is missing";
+    ASSERT_EQ(std::memcmp(it->second.data(), row.data(), row.size() * sizeof(float)), 0) << "id " << id;
+  }
+}
+
+// A child pushes +1 to 64 wide rows, all of them in each push, until it is SIGKILLed at a random
+// instant, often inside a row write. Every row read back is whole (all its floats equal), and
+// the rows are counts of the pushes in push order: non-increasing along the batch, and within one
+// of each other. Without the undo records a row cut mid-write comes back torn.
+TEST(TableFiles, ARowWriteCutByADeathIsRolledBack) {
+  constexpr std::uint32_t kDim = 1024;
+  constexpr Key kIds = 64;
+  TableSpec spec;
+  spec.dim = kDim;
+  spec.init = RowInit::zeros;
+  spec.rule = UpdateRuleConfig{UpdateRule::add};
+  std::mt19937 rng(42);
+  std::uint64_t rolled_back = 0;
+  int trials = 0;
+  for (; trials < 60 && rolled_back < 3; ++trials) {
+    const Root root("cut");
+    int ready[2];
+    ASSERT_EQ(pipe(ready), 0);
+    const pid_t child = in_child([&] {
+      close(ready[0]);
+      EmbeddingTable table(spec, 0, std::make_unique<TableFiles>(root.path, 0, spec, 1000));
+      std::vector<Key> ids(kIds);
+      for (Key i = 0; i < kIds; ++i) ids[i] = i * 7919;
+      const std::vector<float> ones(kIds * kDim, 1.0f);
+      table.push(ids, ones.data(), 0);
+      const char c = 1;
+      if (write(ready[1], &c, 1) != 1) _exit(3);
+      for (;;) table.push(ids, ones.data(), 0);
+    });
+    close(ready[1]);
+    char c = 0;
+    ASSERT_EQ(read(ready[0], &c, 1), 1) << "the child never pushed";
+    close(ready[0]);
+    std::this_thread::sleep_for(std::chrono::microseconds(500 + rng() % 20000));
+    kill(child, SIGKILL);
+    ASSERT_TRUE(WIFSIGNALED(wait_for(child)));
+
+    const std::vector<LeftTable> left = left_tables(root.path);
+    ASSERT_EQ(left.size(), 1u);
+    EmbeddingTable::LeftRows counts;
+    const Rows got = read_rows(left[0], &counts);
+    ASSERT_EQ(counts.torn, 0u) << "trial " << trials;
+    ASSERT_EQ(got.size(), kIds) << "trial " << trials;
+    float first = -1, last = -1;
+    for (Key i = 0; i < kIds; ++i) {
+      const std::vector<float>& row = got.at(i * 7919);
+      for (const float x : row) ASSERT_EQ(x, row[0]) << "row " << i << " is torn, trial " << trials;
+      if (i == 0) first = row[0];
+      ASSERT_LE(row[0], last < 0 ? row[0] : last) << "row " << i << " has more pushes than the row before it";
+      last = row[0];
+    }
+    EXPECT_LE(first - last, 1.0f) << "trial " << trials;
+    EXPECT_GE(last, 1.0f);
+    rolled_back += counts.rolled_back;
+  }
+  std::printf("[ cut      ] %llu row writes rolled back in %d kills\n", static_cast<unsigned long long>(rolled_back),
+              trials);
+  EXPECT_GT(rolled_back, 0u) << "no kill landed inside a row write: the undo records were never needed";
+}
+
+// A spec file that does not check out is refused by name, before any row is read; so is a
+// segment that is not the size the spec lays out.
+TEST(TableFiles, FilesThatDoNotCheckOutAreRefusedByName) {
+  const Root root("bad");
+  TableSpec spec;
+  spec.dim = 8;
+  spec.init = RowInit::zeros;
+  const pid_t child = in_child([&] {
+    EmbeddingTable table(spec, 0, std::make_unique<TableFiles>(root.path, 1, spec, 100));
+    const std::vector<Key> ids = {1, 2, 3};
+    const std::vector<float> g(ids.size() * spec.dim, 1.0f);
+    table.push(ids, g.data(), 0);
+    _exit(0);
+  });
+  ASSERT_EQ(wait_for(child), 0);
+  const std::string dir = root.path + "/table-1";
+  const std::vector<LeftTable> good = left_tables(root.path);
+  ASSERT_EQ(good.size(), 1u);
+  {
+    // One byte of the segment's file more.
+    std::ofstream grow(dir + "/segment-0", std::ios::binary | std::ios::app);
+    grow.put('x');
+  }
+  try {
+    EmbeddingTable::LeftRows counts;
+    read_rows(good[0], &counts);
+    ADD_FAILURE() << "a segment of the wrong size was read";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::stale_resource);
+    EXPECT_NE(std::string(e.what()).find(dir), std::string::npos) << e.what();
+  }
+  {
+    std::fstream f(dir + "/spec", std::ios::binary | std::ios::in | std::ios::out);
+    f.seekp(20);
+    f.put('\x7f');  // a byte of the cap
+  }
+  try {
+    left_tables(root.path);
+    ADD_FAILURE() << "a spec file failing its CRC was taken";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::stale_resource);
+    EXPECT_NE(std::string(e.what()).find(dir + "/spec"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("CRC"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace pskv::shm

@@ -1,0 +1,233 @@
+#include "transport/shm/table_files.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <charconv>
+#include <cstring>
+#include <filesystem>
+#include <span>
+
+#include "layout/crc.h"
+#include "transport/shm/segment.h"
+#include "transport/wire.h"
+
+namespace pskv::shm {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr char kSpecMagic[8] = {'P', 'S', 'K', 'V', 'T', 'A', 'B', '1'};
+
+struct SpecFile {
+  char magic[8];
+  std::uint32_t id;
+  std::uint32_t reserved;
+  std::uint64_t max_rows;
+  float spec[wire::kTableSpecFloats];
+  std::uint32_t crc;  // of everything before it
+  std::uint32_t reserved2;
+};
+
+std::string errno_text() {
+  return std::strerror(errno);
+}
+
+// A file of /dev/shm mapped shared. One made here is removed with its object unless kept.
+// Thread-safety: as MemoryResource; keep() by the one thread that owns it.
+class MappedFile final : public MemoryResource {
+ public:
+  // A new file of `bytes`, backed now (posix_fallocate): a full tmpfs fails here with
+  // Error(capacity), not later with SIGBUS in a row write.
+  static std::unique_ptr<MappedFile> create(const std::string& path, std::size_t bytes) {
+    const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    if (fd < 0) throw Error(Errc::io, "cannot create " + path + ": " + errno_text());
+    auto f = std::unique_ptr<MappedFile>(new MappedFile(path));
+    if (const int e = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes)); e != 0) {
+      ::close(fd);
+      throw Error(e == ENOSPC ? Errc::capacity : Errc::io,
+                  "cannot back " + std::to_string(bytes >> 20) + " MiB of " + path + ": " + std::strerror(e) +
+                      (e == ENOSPC ? " (/dev/shm is full: its size is a mount option, df /dev/shm shows it)" : ""));
+    }
+    f->map(fd, bytes);
+    return f;
+  }
+  // An existing file, whole (a dead server's), kept when the object goes.
+  static std::unique_ptr<MappedFile> open(const std::string& path) {
+    const int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+    if (fd < 0) throw Error(Errc::io, "cannot open " + path + ": " + errno_text());
+    struct stat st {};
+    if (::fstat(fd, &st) != 0) {
+      ::close(fd);
+      throw Error(Errc::io, "cannot stat " + path + ": " + errno_text());
+    }
+    auto f = std::unique_ptr<MappedFile>(new MappedFile(path));
+    f->kept_ = true;
+    if (st.st_size > 0)
+      f->map(fd, static_cast<std::size_t>(st.st_size));
+    else
+      ::close(fd);
+    return f;
+  }
+  ~MappedFile() override {
+    if (data_) ::munmap(data_, size_);
+    if (!kept_) ::unlink(path_.c_str());
+  }
+  std::byte* data() noexcept override { return data_; }
+  std::size_t size() const noexcept override { return size_; }
+  const std::string& path() const noexcept { return path_; }
+  void keep(const std::string& path) {
+    path_ = path;
+    kept_ = true;
+  }
+
+ private:
+  explicit MappedFile(std::string path) : path_(std::move(path)) {}
+  void map(int fd, std::size_t bytes) {
+    void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    ::close(fd);
+    if (p == MAP_FAILED) throw Error(Errc::io, "cannot map " + path_ + ": " + errno_text());
+    data_ = static_cast<std::byte*>(p);
+    size_ = bytes;
+    ::madvise(p, bytes, MADV_HUGEPAGE);  // where shmem huge pages are enabled; harmless elsewhere
+  }
+  std::string path_;
+  std::byte* data_ = nullptr;
+  std::size_t size_ = 0;
+  bool kept_ = false;
+};
+
+// The number after `prefix` in `name` (digits only), if it is one.
+std::optional<std::uint64_t> number_after(const std::string& name, std::string_view prefix) {
+  if (name.size() <= prefix.size() || name.compare(0, prefix.size(), prefix) != 0) return std::nullopt;
+  std::uint64_t n = 0;
+  const char* first = name.data() + prefix.size();
+  const char* last = name.data() + name.size();
+  const auto [end, ec] = std::from_chars(first, last, n);
+  if (ec != std::errc() || end != last) return std::nullopt;
+  return n;
+}
+
+}  // namespace
+
+std::string tables_directory(const std::string& name, std::int32_t pid) {
+  return "/dev/shm" + segment_object_name(name) + ".tables." + std::to_string(pid);
+}
+
+void remove_left_tables(const std::string& name, const std::string& keep) {
+  const std::string prefix = segment_object_name(name).substr(1) + ".tables.";
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator("/dev/shm", ec)) {
+    const std::string file = entry.path().filename().string();
+    if (!number_after(file, prefix) || entry.path().string() == keep) continue;
+    fs::remove_all(entry.path(), ec);
+  }
+}
+
+TableFiles::TableFiles(const std::string& root, std::uint32_t id, const TableSpec& requested, std::uint64_t max_rows)
+    : dir_(root + "/table-" + std::to_string(id)) {
+  std::error_code ec;
+  fs::remove_all(dir_, ec);  // a table of this id made here before and dropped (a failed create)
+  if (!fs::create_directories(dir_, ec) || ec) throw Error(Errc::io, "cannot make " + dir_ + ": " + ec.message());
+  ::chmod(root.c_str(), 0700);
+  SpecFile f{};
+  std::memcpy(f.magic, kSpecMagic, sizeof kSpecMagic);
+  f.id = id;
+  f.max_rows = max_rows;
+  wire::encode_table_spec(requested, f.spec);
+  f.crc = crc32_update(0, &f, offsetof(SpecFile, crc));
+  const std::string temp = dir_ + "/spec.new";
+  const int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  if (fd < 0) throw Error(Errc::io, "cannot create " + temp + ": " + errno_text());
+  const bool written = ::write(fd, &f, sizeof f) == static_cast<ssize_t>(sizeof f);
+  ::close(fd);
+  if (!written || ::rename(temp.c_str(), (dir_ + "/spec").c_str()) != 0)
+    throw Error(Errc::io, "cannot write " + dir_ + "/spec: " + errno_text());
+}
+
+TableFiles::~TableFiles() {
+  std::error_code ec;
+  fs::remove_all(dir_, ec);
+}
+
+std::unique_ptr<MemoryResource> TableFiles::segment(std::size_t bytes) {
+  return MappedFile::create(dir_ + "/new-" + std::to_string(made_.fetch_add(1)), bytes);
+}
+
+void TableFiles::publish(MemoryResource& memory, std::uint32_t index) {
+  auto& file = static_cast<MappedFile&>(memory);
+  const std::string name = dir_ + "/segment-" + std::to_string(index);
+  if (::rename(file.path().c_str(), name.c_str()) != 0)
+    throw Error(Errc::io, "cannot name " + file.path() + " " + name + ": " + errno_text());
+  file.keep(name);
+}
+
+std::unique_ptr<MemoryResource> TableFiles::undo(std::size_t bytes) {
+  auto f = MappedFile::create(dir_ + "/undo", bytes);
+  f->keep(f->path());
+  return f;
+}
+
+std::vector<LeftTable> left_tables(const std::string& root) {
+  std::vector<LeftTable> out;
+  std::error_code ec;
+  if (!fs::is_directory(root, ec)) return out;
+  for (const auto& entry : fs::directory_iterator(root)) {
+    const auto id = number_after(entry.path().filename().string(), "table-");
+    if (!id) continue;
+    const std::string path = entry.path().string() + "/spec";
+    auto bad = [&](const std::string& why) {
+      return Error(Errc::stale_resource, "the table file " + path + " " + why + "; remove " + entry.path().string() +
+                                             " to start without that table");
+    };
+    SpecFile f{};
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) throw bad("cannot be opened: " + errno_text());
+    const ssize_t got = ::read(fd, &f, sizeof f);
+    char extra;
+    const ssize_t more = got == static_cast<ssize_t>(sizeof f) ? ::read(fd, &extra, 1) : 0;
+    ::close(fd);
+    if (got != static_cast<ssize_t>(sizeof f) || more != 0) throw bad("is not " + std::to_string(sizeof f) + " bytes");
+    if (std::memcmp(f.magic, kSpecMagic, sizeof kSpecMagic) != 0) throw bad("is not a pskv table spec");
+    if (f.crc != crc32_update(0, &f, offsetof(SpecFile, crc))) throw bad("fails its CRC");
+    if (f.id != *id || f.id >= kMaxTables) throw bad("names table " + std::to_string(f.id));
+    LeftTable t;
+    t.id = f.id;
+    t.max_rows = f.max_rows;
+    t.dir = entry.path().string();
+    std::string why;
+    if (wire::decode_table_spec(f.spec, &t.requested, &why) != Errc::ok) throw bad("holds a bad spec: " + why);
+    out.push_back(std::move(t));
+  }
+  std::sort(out.begin(), out.end(), [](const LeftTable& a, const LeftTable& b) { return a.id < b.id; });
+  return out;
+}
+
+EmbeddingTable::LeftRows read_left_rows(const LeftTable& table,
+                                        const std::function<void(Key, const float*, const float*)>& visit) {
+  const std::unique_ptr<MappedFile> undo = MappedFile::open(table.dir + "/undo");
+  std::vector<std::unique_ptr<MappedFile>> files;
+  std::vector<std::span<std::byte>> segments;
+  for (const auto& entry : fs::directory_iterator(table.dir)) {
+    const auto index = number_after(entry.path().filename().string(), "segment-");
+    if (!index) continue;  // new-K: never published, so it holds no row
+    if (*index >= (1u << 16))
+      throw Error(Errc::stale_resource, entry.path().string() + " is past the segments a table has");
+    files.push_back(MappedFile::open(entry.path().string()));
+    if (segments.size() <= *index) segments.resize(*index + 1);
+    segments[*index] = {files.back()->data(), files.back()->size()};
+  }
+  TableSpec spec = table.requested;
+  spec.max_rows = table.max_rows;
+  try {
+    return EmbeddingTable::recover_rows(spec, segments, {undo->data(), undo->size()}, visit);
+  } catch (const Error& e) {
+    throw Error(Errc::stale_resource, "the rows in " + table.dir + " do not match its spec: " + e.what());
+  }
+}
+
+}  // namespace pskv::shm
