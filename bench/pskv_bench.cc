@@ -814,6 +814,10 @@ int main(int argc, char** argv) {
   app.add_option("--shm-push", shm_push, "shm servers it starts: who applies a push (worker or server, as pskv-server)")
       ->capture_default_str()
       ->check(CLI::IsMember({"worker", "server"}));
+  bool shm_adopt = false;
+  app.add_flag("--shm-adopt", shm_adopt,
+               "shm servers it starts: made to be adopted (adopt=1, as pskv-server --shm-adopt): pushes they apply "
+               "and table rows are logged first, and tables keep their rows in /dev/shm files");
   std::string tcp_push = "pieces";
   app.add_option("--tcp-push", tcp_push,
                  "tcp servers it starts: how a large push is applied (pieces or whole, as pskv-server)")
@@ -950,8 +954,8 @@ int main(int argc, char** argv) {
     if (workload == "sparse") arena_mb = (table_keys * (64 + ((key_floats * 4 + 63) / 64) * 64) >> 20) / servers + 64;
     const auto options_for = [&](int s) {
       pskv::ServerOptions so;
-      so.uri = transport == "shm"
-                   ? "shm://bench-" + std::to_string(getppid()) + "-" + std::to_string(s) + "?push=" + shm_push
+      so.uri = transport == "shm" ? "shm://bench-" + std::to_string(getppid()) + "-" + std::to_string(s) +
+                                        "?push=" + shm_push + (shm_adopt ? "&adopt=1" : "")
                : transport == "tcp" ? "tcp://127.0.0.1:0?push=" + tcp_push
                                     : transport + "://127.0.0.1:0";
       so.server_id = static_cast<std::uint32_t>(s);

@@ -213,43 +213,67 @@ TableCheckpointInfo TableCheckpointer::apply(const std::uint8_t* data, std::size
   return p.info;
 }
 
+namespace {
+
+// Whether the table checkpoint at `path` is of a table declared with a cap. Unreadable: true,
+// so that its restore comes first and reports what is wrong with it.
+bool declared_with_a_cap(const std::string& path) {
+  std::FILE* f = std::fopen(path.c_str(), "rb");
+  if (!f) return true;
+  Header h{};
+  const bool read = std::fread(&h, sizeof h, 1, f) == 1;
+  std::fclose(f);
+  TableSpec spec;
+  std::string why;
+  return !read || wire::decode_table_spec(reinterpret_cast<const float*>(h.spec), &spec, &why) != Errc::ok ||
+         spec.max_rows != 0;
+}
+
+}  // namespace
+
 TableCheckpointInfo TableCheckpointer::restore(ShardEngine& engine, const std::string& dir, std::uint32_t server_id) {
   TableCheckpointInfo total;
-  for (const auto& [table_id, generations] : scan(dir, server_id)) {
-    // The newest generation whose snapshot exists (a crash may leave a newer one without it).
-    auto g = generations.rbegin();
-    while (g != generations.rend() && !g->second.count(0)) ++g;
-    if (g == generations.rend()) continue;
-    const std::uint64_t generation = g->first;
-    std::uint32_t expected = 0;
-    EmbeddingTable* table = nullptr;
-    TableSpec first_spec;
-    for (const auto& [seq, path] : g->second) {
-      if (seq != expected)
-        throw Error(Errc::protocol, "table checkpoint " + path + " follows a missing delta " +
-                                        std::to_string(expected) +
-                                        " of its generation; restore an older checkpoint or start without --restore");
-      const std::vector<std::uint8_t> bytes = read_file(path);
-      // Validated whole before anything of it is applied.
-      const Parsed p = parse(bytes.data(), bytes.size(), server_id, table_id, generation, seq, path);
-      if (seq == 0) {
-        std::string why;
-        if (Errc e = engine.create_table(table_id, p.spec, &why); e != Errc::ok)
-          throw Error(e, "cannot recreate table " + std::to_string(table_id) + " from " + path + ": " + why);
-        table = engine.table_at(table_id);
-        first_spec = p.spec;
-      } else if (!(p.spec == first_spec)) {
-        throw Error(Errc::protocol, "table checkpoint " + path + " has another spec than its generation's snapshot");
+  const Files files = scan(dir, server_id);
+  // Tables declared with a cap first: one declared without gets what the table memory has left
+  // when it is made, and made first it could leave a capped one none (on the server that wrote
+  // them, the capped one was made first, or it would have been refused).
+  for (const bool capped : {true, false})
+    for (const auto& [table_id, generations] : files) {
+      // The newest generation whose snapshot exists (a crash may leave a newer one without it).
+      auto g = generations.rbegin();
+      while (g != generations.rend() && !g->second.count(0)) ++g;
+      if (g == generations.rend()) continue;
+      if (declared_with_a_cap(g->second.at(0)) != capped) continue;
+      const std::uint64_t generation = g->first;
+      std::uint32_t expected = 0;
+      EmbeddingTable* table = nullptr;
+      TableSpec first_spec;
+      for (const auto& [seq, path] : g->second) {
+        if (seq != expected)
+          throw Error(Errc::protocol, "table checkpoint " + path + " follows a missing delta " +
+                                          std::to_string(expected) +
+                                          " of its generation; restore an older checkpoint or start without --restore");
+        const std::vector<std::uint8_t> bytes = read_file(path);
+        // Validated whole before anything of it is applied.
+        const Parsed p = parse(bytes.data(), bytes.size(), server_id, table_id, generation, seq, path);
+        if (seq == 0) {
+          std::string why;
+          if (Errc e = engine.create_table(table_id, p.spec, &why); e != Errc::ok)
+            throw Error(e, "cannot recreate table " + std::to_string(table_id) + " from " + path + ": " + why);
+          table = engine.table_at(table_id);
+          first_spec = p.spec;
+        } else if (!(p.spec == first_spec)) {
+          throw Error(Errc::protocol, "table checkpoint " + path + " has another spec than its generation's snapshot");
+        }
+        apply_rows(p, *table, path);
+        const TableCheckpointInfo& one = p.info;
+        total.files += one.files;
+        total.rows += one.rows;
+        total.removed += one.removed;
+        total.bytes += one.bytes;
+        ++expected;
       }
-      apply_rows(p, *table, path);
-      const TableCheckpointInfo& one = p.info;
-      total.files += one.files;
-      total.rows += one.rows;
-      total.removed += one.removed;
-      total.bytes += one.bytes;
-      ++expected;
     }
-  }
   return total;
 }
 

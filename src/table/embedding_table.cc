@@ -645,15 +645,20 @@ void EmbeddingTable::save_undo(const Shard& shard, std::uint32_t row) const noex
   if (state_floats_ > 0) std::memcpy(old + spec_.dim, state(row), state_floats_ * sizeof(float));
   head->row.store(row, std::memory_order_release);
   // The record must be in memory before the row's word turns odd (a store that follows): a
-  // process killed between the two leaves an odd row with nothing to put back otherwise.
-  std::atomic_thread_fence(std::memory_order_release);
+  // process killed between the two leaves an odd row with nothing to put back otherwise. What a
+  // kill leaves is the order of the stores as compiled (x86 keeps it): the fence stops the
+  // compiler from moving the word's store, relaxed, above the record's.
+  std::atomic_signal_fence(std::memory_order_seq_cst);
 }
 
 void EmbeddingTable::clear_undo(const Shard& shard) const noexcept {
   if (!undo_) return;
-  // A release store: the row's even word (end_write) is in memory before the record goes.
+  // A release store: the row's even word (end_write) is in memory before the record goes. The
+  // fence keeps the stores after it (create_row links the row) below it as compiled: a row
+  // linked while its record still names it would be put back to the id it held before.
   reinterpret_cast<UndoHead*>(undo_->data() + static_cast<std::size_t>(&shard - shards_.get()) * undo_stride_)
       ->row.store(0, std::memory_order_release);
+  std::atomic_signal_fence(std::memory_order_seq_cst);
 }
 
 EmbeddingTable::LeftRows EmbeddingTable::recover_rows(
@@ -848,7 +853,7 @@ TableStats EmbeddingTable::stats() const noexcept {
   s.bytes = index_bytes_.load(std::memory_order_relaxed) + segment_bytes_.load(std::memory_order_relaxed) +
             segment_count_.load(std::memory_order_relaxed) * sizeof(Segment) +
             std::uint64_t{sizeof(std::atomic<Segment*>)} * kMaxSegments +
-            (filter_ ? (std::uint64_t{2} << kFilterBits) : 0);
+            (filter_ ? (std::uint64_t{2} << kFilterBits) : 0) + (undo_ ? undo_->size() : 0);
   return s;
 }
 

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -227,6 +228,102 @@ TEST(ShmAdoptionTables, AKilledServerIsAdoptedWithEveryAcknowledgedRow) {
   }
   std::printf("[ adopt    ] %llu row writes cut by %d kills under load were rolled back\n",
               static_cast<unsigned long long>(rolled_back), trials);
+}
+
+// The tables a successor makes are the dead server's, whatever else it starts with. Server A
+// checkpoints table 7 (capped at 100 rows, LRU) holding ids 0..99 and table 2 (no cap: it gets
+// what the table memory has left); B restores that checkpoint, pushes ids 100..199 (evicting
+// 0..99) and is SIGKILLed; C restores the same old checkpoint and adopts B's tables: it must
+// hold B's rows only, the checkpoint's rows B evicted gone, however they would evict each other. Then C
+// is killed and D adopts without a checkpoint, making table 2 before table 7: it must give table
+// 2 the cap it had, not all the memory (table 7 would find none and D would not start).
+TEST(ShmAdoptionTables, TheSuccessorHoldsTheDeadServersRowsWithTheCapsTheyHad) {
+  const std::string dir = ::testing::TempDir() + "adopt-restore-" + std::to_string(getpid());
+  std::filesystem::remove_all(dir);
+  const std::string uri = "shm://" + segment_name("caps", 0) + "?adopt=1";
+  const std::vector<std::string> args = {"--uri", uri, "--table-memory-mb", "64", "--checkpoint-dir", dir};
+  std::vector<std::string> restoring = args;
+  restoring.insert(restoring.end(), {"--restore", dir});
+  TableSpec capped;
+  capped.dim = 4;
+  capped.init = RowInit::zeros;
+  capped.rule = UpdateRuleConfig{UpdateRule::add};
+  capped.eviction = RowEviction::lru;
+  capped.max_rows = 100;
+  TableSpec open = capped;
+  open.eviction = RowEviction::none;
+  open.max_rows = 0;
+  std::vector<Key> first(100), second(100), few(10);
+  for (Key i = 0; i < 100; ++i) {
+    first[i] = i;
+    second[i] = 100 + i;
+  }
+  for (Key i = 0; i < 10; ++i) few[i] = i;
+  auto push = [](Client& c, std::uint32_t table, const std::vector<Key>& ids, float x) {
+    const std::vector<float> g(ids.size() * 4, x);
+    c.wait(c.push_rows(table, ids, g));
+  };
+  std::vector<Key> all(first);
+  all.insert(all.end(), second.begin(), second.end());
+  auto rows_of = [&](Client& c, std::uint32_t table) {
+    std::vector<float> got(all.size() * 4);
+    c.wait(c.pull_rows(table, all, got));
+    return got;
+  };
+  ClientOptions o;
+  {
+    auto a = ServerProcess::start(args);
+    o.servers = {a.uri};
+    Client c(o);
+    c.create_table(7, capped);
+    c.create_table(2, open);
+    push(c, 7, first, 1.0f);
+    push(c, 2, few, 1.0f);
+    a.process.signal(SIGTERM);  // its last checkpoint
+    ASSERT_EQ(a.process.wait(), 0);
+  }
+  std::vector<float> on_b7, on_b2;
+  std::uint64_t b_rows = 0;
+  {
+    auto b = ServerProcess::start(restoring);
+    Client c(o);
+    c.create_table(7, capped);
+    c.create_table(2, open);
+    push(c, 7, second, 2.0f);
+    push(c, 2, few, 2.0f);
+    on_b7 = rows_of(c, 7);
+    on_b2 = rows_of(c, 2);
+    b_rows = stat_field(c.server_stats(0), "table_7_rows");
+    b.process.signal(SIGKILL);
+    b.process.wait();
+  }
+  ASSERT_EQ(b_rows, 100u);
+  ASSERT_LT(std::count(on_b7.begin(), on_b7.begin() + 400, 1.0f), 400) << "B evicted none of the checkpoint's rows";
+  auto expect_bs_rows = [&](Client& c, const char* when) {
+    c.create_table(7, capped);
+    c.create_table(2, open);
+    const std::vector<float> t7 = rows_of(c, 7), t2 = rows_of(c, 2);
+    EXPECT_EQ(std::memcmp(t7.data(), on_b7.data(), t7.size() * sizeof(float)), 0) << "table 7 " << when;
+    EXPECT_EQ(std::memcmp(t2.data(), on_b2.data(), t2.size() * sizeof(float)), 0) << "table 2 " << when;
+    const std::string stats = c.server_stats(0);
+    EXPECT_EQ(stat_field(stats, "table_7_rows"), b_rows) << when << ": " << stats;
+    EXPECT_EQ(stat_field(stats, "adopted_rows"), b_rows + few.size()) << when << ": " << stats;
+  };
+  auto server = ServerProcess::start(restoring);
+  {
+    Client c(o);
+    expect_bs_rows(c, "adopted over the checkpoint");
+  }
+  server.process.signal(SIGKILL);
+  server.process.wait();
+  server = ServerProcess::start(args);
+  {
+    Client c(o);
+    expect_bs_rows(c, "adopted without a checkpoint, table 2 made first");
+  }
+  server.process.signal(SIGTERM);
+  server.process.wait();
+  std::filesystem::remove_all(dir);
 }
 
 // Clocks survive: two BSP workers at clock 3, the server killed and adopted; worker 0 reconnects

@@ -26,7 +26,8 @@ namespace fs = std::filesystem;
 // A tables directory of this test's own, removed when the test ends.
 struct Root {
   std::string path;
-  explicit Root(const std::string& tag) : path(tables_directory("table-files-" + tag, getpid())) {
+  explicit Root(const std::string& tag)
+      : path(tables_directory("table-files-" + tag + "-" + std::to_string(getpid()), std::random_device{}())) {
     std::error_code ec;
     fs::remove_all(path, ec);
   }
@@ -42,7 +43,12 @@ template <class Body>
 pid_t in_child(Body body) {
   const pid_t pid = fork();
   if (pid == 0) {
-    body();
+    try {
+      body();
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "child: %s\n", e.what());
+      _exit(1);
+    }
     _exit(0);
   }
   return pid;
@@ -133,12 +139,12 @@ TEST(TableFiles, ATableInFilesComesBackWithEveryRowAndItsState) {
   }
 }
 
-// A child pushes +1 to 64 wide rows, all of them in each push, until it is SIGKILLed at a random
+// A child pushes +1 to 64 rows of 128 floats, all of them in each push, until it is SIGKILLed at a random
 // instant, often inside a row write. Every row read back is whole (all its floats equal), and
 // the rows are counts of the pushes in push order: non-increasing along the batch, and within one
 // of each other. Without the undo records a row cut mid-write comes back torn.
 TEST(TableFiles, ARowWriteCutByADeathIsRolledBack) {
-  constexpr std::uint32_t kDim = 1024;
+  constexpr std::uint32_t kDim = 128;  // a 32 MiB segment: room in a container's small /dev/shm
   constexpr Key kIds = 64;
   TableSpec spec;
   spec.dim = kDim;

@@ -67,7 +67,7 @@ std::unique_ptr<Predecessor> Predecessor::take(const std::string& name, std::chr
   }
   const SegmentGeometry& g = segment->geometry();
   p->report_.predecessor_pid = g.server_pid;
-  p->tables_ = shm::tables_directory(name, g.server_pid);
+  p->tables_ = shm::tables_directory(name, segment->header().job_nonce);
   const std::string dead = "pskv-server pid " + std::to_string(g.server_pid);
   auto& h = segment->header();
   h.accepting.store(0, std::memory_order_seq_cst);
@@ -192,32 +192,35 @@ void Predecessor::copy_tables_into(ShardEngine& engine) {
   const std::string dead = "pskv-server pid " + std::to_string(report_.predecessor_pid);
   for (const LeftTable& left : left_tables(tables_)) {
     std::string why;
-    if (const Errc e = engine.create_table(left.id, left.requested, &why); e != Errc::ok)
+    // With the cap it had: the one a server gives a table declared without one depends on the
+    // tables made before it, and on --table-memory-mb.
+    if (const Errc e = engine.restore_table_rows(left.id, left.requested, left.max_rows, {}, nullptr, &why);
+        e != Errc::ok)
       throw Error(e, "cannot adopt table " + std::to_string(left.id) + " of " + dead + ": " + why);
     EmbeddingTable& table = *engine.table_at(left.id);
-    // A table restored from a checkpoint may hold rows the dead server evicted since: they go.
+    // A table restored from a checkpoint may hold rows the dead server evicted since. They go
+    // first: restored after the dead server's rows, a row of theirs could evict one of those.
     std::vector<Key> before;
     table.scan(0, UINT32_MAX, [&](Key id, const float*, const float*) { before.push_back(id); });
-    std::vector<Key> adopted;
-    std::uint64_t refused = 0;
-    const EmbeddingTable::LeftRows rows = read_left_rows(left, [&](Key id, const float* row, const float* state) {
-      if (table.restore_row(id, row, state)) {
-        if (!before.empty()) adopted.push_back(id);
-      } else {
-        ++refused;
-      }
-    });
+    EmbeddingTable::LeftRows rows;
     if (!before.empty()) {
+      std::vector<Key> held;
+      rows = read_left_rows(left, [&](Key id, const float*, const float*) { held.push_back(id); });
       std::sort(before.begin(), before.end());
-      std::sort(adopted.begin(), adopted.end());
+      std::sort(held.begin(), held.end());
       std::vector<Key> gone;
-      std::set_difference(before.begin(), before.end(), adopted.begin(), adopted.end(), std::back_inserter(gone));
+      std::set_difference(before.begin(), before.end(), held.begin(), held.end(), std::back_inserter(gone));
       for (const Key id : gone) table.remove_row(id);
     }
+    std::uint64_t refused = 0;
+    const std::uint64_t rolled_back = rows.rolled_back;  // a second reading finds them put back already
+    rows = read_left_rows(left, [&](Key id, const float* row, const float* state) {
+      if (!table.restore_row(id, row, state)) ++refused;
+    });
     ++report_.tables;
     report_.rows += rows.rows - refused;
     report_.rows_refused += refused;
-    report_.rows_rolled_back += rows.rolled_back;
+    report_.rows_rolled_back += rolled_back + rows.rolled_back;
     report_.rows_torn += rows.torn;
     if (rows.torn > 0)
       log::warn("shm.adopt", std::to_string(rows.torn) + " rows of table " + std::to_string(left.id) + " of " + dead +

@@ -60,7 +60,7 @@ class ShmListener final : public transport::Listener {
     memory.clocks = engine.num_workers ? segment_->clock_memory() : nullptr;
     if (adopt_) {
       // Tables keep their rows in files, so that a successor can adopt them too.
-      tables_ = shm::tables_directory(name_, ::getpid());
+      tables_ = shm::tables_directory(name_, segment_->header().job_nonce);
       memory.tables = [root = tables_](std::uint32_t id, const TableSpec& requested, std::uint64_t max_rows) {
         return std::make_unique<TableFiles>(root, id, requested, max_rows);
       };

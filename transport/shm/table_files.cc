@@ -101,21 +101,33 @@ class MappedFile final : public MemoryResource {
   bool kept_ = false;
 };
 
-// The number after `prefix` in `name` (digits only), if it is one.
-std::optional<std::uint64_t> number_after(const std::string& name, std::string_view prefix) {
+// The number after `prefix` in `name` (written as this file writes it: digits in `base`, no
+// leading zero), if it is one.
+std::optional<std::uint64_t> number_after(const std::string& name, std::string_view prefix, int base = 10) {
   if (name.size() <= prefix.size() || name.compare(0, prefix.size(), prefix) != 0) return std::nullopt;
   std::uint64_t n = 0;
   const char* first = name.data() + prefix.size();
   const char* last = name.data() + name.size();
-  const auto [end, ec] = std::from_chars(first, last, n);
-  if (ec != std::errc() || end != last) return std::nullopt;
+  const auto [end, ec] = std::from_chars(first, last, n, base);
+  if (ec != std::errc() || end != last || (*first == '0' && last - first > 1)) return std::nullopt;
   return n;
+}
+
+std::string hex(std::uint64_t n) {
+  char text[17];
+  const auto [end, ec] = std::to_chars(text, text + sizeof text, n, 16);
+  return std::string(text, end);
+}
+
+// A dead server's file, as this server reads it: failures name the file and the way out.
+Error left_file_error(const std::string& table_dir, const std::string& what) {
+  return Error(Errc::stale_resource, what + "; remove " + table_dir + " to start without that table");
 }
 
 }  // namespace
 
-std::string tables_directory(const std::string& name, std::int32_t pid) {
-  return "/dev/shm" + segment_object_name(name) + ".tables." + std::to_string(pid);
+std::string tables_directory(const std::string& name, std::uint64_t job_nonce) {
+  return "/dev/shm" + segment_object_name(name) + ".tables." + hex(job_nonce);
 }
 
 void remove_left_tables(const std::string& name, const std::string& keep) {
@@ -123,17 +135,22 @@ void remove_left_tables(const std::string& name, const std::string& keep) {
   std::error_code ec;
   for (const auto& entry : fs::directory_iterator("/dev/shm", ec)) {
     const std::string file = entry.path().filename().string();
-    if (!number_after(file, prefix) || entry.path().string() == keep) continue;
+    if (!number_after(file, prefix, 16) || entry.path().string() == keep) continue;
     fs::remove_all(entry.path(), ec);
   }
 }
 
 TableFiles::TableFiles(const std::string& root, std::uint32_t id, const TableSpec& requested, std::uint64_t max_rows)
-    : dir_(root + "/table-" + std::to_string(id)) {
+    : dir_(root + "/table-" + std::to_string(id) + ".new"), final_dir_(root + "/table-" + std::to_string(id)) {
+  if (::mkdir(root.c_str(), 0700) != 0 && errno != EEXIST)
+    throw Error(Errc::io, "cannot make " + root + ": " + errno_text());
+  struct stat st {};
+  if (::lstat(root.c_str(), &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != ::geteuid())
+    throw Error(Errc::permission, root + " is not a directory of this user's: not keeping tables in it");
   std::error_code ec;
   fs::remove_all(dir_, ec);  // a table of this id made here before and dropped (a failed create)
-  if (!fs::create_directories(dir_, ec) || ec) throw Error(Errc::io, "cannot make " + dir_ + ": " + ec.message());
-  ::chmod(root.c_str(), 0700);
+  fs::remove_all(final_dir_, ec);
+  if (::mkdir(dir_.c_str(), 0700) != 0) throw Error(Errc::io, "cannot make " + dir_ + ": " + errno_text());
   SpecFile f{};
   std::memcpy(f.magic, kSpecMagic, sizeof kSpecMagic);
   f.id = id;
@@ -152,6 +169,7 @@ TableFiles::TableFiles(const std::string& root, std::uint32_t id, const TableSpe
 TableFiles::~TableFiles() {
   std::error_code ec;
   fs::remove_all(dir_, ec);
+  fs::remove_all(final_dir_, ec);
 }
 
 std::unique_ptr<MemoryResource> TableFiles::segment(std::size_t bytes) {
@@ -168,7 +186,11 @@ void TableFiles::publish(MemoryResource& memory, std::uint32_t index) {
 
 std::unique_ptr<MemoryResource> TableFiles::undo(std::size_t bytes) {
   auto f = MappedFile::create(dir_ + "/undo", bytes);
-  f->keep(f->path());
+  // The table is whole now (spec and undo records): under its name it is adopted.
+  if (::rename(dir_.c_str(), final_dir_.c_str()) != 0)
+    throw Error(Errc::io, "cannot name " + dir_ + " " + final_dir_ + ": " + errno_text());
+  dir_ = final_dir_;
+  f->keep(dir_ + "/undo");
   return f;
 }
 
@@ -176,13 +198,12 @@ std::vector<LeftTable> left_tables(const std::string& root) {
   std::vector<LeftTable> out;
   std::error_code ec;
   if (!fs::is_directory(root, ec)) return out;
-  for (const auto& entry : fs::directory_iterator(root)) {
+  for (const auto& entry : fs::directory_iterator(root, ec)) {
     const auto id = number_after(entry.path().filename().string(), "table-");
     if (!id) continue;
     const std::string path = entry.path().string() + "/spec";
     auto bad = [&](const std::string& why) {
-      return Error(Errc::stale_resource, "the table file " + path + " " + why + "; remove " + entry.path().string() +
-                                             " to start without that table");
+      return left_file_error(entry.path().string(), "the table file " + path + " " + why);
     };
     SpecFile f{};
     const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
@@ -209,24 +230,29 @@ std::vector<LeftTable> left_tables(const std::string& root) {
 
 EmbeddingTable::LeftRows read_left_rows(const LeftTable& table,
                                         const std::function<void(Key, const float*, const float*)>& visit) {
-  const std::unique_ptr<MappedFile> undo = MappedFile::open(table.dir + "/undo");
+  std::unique_ptr<MappedFile> undo;
   std::vector<std::unique_ptr<MappedFile>> files;
   std::vector<std::span<std::byte>> segments;
-  for (const auto& entry : fs::directory_iterator(table.dir)) {
-    const auto index = number_after(entry.path().filename().string(), "segment-");
-    if (!index) continue;  // new-K: never published, so it holds no row
-    if (*index >= (1u << 16))
-      throw Error(Errc::stale_resource, entry.path().string() + " is past the segments a table has");
-    files.push_back(MappedFile::open(entry.path().string()));
-    if (segments.size() <= *index) segments.resize(*index + 1);
-    segments[*index] = {files.back()->data(), files.back()->size()};
+  try {
+    undo = MappedFile::open(table.dir + "/undo");
+    for (const auto& entry : fs::directory_iterator(table.dir)) {
+      const auto index = number_after(entry.path().filename().string(), "segment-");
+      if (!index) continue;  // new-K: never published, so it holds no row
+      if (*index >= (1u << 16))
+        throw Error(Errc::stale_resource, entry.path().string() + " is past the segments a table has");
+      files.push_back(MappedFile::open(entry.path().string()));
+      if (segments.size() <= *index) segments.resize(*index + 1);
+      segments[*index] = {files.back()->data(), files.back()->size()};
+    }
+  } catch (const std::exception& e) {
+    throw left_file_error(table.dir, e.what());
   }
   TableSpec spec = table.requested;
   spec.max_rows = table.max_rows;
   try {
     return EmbeddingTable::recover_rows(spec, segments, {undo->data(), undo->size()}, visit);
   } catch (const Error& e) {
-    throw Error(Errc::stale_resource, "the rows in " + table.dir + " do not match its spec: " + e.what());
+    throw left_file_error(table.dir, std::string("its rows do not match its spec: ") + e.what());
   }
 }
 

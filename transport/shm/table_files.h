@@ -1,10 +1,13 @@
 // Embedding tables of an shm server started to be adopted (shm://NAME?adopt=1) keep their rows in
 // files of /dev/shm, so that a successor takes the rows of a dead server as it takes its keys
 // (docs/ARCHITECTURE.md, "Restarting an shm server"). One directory per server incarnation,
-// /dev/shm/pskv-NAME.tables.PID, and in it one per table:
-//   table-T/spec        what the table was created with, written once (temp file, rename)
+// /dev/shm/pskv-NAME.tables.NONCE (the segment header's job_nonce: a pid can be reused, by a
+// restarted container say), and in it one per table:
+//   table-T/spec        what the table was created with
 //   table-T/undo        its undo records (EmbeddingTable logs every row write there first)
 //   table-T/segment-N   its segments, under this name once published; new-K while being made
+// A table's directory is made as table-T.new and renamed once its spec and undo records are
+// written, so a server killed while creating a table leaves none half made.
 // A table's directory goes when the table does (the server stopped); a killed server leaves
 // its directory, which its successor adopts or, not adopting, removes.
 #pragma once
@@ -23,8 +26,8 @@
 
 namespace pskv::shm {
 
-// Where the server of shm://NAME running as `pid` keeps its tables.
-std::string tables_directory(const std::string& name, std::int32_t pid);
+// Where the server of shm://NAME whose segment carries `job_nonce` keeps its tables.
+std::string tables_directory(const std::string& name, std::uint64_t job_nonce);
 // Removes the table directories of every server of `name` but `keep`: called by the one server
 // that holds the name (its segment is made), so none of them belongs to a live server.
 void remove_left_tables(const std::string& name, const std::string& keep);
@@ -32,8 +35,9 @@ void remove_left_tables(const std::string& name, const std::string& keep);
 // One table's files. Thread-safety: as TableStorage.
 class TableFiles final : public TableStorage {
  public:
-  // Makes table `id`'s directory under `root` (made too if absent) and writes its spec file.
-  // Throws Error(io) when they cannot be written.
+  // Makes table `id`'s directory under `root` (made too if absent, mode 0700; refused if it is
+  // not a directory of this user's) and writes its spec file; undo() then completes it. Throws
+  // Error(io) when they cannot be written.
   TableFiles(const std::string& root, std::uint32_t id, const TableSpec& requested, std::uint64_t max_rows);
   ~TableFiles() override;  // removes the table's directory: the table is gone
   TableFiles(const TableFiles&) = delete;
@@ -44,7 +48,8 @@ class TableFiles final : public TableStorage {
   std::unique_ptr<MemoryResource> undo(std::size_t bytes) override;
 
  private:
-  std::string dir_;
+  std::string dir_;  // table-T.new until undo() has run, then table-T
+  std::string final_dir_;
   std::atomic<std::uint64_t> made_{0};  // names of segments being made
 };
 
