@@ -326,6 +326,69 @@ TEST(ShmAdoptionTables, TheSuccessorHoldsTheDeadServersRowsWithTheCapsTheyHad) {
   std::filesystem::remove_all(dir);
 }
 
+// A successor killed while it copies (here inside the rows of a 2M-row table) served nobody: the
+// next one adopts the segment and tables the first server left, which the killed one had moved
+// aside, not the part it had copied.
+TEST(ShmAdoptionStart, ASuccessorKilledWhileAdoptingLeavesTheWholeOriginalToTheNext) {
+  const std::string uri = "shm://" + segment_name("twice", 0) + "?adopt=1";
+  const std::vector<std::string> args = {"--uri", uri, "--table-memory-mb", "2048"};
+  constexpr Key kRows = 2000000, kBatch = 100000;
+  TableSpec spec;
+  spec.dim = 16;
+  spec.init = RowInit::zeros;
+  spec.rule = UpdateRuleConfig{UpdateRule::add};
+  ClientOptions o;
+  {
+    auto first = ServerProcess::start(args);
+    o.servers = {first.uri};
+    Client c(o);
+    c.wait(c.init(1, std::vector<float>(16, 5.0f)));
+    c.create_table(0, spec);
+    std::vector<Key> ids(kBatch);
+    std::vector<float> rows(kBatch * spec.dim);
+    for (Key b = 0; b < kRows; b += kBatch) {
+      for (Key i = 0; i < kBatch; ++i) {
+        ids[i] = b + i;
+        std::fill_n(rows.begin() + static_cast<std::ptrdiff_t>(i * spec.dim), spec.dim, float((b + i) % 1000));
+      }
+      c.wait(c.push_rows(0, ids, rows));
+    }
+    first.process.signal(SIGKILL);
+    first.process.wait();
+  }
+  const std::string log = ::testing::TempDir() + "adopt-twice.log";
+  {
+    testing::Process killed(PSKV_SERVER_BIN, args, log);
+    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (testing::read_file(log).find("adopting the segment") == std::string::npos &&
+           std::chrono::steady_clock::now() < give_up)
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    std::this_thread::sleep_for(std::chrono::milliseconds(150));
+    killed.signal(SIGKILL);
+    killed.wait();
+  }
+  const std::string killed_log = testing::read_file(log);
+  ASSERT_NE(killed_log.find("adopting the segment"), std::string::npos) << killed_log;
+  ASSERT_EQ(killed_log.find("rows of"), std::string::npos)
+      << "the second server finished adopting before it was killed: this tests nothing\n"
+      << killed_log;
+
+  auto server = ServerProcess::start(args);
+  Client c(o);
+  c.create_table(0, spec);
+  std::vector<Key> probe;
+  for (Key id = 7; id < kRows; id += 997) probe.push_back(id);
+  std::vector<float> got(probe.size() * spec.dim);
+  c.wait(c.pull_rows(0, probe, got));
+  for (std::size_t i = 0; i < probe.size(); ++i)
+    ASSERT_EQ(got[i * spec.dim], float(probe[i] % 1000)) << "row " << probe[i];
+  std::vector<float> dense(16);
+  c.wait(c.pull(1, dense));
+  EXPECT_EQ(dense[0], 5.0f);
+  const std::string stats = c.server_stats(0);
+  EXPECT_EQ(stat_field(stats, "adopted_rows"), kRows) << stats;
+}
+
 // Clocks survive: two BSP workers at clock 3, the server killed and adopted; worker 0 reconnects
 // at clock 3 and reads without worker 1 ever coming back (a fresh table would hold the read at
 // worker 1's clock 0 and fail it at the wait timeout).

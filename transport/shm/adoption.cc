@@ -55,11 +55,30 @@ std::unique_ptr<Predecessor> Predecessor::take(const std::string& name, std::chr
   const auto began = std::chrono::steady_clock::now();
   std::unique_ptr<Segment> segment = Segment::open_left_by_dead_server(name);
   if (!segment) return nullptr;
+  const std::string object = "/dev/shm" + segment_object_name(name);
+  if (segment->header().ready.load(std::memory_order_acquire) == 0) {
+    // Its server died before it served anyone: if it was adopting, the segment it took aside is
+    // the one that holds what clients were told, and this one at most part of a copy of it.
+    const std::int32_t pid = segment->header().server_pid;
+    const std::string earlier = object + ".adopting-" + std::to_string(pid);
+    if (::access(earlier.c_str(), F_OK) == 0) {
+      log::warn("shm.adopt", "pskv-server pid " + std::to_string(pid) + " died while adopting the segment at " +
+                                 earlier + ", before it served anyone; adopting that one instead of its copy");
+      std::error_code ec;
+      std::filesystem::remove_all(shm::tables_directory(name, segment->header().job_nonce), ec);
+      segment.reset();
+      if (::rename(earlier.c_str(), object.c_str()) != 0 && errno != ENOENT)
+        throw Error(Errc::io, "cannot move " + earlier + " back to " + object + ": " + std::strerror(errno));
+      return take(name, patience);  // ENOENT: another successor took it back first
+    }
+  }
+  log::info("shm.adopt", "adopting the segment pskv-server pid " + std::to_string(segment->header().server_pid) +
+                             " left at shm://" + name);
   auto p = std::unique_ptr<Predecessor>(new Predecessor());
   p->began_ = began;
   // Claimed first, by moving it aside: of two successors started at once only one gets it (the
   // other finds no segment, or its own rename fails), and the name is free for this server's own.
-  p->name_ = "/dev/shm" + segment_object_name(name);
+  p->name_ = object;
   p->aside_ = p->name_ + ".adopting-" + std::to_string(::getpid());
   if (::rename(p->name_.c_str(), p->aside_.c_str()) != 0) {
     if (errno == ENOENT) return nullptr;
