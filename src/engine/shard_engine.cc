@@ -888,7 +888,10 @@ std::uint64_t ShardEngine::table_cost(const TableSpec& spec, std::uint64_t* max_
   // A replicated server also keeps the copies of its predecessors' tables, which every server of
   // the job creates alike: a table takes its rows at the cap once per replica.
   const std::uint64_t copies = options_.replicate_tables ? options_.replica_of.size() + 1 : 1;
-  const std::uint64_t fixed = EmbeddingTable::fixed_bytes(spec);
+  // A table kept in storage logs its row writes: one undo record per index shard, as wide as a row
+  // with its state (100 MiB for 1024-float Adam rows).
+  const std::uint64_t fixed =
+      EmbeddingTable::fixed_bytes(spec) + (table_storage_ ? EmbeddingTable::undo_bytes_for(spec) : 0);
   const std::uint64_t per_row = EmbeddingTable::row_bytes_bound(spec);
   const std::uint64_t left =
       (options_.table_memory_bytes - std::min(options_.table_memory_bytes, table_bytes_promised_)) / copies;

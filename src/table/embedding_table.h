@@ -112,6 +112,10 @@ class EmbeddingTable {
   static std::uint64_t state_floats_for(const TableSpec& spec) noexcept;
   static std::uint64_t row_bytes_bound(const TableSpec& spec) noexcept;
   static std::uint64_t fixed_bytes(const TableSpec& spec) noexcept;
+  // What its undo records take, for a table with a TableStorage.
+  static std::uint64_t undo_bytes_for(const TableSpec& spec) noexcept {
+    return std::uint64_t{undo_stride(spec.dim, state_floats_for(spec))} << kShardBits;
+  }
 
   // The rows a dead process left in a table's storage. `segments[i]`: the memory it published as
   // segment i (empty: none), `undo`: its undo records, both as mapped here and writable. Writes
