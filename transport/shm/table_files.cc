@@ -170,6 +170,9 @@ TableFiles::~TableFiles() {
   std::error_code ec;
   fs::remove_all(dir_, ec);
   fs::remove_all(final_dir_, ec);
+  // The server's directory too once it holds no table: its stop removed it already, unless the
+  // table's thread was making a segment file in it meanwhile.
+  ::rmdir(fs::path(final_dir_).parent_path().c_str());
 }
 
 std::unique_ptr<MemoryResource> TableFiles::segment(std::size_t bytes) {
