@@ -899,7 +899,8 @@ std::uint64_t ShardEngine::table_cost(const TableSpec& spec, std::uint64_t* max_
   return (fixed + *max_rows * per_row) * copies;
 }
 
-Errc ShardEngine::make_table(std::uint32_t id, const TableSpec& spec, std::string* why, std::uint64_t max_rows) {
+Errc ShardEngine::make_table(std::uint32_t id, const TableSpec& spec, std::string* why, std::uint64_t max_rows,
+                             std::unique_ptr<TableStorage> storage) {
   TableSpec effective = spec;
   if (max_rows != 0) effective.max_rows = max_rows;
   const std::uint64_t needs = table_cost(spec, &effective.max_rows);
@@ -913,8 +914,8 @@ Errc ShardEngine::make_table(std::uint32_t id, const TableSpec& spec, std::strin
   }
   try {
     // Indexed for the cap the workers declared, not for the one this server's memory sets.
-    table_owner_.push_back(std::make_unique<EmbeddingTable>(
-        effective, spec.max_rows, table_storage_ ? table_storage_(id, spec, effective.max_rows) : nullptr));
+    if (!storage && table_storage_) storage = table_storage_(id, spec, effective.max_rows);
+    table_owner_.push_back(std::make_unique<EmbeddingTable>(effective, spec.max_rows, std::move(storage)));
   } catch (const std::exception& e) {
     *why = std::string("table ") + std::to_string(id) + ": " + e.what();
     return Errc::capacity;
@@ -1233,6 +1234,24 @@ Errc ShardEngine::replica_table_rows(std::uint32_t origin, std::uint32_t id, std
     out->records.insert(out->records.end(), state, state + (out->record_floats - dim));
   });
   return Errc::ok;
+}
+
+Errc ShardEngine::adopt_table(std::uint32_t id, const TableSpec& requested, std::uint64_t max_rows,
+                              std::unique_ptr<TableStorage> storage, std::string* why) {
+  if (id >= kMaxTables || max_rows == 0 || max_rows >= UINT32_MAX) {
+    *why = "table " + std::to_string(id) + " with a cap of " + std::to_string(max_rows) + " rows";
+    return Errc::invalid_argument;
+  }
+  if (std::string problem = check_table_spec(requested); !problem.empty()) {
+    *why = "table " + std::to_string(id) + ": " + problem;
+    return Errc::invalid_argument;
+  }
+  std::lock_guard lock(tables_mu_);
+  if (tables_[id].load(std::memory_order_relaxed)) {
+    *why = "table " + std::to_string(id) + " exists here already";
+    return Errc::invalid_argument;
+  }
+  return make_table(id, requested, why, max_rows, std::move(storage));
 }
 
 Errc ShardEngine::restore_table_rows(std::uint32_t id, const TableSpec& requested, std::uint64_t max_rows,

@@ -377,6 +377,12 @@ class ShardEngine {
   // A rejoining server takes table `id` back: created with the spec and cap it had, then the rows.
   Errc restore_table_rows(std::uint32_t id, const TableSpec& requested, std::uint64_t max_rows,
                           std::span<const Key> ids, const float* records, std::string* why);
+  // An shm successor takes table `id` over from the files a dead server left: made with the spec
+  // and cap it had, on `storage`, whose TableStorage::take_left() gives the table its rows in
+  // place. False with *why when the table exists already (then its rows go in one by one) or
+  // cannot be made.
+  Errc adopt_table(std::uint32_t id, const TableSpec& requested, std::uint64_t max_rows,
+                   std::unique_ptr<TableStorage> storage, std::string* why);
   // ... and its push marks (table_push_marks() of them, or none).
   Errc restore_table_marks(std::uint32_t id, std::span<const std::uint64_t> marks, std::string* why);
   Errc check_worker(std::uint32_t worker, std::string* why) const;
@@ -467,7 +473,9 @@ class ShardEngine {
   bool tables_refused(std::string* why) const;
   // Makes table `id` under tables_mu_ (the caller checked it is absent), charged to the table
   // memory; with the cap `max_rows` when given (a rejoin restores the cap the table had).
-  Errc make_table(std::uint32_t id, const TableSpec& spec, std::string* why, std::uint64_t max_rows = 0);
+  // `storage`: the table's, instead of one from table_storage_.
+  Errc make_table(std::uint32_t id, const TableSpec& spec, std::string* why, std::uint64_t max_rows = 0,
+                  std::unique_ptr<TableStorage> storage = nullptr);
   // What a table of `spec` takes at the cap `max_rows`; its cap from what is left when 0.
   std::uint64_t table_cost(const TableSpec& spec, std::uint64_t* max_rows) const noexcept;
   EmbeddingTable* table_rows(std::uint32_t id, std::span<const KeyEntry> entries, std::vector<Key>& keys,

@@ -91,6 +91,10 @@ EmbeddingTable::EmbeddingTable(const TableSpec& spec, std::uint64_t index_rows, 
   const std::size_t segment = segment_layout().bytes();
   prepare_lead_ = segment > kPrepareBytes ? 0 : prepare_limit_rows_ ? kPrepareBytes / segment : 1;
   if (spec.admit_after > 1) filter_ = std::make_unique<std::atomic<std::uint8_t>[]>(std::size_t{2} << kFilterBits);
+  if (storage_) {
+    TableStorage::Left left = storage_->take_left();
+    if (!left.segments.empty()) take_left(std::move(left));
+  }
 }
 
 std::uint64_t EmbeddingTable::state_floats_for(const TableSpec& spec) noexcept {
@@ -394,17 +398,12 @@ EmbeddingTable::SegmentLayout EmbeddingTable::segment_layout_for(const TableSpec
           spec.eviction != RowEviction::none ? align_up(4 * kSegmentRows, kCacheLine) : 0, kSegmentRows / 8};
 }
 
-std::unique_ptr<EmbeddingTable::Segment> EmbeddingTable::make_segment(bool touch) const noexcept {
-  // Zero pages as mapped: every atomic starts at 0, and only `next` needs another value.
+std::unique_ptr<EmbeddingTable::Segment> EmbeddingTable::carve_segment(
+    std::unique_ptr<MemoryResource> memory) const noexcept {
   const SegmentLayout layout = segment_layout();
   auto seg = std::unique_ptr<Segment>(new (std::nothrow) Segment);
   if (!seg) return nullptr;
-  try {
-    seg->memory = storage_ ? storage_->segment(layout.bytes())
-                           : std::make_unique<HeapMemory>(layout.bytes(), "an embedding table's rows");
-  } catch (const std::exception&) {
-    return nullptr;
-  }
+  seg->memory = std::move(memory);
   std::byte* at = seg->memory->data();
   auto carve = [&at](std::size_t bytes) { return std::exchange(at, at + bytes); };
   seg->meta = reinterpret_cast<RowMeta*>(carve(layout.meta));
@@ -412,6 +411,84 @@ std::unique_ptr<EmbeddingTable::Segment> EmbeddingTable::make_segment(bool touch
   seg->state = layout.state ? reinterpret_cast<float*>(carve(layout.state)) : nullptr;
   seg->stamps = layout.stamps ? reinterpret_cast<std::atomic<std::uint32_t>*>(carve(layout.stamps)) : nullptr;
   seg->marks = reinterpret_cast<std::atomic<std::uint64_t>*>(carve(layout.marks));
+  return seg;
+}
+
+void EmbeddingTable::take_left(TableStorage::Left left) {
+  std::vector<std::span<std::byte>> spans;
+  for (const auto& [index, memory] : left.segments) {
+    if (index >= kMaxSegments) throw Error(Errc::invalid_argument, "a left segment past the last a table has");
+    if (spans.size() <= index) spans.resize(std::size_t{index} + 1);
+    spans[index] = {memory->data(), memory->size()};
+  }
+  if (!left.undo) throw Error(Errc::invalid_argument, "left segments without their undo records");
+  adopted_.rolled_back = roll_back_left(spec_, spans, {left.undo->data(), left.undo->size()});
+  std::uint64_t end = 1;  // past the last row of the last segment
+  for (auto& [index, memory] : left.segments) {
+    std::unique_ptr<Segment> seg = carve_segment(std::move(memory));
+    if (!seg) throw Error(Errc::capacity, "no memory for a segment's bookkeeping");
+    // Its checkpoint marks and eviction stamps were the dead table's: a checkpoint of this one
+    // starts with a snapshot, and its LRU clock starts again at 0.
+    std::memset(static_cast<void*>(seg->marks), 0, segment_layout().marks);
+    if (seg->stamps) std::memset(static_cast<void*>(seg->stamps), 0, segment_layout().stamps);
+    segment_bytes_ += seg->memory->size();
+    ++segment_count_;
+    segments_[index].store(seg.release(), std::memory_order_relaxed);
+    end = std::max(end, std::uint64_t{index + 1} << kSegmentBits);
+  }
+  // Not yet shared with any thread: the index is built without its locks. Live rows are those
+  // whose link is not the free mark (recover_rows); the others are free to hand out again.
+  for (std::uint64_t r = 1; r < end; ++r) {
+    if (segments_[r >> kSegmentBits].load(std::memory_order_relaxed) == nullptr) {
+      r |= kSegmentRows - 1;
+      continue;
+    }
+    const auto row = static_cast<std::uint32_t>(std::min<std::uint64_t>(r, kFreeRow - 1));
+    RowMeta& m = meta(row);
+    if (m.next.load(std::memory_order_relaxed) == kFreeRow) {
+      free_rows_.push_back(row);
+      continue;
+    }
+    if (const std::uint32_t v = m.version.load(std::memory_order_relaxed); v & 1) {
+      m.version.store(v + 1, std::memory_order_relaxed);  // inside a write no record covers: as it is
+      ++adopted_.torn;
+    }
+    const Key id = m.key.load(std::memory_order_relaxed);
+    const std::uint64_t hash = index_hash(id);
+    Shard& shard = shard_of(hash);
+    if (find_locked(shard, id, hash, nullptr) != 0) {  // twice: cannot be, unless the files were changed
+      m.next.store(kFreeRow, std::memory_order_relaxed);
+      free_rows_.push_back(row);
+      continue;
+    }
+    if (shard.rows + 1 > 2 * (shard.buckets.load(std::memory_order_relaxed)->mask + 1)) grow(shard);
+    Buckets* b = shard.buckets.load(std::memory_order_relaxed);
+    auto& head = b->heads[hash & b->mask];
+    m.next.store(head.load(std::memory_order_relaxed), std::memory_order_relaxed);
+    head.store(row, std::memory_order_relaxed);
+    ++shard.rows;
+    ++adopted_.rows;
+  }
+  // Handed out first, the lowest rows first (take_row takes from the back).
+  std::reverse(free_rows_.begin(), free_rows_.end());
+  free_count_ = free_rows_.size();
+  next_row_ = std::min<std::uint64_t>(end, kFreeRow);
+  rows_ = adopted_.rows;
+  created_ = adopted_.rows;
+  grows_ = 0;
+}
+
+std::unique_ptr<EmbeddingTable::Segment> EmbeddingTable::make_segment(bool touch) const noexcept {
+  // Zero pages as mapped: every atomic starts at 0, and only `next` needs another value.
+  const SegmentLayout layout = segment_layout();
+  std::unique_ptr<Segment> seg;
+  try {
+    seg = carve_segment(storage_ ? storage_->segment(layout.bytes())
+                                 : std::make_unique<HeapMemory>(layout.bytes(), "an embedding table's rows"));
+  } catch (const std::exception&) {
+    return nullptr;
+  }
+  if (!seg) return nullptr;
   for (std::uint32_t i = 0; i < kSegmentRows; ++i) {
     new (&seg->meta[i].key) std::atomic<std::uint64_t>(0);
     new (&seg->meta[i].next) std::atomic<std::uint32_t>(kFreeRow);
@@ -664,6 +741,28 @@ void EmbeddingTable::clear_undo(const Shard& shard) const noexcept {
 EmbeddingTable::LeftRows EmbeddingTable::recover_rows(
     const TableSpec& spec, std::span<const std::span<std::byte>> segments, std::span<std::byte> undo,
     const std::function<void(Key id, const float* row, const float* state)>& visit) {
+  LeftRows left;
+  left.rolled_back = roll_back_left(spec, segments, undo);
+  const SegmentLayout layout = segment_layout_for(spec);
+  const std::uint64_t state_floats = state_floats_for(spec);
+  for (std::size_t s = 0; s < segments.size(); ++s) {
+    if (segments[s].empty()) continue;
+    const auto* meta = reinterpret_cast<const RowMeta*>(segments[s].data());
+    const auto* data = reinterpret_cast<const float*>(segments[s].data() + layout.meta);
+    const auto* state = reinterpret_cast<const float*>(segments[s].data() + layout.meta + layout.data);
+    for (std::uint32_t i = s == 0 ? 1 : 0; i < kSegmentRows; ++i) {
+      if (meta[i].next.load(std::memory_order_relaxed) == kFreeRow) continue;
+      if (meta[i].version.load(std::memory_order_relaxed) & 1) ++left.torn;
+      visit(meta[i].key.load(std::memory_order_relaxed), data + std::size_t{i} * spec.dim,
+            state_floats > 0 ? state + std::size_t{i} * state_floats : nullptr);
+      ++left.rows;
+    }
+  }
+  return left;
+}
+
+std::uint64_t EmbeddingTable::roll_back_left(const TableSpec& spec, std::span<const std::span<std::byte>> segments,
+                                             std::span<std::byte> undo) {
   if (std::string why = check_table_spec(spec); !why.empty()) throw Error(Errc::invalid_argument, why);
   const SegmentLayout layout = segment_layout_for(spec);
   const std::uint64_t state_floats = state_floats_for(spec);
@@ -690,7 +789,7 @@ EmbeddingTable::LeftRows EmbeddingTable::recover_rows(
     return reinterpret_cast<float*>(segments[row >> kSegmentBits].data() + layout.meta + layout.data) +
            std::size_t{row & (kSegmentRows - 1)} * state_floats;
   };
-  LeftRows left;
+  std::uint64_t rolled_back = 0;
   for (std::size_t s = 0; s < (std::size_t{1} << kShardBits); ++s) {
     std::byte* record = undo.data() + s * stride;
     const std::uint32_t row = reinterpret_cast<UndoHead*>(record)->row.load(std::memory_order_acquire);
@@ -705,20 +804,9 @@ EmbeddingTable::LeftRows EmbeddingTable::recover_rows(
     std::memcpy(data_of(row), old, std::size_t{spec.dim} * sizeof(float));
     if (state_floats > 0) std::memcpy(state_of(row), old + spec.dim, state_floats * sizeof(float));
     m.version.store(v + 1, std::memory_order_relaxed);
-    ++left.rolled_back;
+    ++rolled_back;
   }
-  for (std::size_t s = 0; s < segments.size(); ++s) {
-    if (segments[s].empty()) continue;
-    for (std::uint32_t i = s == 0 ? 1 : 0; i < kSegmentRows; ++i) {
-      const auto row = static_cast<std::uint32_t>((s << kSegmentBits) | i);
-      const RowMeta& m = *meta_of(row);
-      if (m.next.load(std::memory_order_relaxed) == kFreeRow) continue;
-      if (m.version.load(std::memory_order_relaxed) & 1) ++left.torn;
-      visit(m.key.load(std::memory_order_relaxed), data_of(row), state_floats > 0 ? state_of(row) : nullptr);
-      ++left.rows;
-    }
-  }
-  return left;
+  return rolled_back;
 }
 
 void EmbeddingTable::mark(std::uint32_t row) noexcept {

@@ -130,6 +130,9 @@ class EmbeddingTable {
   static LeftRows recover_rows(const TableSpec& spec, std::span<const std::span<std::byte>> segments,
                                std::span<std::byte> undo,
                                const std::function<void(Key id, const float* row, const float* state)>& visit);
+  // What this table took over from its storage's TableStorage::take_left() when it was made
+  // (zero for a new table): its rows are those, in place.
+  const LeftRows& adopted() const noexcept { return adopted_; }
 
  private:
   static constexpr std::uint32_t kSegmentBits = 16;
@@ -223,6 +226,13 @@ class EmbeddingTable {
     std::size_t bytes() const noexcept { return meta + data + state + stamps + marks; }
   };
   static SegmentLayout segment_layout_for(const TableSpec& spec) noexcept;
+  // recover_rows' first half: checks the sizes, puts back the rows left inside a write; how many.
+  static std::uint64_t roll_back_left(const TableSpec& spec, std::span<const std::span<std::byte>> segments,
+                                      std::span<std::byte> undo);
+  // Carves `memory` into a segment's arrays (make_segment's layout).
+  std::unique_ptr<Segment> carve_segment(std::unique_ptr<MemoryResource> memory) const noexcept;
+  // The constructor's last step with left segments: installs them and links their live rows.
+  void take_left(TableStorage::Left left);
   SegmentLayout segment_layout() const noexcept { return segment_layout_for(spec_); }
   // Publishes segment `s` (null until now); under grow_mu_. False (and `seg` dropped) when the
   // table's storage cannot record it.
@@ -253,6 +263,7 @@ class EmbeddingTable {
   std::unique_ptr<TableStorage> storage_;  // null: segments are the process's own memory
   std::unique_ptr<MemoryResource> undo_;   // with storage_: one record per shard, undo_stride_ apart
   std::size_t undo_stride_ = 0;
+  LeftRows adopted_;
   std::uint64_t index_key_;         // random per table: see index_hash
   std::uint64_t state_floats_ = 0;  // per row
   bool stamps_ = false;

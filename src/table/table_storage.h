@@ -6,6 +6,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <utility>
+#include <vector>
 
 #include "common/memory.h"
 
@@ -24,6 +26,15 @@ class TableStorage {
   virtual void publish(MemoryResource& memory, std::uint32_t index) = 0;
   // The table's undo records, zero-filled (EmbeddingTable keeps one per index shard).
   virtual std::unique_ptr<MemoryResource> undo(std::size_t bytes) = 0;
+
+  // What a dead process's table left, for this one to take over in place: its segments by index
+  // (already this table's: published) and its undo records. Empty for a new table. Asked once,
+  // when the table is made, after undo().
+  struct Left {
+    std::vector<std::pair<std::uint32_t, std::unique_ptr<MemoryResource>>> segments;
+    std::unique_ptr<MemoryResource> undo;
+  };
+  virtual Left take_left() { return {}; }
 };
 
 }  // namespace pskv

@@ -326,11 +326,15 @@ TEST(ShmAdoptionTables, TheSuccessorHoldsTheDeadServersRowsWithTheCapsTheyHad) {
   std::filesystem::remove_all(dir);
 }
 
-// A successor killed while it copies (here inside the rows of a 2M-row table) served nobody: the
-// next one adopts the segment and tables the first server left, which the killed one had moved
-// aside, not the part it had copied.
-TEST(ShmAdoptionStart, ASuccessorKilledWhileAdoptingLeavesTheWholeOriginalToTheNext) {
-  const std::string uri = "shm://" + segment_name("twice", 0) + "?adopt=1";
+// A successor killed while it adopts (here 0 ms after it began, which is before it made its own
+// segment, or 30 ms after, inside its copy of the keys or its index of a 2M-row table) served
+// nobody: the next one adopts the segment and tables the first server left, which the killed one
+// had moved aside, not the part it had copied nor nothing.
+class ShmAdoptionTwice : public ::testing::TestWithParam<int> {};
+
+TEST_P(ShmAdoptionTwice, ASuccessorKilledWhileAdoptingLeavesTheWholeOriginalToTheNext) {
+  const int kill_after_ms = GetParam();
+  const std::string uri = "shm://" + segment_name("twice", kill_after_ms) + "?adopt=1";
   const std::vector<std::string> args = {"--uri", uri, "--table-memory-mb", "2048"};
   constexpr Key kRows = 2000000, kBatch = 100000;
   TableSpec spec;
@@ -356,14 +360,16 @@ TEST(ShmAdoptionStart, ASuccessorKilledWhileAdoptingLeavesTheWholeOriginalToTheN
     first.process.signal(SIGKILL);
     first.process.wait();
   }
-  const std::string log = ::testing::TempDir() + "adopt-twice.log";
+  const std::string log = ::testing::TempDir() + "adopt-twice-" + std::to_string(kill_after_ms) + ".log";
   {
     testing::Process killed(PSKV_SERVER_BIN, args, log);
     const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(20);
     while (testing::read_file(log).find("adopting the segment") == std::string::npos &&
            std::chrono::steady_clock::now() < give_up)
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    std::this_thread::sleep_for(std::chrono::milliseconds(150));
+    // Before its copy is done, or before it has even made its own segment: either way the
+    // original must reach the next server.
+    std::this_thread::sleep_for(std::chrono::milliseconds(kill_after_ms));
     killed.signal(SIGKILL);
     killed.wait();
   }
@@ -388,6 +394,8 @@ TEST(ShmAdoptionStart, ASuccessorKilledWhileAdoptingLeavesTheWholeOriginalToTheN
   const std::string stats = c.server_stats(0);
   EXPECT_EQ(stat_field(stats, "adopted_rows"), kRows) << stats;
 }
+
+INSTANTIATE_TEST_SUITE_P(KilledAfterMs, ShmAdoptionTwice, ::testing::Values(0, 30));
 
 // Clocks survive: two BSP workers at clock 3, the server killed and adopted; worker 0 reconnects
 // at clock 3 and reads without worker 1 ever coming back (a fresh table would hold the read at

@@ -75,7 +75,8 @@ Rows read_rows(const LeftTable& table, EmbeddingTable::LeftRows* counts) {
 }
 
 // An Adam table at an LRU cap, pushed past it: the files hold exactly the rows the table held,
-// bit for bit with their moments and counts, and the spec it was made with.
+// bit for bit with their moments and counts, and the spec it was made with, whether read row by
+// row (read_left_rows) or taken over in place by a new table (TableFiles' take_from).
 TEST(TableFiles, ATableInFilesComesBackWithEveryRowAndItsState) {
   const Root root("state");
   TableSpec spec;
@@ -137,6 +138,36 @@ TEST(TableFiles, ATableInFilesComesBackWithEveryRowAndItsState) {
     ASSERT_NE(it, got.end()) << "id " << id << " is missing";
     ASSERT_EQ(std::memcmp(it->second.data(), row.data(), row.size() * sizeof(float)), 0) << "id " << id;
   }
+
+  // Taken over in place by a table of another server's directory: the same rows, and a table
+  // that goes on as any other (new ids take the free rows and new segments, under the cap).
+  const Root mine("state-taken");
+  EmbeddingTable taken(spec, spec.max_rows,
+                       std::make_unique<TableFiles>(mine.path, 3, spec, spec.max_rows, left[0].dir));
+  EXPECT_EQ(taken.adopted().rows, expected.size());
+  EXPECT_EQ(taken.stats().rows, expected.size());
+  Rows scanned;
+  taken.scan(0, UINT32_MAX, [&](Key id, const float* row, const float* st) {
+    std::vector<float>& r = scanned[id];
+    EXPECT_TRUE(r.empty()) << "id " << id << " is in two rows";
+    r.assign(row, row + spec.dim);
+    r.insert(r.end(), st, st + EmbeddingTable::state_floats_for(spec));
+  });
+  ASSERT_EQ(scanned, expected);
+  std::vector<Key> fresh(2000);
+  for (Key i = 0; i < fresh.size(); ++i) fresh[i] = 100000 + i;
+  const std::vector<float> g(fresh.size() * spec.dim, 0.5f);
+  taken.push(fresh, g.data(), 50);
+  const TableStats after = taken.stats();
+  EXPECT_EQ(after.rows, spec.max_rows) << "the cap";
+  EXPECT_GT(after.evicted, 0u);
+  std::vector<float> row(spec.dim);
+  Key last = fresh.back();
+  taken.pull({&last, 1}, row.data());
+  EXPECT_TRUE(taken.contains(last)) << "the newest row was not made";
+  std::uint64_t live = 0;
+  taken.scan(0, UINT32_MAX, [&](Key, const float*, const float*) { ++live; });
+  EXPECT_EQ(live, spec.max_rows);
 }
 
 // A child pushes +1 to 64 rows of 128 floats, all of them in each push, until it is SIGKILLed at a random

@@ -53,9 +53,26 @@ Predecessor::~Predecessor() {
 
 std::unique_ptr<Predecessor> Predecessor::take(const std::string& name, std::chrono::milliseconds patience) {
   const auto began = std::chrono::steady_clock::now();
-  std::unique_ptr<Segment> segment = Segment::open_left_by_dead_server(name);
-  if (!segment) return nullptr;
   const std::string object = "/dev/shm" + segment_object_name(name);
+  std::unique_ptr<Segment> segment = Segment::open_left_by_dead_server(name);
+  if (!segment) {
+    // Nothing under the name: a successor may have died right after moving its predecessor's
+    // segment aside, before it made its own. That segment goes back under the name.
+    const std::string prefix = object.substr(std::string("/dev/shm/").size()) + ".adopting-";
+    std::error_code ec;
+    for (const auto& entry : std::filesystem::directory_iterator("/dev/shm", ec)) {
+      const std::string file = entry.path().filename().string();
+      if (file.compare(0, prefix.size(), prefix) != 0) continue;
+      const std::string pid = file.substr(prefix.size());
+      if (pid.empty() || pid.find_first_not_of("0123456789") != std::string::npos || pid.size() > 9) continue;
+      if (process_alive(static_cast<pid_t>(std::stol(pid)), 0)) continue;  // its adopter is at work
+      if (::renameat2(AT_FDCWD, entry.path().c_str(), AT_FDCWD, object.c_str(), RENAME_NOREPLACE) != 0) continue;
+      log::warn("shm.adopt", "pskv-server pid " + pid + " died while adopting the segment it moved to " +
+                                 entry.path().string() + "; adopting that one");
+      return take(name, patience);
+    }
+    return nullptr;
+  }
   if (segment->header().ready.load(std::memory_order_acquire) == 0) {
     // Its server died before it served anyone: if it was adopting, the segment it took aside is
     // the one that holds what clients were told, and this one at most part of a copy of it.
@@ -153,7 +170,7 @@ std::unique_ptr<Predecessor> Predecessor::take(const std::string& name, std::chr
   return p;
 }
 
-AdoptionReport Predecessor::copy_into(ShardEngine& engine) {
+AdoptionReport Predecessor::copy_into(ShardEngine& engine, const std::string& tables_root) {
   Store& to = engine.store();
   const Store& from = *store_;
   const std::string dead = "pskv-server pid " + std::to_string(report_.predecessor_pid);
@@ -194,7 +211,7 @@ AdoptionReport Predecessor::copy_into(ShardEngine& engine) {
                                  "): workers announce theirs again when they reconnect");
     }
   }
-  copy_tables_into(engine);
+  copy_tables_into(engine, tables_root);
   copied_ = true;
   report_.milliseconds = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - began_).count();
   log::info("shm.adopt", "adopted " + std::to_string(report_.keys) + " keys (" +
@@ -207,10 +224,27 @@ AdoptionReport Predecessor::copy_into(ShardEngine& engine) {
   return report_;
 }
 
-void Predecessor::copy_tables_into(ShardEngine& engine) {
+void Predecessor::copy_tables_into(ShardEngine& engine, const std::string& tables_root) {
   const std::string dead = "pskv-server pid " + std::to_string(report_.predecessor_pid);
   for (const LeftTable& left : left_tables(tables_)) {
     std::string why;
+    if (!engine.table_at(left.id)) {
+      // Taken over in place: no copy of the rows, only their index built again.
+      if (const Errc e = engine.adopt_table(
+              left.id, left.requested, left.max_rows,
+              std::make_unique<TableFiles>(tables_root, left.id, left.requested, left.max_rows, left.dir), &why);
+          e != Errc::ok)
+        throw Error(e, "cannot adopt table " + std::to_string(left.id) + " of " + dead + ": " + why);
+      const EmbeddingTable::LeftRows& rows = engine.table_at(left.id)->adopted();
+      ++report_.tables;
+      report_.rows += rows.rows;
+      report_.rows_rolled_back += rows.rolled_back;
+      report_.rows_torn += rows.torn;
+      if (rows.torn > 0)
+        log::warn("shm.adopt", std::to_string(rows.torn) + " rows of table " + std::to_string(left.id) + " of " + dead +
+                                   " were left inside a write that no undo record covers; adopted as they are");
+      continue;
+    }
     // With the cap it had: the one a server gives a table declared without one depends on the
     // tables made before it, and on --table-memory-mb.
     if (const Errc e = engine.restore_table_rows(left.id, left.requested, left.max_rows, {}, nullptr, &why);

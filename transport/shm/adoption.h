@@ -53,12 +53,13 @@ class Predecessor {
   Predecessor(const Predecessor&) = delete;
   Predecessor& operator=(const Predecessor&) = delete;
 
-  // Copies every key that checks out, then the workers' clocks, then every embedding table's
-  // rows (transport/shm/table_files.h), into `engine` (whose store must keep the same kind of
-  // optimizer state). Keys and tables already there (a --restore) are overwritten: the segment
-  // and the table files are newer than any checkpoint, and a table keeps only the rows the dead
-  // server held.
-  AdoptionReport copy_into(ShardEngine& engine);
+  // Copies every key that checks out, then the workers' clocks, into `engine` (whose store must
+  // keep the same kind of optimizer state), and takes over every embedding table
+  // (transport/shm/table_files.h): its files get names under `tables_root` (this server's) and
+  // the engine's table its rows in place. Keys and tables already there (a --restore) are
+  // overwritten: the segment and the table files are newer than any checkpoint; such a table
+  // gets the dead server's rows one by one and keeps only those.
+  AdoptionReport copy_into(ShardEngine& engine, const std::string& tables_root);
   // Where the dead server kept its tables' rows (removed once copy_into() succeeds).
   const std::string& tables_directory() const noexcept { return tables_; }
 
@@ -70,7 +71,7 @@ class Predecessor {
   AdoptionReport report_;
   std::string name_, aside_;  // the object's path in /dev/shm, and where it was moved
   std::string tables_;        // the dead server's table files
-  void copy_tables_into(ShardEngine& engine);
+  void copy_tables_into(ShardEngine& engine, const std::string& tables_root);
   bool copied_ = false;
   std::chrono::steady_clock::time_point began_;
 };

@@ -70,7 +70,7 @@ class ShmListener final : public transport::Listener {
 
   void start(ShardEngine& engine) override {
     if (predecessor_) {
-      adopted_ = predecessor_->copy_into(engine).fields();
+      adopted_ = predecessor_->copy_into(engine, tables_).fields();
       predecessor_.reset();
     }
     server_ =

@@ -140,8 +140,11 @@ void remove_left_tables(const std::string& name, const std::string& keep) {
   }
 }
 
-TableFiles::TableFiles(const std::string& root, std::uint32_t id, const TableSpec& requested, std::uint64_t max_rows)
-    : dir_(root + "/table-" + std::to_string(id) + ".new"), final_dir_(root + "/table-" + std::to_string(id)) {
+TableFiles::TableFiles(const std::string& root, std::uint32_t id, const TableSpec& requested, std::uint64_t max_rows,
+                       const std::string& take_from)
+    : take_from_(take_from),
+      dir_(root + "/table-" + std::to_string(id) + ".new"),
+      final_dir_(root + "/table-" + std::to_string(id)) {
   if (::mkdir(root.c_str(), 0700) != 0 && errno != EEXIST)
     throw Error(Errc::io, "cannot make " + root + ": " + errno_text());
   struct stat st {};
@@ -195,6 +198,27 @@ std::unique_ptr<MemoryResource> TableFiles::undo(std::size_t bytes) {
   dir_ = final_dir_;
   f->keep(dir_ + "/undo");
   return f;
+}
+
+TableStorage::Left TableFiles::take_left() {
+  Left left;
+  if (take_from_.empty()) return left;
+  try {
+    left.undo = MappedFile::open(take_from_ + "/undo");
+    for (const auto& entry : fs::directory_iterator(take_from_)) {
+      const auto index = number_after(entry.path().filename().string(), "segment-");
+      if (!index) continue;  // new-K: never published, so it holds no row
+      if (*index >= (1u << 16))
+        throw Error(Errc::stale_resource, entry.path().string() + " is past the segments a table has");
+      const std::string mine = final_dir_ + "/segment-" + std::to_string(*index);
+      if (::link(entry.path().c_str(), mine.c_str()) != 0)
+        throw Error(Errc::io, "cannot link " + entry.path().string() + " to " + mine + ": " + errno_text());
+      left.segments.emplace_back(static_cast<std::uint32_t>(*index), MappedFile::open(mine));
+    }
+  } catch (const std::exception& e) {
+    throw left_file_error(take_from_, e.what());
+  }
+  return left;
 }
 
 std::vector<LeftTable> left_tables(const std::string& root) {

@@ -38,7 +38,11 @@ class TableFiles final : public TableStorage {
   // Makes table `id`'s directory under `root` (made too if absent, mode 0700; refused if it is
   // not a directory of this user's) and writes its spec file; undo() then completes it. Throws
   // Error(io) when they cannot be written.
-  TableFiles(const std::string& root, std::uint32_t id, const TableSpec& requested, std::uint64_t max_rows);
+  // `take_from`: the directory of a dead server's table (LeftTable::dir) whose segments this
+  // table takes over in place (take_left): each segment file gets a second name here (a hard
+  // link, so the dead server's directory stays whole until its successor has started).
+  TableFiles(const std::string& root, std::uint32_t id, const TableSpec& requested, std::uint64_t max_rows,
+             const std::string& take_from = {});
   ~TableFiles() override;  // removes the table's directory: the table is gone
   TableFiles(const TableFiles&) = delete;
   TableFiles& operator=(const TableFiles&) = delete;
@@ -46,8 +50,10 @@ class TableFiles final : public TableStorage {
   std::unique_ptr<MemoryResource> segment(std::size_t bytes) override;
   void publish(MemoryResource& memory, std::uint32_t index) override;
   std::unique_ptr<MemoryResource> undo(std::size_t bytes) override;
+  Left take_left() override;
 
  private:
+  std::string take_from_;
   std::string dir_;  // table-T.new until undo() has run, then table-T
   std::string final_dir_;
   std::atomic<std::uint64_t> made_{0};  // names of segments being made
