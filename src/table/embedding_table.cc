@@ -93,7 +93,14 @@ EmbeddingTable::EmbeddingTable(const TableSpec& spec, std::uint64_t index_rows, 
   if (spec.admit_after > 1) filter_ = std::make_unique<std::atomic<std::uint8_t>[]>(std::size_t{2} << kFilterBits);
   if (storage_) {
     TableStorage::Left left = storage_->take_left();
-    if (!left.segments.empty()) take_left(std::move(left));
+    if (!left.segments.empty()) {
+      try {
+        take_left(std::move(left));
+      } catch (...) {
+        for (std::uint32_t s = 0; s < kMaxSegments; ++s) delete segments_[s].load(std::memory_order_relaxed);
+        throw;
+      }
+    }
   }
 }
 
@@ -424,9 +431,14 @@ void EmbeddingTable::take_left(TableStorage::Left left) {
   if (!left.undo) throw Error(Errc::invalid_argument, "left segments without their undo records");
   adopted_.rolled_back = roll_back_left(spec_, spans, {left.undo->data(), left.undo->size()});
   std::uint64_t end = 1;  // past the last row of the last segment
+  std::vector<std::pair<std::uint32_t, std::unique_ptr<Segment>>> carved;
   for (auto& [index, memory] : left.segments) {
-    std::unique_ptr<Segment> seg = carve_segment(std::move(memory));
-    if (!seg) throw Error(Errc::capacity, "no memory for a segment's bookkeeping");
+    carved.emplace_back(index, carve_segment(std::move(memory)));
+    if (!carved.back().second) throw Error(Errc::capacity, "no memory for a segment's bookkeeping");
+  }
+  // From here nothing throws but the free list's growth, after which the constructor deletes
+  // what is installed.
+  for (auto& [index, seg] : carved) {
     // Its checkpoint marks and eviction stamps were the dead table's: a checkpoint of this one
     // starts with a snapshot, and its LRU clock starts again at 0.
     std::memset(static_cast<void*>(seg->marks), 0, segment_layout().marks);
@@ -438,12 +450,12 @@ void EmbeddingTable::take_left(TableStorage::Left left) {
   }
   // Not yet shared with any thread: the index is built without its locks. Live rows are those
   // whose link is not the free mark (recover_rows); the others are free to hand out again.
-  for (std::uint64_t r = 1; r < end; ++r) {
+  for (std::uint64_t r = 1; r < std::min<std::uint64_t>(end, kFreeRow); ++r) {
     if (segments_[r >> kSegmentBits].load(std::memory_order_relaxed) == nullptr) {
       r |= kSegmentRows - 1;
       continue;
     }
-    const auto row = static_cast<std::uint32_t>(std::min<std::uint64_t>(r, kFreeRow - 1));
+    const auto row = static_cast<std::uint32_t>(r);
     RowMeta& m = meta(row);
     if (m.next.load(std::memory_order_relaxed) == kFreeRow) {
       free_rows_.push_back(row);
@@ -473,6 +485,9 @@ void EmbeddingTable::take_left(TableStorage::Left left) {
   std::reverse(free_rows_.begin(), free_rows_.end());
   free_count_ = free_rows_.size();
   next_row_ = std::min<std::uint64_t>(end, kFreeRow);
+  // Segments below the adopted ones' end are made (or are holes, which rows never reach again):
+  // the preparer starts past them.
+  prepare_from_ = static_cast<std::uint32_t>(std::min<std::uint64_t>(end >> kSegmentBits, kMaxSegments));
   rows_ = adopted_.rows;
   created_ = adopted_.rows;
   grows_ = 0;
@@ -539,7 +554,7 @@ void EmbeddingTable::prepare_after(std::uint64_t handed_out) noexcept {
 void EmbeddingTable::prepare_segments() noexcept {
   // Segments below `done` are made (segment 0 by the first push, before any is wanted ahead), or
   // were passed over: one the pushes already made costs a look.
-  std::uint32_t done = 1;
+  std::uint32_t done = prepare_from_;
   std::unique_lock lock(prepare_mu_);
   for (;;) {
     prepare_cv_.wait(lock, [&] {

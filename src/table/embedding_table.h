@@ -281,6 +281,7 @@ class EmbeddingTable {
   std::uint64_t prepare_limit_rows_ = 0;                   // rows past which nothing is made ahead (0: no bound)
   std::uint64_t prepare_lead_ = 0;                         // segments made ahead (0: none)
   std::thread preparer_;                                   // started under prepare_mu_
+  std::uint32_t prepare_from_ = 1;                         // the first segment the preparer may make
   // Rows never handed out start here (up to kFreeRow). The counters pushes move get a cache
   // line each: two I/O threads creating rows would otherwise share one.
   alignas(64) std::atomic<std::uint64_t> next_row_{1};

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <stdio.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -18,6 +19,8 @@
 #include "transport/shm/table_files.h"
 
 namespace pskv::shm {
+
+namespace fs = std::filesystem;
 
 JsonObject AdoptionReport::fields() const {
   JsonObject j;
@@ -51,43 +54,93 @@ Predecessor::~Predecessor() {
                                "); move it back to " + name_ + " to adopt it, or remove it");
 }
 
+namespace {
+
+ino_t inode_of(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0 ? st.st_ino : 0;
+}
+
+// The segments successors moved aside to adopt them (NAME.adopting-PID), with their PIDs.
+std::vector<std::pair<std::string, pid_t>> set_aside(const std::string& object) {
+  const std::string prefix = fs::path(object).filename().string() + ".adopting-";
+  std::vector<std::pair<std::string, pid_t>> out;
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator("/dev/shm", ec)) {
+    const std::string file = entry.path().filename().string();
+    if (file.compare(0, prefix.size(), prefix) != 0) continue;
+    const std::string pid = file.substr(prefix.size());
+    if (pid.empty() || pid.size() > 9 || pid.find_first_not_of("0123456789") != std::string::npos) continue;
+    out.emplace_back(entry.path().string(), static_cast<pid_t>(std::stol(pid)));
+  }
+  return out;
+}
+
+// Whether the successor `pid`, which moved a segment aside, is gone. This process's own pid is
+// one an earlier, dead process had (a restarted container's, say).
+bool adopter_gone(pid_t pid) {
+  return pid == ::getpid() || !process_alive(pid, 0);
+}
+
+// Removes the object at `path` if it is still `inode` (renamed to a name of this process's own
+// first, so that nothing another process put there meanwhile goes). False if it was not.
+bool remove_if_still(const std::string& path, ino_t inode) {
+  const std::string mine = path + ".removing-" + std::to_string(::getpid());
+  if (::renameat2(AT_FDCWD, path.c_str(), AT_FDCWD, mine.c_str(), RENAME_NOREPLACE) != 0) return false;
+  if (inode_of(mine) == inode) return ::unlink(mine.c_str()) == 0;
+  ::renameat2(AT_FDCWD, mine.c_str(), AT_FDCWD, path.c_str(), RENAME_NOREPLACE);
+  return false;
+}
+
+}  // namespace
+
 std::unique_ptr<Predecessor> Predecessor::take(const std::string& name, std::chrono::milliseconds patience) {
   const auto began = std::chrono::steady_clock::now();
   const std::string object = "/dev/shm" + segment_object_name(name);
+  // A successor at work holds the segment it adopts aside: starting beside it would serve nothing
+  // of it (and the successor could then not make its own).
+  for (const auto& [path, pid] : set_aside(object))
+    if (!adopter_gone(pid))
+      throw Error(Errc::stale_resource, "pskv-server pid " + std::to_string(pid) +
+                                            " is adopting the segment of shm://" + name + " (moved to " + path +
+                                            "); wait for it to serve, or stop it");
   std::unique_ptr<Segment> segment = Segment::open_left_by_dead_server(name);
   if (!segment) {
-    // Nothing under the name: a successor may have died right after moving its predecessor's
-    // segment aside, before it made its own. That segment goes back under the name.
-    const std::string prefix = object.substr(std::string("/dev/shm/").size()) + ".adopting-";
-    std::error_code ec;
-    for (const auto& entry : std::filesystem::directory_iterator("/dev/shm", ec)) {
-      const std::string file = entry.path().filename().string();
-      if (file.compare(0, prefix.size(), prefix) != 0) continue;
-      const std::string pid = file.substr(prefix.size());
-      if (pid.empty() || pid.find_first_not_of("0123456789") != std::string::npos || pid.size() > 9) continue;
-      if (process_alive(static_cast<pid_t>(std::stol(pid)), 0)) continue;  // its adopter is at work
-      if (::renameat2(AT_FDCWD, entry.path().c_str(), AT_FDCWD, object.c_str(), RENAME_NOREPLACE) != 0) continue;
-      log::warn("shm.adopt", "pskv-server pid " + pid + " died while adopting the segment it moved to " +
-                                 entry.path().string() + "; adopting that one");
+    // Nothing under the name: a successor died right after moving its predecessor's segment
+    // aside, before it made its own. That segment goes back under the name.
+    for (const auto& [path, pid] : set_aside(object)) {
+      if (!adopter_gone(pid) || ::renameat2(AT_FDCWD, path.c_str(), AT_FDCWD, object.c_str(), RENAME_NOREPLACE) != 0)
+        continue;
+      log::warn("shm.adopt", "pskv-server pid " + std::to_string(pid) +
+                                 " died while adopting the segment it moved to " + path + "; adopting that one");
       return take(name, patience);
     }
     return nullptr;
   }
   if (segment->header().ready.load(std::memory_order_acquire) == 0) {
-    // Its server died before it served anyone: if it was adopting, the segment it took aside is
-    // the one that holds what clients were told, and this one at most part of a copy of it.
-    const std::int32_t pid = segment->header().server_pid;
+    // Its server died before it served anyone (a server is made ready only once its adoption or
+    // restore is done), so it holds nothing any client was told. If it was adopting, the segment
+    // it took aside holds what clients were told, and this one at most part of a copy of it;
+    // if not, it holds part of a checkpoint, which is still on disk. Either way it goes.
+    const pid_t pid = segment->header().server_pid;
     const std::string earlier = object + ".adopting-" + std::to_string(pid);
-    if (::access(earlier.c_str(), F_OK) == 0) {
-      log::warn("shm.adopt", "pskv-server pid " + std::to_string(pid) + " died while adopting the segment at " +
-                                 earlier + ", before it served anyone; adopting that one instead of its copy");
-      std::error_code ec;
-      std::filesystem::remove_all(shm::tables_directory(name, segment->header().job_nonce), ec);
-      segment.reset();
-      if (::rename(earlier.c_str(), object.c_str()) != 0 && errno != ENOENT)
-        throw Error(Errc::io, "cannot move " + earlier + " back to " + object + ": " + std::strerror(errno));
-      return take(name, patience);  // ENOENT: another successor took it back first
+    const std::string its_tables = shm::tables_directory(name, segment->header().job_nonce);
+    const ino_t inode = segment->inode();
+    segment.reset();
+    if (!remove_if_still(object, inode)) return take(name, patience);  // another server was quicker
+    std::error_code ec;
+    fs::remove_all(its_tables, ec);
+    if (::access(earlier.c_str(), F_OK) != 0) {
+      log::warn("shm.adopt", "removed the segment of pskv-server pid " + std::to_string(pid) +
+                                 ", which died before it served anyone");
+      return nullptr;
     }
+    log::warn("shm.adopt", "pskv-server pid " + std::to_string(pid) + " died while adopting the segment at " + earlier +
+                               ", before it served anyone; adopting that one instead of its copy");
+    if (::renameat2(AT_FDCWD, earlier.c_str(), AT_FDCWD, object.c_str(), RENAME_NOREPLACE) != 0 && errno != ENOENT &&
+        errno != EEXIST)
+      throw Error(Errc::io, "cannot move " + earlier + " back to " + object + ": " + std::strerror(errno));
+    return take(name, patience);
   }
   log::info("shm.adopt", "adopting the segment pskv-server pid " + std::to_string(segment->header().server_pid) +
                              " left at shm://" + name);
@@ -97,9 +150,15 @@ std::unique_ptr<Predecessor> Predecessor::take(const std::string& name, std::chr
   // other finds no segment, or its own rename fails), and the name is free for this server's own.
   p->name_ = object;
   p->aside_ = p->name_ + ".adopting-" + std::to_string(::getpid());
-  if (::rename(p->name_.c_str(), p->aside_.c_str()) != 0) {
+  if (::renameat2(AT_FDCWD, p->name_.c_str(), AT_FDCWD, p->aside_.c_str(), RENAME_NOREPLACE) != 0) {
     if (errno == ENOENT) return nullptr;
     throw Error(Errc::io, "cannot move the dead server's segment " + p->name_ + " aside: " + std::strerror(errno));
+  }
+  if (inode_of(p->aside_) != segment->inode()) {
+    // Another server replaced the object under the name after this one mapped it: not ours.
+    ::renameat2(AT_FDCWD, p->aside_.c_str(), AT_FDCWD, p->name_.c_str(), RENAME_NOREPLACE);
+    p->aside_.clear();
+    return take(name, patience);
   }
   const SegmentGeometry& g = segment->geometry();
   p->report_.predecessor_pid = g.server_pid;
@@ -212,7 +271,6 @@ AdoptionReport Predecessor::copy_into(ShardEngine& engine, const std::string& ta
     }
   }
   copy_tables_into(engine, tables_root);
-  copied_ = true;
   report_.milliseconds = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - began_).count();
   log::info("shm.adopt", "adopted " + std::to_string(report_.keys) + " keys (" +
                              std::to_string(report_.value_bytes >> 20) + " MiB of values) and " +

@@ -38,9 +38,9 @@ class Predecessor {
  public:
   // The segment a dead server left under `name`, with its clients fenced out and what they left
   // half-done repaired; nullptr when there is none. The object is moved aside (to NAME.adopting-PID
-  // in /dev/shm), freeing the name for this server's own segment; it is removed once copy_into()
-  // succeeds, and put back under its name if this server fails to start before that, so a later
-  // attempt can still adopt it.
+  // in /dev/shm), freeing the name for this server's own segment; it is removed once this server
+  // serves (served()), and put back under its name if it fails to start before that, so a later
+  // attempt can still adopt it. Throws Error(stale_resource) while another server adopts it.
   //
   // Fencing: the segment's `closing` word is set, which a client applying its own push reads
   // after announcing it (both seq_cst, Store::apply_logged): so every such push either sees the
@@ -60,8 +60,11 @@ class Predecessor {
   // overwritten: the segment and the table files are newer than any checkpoint; such a table
   // gets the dead server's rows one by one and keeps only those.
   AdoptionReport copy_into(ShardEngine& engine, const std::string& tables_root);
-  // Where the dead server kept its tables' rows (removed once copy_into() succeeds).
+  // Where the dead server kept its tables' rows.
   const std::string& tables_directory() const noexcept { return tables_; }
+  // This server serves now (its segment is ready): the dead server's segment and table files go
+  // with this object. Without it they are put back, for a later attempt to adopt.
+  void served() noexcept { copied_ = true; }
 
  private:
   Predecessor() = default;

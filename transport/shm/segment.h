@@ -222,6 +222,9 @@ class Segment {
   bool server_alive();
   // Removes the name (server, at exit); existing mappings stay valid until unmapped.
   void remove();
+  // The inode of the object this segment mapped: a name in /dev/shm holds it only while nobody
+  // renamed another object there.
+  ino_t inode() const noexcept { return inode_; }
 
  private:
   Segment() = default;

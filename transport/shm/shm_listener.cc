@@ -69,12 +69,15 @@ class ShmListener final : public transport::Listener {
   }
 
   void start(ShardEngine& engine) override {
-    if (predecessor_) {
-      adopted_ = predecessor_->copy_into(engine, tables_).fields();
-      predecessor_.reset();
-    }
+    if (predecessor_) adopted_ = predecessor_->copy_into(engine, tables_).fields();
     server_ =
         std::make_unique<ShmServer>(*segment_, engine, ShmServerOptions{.threads = threads_, .extra_stats = adopted_});
+    if (predecessor_) {
+      // Only now: a successor that dies before its segment is ready leaves the original whole
+      // for the next (Predecessor::take).
+      predecessor_->served();
+      predecessor_.reset();
+    }
   }
 
   std::string uri() const override { return "shm://" + name_; }
