@@ -1,8 +1,10 @@
 #include "server/table_checkpoint.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <iterator>
 #include <map>
 #include <vector>
 
@@ -232,48 +234,51 @@ bool declared_with_a_cap(const std::string& path) {
 }  // namespace
 
 TableCheckpointInfo TableCheckpointer::restore(ShardEngine& engine, const std::string& dir, std::uint32_t server_id) {
-  TableCheckpointInfo total;
+  // Per table, the newest generation whose snapshot exists (a crash may leave a newer one
+  // without it). Tables declared with a cap first: one declared without gets what the table
+  // memory has left when it is made, and made first it could leave a capped one none (on the
+  // server that wrote them, the capped one was made first, or it would have been refused).
   const Files files = scan(dir, server_id);
-  // Tables declared with a cap first: one declared without gets what the table memory has left
-  // when it is made, and made first it could leave a capped one none (on the server that wrote
-  // them, the capped one was made first, or it would have been refused).
-  for (const bool capped : {true, false})
-    for (const auto& [table_id, generations] : files) {
-      // The newest generation whose snapshot exists (a crash may leave a newer one without it).
-      auto g = generations.rbegin();
-      while (g != generations.rend() && !g->second.count(0)) ++g;
-      if (g == generations.rend()) continue;
-      if (declared_with_a_cap(g->second.at(0)) != capped) continue;
-      const std::uint64_t generation = g->first;
-      std::uint32_t expected = 0;
-      EmbeddingTable* table = nullptr;
-      TableSpec first_spec;
-      for (const auto& [seq, path] : g->second) {
-        if (seq != expected)
-          throw Error(Errc::protocol, "table checkpoint " + path + " follows a missing delta " +
-                                          std::to_string(expected) +
-                                          " of its generation; restore an older checkpoint or start without --restore");
-        const std::vector<std::uint8_t> bytes = read_file(path);
-        // Validated whole before anything of it is applied.
-        const Parsed p = parse(bytes.data(), bytes.size(), server_id, table_id, generation, seq, path);
-        if (seq == 0) {
-          std::string why;
-          if (Errc e = engine.create_table(table_id, p.spec, &why); e != Errc::ok)
-            throw Error(e, "cannot recreate table " + std::to_string(table_id) + " from " + path + ": " + why);
-          table = engine.table_at(table_id);
-          first_spec = p.spec;
-        } else if (!(p.spec == first_spec)) {
-          throw Error(Errc::protocol, "table checkpoint " + path + " has another spec than its generation's snapshot");
-        }
-        apply_rows(p, *table, path);
-        const TableCheckpointInfo& one = p.info;
-        total.files += one.files;
-        total.rows += one.rows;
-        total.removed += one.removed;
-        total.bytes += one.bytes;
-        ++expected;
+  std::vector<std::pair<std::uint32_t, Files::mapped_type::const_iterator>> order;
+  for (const auto& [table_id, generations] : files) {
+    auto g = generations.rbegin();
+    while (g != generations.rend() && !g->second.count(0)) ++g;
+    if (g != generations.rend()) order.emplace_back(table_id, std::prev(g.base()));
+  }
+  std::stable_partition(order.begin(), order.end(),
+                        [](const auto& t) { return declared_with_a_cap(t.second->second.at(0)); });
+  TableCheckpointInfo total;
+  for (const auto& [table_id, g] : order) {
+    const std::uint64_t generation = g->first;
+    std::uint32_t expected = 0;
+    EmbeddingTable* table = nullptr;
+    TableSpec first_spec;
+    for (const auto& [seq, path] : g->second) {
+      if (seq != expected)
+        throw Error(Errc::protocol, "table checkpoint " + path + " follows a missing delta " +
+                                        std::to_string(expected) +
+                                        " of its generation; restore an older checkpoint or start without --restore");
+      const std::vector<std::uint8_t> bytes = read_file(path);
+      // Validated whole before anything of it is applied.
+      const Parsed p = parse(bytes.data(), bytes.size(), server_id, table_id, generation, seq, path);
+      if (seq == 0) {
+        std::string why;
+        if (Errc e = engine.create_table(table_id, p.spec, &why); e != Errc::ok)
+          throw Error(e, "cannot recreate table " + std::to_string(table_id) + " from " + path + ": " + why);
+        table = engine.table_at(table_id);
+        first_spec = p.spec;
+      } else if (!(p.spec == first_spec)) {
+        throw Error(Errc::protocol, "table checkpoint " + path + " has another spec than its generation's snapshot");
       }
+      apply_rows(p, *table, path);
+      const TableCheckpointInfo& one = p.info;
+      total.files += one.files;
+      total.rows += one.rows;
+      total.removed += one.removed;
+      total.bytes += one.bytes;
+      ++expected;
     }
+  }
   return total;
 }
 
