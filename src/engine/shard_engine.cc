@@ -1236,14 +1236,23 @@ Errc ShardEngine::replica_table_rows(std::uint32_t origin, std::uint32_t id, std
   return Errc::ok;
 }
 
-Errc ShardEngine::adopt_table(std::uint32_t id, const TableSpec& requested, std::uint64_t max_rows,
-                              std::unique_ptr<TableStorage> storage, std::string* why) {
-  if (id >= kMaxTables || max_rows == 0 || max_rows >= UINT32_MAX) {
-    *why = "table " + std::to_string(id) + " with a cap of " + std::to_string(max_rows) + " rows";
-    return Errc::invalid_argument;
-  }
+Errc ShardEngine::remake_table(std::uint32_t id, const TableSpec& requested, std::uint64_t max_rows,
+                               std::unique_ptr<TableStorage> storage, std::string* why) {
   if (std::string problem = check_table_spec(requested); !problem.empty()) {
     *why = "table " + std::to_string(id) + ": " + problem;
+    return Errc::invalid_argument;
+  }
+  if (max_rows == 0 || max_rows >= UINT32_MAX) {
+    *why = "table " + std::to_string(id) + " comes back with a cap of " + std::to_string(max_rows) + " rows";
+    return Errc::invalid_argument;
+  }
+  return make_table(id, requested, why, max_rows, std::move(storage));
+}
+
+Errc ShardEngine::adopt_table(std::uint32_t id, const TableSpec& requested, std::uint64_t max_rows,
+                              std::unique_ptr<TableStorage> storage, std::string* why) {
+  if (id >= kMaxTables) {
+    *why = "table id " + std::to_string(id) + " is past the " + std::to_string(kMaxTables) + " tables a server holds";
     return Errc::invalid_argument;
   }
   std::lock_guard lock(tables_mu_);
@@ -1251,7 +1260,7 @@ Errc ShardEngine::adopt_table(std::uint32_t id, const TableSpec& requested, std:
     *why = "table " + std::to_string(id) + " exists here already";
     return Errc::invalid_argument;
   }
-  return make_table(id, requested, why, max_rows, std::move(storage));
+  return remake_table(id, requested, max_rows, std::move(storage), why);
 }
 
 Errc ShardEngine::restore_table_rows(std::uint32_t id, const TableSpec& requested, std::uint64_t max_rows,
@@ -1264,15 +1273,7 @@ Errc ShardEngine::restore_table_rows(std::uint32_t id, const TableSpec& requeste
   {
     std::lock_guard lock(tables_mu_);
     if (!tables_[id].load(std::memory_order_relaxed)) {
-      if (std::string problem = check_table_spec(requested); !problem.empty()) {
-        *why = "table " + std::to_string(id) + ": " + problem;
-        return Errc::invalid_argument;
-      }
-      if (max_rows == 0 || max_rows >= UINT32_MAX) {
-        *why = "table " + std::to_string(id) + " comes back with a cap of " + std::to_string(max_rows) + " rows";
-        return Errc::invalid_argument;
-      }
-      if (Errc e = make_table(id, requested, why, max_rows); e != Errc::ok) return e;
+      if (Errc e = remake_table(id, requested, max_rows, nullptr, why); e != Errc::ok) return e;
     } else if (!(table_requested_[id] == requested)) {
       *why = "table " + std::to_string(id) + " exists here with another spec than its replica's";
       return Errc::invalid_argument;

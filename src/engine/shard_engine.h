@@ -476,6 +476,10 @@ class ShardEngine {
   // `storage`: the table's, instead of one from table_storage_.
   Errc make_table(std::uint32_t id, const TableSpec& spec, std::string* why, std::uint64_t max_rows = 0,
                   std::unique_ptr<TableStorage> storage = nullptr);
+  // make_table for a table coming back (a rejoin, an adoption) with the spec and cap it had,
+  // both checked first: they come from a peer or a file.
+  Errc remake_table(std::uint32_t id, const TableSpec& requested, std::uint64_t max_rows,
+                    std::unique_ptr<TableStorage> storage, std::string* why);
   // What a table of `spec` takes at the cap `max_rows`; its cap from what is left when 0.
   std::uint64_t table_cost(const TableSpec& spec, std::uint64_t* max_rows) const noexcept;
   EmbeddingTable* table_rows(std::uint32_t id, std::span<const KeyEntry> entries, std::vector<Key>& keys,
