@@ -282,64 +282,67 @@ AdoptionReport Predecessor::copy_into(ShardEngine& engine, const std::string& ta
   return report_;
 }
 
+namespace {
+
+// A table --restore made first cannot be taken over: it gets the dead server's rows one by one
+// and keeps only those. *refused: rows it had no room for.
+EmbeddingTable::LeftRows copy_left_rows(EmbeddingTable& table, const LeftTable& left, std::uint64_t* refused) {
+  // Rows the dead server no longer held (evicted since the checkpoint) go first: restored after
+  // the dead server's rows, a row of theirs could evict one of those.
+  std::vector<Key> before, held;
+  table.scan(0, UINT32_MAX, [&](Key id, const float*, const float*) { before.push_back(id); });
+  const std::uint64_t rolled_back =
+      read_left_rows(left, [&](Key id, const float*, const float*) { held.push_back(id); }).rolled_back;
+  std::sort(before.begin(), before.end());
+  std::sort(held.begin(), held.end());
+  std::vector<Key> gone;
+  std::set_difference(before.begin(), before.end(), held.begin(), held.end(), std::back_inserter(gone));
+  for (const Key id : gone) table.remove_row(id);
+  // The second reading finds the rows the first put back already.
+  EmbeddingTable::LeftRows rows = read_left_rows(left, [&](Key id, const float* row, const float* state) {
+    if (!table.restore_row(id, row, state)) ++*refused;
+  });
+  rows.rolled_back += rolled_back;
+  rows.rows -= *refused;
+  return rows;
+}
+
+}  // namespace
+
 void Predecessor::copy_tables_into(ShardEngine& engine, const std::string& tables_root) {
   const std::string dead = "pskv-server pid " + std::to_string(report_.predecessor_pid);
   for (const LeftTable& left : left_tables(tables_)) {
+    const std::string table_of_dead = "table " + std::to_string(left.id) + " of " + dead;
     std::string why;
+    EmbeddingTable::LeftRows rows;
+    std::uint64_t refused = 0;
     if (!engine.table_at(left.id)) {
       // Taken over in place: no copy of the rows, only their index built again.
       if (const Errc e = engine.adopt_table(
               left.id, left.requested, left.max_rows,
               std::make_unique<TableFiles>(tables_root, left.id, left.requested, left.max_rows, left.dir), &why);
           e != Errc::ok)
-        throw Error(e, "cannot adopt table " + std::to_string(left.id) + " of " + dead + ": " + why);
-      const EmbeddingTable::LeftRows& rows = engine.table_at(left.id)->adopted();
-      ++report_.tables;
-      report_.rows += rows.rows;
-      report_.rows_rolled_back += rows.rolled_back;
-      report_.rows_torn += rows.torn;
-      if (rows.torn > 0)
-        log::warn("shm.adopt", std::to_string(rows.torn) + " rows of table " + std::to_string(left.id) + " of " + dead +
-                                   " were left inside a write that no undo record covers; adopted as they are");
-      continue;
+        throw Error(e, "cannot adopt " + table_of_dead + ": " + why);
+      rows = engine.table_at(left.id)->adopted();
+    } else {
+      // Checks the spec against the restored table's.
+      if (const Errc e = engine.restore_table_rows(left.id, left.requested, left.max_rows, {}, nullptr, &why);
+          e != Errc::ok)
+        throw Error(e, "cannot adopt " + table_of_dead + ": " + why);
+      rows = copy_left_rows(*engine.table_at(left.id), left, &refused);
     }
-    // With the cap it had: the one a server gives a table declared without one depends on the
-    // tables made before it, and on --table-memory-mb.
-    if (const Errc e = engine.restore_table_rows(left.id, left.requested, left.max_rows, {}, nullptr, &why);
-        e != Errc::ok)
-      throw Error(e, "cannot adopt table " + std::to_string(left.id) + " of " + dead + ": " + why);
-    EmbeddingTable& table = *engine.table_at(left.id);
-    // A table restored from a checkpoint may hold rows the dead server evicted since. They go
-    // first: restored after the dead server's rows, a row of theirs could evict one of those.
-    std::vector<Key> before;
-    table.scan(0, UINT32_MAX, [&](Key id, const float*, const float*) { before.push_back(id); });
-    EmbeddingTable::LeftRows rows;
-    if (!before.empty()) {
-      std::vector<Key> held;
-      rows = read_left_rows(left, [&](Key id, const float*, const float*) { held.push_back(id); });
-      std::sort(before.begin(), before.end());
-      std::sort(held.begin(), held.end());
-      std::vector<Key> gone;
-      std::set_difference(before.begin(), before.end(), held.begin(), held.end(), std::back_inserter(gone));
-      for (const Key id : gone) table.remove_row(id);
-    }
-    std::uint64_t refused = 0;
-    const std::uint64_t rolled_back = rows.rolled_back;  // a second reading finds them put back already
-    rows = read_left_rows(left, [&](Key id, const float* row, const float* state) {
-      if (!table.restore_row(id, row, state)) ++refused;
-    });
     ++report_.tables;
-    report_.rows += rows.rows - refused;
+    report_.rows += rows.rows;
     report_.rows_refused += refused;
-    report_.rows_rolled_back += rolled_back + rows.rolled_back;
+    report_.rows_rolled_back += rows.rolled_back;
     report_.rows_torn += rows.torn;
     if (rows.torn > 0)
-      log::warn("shm.adopt", std::to_string(rows.torn) + " rows of table " + std::to_string(left.id) + " of " + dead +
+      log::warn("shm.adopt", std::to_string(rows.torn) + " rows of " + table_of_dead +
                                  " were left inside a write that no undo record covers; adopted as they are");
     if (refused > 0)
-      log::warn("shm.adopt", std::to_string(refused) + " rows of table " + std::to_string(left.id) + " of " + dead +
+      log::warn("shm.adopt", std::to_string(refused) + " rows of " + table_of_dead +
                                  " found no room in this server's table (its cap is " +
-                                 std::to_string(table.spec().max_rows) + " rows): not adopted");
+                                 std::to_string(engine.table_at(left.id)->spec().max_rows) + " rows): not adopted");
   }
 }
 

@@ -124,6 +124,20 @@ Error left_file_error(const std::string& table_dir, const std::string& what) {
   return Error(Errc::stale_resource, what + "; remove " + table_dir + " to start without that table");
 }
 
+// A table directory's published segments, by index (new-K files were never published, so they
+// hold no row). Throws Error naming a segment past the last a table has.
+std::vector<std::pair<std::uint32_t, std::string>> segment_files(const std::string& dir) {
+  std::vector<std::pair<std::uint32_t, std::string>> out;
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    const auto index = number_after(entry.path().filename().string(), "segment-");
+    if (!index) continue;
+    if (*index >= (1u << 16))
+      throw Error(Errc::stale_resource, entry.path().string() + " is past the segments a table has");
+    out.emplace_back(static_cast<std::uint32_t>(*index), entry.path().string());
+  }
+  return out;
+}
+
 }  // namespace
 
 std::string tables_directory(const std::string& name, std::uint64_t job_nonce) {
@@ -205,15 +219,11 @@ TableStorage::Left TableFiles::take_left() {
   if (take_from_.empty()) return left;
   try {
     left.undo = MappedFile::open(take_from_ + "/undo");
-    for (const auto& entry : fs::directory_iterator(take_from_)) {
-      const auto index = number_after(entry.path().filename().string(), "segment-");
-      if (!index) continue;  // new-K: never published, so it holds no row
-      if (*index >= (1u << 16))
-        throw Error(Errc::stale_resource, entry.path().string() + " is past the segments a table has");
-      const std::string mine = final_dir_ + "/segment-" + std::to_string(*index);
-      if (::link(entry.path().c_str(), mine.c_str()) != 0)
-        throw Error(Errc::io, "cannot link " + entry.path().string() + " to " + mine + ": " + errno_text());
-      left.segments.emplace_back(static_cast<std::uint32_t>(*index), MappedFile::open(mine));
+    for (const auto& [index, path] : segment_files(take_from_)) {
+      const std::string mine = final_dir_ + "/segment-" + std::to_string(index);
+      if (::link(path.c_str(), mine.c_str()) != 0)
+        throw Error(Errc::io, "cannot link " + path + " to " + mine + ": " + errno_text());
+      left.segments.emplace_back(index, MappedFile::open(mine));
     }
   } catch (const std::exception& e) {
     throw left_file_error(take_from_, e.what());
@@ -262,14 +272,10 @@ EmbeddingTable::LeftRows read_left_rows(const LeftTable& table,
   std::vector<std::span<std::byte>> segments;
   try {
     undo = MappedFile::open(table.dir + "/undo");
-    for (const auto& entry : fs::directory_iterator(table.dir)) {
-      const auto index = number_after(entry.path().filename().string(), "segment-");
-      if (!index) continue;  // new-K: never published, so it holds no row
-      if (*index >= (1u << 16))
-        throw Error(Errc::stale_resource, entry.path().string() + " is past the segments a table has");
-      files.push_back(MappedFile::open(entry.path().string()));
-      if (segments.size() <= *index) segments.resize(*index + 1);
-      segments[*index] = {files.back()->data(), files.back()->size()};
+    for (const auto& [index, path] : segment_files(table.dir)) {
+      files.push_back(MappedFile::open(path));
+      if (segments.size() <= index) segments.resize(std::size_t{index} + 1);
+      segments[index] = {files.back()->data(), files.back()->size()};
     }
   } catch (const std::exception& e) {
     throw left_file_error(table.dir, e.what());
