@@ -18,6 +18,7 @@
 #include "support/stats.h"
 #include "support/workloads.h"
 #include "table/embedding_table.h"
+#include "transport/shm/segment.h"
 
 namespace pskv {
 namespace {
@@ -328,15 +329,17 @@ TEST(ShmAdoptionTables, TheSuccessorHoldsTheDeadServersRowsWithTheCapsTheyHad) {
 
 // A successor killed while it adopts served nobody: the next one adopts the segment and tables the
 // first server left, which the killed one had moved aside, not the part it had copied nor nothing.
-// Param 0: killed right after it moved the segment aside (staged by hand); 30: killed 30 ms into
-// its adoption, inside its copy of the keys or its index of a 2M-row table.
-class ShmAdoptionTwice : public ::testing::TestWithParam<int> {};
+// The two states a successor can die in are staged by a child that does what a successor does,
+// then exits without serving (a kill between two steps cannot be timed): "aside", it moved the
+// segment aside (NAME.adopting-PID) and died; "unready", it also made its own segment under the
+// name, never made ready.
+class ShmAdoptionTwice : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(ShmAdoptionTwice, ASuccessorKilledWhileAdoptingLeavesTheWholeOriginalToTheNext) {
-  const int kill_after_ms = GetParam();
-  const std::string uri = "shm://" + segment_name("twice", kill_after_ms) + "?adopt=1";
+  const std::string name = segment_name("twice-" + GetParam(), 0);
+  const std::string uri = "shm://" + name + "?adopt=1";
   const std::vector<std::string> args = {"--uri", uri, "--table-memory-mb", "2048"};
-  constexpr Key kRows = 2000000, kBatch = 100000;
+  constexpr Key kRows = 200000, kBatch = 100000;
   TableSpec spec;
   spec.dim = 16;
   spec.init = RowInit::zeros;
@@ -360,34 +363,18 @@ TEST_P(ShmAdoptionTwice, ASuccessorKilledWhileAdoptingLeavesTheWholeOriginalToTh
     first.process.signal(SIGKILL);
     first.process.wait();
   }
-  const std::string log = ::testing::TempDir() + "adopt-twice-" + std::to_string(kill_after_ms) + ".log";
-  std::string expect_in_log;
-  if (kill_after_ms == 0) {
-    // Killed right after it moved the segment aside, before it made its own: done by hand, since
-    // no kill lands between those two steps on purpose. The pid is a child's that is gone.
-    const pid_t gone = fork_worker([] { return 0; });
-    ASSERT_EQ(wait_pid(gone), 0);
-    const std::string object = "/dev/shm/pskv-" + segment_name("twice", kill_after_ms);
-    ASSERT_EQ(::rename(object.c_str(), (object + ".adopting-" + std::to_string(gone)).c_str()), 0);
-    expect_in_log = "died while adopting the segment it moved to";
-  } else {
-    testing::Process killed(PSKV_SERVER_BIN, args, log);
-    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-    while (testing::read_file(log).find("adopting the segment") == std::string::npos &&
-           std::chrono::steady_clock::now() < give_up)
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    std::this_thread::sleep_for(std::chrono::milliseconds(kill_after_ms));
-    killed.signal(SIGKILL);
-    killed.wait();
-    const std::string killed_log = testing::read_file(log);
-    ASSERT_NE(killed_log.find("adopting the segment"), std::string::npos) << killed_log;
-    ASSERT_EQ(killed_log.find("tables from the segment"), std::string::npos)
-        << "the second server finished adopting before it was killed: this tests nothing\n"
-        << killed_log;
-    expect_in_log = "before it served anyone; adopting that one instead of its copy";
-  }
+  const bool unready = GetParam() == "unready";
+  const pid_t successor = fork_worker([&] {
+    const std::string object = "/dev/shm/pskv-" + name;
+    if (::rename(object.c_str(), (object + ".adopting-" + std::to_string(getpid())).c_str()) != 0) return 1;
+    if (unready) (void)shm::Segment::create(name, shm::SegmentConfig{}).release();  // stays, never ready
+    return 0;
+  });
+  ASSERT_EQ(wait_pid(successor), 0);
+  const std::string expect_in_log = unready ? "before it served anyone; adopting that one instead of its copy"
+                                            : "died while adopting the segment it moved to";
 
-  const std::string next_log = ::testing::TempDir() + "adopt-twice-next-" + std::to_string(kill_after_ms) + ".log";
+  const std::string next_log = ::testing::TempDir() + "adopt-twice-next-" + GetParam() + ".log";
   auto server = ServerProcess::start(args, next_log);
   Client c(o);
   c.create_table(0, spec);
@@ -405,7 +392,7 @@ TEST_P(ShmAdoptionTwice, ASuccessorKilledWhileAdoptingLeavesTheWholeOriginalToTh
   EXPECT_NE(testing::read_file(next_log).find(expect_in_log), std::string::npos) << testing::read_file(next_log);
 }
 
-INSTANTIATE_TEST_SUITE_P(KilledAfterMs, ShmAdoptionTwice, ::testing::Values(0, 30));
+INSTANTIATE_TEST_SUITE_P(DiedWhen, ShmAdoptionTwice, ::testing::Values("aside", "unready"));
 
 // Clocks survive: two BSP workers at clock 3, the server killed and adopted; worker 0 reconnects
 // at clock 3 and reads without worker 1 ever coming back (a fresh table would hold the read at
