@@ -33,6 +33,7 @@
 namespace pskv {
 struct EngineOptions;
 class ShardEngine;
+class SyncSpace;
 class TableStorage;
 struct TableSpec;
 }  // namespace pskv
@@ -62,6 +63,7 @@ struct ListenOptions {
 struct EngineMemory {
   std::unique_ptr<MemoryResource> store;
   void* clocks = nullptr;
+  std::shared_ptr<SyncSpace> sync;  // sync mode's pending steps (null: the process's memory)
   std::function<std::unique_ptr<TableStorage>(std::uint32_t id, const TableSpec& requested, std::uint64_t max_rows)>
       tables;
 };

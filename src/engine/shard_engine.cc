@@ -44,7 +44,7 @@ std::string key_error(Errc e, std::uint64_t key, std::uint32_t length, const Sto
 }  // namespace
 
 ShardEngine::ShardEngine(const EngineOptions& options, std::unique_ptr<MemoryResource> store_memory, void* clock_memory,
-                         TableStorageMaker table_storage)
+                         TableStorageMaker table_storage, std::shared_ptr<SyncSpace> sync_space)
     : options_(options), table_storage_(std::move(table_storage)) {
   if (!store_memory) store_memory = std::make_unique<HeapMemory>(Store::required_bytes(options.store));
   store_ = Store::create(std::move(store_memory), options.store);
@@ -80,7 +80,7 @@ ShardEngine::ShardEngine(const EngineOptions& options, std::unique_ptr<MemoryRes
     replicas_.push_back(std::move(r));
   }
   if (options.mode == ConsistencyMode::sync) {
-    sync_ = std::make_unique<SyncAccumulator>(*store_, replica_sync_options());
+    sync_ = std::make_unique<SyncAccumulator>(*store_, replica_sync_options(), std::move(sync_space));
     for (auto& r : replicas_) r->sync = std::make_unique<SyncAccumulator>(*r->store, replica_sync_options());
   }
   watchdog_ = std::thread([this] { watchdog(); });
@@ -166,7 +166,7 @@ Errc ShardEngine::push(std::uint32_t worker, std::uint64_t clock, std::span<cons
       }
     for (const auto& k : keys) {
       Errc err = Errc::ok;
-      const SyncOutcome out = sync_->add(k.key, worker, clock, {values, k.length}, &err);
+      const SyncOutcome out = sync_->add(k.key, worker, clock, {values, k.length}, &err, undo);
       if (out == SyncOutcome::rejected) {
         if (why) *why = key_error(err, k.key, k.length, *store_);
         return err;

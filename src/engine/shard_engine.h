@@ -187,9 +187,11 @@ using TableStorageMaker =
 class ShardEngine {
  public:
   // `store_memory` null: anonymous heap memory sized for options.store. `table_storage` empty:
-  // tables keep their rows in the process's memory (replicas' copies always do).
+  // tables keep their rows in the process's memory (replicas' copies always do). `sync_space`
+  // null: sync mode's pending steps do too.
   ShardEngine(const EngineOptions& options, std::unique_ptr<MemoryResource> store_memory = nullptr,
-              void* clock_memory = nullptr, TableStorageMaker table_storage = {});
+              void* clock_memory = nullptr, TableStorageMaker table_storage = {},
+              std::shared_ptr<SyncSpace> sync_space = nullptr);
   ~ShardEngine();
   ShardEngine(const ShardEngine&) = delete;
   ShardEngine& operator=(const ShardEngine&) = delete;
@@ -197,12 +199,13 @@ class ShardEngine {
   Store& store() noexcept { return *store_; }
   const EngineOptions& options() const noexcept { return options_; }
   ClockTable* clocks() noexcept { return clocks_.get(); }
+  SyncAccumulator* sync() noexcept { return sync_.get(); }  // null outside sync mode
 
   // Each returns ok or an Errc with a message in *why naming the key.
   Errc init(std::span<const KeyEntry> keys, const float* values, std::string* why);
   // With `undo` (shm: the server thread's log in the segment), each key is applied through
   // Store::apply_logged, so a successor can roll back the one a death cut short. Sync mode sums
-  // before it applies and ignores it.
+  // first, and applies each completed step so (with undo->sync_mark).
   // `id` (its session and seq; the worker is `worker`): on a replicated server, a key that already
   // holds this push is skipped (a client sent it again after a failure) and counted in
   // pushes_already_applied.

@@ -201,7 +201,8 @@ class ServerImpl {
             std::max(e.min_incarnation, takeover_start_floor(o.server_id, o.peers, r.token, o.failover_timeout) + 1);
     }
     transport::EngineMemory memory = listener_->engine_memory(e);
-    engine_ = std::make_unique<ShardEngine>(e, std::move(memory.store), memory.clocks, std::move(memory.tables));
+    engine_ = std::make_unique<ShardEngine>(e, std::move(memory.store), memory.clocks, std::move(memory.tables),
+                                            std::move(memory.sync));
     if (!o.restore_dir.empty()) {
       const std::string path = checkpoint_path(o.restore_dir, o.server_id);
       const CheckpointInfo info = read_checkpoint(engine_->store(), path);

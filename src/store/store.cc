@@ -349,7 +349,8 @@ std::size_t Store::undo_floats(const SlotHeader& slot) const noexcept {
 
 Errc Store::apply_logged(SlotHeader& slot, const float* grad, std::uint32_t length, float lr_scale, std::uint32_t owner,
                          UndoRecord& log, float* undo, std::size_t undo_capacity, std::chrono::nanoseconds patience,
-                         const std::atomic<std::uint32_t>* closing) noexcept {
+                         const std::atomic<std::uint32_t>* closing, std::uint64_t* commit,
+                         std::uint64_t commit_value) noexcept {
   SlotRef r;
   if (!resolve(slot, &r) || r.length != length) return Errc::length_mismatch;
   const std::size_t state_count = std::size_t{length} * g_.state_per_value;
@@ -374,6 +375,11 @@ Errc Store::apply_logged(SlotHeader& slot, const float* grad, std::uint32_t leng
   log.phase.store(UndoPhase::saved, std::memory_order_release);
   std::uint64_t step = 0;
   apply_seqlocked(r, g_.rule, 0, grad, length, lr_scale, &step);
+  if (commit) {
+    // A kill is the only reader to order against: the compiler's order is the order it sees.
+    std::atomic_signal_fence(std::memory_order_seq_cst);
+    std::atomic_ref<std::uint64_t>(*commit).store(commit_value, std::memory_order_release);
+  }
   log.phase.store(UndoPhase::applied, std::memory_order_release);
   lock.unlock();
   log.phase.store(UndoPhase::idle, std::memory_order_release);

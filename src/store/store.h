@@ -42,12 +42,14 @@ struct StoreOptions {
 // Where a writer that may die (a shm client, or a shm server a successor may adopt) leaves what
 // Store::apply_logged needs to roll its update back: its lock owner tag, the undo record, and a
 // buffer of `capacity` floats for the old value and optimizer state.
+struct SyncApplyMark;
 struct UndoLog {
   std::uint32_t owner = 0;
   UndoRecord* record = nullptr;
   float* buffer = nullptr;
   std::size_t capacity = 0;
   std::chrono::nanoseconds patience{0};  // how long to wait for the stripe lock
+  SyncApplyMark* sync_mark = nullptr;    // sync mode: the writer's mark (src/store/sync_accumulator.h)
 };
 
 // Which push an update is, so that one sent again (a client retrying after its server failed)
@@ -249,9 +251,13 @@ class Store {
   // null): a word the region's owner sets when it stops taking updates; read after the record is
   // announced (both seq_cst), so the owner either sees this update in progress and waits for it,
   // or this update sees the word and gives up with Errc::peer_failure, with nothing changed.
+  // `commit` (may be null): a word of the caller's set to `commit_value` once the update is
+  // applied, before the log says so, so that a recoverer who reads it knows the update was whole
+  // even while `log` still says saved (SyncAccumulator records an applied step so).
   Errc apply_logged(SlotHeader& slot, const float* grad, std::uint32_t length, float lr_scale, std::uint32_t owner,
                     UndoRecord& log, float* undo, std::size_t undo_capacity, std::chrono::nanoseconds patience,
-                    const std::atomic<std::uint32_t>* closing = nullptr) noexcept;
+                    const std::atomic<std::uint32_t>* closing = nullptr, std::uint64_t* commit = nullptr,
+                    std::uint64_t commit_value = 0) noexcept;
   // Value plus optimizer-state floats an undo copy of the slot takes (0 if it cannot be trusted).
   std::size_t undo_floats(const SlotHeader& slot) const noexcept;
   // The slot whose header is `offset` bytes from the region base, if the index knows one there;

@@ -1,29 +1,59 @@
 #include "store/sync_accumulator.h"
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <cstring>
 
 namespace pskv {
 
-SyncAccumulator::SyncAccumulator(Store& store, SyncOptions options) : store_(store), options_(options) {
+namespace {
+
+constexpr std::uint64_t kMaxNextStep = (std::uint64_t{1} << 47);
+
+std::uint64_t load_control(const std::uint64_t* block) noexcept {
+  return std::atomic_ref<const std::uint64_t>(*block).load(std::memory_order_acquire);
+}
+
+// The one store that makes an accumulation or an applied step happen, for a kill as for anyone.
+void store_control(std::uint64_t* block, std::uint64_t control) noexcept {
+  std::atomic_signal_fence(std::memory_order_seq_cst);
+  std::atomic_ref<std::uint64_t>(*block).store(control, std::memory_order_release);
+}
+
+}  // namespace
+
+SyncAccumulator::SyncAccumulator(Store& store, SyncOptions options, std::shared_ptr<SyncSpace> space)
+    : store_(store), options_(options), space_(std::move(space)) {
   if (options_.num_workers == 0) throw Error(Errc::invalid_argument, "sync aggregation needs at least one worker");
   if (options_.required == 0) options_.required = options_.num_workers;
   if (options_.required > options_.num_workers)
     throw Error(Errc::invalid_argument, "sync aggregation: K=" + std::to_string(options_.required) +
                                             " exceeds N=" + std::to_string(options_.num_workers) + " workers");
   if (options_.window == 0) options_.window = 1;
+  if (options_.window + 1 > kMaskBits)
+    throw Error(Errc::invalid_argument, "sync aggregation: a window of " + std::to_string(options_.window) +
+                                            " steps is past the largest, " + std::to_string(kMaskBits - 1));
 }
 
-SyncAccumulator::Pending SyncAccumulator::take_spare(KeyState& st) {
-  if (st.spare.empty()) return {};
-  Pending p = std::move(st.spare.back());
-  st.spare.pop_back();
-  return p;
+std::uint64_t SyncAccumulator::control_of(const std::uint64_t* block) noexcept {
+  return load_control(block);
+}
+
+std::uint64_t* SyncAccumulator::block_of(Key key, std::uint32_t length, KeyState& st) {
+  if (st.block) return st.block;
+  const std::uint64_t words = block_words(length);
+  if (space_) {
+    st.block = space_->allocate(key, length, words);
+  } else {
+    st.owned = std::make_unique<std::uint64_t[]>(words);  // zeroed: next step 0, no entry in use
+    st.block = st.owned.get();
+  }
+  return st.block;
 }
 
 SyncOutcome SyncAccumulator::add(Key key, std::uint32_t worker, std::uint64_t step, std::span<const float> grad,
-                                 Errc* error) {
+                                 Errc* error, const UndoLog* undo) {
   auto reject = [&](Errc e) {
     if (error) *error = e;
     return SyncOutcome::rejected;
@@ -31,58 +61,107 @@ SyncOutcome SyncAccumulator::add(Key key, std::uint32_t worker, std::uint64_t st
   if (worker >= options_.num_workers) return reject(Errc::invalid_argument);
   const SlotHeader* slot = store_.find(key);
   if (!slot) return reject(Errc::not_found);
-  if (store_.length_of(*slot) != grad.size()) return reject(Errc::length_mismatch);
+  const auto length = static_cast<std::uint32_t>(grad.size());
+  if (store_.length_of(*slot) != length) return reject(Errc::length_mismatch);
 
   Stripe& s = stripe(key);
   std::lock_guard guard(s.mu);
-  KeyState& st = s.keys[key];
-  if (step < st.next_step) {
+  std::uint64_t* block;
+  try {
+    block = block_of(key, length, s.keys[key]);
+  } catch (const Error& e) {
+    return reject(e.code());  // the space is full: nothing of this push is summed
+  }
+  const std::uint64_t control = load_control(block);
+  const std::uint64_t next = control >> kMaskBits;
+  const std::uint32_t mask = control & ((1u << kMaskBits) - 1);
+  if (step < next) {
     ++s.stats.dropped_late;
     return SyncOutcome::dropped_late;
   }
-  if (step >= st.next_step + options_.window) return SyncOutcome::too_far_ahead;
+  if (step >= next + options_.window) return SyncOutcome::too_far_ahead;
 
-  auto it = std::find_if(st.pending.begin(), st.pending.end(), [&](const Pending& p) { return p.step == step; });
-  if (it == st.pending.end()) {
-    Pending p = take_spare(st);
-    p.step = step;
-    p.count = 0;
-    p.contributors.assign((options_.num_workers + 63) / 64, 0);
-    p.sum.assign(grad.begin(), grad.end());
-    st.pending.push_back(std::move(p));
-    it = st.pending.end() - 1;
+  const std::uint32_t bw = bitmap_words();
+  const std::uint64_t bit_word = worker / 64, bit = 1ull << (worker % 64);
+  unsigned found = entries();
+  for (unsigned e = 0; e < entries(); ++e)
+    if ((mask >> e & 1) && entry(block, length, e)[0] == step) found = e;
+  // A step within the window has an entry or a free one: at most `window` are in use.
+  const auto free_entry = static_cast<unsigned>(std::countr_one(mask));
+  if (free_entry >= entries()) return reject(Errc::protocol);
+  std::uint64_t* to = entry(block, length, free_entry);
+  float* to_sum = reinterpret_cast<float*>(to + 2 + bw);
+  std::uint32_t new_mask = mask | (1u << free_entry);
+  if (found == entries()) {
+    to[0] = step;
+    to[1] = 1;
+    for (std::uint32_t w = 0; w < bw; ++w) to[2 + w] = 0;
+    to[2 + bit_word] = bit;
+    std::memcpy(to_sum, grad.data(), grad.size_bytes());
   } else {
-    if (it->contributors[worker / 64] & (1ull << (worker % 64))) {
+    const std::uint64_t* from = entry(block, length, found);
+    if (from[2 + bit_word] & bit) {
       ++s.stats.duplicates;
+      // Its first push may have been cut off between its sum and the step's apply.
+      if (Errc e = apply_ready(key, *slot, length, block, s.stats, undo); e != Errc::ok) return reject(e);
       return SyncOutcome::duplicate;
     }
-    float* sum = it->sum.data();
-    for (std::size_t i = 0; i < grad.size(); ++i) sum[i] += grad[i];
+    to[0] = step;
+    to[1] = from[1] + 1;
+    for (std::uint32_t w = 0; w < bw; ++w) to[2 + w] = from[2 + w];
+    to[2 + bit_word] |= bit;
+    const auto* from_sum = reinterpret_cast<const float*>(from + 2 + bw);
+    for (std::uint32_t i = 0; i < length; ++i) to_sum[i] = from_sum[i] + grad[i];
+    new_mask &= ~(1u << found);
   }
-  it->contributors[worker / 64] |= 1ull << (worker % 64);
-  ++it->count;
+  store_control(block, (next << kMaskBits) | new_mask);
 
-  const std::uint64_t before = st.next_step;
-  if (Errc e = apply_ready(key, st, s.stats); e != Errc::ok) return reject(e);
-  if (st.next_step > before) return SyncOutcome::applied;
+  if (Errc e = apply_ready(key, *slot, length, block, s.stats, undo); e != Errc::ok) return reject(e);
+  if ((load_control(block) >> kMaskBits) > next) return SyncOutcome::applied;
   if (options_.replicated)
     if (Errc e = store_.touch(key); e != Errc::ok) return reject(e);
   return SyncOutcome::accumulated;
 }
 
-Errc SyncAccumulator::apply_ready(Key key, KeyState& st, SyncStats& stats) {
+Errc SyncAccumulator::apply_ready(Key key, const SlotHeader& slot, std::uint32_t length, std::uint64_t* block,
+                                  SyncStats& stats, const UndoLog* undo) {
+  thread_local std::vector<float> mean;
+  const std::uint32_t bw = bitmap_words();
   for (;;) {
-    auto it =
-        std::find_if(st.pending.begin(), st.pending.end(), [&](const Pending& p) { return p.step == st.next_step; });
-    if (it == st.pending.end() || it->count < options_.required) return Errc::ok;
-    const float inv = 1.0f / static_cast<float>(it->count);
-    for (float& x : it->sum) x *= inv;
-    const float lr_scale = options_.linear_lr_scaling ? static_cast<float>(it->count) : 1.0f;
-    const Errc e = store_.push(key, it->sum, lr_scale);
-    ++st.next_step;
+    const std::uint64_t control = load_control(block);
+    const std::uint64_t next = control >> kMaskBits;
+    const std::uint32_t mask = control & ((1u << kMaskBits) - 1);
+    unsigned ready = entries();
+    for (unsigned e = 0; e < entries(); ++e)
+      if ((mask >> e & 1) && entry(block, length, e)[0] == next) ready = e;
+    if (ready == entries()) return Errc::ok;
+    const std::uint64_t* en = entry(block, length, ready);
+    const auto count = static_cast<std::uint32_t>(en[1]);
+    if (count < options_.required) return Errc::ok;
+    // The mean goes elsewhere: the entry stays as it was until the step counts as applied.
+    const auto* sum = reinterpret_cast<const float*>(en + 2 + bw);
+    const float inv = 1.0f / static_cast<float>(count);
+    mean.resize(length);
+    for (std::uint32_t i = 0; i < length; ++i) mean[i] = sum[i] * inv;
+    const float lr_scale = options_.linear_lr_scaling ? static_cast<float>(count) : 1.0f;
+    const std::uint64_t applied = ((next + 1) << kMaskBits) | (mask & ~(1u << ready));
+    Errc e;
+    if (undo && undo->sync_mark) {
+      SyncApplyMark& mark = *undo->sync_mark;
+      mark.key = key;
+      mark.control = applied;
+      mark.active.store(1, std::memory_order_release);
+      std::atomic_signal_fence(std::memory_order_seq_cst);
+      e = store_.apply_logged(const_cast<SlotHeader&>(slot), mean.data(), length, lr_scale, undo->owner, *undo->record,
+                              undo->buffer, undo->capacity, undo->patience, nullptr, block, applied);
+      std::atomic_signal_fence(std::memory_order_seq_cst);
+      mark.active.store(0, std::memory_order_release);
+      if (e != Errc::ok) return e;  // nothing changed: the step stays ready for the next push
+    } else {
+      e = store_.push(key, mean, lr_scale);
+      store_control(block, applied);
+    }
     ++stats.applied_steps;
-    st.spare.push_back(std::move(*it));
-    st.pending.erase(it);
     if (e != Errc::ok) return e;
   }
 }
@@ -91,7 +170,7 @@ std::uint64_t SyncAccumulator::next_step(Key key) const {
   Stripe& s = stripe(key);
   std::lock_guard guard(s.mu);
   auto it = s.keys.find(key);
-  return it == s.keys.end() ? 0 : it->second.next_step;
+  return it == s.keys.end() || !it->second.block ? 0 : load_control(it->second.block) >> kMaskBits;
 }
 
 SyncStats SyncAccumulator::stats() const {
@@ -118,29 +197,40 @@ std::uint64_t get_word(const float*& in) noexcept {
 }
 }  // namespace
 
-void SyncAccumulator::export_state(Key key, std::uint32_t length, float* out) const {
+bool SyncAccumulator::export_block(const std::uint64_t* block, std::uint32_t length, float* out) const {
   std::memset(out, 0, state_floats(length) * sizeof(float));
-  const Stripe& s = stripe(key);
-  auto it = s.keys.find(key);
-  if (it == s.keys.end()) return;
-  const KeyState& st = it->second;
-  put_word(out, st.next_step);
-  for (const Pending& p : st.pending) {
-    put_word(out, p.step);
-    put_word(out, p.count);
-    for (std::uint64_t w : p.contributors) put_word(out, w);
-    std::memcpy(out, p.sum.data(), std::size_t{length} * sizeof(float));
+  const std::uint64_t control = load_control(block);
+  const std::uint32_t mask = control & ((1u << kMaskBits) - 1);
+  if (static_cast<unsigned>(std::popcount(mask)) > options_.window || (mask >> entries()) != 0) return false;
+  put_word(out, control >> kMaskBits);
+  const std::uint32_t bw = bitmap_words();
+  for (unsigned e = 0; e < entries(); ++e) {
+    if (!(mask >> e & 1)) continue;
+    const std::uint64_t* en = entry(block, length, e);
+    for (std::uint32_t w = 0; w < 2 + bw; ++w) put_word(out, en[w]);
+    std::memcpy(out, en + 2 + bw, std::size_t{length} * sizeof(float));
     out += length;
   }
+  return true;
 }
 
-Errc SyncAccumulator::check_state(std::uint32_t length, const float* in, std::string* why) const {
+void SyncAccumulator::export_state(Key key, std::uint32_t length, float* out) const {
+  const Stripe& s = stripe(key);
+  auto it = s.keys.find(key);
+  if (it == s.keys.end() || !it->second.block) {
+    std::memset(out, 0, state_floats(length) * sizeof(float));
+    return;
+  }
+  export_block(it->second.block, length, out);  // this process's blocks hold at most a window
+}
+
+Errc SyncAccumulator::check_state(std::uint32_t length, const float* in, std::string* why, bool complete_ok) const {
   auto refuse = [&](const std::string& what) {
     if (why) *why = "sync state: " + what;
     return Errc::protocol;
   };
   const std::uint64_t next = get_word(in);
-  if (next > UINT64_MAX - options_.window) return refuse("next step " + std::to_string(next) + " is past any clock");
+  if (next >= kMaxNextStep) return refuse("next step " + std::to_string(next) + " is past any clock");
   std::vector<std::uint64_t> steps;
   for (std::uint32_t i = 0; i < options_.window; ++i) {
     const std::uint64_t step = get_word(in), count = get_word(in);
@@ -161,7 +251,7 @@ Errc SyncAccumulator::check_state(std::uint32_t length, const float* in, std::st
       return refuse("a step counts " + std::to_string(count) + " contributors of " + std::to_string(set));
     if (step < next || step - next >= options_.window)
       return refuse("step " + std::to_string(step) + " is outside the window at " + std::to_string(next));
-    if (step == next && count >= options_.required)
+    if (step == next && count >= options_.required && !complete_ok)
       return refuse("step " + std::to_string(step) + " has its " + std::to_string(count) +
                     " contributors and was never applied");
     if (std::find(steps.begin(), steps.end(), step) != steps.end())
@@ -173,27 +263,45 @@ Errc SyncAccumulator::check_state(std::uint32_t length, const float* in, std::st
 
 void SyncAccumulator::import_state(Key key, std::uint32_t length, const float* in) {
   Stripe& s = stripe(key);
-  KeyState& st = s.keys[key];
-  for (Pending& p : st.pending) st.spare.push_back(std::move(p));
-  st.pending.clear();
-  st.next_step = get_word(in);
+  std::uint64_t* block = block_of(key, length, s.keys[key]);
+  const std::uint64_t next = get_word(in);
+  const std::uint32_t bw = bitmap_words();
+  std::uint32_t mask = 0;
+  unsigned e = 0;
   for (std::uint32_t i = 0; i < options_.window; ++i) {
     const std::uint64_t step = get_word(in), count = get_word(in);
-    if (count == 0) {  // unused: costs this key no memory
-      in += 2 * bitmap_words() + length;
+    if (count == 0) {
+      in += 2 * bw + length;
       continue;
     }
-    Pending p = take_spare(st);
-    p.step = step;
-    p.count = static_cast<std::uint32_t>(count);
-    p.contributors.resize(bitmap_words());
-    for (std::uint64_t& w : p.contributors) w = get_word(in);
-    p.sum.assign(in, in + length);
+    std::uint64_t* en = entry(block, length, e);
+    en[0] = step;
+    en[1] = count;
+    for (std::uint32_t w = 0; w < bw; ++w) en[2 + w] = get_word(in);
+    std::memcpy(en + 2 + bw, in, std::size_t{length} * sizeof(float));
     in += length;
-    st.pending.push_back(std::move(p));
+    mask |= 1u << e++;
   }
-  // Kept for the steps to come, as add() keeps them, but no more than it would.
-  if (st.spare.size() > options_.window) st.spare.resize(options_.window);
+  store_control(block, (next << kMaskBits) | mask);
+}
+
+Errc SyncAccumulator::adopt_block(Key key, std::uint32_t length, const std::uint64_t* block, std::string* why) {
+  const SlotHeader* slot = store_.find(key);
+  if (!slot || store_.length_of(*slot) != length) {
+    if (why) *why = "sync state: no key of " + std::to_string(length) + " floats here";
+    return Errc::protocol;
+  }
+  std::vector<float> state(state_floats(length));
+  if (!export_block(block, length, state.data())) {
+    if (why) *why = "sync state: more entries in use than a window holds";
+    return Errc::protocol;
+  }
+  // A dead process may have left its next step complete, its apply undone: apply it here.
+  if (Errc e = check_state(length, state.data(), why, true); e != Errc::ok) return e;
+  Stripe& s = stripe(key);
+  std::lock_guard guard(s.mu);
+  import_state(key, length, state.data());
+  return apply_ready(key, *slot, length, s.keys[key].block, s.stats, nullptr);
 }
 
 }  // namespace pskv

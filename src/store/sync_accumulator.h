@@ -3,10 +3,20 @@
 // store's update rule, with the learning rate scaled linearly by the number averaged (Ray's sync PS).
 // A gradient for a step that was already applied arrives late and is dropped, never carried into
 // a later step.
+//
+// A key's pending steps live in one block of 64-bit words (SyncSpace: process memory, or a file a
+// successor reads after this process is killed, shm://NAME?adopt=1), laid out so that a kill at
+// any instant leaves a state a successor can go on from: window + 1 entries of [step | count |
+// contributor bitmap | sum], and a control word [next step (48 bits) | mask of the entries in use
+// (16 bits)]. An accumulation writes the new sum into a free entry and then stores the control
+// word once (copy on write: the entry it replaces is never touched), and an applied step leaves
+// its entry by the same store, made with the store's update, so a step is applied exactly once.
 #pragma once
 
 #include <array>
+#include <atomic>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <span>
 #include <string>
@@ -21,7 +31,7 @@ struct SyncOptions {
   std::uint32_t num_workers = 1;  // N
   std::uint32_t required = 0;     // K; 0 means N
   bool linear_lr_scaling = true;  // lr * K when applying the mean of K gradients
-  std::uint32_t window = 4;       // steps ahead of the oldest pending one that may be buffered
+  std::uint32_t window = 4;       // steps ahead of the oldest pending one that may be buffered, 1-15
   // Replicated (ShardEngine ships each key's pending steps with its record): every change of a
   // key's pending steps also moves its store version, which orders the records.
   bool replicated = false;
@@ -36,6 +46,26 @@ enum class SyncOutcome : std::uint8_t {
   rejected,       // bad key, length or worker id: see the Errc
 };
 
+// Where the keys' pending steps live. Thread-safety: allocate() may be called from several
+// threads at once (each under one of the accumulator's stripes).
+class SyncSpace {
+ public:
+  virtual ~SyncSpace() = default;
+  // `words` zeroed words for the pending steps of `key` (`length` floats), kept as long as the
+  // space. Throws Error when there is no room.
+  virtual std::uint64_t* allocate(Key key, std::uint32_t length, std::size_t words) = 0;
+};
+
+// Written by a thread that applies a step through Store::apply_logged, where a successor reads it
+// if the process dies (UndoLog::sync_mark): while `active`, `key`'s control word turns to
+// `control` in the same instant as the update counts as applied. A successor that finds the word
+// at `control` keeps the update; otherwise the store's undo record rolls it back.
+struct SyncApplyMark {
+  std::atomic<std::uint64_t> active;
+  std::uint64_t key;
+  std::uint64_t control;
+};
+
 struct SyncStats {
   std::uint64_t applied_steps = 0;
   std::uint64_t dropped_late = 0;
@@ -46,10 +76,13 @@ struct SyncStats {
 // guarded by a striped mutex, and applies go through the store's own stripe locks.
 class SyncAccumulator {
  public:
-  SyncAccumulator(Store& store, SyncOptions options);
+  // `space` null: process memory.
+  SyncAccumulator(Store& store, SyncOptions options, std::shared_ptr<SyncSpace> space = nullptr);
 
-  SyncOutcome add(Key key, std::uint32_t worker, std::uint64_t step, std::span<const float> grad,
-                  Errc* error = nullptr);
+  // `undo` (a process a successor may adopt): a completed step is applied with the store's undo
+  // record and undo->sync_mark, so a kill leaves it either applied and recorded, or neither.
+  SyncOutcome add(Key key, std::uint32_t worker, std::uint64_t step, std::span<const float> grad, Errc* error = nullptr,
+                  const UndoLog* undo = nullptr);
   // The first step of `key` that has not been applied yet (0 before any).
   std::uint64_t next_step(Key key) const;
   // Whether add() would take (or drop as late) a gradient for `step`, rather than refuse it as
@@ -82,21 +115,27 @@ class SyncAccumulator {
   void export_state(Key key, std::uint32_t length, float* out) const;
   // Whether `in` could be a key's pending steps here (it comes from a peer): Errc::protocol,
   // with `why`, if not. Checked before anything of the record is written.
-  Errc check_state(std::uint32_t length, const float* in, std::string* why) const;
-  // Under with_key(key), after check_state.
+  // `complete_ok`: a next step with all its contributors is taken (adopt_block applies it).
+  Errc check_state(std::uint32_t length, const float* in, std::string* why, bool complete_ok = false) const;
+  // Under with_key(key), after check_state. Not atomic against a kill: for replicas and for a
+  // successor before it serves.
   void import_state(Key key, std::uint32_t length, const float* in);
 
+  // A key's block of pending steps as a dead process left it (SyncSpace, SyncApplyMark).
+  std::uint64_t block_words(std::uint32_t length) const noexcept {
+    return 1 + std::uint64_t{entries()} * entry_words(length);
+  }
+  // The control word a block holds (mark checks read it). `block` is block_words(length) long.
+  static std::uint64_t control_of(const std::uint64_t* block) noexcept;
+  // Takes `key`'s pending steps from a dead process's block: checked as a peer's state is, and a
+  // step that was complete but not yet applied when it died is applied now. Errc::protocol with
+  // *why when the block does not check out (nothing is taken then).
+  Errc adopt_block(Key key, std::uint32_t length, const std::uint64_t* block, std::string* why);
+
  private:
-  struct Pending {
-    std::uint64_t step = 0;
-    std::uint32_t count = 0;
-    std::vector<std::uint64_t> contributors;  // bitmap over workers
-    std::vector<float> sum;
-  };
   struct KeyState {
-    std::uint64_t next_step = 0;
-    std::vector<Pending> pending;  // unordered, at most `window` entries
-    std::vector<Pending> spare;    // recycled buffers so steady state does not allocate
+    std::uint64_t* block = nullptr;          // block_words(length): [control | entries()]
+    std::unique_ptr<std::uint64_t[]> owned;  // the block, without a space
   };
   struct alignas(64) Stripe {
     mutable std::mutex mu;
@@ -104,14 +143,27 @@ class SyncAccumulator {
     SyncStats stats;
   };
   static constexpr std::size_t kStripes = 64;
+  static constexpr unsigned kMaskBits = 16;
   Stripe& stripe(Key key) const noexcept { return stripes_[mix64(key) & (kStripes - 1)]; }
   std::uint32_t bitmap_words() const noexcept { return (options_.num_workers + 63) / 64; }
-  Errc apply_ready(Key key, KeyState& state, SyncStats& stats);
-  // A recycled buffer for a new pending step (its sum keeps its capacity), or a fresh one.
-  static Pending take_spare(KeyState& state);
+  std::uint32_t entries() const noexcept { return options_.window + 1; }
+  std::uint64_t entry_words(std::uint32_t length) const noexcept { return 2 + bitmap_words() + (length + 1) / 2; }
+  std::uint64_t* entry(std::uint64_t* block, std::uint32_t length, unsigned e) const noexcept {
+    return block + 1 + e * entry_words(length);
+  }
+  const std::uint64_t* entry(const std::uint64_t* block, std::uint32_t length, unsigned e) const noexcept {
+    return block + 1 + e * entry_words(length);
+  }
+  std::uint64_t* block_of(Key key, std::uint32_t length, KeyState& state);
+  // The pending steps of a block in export_state's layout; false if its mask names more entries
+  // than a window holds.
+  bool export_block(const std::uint64_t* block, std::uint32_t length, float* out) const;
+  Errc apply_ready(Key key, const SlotHeader& slot, std::uint32_t length, std::uint64_t* block, SyncStats& stats,
+                   const UndoLog* undo);
 
   Store& store_;
   SyncOptions options_;
+  std::shared_ptr<SyncSpace> space_;
   mutable std::array<Stripe, kStripes> stripes_;
 };
 

@@ -435,6 +435,99 @@ TEST(ShmAdoptionClocks, WorkerClocksAreCarriedOver) {
   EXPECT_EQ(stat_field(c.server_stats(0), "adopted_clocks"), 2u);
 }
 
+// Sync mode: a push is acknowledged once it is summed into its step, before the step is applied,
+// so the sums are acknowledged state too. Two workers push 1 and 2 to four keys of 256 KiB per
+// step (so kills land inside applies) and clock; the server is SIGKILLed at a random instant and
+// restarted with adopt=1, and a worker whose server failed it reconnects at the step it was in
+// and does that step again (a push that had landed is then a duplicate). Every key must end at
+// exactly 1.5 per step (rule add applies the mean): each step applied once, with both
+// contributions. Without the pending
+// steps carried over, the successor starts every key at step 0 and refuses the workers' next
+// pushes as too far ahead.
+TEST(ShmAdoptionSync, AKilledServerKeepsEveryStepItsWorkersPushedInto) {
+  std::mt19937 rng(25);
+  constexpr std::uint32_t kWorkers = 2;
+  constexpr Key kKeys = 4;
+  constexpr std::size_t kLen = 64 * 1024;
+  constexpr std::uint64_t kSteps = 150;
+  std::uint64_t rolled_back = 0, trials_with_steps = 0;
+  for (int trial = 0; trial < testing::fault_trials(); ++trial) {
+    const std::string uri = "shm://" + segment_name("sync", trial) + "?adopt=1&area_mb=4&clients=8";
+    const std::vector<std::string> args = {"--uri",  uri,    "--arena-mb", "16",  "--workers",         "2",
+                                           "--mode", "sync", "--rule",     "add", "--wait-timeout-ms", "20000"};
+    auto server = ServerProcess::start(args);
+    ClientOptions o;
+    o.servers = {server.uri};
+    o.io_timeout = std::chrono::seconds(30);
+    const std::vector<Key> keys = testing::make_zero_keys(o, kKeys, kLen);
+    testing::SharedArray<std::atomic<std::uint64_t>> steps_done(kWorkers), failures(kWorkers);
+    std::vector<pid_t> pids;
+    const testing::KillOnExit reap(pids);
+    for (std::uint32_t w = 0; w < kWorkers; ++w)
+      pids.push_back(fork_worker([&, w] {
+        const std::vector<float> grad(kLen, static_cast<float>(w + 1));
+        const std::vector<std::span<const float>> values(kKeys, std::span<const float>(grad));
+        std::vector<float> out(kLen);
+        std::unique_ptr<Client> c;
+        const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+        for (std::uint64_t step = 0; step < kSteps;) {
+          try {
+            if (!c) {
+              ClientOptions wo = o;
+              wo.worker_id = w;
+              wo.initial_clock = step;
+              c = std::make_unique<Client>(wo);
+            }
+            c->wait(c->pull(keys[0], out));
+            c->wait(c->push(keys, values));
+            c->clock();
+            steps_done[w].store(++step);
+          } catch (const Error& e) {
+            failures[w].fetch_add(1);
+            if (c) c->disconnect();
+            c.reset();
+            if (std::chrono::steady_clock::now() > give_up) {
+              std::fprintf(stderr, "worker %u stuck at step %llu: %s\n", w, static_cast<unsigned long long>(step),
+                           e.what());
+              return 1;
+            }
+            std::this_thread::sleep_for(std::chrono::milliseconds(2));
+          }
+        }
+        return 0;
+      }));
+    // Somewhere in the middle of the run.
+    const std::uint64_t kill_at = 5 + rng() % (kSteps - 40);
+    while (steps_done[0].load() < kill_at && steps_done[1].load() < kill_at)
+      std::this_thread::sleep_for(std::chrono::microseconds(200 + rng() % 400));
+    server.process.signal(SIGKILL);
+    server.process.wait();
+    server = ServerProcess::start(args);
+    for (std::size_t w = 0; w < pids.size(); ++w)
+      ASSERT_EQ(wait_pid(pids[w], std::chrono::seconds(180)), 0) << "worker " << w << ", trial " << trial;
+    pids.clear();
+    EXPECT_GT(failures[0].load() + failures[1].load(), 0u) << "the kill failed no worker: the trial tested nothing";
+
+    Client check(o);
+    std::vector<float> out(kLen);
+    for (Key k = 0; k < kKeys; ++k) {
+      check.wait(check.pull(keys[k], out));
+      const auto wrong = std::find_if(out.begin(), out.end(), [](float x) { return x != 1.5f * kSteps; });
+      EXPECT_EQ(wrong, out.end()) << "key " << k << " float " << (wrong - out.begin()) << " is "
+                                  << (wrong == out.end() ? 0.0f : *wrong) << ", not " << 1.5f * kSteps
+                                  << " (1.5 per step): trial " << trial;
+    }
+    const std::string stats = check.server_stats(0);
+    EXPECT_EQ(stat_field(stats, "adopted_keys"), kKeys) << stats;
+    EXPECT_EQ(stat_field(stats, "adopted_sync_keys"), kKeys) << stats;
+    EXPECT_EQ(stat_field(stats, "adopted_sync_refused"), 0u) << stats;
+    rolled_back += stat_field(stats, "adopted_rolled_back");
+    ++trials_with_steps;
+  }
+  std::printf("[ adopt    ] %llu of %llu kills left a step's apply half done, rolled back and applied again\n",
+              static_cast<unsigned long long>(rolled_back), static_cast<unsigned long long>(trials_with_steps));
+}
+
 // A successor that fails to start (here: another update rule) leaves the segment where it was,
 // and the next attempt adopts it; a segment whose server still runs is never adopted.
 TEST(ShmAdoptionStart, AFailedStartLeavesTheSegmentForTheNextAndALiveServerIsNeverAdopted) {

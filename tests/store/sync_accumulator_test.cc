@@ -94,6 +94,7 @@ TEST(SyncAccumulator, DuplicatesWindowAndBadInput) {
   EXPECT_EQ(acc.add(1, 1, 1, g), SyncOutcome::applied);
   EXPECT_EQ(acc.next_step(1), 2u);
   EXPECT_THROW(SyncAccumulator(*f.store, {.num_workers = 2, .required = 3}), Error);
+  EXPECT_THROW(SyncAccumulator(*f.store, {.num_workers = 2, .window = 16}), Error);
 }
 
 // A key's pending steps leave with its record and come back whole: a second accumulator that
@@ -180,13 +181,16 @@ TEST(SyncAccumulator, ConcurrentWorkersApplyEveryStepExactlyOnce) {
   Fixture f(UpdateRule::add);
   constexpr std::uint32_t kWorkers = 4, kSteps = 200;
   for (Key k = 0; k < 8; ++k) ASSERT_EQ(f.store->init_zero(k, 16), Errc::ok);
-  SyncAccumulator acc(*f.store, {.num_workers = kWorkers, .linear_lr_scaling = false, .window = kSteps});
+  // The widest window: a worker that runs past it is refused and tries again, as a worker's
+  // bounded read would hold it back.
+  SyncAccumulator acc(*f.store, {.num_workers = kWorkers, .linear_lr_scaling = false, .window = 15});
   std::vector<std::thread> threads;
   for (std::uint32_t w = 0; w < kWorkers; ++w)
     threads.emplace_back([&, w] {
       std::vector<float> g(16, 1.0f);
       for (std::uint64_t step = 0; step < kSteps; ++step)
-        for (Key k = 0; k < 8; ++k) acc.add(k, w, step, g);
+        for (Key k = 0; k < 8; ++k)
+          while (acc.add(k, w, step, g) == SyncOutcome::too_far_ahead) std::this_thread::yield();
     });
   for (auto& t : threads) t.join();
   for (Key k = 0; k < 8; ++k) {

@@ -16,6 +16,7 @@
 #include "common/log.h"
 #include "layout/clock_table.h"
 #include "table/embedding_table.h"
+#include "transport/shm/sync_file.h"
 #include "transport/shm/table_files.h"
 
 namespace pskv::shm {
@@ -36,6 +37,8 @@ JsonObject AdoptionReport::fields() const {
       .add("adopted_rows_rolled_back", rows_rolled_back)
       .add("adopted_rows_torn", rows_torn)
       .add("adopted_rows_refused", rows_refused)
+      .add("adopted_sync_keys", sync_keys)
+      .add("adopted_sync_refused", sync_refused)
       .add("adopted_ms", milliseconds, 1);
   return j;
 }
@@ -205,9 +208,21 @@ std::unique_ptr<Predecessor> Predecessor::take(const std::string& name, std::chr
     if (r == Store::Recovery::rolled_back) ++p->report_.rolled_back;
     store.release_locks_of(tag);
   }
+  // Sync mode's pending steps, if it kept them for a successor; refused whole if they do not
+  // check out (the start fails, and the segment is put back).
+  try {
+    p->sync_ = SyncStateFile::open_left(p->tables_);
+  } catch (const Error& e) {
+    throw Error(e.code(), "cannot adopt the segment " + dead + " left at shm://" + name + ": " + e.what());
+  }
   // The dead server's own threads: a ring push one of them was applying, and their locks.
   for (std::uint32_t t = 0; t < g.server_threads; ++t) {
     const std::uint32_t tag = server_thread_owner_tag(t);
+    // A step's apply counts as done once its pending steps say so (SyncApplyMark): from then on
+    // the undo record, which may still say `saved`, must not take it back.
+    if (p->sync_ && p->sync_->applied_whole(t) &&
+        h.server_undo[t].phase.load(std::memory_order_acquire) == UndoPhase::saved)
+      h.server_undo[t].phase.store(UndoPhase::applied, std::memory_order_release);
     const Store::Recovery r =
         store.recover(h.server_undo[t], tag, segment->server_undo_buffer(t), g.server_undo_bytes / sizeof(float));
     if (r == Store::Recovery::rolled_back) ++p->report_.rolled_back;
@@ -270,11 +285,13 @@ AdoptionReport Predecessor::copy_into(ShardEngine& engine, const std::string& ta
                                  "): workers announce theirs again when they reconnect");
     }
   }
+  copy_sync_steps_into(engine);
   copy_tables_into(engine, tables_root);
   report_.milliseconds = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - began_).count();
   log::info("shm.adopt", "adopted " + std::to_string(report_.keys) + " keys (" +
                              std::to_string(report_.value_bytes >> 20) + " MiB of values) and " +
-                             std::to_string(report_.clocks) + " worker clocks, " + std::to_string(report_.rows) +
+                             std::to_string(report_.clocks) + " worker clocks, the pending sync steps of " +
+                             std::to_string(report_.sync_keys) + " keys, " + std::to_string(report_.rows) +
                              " rows of " + std::to_string(report_.tables) + " tables from the segment of " + dead +
                              " in " + std::to_string(static_cast<long long>(report_.milliseconds)) + " ms; " +
                              std::to_string(report_.rolled_back) + " half-applied pushes rolled back, " +
@@ -308,6 +325,38 @@ EmbeddingTable::LeftRows copy_left_rows(EmbeddingTable& table, const LeftTable& 
 }
 
 }  // namespace
+
+void Predecessor::copy_sync_steps_into(ShardEngine& engine) {
+  SyncAccumulator* sync = engine.sync();
+  if (!sync_) return;
+  const std::string dead = "pskv-server pid " + std::to_string(report_.predecessor_pid);
+  const std::string restart = ": restart with its --mode sync and --workers " + std::to_string(sync_->workers()) +
+                              " to adopt the steps its workers' pushes were summed into";
+  if (!sync)
+    throw Error(Errc::invalid_argument, dead + " summed sync mode's steps, this server is not in sync mode" + restart);
+  if (sync->options().num_workers != sync_->workers() || sync->options().window != sync_->window())
+    throw Error(Errc::invalid_argument, dead + " had " + std::to_string(sync_->workers()) + " workers, this server " +
+                                            std::to_string(sync->options().num_workers) + restart);
+  std::string stopped;
+  sync_->visit(
+      [&](Key key, std::uint32_t length, const std::uint64_t* block, std::uint64_t words) {
+        std::string why;
+        Errc e = words == sync->block_words(length) ? Errc::ok : Errc::protocol;
+        if (e == Errc::ok) e = sync->adopt_block(key, length, block, &why);
+        if (e == Errc::ok) {
+          ++report_.sync_keys;
+          return;
+        }
+        ++report_.sync_refused;
+        log::warn("shm.adopt", "the pending sync steps of key " + std::to_string(key) + " left by " + dead +
+                                   " were not adopted: " + (why.empty() ? "their record has another size" : why));
+      },
+      &stopped);
+  if (!stopped.empty()) {
+    ++report_.sync_refused;
+    log::warn("shm.adopt", "the sync steps left by " + dead + " were read only up to a record: " + stopped);
+  }
+}
 
 void Predecessor::copy_tables_into(ShardEngine& engine, const std::string& tables_root) {
   const std::string dead = "pskv-server pid " + std::to_string(report_.predecessor_pid);

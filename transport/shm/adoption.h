@@ -15,6 +15,7 @@
 #include "engine/shard_engine.h"
 #include "store/store.h"
 #include "transport/shm/segment.h"
+#include "transport/shm/sync_file.h"
 
 namespace pskv::shm {
 
@@ -29,6 +30,8 @@ struct AdoptionReport {
   std::uint64_t rows_rolled_back = 0;  // rows a dead server thread left inside a write, put back
   std::uint64_t rows_torn = 0;         // rows inside a write no undo record covers (logged)
   std::uint64_t rows_refused = 0;      // rows this server's table had no room for (logged)
+  std::uint64_t sync_keys = 0;         // keys whose pending sync steps were carried over
+  std::uint64_t sync_refused = 0;      // ... whose record did not check out (logged)
   double milliseconds = 0;             // fencing, repair and copy
   JsonObject fields() const;
 };
@@ -53,7 +56,8 @@ class Predecessor {
   Predecessor(const Predecessor&) = delete;
   Predecessor& operator=(const Predecessor&) = delete;
 
-  // Copies every key that checks out, then the workers' clocks, into `engine` (whose store must
+  // Copies every key that checks out, then the workers' clocks and sync mode's pending steps
+  // (applying a step the dead server had complete but not applied), into `engine` (whose store must
   // keep the same kind of optimizer state), and takes over every embedding table
   // (transport/shm/table_files.h): its files get names under `tables_root` (this server's) and
   // the engine's table its rows in place. Keys and tables already there (a --restore) are
@@ -75,6 +79,8 @@ class Predecessor {
   std::string name_, aside_;  // the object's path in /dev/shm, and where it was moved
   std::string tables_;        // the dead server's table files
   void copy_tables_into(ShardEngine& engine, const std::string& tables_root);
+  void copy_sync_steps_into(ShardEngine& engine);
+  std::unique_ptr<SyncStateFile> sync_;  // sync mode's pending steps, if the dead server kept them
   bool copied_ = false;
   std::chrono::steady_clock::time_point began_;
 };

@@ -10,6 +10,7 @@
 #include "transport/shm/adoption.h"
 #include "transport/shm/segment.h"
 #include "transport/shm/shm_server.h"
+#include "transport/shm/sync_file.h"
 #include "transport/shm/table_files.h"
 
 namespace pskv::shm {
@@ -64,14 +65,18 @@ class ShmListener final : public transport::Listener {
       memory.tables = [root = tables_](std::uint32_t id, const TableSpec& requested, std::uint64_t max_rows) {
         return std::make_unique<TableFiles>(root, id, requested, max_rows);
       };
+      // So do sync mode's pending steps: a push is acknowledged once it is summed.
+      if (engine.mode == ConsistencyMode::sync)
+        memory.sync = sync_ =
+            SyncStateFile::create(tables_, engine.store, SyncOptions{.num_workers = engine.num_workers}, threads_);
     }
     return memory;
   }
 
   void start(ShardEngine& engine) override {
     if (predecessor_) adopted_ = predecessor_->copy_into(engine, tables_).fields();
-    server_ =
-        std::make_unique<ShmServer>(*segment_, engine, ShmServerOptions{.threads = threads_, .extra_stats = adopted_});
+    server_ = std::make_unique<ShmServer>(
+        *segment_, engine, ShmServerOptions{.threads = threads_, .extra_stats = adopted_, .sync = sync_.get()});
     if (predecessor_) {
       // Only now: a successor that dies before its segment is ready leaves the original whole
       // for the next (Predecessor::take).
@@ -113,6 +118,7 @@ class ShmListener final : public transport::Listener {
   bool worker_push_ = true;
   bool adopt_ = false;
   std::string tables_;                        // with adopt_: where this server's tables keep their rows
+  std::shared_ptr<SyncStateFile> sync_;       // with adopt_ in sync mode: its pending steps
   std::unique_ptr<Predecessor> predecessor_;  // between engine_memory() and start()
   JsonObject adopted_;                        // what was taken over, for stats
   // The server before the segment it serves goes away (members are destroyed in reverse).

@@ -1,10 +1,13 @@
 #include "transport/shm/shm_server.h"
 
+#include "transport/shm/sync_file.h"
+
 #include <chrono>
 #include <cstring>
 
 #include "common/log.h"
 #include "common/sync.h"
+#include "transport/shm/sync_file.h"
 #include "transport/wire.h"
 
 namespace pskv::shm {
@@ -182,8 +185,12 @@ bool ShmServer::process(std::uint32_t i, RingEntry& e, std::uint64_t seq) {
         break;
       case wire::Op::push: {
         const std::uint32_t t = i % options_.threads;
-        const UndoLog undo{server_thread_owner_tag(t), &segment_->header().server_undo[t],
-                           segment_->server_undo_buffer(t), geo_.server_undo_bytes / sizeof(float), lock_patience()};
+        const UndoLog undo{server_thread_owner_tag(t),
+                           &segment_->header().server_undo[t],
+                           segment_->server_undo_buffer(t),
+                           geo_.server_undo_bytes / sizeof(float),
+                           lock_patience(),
+                           options_.sync ? options_.sync->mark(t) : nullptr};
         status = engine_->push(worker, arg0, keys, payload, &why, geo_.server_undo_bytes ? &undo : nullptr);
         break;
       }

@@ -16,9 +16,11 @@
 
 namespace pskv::shm {
 
+class SyncStateFile;
 struct ShmServerOptions {
   std::uint32_t threads = 1;
-  JsonObject extra_stats;  // fields of the listener's own (what it adopted), for stats requests
+  JsonObject extra_stats;         // fields of the listener's own (what it adopted), for stats requests
+  SyncStateFile* sync = nullptr;  // sync mode with adopt=1: each thread's SyncApplyMark is there
 };
 
 // Trust: every client, and any other process of the job's user, can write the whole segment.

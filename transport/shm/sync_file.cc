@@ -1,0 +1,183 @@
+#include "transport/shm/sync_file.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+
+#include "transport/shm/segment.h"
+
+namespace pskv::shm {
+
+namespace {
+
+constexpr char kMagic[8] = {'P', 'S', 'K', 'V', 'S', 'Y', 'N', 'C'};
+constexpr std::uint32_t kVersion = 1;
+constexpr std::size_t kHeaderBytes = 4096;
+constexpr std::uint64_t kRecordHeadWords = 3;  // key, length, words
+
+std::string errno_text() {
+  return std::strerror(errno);
+}
+
+}  // namespace
+
+struct SyncStateFile::Header {
+  char magic[8];
+  std::uint32_t version, window, workers, threads;
+  std::uint64_t capacity;           // bytes of records the file has room for, after the header
+  std::atomic<std::uint64_t> used;  // bytes of whole records
+  alignas(64) SyncApplyMark marks[kMaxServerThreads];
+};
+SyncStateFile::SyncStateFile(std::string path, std::byte* base, std::size_t size, int fd)
+    : path_(std::move(path)), base_(base), size_(size), fd_(fd) {
+  static_assert(sizeof(Header) <= kHeaderBytes);
+}
+
+SyncStateFile::~SyncStateFile() {
+  ::munmap(base_, size_);
+  if (fd_ >= 0) ::close(fd_);
+}
+
+std::shared_ptr<SyncStateFile> SyncStateFile::create(const std::string& dir, const StoreOptions& store,
+                                                     const SyncOptions& sync, std::uint32_t threads) {
+  if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST)
+    throw Error(Errc::io, "cannot make " + dir + ": " + errno_text());
+  struct stat st {};
+  if (::lstat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != ::geteuid())
+    throw Error(Errc::permission, dir + " is not a directory of this user's: not keeping sync steps in it");
+  // Each key's block: its record head, a control word and window + 1 entries of [step | count |
+  // bitmap | sum]; the sums together are at most window + 1 times the arena's values.
+  const std::uint64_t entries = std::uint64_t{sync.window} + 1;
+  const std::uint64_t bitmap = (std::uint64_t{sync.num_workers} + 63) / 64;
+  const std::uint64_t capacity =
+      8 * store.max_keys * (kRecordHeadWords + 1 + entries * (3 + bitmap)) + entries * store.arena_bytes;
+  const std::string path = dir + "/sync";
+  ::unlink(path.c_str());
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (fd < 0) throw Error(Errc::io, "cannot create " + path + ": " + errno_text());
+  const std::size_t size = kHeaderBytes + capacity;
+  if (::ftruncate(fd, static_cast<off_t>(size)) != 0 || ::posix_fallocate(fd, 0, kHeaderBytes) != 0) {
+    const std::string why = errno_text();
+    ::close(fd);
+    ::unlink(path.c_str());
+    throw Error(Errc::io, "cannot size " + path + ": " + why);
+  }
+  void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) {
+    const std::string why = errno_text();
+    ::close(fd);
+    ::unlink(path.c_str());
+    throw Error(Errc::io, "cannot map " + path + ": " + why);
+  }
+  auto f = std::shared_ptr<SyncStateFile>(new SyncStateFile(path, static_cast<std::byte*>(p), size, fd));
+  Header& h = f->header();
+  h.version = kVersion;
+  h.window = sync.window;
+  h.workers = sync.num_workers;
+  h.threads = threads;
+  h.capacity = capacity;
+  h.used.store(0, std::memory_order_relaxed);
+  std::atomic_signal_fence(std::memory_order_seq_cst);
+  std::memcpy(h.magic, kMagic, sizeof kMagic);  // last: a file without it was never made whole
+  return f;
+}
+
+std::unique_ptr<SyncStateFile> SyncStateFile::open_left(const std::string& dir) {
+  const std::string path = dir + "/sync";
+  const int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+  if (fd < 0) {
+    if (errno == ENOENT) return nullptr;
+    throw Error(Errc::io, "cannot open " + path + ": " + errno_text());
+  }
+  struct stat st {};
+  const bool sized = ::fstat(fd, &st) == 0 && static_cast<std::uint64_t>(st.st_size) >= kHeaderBytes;
+  void* p = sized ? ::mmap(nullptr, static_cast<std::size_t>(st.st_size), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
+                  : MAP_FAILED;
+  ::close(fd);
+  auto refuse = [&](const std::string& what) {
+    return Error(Errc::stale_resource, path + " " + what + "; remove it to start without the dead server's sync steps");
+  };
+  if (p == MAP_FAILED) throw refuse(sized ? "cannot be mapped: " + errno_text() : "is shorter than its header");
+  const auto size = static_cast<std::size_t>(st.st_size);
+  auto f = std::unique_ptr<SyncStateFile>(new SyncStateFile(path, static_cast<std::byte*>(p), size, -1));
+  const Header& h = f->header();
+  if (std::memcmp(h.magic, kMagic, sizeof kMagic) != 0 || h.version != kVersion)
+    throw refuse("is not a pskv sync-step file of version " + std::to_string(kVersion));
+  if (h.capacity > size - kHeaderBytes || h.used.load(std::memory_order_acquire) > h.capacity ||
+      h.threads > kMaxServerThreads || h.window == 0 || h.workers == 0)
+    throw refuse("has a header that does not fit the file");
+  return f;
+}
+
+std::uint64_t* SyncStateFile::allocate(Key key, std::uint32_t length, std::size_t words) {
+  std::lock_guard lock(mu_);
+  Header& h = header();
+  const std::uint64_t used = h.used.load(std::memory_order_relaxed);
+  const std::uint64_t bytes = (kRecordHeadWords + words) * 8;
+  if (bytes > h.capacity - used)
+    throw Error(Errc::capacity, path_ + " has no room for the sync steps of key " + std::to_string(key));
+  const std::uint64_t at = kHeaderBytes + used;
+  if (const int e = ::posix_fallocate(fd_, static_cast<off_t>(at), static_cast<off_t>(bytes)); e != 0)
+    throw Error(e == ENOSPC ? Errc::capacity : Errc::io,
+                "cannot back the sync steps of key " + std::to_string(key) + " in " + path_ + ": " + std::strerror(e) +
+                    (e == ENOSPC ? " (/dev/shm is full: its size is a mount option, df /dev/shm shows it)" : ""));
+  auto* record = reinterpret_cast<std::uint64_t*>(base_ + at);
+  record[0] = key;
+  record[1] = length;
+  record[2] = words;
+  std::memset(record + kRecordHeadWords, 0, words * 8);
+  std::atomic_signal_fence(std::memory_order_seq_cst);
+  h.used.store(used + bytes, std::memory_order_release);
+  return record + kRecordHeadWords;
+}
+
+SyncApplyMark* SyncStateFile::mark(std::uint32_t t) noexcept {
+  return t < header().threads ? &header().marks[t] : nullptr;
+}
+std::uint32_t SyncStateFile::threads() const noexcept {
+  return header().threads;
+}
+std::uint32_t SyncStateFile::window() const noexcept {
+  return header().window;
+}
+std::uint32_t SyncStateFile::workers() const noexcept {
+  return header().workers;
+}
+
+void SyncStateFile::visit(
+    const std::function<void(Key, std::uint32_t length, const std::uint64_t* block, std::uint64_t words)>& f,
+    std::string* stopped) const {
+  const std::uint64_t used = header().used.load(std::memory_order_acquire);
+  std::uint64_t at = 0;
+  while (at < used) {
+    const auto* record = reinterpret_cast<const std::uint64_t*>(base_ + kHeaderBytes + at);
+    const std::uint64_t room = (used - at) / 8;
+    if (room < kRecordHeadWords || record[1] == 0 || record[1] > UINT32_MAX || record[2] > room - kRecordHeadWords) {
+      if (stopped)
+        *stopped = "the record at byte " + std::to_string(kHeaderBytes + at) + " of " + path_ + " is cut short";
+      return;
+    }
+    f(record[0], static_cast<std::uint32_t>(record[1]), record + kRecordHeadWords, record[2]);
+    at += (kRecordHeadWords + record[2]) * 8;
+  }
+}
+
+bool SyncStateFile::applied_whole(std::uint32_t t) const {
+  if (t >= header().threads) return false;
+  const SyncApplyMark& m = header().marks[t];
+  if (m.active.load(std::memory_order_acquire) == 0) return false;
+  bool whole = false;
+  visit(
+      [&](Key key, std::uint32_t, const std::uint64_t* block, std::uint64_t words) {
+        if (key == m.key && words > 0) whole = SyncAccumulator::control_of(block) == m.control;
+      },
+      nullptr);
+  return whole;
+}
+
+}  // namespace pskv::shm
