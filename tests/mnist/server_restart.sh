@@ -2,13 +2,15 @@
 # kill -9 a server mid-training: the launcher restarts it from its last checkpoint (--restore; an
 # shm server then adopts its predecessor's segment, which is newer), the workers reconnect, and
 # training still reaches the accuracy floor (ctest label `mnist`).
-#   server_restart.sh PSKV_MNIST_BINARY DATA_DIR TRANSPORT [REPLICAS [FAILOVER_MS]]
+#   server_restart.sh PSKV_MNIST_BINARY DATA_DIR TRANSPORT [REPLICAS [FAILOVER_MS [MODE]]]
 # With REPLICAS (tcp), the servers keep each other's keys and the restarted one rejoins from them;
 # the workers retry, so they must see no error, and the job must end within run-to-run noise of
 # the same job without the kill (run first). With FAILOVER_MS, 3 servers run and the killed one
-# is not restarted at all: its successor serves its keys (failover).
+# is not restarted at all: its successor serves its keys (failover). MODE is ssp (staleness 2) by
+# default; in sync mode an shm server's successor must also adopt the steps the workers' pushes
+# were summed into, or the workers' next pushes are refused and the job fails.
 set -euo pipefail
-bin=$1 data=$2 transport=$3 replicas=${4:-1} failover_ms=${5:-0}
+bin=$1 data=$2 transport=$3 replicas=${4:-1} failover_ms=${5:-0} mode=${6:-ssp}
 servers=2
 [ "$failover_ms" -gt 0 ] && servers=3
 floor=0.85
@@ -17,7 +19,7 @@ dir=$(mktemp -d /tmp/pskv-mnist-ckpt.XXXXXX)
 log=$dir/log
 trap 'rm -rf "$dir"' EXIT
 run_job() {
-  "$bin" --launch --servers "$servers" --workers 2 --transport "$transport" --mode ssp --staleness 2 --data "$data" \
+  "$bin" --launch --servers "$servers" --workers 2 --transport "$transport" --mode "$mode" --staleness 2 --data "$data" \
     --train-limit 12000 --test-limit 5000 --epochs 3 --checkpoint-dir "$1" --checkpoint-every-s 1 --json \
     --replicas "$replicas" --failover-ms "$failover_ms"
 }
@@ -60,6 +62,10 @@ if [ "$replicas" -gt 1 ] && grep -q "^worker [0-9]*: .*reconnecting" "$log"; the
 fi
 if [ "$transport" = shm ]; then
   grep -q "shm.adopt: adopted [1-9][0-9]* keys" "$log" || { echo "the restarted shm server adopted nothing" >&2; exit 1; }
+  if [ "$mode" = sync ]; then
+    grep -q "the pending sync steps of [1-9][0-9]* keys" "$log" ||
+      { echo "the restarted shm server adopted no sync steps" >&2; exit 1; }
+  fi
 fi
 acc=$(accuracy "$log")
 restarts=$(grep '^{' "$log" | tail -1 | sed -n 's/.*"server_restarts":\([0-9]*\).*/\1/p')
