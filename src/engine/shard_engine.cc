@@ -157,13 +157,22 @@ Errc ShardEngine::push(std::uint32_t worker, std::uint64_t clock, std::span<cons
     // Every key is checked before any is summed: a refusal must leave nothing applied (nor
     // anything its replicas would not be sent). A key's next step only moves forward, so a step
     // within its window now still is when it is added.
-    for (const auto& k : keys)
+    for (const auto& k : keys) {
+      // Room for its steps (an shm server made to be adopted keeps them in /dev/shm) too.
+      if (const Errc e = sync_->prepare(k.key, k.length); e != Errc::ok) {
+        if (why) *why = "no room for the sync steps of key " + std::to_string(k.key) + ": " + std::string(errc_name(e));
+        return e;
+      }
       if (!sync_->within_window(k.key, clock)) {
         if (why)
           *why = "worker " + std::to_string(worker) + " pushed step " + std::to_string(clock) + " of key " +
                  std::to_string(k.key) + ", too far ahead of step " + std::to_string(sync_->next_step(k.key));
         return Errc::invalid_argument;
       }
+    }
+    // What can still fail from here (a step running ahead that needs an entry backed, a store
+    // lock held past the patience) leaves the keys before it summed, as a plain push leaves them
+    // applied; the worker's push sent again is a duplicate there.
     for (const auto& k : keys) {
       Errc err = Errc::ok;
       const SyncOutcome out = sync_->add(k.key, worker, clock, {values, k.length}, &err, undo);

@@ -9,10 +9,11 @@ namespace pskv {
 
 namespace {
 
-constexpr std::uint64_t kMaxNextStep = (std::uint64_t{1} << 47);
+// The control word keeps the next step in 48 bits; a window past it must not wrap either.
+constexpr std::uint64_t kMaxNextStep = (std::uint64_t{1} << 48) - 16;
 
 std::uint64_t load_control(const std::uint64_t* block) noexcept {
-  return std::atomic_ref<const std::uint64_t>(*block).load(std::memory_order_acquire);
+  return std::atomic_ref<std::uint64_t>(*const_cast<std::uint64_t*>(block)).load(std::memory_order_acquire);
 }
 
 // The one store that makes an accumulation or an applied step happen, for a kill as for anyone.
@@ -31,7 +32,7 @@ SyncAccumulator::SyncAccumulator(Store& store, SyncOptions options, std::shared_
     throw Error(Errc::invalid_argument, "sync aggregation: K=" + std::to_string(options_.required) +
                                             " exceeds N=" + std::to_string(options_.num_workers) + " workers");
   if (options_.window == 0) options_.window = 1;
-  if (options_.window + 1 > kMaskBits)
+  if (options_.window >= kMaskBits)
     throw Error(Errc::invalid_argument, "sync aggregation: a window of " + std::to_string(options_.window) +
                                             " steps is past the largest, " + std::to_string(kMaskBits - 1));
 }
@@ -46,10 +47,38 @@ std::uint64_t* SyncAccumulator::block_of(Key key, std::uint32_t length, KeyState
   if (space_) {
     st.block = space_->allocate(key, length, words);
   } else {
-    st.owned = std::make_unique<std::uint64_t[]>(words);  // zeroed: next step 0, no entry in use
+    // Zeroed (next step 0, no entry in use), by fresh pages for a large block.
+    st.owned.reset(static_cast<std::uint64_t*>(std::calloc(words, sizeof(std::uint64_t))));
+    if (!st.owned) throw Error(Errc::capacity, "no memory for the sync steps of key " + std::to_string(key));
     st.block = st.owned.get();
+    st.backed = ~0u;
   }
   return st.block;
+}
+
+std::uint64_t* SyncAccumulator::writable_entry(KeyState& st, std::uint32_t length, unsigned e) {
+  std::uint64_t* at = entry(st.block, length, e);
+  if (!(st.backed >> e & 1)) {
+    space_->back(at, entry_words(length));
+    st.backed |= 1u << e;
+  }
+  return at;
+}
+
+Errc SyncAccumulator::prepare(Key key, std::uint32_t length) {
+  Stripe& s = stripe(key);
+  std::lock_guard guard(s.mu);
+  KeyState& st = s.keys[key];
+  try {
+    block_of(key, length, st);
+    // Two entries carry a worker's lockstep steps (a step's sum moves between them), so only a
+    // push that runs ahead may still need one backed.
+    writable_entry(st, length, 0);
+    writable_entry(st, length, 1);
+  } catch (const Error& e) {
+    return e.code();
+  }
+  return Errc::ok;
 }
 
 SyncOutcome SyncAccumulator::add(Key key, std::uint32_t worker, std::uint64_t step, std::span<const float> grad,
@@ -66,11 +95,12 @@ SyncOutcome SyncAccumulator::add(Key key, std::uint32_t worker, std::uint64_t st
 
   Stripe& s = stripe(key);
   std::lock_guard guard(s.mu);
+  KeyState& st = s.keys[key];
   std::uint64_t* block;
   try {
-    block = block_of(key, length, s.keys[key]);
+    block = block_of(key, length, st);
   } catch (const Error& e) {
-    return reject(e.code());  // the space is full: nothing of this push is summed
+    return reject(e.code());  // the space is full: nothing of this key is summed
   }
   const std::uint64_t control = load_control(block);
   const std::uint64_t next = control >> kMaskBits;
@@ -89,7 +119,12 @@ SyncOutcome SyncAccumulator::add(Key key, std::uint32_t worker, std::uint64_t st
   // A step within the window has an entry or a free one: at most `window` are in use.
   const auto free_entry = static_cast<unsigned>(std::countr_one(mask));
   if (free_entry >= entries()) return reject(Errc::protocol);
-  std::uint64_t* to = entry(block, length, free_entry);
+  std::uint64_t* to;
+  try {
+    to = writable_entry(st, length, free_entry);
+  } catch (const Error& e) {
+    return reject(e.code());
+  }
   float* to_sum = reinterpret_cast<float*>(to + 2 + bw);
   std::uint32_t new_mask = mask | (1u << free_entry);
   if (found == entries()) {
@@ -263,7 +298,8 @@ Errc SyncAccumulator::check_state(std::uint32_t length, const float* in, std::st
 
 void SyncAccumulator::import_state(Key key, std::uint32_t length, const float* in) {
   Stripe& s = stripe(key);
-  std::uint64_t* block = block_of(key, length, s.keys[key]);
+  KeyState& st = s.keys[key];
+  std::uint64_t* block = block_of(key, length, st);
   const std::uint64_t next = get_word(in);
   const std::uint32_t bw = bitmap_words();
   std::uint32_t mask = 0;
@@ -274,7 +310,7 @@ void SyncAccumulator::import_state(Key key, std::uint32_t length, const float* i
       in += 2 * bw + length;
       continue;
     }
-    std::uint64_t* en = entry(block, length, e);
+    std::uint64_t* en = writable_entry(st, length, e);
     en[0] = step;
     en[1] = count;
     for (std::uint32_t w = 0; w < bw; ++w) en[2 + w] = get_word(in);
@@ -300,7 +336,12 @@ Errc SyncAccumulator::adopt_block(Key key, std::uint32_t length, const std::uint
   if (Errc e = check_state(length, state.data(), why, true); e != Errc::ok) return e;
   Stripe& s = stripe(key);
   std::lock_guard guard(s.mu);
-  import_state(key, length, state.data());
+  try {
+    import_state(key, length, state.data());
+  } catch (const Error& e) {
+    if (why) *why = std::string("sync state: ") + e.what();
+    return e.code();
+  }
   return apply_ready(key, *slot, length, s.keys[key].block, s.stats, nullptr);
 }
 

@@ -16,6 +16,7 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
 #include <mutex>
 #include <span>
@@ -51,16 +52,19 @@ enum class SyncOutcome : std::uint8_t {
 class SyncSpace {
  public:
   virtual ~SyncSpace() = default;
-  // `words` zeroed words for the pending steps of `key` (`length` floats), kept as long as the
-  // space. Throws Error when there is no room.
+  // `words` words for the pending steps of `key` (`length` floats), kept as long as the space,
+  // reading as zero. Only the first may be written before back() covered the rest: a key's
+  // entries are backed as its steps first need them. Throws Error when there is no room.
   virtual std::uint64_t* allocate(Key key, std::uint32_t length, std::size_t words) = 0;
+  // Makes `words` words from `at` (inside an allocated block) writable, or throws Error.
+  virtual void back(std::uint64_t* at, std::size_t words) = 0;
 };
 
 // Written by a thread that applies a step through Store::apply_logged, where a successor reads it
 // if the process dies (UndoLog::sync_mark): while `active`, `key`'s control word turns to
 // `control` in the same instant as the update counts as applied. A successor that finds the word
 // at `control` keeps the update; otherwise the store's undo record rolls it back.
-struct SyncApplyMark {
+struct alignas(64) SyncApplyMark {
   std::atomic<std::uint64_t> active;
   std::uint64_t key;
   std::uint64_t control;
@@ -83,6 +87,9 @@ class SyncAccumulator {
   // record and undo->sync_mark, so a kill leaves it either applied and recorded, or neither.
   SyncOutcome add(Key key, std::uint32_t worker, std::uint64_t step, std::span<const float> grad, Errc* error = nullptr,
                   const UndoLog* undo = nullptr);
+  // Makes room for `key`'s pending steps before any of a push is summed, so that a push refused
+  // for want of it leaves nothing summed: Errc::capacity (or io) when the space has none.
+  Errc prepare(Key key, std::uint32_t length);
   // The first step of `key` that has not been applied yet (0 before any).
   std::uint64_t next_step(Key key) const;
   // Whether add() would take (or drop as late) a gradient for `step`, rather than refuse it as
@@ -118,7 +125,7 @@ class SyncAccumulator {
   // `complete_ok`: a next step with all its contributors is taken (adopt_block applies it).
   Errc check_state(std::uint32_t length, const float* in, std::string* why, bool complete_ok = false) const;
   // Under with_key(key), after check_state. Not atomic against a kill: for replicas and for a
-  // successor before it serves.
+  // successor before it serves. Throws Error when the space has no room.
   void import_state(Key key, std::uint32_t length, const float* in);
 
   // A key's block of pending steps as a dead process left it (SyncSpace, SyncApplyMark).
@@ -133,9 +140,14 @@ class SyncAccumulator {
   Errc adopt_block(Key key, std::uint32_t length, const std::uint64_t* block, std::string* why);
 
  private:
+  struct FreeDeleter {
+    void operator()(std::uint64_t* p) const noexcept { std::free(p); }
+  };
   struct KeyState {
-    std::uint64_t* block = nullptr;          // block_words(length): [control | entries()]
-    std::unique_ptr<std::uint64_t[]> owned;  // the block, without a space
+    std::uint64_t* block = nullptr;  // block_words(length): [control | entries()]
+    std::uint32_t backed = 0;        // entries SyncSpace::back made writable (all, without a space)
+    // The block, without a space: calloc'ed, so that entries no step used stay untouched pages.
+    std::unique_ptr<std::uint64_t, FreeDeleter> owned;
   };
   struct alignas(64) Stripe {
     mutable std::mutex mu;
@@ -147,7 +159,9 @@ class SyncAccumulator {
   Stripe& stripe(Key key) const noexcept { return stripes_[mix64(key) & (kStripes - 1)]; }
   std::uint32_t bitmap_words() const noexcept { return (options_.num_workers + 63) / 64; }
   std::uint32_t entries() const noexcept { return options_.window + 1; }
-  std::uint64_t entry_words(std::uint32_t length) const noexcept { return 2 + bitmap_words() + (length + 1) / 2; }
+  std::uint64_t entry_words(std::uint32_t length) const noexcept {
+    return 2 + bitmap_words() + (std::uint64_t{length} + 1) / 2;
+  }
   std::uint64_t* entry(std::uint64_t* block, std::uint32_t length, unsigned e) const noexcept {
     return block + 1 + e * entry_words(length);
   }
@@ -155,6 +169,8 @@ class SyncAccumulator {
     return block + 1 + e * entry_words(length);
   }
   std::uint64_t* block_of(Key key, std::uint32_t length, KeyState& state);
+  // Entry e of the block made writable (SyncSpace::back) if it was not yet; throws Error.
+  std::uint64_t* writable_entry(KeyState& state, std::uint32_t length, unsigned e);
   // The pending steps of a block in export_state's layout; false if its mask names more entries
   // than a window holds.
   bool export_block(const std::uint64_t* block, std::uint32_t length, float* out) const;

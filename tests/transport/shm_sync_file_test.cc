@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -210,10 +211,35 @@ TEST(SyncStateFile, AFullFileRefusesTheNextKeysSteps) {
                       SyncStateFile::create(dir.path, o, so, 1));
   std::vector<float> g(8, 1.0f);
   EXPECT_EQ(acc.add(0, 0, 0, g), SyncOutcome::applied);
+  EXPECT_EQ(acc.prepare(1, 8), Errc::capacity) << "what a push checks before it sums any key";
   Errc e = Errc::ok;
   EXPECT_EQ(acc.add(1, 0, 0, g, &e), SyncOutcome::rejected);
   EXPECT_EQ(e, Errc::capacity);
   EXPECT_EQ(acc.add(0, 0, 1, g), SyncOutcome::applied) << "the first key's steps go on";
+}
+
+// A key's steps take the memory of the entries they used, not of the whole window: workers in
+// lockstep move a step's sum between two entries, and the other three stay holes of the file.
+TEST(SyncStateFile, LockstepStepsBackTwoEntriesOfFive) {
+  constexpr std::uint32_t kLen = 256 * 1024;  // 1 MiB per entry
+  const SyncOptions so{.num_workers = 2};
+  const StoreOptions o = small_store(1, kLen);
+  Dir dir("sparse");
+  auto store = store_with_keys(o, 1, kLen);
+  auto file = SyncStateFile::create(dir.path, o, so, 1);
+  SyncAccumulator acc(*store, so, file);
+  std::vector<float> g(kLen, 1.0f);
+  for (std::uint64_t step = 0; step < 20; ++step) {
+    ASSERT_EQ(acc.prepare(0, kLen), Errc::ok);
+    ASSERT_EQ(acc.add(0, 0, step, g), SyncOutcome::accumulated);
+    ASSERT_EQ(acc.add(0, 1, step, g), SyncOutcome::applied);
+  }
+  struct stat st {};
+  ASSERT_EQ(::stat(file->path().c_str(), &st), 0);
+  const auto backed = static_cast<std::uint64_t>(st.st_blocks) * 512;
+  EXPECT_LT(backed, 3ull * kLen * 4) << "the file backs " << backed << " bytes for two entries of " << kLen * 4;
+  EXPECT_GE(backed, 2ull * kLen * 4);
+  EXPECT_GT(static_cast<std::uint64_t>(st.st_size), 5ull * kLen * 4) << "sized for the whole window";
 }
 
 }  // namespace

@@ -335,8 +335,10 @@ void Predecessor::copy_sync_steps_into(ShardEngine& engine) {
   if (!sync)
     throw Error(Errc::invalid_argument, dead + " summed sync mode's steps, this server is not in sync mode" + restart);
   if (sync->options().num_workers != sync_->workers() || sync->options().window != sync_->window())
-    throw Error(Errc::invalid_argument, dead + " had " + std::to_string(sync_->workers()) + " workers, this server " +
-                                            std::to_string(sync->options().num_workers) + restart);
+    throw Error(Errc::invalid_argument, dead + " had " + std::to_string(sync_->workers()) +
+                                            " workers and a window of " + std::to_string(sync_->window()) +
+                                            " steps, this server " + std::to_string(sync->options().num_workers) +
+                                            " and " + std::to_string(sync->options().window) + restart);
   std::string stopped;
   sync_->visit(
       [&](Key key, std::uint32_t length, const std::uint64_t* block, std::uint64_t words) {

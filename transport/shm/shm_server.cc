@@ -1,7 +1,5 @@
 #include "transport/shm/shm_server.h"
 
-#include "transport/shm/sync_file.h"
-
 #include <chrono>
 #include <cstring>
 

@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
@@ -29,9 +30,9 @@ std::string errno_text() {
 struct SyncStateFile::Header {
   char magic[8];
   std::uint32_t version, window, workers, threads;
-  std::uint64_t capacity;           // bytes of records the file has room for, after the header
-  std::atomic<std::uint64_t> used;  // bytes of whole records
-  alignas(64) SyncApplyMark marks[kMaxServerThreads];
+  std::uint64_t capacity;                  // bytes of records the file has room for, after the header
+  std::atomic<std::uint64_t> used;         // bytes of whole records
+  SyncApplyMark marks[kMaxServerThreads];  // a cache line each
 };
 SyncStateFile::SyncStateFile(std::string path, std::byte* base, std::size_t size, int fd)
     : path_(std::move(path)), base_(base), size_(size), fd_(fd) {
@@ -114,26 +115,42 @@ std::unique_ptr<SyncStateFile> SyncStateFile::open_left(const std::string& dir) 
   return f;
 }
 
+namespace {
+
+// Backs [at, at + bytes) of the file, whole pages, so that no write there meets SIGBUS.
+void back_range(int fd, std::uint64_t at, std::uint64_t bytes, const std::string& path, const std::string& what) {
+  const std::uint64_t first = at & ~std::uint64_t{4095}, last = (at + bytes + 4095) & ~std::uint64_t{4095};
+  if (const int e = ::posix_fallocate(fd, static_cast<off_t>(first), static_cast<off_t>(last - first)); e != 0)
+    throw Error(e == ENOSPC ? Errc::capacity : Errc::io,
+                "cannot back " + what + " in " + path + ": " + std::strerror(e) +
+                    (e == ENOSPC ? " (/dev/shm is full: its size is a mount option, df /dev/shm shows it)" : ""));
+}
+
+}  // namespace
+
 std::uint64_t* SyncStateFile::allocate(Key key, std::uint32_t length, std::size_t words) {
   std::lock_guard lock(mu_);
   Header& h = header();
   const std::uint64_t used = h.used.load(std::memory_order_relaxed);
   const std::uint64_t bytes = (kRecordHeadWords + words) * 8;
-  if (bytes > h.capacity - used)
+  if (words == 0 || bytes > h.capacity - used)
     throw Error(Errc::capacity, path_ + " has no room for the sync steps of key " + std::to_string(key));
   const std::uint64_t at = kHeaderBytes + used;
-  if (const int e = ::posix_fallocate(fd_, static_cast<off_t>(at), static_cast<off_t>(bytes)); e != 0)
-    throw Error(e == ENOSPC ? Errc::capacity : Errc::io,
-                "cannot back the sync steps of key " + std::to_string(key) + " in " + path_ + ": " + std::strerror(e) +
-                    (e == ENOSPC ? " (/dev/shm is full: its size is a mount option, df /dev/shm shows it)" : ""));
+  // The head and the control word now; the entries as steps need them (back()). The file is
+  // new, so every word of it reads as zero until written.
+  back_range(fd_, at, (kRecordHeadWords + 1) * 8, path_, "the sync steps of key " + std::to_string(key));
   auto* record = reinterpret_cast<std::uint64_t*>(base_ + at);
   record[0] = key;
   record[1] = length;
   record[2] = words;
-  std::memset(record + kRecordHeadWords, 0, words * 8);
   std::atomic_signal_fence(std::memory_order_seq_cst);
   h.used.store(used + bytes, std::memory_order_release);
   return record + kRecordHeadWords;
+}
+
+void SyncStateFile::back(std::uint64_t* at, std::size_t words) {
+  const auto offset = static_cast<std::uint64_t>(reinterpret_cast<std::byte*>(at) - base_);
+  back_range(fd_, offset, words * 8, path_, "a sync step's sum");
 }
 
 SyncApplyMark* SyncStateFile::mark(std::uint32_t t) noexcept {
@@ -152,29 +169,34 @@ std::uint32_t SyncStateFile::workers() const noexcept {
 void SyncStateFile::visit(
     const std::function<void(Key, std::uint32_t length, const std::uint64_t* block, std::uint64_t words)>& f,
     std::string* stopped) const {
-  const std::uint64_t used = header().used.load(std::memory_order_acquire);
+  // Any process of the job's user could be writing this file: each word is read once, and only
+  // the copies are checked and used.
+  const std::uint64_t used = std::min(header().used.load(std::memory_order_acquire), header().capacity);
   std::uint64_t at = 0;
   while (at < used) {
     const auto* record = reinterpret_cast<const std::uint64_t*>(base_ + kHeaderBytes + at);
     const std::uint64_t room = (used - at) / 8;
-    if (room < kRecordHeadWords || record[1] == 0 || record[1] > UINT32_MAX || record[2] > room - kRecordHeadWords) {
-      if (stopped)
-        *stopped = "the record at byte " + std::to_string(kHeaderBytes + at) + " of " + path_ + " is cut short";
-      return;
-    }
-    f(record[0], static_cast<std::uint32_t>(record[1]), record + kRecordHeadWords, record[2]);
-    at += (kRecordHeadWords + record[2]) * 8;
+    if (room < kRecordHeadWords) break;
+    const Key key = record[0];
+    const std::uint64_t length = record[1], words = record[2];
+    if (length == 0 || length > UINT32_MAX || words == 0 || words > room - kRecordHeadWords) break;
+    f(key, static_cast<std::uint32_t>(length), record + kRecordHeadWords, words);
+    at += (kRecordHeadWords + words) * 8;
   }
+  if (at < used && stopped)
+    *stopped = "the record at byte " + std::to_string(kHeaderBytes + at) + " of " + path_ + " is cut short";
 }
 
 bool SyncStateFile::applied_whole(std::uint32_t t) const {
   if (t >= header().threads) return false;
   const SyncApplyMark& m = header().marks[t];
   if (m.active.load(std::memory_order_acquire) == 0) return false;
+  const Key marked = m.key;
+  const std::uint64_t control = m.control;
   bool whole = false;
   visit(
-      [&](Key key, std::uint32_t, const std::uint64_t* block, std::uint64_t words) {
-        if (key == m.key && words > 0) whole = SyncAccumulator::control_of(block) == m.control;
+      [&](Key key, std::uint32_t, const std::uint64_t* block, std::uint64_t) {
+        if (key == marked) whole = SyncAccumulator::control_of(block) == control;
       },
       nullptr);
   return whole;

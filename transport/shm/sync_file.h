@@ -6,8 +6,9 @@
 // Layout: a header page [magic | version | window | workers | threads | capacity | used] with one
 // SyncApplyMark per server thread, then records [key | length | words | the accumulator's block
 // of `words`]. A record is made whole before `used` passes it, so a successor reads records up to
-// `used`. The file is sparse: a record's room is backed (posix_fallocate) when it is made, so a
-// full /dev/shm fails that push with Error(capacity), never a later write with SIGBUS.
+// `used`. The file is sparse: a record's head is backed (posix_fallocate) when it is made, and
+// each of its entries when a step first needs it (the entries a key's steps never used cost
+// nothing), so a full /dev/shm fails that push with Error(capacity), never a write with SIGBUS.
 #pragma once
 
 #include <cstdint>
@@ -37,6 +38,7 @@ class SyncStateFile final : public SyncSpace {
   SyncStateFile& operator=(const SyncStateFile&) = delete;
 
   std::uint64_t* allocate(Key key, std::uint32_t length, std::size_t words) override;
+  void back(std::uint64_t* at, std::size_t words) override;
   // Server thread t's mark (t < threads()).
   SyncApplyMark* mark(std::uint32_t t) noexcept;
   std::uint32_t threads() const noexcept;
