@@ -80,8 +80,8 @@ ShardEngine::ShardEngine(const EngineOptions& options, std::unique_ptr<MemoryRes
     replicas_.push_back(std::move(r));
   }
   if (options.mode == ConsistencyMode::sync) {
-    sync_ = std::make_unique<SyncAccumulator>(*store_, replica_sync_options(), std::move(sync_space));
-    for (auto& r : replicas_) r->sync = std::make_unique<SyncAccumulator>(*r->store, replica_sync_options());
+    sync_ = std::make_unique<SyncAccumulator>(*store_, sync_options(options_), std::move(sync_space));
+    for (auto& r : replicas_) r->sync = std::make_unique<SyncAccumulator>(*r->store, sync_options(options_));
   }
   watchdog_ = std::thread([this] { watchdog(); });
 }
@@ -157,18 +157,18 @@ Errc ShardEngine::push(std::uint32_t worker, std::uint64_t clock, std::span<cons
     // Every key is checked before any is summed: a refusal must leave nothing applied (nor
     // anything its replicas would not be sent). A key's next step only moves forward, so a step
     // within its window now still is when it is added.
+    // Room for each key's steps is made here too (an shm server made to be adopted keeps them in
+    // /dev/shm).
     for (const auto& k : keys) {
-      // Room for its steps (an shm server made to be adopted keeps them in /dev/shm) too.
-      if (const Errc e = sync_->prepare(k.key, k.length); e != Errc::ok) {
-        if (why) *why = "no room for the sync steps of key " + std::to_string(k.key) + ": " + std::string(errc_name(e));
-        return e;
-      }
-      if (!sync_->within_window(k.key, clock)) {
-        if (why)
-          *why = "worker " + std::to_string(worker) + " pushed step " + std::to_string(clock) + " of key " +
-                 std::to_string(k.key) + ", too far ahead of step " + std::to_string(sync_->next_step(k.key));
-        return Errc::invalid_argument;
-      }
+      std::uint64_t next = 0;
+      const Errc e = sync_->prepare(k.key, k.length, clock, &next);
+      if (e == Errc::ok) continue;
+      if (why)
+        *why = e == Errc::invalid_argument
+                   ? "worker " + std::to_string(worker) + " pushed step " + std::to_string(clock) + " of key " +
+                         std::to_string(k.key) + ", too far ahead of step " + std::to_string(next)
+                   : "no room for the sync steps of key " + std::to_string(k.key) + ": " + std::string(errc_name(e));
+      return e;
     }
     // What can still fail from here (a step running ahead that needs an entry backed, a store
     // lock held past the patience) leaves the keys before it summed, as a plain push leaves them
@@ -523,10 +523,10 @@ std::unique_ptr<Store> ShardEngine::new_replica_store() const {
   return store;
 }
 
-SyncOptions ShardEngine::replica_sync_options() const {
-  return {.num_workers = options_.num_workers,
-          .required = options_.sync_required,
-          .replicated = !options_.replica_of.empty() || options_.mark_pushes};
+SyncOptions sync_options(const EngineOptions& options) {
+  return {.num_workers = options.num_workers,
+          .required = options.sync_required,
+          .replicated = !options.replica_of.empty() || options.mark_pushes};
 }
 
 Errc ShardEngine::sealed(std::uint32_t origin, std::string* why) const {
@@ -690,7 +690,7 @@ Errc ShardEngine::mark_replica(std::uint32_t origin, ReplicaMark mark, std::stri
     // And its keys: the transfer sends every key the origin holds, and a key only an earlier
     // incarnation wrote must not outlive it here (a rejoin would take it back).
     r->store = new_replica_store();
-    if (r->sync) r->sync = std::make_unique<SyncAccumulator>(*r->store, replica_sync_options());
+    if (r->sync) r->sync = std::make_unique<SyncAccumulator>(*r->store, sync_options(options_));
   }
   if (mark == ReplicaMark::synced && r->tables_broken) return Errc::ok;  // it stays syncing
   r->mark.store(static_cast<std::uint32_t>(mark), std::memory_order_release);

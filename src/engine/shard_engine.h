@@ -178,6 +178,9 @@ struct EngineStats {
   SyncStats sync;
 };
 
+// The options of an engine's sync accumulators (its own and its replicas'), in sync mode.
+SyncOptions sync_options(const EngineOptions& options);
+
 // Makes the storage of the engine's own table `id` (src/table/table_storage.h), created with
 // `requested` and capped at `max_rows` rows; throws Error when it cannot.
 using TableStorageMaker =
@@ -489,10 +492,9 @@ class ShardEngine {
                              std::string* why) const;
   Replica* replica(std::uint32_t origin, std::string* why) const;
   Errc sealed(std::uint32_t origin, std::string* why) const;  // a frame refused by a sealed replica
-  // A replica's store (its origin's keys) and its pending steps' options, as made at start and
-  // again by each full transfer's syncing mark.
+  // A replica's store (its origin's keys), as made at start and again by each full transfer's
+  // syncing mark.
   std::unique_ptr<Store> new_replica_store() const;
-  SyncOptions replica_sync_options() const;
   // Writes the records into `store` (with its pending steps into `sync`, in sync mode) where
   // they are newer (Store::put_if_newer).
   Errc put_records(Store& store, SyncAccumulator* sync, std::span<const KeyEntry> keys, const float* records,

@@ -65,7 +65,7 @@ std::uint64_t* SyncAccumulator::writable_entry(KeyState& st, std::uint32_t lengt
   return at;
 }
 
-Errc SyncAccumulator::prepare(Key key, std::uint32_t length) {
+Errc SyncAccumulator::prepare(Key key, std::uint32_t length, std::uint64_t step, std::uint64_t* next) {
   Stripe& s = stripe(key);
   std::lock_guard guard(s.mu);
   KeyState& st = s.keys[key];
@@ -78,7 +78,9 @@ Errc SyncAccumulator::prepare(Key key, std::uint32_t length) {
   } catch (const Error& e) {
     return e.code();
   }
-  return Errc::ok;
+  const std::uint64_t at = load_control(st.block) >> kMaskBits;
+  if (next) *next = at;
+  return step < at || step - at < options_.window ? Errc::ok : Errc::invalid_argument;
 }
 
 SyncOutcome SyncAccumulator::add(Key key, std::uint32_t worker, std::uint64_t step, std::span<const float> grad,
@@ -321,10 +323,16 @@ void SyncAccumulator::import_state(Key key, std::uint32_t length, const float* i
   store_control(block, (next << kMaskBits) | mask);
 }
 
-Errc SyncAccumulator::adopt_block(Key key, std::uint32_t length, const std::uint64_t* block, std::string* why) {
+Errc SyncAccumulator::adopt_block(Key key, std::uint32_t length, const std::uint64_t* block, std::uint64_t words,
+                                  std::string* why) {
   const SlotHeader* slot = store_.find(key);
   if (!slot || store_.length_of(*slot) != length) {
     if (why) *why = "sync state: no key of " + std::to_string(length) + " floats here";
+    return Errc::protocol;
+  }
+  if (words != block_words(length)) {
+    if (why)
+      *why = "sync state: a block of " + std::to_string(words) + " words, not " + std::to_string(block_words(length));
     return Errc::protocol;
   }
   std::vector<float> state(state_floats(length));

@@ -87,17 +87,14 @@ class SyncAccumulator {
   // record and undo->sync_mark, so a kill leaves it either applied and recorded, or neither.
   SyncOutcome add(Key key, std::uint32_t worker, std::uint64_t step, std::span<const float> grad, Errc* error = nullptr,
                   const UndoLog* undo = nullptr);
-  // Makes room for `key`'s pending steps before any of a push is summed, so that a push refused
-  // for want of it leaves nothing summed: Errc::capacity (or io) when the space has none.
-  Errc prepare(Key key, std::uint32_t length);
+  // Checked for every key of a push before any is summed, so that a refused push leaves nothing
+  // summed: makes room for `key`'s pending steps (Errc::capacity or io when the space has none)
+  // and says whether add() would take (or drop as late) a gradient for `step` rather than refuse
+  // it as too far ahead (Errc::invalid_argument, the key's next step in *next). Stays ok once
+  // ok: the next step only moves forward.
+  Errc prepare(Key key, std::uint32_t length, std::uint64_t step, std::uint64_t* next = nullptr);
   // The first step of `key` that has not been applied yet (0 before any).
   std::uint64_t next_step(Key key) const;
-  // Whether add() would take (or drop as late) a gradient for `step`, rather than refuse it as
-  // too far ahead. Stays true once true: the next step only moves forward.
-  bool within_window(Key key, std::uint64_t step) const {
-    const std::uint64_t next = next_step(key);
-    return step < next || step - next < options_.window;
-  }
   SyncStats stats() const;
   const SyncOptions& options() const noexcept { return options_; }
 
@@ -129,15 +126,22 @@ class SyncAccumulator {
   void import_state(Key key, std::uint32_t length, const float* in);
 
   // A key's block of pending steps as a dead process left it (SyncSpace, SyncApplyMark).
-  std::uint64_t block_words(std::uint32_t length) const noexcept {
-    return 1 + std::uint64_t{entries()} * entry_words(length);
+  std::uint64_t block_words(std::uint32_t length) const noexcept { return block_words(options_, length); }
+  static std::uint64_t block_words(const SyncOptions& o, std::uint32_t length) noexcept {
+    return 1 + (std::uint64_t{o.window} + 1) *
+                   (2 + (std::uint64_t{o.num_workers} + 63) / 64 + (std::uint64_t{length} + 1) / 2);
+  }
+  // The words of the blocks of `keys` keys whose values take `value_bytes` together, at most:
+  // what a SyncSpace for a whole store may have to hold.
+  static std::uint64_t store_words(const SyncOptions& o, std::uint64_t keys, std::uint64_t value_bytes) noexcept {
+    return keys * block_words(o, 1) + (std::uint64_t{o.window} + 1) * (value_bytes / 8 + 1);
   }
   // The control word a block holds (mark checks read it). `block` is block_words(length) long.
   static std::uint64_t control_of(const std::uint64_t* block) noexcept;
-  // Takes `key`'s pending steps from a dead process's block: checked as a peer's state is, and a
-  // step that was complete but not yet applied when it died is applied now. Errc::protocol with
-  // *why when the block does not check out (nothing is taken then).
-  Errc adopt_block(Key key, std::uint32_t length, const std::uint64_t* block, std::string* why);
+  // Takes `key`'s pending steps from a dead process's block of `words`: checked as a peer's state
+  // is, and a step that was complete but not yet applied when it died is applied now.
+  // Errc::protocol with *why when the block does not check out (nothing is taken then).
+  Errc adopt_block(Key key, std::uint32_t length, const std::uint64_t* block, std::uint64_t words, std::string* why);
 
  private:
   struct FreeDeleter {

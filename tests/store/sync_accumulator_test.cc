@@ -81,6 +81,10 @@ TEST(SyncAccumulator, DuplicatesWindowAndBadInput) {
   EXPECT_EQ(acc.add(1, 0, 0, g), SyncOutcome::duplicate);
   EXPECT_EQ(acc.add(1, 0, 1, g), SyncOutcome::accumulated) << "one step ahead is buffered";
   EXPECT_EQ(acc.add(1, 0, 2, g), SyncOutcome::too_far_ahead);
+  std::uint64_t next = 9;
+  EXPECT_EQ(acc.prepare(1, 1, 2, &next), Errc::invalid_argument) << "a push checks each key's window first";
+  EXPECT_EQ(next, 0u);
+  EXPECT_EQ(acc.prepare(1, 1, 1), Errc::ok);
   Errc e{};
   EXPECT_EQ(acc.add(1, 5, 0, g, &e), SyncOutcome::rejected);
   EXPECT_EQ(e, Errc::invalid_argument);
@@ -93,6 +97,7 @@ TEST(SyncAccumulator, DuplicatesWindowAndBadInput) {
   EXPECT_EQ(acc.add(1, 1, 0, g), SyncOutcome::applied);
   EXPECT_EQ(acc.add(1, 1, 1, g), SyncOutcome::applied);
   EXPECT_EQ(acc.next_step(1), 2u);
+  EXPECT_EQ(acc.prepare(1, 1, 0), Errc::ok) << "a late step is dropped, not refused";
   EXPECT_THROW(SyncAccumulator(*f.store, {.num_workers = 2, .required = 3}), Error);
   EXPECT_THROW(SyncAccumulator(*f.store, {.num_workers = 2, .window = 16}), Error);
 }

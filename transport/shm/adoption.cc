@@ -166,7 +166,8 @@ std::unique_ptr<Predecessor> Predecessor::take(const std::string& name, std::chr
   const SegmentGeometry& g = segment->geometry();
   p->report_.predecessor_pid = g.server_pid;
   p->tables_ = shm::tables_directory(name, segment->header().job_nonce);
-  const std::string dead = "pskv-server pid " + std::to_string(g.server_pid);
+  p->dead_ = "pskv-server pid " + std::to_string(g.server_pid);
+  const std::string& dead = p->dead_;
   auto& h = segment->header();
   h.accepting.store(0, std::memory_order_seq_cst);
   h.closing.store(1, std::memory_order_seq_cst);
@@ -215,13 +216,13 @@ std::unique_ptr<Predecessor> Predecessor::take(const std::string& name, std::chr
   } catch (const Error& e) {
     throw Error(e.code(), "cannot adopt the segment " + dead + " left at shm://" + name + ": " + e.what());
   }
+  // A step's apply counts as done once its pending steps say so (SyncApplyMark): from then on
+  // the undo record, which may still say `saved`, must not take it back.
+  const std::uint32_t applied_whole = p->sync_ ? p->sync_->applied_marks() : 0;
   // The dead server's own threads: a ring push one of them was applying, and their locks.
   for (std::uint32_t t = 0; t < g.server_threads; ++t) {
     const std::uint32_t tag = server_thread_owner_tag(t);
-    // A step's apply counts as done once its pending steps say so (SyncApplyMark): from then on
-    // the undo record, which may still say `saved`, must not take it back.
-    if (p->sync_ && p->sync_->applied_whole(t) &&
-        h.server_undo[t].phase.load(std::memory_order_acquire) == UndoPhase::saved)
+    if ((applied_whole >> t & 1) && h.server_undo[t].phase.load(std::memory_order_acquire) == UndoPhase::saved)
       h.server_undo[t].phase.store(UndoPhase::applied, std::memory_order_release);
     const Store::Recovery r =
         store.recover(h.server_undo[t], tag, segment->server_undo_buffer(t), g.server_undo_bytes / sizeof(float));
@@ -247,7 +248,7 @@ std::unique_ptr<Predecessor> Predecessor::take(const std::string& name, std::chr
 AdoptionReport Predecessor::copy_into(ShardEngine& engine, const std::string& tables_root) {
   Store& to = engine.store();
   const Store& from = *store_;
-  const std::string dead = "pskv-server pid " + std::to_string(report_.predecessor_pid);
+  const std::string& dead = dead_;
   if (to.rule().rule != from.rule().rule)
     throw Error(Errc::invalid_argument, "the segment of " + dead + " keeps the optimizer state of rule '" +
                                             std::string(to_string(from.rule().rule)) + "', this server's rule is '" +
@@ -329,7 +330,7 @@ EmbeddingTable::LeftRows copy_left_rows(EmbeddingTable& table, const LeftTable& 
 void Predecessor::copy_sync_steps_into(ShardEngine& engine) {
   SyncAccumulator* sync = engine.sync();
   if (!sync_) return;
-  const std::string dead = "pskv-server pid " + std::to_string(report_.predecessor_pid);
+  const std::string& dead = dead_;
   const std::string restart = ": restart with its --mode sync and --workers " + std::to_string(sync_->workers()) +
                               " to adopt the steps its workers' pushes were summed into";
   if (!sync)
@@ -343,15 +344,13 @@ void Predecessor::copy_sync_steps_into(ShardEngine& engine) {
   sync_->visit(
       [&](Key key, std::uint32_t length, const std::uint64_t* block, std::uint64_t words) {
         std::string why;
-        Errc e = words == sync->block_words(length) ? Errc::ok : Errc::protocol;
-        if (e == Errc::ok) e = sync->adopt_block(key, length, block, &why);
-        if (e == Errc::ok) {
+        if (sync->adopt_block(key, length, block, words, &why) == Errc::ok) {
           ++report_.sync_keys;
           return;
         }
         ++report_.sync_refused;
         log::warn("shm.adopt", "the pending sync steps of key " + std::to_string(key) + " left by " + dead +
-                                   " were not adopted: " + (why.empty() ? "their record has another size" : why));
+                                   " were not adopted: " + why);
       },
       &stopped);
   if (!stopped.empty()) {
@@ -361,7 +360,7 @@ void Predecessor::copy_sync_steps_into(ShardEngine& engine) {
 }
 
 void Predecessor::copy_tables_into(ShardEngine& engine, const std::string& tables_root) {
-  const std::string dead = "pskv-server pid " + std::to_string(report_.predecessor_pid);
+  const std::string& dead = dead_;
   for (const LeftTable& left : left_tables(tables_)) {
     const std::string table_of_dead = "table " + std::to_string(left.id) + " of " + dead;
     std::string why;

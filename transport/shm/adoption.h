@@ -78,6 +78,7 @@ class Predecessor {
   AdoptionReport report_;
   std::string name_, aside_;  // the object's path in /dev/shm, and where it was moved
   std::string tables_;        // the dead server's table files
+  std::string dead_;          // "pskv-server pid N", as messages name it
   void copy_tables_into(ShardEngine& engine, const std::string& tables_root);
   void copy_sync_steps_into(ShardEngine& engine);
   std::unique_ptr<SyncStateFile> sync_;  // sync mode's pending steps, if the dead server kept them

@@ -67,8 +67,7 @@ class ShmListener final : public transport::Listener {
       };
       // So do sync mode's pending steps: a push is acknowledged once it is summed.
       if (engine.mode == ConsistencyMode::sync)
-        memory.sync = sync_ =
-            SyncStateFile::create(tables_, engine.store, SyncOptions{.num_workers = engine.num_workers}, threads_);
+        memory.sync = sync_ = SyncStateFile::create(tables_, engine.store, sync_options(engine), threads_);
     }
     return memory;
   }

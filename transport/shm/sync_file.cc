@@ -9,8 +9,11 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <utility>
+#include <vector>
 
 #include "transport/shm/segment.h"
+#include "transport/shm/table_files.h"
 
 namespace pskv::shm {
 
@@ -46,17 +49,10 @@ SyncStateFile::~SyncStateFile() {
 
 std::shared_ptr<SyncStateFile> SyncStateFile::create(const std::string& dir, const StoreOptions& store,
                                                      const SyncOptions& sync, std::uint32_t threads) {
-  if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST)
-    throw Error(Errc::io, "cannot make " + dir + ": " + errno_text());
-  struct stat st {};
-  if (::lstat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != ::geteuid())
-    throw Error(Errc::permission, dir + " is not a directory of this user's: not keeping sync steps in it");
-  // Each key's block: its record head, a control word and window + 1 entries of [step | count |
-  // bitmap | sum]; the sums together are at most window + 1 times the arena's values.
-  const std::uint64_t entries = std::uint64_t{sync.window} + 1;
-  const std::uint64_t bitmap = (std::uint64_t{sync.num_workers} + 63) / 64;
+  make_private_directory(dir);
+  // Every key the store can hold, each block with its record's head.
   const std::uint64_t capacity =
-      8 * store.max_keys * (kRecordHeadWords + 1 + entries * (3 + bitmap)) + entries * store.arena_bytes;
+      8 * (store.max_keys * kRecordHeadWords + SyncAccumulator::store_words(sync, store.max_keys, store.arena_bytes));
   const std::string path = dir + "/sync";
   ::unlink(path.c_str());
   const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
@@ -187,16 +183,23 @@ void SyncStateFile::visit(
     *stopped = "the record at byte " + std::to_string(kHeaderBytes + at) + " of " + path_ + " is cut short";
 }
 
-bool SyncStateFile::applied_whole(std::uint32_t t) const {
-  if (t >= header().threads) return false;
-  const SyncApplyMark& m = header().marks[t];
-  if (m.active.load(std::memory_order_acquire) == 0) return false;
-  const Key marked = m.key;
-  const std::uint64_t control = m.control;
-  bool whole = false;
+std::uint32_t SyncStateFile::applied_marks() const {
+  // Each mark's words are read once (any process of the job's user could be writing them).
+  struct Marked {
+    Key key;
+    std::uint64_t control;
+  };
+  std::vector<std::pair<std::uint32_t, Marked>> active;
+  for (std::uint32_t t = 0; t < header().threads; ++t) {
+    const SyncApplyMark& m = header().marks[t];
+    if (m.active.load(std::memory_order_acquire) != 0) active.push_back({t, {m.key, m.control}});
+  }
+  std::uint32_t whole = 0;
+  if (active.empty()) return whole;
   visit(
       [&](Key key, std::uint32_t, const std::uint64_t* block, std::uint64_t) {
-        if (key == marked) whole = SyncAccumulator::control_of(block) == control;
+        for (const auto& [t, m] : active)
+          if (m.key == key && SyncAccumulator::control_of(block) == m.control) whole |= 1u << t;
       },
       nullptr);
   return whole;

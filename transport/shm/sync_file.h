@@ -50,9 +50,10 @@ class SyncStateFile final : public SyncSpace {
   // check out (its length or its room in the file), and says why in *stopped.
   void visit(const std::function<void(Key, std::uint32_t length, const std::uint64_t* block, std::uint64_t words)>& f,
              std::string* stopped) const;
-  // Whether thread t of the dead server was inside an apply that had already counted as done
-  // (its record's control word is at the mark's): the store's undo record must not roll it back.
-  bool applied_whole(std::uint32_t t) const;
+  // The dead server's threads (bit t: thread t) that were inside an apply that had already
+  // counted as done (the key's control word is at the mark's): their store undo records must not
+  // roll it back. One reading of the file.
+  std::uint32_t applied_marks() const;
 
  private:
   struct Header;

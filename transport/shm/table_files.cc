@@ -154,16 +154,20 @@ void remove_left_tables(const std::string& name, const std::string& keep) {
   }
 }
 
+void make_private_directory(const std::string& dir) {
+  if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST)
+    throw Error(Errc::io, "cannot make " + dir + ": " + errno_text());
+  struct stat st {};
+  if (::lstat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != ::geteuid())
+    throw Error(Errc::permission, dir + " is not a directory of this user's: not keeping a successor's files in it");
+}
+
 TableFiles::TableFiles(const std::string& root, std::uint32_t id, const TableSpec& requested, std::uint64_t max_rows,
                        const std::string& take_from)
     : take_from_(take_from),
       dir_(root + "/table-" + std::to_string(id) + ".new"),
       final_dir_(root + "/table-" + std::to_string(id)) {
-  if (::mkdir(root.c_str(), 0700) != 0 && errno != EEXIST)
-    throw Error(Errc::io, "cannot make " + root + ": " + errno_text());
-  struct stat st {};
-  if (::lstat(root.c_str(), &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != ::geteuid())
-    throw Error(Errc::permission, root + " is not a directory of this user's: not keeping tables in it");
+  make_private_directory(root);
   std::error_code ec;
   fs::remove_all(dir_, ec);  // a table of this id made here before and dropped (a failed create)
   fs::remove_all(final_dir_, ec);

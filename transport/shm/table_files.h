@@ -28,6 +28,9 @@ namespace pskv::shm {
 
 // Where the server of shm://NAME whose segment carries `job_nonce` keeps its tables.
 std::string tables_directory(const std::string& name, std::uint64_t job_nonce);
+// Makes `dir` (mode 0700) where a server keeps files for its successor, if absent. Throws
+// Error(io) when it cannot, Error(permission) when it is not a directory of this user's.
+void make_private_directory(const std::string& dir);
 // Removes the table directories of every server of `name` but `keep`: called by the one server
 // that holds the name (its segment is made), so none of them belongs to a live server.
 void remove_left_tables(const std::string& name, const std::string& keep);
