@@ -20,21 +20,15 @@
 #include <vector>
 
 #include "common/memory.h"
-#include "transport/shm/table_files.h"
+#include "support/shm_files.h"
 
 namespace pskv::shm {
 namespace {
 
 namespace fs = std::filesystem;
 
-struct Dir {
-  std::string path;
-  explicit Dir(const std::string& tag)
-      : path(tables_directory("sync-file-" + tag + "-" + std::to_string(getpid()), std::random_device{}())) {}
-  ~Dir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
+struct Dir : testing::ScratchTablesDirectory {
+  explicit Dir(const std::string& tag) : ScratchTablesDirectory("sync-file-" + tag) {}
 };
 
 StoreOptions small_store(std::uint64_t keys, std::uint32_t length) {

@@ -18,23 +18,16 @@
 #include <thread>
 #include <vector>
 
+#include "support/shm_files.h"
+
 namespace pskv::shm {
 namespace {
 
 namespace fs = std::filesystem;
 
-// A tables directory of this test's own, removed when the test ends.
-struct Root {
-  std::string path;
-  explicit Root(const std::string& tag)
-      : path(tables_directory("table-files-" + tag + "-" + std::to_string(getpid()), std::random_device{}())) {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  ~Root() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
+// A tables directory of this test's own.
+struct Root : testing::ScratchTablesDirectory {
+  explicit Root(const std::string& tag) : ScratchTablesDirectory("table-files-" + tag) {}
 };
 
 // Runs `body` in a child that leaves as a killed server would: without destructors (_exit), so its
