@@ -19,6 +19,7 @@
 
 #include "store/store.h"
 #include "store/sync_accumulator.h"
+#include "transport/shm/mapped_file.h"
 
 namespace pskv::shm {
 
@@ -44,7 +45,7 @@ class SyncStateFile final : public SyncSpace {
   std::uint32_t threads() const noexcept;
   std::uint32_t window() const noexcept;
   std::uint32_t workers() const noexcept;
-  const std::string& path() const noexcept { return path_; }
+  const std::string& path() const noexcept { return file_->path(); }
 
   // A left file's records, in the order they were made. Stops at the first whose header does not
   // check out (its length or its room in the file), and says why in *stopped.
@@ -57,12 +58,9 @@ class SyncStateFile final : public SyncSpace {
 
  private:
   struct Header;
-  SyncStateFile(std::string path, std::byte* base, std::size_t size, int fd);
-  Header& header() const noexcept { return *reinterpret_cast<Header*>(base_); }
-  std::string path_;
-  std::byte* base_;
-  std::size_t size_;
-  int fd_;  // -1 for a left file (nothing is made in it)
+  explicit SyncStateFile(std::unique_ptr<MappedFile> file);
+  Header& header() const noexcept { return *reinterpret_cast<Header*>(file_->data()); }
+  std::unique_ptr<MappedFile> file_;  // sparse, backed as records and entries are made (see above)
   std::mutex mu_;
 };
 

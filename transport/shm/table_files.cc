@@ -1,7 +1,6 @@
 #include "transport/shm/table_files.h"
 
 #include <fcntl.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -13,6 +12,7 @@
 #include <span>
 
 #include "layout/crc.h"
+#include "transport/shm/mapped_file.h"
 #include "transport/shm/segment.h"
 #include "transport/wire.h"
 
@@ -36,70 +36,6 @@ struct SpecFile {
 std::string errno_text() {
   return std::strerror(errno);
 }
-
-// A file of /dev/shm mapped shared. One made here is removed with its object unless kept.
-// Thread-safety: as MemoryResource; keep() by the one thread that owns it.
-class MappedFile final : public MemoryResource {
- public:
-  // A new file of `bytes`, backed now (posix_fallocate): a full tmpfs fails here with
-  // Error(capacity), not later with SIGBUS in a row write.
-  static std::unique_ptr<MappedFile> create(const std::string& path, std::size_t bytes) {
-    const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-    if (fd < 0) throw Error(Errc::io, "cannot create " + path + ": " + errno_text());
-    auto f = std::unique_ptr<MappedFile>(new MappedFile(path));
-    if (const int e = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes)); e != 0) {
-      ::close(fd);
-      throw Error(e == ENOSPC ? Errc::capacity : Errc::io,
-                  "cannot back " + std::to_string(bytes >> 20) + " MiB of " + path + ": " + std::strerror(e) +
-                      (e == ENOSPC ? " (/dev/shm is full: its size is a mount option, df /dev/shm shows it)" : ""));
-    }
-    f->map(fd, bytes);
-    return f;
-  }
-  // An existing file, whole (a dead server's), kept when the object goes.
-  static std::unique_ptr<MappedFile> open(const std::string& path) {
-    const int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
-    if (fd < 0) throw Error(Errc::io, "cannot open " + path + ": " + errno_text());
-    struct stat st {};
-    if (::fstat(fd, &st) != 0) {
-      ::close(fd);
-      throw Error(Errc::io, "cannot stat " + path + ": " + errno_text());
-    }
-    auto f = std::unique_ptr<MappedFile>(new MappedFile(path));
-    f->kept_ = true;
-    if (st.st_size > 0)
-      f->map(fd, static_cast<std::size_t>(st.st_size));
-    else
-      ::close(fd);
-    return f;
-  }
-  ~MappedFile() override {
-    if (data_) ::munmap(data_, size_);
-    if (!kept_) ::unlink(path_.c_str());
-  }
-  std::byte* data() noexcept override { return data_; }
-  std::size_t size() const noexcept override { return size_; }
-  const std::string& path() const noexcept { return path_; }
-  void keep(const std::string& path) {
-    path_ = path;
-    kept_ = true;
-  }
-
- private:
-  explicit MappedFile(std::string path) : path_(std::move(path)) {}
-  void map(int fd, std::size_t bytes) {
-    void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    ::close(fd);
-    if (p == MAP_FAILED) throw Error(Errc::io, "cannot map " + path_ + ": " + errno_text());
-    data_ = static_cast<std::byte*>(p);
-    size_ = bytes;
-    ::madvise(p, bytes, MADV_HUGEPAGE);  // where shmem huge pages are enabled; harmless elsewhere
-  }
-  std::string path_;
-  std::byte* data_ = nullptr;
-  std::size_t size_ = 0;
-  bool kept_ = false;
-};
 
 // The number after `prefix` in `name` (written as this file writes it: digits in `base`, no
 // leading zero), if it is one.
