@@ -78,7 +78,7 @@ Errc SyncAccumulator::prepare(Key key, std::uint32_t length, std::uint64_t step,
   } catch (const Error& e) {
     return e.code();
   }
-  const std::uint64_t at = load_control(st.block) >> kMaskBits;
+  const std::uint64_t at = Control(load_control(st.block)).next;
   if (next) *next = at;
   return step < at || step - at < options_.window ? Errc::ok : Errc::invalid_argument;
 }
@@ -104,9 +104,7 @@ SyncOutcome SyncAccumulator::add(Key key, std::uint32_t worker, std::uint64_t st
   } catch (const Error& e) {
     return reject(e.code());  // the space is full: nothing of this key is summed
   }
-  const std::uint64_t control = load_control(block);
-  const std::uint64_t next = control >> kMaskBits;
-  const std::uint32_t mask = control & ((1u << kMaskBits) - 1);
+  const auto [next, mask] = Control(load_control(block));
   if (step < next) {
     ++s.stats.dropped_late;
     return SyncOutcome::dropped_late;
@@ -115,9 +113,14 @@ SyncOutcome SyncAccumulator::add(Key key, std::uint32_t worker, std::uint64_t st
 
   const std::uint32_t bw = bitmap_words();
   const std::uint64_t bit_word = worker / 64, bit = 1ull << (worker % 64);
-  unsigned found = entries();
-  for (unsigned e = 0; e < entries(); ++e)
-    if ((mask >> e & 1) && entry(block, length, e)[0] == step) found = e;
+  const unsigned found = find_entry(block, length, mask, step);
+  const std::uint64_t* from = found < entries() ? entry(block, length, found) : nullptr;
+  if (from && (from[2 + bit_word] & bit)) {
+    ++s.stats.duplicates;
+    // Its first push may have been cut off between its sum and the step's apply.
+    if (Errc e = apply_ready(key, *slot, length, block, s.stats, undo); e != Errc::ok) return reject(e);
+    return SyncOutcome::duplicate;
+  }
   // A step within the window has an entry or a free one: at most `window` are in use.
   const auto free_entry = static_cast<unsigned>(std::countr_one(mask));
   if (free_entry >= entries()) return reject(Errc::protocol);
@@ -129,32 +132,23 @@ SyncOutcome SyncAccumulator::add(Key key, std::uint32_t worker, std::uint64_t st
   }
   float* to_sum = reinterpret_cast<float*>(to + 2 + bw);
   std::uint32_t new_mask = mask | (1u << free_entry);
-  if (found == entries()) {
-    to[0] = step;
+  to[0] = step;
+  if (!from) {
     to[1] = 1;
     for (std::uint32_t w = 0; w < bw; ++w) to[2 + w] = 0;
-    to[2 + bit_word] = bit;
     std::memcpy(to_sum, grad.data(), grad.size_bytes());
   } else {
-    const std::uint64_t* from = entry(block, length, found);
-    if (from[2 + bit_word] & bit) {
-      ++s.stats.duplicates;
-      // Its first push may have been cut off between its sum and the step's apply.
-      if (Errc e = apply_ready(key, *slot, length, block, s.stats, undo); e != Errc::ok) return reject(e);
-      return SyncOutcome::duplicate;
-    }
-    to[0] = step;
     to[1] = from[1] + 1;
     for (std::uint32_t w = 0; w < bw; ++w) to[2 + w] = from[2 + w];
-    to[2 + bit_word] |= bit;
     const auto* from_sum = reinterpret_cast<const float*>(from + 2 + bw);
     for (std::uint32_t i = 0; i < length; ++i) to_sum[i] = from_sum[i] + grad[i];
     new_mask &= ~(1u << found);
   }
-  store_control(block, (next << kMaskBits) | new_mask);
+  to[2 + bit_word] |= bit;
+  store_control(block, Control(next, new_mask).word());
 
   if (Errc e = apply_ready(key, *slot, length, block, s.stats, undo); e != Errc::ok) return reject(e);
-  if ((load_control(block) >> kMaskBits) > next) return SyncOutcome::applied;
+  if (Control(load_control(block)).next > next) return SyncOutcome::applied;
   if (options_.replicated)
     if (Errc e = store_.touch(key); e != Errc::ok) return reject(e);
   return SyncOutcome::accumulated;
@@ -165,12 +159,8 @@ Errc SyncAccumulator::apply_ready(Key key, const SlotHeader& slot, std::uint32_t
   thread_local std::vector<float> mean;
   const std::uint32_t bw = bitmap_words();
   for (;;) {
-    const std::uint64_t control = load_control(block);
-    const std::uint64_t next = control >> kMaskBits;
-    const std::uint32_t mask = control & ((1u << kMaskBits) - 1);
-    unsigned ready = entries();
-    for (unsigned e = 0; e < entries(); ++e)
-      if ((mask >> e & 1) && entry(block, length, e)[0] == next) ready = e;
+    const auto [next, mask] = Control(load_control(block));
+    const unsigned ready = find_entry(block, length, mask, next);
     if (ready == entries()) return Errc::ok;
     const std::uint64_t* en = entry(block, length, ready);
     const auto count = static_cast<std::uint32_t>(en[1]);
@@ -181,7 +171,7 @@ Errc SyncAccumulator::apply_ready(Key key, const SlotHeader& slot, std::uint32_t
     mean.resize(length);
     for (std::uint32_t i = 0; i < length; ++i) mean[i] = sum[i] * inv;
     const float lr_scale = options_.linear_lr_scaling ? static_cast<float>(count) : 1.0f;
-    const std::uint64_t applied = ((next + 1) << kMaskBits) | (mask & ~(1u << ready));
+    const std::uint64_t applied = Control(next + 1, mask & ~(1u << ready)).word();
     Errc e;
     if (undo && undo->sync_mark) {
       SyncApplyMark& mark = *undo->sync_mark;
@@ -207,7 +197,7 @@ std::uint64_t SyncAccumulator::next_step(Key key) const {
   Stripe& s = stripe(key);
   std::lock_guard guard(s.mu);
   auto it = s.keys.find(key);
-  return it == s.keys.end() || !it->second.block ? 0 : load_control(it->second.block) >> kMaskBits;
+  return it == s.keys.end() || !it->second.block ? 0 : Control(load_control(it->second.block)).next;
 }
 
 SyncStats SyncAccumulator::stats() const {
@@ -236,10 +226,9 @@ std::uint64_t get_word(const float*& in) noexcept {
 
 bool SyncAccumulator::export_block(const std::uint64_t* block, std::uint32_t length, float* out) const {
   std::memset(out, 0, state_floats(length) * sizeof(float));
-  const std::uint64_t control = load_control(block);
-  const std::uint32_t mask = control & ((1u << kMaskBits) - 1);
+  const auto [next, mask] = Control(load_control(block));
   if (static_cast<unsigned>(std::popcount(mask)) > options_.window || (mask >> entries()) != 0) return false;
-  put_word(out, control >> kMaskBits);
+  put_word(out, next);
   const std::uint32_t bw = bitmap_words();
   for (unsigned e = 0; e < entries(); ++e) {
     if (!(mask >> e & 1)) continue;
@@ -320,7 +309,7 @@ void SyncAccumulator::import_state(Key key, std::uint32_t length, const float* i
     in += length;
     mask |= 1u << e++;
   }
-  store_control(block, (next << kMaskBits) | mask);
+  store_control(block, Control(next, mask).word());
 }
 
 Errc SyncAccumulator::adopt_block(Key key, std::uint32_t length, const std::uint64_t* block, std::uint64_t words,

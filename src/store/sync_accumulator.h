@@ -172,6 +172,21 @@ class SyncAccumulator {
   const std::uint64_t* entry(const std::uint64_t* block, std::uint32_t length, unsigned e) const noexcept {
     return block + 1 + e * entry_words(length);
   }
+  // A control word: [next step | mask of the entries in use].
+  struct Control {
+    std::uint64_t next;
+    std::uint32_t mask;
+    explicit Control(std::uint64_t word) noexcept : next(word >> kMaskBits), mask(word & ((1u << kMaskBits) - 1)) {}
+    Control(std::uint64_t next_step, std::uint32_t in_use) noexcept : next(next_step), mask(in_use) {}
+    std::uint64_t word() const noexcept { return next << kMaskBits | mask; }
+  };
+  // The entry in use that holds `step`, or entries() if none does.
+  unsigned find_entry(const std::uint64_t* block, std::uint32_t length, std::uint32_t mask,
+                      std::uint64_t step) const noexcept {
+    for (unsigned e = 0; e < entries(); ++e)
+      if ((mask >> e & 1) && entry(block, length, e)[0] == step) return e;
+    return entries();
+  }
   std::uint64_t* block_of(Key key, std::uint32_t length, KeyState& state);
   // Entry e of the block made writable (SyncSpace::back) if it was not yet; throws Error.
   std::uint64_t* writable_entry(KeyState& state, std::uint32_t length, unsigned e);
