@@ -17,7 +17,7 @@ namespace pskv {
 namespace {
 constexpr char kMagic[8] = {'P', 'S', 'K', 'V', 'C', 'K', 'P', '1'};
 constexpr char kEnd[8] = {'P', 'S', 'K', 'V', 'E', 'N', 'D', '1'};
-constexpr std::uint32_t kVersion = 1;
+constexpr std::uint32_t kVersion = 2;
 
 #pragma pack(push, 1)
 struct FileHeader {
@@ -27,9 +27,30 @@ struct FileHeader {
   std::uint32_t rule;
   std::uint64_t keys;
   std::uint64_t started_unix_ns;
+  std::uint32_t sync_workers;
+  std::uint32_t sync_required;
+  std::uint32_t sync_window;
   std::uint32_t crc;
 };
 struct KeyHeader {
+  std::uint64_t key;
+  std::uint32_t length;
+  std::uint32_t state_floats;
+  std::uint32_t sync_floats;
+  std::uint64_t update_count;
+  std::uint32_t crc;
+};
+// Version 1: the same without the sync fields.
+struct FileHeaderV1 {
+  char magic[8];
+  std::uint32_t version;
+  std::uint32_t server_id;
+  std::uint32_t rule;
+  std::uint64_t keys;
+  std::uint64_t started_unix_ns;
+  std::uint32_t crc;
+};
+struct KeyHeaderV1 {
   std::uint64_t key;
   std::uint32_t length;
   std::uint32_t state_floats;
@@ -130,7 +151,8 @@ std::string checkpoint_path(const std::string& dir, std::uint32_t server_id) {
   return dir + "/shard-" + std::to_string(server_id) + ".ckpt";
 }
 
-CheckpointInfo write_checkpoint(Store& store, const std::string& dir, std::uint32_t server_id) {
+CheckpointInfo write_checkpoint(Store& store, const SyncAccumulator* sync, const std::string& dir,
+                                std::uint32_t server_id) {
   CheckpointInfo info;
   {
     AtomicFile w(checkpoint_path(dir, server_id));
@@ -143,10 +165,15 @@ CheckpointInfo write_checkpoint(Store& store, const std::string& dir, std::uint3
     h.started_unix_ns = static_cast<std::uint64_t>(
         std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch())
             .count());
+    if (sync) {
+      h.sync_workers = sync->options().num_workers;
+      h.sync_required = sync->options().required;
+      h.sync_window = sync->options().window;
+    }
     info.started_unix_ns = h.started_unix_ns;
     h.crc = crc32_update(0, &h, offsetof(FileHeader, crc));
     w.put(&h, sizeof h);
-    std::vector<float> value, state;
+    std::vector<float> value, state, steps;
     std::uint32_t crc_of_crcs = 0;
     std::uint64_t written = 0;
     store.for_each_slot([&](const Store::SlotEntry& e) {
@@ -155,14 +182,33 @@ CheckpointInfo write_checkpoint(Store& store, const std::string& dir, std::uint3
       // client can rewrite.
       value.assign(e.length, 0.0f);
       state.assign(std::size_t{e.length} * state_floats_per_value(store.rule().rule), 0.0f);
-      KeyHeader k{e.key, e.length, static_cast<std::uint32_t>(state.size()), 0, 0};
-      store.snapshot_slot(*e.slot, value.data(), state.data(), &k.update_count);
+      if (state.size() > UINT32_MAX)
+        throw Error(Errc::capacity, "key " + std::to_string(e.key) + ": its optimizer state takes " +
+                                        std::to_string(state.size()) + " floats, more than a checkpoint records");
+      KeyHeader k{e.key, e.length, static_cast<std::uint32_t>(state.size()), 0, 0, 0};
+      if (sync) {
+        // The value and the pending steps of one moment: add() changes both under the key's stripe.
+        steps.resize(sync->state_floats(e.length));
+        sync->with_key(e.key, [&] {
+          store.snapshot_slot(*e.slot, value.data(), state.data(), &k.update_count);
+          sync->export_state(e.key, e.length, steps.data());
+        });
+        const std::uint64_t used = sync->used_state_floats(e.length, steps.data());
+        if (used > UINT32_MAX)
+          throw Error(Errc::capacity, "key " + std::to_string(e.key) + ": its pending steps take " +
+                                          std::to_string(used) + " floats, more than a checkpoint records for a key");
+        k.sync_floats = static_cast<std::uint32_t>(used);
+      } else {
+        store.snapshot_slot(*e.slot, value.data(), state.data(), &k.update_count);
+      }
       k.crc = crc32_update(0, &k, offsetof(KeyHeader, crc));
       k.crc = crc32_update(k.crc, value.data(), value.size() * sizeof(float));
       k.crc = crc32_update(k.crc, state.data(), state.size() * sizeof(float));
+      k.crc = crc32_update(k.crc, steps.data(), std::size_t{k.sync_floats} * sizeof(float));
       w.put(&k, sizeof k);
       w.put(value.data(), value.size() * sizeof(float));
       w.put(state.data(), state.size() * sizeof(float));
+      w.put(steps.data(), std::size_t{k.sync_floats} * sizeof(float));
       crc_of_crcs = crc32_update(crc_of_crcs, &k.crc, sizeof k.crc);
       ++written;
     });
@@ -178,7 +224,8 @@ CheckpointInfo write_checkpoint(Store& store, const std::string& dir, std::uint3
   return info;
 }
 
-CheckpointInfo parse_checkpoint(const std::uint8_t* data, std::size_t size, Store* store, const std::string& name) {
+CheckpointInfo parse_checkpoint(const std::uint8_t* data, std::size_t size, Store* store, SyncAccumulator* sync,
+                                const std::string& name) {
   std::size_t at = 0;
   auto corrupt = [&](const std::string& why) -> Error {
     return Error(Errc::protocol, "checkpoint " + name + " is corrupt at byte " + std::to_string(at) + ": " + why +
@@ -189,39 +236,103 @@ CheckpointInfo parse_checkpoint(const std::uint8_t* data, std::size_t size, Stor
     if (n) std::memcpy(out, data + at, n);
     at += n;
   };
-  FileHeader h;
-  take(&h, sizeof h, "the header");
+  FileHeader h{};
+  take(&h, offsetof(FileHeader, version) + sizeof h.version, "the header");
   if (std::memcmp(h.magic, kMagic, 8) != 0) throw corrupt("not a pskv checkpoint (bad magic)");
-  if (h.crc != crc32_update(0, &h, offsetof(FileHeader, crc))) throw corrupt("header checksum mismatch");
-  if (h.version != kVersion) throw corrupt("version " + std::to_string(h.version) + " is not readable by this build");
+  const bool v1 = h.version == 1;
+  if (v1) {
+    FileHeaderV1 h1;
+    at = 0;
+    take(&h1, sizeof h1, "the header");
+    if (h1.crc != crc32_update(0, &h1, offsetof(FileHeaderV1, crc))) throw corrupt("header checksum mismatch");
+    h.server_id = h1.server_id;
+    h.rule = h1.rule;
+    h.keys = h1.keys;
+    h.started_unix_ns = h1.started_unix_ns;
+  } else {
+    take(reinterpret_cast<char*>(&h) + at, sizeof h - at, "the header");
+    if (h.crc != crc32_update(0, &h, offsetof(FileHeader, crc))) throw corrupt("header checksum mismatch");
+    if (h.version != kVersion) throw corrupt("version " + std::to_string(h.version) + " is not readable by this build");
+  }
   if (store && h.rule != static_cast<std::uint32_t>(store->rule().rule))
     throw Error(Errc::invalid_argument, "checkpoint " + name + " was written with update rule " +
                                             std::string(to_string(static_cast<UpdateRule>(h.rule))) +
                                             "; start the server with the same --rule");
-  std::vector<float> value, state;
+  if (h.sync_workers == 0 ? h.sync_required != 0 || h.sync_window != 0
+                          : h.sync_window == 0 || h.sync_window > SyncAccumulator::kMaxWindow || h.sync_required == 0 ||
+                                h.sync_required > h.sync_workers)
+    throw corrupt("sync mode with " + std::to_string(h.sync_workers) + " workers, K=" +
+                  std::to_string(h.sync_required) + " and a window of " + std::to_string(h.sync_window));
+  // Pending steps go only into an accumulator that counts the same workers in the same window.
+  const bool same_sync = sync && h.sync_workers == sync->options().num_workers &&
+                         h.sync_required == sync->options().required && h.sync_window == sync->options().window;
+  auto cannot_take_steps = [&](Key key) {
+    const std::string written = "--mode sync with " + std::to_string(h.sync_workers) +
+                                " workers (K=" + std::to_string(h.sync_required) + ", a window of " +
+                                std::to_string(h.sync_window) + ")";
+    const std::string here = sync ? "with " + std::to_string(sync->options().num_workers) +
+                                        " workers (K=" + std::to_string(sync->options().required) + ", a window of " +
+                                        std::to_string(sync->options().window) + ")"
+                                  : "outside sync mode";
+    return Error(Errc::invalid_argument, "checkpoint " + name + " holds acknowledged gradients of key " +
+                                             std::to_string(key) + " summed for steps not yet applied, written " +
+                                             written + "; this server runs " + here +
+                                             ": restore it with the same --mode, --workers and --sync-required");
+  };
+  std::vector<float> value, state, steps;
   std::uint32_t crc_of_crcs = 0;
   for (std::uint64_t i = 0; i < h.keys; ++i) {
-    KeyHeader k;
-    take(&k, sizeof k, "a key header");
-    const std::uint64_t floats = std::uint64_t{k.length} + k.state_floats;
+    KeyHeader k{};
+    if (v1) {
+      KeyHeaderV1 k1;
+      take(&k1, sizeof k1, "a key header");
+      k = {k1.key, k1.length, k1.state_floats, 0, k1.update_count, k1.crc};
+    } else {
+      take(&k, sizeof k, "a key header");
+    }
+    const std::uint64_t floats = std::uint64_t{k.length} + k.state_floats + k.sync_floats;
     if (k.length == 0 || floats * sizeof(float) > size - at)
       throw corrupt("key " + std::to_string(k.key) + " claims more data than the file holds");
-    std::uint32_t crc = crc32_update(0, &k, offsetof(KeyHeader, crc));
+    std::uint32_t crc = v1 ? crc32_update(0, data + at - sizeof(KeyHeaderV1), offsetof(KeyHeaderV1, crc))
+                           : crc32_update(0, &k, offsetof(KeyHeader, crc));
     crc = crc32_update(crc, data + at, floats * sizeof(float));
     if (crc != k.crc) throw corrupt("checksum mismatch in key " + std::to_string(k.key));
     crc_of_crcs = crc32_update(crc_of_crcs, &k.crc, sizeof k.crc);
-    if (store) {
-      value.resize(k.length);
-      state.resize(k.state_floats);
-      take(value.data(), value.size() * sizeof(float), "values");
-      take(state.data(), state.size() * sizeof(float), "state");
-      if (Errc e = store->restore_slot(k.key, value, state, k.update_count); e != Errc::ok)
-        throw Error(e, "cannot restore key " + std::to_string(k.key) + " from " + name + ": " +
-                           std::string(errc_name(e)) +
-                           " (is the server's --arena-mb/--max-keys large enough, and the --rule the same?)");
-    } else {
-      at += floats * sizeof(float);
+    if (k.sync_floats > 0) {
+      // The next step, then whole entries, at most a window of them: what the header says.
+      const std::uint64_t entry = SyncAccumulator::state_entry_floats(h.sync_workers, k.length);
+      if (h.sync_workers == 0 || k.sync_floats < 2 || (k.sync_floats - 2) % entry != 0 ||
+          (k.sync_floats - 2) / entry > h.sync_window)
+        throw corrupt("key " + std::to_string(k.key) + " has " + std::to_string(k.sync_floats) +
+                      " floats of sync steps, not a next step and whole entries");
     }
+    if (k.sync_floats > 2 && !same_sync && store) throw cannot_take_steps(k.key);
+    if (!store) {
+      at += floats * sizeof(float);
+      continue;
+    }
+    value.resize(k.length);
+    state.resize(k.state_floats);
+    take(value.data(), value.size() * sizeof(float), "values");
+    take(state.data(), state.size() * sizeof(float), "state");
+    if (Errc e = store->restore_slot(k.key, value, state, k.update_count); e != Errc::ok)
+      throw Error(e, "cannot restore key " + std::to_string(k.key) + " from " + name + ": " +
+                         std::string(errc_name(e)) +
+                         " (is the server's --arena-mb/--max-keys large enough, and the --rule the same?)");
+    if (!sync || k.sync_floats == 0) {
+      at += std::size_t{k.sync_floats} * sizeof(float);
+      continue;
+    }
+    // Just a next step reads the same in any window; pending steps are this window's (same_sync).
+    steps.assign(sync->state_floats(k.length), 0.0f);
+    take(steps.data(), std::size_t{k.sync_floats} * sizeof(float), "sync steps");
+    if (sync->used_state_floats(k.length, steps.data()) != k.sync_floats)
+      throw corrupt("key " + std::to_string(k.key) + ": its sync steps are not as a checkpoint writes them");
+    std::string why;
+    if (const Errc e = sync->restore_state(k.key, k.length, steps.data(), &why); e == Errc::protocol)
+      throw corrupt("key " + std::to_string(k.key) + ": " + why);
+    else if (e != Errc::ok)
+      throw Error(e, "cannot restore the sync steps of key " + std::to_string(k.key) + " from " + name + ": " + why);
   }
   Footer f;
   take(&f, sizeof f, "the footer");
@@ -230,9 +341,9 @@ CheckpointInfo parse_checkpoint(const std::uint8_t* data, std::size_t size, Stor
   return {h.keys, size, h.started_unix_ns};
 }
 
-CheckpointInfo read_checkpoint(Store& store, const std::string& path) {
+CheckpointInfo read_checkpoint(Store& store, SyncAccumulator* sync, const std::string& path) {
   const std::vector<std::uint8_t> bytes = read_file(path);
-  return parse_checkpoint(bytes.data(), bytes.size(), &store, path);
+  return parse_checkpoint(bytes.data(), bytes.size(), &store, sync, path);
 }
 
 }  // namespace pskv

@@ -1,12 +1,16 @@
-// Shard checkpoints: every key's value, optimizer state and update count, each with a CRC-32,
+// Shard checkpoints: every key's value, optimizer state and update count, and in sync mode its
+// pending steps (gradients summed and acknowledged, not yet applied), each key with a CRC-32,
 // written atomically (temp file, fsync, rename, fsync of the directory) so that a crash at any
 // instant leaves the previous checkpoint intact.
 //
-// File: "PSKVCKP1" | version u32 | server_id u32 | rule u32 | keys u64 | started_unix_ns u64 |
+// File: "PSKVCKP1" | version u32 (2) | server_id u32 | rule u32 | keys u64 | started_unix_ns u64 |
+//       sync workers u32 | sync required u32 | sync window u32 (all 0 outside sync mode) |
 //       header crc u32
-//       then per key: key u64 | length u32 | state_floats u32 | update_count u64 | crc u32 |
-//                     values[length] | state[state_floats]
+//       then per key: key u64 | length u32 | state_floats u32 | sync_floats u32 | update_count u64 |
+//                     crc u32 | values[length] | state[state_floats] | sync[sync_floats]
 //       then "PSKVEND1" | keys u64 | crc over the per-key crcs u32
+// sync[] is SyncAccumulator::export_state's layout cut after its entries in use. Version 1 files
+// (no sync fields) are still read; their keys start at step 0.
 #pragma once
 
 #include <cstdint>
@@ -14,6 +18,7 @@
 #include <vector>
 
 #include "store/store.h"
+#include "store/sync_accumulator.h"
 
 namespace pskv {
 
@@ -53,15 +58,21 @@ std::vector<std::uint8_t> read_file(const std::string& path);
 
 std::string checkpoint_path(const std::string& dir, std::uint32_t server_id);
 
-// Writes the store's shard. Throws Error(io) with the path and the OS reason on failure.
-CheckpointInfo write_checkpoint(Store& store, const std::string& dir, std::uint32_t server_id);
+// Writes the store's shard, with `sync`'s pending steps (null outside sync mode): each key's
+// value and steps as of one moment (SyncAccumulator::with_key). Throws Error(io) with the path
+// and the OS reason on failure.
+CheckpointInfo write_checkpoint(Store& store, const SyncAccumulator* sync, const std::string& dir,
+                                std::uint32_t server_id);
 
-// Loads a shard into an empty store with the same update rule. Every length is checked against
-// the file before anything is allocated; a corrupt or truncated file throws Error(protocol)
-// naming the file, the offset and what is wrong.
-CheckpointInfo read_checkpoint(Store& store, const std::string& path);
+// Loads a shard into an empty store with the same update rule, and into `sync` (null outside
+// sync mode) the steps each key had. Every length is checked against the file before anything
+// is allocated; a corrupt or truncated file throws Error(protocol) naming the file, the offset
+// and what is wrong. A file with pending steps that `sync` cannot take (another mode, or other
+// workers or window) throws Error(invalid_argument): those pushes were acknowledged.
+CheckpointInfo read_checkpoint(Store& store, SyncAccumulator* sync, const std::string& path);
 // Parses a checkpoint image in memory (what read_checkpoint does after reading the file);
 // `store` may be null to validate only. Exposed for the fuzzer.
-CheckpointInfo parse_checkpoint(const std::uint8_t* data, std::size_t size, Store* store, const std::string& name);
+CheckpointInfo parse_checkpoint(const std::uint8_t* data, std::size_t size, Store* store, SyncAccumulator* sync,
+                                const std::string& name);
 
 }  // namespace pskv

@@ -205,7 +205,7 @@ class ServerImpl {
                                             std::move(memory.sync));
     if (!o.restore_dir.empty()) {
       const std::string path = checkpoint_path(o.restore_dir, o.server_id);
-      const CheckpointInfo info = read_checkpoint(engine_->store(), path);
+      const CheckpointInfo info = read_checkpoint(engine_->store(), engine_->sync(), path);
       log::info("checkpoint", "server " + std::to_string(o.server_id) + " restored " + std::to_string(info.keys) +
                                   " keys from " + path);
       const TableCheckpointInfo tables = TableCheckpointer::restore(*engine_, o.restore_dir, o.server_id);
@@ -428,7 +428,7 @@ class ServerImpl {
 
   void checkpoint() {
     std::lock_guard lock(checkpoint_mu_);
-    write_checkpoint(engine_->store(), options_.checkpoint_dir, options_.server_id);
+    write_checkpoint(engine_->store(), engine_->sync(), options_.checkpoint_dir, options_.server_id);
     table_checkpointer_->write(*engine_);
   }
 

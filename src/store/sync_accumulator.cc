@@ -32,9 +32,9 @@ SyncAccumulator::SyncAccumulator(Store& store, SyncOptions options, std::shared_
     throw Error(Errc::invalid_argument, "sync aggregation: K=" + std::to_string(options_.required) +
                                             " exceeds N=" + std::to_string(options_.num_workers) + " workers");
   if (options_.window == 0) options_.window = 1;
-  if (options_.window >= kMaskBits)
+  if (options_.window > kMaxWindow)
     throw Error(Errc::invalid_argument, "sync aggregation: a window of " + std::to_string(options_.window) +
-                                            " steps is past the largest, " + std::to_string(kMaskBits - 1));
+                                            " steps is past the largest, " + std::to_string(kMaxWindow));
 }
 
 std::uint64_t SyncAccumulator::control_of(const std::uint64_t* block) noexcept {
@@ -250,6 +250,20 @@ void SyncAccumulator::export_state(Key key, std::uint32_t length, float* out) co
   export_block(it->second.block, length, out);  // this process's blocks hold at most a window
 }
 
+std::uint64_t SyncAccumulator::used_state_floats(std::uint32_t length, const float* state) const noexcept {
+  const std::uint64_t entry_floats = state_entry_floats(options_.num_workers, length);
+  std::uint64_t used = 2;
+  for (std::uint32_t i = 0; i < options_.window; ++i) {
+    std::uint64_t count;
+    std::memcpy(&count, state + used + 2, sizeof count);  // the entry's contributor count
+    if (count == 0) break;
+    used += entry_floats;
+  }
+  std::uint64_t next;
+  std::memcpy(&next, state, sizeof next);
+  return used == 2 && next == 0 ? 0 : used;
+}
+
 Errc SyncAccumulator::check_state(std::uint32_t length, const float* in, std::string* why, bool complete_ok) const {
   auto refuse = [&](const std::string& what) {
     if (why) *why = "sync state: " + what;
@@ -314,11 +328,6 @@ void SyncAccumulator::import_state(Key key, std::uint32_t length, const float* i
 
 Errc SyncAccumulator::adopt_block(Key key, std::uint32_t length, const std::uint64_t* block, std::uint64_t words,
                                   std::string* why) {
-  const SlotHeader* slot = store_.find(key);
-  if (!slot || store_.length_of(*slot) != length) {
-    if (why) *why = "sync state: no key of " + std::to_string(length) + " floats here";
-    return Errc::protocol;
-  }
   if (words != block_words(length)) {
     if (why)
       *why = "sync state: a block of " + std::to_string(words) + " words, not " + std::to_string(block_words(length));
@@ -329,12 +338,21 @@ Errc SyncAccumulator::adopt_block(Key key, std::uint32_t length, const std::uint
     if (why) *why = "sync state: more entries in use than a window holds";
     return Errc::protocol;
   }
+  return restore_state(key, length, state.data(), why);
+}
+
+Errc SyncAccumulator::restore_state(Key key, std::uint32_t length, const float* state, std::string* why) {
+  const SlotHeader* slot = store_.find(key);
+  if (!slot || store_.length_of(*slot) != length) {
+    if (why) *why = "sync state: no key of " + std::to_string(length) + " floats here";
+    return Errc::protocol;
+  }
   // A dead process may have left its next step complete, its apply undone: apply it here.
-  if (Errc e = check_state(length, state.data(), why, true); e != Errc::ok) return e;
+  if (Errc e = check_state(length, state, why, true); e != Errc::ok) return e;
   Stripe& s = stripe(key);
   std::lock_guard guard(s.mu);
   try {
-    import_state(key, length, state.data());
+    import_state(key, length, state);
   } catch (const Error& e) {
     if (why) *why = std::string("sync state: ") + e.what();
     return e.code();

@@ -117,6 +117,15 @@ class SyncAccumulator {
   }
   // Under with_key(key).
   void export_state(Key key, std::uint32_t length, float* out) const;
+  // How many of an exported state's floats say anything: its next step and the entries in use,
+  // which export_state packs first (the rest are zero). 2 when no step is pending (a state that
+  // short is any accumulator's, whatever its window and workers), 0 for a key still at step 0.
+  std::uint64_t used_state_floats(std::uint32_t length, const float* state) const noexcept;
+  // The floats of one entry in use of an exported state, for `num_workers` workers.
+  static std::uint64_t state_entry_floats(std::uint32_t num_workers, std::uint32_t length) noexcept {
+    return 4 + 2 * ((std::uint64_t{num_workers} + 63) / 64) + length;
+  }
+  static constexpr std::uint32_t kMaxWindow = 15;
   // Whether `in` could be a key's pending steps here (it comes from a peer): Errc::protocol,
   // with `why`, if not. Checked before anything of the record is written.
   // `complete_ok`: a next step with all its contributors is taken (adopt_block applies it).
@@ -142,6 +151,9 @@ class SyncAccumulator {
   // is, and a step that was complete but not yet applied when it died is applied now.
   // Errc::protocol with *why when the block does not check out (nothing is taken then).
   Errc adopt_block(Key key, std::uint32_t length, const std::uint64_t* block, std::uint64_t words, std::string* why);
+  // The same for a state in export_state's layout (a checkpoint's), before anyone is served: a
+  // step left complete (its apply failed and waited for the next push) is applied now.
+  Errc restore_state(Key key, std::uint32_t length, const float* state, std::string* why);
 
  private:
   struct FreeDeleter {
@@ -160,6 +172,7 @@ class SyncAccumulator {
   };
   static constexpr std::size_t kStripes = 64;
   static constexpr unsigned kMaskBits = 16;
+  static_assert(kMaxWindow < kMaskBits, "window + 1 entries, one bit each");
   Stripe& stripe(Key key) const noexcept { return stripes_[mix64(key) & (kStripes - 1)]; }
   std::uint32_t bitmap_words() const noexcept { return (options_.num_workers + 63) / 64; }
   std::uint32_t entries() const noexcept { return options_.window + 1; }

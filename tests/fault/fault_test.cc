@@ -161,7 +161,7 @@ TEST_P(Fault, ServerKilledRestartsFromItsCheckpoint) {
     std::ifstream in(ckpt, std::ios::binary);
     std::vector<char> bytes{std::istreambuf_iterator<char>(in), {}};
     const CheckpointInfo info =
-        parse_checkpoint(reinterpret_cast<const std::uint8_t*>(bytes.data()), bytes.size(), nullptr, ckpt);
+        parse_checkpoint(reinterpret_cast<const std::uint8_t*>(bytes.data()), bytes.size(), nullptr, nullptr, ckpt);
     std::uint64_t acked_before_ckpt = 0;
     for (int w = 0; w < 2; ++w)
       for (std::size_t i = 0; i < counts[w].load(); ++i)
@@ -228,7 +228,7 @@ TEST_P(Fault, KillDuringCheckpointWriteKeepsThePreviousOne) {
       std::ifstream in(path, std::ios::binary);
       std::vector<char> bytes{std::istreambuf_iterator<char>(in), {}};
       try {
-        return parse_checkpoint(reinterpret_cast<const std::uint8_t*>(bytes.data()), bytes.size(), nullptr, path)
+        return parse_checkpoint(reinterpret_cast<const std::uint8_t*>(bytes.data()), bytes.size(), nullptr, nullptr, path)
                    .keys == 96;
       } catch (const Error&) {
         return false;

@@ -1,4 +1,5 @@
-// The checkpoint reader: first as a validator, then restoring into a small real store.
+// The checkpoint reader: first as a validator, then restoring into a small real store and the
+// pending steps of 2 sync workers.
 #include <cstddef>
 #include <cstdint>
 
@@ -7,7 +8,7 @@
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   using namespace pskv;
   try {
-    parse_checkpoint(data, size, nullptr, "fuzz");
+    parse_checkpoint(data, size, nullptr, nullptr, "fuzz");
   } catch (const Error&) {
     return 0;
   }
@@ -16,8 +17,11 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   o.arena_bytes = 1 << 20;
   o.rule.rule = UpdateRule::momentum;
   auto store = Store::create(std::make_unique<HeapMemory>(Store::required_bytes(o)), o);
+  SyncOptions so;
+  so.num_workers = 2;
+  SyncAccumulator sync(*store, so);
   try {
-    parse_checkpoint(data, size, store.get(), "fuzz");
+    parse_checkpoint(data, size, store.get(), &sync, "fuzz");
   } catch (const Error&) {
   }
   return 0;

@@ -3,9 +3,14 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <thread>
+
+#include "layout/crc.h"
 
 namespace pskv {
 namespace {
@@ -44,13 +49,13 @@ TEST(Checkpoint, RoundTripWithOptimizerState) {
       ASSERT_EQ(a->push(k * 1000, v), Errc::ok);
     }
   }
-  const CheckpointInfo w = write_checkpoint(*a, dir.path.string(), 7);
+  const CheckpointInfo w = write_checkpoint(*a, nullptr, dir.path.string(), 7);
   EXPECT_EQ(w.keys, 50u);
   EXPECT_TRUE(fs::exists(checkpoint_path(dir.path.string(), 7)));
   EXPECT_FALSE(fs::exists(checkpoint_path(dir.path.string(), 7) + ".tmp"));
 
   auto b = make_store(UpdateRule::adam);
-  const CheckpointInfo r = read_checkpoint(*b, checkpoint_path(dir.path.string(), 7));
+  const CheckpointInfo r = read_checkpoint(*b, nullptr, checkpoint_path(dir.path.string(), 7));
   EXPECT_EQ(r.keys, 50u);
   // Same values now, and the same values after one more identical Adam step: state came along.
   for (Key k = 0; k < 50; ++k) {
@@ -70,7 +75,7 @@ TEST(Checkpoint, InterruptedWriteLeavesThePreviousCheckpointValid) {
   auto a = make_store(UpdateRule::add);
   std::vector<float> v(100, 1.0f);
   ASSERT_EQ(a->init(1, v), Errc::ok);
-  write_checkpoint(*a, dir.path.string(), 0);
+  write_checkpoint(*a, nullptr, dir.path.string(), 0);
   const auto good = slurp(checkpoint_path(dir.path.string(), 0));
   // A crash mid-write leaves a partial temp file beside the last good checkpoint.
   {
@@ -78,37 +83,49 @@ TEST(Checkpoint, InterruptedWriteLeavesThePreviousCheckpointValid) {
     partial.write(good.data(), static_cast<std::streamsize>(good.size() / 2));
   }
   auto b = make_store(UpdateRule::add);
-  EXPECT_EQ(read_checkpoint(*b, checkpoint_path(dir.path.string(), 0)).keys, 1u);
+  EXPECT_EQ(read_checkpoint(*b, nullptr, checkpoint_path(dir.path.string(), 0)).keys, 1u);
   // The next successful write replaces both.
-  write_checkpoint(*a, dir.path.string(), 0);
+  write_checkpoint(*a, nullptr, dir.path.string(), 0);
   EXPECT_FALSE(fs::exists(checkpoint_path(dir.path.string(), 0) + ".tmp"));
 }
 
 TEST(Checkpoint, EveryCorruptionIsDetected) {
-  TempDir dir;
-  auto a = make_store(UpdateRule::momentum);
-  for (Key k = 0; k < 4; ++k) {
-    std::vector<float> v(8, float(k));
-    ASSERT_EQ(a->init(k, v), Errc::ok);
-  }
-  write_checkpoint(*a, dir.path.string(), 0);
-  const auto good = slurp(checkpoint_path(dir.path.string(), 0));
-  for (std::size_t i = 0; i < good.size(); ++i) {
-    auto bad = good;
-    bad[i] ^= 0x20;
-    EXPECT_THROW(parse_checkpoint(reinterpret_cast<const std::uint8_t*>(bad.data()), bad.size(), nullptr, "x"), Error)
-        << "flipped byte " << i;
-  }
-  for (std::size_t n = 0; n < good.size(); ++n)
-    EXPECT_THROW(parse_checkpoint(reinterpret_cast<const std::uint8_t*>(good.data()), n, nullptr, "x"), Error)
-        << "truncated to " << n;
-  try {
-    auto bad = good;
-    bad[good.size() / 2] ^= 1;
-    parse_checkpoint(reinterpret_cast<const std::uint8_t*>(bad.data()), bad.size(), nullptr, "shard-0.ckpt");
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("shard-0.ckpt"), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find("older checkpoint"), std::string::npos) << e.what();
+  for (const bool sync_mode : {false, true}) {
+    SCOPED_TRACE(sync_mode ? "with pending sync steps" : "without sync steps");
+    TempDir dir;
+    auto a = make_store(UpdateRule::momentum);
+    SyncOptions so;
+    so.num_workers = 2;
+    SyncAccumulator sync(*a, so);
+    for (Key k = 0; k < 4; ++k) {
+      std::vector<float> v(8, float(k));
+      ASSERT_EQ(a->init(k, v), Errc::ok);
+      if (sync_mode) {
+        ASSERT_EQ(sync.add(k, k % 2, k, v), SyncOutcome::accumulated);
+      }
+    }
+    write_checkpoint(*a, sync_mode ? &sync : nullptr, dir.path.string(), 0);
+    const auto good = slurp(checkpoint_path(dir.path.string(), 0));
+    for (std::size_t i = 0; i < good.size(); ++i) {
+      auto bad = good;
+      bad[i] ^= 0x20;
+      EXPECT_THROW(
+          parse_checkpoint(reinterpret_cast<const std::uint8_t*>(bad.data()), bad.size(), nullptr, nullptr, "x"), Error)
+          << "flipped byte " << i;
+    }
+    for (std::size_t n = 0; n < good.size(); ++n)
+      EXPECT_THROW(parse_checkpoint(reinterpret_cast<const std::uint8_t*>(good.data()), n, nullptr, nullptr, "x"),
+                   Error)
+          << "truncated to " << n;
+    try {
+      auto bad = good;
+      bad[good.size() / 2] ^= 1;
+      parse_checkpoint(reinterpret_cast<const std::uint8_t*>(bad.data()), bad.size(), nullptr, nullptr, "shard-0.ckpt");
+      ADD_FAILURE();
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("shard-0.ckpt"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("older checkpoint"), std::string::npos) << e.what();
+    }
   }
 }
 
@@ -117,15 +134,347 @@ TEST(Checkpoint, RuleMismatchAndMissingFileAreClear) {
   auto a = make_store(UpdateRule::adam);
   std::vector<float> v(4, 1.0f);
   ASSERT_EQ(a->init(1, v), Errc::ok);
-  write_checkpoint(*a, dir.path.string(), 0);
+  write_checkpoint(*a, nullptr, dir.path.string(), 0);
   auto b = make_store(UpdateRule::sgd);
   try {
-    read_checkpoint(*b, checkpoint_path(dir.path.string(), 0));
+    read_checkpoint(*b, nullptr, checkpoint_path(dir.path.string(), 0));
     ADD_FAILURE();
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("--rule"), std::string::npos) << e.what();
   }
-  EXPECT_THROW(read_checkpoint(*b, (dir.path / "nope.ckpt").string()), Error);
+  EXPECT_THROW(read_checkpoint(*b, nullptr, (dir.path / "nope.ckpt").string()), Error);
+}
+
+// Sync mode: gradients summed into steps that still wait for workers were acknowledged, so a
+// checkpoint keeps them with each key's next step. A server restored from it goes on exactly as
+// one never stopped: the same steps complete with the same means, and a worker that already
+// contributed to a pending step is still a duplicate there.
+TEST(Checkpoint, PendingSyncStepsComeBackWithTheirKeys) {
+  TempDir dir;
+  StoreOptions o;
+  o.rule.rule = UpdateRule::sgd;
+  o.rule.lr = 0.5f;
+  auto a = Store::create(std::make_unique<HeapMemory>(Store::required_bytes(o)), o);
+  SyncOptions so;
+  so.num_workers = 3;
+  so.window = 4;
+  SyncAccumulator sa(*a, so);
+  std::vector<float> g(8);
+  auto grad = [&](float x) -> std::span<const float> {
+    for (std::size_t i = 0; i < g.size(); ++i) g[i] = x + 0.25f * float(i);
+    return g;
+  };
+  for (Key k : {1, 2, 3}) ASSERT_EQ(a->init(k, std::vector<float>(8, 1.0f)), Errc::ok);
+  ASSERT_EQ(sa.add(1, 0, 0, grad(1)), SyncOutcome::accumulated);
+  ASSERT_EQ(sa.add(1, 1, 0, grad(2)), SyncOutcome::accumulated);
+  ASSERT_EQ(sa.add(1, 0, 1, grad(4)), SyncOutcome::accumulated);
+  for (std::uint32_t w = 0; w < 3; ++w) sa.add(2, w, 0, grad(float(w)));
+  ASSERT_EQ(sa.add(2, 2, 1, grad(7)), SyncOutcome::accumulated);
+  write_checkpoint(*a, &sa, dir.path.string(), 0);
+
+  auto b = Store::create(std::make_unique<HeapMemory>(Store::required_bytes(o)), o);
+  SyncAccumulator sb(*b, so);
+  read_checkpoint(*b, &sb, checkpoint_path(dir.path.string(), 0));
+  EXPECT_EQ(sb.next_step(1), 0u);
+  EXPECT_EQ(sb.next_step(2), 1u);
+  EXPECT_EQ(sb.next_step(3), 0u);
+  EXPECT_EQ(sb.add(1, 1, 0, grad(9)), SyncOutcome::duplicate);
+  // The same pushes from here on, to the server that went on and to the restored one.
+  for (SyncAccumulator* s : {&sa, &sb}) {
+    EXPECT_EQ(s->add(1, 2, 0, grad(3)), SyncOutcome::applied);
+    EXPECT_EQ(s->add(1, 1, 1, grad(5)), SyncOutcome::accumulated);
+    EXPECT_EQ(s->add(1, 2, 1, grad(6)), SyncOutcome::applied);
+    EXPECT_EQ(s->add(2, 0, 1, grad(8)), SyncOutcome::accumulated);
+    EXPECT_EQ(s->add(2, 1, 1, grad(9)), SyncOutcome::applied);
+    EXPECT_EQ(s->add(3, 0, 0, grad(1)), SyncOutcome::accumulated);
+  }
+  for (Key k : {1, 2, 3}) {
+    std::vector<float> va(8), vb(8);
+    a->pull(k, va);
+    b->pull(k, vb);
+    EXPECT_EQ(va, vb) << "key " << k;
+    EXPECT_EQ(sa.next_step(k), sb.next_step(k)) << "key " << k;
+  }
+  std::vector<float> v(8);
+  b->pull(1, v);
+  // Two steps of lr * K * mean = 0.5 * sum: (1 + 2 + 3) and (4 + 5 + 6), plus 3 x 0.25 i each.
+  EXPECT_FLOAT_EQ(v[0], 1.0f - 0.5f * 6.0f - 0.5f * 15.0f);
+  EXPECT_EQ(sb.stats().applied_steps, 3u);
+}
+
+// Pending steps are pushes a worker was told succeeded: a server that cannot take them (another
+// mode, or other workers or window) refuses the checkpoint by name rather than drop them. Next
+// steps alone go anywhere.
+TEST(Checkpoint, PendingSyncStepsNeedTheSameWorkers) {
+  TempDir dir;
+  auto a = make_store(UpdateRule::sgd);
+  SyncOptions so;
+  so.num_workers = 3;
+  SyncAccumulator sa(*a, so);
+  const std::vector<float> g(4, 1.0f);
+  ASSERT_EQ(a->init(1, g), Errc::ok);
+  ASSERT_EQ(a->init(2, g), Errc::ok);
+  for (std::uint32_t w = 0; w < 3; ++w) sa.add(1, w, 0, g);
+  ASSERT_EQ(sa.next_step(1), 1u);
+  write_checkpoint(*a, &sa, dir.path.string(), 0);
+  const std::string only_next = (dir.path / "only-next.ckpt").string();
+  fs::copy_file(checkpoint_path(dir.path.string(), 0), only_next);
+  ASSERT_EQ(sa.add(2, 0, 0, g), SyncOutcome::accumulated);
+  write_checkpoint(*a, &sa, dir.path.string(), 0);
+  const std::string pending = checkpoint_path(dir.path.string(), 0);
+
+  SyncOptions fewer = so;
+  fewer.num_workers = 2;
+  for (const SyncOptions* other : std::initializer_list<const SyncOptions*>{&fewer, nullptr}) {
+    auto b = make_store(UpdateRule::sgd);
+    std::unique_ptr<SyncAccumulator> sb = other ? std::make_unique<SyncAccumulator>(*b, *other) : nullptr;
+    try {
+      read_checkpoint(*b, sb.get(), pending);
+      ADD_FAILURE() << "pending steps dropped";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), Errc::invalid_argument);
+      EXPECT_NE(std::string(e.what()).find("key 2"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("--workers"), std::string::npos) << e.what();
+    }
+    auto c = make_store(UpdateRule::sgd);
+    std::unique_ptr<SyncAccumulator> sc = other ? std::make_unique<SyncAccumulator>(*c, *other) : nullptr;
+    EXPECT_EQ(read_checkpoint(*c, sc.get(), only_next).keys, 2u);
+    if (sc) {
+      EXPECT_EQ(sc->next_step(1), 1u);
+    }
+  }
+}
+
+// A version 2 file of one key (rule sgd, no optimizer state) whose sync steps are `steps`, with
+// every checksum right: what the reader makes of a file only a bug or an attacker writes.
+std::vector<std::uint8_t> sync_file(std::uint32_t workers, std::uint32_t required, std::uint32_t window,
+                                    const std::vector<float>& value, const std::vector<float>& steps) {
+  std::vector<std::uint8_t> file;
+  auto put = [&](const auto& v) {
+    const auto* p = reinterpret_cast<const std::uint8_t*>(&v);
+    file.insert(file.end(), p, p + sizeof v);
+  };
+  auto crc_from = [&](std::size_t at) { return crc32_update(0, file.data() + at, file.size() - at); };
+  file.insert(file.end(), {'P', 'S', 'K', 'V', 'C', 'K', 'P', '1'});
+  put(std::uint32_t{2});
+  put(std::uint32_t{0});
+  put(static_cast<std::uint32_t>(UpdateRule::sgd));
+  put(std::uint64_t{1});
+  put(std::uint64_t{42});
+  put(workers);
+  put(required);
+  put(window);
+  put(crc_from(0));
+  const std::size_t key_at = file.size();
+  put(Key{9});
+  put(static_cast<std::uint32_t>(value.size()));
+  put(std::uint32_t{0});
+  put(static_cast<std::uint32_t>(steps.size()));
+  put(std::uint64_t{0});
+  std::uint32_t crc = crc_from(key_at);
+  crc = crc32_update(crc, value.data(), value.size() * sizeof(float));
+  crc = crc32_update(crc, steps.data(), steps.size() * sizeof(float));
+  put(crc);
+  for (float f : value) put(f);
+  for (float f : steps) put(f);
+  file.insert(file.end(), {'P', 'S', 'K', 'V', 'E', 'N', 'D', '1'});
+  put(std::uint64_t{1});
+  put(crc32_update(0, &crc, sizeof crc));
+  return file;
+}
+
+// Sync steps as export_state lays them out: a next step, then entries of step, contributor count,
+// bitmap (one word up to 64 workers) and sum.
+struct Steps {
+  std::vector<float> floats;
+  void word(std::uint64_t w) {
+    float f[2];
+    std::memcpy(f, &w, sizeof w);
+    floats.insert(floats.end(), f, f + 2);
+  }
+  Steps& next(std::uint64_t n) {
+    word(n);
+    return *this;
+  }
+  Steps& entry(std::uint64_t step, std::uint64_t count, std::uint64_t bitmap, std::vector<float> sum) {
+    word(step);
+    word(count);
+    word(bitmap);
+    floats.insert(floats.end(), sum.begin(), sum.end());
+    return *this;
+  }
+};
+
+TEST(Checkpoint, SyncStepsThatDoNotCheckOutAreRefusedByName) {
+  const std::vector<float> value{1.0f, 2.0f};
+  const std::vector<float> sum{4.0f, 4.0f};
+  struct Case {
+    const char* what;
+    std::vector<std::uint8_t> file;
+    const char* says;
+    bool validate_only_finds_it;
+  };
+  const std::vector<Case> cases = {
+      {"one float", sync_file(2, 2, 4, value, {0.0f}), "not a next step and whole entries", true},
+      {"an entry cut short",
+       sync_file(2, 2, 4, value,
+                 [&] {
+                   auto f = Steps().next(3).entry(3, 1, 1, sum).floats;
+                   f.pop_back();
+                   return f;
+                 }()),
+       "not a next step and whole entries", true},
+      {"more entries than the window",
+       sync_file(2, 2, 1, value, Steps().next(3).entry(3, 1, 1, sum).entry(4, 1, 1, sum).floats),
+       "not a next step and whole entries", true},
+      {"steps outside sync mode", sync_file(0, 0, 0, value, Steps().next(3).floats),
+       "not a next step and whole entries", true},
+      {"a window outside sync mode", sync_file(0, 0, 4, value, {}), "sync mode with 0 workers", true},
+      {"a window past 15", sync_file(2, 2, 16, value, Steps().next(3).floats), "a window of 16", true},
+      {"K past N", sync_file(2, 3, 4, value, Steps().next(3).floats), "K=3", true},
+      {"a count the bitmap does not make", sync_file(2, 2, 4, value, Steps().next(3).entry(4, 2, 1, sum).floats),
+       "counts 2 contributors of 1", false},
+      {"a step behind the next", sync_file(2, 2, 4, value, Steps().next(3).entry(2, 1, 1, sum).floats),
+       "outside the window", false},
+      {"a contributor past the workers", sync_file(2, 2, 4, value, Steps().next(3).entry(3, 1, 4, sum).floats),
+       "a contributor past worker 1", false},
+      {"an unused entry first", sync_file(2, 2, 4, value, Steps().next(3).entry(0, 0, 0, sum).floats),
+       "not as a checkpoint writes them", false},
+      {"step 0 written out", sync_file(2, 2, 4, value, Steps().next(0).floats), "not as a checkpoint writes them",
+       false},
+  };
+  for (const Case& c : cases) {
+    if (c.validate_only_finds_it) {
+      EXPECT_THROW(parse_checkpoint(c.file.data(), c.file.size(), nullptr, nullptr, "x"), Error) << c.what;
+    }
+    auto store = make_store(UpdateRule::sgd);
+    SyncOptions so;
+    so.num_workers = 2;
+    SyncAccumulator sync(*store, so);
+    try {
+      parse_checkpoint(c.file.data(), c.file.size(), store.get(), &sync, "shard-0.ckpt");
+      ADD_FAILURE() << c.what << ": taken";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), Errc::protocol) << c.what << ": " << e.what();
+      EXPECT_NE(std::string(e.what()).find(c.says), std::string::npos) << c.what << ": " << e.what();
+      EXPECT_NE(std::string(e.what()).find("shard-0.ckpt"), std::string::npos) << e.what();
+    }
+  }
+}
+
+// A step whose contributors are all in but whose apply failed (an shm server's store lock held
+// past its patience) waits for the next push, and a checkpoint can find it so: restored, it is
+// applied before anyone is served rather than refused.
+TEST(Checkpoint, AStepLeftCompleteIsAppliedOnRestore) {
+  const auto file = sync_file(2, 2, 4, {1.0f, 2.0f}, Steps().next(3).entry(3, 2, 3, {4.0f, 8.0f}).floats);
+  StoreOptions o;
+  o.rule.rule = UpdateRule::sgd;
+  o.rule.lr = 0.5f;
+  auto store = Store::create(std::make_unique<HeapMemory>(Store::required_bytes(o)), o);
+  SyncOptions so;
+  so.num_workers = 2;
+  SyncAccumulator sync(*store, so);
+  parse_checkpoint(file.data(), file.size(), store.get(), &sync, "x");
+  EXPECT_EQ(sync.next_step(9), 4u);
+  std::vector<float> v(2);
+  store->pull(9, v);
+  EXPECT_EQ(v, (std::vector<float>{1.0f - 2.0f, 2.0f - 4.0f}));  // lr x K x mean = 0.5 x sum
+}
+
+// Each key's value and its steps are checkpointed as of one moment while workers push: with sgd
+// at lr 1 and every gradient 1, a key whose next step is n holds exactly -2n (2 workers, K=N),
+// in every checkpoint taken under the pushes.
+TEST(Checkpoint, AKeysValueAndStepsAreOfOneMomentUnderPushes) {
+  TempDir dir;
+  StoreOptions o;
+  o.rule.rule = UpdateRule::sgd;
+  o.rule.lr = 1.0f;
+  auto a = Store::create(std::make_unique<HeapMemory>(Store::required_bytes(o)), o);
+  SyncOptions so;
+  so.num_workers = 2;
+  SyncAccumulator sa(*a, so);
+  constexpr Key kKeys = 4;
+  for (Key k = 0; k < kKeys; ++k) ASSERT_EQ(a->init(k, std::vector<float>(16, 0.0f)), Errc::ok);
+  std::atomic<bool> stop{false};
+  std::vector<std::thread> workers;
+  struct JoinAtExit {  // an assertion that fails returns early: the pushers stop first
+    std::atomic<bool>& stop;
+    std::vector<std::thread>& threads;
+    ~JoinAtExit() {
+      stop = true;
+      for (auto& t : threads) t.join();
+    }
+  } join_at_exit{stop, workers};
+  for (std::uint32_t w = 0; w < 2; ++w)
+    workers.emplace_back([&, w] {
+      const std::vector<float> one(16, 1.0f);
+      for (std::uint64_t step = 0; !stop.load(); ++step)
+        for (Key k = 0; k < kKeys && !stop.load(); ++k)
+          while (sa.add(k, w, step, one) == SyncOutcome::too_far_ahead && !stop.load()) std::this_thread::yield();
+    });
+  std::uint64_t checked = 0, pending = 0;
+  for (int round = 0; round < 200; ++round) {
+    write_checkpoint(*a, &sa, dir.path.string(), 0);
+    auto b = Store::create(std::make_unique<HeapMemory>(Store::required_bytes(o)), o);
+    SyncAccumulator sb(*b, so);
+    read_checkpoint(*b, &sb, checkpoint_path(dir.path.string(), 0));
+    for (Key k = 0; k < kKeys; ++k) {
+      std::vector<float> v(16);
+      b->pull(k, v);
+      const std::uint64_t next = sb.next_step(k);
+      ASSERT_EQ(v[0], -2.0f * static_cast<float>(next)) << "round " << round << ", key " << k;
+      checked += next;
+      // A worker ahead of the other has summed into the next step: it is there too.
+      pending += sb.add(k, 0, next, std::vector<float>(16, 1.0f)) == SyncOutcome::duplicate ||
+                 sb.add(k, 1, next, std::vector<float>(16, 1.0f)) == SyncOutcome::duplicate;
+    }
+  }
+  EXPECT_GT(checked, 0u) << "no step was applied while the checkpoints were taken";
+  EXPECT_GT(pending, 0u) << "no checkpoint found a step pending";
+}
+
+// A checkpoint written before pending steps were kept (version 1) is still read: its keys start
+// at step 0.
+TEST(Checkpoint, AVersionOneFileIsStillRead) {
+  std::vector<std::uint8_t> file;
+  auto put = [&](const auto& v) {
+    const auto* p = reinterpret_cast<const std::uint8_t*>(&v);
+    file.insert(file.end(), p, p + sizeof v);
+  };
+  auto crc_from = [&](std::size_t at) { return crc32_update(0, file.data() + at, file.size() - at); };
+  file.insert(file.end(), {'P', 'S', 'K', 'V', 'C', 'K', 'P', '1'});
+  put(std::uint32_t{1});                                  // version
+  put(std::uint32_t{0});                                  // server id
+  put(static_cast<std::uint32_t>(UpdateRule::momentum));  // rule
+  put(std::uint64_t{1});                                  // keys
+  put(std::uint64_t{42});                                 // started
+  put(crc_from(0));
+  const std::size_t key_at = file.size();
+  put(Key{5});
+  put(std::uint32_t{2});  // length
+  put(std::uint32_t{2});  // state floats
+  put(std::uint64_t{3});  // update count
+  std::uint32_t crc = crc_from(key_at);
+  const float floats[4] = {1.5f, -2.0f, 0.25f, 0.5f};
+  crc = crc32_update(crc, floats, sizeof floats);
+  put(crc);
+  for (float f : floats) put(f);
+  file.insert(file.end(), {'P', 'S', 'K', 'V', 'E', 'N', 'D', '1'});
+  put(std::uint64_t{1});
+  put(crc32_update(0, &crc, sizeof crc));
+
+  auto b = make_store(UpdateRule::momentum);
+  SyncOptions so;
+  so.num_workers = 2;
+  SyncAccumulator sync(*b, so);
+  const CheckpointInfo r = parse_checkpoint(file.data(), file.size(), b.get(), &sync, "v1");
+  EXPECT_EQ(r.keys, 1u);
+  EXPECT_EQ(r.started_unix_ns, 42u);
+  std::vector<float> v(2);
+  b->pull(5, v);
+  EXPECT_EQ(v, (std::vector<float>{1.5f, -2.0f}));
+  EXPECT_EQ(b->find(5)->update_count, 3u);
+  EXPECT_EQ(sync.next_step(5), 0u);
 }
 
 }  // namespace

@@ -89,6 +89,54 @@ TEST_P(StopSequence, TheFinalCheckpointHoldsEveryAcknowledgedPush) {
   }
 }
 
+// In sync mode a push is acknowledged once it is summed into its step, which may wait for other
+// workers past the stop: the final checkpoint keeps the step pending, and the restored server
+// completes it with the next worker's push (before, it started the key at step 0 with nothing
+// summed, and the step waited for a worker that had already pushed).
+TEST_P(StopSequence, InSyncModeTheFinalCheckpointHoldsThePendingSteps) {
+  constexpr Key kKey = 1;
+  std::filesystem::remove_all(dir_);
+  ServerOptions so;
+  so.uri = uri(0);
+  so.arena_bytes = 64 << 20;
+  so.checkpoint_dir = dir_.string();
+  so.num_workers = 2;
+  so.mode = ConsistencyMode::sync;
+  so.rule.rule = UpdateRule::sgd;
+  so.rule.lr = 0.5f;
+  auto worker = [](const std::string& server, std::uint32_t id) {
+    ClientOptions o;
+    o.servers = {server};
+    o.worker_id = id;
+    o.io_timeout = std::chrono::seconds(5);
+    return o;
+  };
+  {
+    Server server(so);
+    Client c(worker(server.uri(), 0));
+    c.wait(c.init(kKey, std::vector<float>(8, 0.0f)));
+    c.wait(c.push(kKey, std::vector<float>(8, 1.0f)));  // step 0: summed, waits for worker 1
+    c.disconnect();
+    server.stop();
+  }
+  ServerOptions again = so;
+  again.uri = uri(100);
+  again.checkpoint_dir.clear();
+  again.restore_dir = dir_.string();
+  Server restored(again);
+  Client c(worker(restored.uri(), 1));
+  c.wait(c.push(kKey, std::vector<float>(8, 3.0f)));
+  ClientOptions ro;
+  ro.servers = {restored.uri()};
+  Client reader(ro);
+  std::vector<float> out(8);
+  reader.wait(reader.pull(kKey, out));
+  // One step: lr x K x mean = 0.5 x (1 + 3).
+  for (float x : out) EXPECT_EQ(x, -2.0f) << "the step worker 0 pushed into before the stop was lost";
+  const std::string stats = reader.server_stats(0);
+  EXPECT_NE(stats.find("\"sync_applied_steps\":1"), std::string::npos) << stats;
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, StopSequence, ::testing::Values("tcp", "shm", "shm_ring", "fake"),
                          [](const auto& info) { return info.param; });
 

@@ -351,6 +351,14 @@ void Predecessor::copy_sync_steps_into(ShardEngine& engine) {
         ++report_.sync_refused;
         log::warn("shm.adopt", "the pending sync steps of key " + std::to_string(key) + " left by " + dead +
                                    " were not adopted: " + why);
+        // Steps a --restore gave the key are older than its adopted value: completed, they would
+        // apply sums the value already holds. The key starts over at step 0 instead.
+        if (const SlotHeader* slot = engine.store().find(key); slot && engine.store().length_of(*slot) == length) {
+          const std::vector<float> none(sync->state_floats(length), 0.0f);
+          std::string reset;
+          if (sync->restore_state(key, length, none.data(), &reset) != Errc::ok)
+            log::warn("shm.adopt", "key " + std::to_string(key) + " keeps the steps of its checkpoint: " + reset);
+        }
       },
       &stopped);
   if (!stopped.empty()) {
