@@ -904,8 +904,14 @@ std::uint64_t ShardEngine::table_cost(const TableSpec& spec, std::uint64_t* max_
   const std::uint64_t per_row = EmbeddingTable::row_bytes_bound(spec);
   const std::uint64_t left =
       (options_.table_memory_bytes - std::min(options_.table_memory_bytes, table_bytes_promised_)) / copies;
-  if (*max_rows == 0) *max_rows = left > fixed ? std::min<std::uint64_t>((left - fixed) / per_row, UINT32_MAX - 1) : 0;
-  return (fixed + *max_rows * per_row) * copies;
+  // Storage backs a segment whole (its file is fallocated) from its first row, so such a table
+  // is charged whole segments: a cap of one 4096-float Adam row holds 3 GiB of /dev/shm.
+  const std::uint64_t segment = table_storage_ ? EmbeddingTable::kSegmentRows : 1;
+  if (*max_rows == 0)
+    *max_rows =
+        left > fixed ? std::min<std::uint64_t>((left - fixed) / per_row / segment * segment, UINT32_MAX - 1) : 0;
+  const std::uint64_t backed = (*max_rows + segment - 1) / segment * segment;
+  return (fixed + backed * per_row) * copies;
 }
 
 Errc ShardEngine::make_table(std::uint32_t id, const TableSpec& spec, std::string* why, std::uint64_t max_rows,

@@ -109,6 +109,9 @@ class EmbeddingTable {
   // per-row count), an upper bound on the bytes of one row with its index, and what the table
   // takes empty (its shards and bucket arrays, the segment table, the admission filter). A
   // server charges a table's cap against its table memory with these.
+  // Rows are allocated a segment of kSegmentRows at a time.
+  static constexpr std::uint32_t kSegmentBits = 16;
+  static constexpr std::uint32_t kSegmentRows = 1u << kSegmentBits;
   static std::uint64_t state_floats_for(const TableSpec& spec) noexcept;
   static std::uint64_t row_bytes_bound(const TableSpec& spec) noexcept;
   static std::uint64_t fixed_bytes(const TableSpec& spec) noexcept;
@@ -135,8 +138,6 @@ class EmbeddingTable {
   const LeftRows& adopted() const noexcept { return adopted_; }
 
  private:
-  static constexpr std::uint32_t kSegmentBits = 16;
-  static constexpr std::uint32_t kSegmentRows = 1u << kSegmentBits;
   static constexpr std::uint32_t kMaxSegments = 1u << (32 - kSegmentBits);
   static constexpr std::uint32_t kShardBits = 13;
   static constexpr std::uint32_t kFreeRow = UINT32_MAX;  // `next` of a row in no chain

@@ -284,6 +284,42 @@ TEST(TableLimits, ABatchWhoseReplyPassesTheRequestLimitIsRefusedByName) {
   c.wait(c.pull_rows(0, ids, out));
 }
 
+#ifndef PSKV_TABLES_OVER_RDMA
+// An shm server made to be adopted keeps a table's rows in files of /dev/shm, each segment
+// (65,536 rows) fallocated whole from its first row: a table is charged its whole segments, so
+// that a cap of one wide row cannot back a quarter of a GiB outside the budget.
+TEST(TableLimits, AnAdoptableShmTableIsChargedItsWholeSegments) {
+  ServerOptions so = server_options(0, "shm");
+  so.uri = "shm://tables-segments-" + std::to_string(getpid()) + "?adopt=1";
+  Server server(so);
+  ClientOptions o;
+  o.servers = {server.uri()};
+  Client c(o);
+  TableSpec wide = spec();
+  wide.dim = 1024;  // a segment of these rows: 256 MiB of floats alone, the whole budget
+  wide.max_rows = 1;
+  try {
+    c.create_table(0, wide);
+    ADD_FAILURE() << "a table backing 256 MiB of /dev/shm was charged for one row";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::capacity) << e.what();
+    EXPECT_NE(std::string(e.what()).find("--table-memory-mb"), std::string::npos) << e.what();
+  }
+  TableSpec narrow = spec();
+  narrow.max_rows = 1;  // 8 floats: a segment takes a few MiB
+  c.create_table(1, narrow);
+  narrow.max_rows = 0;  // gets what is left, in whole segments
+  c.create_table(2, narrow);
+  const std::string stats = c.server_stats(0);
+  const std::string field = "\"table_2_max_rows\":";
+  const std::size_t at = stats.find(field);
+  ASSERT_NE(at, std::string::npos) << stats;
+  const std::uint64_t cap = std::stoull(stats.substr(at + field.size()));
+  EXPECT_GT(cap, 0u);
+  EXPECT_EQ(cap % EmbeddingTable::kSegmentRows, 0u) << cap;
+}
+#endif
+
 // A retrying worker's table pushes carry their identity (session, sequence number) as the first
 // key of each server's part; a server that does not replicate takes it off and applies the rows
 // as any push. (What a replicated server does with it: tests/replication.)
