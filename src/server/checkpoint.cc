@@ -186,11 +186,12 @@ CheckpointInfo write_checkpoint(Store& store, const SyncAccumulator* sync, const
         throw Error(Errc::capacity, "key " + std::to_string(e.key) + ": its optimizer state takes " +
                                         std::to_string(state.size()) + " floats, more than a checkpoint records");
       KeyHeader k{e.key, e.length, static_cast<std::uint32_t>(state.size()), 0, 0, 0};
+      std::uint64_t update_count = 0;  // k's own is packed, not aligned
       if (sync) {
         // The value and the pending steps of one moment: add() changes both under the key's stripe.
         steps.resize(sync->state_floats(e.length));
         sync->with_key(e.key, [&] {
-          store.snapshot_slot(*e.slot, value.data(), state.data(), &k.update_count);
+          store.snapshot_slot(*e.slot, value.data(), state.data(), &update_count);
           sync->export_state(e.key, e.length, steps.data());
         });
         const std::uint64_t used = sync->used_state_floats(e.length, steps.data());
@@ -199,8 +200,9 @@ CheckpointInfo write_checkpoint(Store& store, const SyncAccumulator* sync, const
                                           std::to_string(used) + " floats, more than a checkpoint records for a key");
         k.sync_floats = static_cast<std::uint32_t>(used);
       } else {
-        store.snapshot_slot(*e.slot, value.data(), state.data(), &k.update_count);
+        store.snapshot_slot(*e.slot, value.data(), state.data(), &update_count);
       }
+      k.update_count = update_count;
       k.crc = crc32_update(0, &k, offsetof(KeyHeader, crc));
       k.crc = crc32_update(k.crc, value.data(), value.size() * sizeof(float));
       k.crc = crc32_update(k.crc, state.data(), state.size() * sizeof(float));
