@@ -20,41 +20,31 @@ constexpr char kEnd[8] = {'P', 'S', 'K', 'V', 'E', 'N', 'D', '1'};
 constexpr std::uint32_t kVersion = 2;
 
 #pragma pack(push, 1)
-struct FileHeader {
+// Version 1's headers are these fields and their crc; version 2 adds the sync fields before it.
+struct FileFields {
   char magic[8];
   std::uint32_t version;
   std::uint32_t server_id;
   std::uint32_t rule;
   std::uint64_t keys;
   std::uint64_t started_unix_ns;
+};
+struct FileHeader {
+  FileFields f;
   std::uint32_t sync_workers;
   std::uint32_t sync_required;
   std::uint32_t sync_window;
   std::uint32_t crc;
 };
+struct KeyFields {
+  std::uint64_t key;
+  std::uint32_t length;
+  std::uint32_t state_floats;
+  std::uint64_t update_count;
+};
 struct KeyHeader {
-  std::uint64_t key;
-  std::uint32_t length;
-  std::uint32_t state_floats;
+  KeyFields f;
   std::uint32_t sync_floats;
-  std::uint64_t update_count;
-  std::uint32_t crc;
-};
-// Version 1: the same without the sync fields.
-struct FileHeaderV1 {
-  char magic[8];
-  std::uint32_t version;
-  std::uint32_t server_id;
-  std::uint32_t rule;
-  std::uint64_t keys;
-  std::uint64_t started_unix_ns;
-  std::uint32_t crc;
-};
-struct KeyHeaderV1 {
-  std::uint64_t key;
-  std::uint32_t length;
-  std::uint32_t state_floats;
-  std::uint64_t update_count;
   std::uint32_t crc;
 };
 struct Footer {
@@ -157,12 +147,12 @@ CheckpointInfo write_checkpoint(Store& store, const SyncAccumulator* sync, const
   {
     AtomicFile w(checkpoint_path(dir, server_id));
     FileHeader h{};
-    std::memcpy(h.magic, kMagic, 8);
-    h.version = kVersion;
-    h.server_id = server_id;
-    h.rule = static_cast<std::uint32_t>(store.rule().rule);
-    h.keys = store.key_count();
-    h.started_unix_ns = static_cast<std::uint64_t>(
+    std::memcpy(h.f.magic, kMagic, 8);
+    h.f.version = kVersion;
+    h.f.server_id = server_id;
+    h.f.rule = static_cast<std::uint32_t>(store.rule().rule);
+    h.f.keys = store.key_count();
+    h.f.started_unix_ns = static_cast<std::uint64_t>(
         std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch())
             .count());
     if (sync) {
@@ -170,14 +160,14 @@ CheckpointInfo write_checkpoint(Store& store, const SyncAccumulator* sync, const
       h.sync_required = sync->options().required;
       h.sync_window = sync->options().window;
     }
-    info.started_unix_ns = h.started_unix_ns;
+    info.started_unix_ns = h.f.started_unix_ns;
     h.crc = crc32_update(0, &h, offsetof(FileHeader, crc));
     w.put(&h, sizeof h);
     std::vector<float> value, state, steps;
     std::uint32_t crc_of_crcs = 0;
     std::uint64_t written = 0;
     store.for_each_slot([&](const Store::SlotEntry& e) {
-      if (written == h.keys) return;  // keys created after the header was written wait for the next one
+      if (written == h.f.keys) return;  // keys created after the header was written wait for the next one
       // Key and length as the store trusts them, never the slot header's words, which an shm
       // client can rewrite.
       value.assign(e.length, 0.0f);
@@ -185,7 +175,7 @@ CheckpointInfo write_checkpoint(Store& store, const SyncAccumulator* sync, const
       if (state.size() > UINT32_MAX)
         throw Error(Errc::capacity, "key " + std::to_string(e.key) + ": its optimizer state takes " +
                                         std::to_string(state.size()) + " floats, more than a checkpoint records");
-      KeyHeader k{e.key, e.length, static_cast<std::uint32_t>(state.size()), 0, 0, 0};
+      KeyHeader k{{e.key, e.length, static_cast<std::uint32_t>(state.size()), 0}, 0, 0};
       std::uint64_t update_count = 0;  // k's own is packed, not aligned
       if (sync) {
         // The value and the pending steps of one moment: add() changes both under the key's stripe.
@@ -202,7 +192,7 @@ CheckpointInfo write_checkpoint(Store& store, const SyncAccumulator* sync, const
       } else {
         store.snapshot_slot(*e.slot, value.data(), state.data(), &update_count);
       }
-      k.update_count = update_count;
+      k.f.update_count = update_count;
       k.crc = crc32_update(0, &k, offsetof(KeyHeader, crc));
       k.crc = crc32_update(k.crc, value.data(), value.size() * sizeof(float));
       k.crc = crc32_update(k.crc, state.data(), state.size() * sizeof(float));
@@ -239,26 +229,20 @@ CheckpointInfo parse_checkpoint(const std::uint8_t* data, std::size_t size, Stor
     at += n;
   };
   FileHeader h{};
-  take(&h, offsetof(FileHeader, version) + sizeof h.version, "the header");
-  if (std::memcmp(h.magic, kMagic, 8) != 0) throw corrupt("not a pskv checkpoint (bad magic)");
-  const bool v1 = h.version == 1;
-  if (v1) {
-    FileHeaderV1 h1;
-    at = 0;
-    take(&h1, sizeof h1, "the header");
-    if (h1.crc != crc32_update(0, &h1, offsetof(FileHeaderV1, crc))) throw corrupt("header checksum mismatch");
-    h.server_id = h1.server_id;
-    h.rule = h1.rule;
-    h.keys = h1.keys;
-    h.started_unix_ns = h1.started_unix_ns;
-  } else {
-    take(reinterpret_cast<char*>(&h) + at, sizeof h - at, "the header");
-    if (h.crc != crc32_update(0, &h, offsetof(FileHeader, crc))) throw corrupt("header checksum mismatch");
-    if (h.version != kVersion) throw corrupt("version " + std::to_string(h.version) + " is not readable by this build");
-  }
-  if (store && h.rule != static_cast<std::uint32_t>(store->rule().rule))
+  take(&h.f, sizeof h.f, "the header");
+  if (std::memcmp(h.f.magic, kMagic, 8) != 0) throw corrupt("not a pskv checkpoint (bad magic)");
+  const bool v1 = h.f.version == 1;
+  if (v1)
+    take(&h.crc, sizeof h.crc, "the header");
+  else
+    take(&h.sync_workers, sizeof h - sizeof h.f, "the header");
+  if (h.crc != crc32_update(0, &h, v1 ? sizeof h.f : offsetof(FileHeader, crc)))
+    throw corrupt("header checksum mismatch");
+  if (!v1 && h.f.version != kVersion)
+    throw corrupt("version " + std::to_string(h.f.version) + " is not readable by this build");
+  if (store && h.f.rule != static_cast<std::uint32_t>(store->rule().rule))
     throw Error(Errc::invalid_argument, "checkpoint " + name + " was written with update rule " +
-                                            std::string(to_string(static_cast<UpdateRule>(h.rule))) +
+                                            std::string(to_string(static_cast<UpdateRule>(h.f.rule))) +
                                             "; start the server with the same --rule");
   if (h.sync_workers == 0 ? h.sync_required != 0 || h.sync_window != 0
                           : h.sync_window == 0 || h.sync_window > SyncAccumulator::kMaxWindow || h.sync_required == 0 ||
@@ -283,64 +267,62 @@ CheckpointInfo parse_checkpoint(const std::uint8_t* data, std::size_t size, Stor
   };
   std::vector<float> value, state, steps;
   std::uint32_t crc_of_crcs = 0;
-  for (std::uint64_t i = 0; i < h.keys; ++i) {
+  for (std::uint64_t i = 0; i < h.f.keys; ++i) {
     KeyHeader k{};
-    if (v1) {
-      KeyHeaderV1 k1;
-      take(&k1, sizeof k1, "a key header");
-      k = {k1.key, k1.length, k1.state_floats, 0, k1.update_count, k1.crc};
-    } else {
-      take(&k, sizeof k, "a key header");
-    }
-    const std::uint64_t floats = std::uint64_t{k.length} + k.state_floats + k.sync_floats;
-    if (k.length == 0 || floats * sizeof(float) > size - at)
-      throw corrupt("key " + std::to_string(k.key) + " claims more data than the file holds");
-    std::uint32_t crc = v1 ? crc32_update(0, data + at - sizeof(KeyHeaderV1), offsetof(KeyHeaderV1, crc))
-                           : crc32_update(0, &k, offsetof(KeyHeader, crc));
+    take(&k.f, sizeof k.f, "a key header");
+    if (v1)
+      take(&k.crc, sizeof k.crc, "a key header");
+    else
+      take(&k.sync_floats, sizeof k - sizeof k.f, "a key header");
+    const Key key = k.f.key;
+    const std::uint32_t length = k.f.length;
+    const std::uint64_t floats = std::uint64_t{length} + k.f.state_floats + k.sync_floats;
+    if (length == 0 || floats * sizeof(float) > size - at)
+      throw corrupt("key " + std::to_string(key) + " claims more data than the file holds");
+    std::uint32_t crc = crc32_update(0, &k, v1 ? sizeof k.f : offsetof(KeyHeader, crc));
     crc = crc32_update(crc, data + at, floats * sizeof(float));
-    if (crc != k.crc) throw corrupt("checksum mismatch in key " + std::to_string(k.key));
+    if (crc != k.crc) throw corrupt("checksum mismatch in key " + std::to_string(key));
     crc_of_crcs = crc32_update(crc_of_crcs, &k.crc, sizeof k.crc);
     if (k.sync_floats > 0) {
       // The next step, then whole entries, at most a window of them: what the header says.
-      const std::uint64_t entry = SyncAccumulator::state_entry_floats(h.sync_workers, k.length);
+      const std::uint64_t entry = SyncAccumulator::state_entry_floats(h.sync_workers, length);
       if (h.sync_workers == 0 || k.sync_floats < 2 || (k.sync_floats - 2) % entry != 0 ||
           (k.sync_floats - 2) / entry > h.sync_window)
-        throw corrupt("key " + std::to_string(k.key) + " has " + std::to_string(k.sync_floats) +
+        throw corrupt("key " + std::to_string(key) + " has " + std::to_string(k.sync_floats) +
                       " floats of sync steps, not a next step and whole entries");
     }
-    if (k.sync_floats > 2 && !same_sync && store) throw cannot_take_steps(k.key);
+    if (k.sync_floats > 2 && !same_sync && store) throw cannot_take_steps(key);
     if (!store) {
       at += floats * sizeof(float);
       continue;
     }
-    value.resize(k.length);
-    state.resize(k.state_floats);
+    value.resize(length);
+    state.resize(k.f.state_floats);
     take(value.data(), value.size() * sizeof(float), "values");
     take(state.data(), state.size() * sizeof(float), "state");
-    if (Errc e = store->restore_slot(k.key, value, state, k.update_count); e != Errc::ok)
-      throw Error(e, "cannot restore key " + std::to_string(k.key) + " from " + name + ": " +
-                         std::string(errc_name(e)) +
+    if (Errc e = store->restore_slot(key, value, state, k.f.update_count); e != Errc::ok)
+      throw Error(e, "cannot restore key " + std::to_string(key) + " from " + name + ": " + std::string(errc_name(e)) +
                          " (is the server's --arena-mb/--max-keys large enough, and the --rule the same?)");
     if (!sync || k.sync_floats == 0) {
       at += std::size_t{k.sync_floats} * sizeof(float);
       continue;
     }
     // Just a next step reads the same in any window; pending steps are this window's (same_sync).
-    steps.assign(sync->state_floats(k.length), 0.0f);
+    steps.assign(sync->state_floats(length), 0.0f);
     take(steps.data(), std::size_t{k.sync_floats} * sizeof(float), "sync steps");
-    if (sync->used_state_floats(k.length, steps.data()) != k.sync_floats)
-      throw corrupt("key " + std::to_string(k.key) + ": its sync steps are not as a checkpoint writes them");
+    if (sync->used_state_floats(length, steps.data()) != k.sync_floats)
+      throw corrupt("key " + std::to_string(key) + ": its sync steps are not as a checkpoint writes them");
     std::string why;
-    if (const Errc e = sync->restore_state(k.key, k.length, steps.data(), &why); e == Errc::protocol)
-      throw corrupt("key " + std::to_string(k.key) + ": " + why);
+    if (const Errc e = sync->restore_state(key, length, steps.data(), &why); e == Errc::protocol)
+      throw corrupt("key " + std::to_string(key) + ": " + why);
     else if (e != Errc::ok)
-      throw Error(e, "cannot restore the sync steps of key " + std::to_string(k.key) + " from " + name + ": " + why);
+      throw Error(e, "cannot restore the sync steps of key " + std::to_string(key) + " from " + name + ": " + why);
   }
   Footer f;
   take(&f, sizeof f, "the footer");
-  if (std::memcmp(f.magic, kEnd, 8) != 0 || f.keys != h.keys || f.crc != crc_of_crcs) throw corrupt("bad footer");
+  if (std::memcmp(f.magic, kEnd, 8) != 0 || f.keys != h.f.keys || f.crc != crc_of_crcs) throw corrupt("bad footer");
   if (at != size) throw corrupt("trailing bytes after the footer");
-  return {h.keys, size, h.started_unix_ns};
+  return {h.f.keys, size, h.f.started_unix_ns};
 }
 
 CheckpointInfo read_checkpoint(Store& store, SyncAccumulator* sync, const std::string& path) {

@@ -6,11 +6,11 @@
 // File: "PSKVCKP1" | version u32 (2) | server_id u32 | rule u32 | keys u64 | started_unix_ns u64 |
 //       sync workers u32 | sync required u32 | sync window u32 (all 0 outside sync mode) |
 //       header crc u32
-//       then per key: key u64 | length u32 | state_floats u32 | sync_floats u32 | update_count u64 |
+//       then per key: key u64 | length u32 | state_floats u32 | update_count u64 | sync_floats u32 |
 //                     crc u32 | values[length] | state[state_floats] | sync[sync_floats]
 //       then "PSKVEND1" | keys u64 | crc over the per-key crcs u32
 // sync[] is SyncAccumulator::export_state's layout cut after its entries in use. Version 1 files
-// (no sync fields) are still read; their keys start at step 0.
+// (the same without the sync fields) are still read; their keys start at step 0.
 #pragma once
 
 #include <cstdint>

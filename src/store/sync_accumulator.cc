@@ -252,15 +252,14 @@ void SyncAccumulator::export_state(Key key, std::uint32_t length, float* out) co
 
 std::uint64_t SyncAccumulator::used_state_floats(std::uint32_t length, const float* state) const noexcept {
   const std::uint64_t entry_floats = state_entry_floats(options_.num_workers, length);
+  const float* at = state;
+  const std::uint64_t next = get_word(at);
   std::uint64_t used = 2;
   for (std::uint32_t i = 0; i < options_.window; ++i) {
-    std::uint64_t count;
-    std::memcpy(&count, state + used + 2, sizeof count);  // the entry's contributor count
-    if (count == 0) break;
+    at = state + used + 2;  // the entry's contributor count
+    if (get_word(at) == 0) break;
     used += entry_floats;
   }
-  std::uint64_t next;
-  std::memcpy(&next, state, sizeof next);
   return used == 2 && next == 0 ? 0 : used;
 }
 
