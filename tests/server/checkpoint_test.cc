@@ -17,10 +17,10 @@ namespace {
 
 namespace fs = std::filesystem;
 
-std::unique_ptr<Store> make_store(UpdateRule rule) {
+std::unique_ptr<Store> make_store(UpdateRule rule, float lr = 0.1f) {
   StoreOptions o;
   o.rule.rule = rule;
-  o.rule.lr = 0.1f;
+  o.rule.lr = lr;
   return Store::create(std::make_unique<HeapMemory>(Store::required_bytes(o)), o);
 }
 
@@ -151,10 +151,7 @@ TEST(Checkpoint, RuleMismatchAndMissingFileAreClear) {
 // contributed to a pending step is still a duplicate there.
 TEST(Checkpoint, PendingSyncStepsComeBackWithTheirKeys) {
   TempDir dir;
-  StoreOptions o;
-  o.rule.rule = UpdateRule::sgd;
-  o.rule.lr = 0.5f;
-  auto a = Store::create(std::make_unique<HeapMemory>(Store::required_bytes(o)), o);
+  auto a = make_store(UpdateRule::sgd, 0.5f);
   SyncOptions so;
   so.num_workers = 3;
   so.window = 4;
@@ -172,7 +169,7 @@ TEST(Checkpoint, PendingSyncStepsComeBackWithTheirKeys) {
   ASSERT_EQ(sa.add(2, 2, 1, grad(7)), SyncOutcome::accumulated);
   write_checkpoint(*a, &sa, dir.path.string(), 0);
 
-  auto b = Store::create(std::make_unique<HeapMemory>(Store::required_bytes(o)), o);
+  auto b = make_store(UpdateRule::sgd, 0.5f);
   SyncAccumulator sb(*b, so);
   read_checkpoint(*b, &sb, checkpoint_path(dir.path.string(), 0));
   EXPECT_EQ(sb.next_step(1), 0u);
@@ -247,40 +244,56 @@ TEST(Checkpoint, PendingSyncStepsNeedTheSameWorkers) {
 
 // A version 2 file of one key (rule sgd, no optimizer state) whose sync steps are `steps`, with
 // every checksum right: what the reader makes of a file only a bug or an attacker writes.
+// Checkpoint bytes written by hand, checksums included.
+struct FileBytes {
+  std::vector<std::uint8_t> bytes;
+  template <class T>
+  void put(const T& v) {
+    const auto* p = reinterpret_cast<const std::uint8_t*>(&v);
+    bytes.insert(bytes.end(), p, p + sizeof v);
+  }
+  std::uint32_t crc_from(std::size_t at) const { return crc32_update(0, bytes.data() + at, bytes.size() - at); }
+  // Magic, version, server 0, `rule`, one key, started at 42.
+  void header(std::uint32_t version, UpdateRule rule) {
+    bytes.insert(bytes.end(), {'P', 'S', 'K', 'V', 'C', 'K', 'P', '1'});
+    put(version);
+    put(std::uint32_t{0});
+    put(static_cast<std::uint32_t>(rule));
+    put(std::uint64_t{1});
+    put(std::uint64_t{42});
+  }
+  // The footer of a file whose one key's crc is `key_crc`.
+  void footer(std::uint32_t key_crc) {
+    bytes.insert(bytes.end(), {'P', 'S', 'K', 'V', 'E', 'N', 'D', '1'});
+    put(std::uint64_t{1});
+    put(crc32_update(0, &key_crc, sizeof key_crc));
+  }
+};
+
+// A version 2 file of one key (rule sgd, no optimizer state) whose sync steps are `steps`, with
+// every checksum right: what the reader makes of a file only a bug or an attacker writes.
 std::vector<std::uint8_t> sync_file(std::uint32_t workers, std::uint32_t required, std::uint32_t window,
                                     const std::vector<float>& value, const std::vector<float>& steps) {
-  std::vector<std::uint8_t> file;
-  auto put = [&](const auto& v) {
-    const auto* p = reinterpret_cast<const std::uint8_t*>(&v);
-    file.insert(file.end(), p, p + sizeof v);
-  };
-  auto crc_from = [&](std::size_t at) { return crc32_update(0, file.data() + at, file.size() - at); };
-  file.insert(file.end(), {'P', 'S', 'K', 'V', 'C', 'K', 'P', '1'});
-  put(std::uint32_t{2});
-  put(std::uint32_t{0});
-  put(static_cast<std::uint32_t>(UpdateRule::sgd));
-  put(std::uint64_t{1});
-  put(std::uint64_t{42});
-  put(workers);
-  put(required);
-  put(window);
-  put(crc_from(0));
-  const std::size_t key_at = file.size();
-  put(Key{9});
-  put(static_cast<std::uint32_t>(value.size()));
-  put(std::uint32_t{0});
-  put(static_cast<std::uint32_t>(steps.size()));
-  put(std::uint64_t{0});
-  std::uint32_t crc = crc_from(key_at);
+  FileBytes f;
+  f.header(2, UpdateRule::sgd);
+  f.put(workers);
+  f.put(required);
+  f.put(window);
+  f.put(f.crc_from(0));
+  const std::size_t key_at = f.bytes.size();
+  f.put(Key{9});
+  f.put(static_cast<std::uint32_t>(value.size()));
+  f.put(std::uint32_t{0});  // state floats
+  f.put(std::uint64_t{0});  // update count
+  f.put(static_cast<std::uint32_t>(steps.size()));
+  std::uint32_t crc = f.crc_from(key_at);
   crc = crc32_update(crc, value.data(), value.size() * sizeof(float));
   crc = crc32_update(crc, steps.data(), steps.size() * sizeof(float));
-  put(crc);
-  for (float f : value) put(f);
-  for (float f : steps) put(f);
-  file.insert(file.end(), {'P', 'S', 'K', 'V', 'E', 'N', 'D', '1'});
-  put(std::uint64_t{1});
-  put(crc32_update(0, &crc, sizeof crc));
-  return file;
+  f.put(crc);
+  for (float x : value) f.put(x);
+  for (float x : steps) f.put(x);
+  f.footer(crc);
+  return f.bytes;
 }
 
 // Sync steps as export_state lays them out: a next step, then entries of step, contributor count,
@@ -367,10 +380,7 @@ TEST(Checkpoint, SyncStepsThatDoNotCheckOutAreRefusedByName) {
 // applied before anyone is served rather than refused.
 TEST(Checkpoint, AStepLeftCompleteIsAppliedOnRestore) {
   const auto file = sync_file(2, 2, 4, {1.0f, 2.0f}, Steps().next(3).entry(3, 2, 3, {4.0f, 8.0f}).floats);
-  StoreOptions o;
-  o.rule.rule = UpdateRule::sgd;
-  o.rule.lr = 0.5f;
-  auto store = Store::create(std::make_unique<HeapMemory>(Store::required_bytes(o)), o);
+  auto store = make_store(UpdateRule::sgd, 0.5f);
   SyncOptions so;
   so.num_workers = 2;
   SyncAccumulator sync(*store, so);
@@ -386,10 +396,7 @@ TEST(Checkpoint, AStepLeftCompleteIsAppliedOnRestore) {
 // in every checkpoint taken under the pushes.
 TEST(Checkpoint, AKeysValueAndStepsAreOfOneMomentUnderPushes) {
   TempDir dir;
-  StoreOptions o;
-  o.rule.rule = UpdateRule::sgd;
-  o.rule.lr = 1.0f;
-  auto a = Store::create(std::make_unique<HeapMemory>(Store::required_bytes(o)), o);
+  auto a = make_store(UpdateRule::sgd, 1.0f);
   SyncOptions so;
   so.num_workers = 2;
   SyncAccumulator sa(*a, so);
@@ -415,7 +422,7 @@ TEST(Checkpoint, AKeysValueAndStepsAreOfOneMomentUnderPushes) {
   std::uint64_t checked = 0, pending = 0;
   for (int round = 0; round < 200; ++round) {
     write_checkpoint(*a, &sa, dir.path.string(), 0);
-    auto b = Store::create(std::make_unique<HeapMemory>(Store::required_bytes(o)), o);
+    auto b = make_store(UpdateRule::sgd, 1.0f);
     SyncAccumulator sb(*b, so);
     read_checkpoint(*b, &sb, checkpoint_path(dir.path.string(), 0));
     for (Key k = 0; k < kKeys; ++k) {
@@ -436,32 +443,21 @@ TEST(Checkpoint, AKeysValueAndStepsAreOfOneMomentUnderPushes) {
 // A checkpoint written before pending steps were kept (version 1) is still read: its keys start
 // at step 0.
 TEST(Checkpoint, AVersionOneFileIsStillRead) {
-  std::vector<std::uint8_t> file;
-  auto put = [&](const auto& v) {
-    const auto* p = reinterpret_cast<const std::uint8_t*>(&v);
-    file.insert(file.end(), p, p + sizeof v);
-  };
-  auto crc_from = [&](std::size_t at) { return crc32_update(0, file.data() + at, file.size() - at); };
-  file.insert(file.end(), {'P', 'S', 'K', 'V', 'C', 'K', 'P', '1'});
-  put(std::uint32_t{1});                                  // version
-  put(std::uint32_t{0});                                  // server id
-  put(static_cast<std::uint32_t>(UpdateRule::momentum));  // rule
-  put(std::uint64_t{1});                                  // keys
-  put(std::uint64_t{42});                                 // started
-  put(crc_from(0));
-  const std::size_t key_at = file.size();
-  put(Key{5});
-  put(std::uint32_t{2});  // length
-  put(std::uint32_t{2});  // state floats
-  put(std::uint64_t{3});  // update count
-  std::uint32_t crc = crc_from(key_at);
+  FileBytes f;
+  f.header(1, UpdateRule::momentum);
+  f.put(f.crc_from(0));
+  const std::size_t key_at = f.bytes.size();
+  f.put(Key{5});
+  f.put(std::uint32_t{2});  // length
+  f.put(std::uint32_t{2});  // state floats
+  f.put(std::uint64_t{3});  // update count
+  std::uint32_t crc = f.crc_from(key_at);
   const float floats[4] = {1.5f, -2.0f, 0.25f, 0.5f};
   crc = crc32_update(crc, floats, sizeof floats);
-  put(crc);
-  for (float f : floats) put(f);
-  file.insert(file.end(), {'P', 'S', 'K', 'V', 'E', 'N', 'D', '1'});
-  put(std::uint64_t{1});
-  put(crc32_update(0, &crc, sizeof crc));
+  f.put(crc);
+  for (float x : floats) f.put(x);
+  f.footer(crc);
+  const std::vector<std::uint8_t>& file = f.bytes;
 
   auto b = make_store(UpdateRule::momentum);
   SyncOptions so;
