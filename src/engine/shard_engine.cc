@@ -1074,6 +1074,15 @@ std::uint64_t ShardEngine::table_record_floats(std::uint32_t id) const noexcept 
   return t ? t->dim() + t->state_floats_per_row() : 0;
 }
 
+Errc ShardEngine::check_table_marks(std::uint32_t origin, std::uint32_t id, std::uint64_t count,
+                                    std::string* why) const {
+  if (count == 0 || count == table_marks_per_table_) return Errc::ok;
+  *why = "server " + std::to_string(origin) + "'s table " + std::to_string(id) + " comes with " +
+         std::to_string(count) + " push marks; this server marks the pushes of " +
+         std::to_string(table_marks_per_table_) + " workers (servers of a ring share --workers)";
+  return Errc::protocol;
+}
+
 Errc ShardEngine::apply_replica_table(std::uint32_t origin, std::uint64_t connection, std::uint32_t position,
                                       std::uint32_t id, const TableSpec& requested, std::uint64_t max_rows,
                                       std::span<const std::uint64_t> marks, std::string* why) {
@@ -1081,12 +1090,7 @@ Errc ShardEngine::apply_replica_table(std::uint32_t origin, std::uint64_t connec
   if (!r) return Errc::invalid_argument;
   std::shared_lock frame(r->seal_mu);
   if (r->sealed && refilling != r) return sealed(origin, why);
-  if (!marks.empty() && marks.size() != table_marks_per_table_) {
-    *why = "server " + std::to_string(origin) + "'s table " + std::to_string(id) + " comes with " +
-           std::to_string(marks.size()) + " push marks; this server marks the pushes of " +
-           std::to_string(table_marks_per_table_) + " workers (servers of a ring share --workers)";
-    return Errc::protocol;
-  }
+  if (Errc e = check_table_marks(origin, id, marks.size(), why); e != Errc::ok) return e;
   if (id >= kMaxTables) {
     *why = "table id " + std::to_string(id) + " is past the " + std::to_string(kMaxTables) + " tables a server holds";
     return Errc::invalid_argument;

@@ -366,6 +366,9 @@ class ShardEngine {
   // up on may still deliver what it had queued, after the new transfer's copy.
   // A copy keeps its origin's push marks: all of them from replica_table (`marks`, empty or one
   // per worker), and one worker's from each replica_rows frame of an identified push (`marked`).
+  // Errc::protocol unless `count` push marks are what a copy of origin's table `id` comes with:
+  // none, or one per worker (checked before a frame's marks are copied out).
+  Errc check_table_marks(std::uint32_t origin, std::uint32_t id, std::uint64_t count, std::string* why) const;
   Errc apply_replica_table(std::uint32_t origin, std::uint64_t connection, std::uint32_t position, std::uint32_t id,
                            const TableSpec& requested, std::uint64_t max_rows, std::span<const std::uint64_t> marks,
                            std::string* why);

@@ -25,14 +25,9 @@ Errc apply_replica_table(ShardEngine& engine, const wire::FrameHeader& h, std::s
   if (Errc e = wire::decode_table_spec(payload, &spec, why); e != Errc::ok) return e;
   std::uint64_t cap = 0;
   std::memcpy(&cap, payload + wire::kTableSpecFloats, sizeof cap);
-  // The count is checked before anything is sized by it: none, or one per worker of the ring.
   const std::uint64_t count = (keys[0].length - kFixed) / 2;
-  if (count != 0 && count != engine.table_push_marks()) {
-    *why = "replica_table comes with " + std::to_string(count) + " push marks; this server marks the pushes of " +
-           std::to_string(engine.table_push_marks()) + " workers (servers of a ring share --workers)";
-    return Errc::protocol;
-  }
-  std::vector<std::uint64_t> marks(count);
+  if (Errc e = engine.check_table_marks(origin_of(h), h.arg1, count, why); e != Errc::ok) return e;
+  std::vector<std::uint64_t> marks(count);  // sized once the count is checked
   if (!marks.empty()) std::memcpy(marks.data(), payload + kFixed, marks.size() * sizeof(std::uint64_t));
   return engine.apply_replica_table(origin_of(h), connection, position_of(h), h.arg1, spec, cap, marks, why);
 }
