@@ -4,6 +4,7 @@
 #include <span>
 
 #include "common/log.h"
+#include "server/peer_links.h"
 #include "table/embedding_table.h"
 #include "transport/transport.h"
 #include "transport/uri.h"
@@ -11,36 +12,8 @@
 namespace pskv {
 namespace {
 constexpr std::uint64_t kAdoptBytes = 64ull << 20;  // records copied per step of adopt_replica
-
-std::unique_ptr<transport::Connection> connect_peer(const std::string& uri,
-                                                    const std::shared_ptr<const auth::Token>& token,
-                                                    std::chrono::milliseconds timeout) {
-  transport::ConnectOptions c;
-  c.worker_id = wire::kServerPeer;  // votes are taken from servers only
-  c.connect_timeout = timeout;
-  c.wait_for_listener = false;  // rdma: a refused port is a dead server, as over tcp
-  c.io_timeout = timeout;
-  c.token = token;
-  return transport::connect(parse_uri(uri), c);
-}
-
-// One request and its answer within `timeout`: ok, or the failure (timeout or the refusal). A
-// request not answered in time is failed by closing its connection (conn is reset), so nothing
-// refers to it once this returns.
-Errc ask(std::unique_ptr<transport::Connection>& conn, transport::Request& q, std::chrono::milliseconds timeout,
-         std::string* why) {
-  transport::Completion done;
-  done.reset(1);
-  q.completion = &done;
-  conn->submit(q);
-  if (!done.wait(std::chrono::steady_clock::now() + timeout, conn->poller())) {
-    conn.reset();
-    *why = "no answer within " + std::to_string(timeout.count()) + " ms";
-    return Errc::timeout;
-  }
-  *why = done.message();
-  return done.status();
-}
+// How long may_drop asks a vote again, in failover timeouts, while voters only fail to answer.
+constexpr int kVotePatience = 4;
 
 // The certificates the server at `uri` knows to have won; false if it cannot be asked.
 bool certificates_at(const std::string& uri, std::uint32_t about, const std::shared_ptr<const auth::Token>& token,
@@ -52,7 +25,7 @@ bool certificates_at(const std::string& uri, std::uint32_t about, const std::sha
     q.op = wire::Op::certificates;
     q.arg0 = wire::certificates_about(about);
     q.text_out = &text;
-    return ask(conn, q, timeout, &why) == Errc::ok && wire::decode_certificates(text, won, &why) == Errc::ok;
+    return ask_once(conn, q, timeout, &why) == Errc::ok && wire::decode_certificates(text, won, &why) == Errc::ok;
   } catch (const Error&) {
     return false;  // down, or not a server of this ring any more
   }
@@ -180,7 +153,11 @@ void refill_replica(ShardEngine& from, std::uint32_t table_position, ShardEngine
 }
 
 Failover::Failover(ShardEngine& engine, FailoverOptions options, FailoverHooks hooks)
-    : engine_(engine), options_(std::move(options)), hooks_(std::move(hooks)), book_(options_.votes_path) {
+    : engine_(engine),
+      options_(std::move(options)),
+      hooks_(std::move(hooks)),
+      book_(options_.votes_path),
+      links_(options_.peers, options_.token, options_.timeout) {
   book_.record_start(options_.incarnation);  // (and so the votes can be kept: checked at start)
 }
 
@@ -200,6 +177,7 @@ void Failover::stop() noexcept {
   }
   cv_.notify_all();
   if (watcher_.joinable()) watcher_.join();
+  links_.close();
 }
 
 Errc Failover::vote(std::uint32_t server, std::uint32_t incarnation, std::uint32_t holder, const std::string& uri,
@@ -384,17 +362,11 @@ bool Failover::ask_hand_back(std::string* why) const {
   for (const wire::Certificate& c : took) {
     if (c.incarnation != latest) continue;
     std::string answer;
-    try {
-      auto conn = connect_peer(options_.peers[c.holder], options_.token, options_.timeout);
-      const transport::KeySlice slice{0, static_cast<std::uint32_t>(payload.size()),
-                                      const_cast<float*>(payload.data())};
-      transport::Request q;
-      q.op = wire::Op::hand_back;
-      q.keys = {&slice, 1};
-      if (ask(conn, q, options_.timeout, &answer) == Errc::ok) return true;
-    } catch (const Error& e) {
-      answer = e.what();
-    }
+    const transport::KeySlice slice{0, static_cast<std::uint32_t>(payload.size()), const_cast<float*>(payload.data())};
+    transport::Request q;
+    q.op = wire::Op::hand_back;
+    q.keys = {&slice, 1};
+    if (links_.ask(c.holder, q, &answer) == Errc::ok) return true;
     if (!why->empty()) why->append("; ");
     why->append("server ").append(std::to_string(c.holder)).append(": ").append(answer);
   }
@@ -419,17 +391,12 @@ std::vector<std::pair<Errc, std::string>> Failover::tell_everyone(wire::Op op, c
   for (std::size_t s = 0; s < n; ++s) {
     if (s == options_.server_id) continue;
     askers.emplace_back([&, s] {
-      try {
-        auto conn = connect_peer(options_.peers[s], options_.token, options_.timeout);
-        const transport::KeySlice slice{0, static_cast<std::uint32_t>(payload.size()),
-                                        const_cast<float*>(payload.data())};
-        transport::Request q;
-        q.op = op;
-        q.keys = {&slice, 1};
-        answers[s].first = ask(conn, q, options_.timeout, &answers[s].second);
-      } catch (const Error& e) {
-        answers[s] = {e.code(), e.what()};
-      }
+      const transport::KeySlice slice{0, static_cast<std::uint32_t>(payload.size()),
+                                      const_cast<float*>(payload.data())};
+      transport::Request q;
+      q.op = op;
+      q.keys = {&slice, 1};
+      answers[s].first = links_.ask(s, q, &answers[s].second);
     });
   }
   for (auto& t : askers) t.join();
@@ -462,10 +429,11 @@ bool Failover::held_elsewhere(std::uint32_t server) const {
   return c && book_.won_takeover_of(server) && !book_.takeover_of(c->holder);
 }
 
-bool Failover::win(const wire::Certificate& c, bool* down, std::string* why, bool* superseded) {
+bool Failover::win(const wire::Certificate& c, bool* down, std::string* why, bool* superseded, bool* may_yet_win) {
   std::lock_guard one(win_mu_);
   *down = false;
   if (superseded) *superseded = false;
+  std::uint32_t unanswered = 0;
   std::string mine;
   const Errc own = book_.vote(c, options_.server_id, &mine);
   std::vector<std::pair<Errc, std::string>> answers = tell_everyone(wire::Op::down_vote, c);
@@ -482,7 +450,9 @@ bool Failover::win(const wire::Certificate& c, bool* down, std::string* why, boo
     if (superseded) *superseded |= answer == Errc::not_found;
     if (!why->empty()) why->append("; ");
     why->append("server ").append(std::to_string(s)).append(": ").append(reason);
+    unanswered += answer == Errc::timeout || answer == Errc::peer_failure;
   }
+  if (may_yet_win) *may_yet_win = granted + unanswered >= majority();
   return granted >= majority();
 }
 
@@ -503,9 +473,24 @@ bool Failover::may_drop(std::uint32_t replica, std::uint32_t incarnation, const 
   std::uint32_t holder = holder_for(replica);
   if (holder == UINT32_MAX) holder = options_.server_id;
   const wire::Certificate c{replica, incarnation, holder, {}};
-  bool down = false, superseded = false;
+  bool down = false, superseded = false, may_yet_win = false, won = false;
   std::string refused;
-  if (win(c, &down, &refused, &superseded)) {
+  // Voters that did not answer in time (a loaded machine, or connects slower than the timeout)
+  // are asked again for a while before this server gives up and stops: it acknowledges nothing
+  // that needs this replica meanwhile, and stopping a healthy server takes its keys from every
+  // worker and can stop the servers that replicate to it in turn.
+  const auto give_up = std::chrono::steady_clock::now() + kVotePatience * options_.timeout;
+  for (bool said = false; !(won = win(c, &down, &refused, &superseded, &may_yet_win)) && may_yet_win && !down &&
+                          !superseded && !stopping_.load() && std::chrono::steady_clock::now() < give_up;
+       said = true) {
+    if (!said)
+      log::warn("failover", "server " + std::to_string(options_.server_id) +
+                                ": no majority answered on replica server " + std::to_string(replica) + " yet (" +
+                                refused + "); asking again for up to " +
+                                std::to_string((kVotePatience * options_.timeout).count()) + " ms");
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  if (won) {
     log::warn("failover", "server " + std::to_string(options_.server_id) + ": replica server " +
                               std::to_string(replica) + " certified down (" + why + "); server " +
                               std::to_string(holder) + " takes its keys");
@@ -555,7 +540,12 @@ void Failover::claim_own_keys(std::chrono::milliseconds patience, bool take_back
 std::string Failover::certified_down_at(std::size_t server) const {
   // (Unreachable: asked again later, of another server.)
   std::vector<wire::Certificate> won;
-  if (!certificates_at(options_.peers[server], options_.server_id, options_.token, options_.timeout, &won)) return {};
+  std::string text, why;
+  transport::Request q;
+  q.op = wire::Op::certificates;
+  q.arg0 = wire::certificates_about(options_.server_id);
+  q.text_out = &text;
+  if (links_.ask(server, q, &why) != Errc::ok || wire::decode_certificates(text, &won, &why) != Errc::ok) return {};
   for (const wire::Certificate& c : won)
     if (c.server == options_.server_id && c.holder != options_.server_id && c.incarnation >= options_.incarnation)
       return "server " + std::to_string(server) + " knows it was certified down; server " + std::to_string(c.holder) +
@@ -689,7 +679,7 @@ void Failover::watch() {
           transport::Request q;
           q.op = wire::Op::stats;
           q.text_out = &stats;
-          if (ask(w.conn, q, options_.timeout, &why) == Errc::ok) {
+          if (ask_once(w.conn, q, options_.timeout, &why) == Errc::ok) {
             w.last_answer = std::chrono::steady_clock::now();
             break;
           }

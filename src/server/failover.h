@@ -19,6 +19,7 @@
 
 #include "common/json.h"
 #include "engine/shard_engine.h"
+#include "server/peer_links.h"
 #include "server/vote_book.h"
 #include "transport/auth.h"
 #include "transport/wire.h"
@@ -116,7 +117,10 @@ class Failover final : public Membership {
   // Asks every server (this one through its own book) for its vote on `c`; true once a majority
   // granted. *down: some voter says this server is down.
   // *superseded: some voter says the incarnation asked about was replaced by a later one's claim.
-  bool win(const wire::Certificate& c, bool* down, std::string* why, bool* superseded = nullptr);
+  // *may_yet_win: the servers that did not answer (timed out, or could not be reached) would
+  // make a majority with those that granted.
+  bool win(const wire::Certificate& c, bool* down, std::string* why, bool* superseded = nullptr,
+           bool* may_yet_win = nullptr);
   // Tells every other server that `c` won (best effort: the certificates op finds it anyway on
   // the servers that were told).
   void announce(const wire::Certificate& c);
@@ -156,6 +160,7 @@ class Failover final : public Membership {
   FailoverOptions options_;
   FailoverHooks hooks_;
   VoteBook book_;
+  mutable PeerLinks links_;  // to every other server, for votes, announcements and lookups
   std::atomic<bool> deposed_{false}, stopping_{false};
   mutable std::mutex mu_;
   std::condition_variable cv_;
