@@ -21,6 +21,7 @@ constexpr std::uint64_t kTransferBytes = 16ull << 20;  // per request of a full 
 constexpr std::uint64_t kInlineBytes = 32u << 10;
 // How often a keeper asks a synced replica whether it is still there.
 constexpr auto kLookEvery = std::chrono::milliseconds(500);
+constexpr auto kLongestConnect = std::chrono::milliseconds(4000);  // a keeper's connect, backed off
 
 std::shared_ptr<transport::Connection> connect_to(const ReplicaPeer& peer, const ReplicatorOptions& o,
                                                   std::chrono::milliseconds connect_timeout) {
@@ -805,7 +806,10 @@ bool TcpReplicator::still_there(Replica& r) {
 }
 
 void TcpReplicator::keeper(Replica& r) {
-  bool said_unreachable = false;
+  bool said_unreachable = false, said_waiting = false;
+  // Doubled after each connect that timed out (a loaded machine's rdma_cm can take longer than
+  // a second), so that a live replica is reached in the end.
+  std::chrono::milliseconds connect_timeout{1000};
   const auto started = std::chrono::steady_clock::now();
   auto last_look = started;
   while (!stopping_.load()) {
@@ -816,7 +820,14 @@ void TcpReplicator::keeper(Replica& r) {
     if (r.state.load(std::memory_order_acquire) == static_cast<int>(State::pending) &&
         std::chrono::steady_clock::now() - started > options_.io_timeout) {
       int pending = static_cast<int>(State::pending);
-      if (r.state.compare_exchange_strong(pending, static_cast<int>(State::down)))
+      if (options_.certified_down && !options_.certified_down(r.peer.id)) {
+        if (!said_waiting)
+          log::warn("replication", "server " + std::to_string(options_.server_id) + ": replica server " +
+                                       std::to_string(r.peer.id) + " (" + r.peer.uri + ") unreachable for " +
+                                       std::to_string(options_.io_timeout.count()) +
+                                       " ms; acknowledging nothing until it is synced or certified down");
+        said_waiting = true;
+      } else if (r.state.compare_exchange_strong(pending, static_cast<int>(State::down)))
         log::warn("replication", "server " + std::to_string(options_.server_id) + ": replica server " +
                                      std::to_string(r.peer.id) + " (" + r.peer.uri + ") unreachable for " +
                                      std::to_string(options_.io_timeout.count()) +
@@ -835,8 +846,9 @@ void TcpReplicator::keeper(Replica& r) {
     }
     std::shared_ptr<transport::Connection> conn;
     try {
-      conn = connect_to(r.peer, options_, std::chrono::milliseconds(1000));
+      conn = connect_to(r.peer, options_, connect_timeout);
     } catch (const Error& e) {
+      if (e.code() == Errc::timeout) connect_timeout = std::min(connect_timeout * 2, kLongestConnect);
       if (!said_unreachable && r.state.load() == static_cast<int>(State::down))
         log::warn("replication", "server " + std::to_string(options_.server_id) + ": replica server " +
                                      std::to_string(r.peer.id) + " unreachable (" + e.what() + "); retrying");
@@ -845,6 +857,7 @@ void TcpReplicator::keeper(Replica& r) {
       continue;
     }
     said_unreachable = false;
+    connect_timeout = std::chrono::milliseconds(1000);
     {
       // Live from here: shipments go to it while the transfer runs, so it misses nothing.
       std::lock_guard lock(r.mu);

@@ -44,6 +44,11 @@ struct ReplicatorOptions {
   // this server may not drop it (it could not have it certified down, so it is deposed), and
   // nothing that waits for that replica is acknowledged, from then on.
   std::function<bool(std::uint32_t replica, std::uint32_t incarnation, const std::string& why)> may_drop;
+  // A takeover's engine: a replica not reached yet is waited for until it is reached, or until
+  // this says it was certified down, never given up after io_timeout as at a start (when the
+  // servers of a job come up one by one). The taken-over keys' other copy was just lost, so
+  // acknowledging without the replica would leave one.
+  std::function<bool(std::uint32_t replica)> certified_down;
 };
 
 // Ships the state of each key an init or push applied here (its record: update count, value,
@@ -55,8 +60,9 @@ struct ReplicatorOptions {
 // the replica syncing, sends every key (a full transfer, concurrent with the shipments), and
 // marks it synced. A replica whose connection fails is dropped (the acknowledgements go on
 // without it: a dead replica no longer counts) and its keeper reconnects. One not yet reached
-// since this server started is waited for (up to the io timeout): servers of a job start one by
-// one, and acknowledging before the replica has the keys would promise what it cannot keep.
+// since this server started is waited for (up to the io timeout, or until it is certified down
+// with ReplicatorOptions::certified_down): servers of a job start one by one, and acknowledging
+// before the replica has the keys would promise what it cannot keep.
 //
 // Embedding tables' rows are not versioned: they reach each replica in the order they were read
 // (ship_table, ship_rows and the full transfer's tables all read and queue under table_order_mu_),
