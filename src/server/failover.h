@@ -109,6 +109,8 @@ class Failover final : public Membership {
   bool deposed() const noexcept { return deposed_.load(); }
   // Whether a takeover of `server` was granted or won here: it is down.
   bool down(std::uint32_t server) const { return book_.takeover_of(server).has_value(); }
+  // Whether a takeover of `server` is known here to have won (a grant alone may yet lose).
+  bool certified_down(std::uint32_t server) const { return book_.won_takeover_of(server); }
   // Whether this server was deposed, whose keys it serves besides its own, and how many
   // certificates it knows to have won.
   JsonObject stats() const override;
@@ -117,8 +119,8 @@ class Failover final : public Membership {
   // Asks every server (this one through its own book) for its vote on `c`; true once a majority
   // granted. *down: some voter says this server is down.
   // *superseded: some voter says the incarnation asked about was replaced by a later one's claim.
-  // *may_yet_win: the servers that did not answer (timed out, or could not be reached) would
-  // make a majority with those that granted.
+  // *may_yet_win: the servers that did not answer in time would make a majority with those that
+  // granted.
   bool win(const wire::Certificate& c, bool* down, std::string* why, bool* superseded = nullptr,
            bool* may_yet_win = nullptr);
   // Tells every other server that `c` won (best effort: the certificates op finds it anyway on
@@ -140,6 +142,9 @@ class Failover final : public Membership {
   // stale until that incarnation's transfer restarts it (recorded once per incarnation).
   void claimed(std::uint32_t origin, std::uint32_t incarnation);
   void watch();
+  // Connects links_ to each other server, asking again every second those not up yet (the
+  // servers of a job start one by one), until all are or the server stops.
+  void warm_links();
   // Seals this server's replica of `origin`, wins the certificate for it (unless one was won for
   // `certified_incarnation`, when not 0: the replica must be of that incarnation), then serves
   // its keys and tells every server where.
@@ -180,6 +185,7 @@ class Failover final : public Membership {
   std::map<std::uint32_t, StaleCopy> stale_copy_;
   std::mutex win_mu_;  // one certificate asked for at a time
   std::thread watcher_;
+  std::thread warmer_;  // connects links_ to every other server once, after start()
 };
 
 }  // namespace pskv

@@ -22,6 +22,8 @@ constexpr std::uint64_t kInlineBytes = 32u << 10;
 // How often a keeper asks a synced replica whether it is still there.
 constexpr auto kLookEvery = std::chrono::milliseconds(500);
 constexpr auto kLongestConnect = std::chrono::milliseconds(4000);  // a keeper's connect, backed off
+// How long a takeover waits for a replica it never reached, in io timeouts (certified_down).
+constexpr int kTakeoverPatience = 10;
 
 std::shared_ptr<transport::Connection> connect_to(const ReplicaPeer& peer, const ReplicatorOptions& o,
                                                   std::chrono::milliseconds connect_timeout) {
@@ -820,13 +822,25 @@ void TcpReplicator::keeper(Replica& r) {
     if (r.state.load(std::memory_order_acquire) == static_cast<int>(State::pending) &&
         std::chrono::steady_clock::now() - started > options_.io_timeout) {
       int pending = static_cast<int>(State::pending);
-      if (options_.certified_down && !options_.certified_down(r.peer.id)) {
+      const bool certified = options_.certified_down && options_.certified_down(r.peer.id);
+      if (options_.certified_down && !certified &&
+          std::chrono::steady_clock::now() - started < kTakeoverPatience * options_.io_timeout) {
         if (!said_waiting)
           log::warn("replication", "server " + std::to_string(options_.server_id) + ": replica server " +
                                        std::to_string(r.peer.id) + " (" + r.peer.uri + ") unreachable for " +
                                        std::to_string(options_.io_timeout.count()) +
-                                       " ms; acknowledging nothing until it is synced or certified down");
+                                       " ms; acknowledging nothing until it is synced or certified down, for up to " +
+                                       std::to_string((kTakeoverPatience * options_.io_timeout).count()) + " ms");
         said_waiting = true;
+      } else if (options_.certified_down && !certified) {
+        // Nobody certified it (it may be cut off from this server alone, or never have synced
+        // anything to be watched for): waiting longer would stall the keys for good.
+        if (r.state.compare_exchange_strong(pending, static_cast<int>(State::down)))
+          log::error("replication", "server " + std::to_string(options_.server_id) + ": replica server " +
+                                        std::to_string(r.peer.id) + " (" + r.peer.uri + ") unreachable for " +
+                                        std::to_string((kTakeoverPatience * options_.io_timeout).count()) +
+                                        " ms and not certified down; acknowledging without it: these keys have one "
+                                        "copy until it is synced");
       } else if (r.state.compare_exchange_strong(pending, static_cast<int>(State::down)))
         log::warn("replication", "server " + std::to_string(options_.server_id) + ": replica server " +
                                      std::to_string(r.peer.id) + " (" + r.peer.uri + ") unreachable for " +

@@ -45,9 +45,11 @@ struct ReplicatorOptions {
   // nothing that waits for that replica is acknowledged, from then on.
   std::function<bool(std::uint32_t replica, std::uint32_t incarnation, const std::string& why)> may_drop;
   // A takeover's engine: a replica not reached yet is waited for until it is reached, or until
-  // this says it was certified down, never given up after io_timeout as at a start (when the
-  // servers of a job come up one by one). The taken-over keys' other copy was just lost, so
-  // acknowledging without the replica would leave one.
+  // this says it was certified down, not given up after io_timeout as at a start (when the
+  // servers of a job come up one by one): the taken-over keys' other copy was just lost, so
+  // acknowledging without the replica would leave one. After 10 io timeouts it is given up all
+  // the same (logged as an error): nobody may ever certify a replica cut off from this server
+  // alone, and the keys would stall for good.
   std::function<bool(std::uint32_t replica)> certified_down;
 };
 

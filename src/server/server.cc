@@ -325,7 +325,7 @@ class ServerImpl {
         // Not a server certified down: it would be waited for as unreached, for the io timeout.
         if (next != options_.server_id && !failover_->down(next)) r.replicas.push_back({next, options_.peers[next]});
       }
-      r.certified_down = [this](std::uint32_t replica) { return failover_->down(replica); };
+      r.certified_down = [this](std::uint32_t replica) { return failover_->certified_down(replica); };
       if (!r.replicas.empty()) {
         t->replicator = std::make_unique<TcpReplicator>(*t->engine, r);
         t->engine->set_replicator(t->replicator.get());

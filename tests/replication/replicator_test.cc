@@ -2,16 +2,20 @@
 // not there: how long an acknowledgement waits for a replica the origin never reached.
 #include "server/replicator.h"
 
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
 #include <future>
 #include <memory>
+#include <stdexcept>
 #include <string>
 
 #include "engine/shard_engine.h"
-#include "transport/tcp/socket.h"
 
 namespace pskv {
 namespace {
@@ -37,11 +41,35 @@ EngineOptions origin_options() {
   return o;
 }
 
-// Replica server 1 at a port nothing listens on: every connect to it is refused.
-ReplicatorOptions unreached_replica() {
+// A loopback port bound and never listened on, for as long as this lives: every connect to it
+// is refused, and no other test can take it meanwhile.
+class RefusingPort {
+ public:
+  RefusingPort() : fd_(::socket(AF_INET, SOCK_STREAM, 0)) {
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof a;
+    if (fd_ < 0 || ::bind(fd_, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 ||
+        ::getsockname(fd_, reinterpret_cast<sockaddr*>(&a), &len) != 0)
+      throw std::runtime_error("cannot bind a loopback port");
+    uri_ = "tcp://127.0.0.1:" + std::to_string(ntohs(a.sin_port));
+  }
+  ~RefusingPort() { ::close(fd_); }
+  RefusingPort(const RefusingPort&) = delete;
+  RefusingPort& operator=(const RefusingPort&) = delete;
+  const std::string& uri() const { return uri_; }
+
+ private:
+  int fd_;
+  std::string uri_;
+};
+
+// Replica server 1 at `at`.
+ReplicatorOptions unreached_replica(const RefusingPort& at) {
   ReplicatorOptions r;
   r.server_id = 0;
-  r.replicas = {{1, "tcp://127.0.0.1:" + std::to_string(tcp::free_loopback_port())}};
+  r.replicas = {{1, at.uri()}};
   r.io_timeout = 300ms;
   return r;
 }
@@ -49,10 +77,12 @@ ReplicatorOptions unreached_replica() {
 // At a start, the servers of a job come up one by one: a replica not reached within the io
 // timeout is given up, and a clock is acknowledged without it.
 TEST(Replicator, AtAStartAnUnreachedReplicaIsGivenUpAfterTheIoTimeout) {
-  ShardEngine engine(origin_options());
-  TcpReplicator replicator(engine, unreached_replica());
+  // (The promise outlives the replicator, whose stop resumes what it still holds.)
   std::promise<Errc> done;
   std::future<Errc> acked = done.get_future();
+  const RefusingPort port;
+  ShardEngine engine(origin_options());
+  TcpReplicator replicator(engine, unreached_replica(port));
   replicator.ship_clock(0, 1, std::make_unique<Reply>(done));
   ASSERT_EQ(acked.wait_for(30s), std::future_status::ready);
   EXPECT_EQ(acked.get(), Errc::ok);
@@ -61,10 +91,13 @@ TEST(Replicator, AtAStartAnUnreachedReplicaIsGivenUpAfterTheIoTimeout) {
 
 // A takeover's replicator (certified_down set) holds the only copy of keys whose other copy was
 // just lost: nothing is acknowledged while its replica is neither reached nor certified down,
-// however long that takes, and it is acknowledged once the replica is certified down.
+// and it is acknowledged once the replica is certified down.
 TEST(Replicator, ATakeoverAcknowledgesNothingUntilAnUnreachedReplicaIsCertifiedDown) {
+  std::promise<Errc> done;
+  std::future<Errc> acked = done.get_future();
+  const RefusingPort port;
   ShardEngine engine(origin_options());
-  ReplicatorOptions o = unreached_replica();
+  ReplicatorOptions o = unreached_replica(port);
   std::atomic<bool> down{false};
   std::atomic<int> asked{0};
   o.certified_down = [&](std::uint32_t replica) {
@@ -73,8 +106,6 @@ TEST(Replicator, ATakeoverAcknowledgesNothingUntilAnUnreachedReplicaIsCertifiedD
     return down.load();
   };
   TcpReplicator replicator(engine, o);
-  std::promise<Errc> done;
-  std::future<Errc> acked = done.get_future();
   replicator.ship_clock(0, 1, std::make_unique<Reply>(done));
   // Five io timeouts, and the replica's keeper asked about it meanwhile.
   EXPECT_EQ(acked.wait_for(1500ms), std::future_status::timeout) << "acknowledged without the replica";
@@ -82,6 +113,24 @@ TEST(Replicator, ATakeoverAcknowledgesNothingUntilAnUnreachedReplicaIsCertifiedD
   down.store(true);
   ASSERT_EQ(acked.wait_for(30s), std::future_status::ready);
   EXPECT_EQ(acked.get(), Errc::ok);
+  replicator.stop();
+}
+
+// A replica nobody certifies (cut off from this server alone, say) is given up after ten io
+// timeouts all the same: the keys must not stall for good.
+TEST(Replicator, ATakeoverGivesUpAReplicaNobodyCertifiesAfterTenIoTimeouts) {
+  std::promise<Errc> done;
+  std::future<Errc> acked = done.get_future();
+  const RefusingPort port;
+  ShardEngine engine(origin_options());
+  ReplicatorOptions o = unreached_replica(port);
+  o.certified_down = [](std::uint32_t) { return false; };
+  TcpReplicator replicator(engine, o);
+  const auto began = std::chrono::steady_clock::now();
+  replicator.ship_clock(0, 1, std::make_unique<Reply>(done));
+  ASSERT_EQ(acked.wait_for(30s), std::future_status::ready);
+  EXPECT_EQ(acked.get(), Errc::ok);
+  EXPECT_GE(std::chrono::steady_clock::now() - began, 10 * o.io_timeout - 300ms) << "given up early";
   replicator.stop();
 }
 
