@@ -13,7 +13,7 @@ namespace pskv {
 namespace {
 constexpr std::uint64_t kAdoptBytes = 64ull << 20;  // records copied per step of adopt_replica
 // How long may_drop asks a vote again, in failover timeouts, while voters only fail to answer.
-constexpr int kVotePatience = 4;
+constexpr int kVotePatience = 3;
 
 // The certificates the server at `uri` knows to have won; false if it cannot be asked.
 bool certificates_at(const std::string& uri, std::uint32_t about, const std::shared_ptr<const auth::Token>& token,
@@ -163,7 +163,9 @@ Failover::Failover(ShardEngine& engine, FailoverOptions options, FailoverHooks h
 
 void Failover::start() {
   std::lock_guard lock(mu_);
-  if (!stopping_.load() && !watcher_.joinable()) watcher_ = std::thread([this] { watch(); });
+  if (stopping_.load() || watcher_.joinable()) return;
+  watcher_ = std::thread([this] { watch(); });
+  warmer_ = std::thread([this] { warm_links(); });
 }
 
 Failover::~Failover() {
@@ -177,6 +179,7 @@ void Failover::stop() noexcept {
   }
   cv_.notify_all();
   if (watcher_.joinable()) watcher_.join();
+  if (warmer_.joinable()) warmer_.join();
   links_.close();
 }
 
@@ -450,7 +453,7 @@ bool Failover::win(const wire::Certificate& c, bool* down, std::string* why, boo
     if (superseded) *superseded |= answer == Errc::not_found;
     if (!why->empty()) why->append("; ");
     why->append("server ").append(std::to_string(s)).append(": ").append(reason);
-    unanswered += answer == Errc::timeout || answer == Errc::peer_failure;
+    unanswered += answer == Errc::timeout;  // (a refused port is a dead server: it never answers)
   }
   if (may_yet_win) *may_yet_win = granted + unanswered >= majority();
   return granted >= majority();
@@ -501,6 +504,7 @@ bool Failover::may_drop(std::uint32_t replica, std::uint32_t incarnation, const 
   // That incarnation of the replica is gone: it was restarted, and its successor claimed its keys
   // (it rejoins, and the keeper reconnects to it). Nothing is taken over.
   if (superseded && !down) return true;
+  if (stopping_.load()) return false;  // this server stops anyway: nothing was decided about it
   depose("its replica server " + std::to_string(replica) + " went silent (" + why +
          ") and a majority would not certify it down: " + refused);
   return false;
@@ -703,6 +707,19 @@ void Failover::watch() {
       }
       lock.lock();
     }
+  }
+}
+
+void Failover::warm_links() {
+  std::vector<std::size_t> cold;
+  for (std::size_t s = 0; s < options_.peers.size(); ++s)
+    if (s != options_.server_id) cold.push_back(s);
+  std::unique_lock lock(mu_);
+  while (!stopping_.load() && !cold.empty()) {
+    lock.unlock();
+    std::erase_if(cold, [&](std::size_t s) { return stopping_.load() || links_.warm(s); });
+    lock.lock();
+    cv_.wait_for(lock, std::chrono::seconds(1), [&] { return stopping_.load(); });
   }
 }
 

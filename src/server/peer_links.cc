@@ -44,6 +44,10 @@ PeerLinks::PeerLinks(std::vector<std::string> uris, std::shared_ptr<const auth::
 Errc PeerLinks::ask(std::size_t s, transport::Request& q, std::string* why) {
   Link& link = *links_.at(s);
   std::lock_guard lock(link.mu);
+  if (closed_.load()) {
+    *why = "this server is stopping";
+    return Errc::peer_failure;
+  }
   for (int attempt = 0;; ++attempt) {
     const bool kept = link.conn && !link.conn->broken();
     try {
@@ -63,7 +67,22 @@ Errc PeerLinks::ask(std::size_t s, transport::Request& q, std::string* why) {
   }
 }
 
+bool PeerLinks::warm(std::size_t s) {
+  Link& link = *links_.at(s);
+  std::lock_guard lock(link.mu);
+  if (closed_.load()) return false;
+  if (link.conn && !link.conn->broken()) return true;
+  try {
+    link.conn = connect_peer(uris_[s], token_, timeout_);
+    return true;
+  } catch (const Error&) {
+    link.conn.reset();
+    return false;  // not started yet, or down: asked again later, or connected at its next use
+  }
+}
+
 void PeerLinks::close() {
+  closed_.store(true);
   for (auto& link : links_) {
     std::lock_guard lock(link->mu);
     link->conn.reset();

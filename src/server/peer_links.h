@@ -2,6 +2,7 @@
 // requests (votes, announcements, certificate lookups, hand-backs).
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <memory>
@@ -32,7 +33,11 @@ class PeerLinks {
   // broken (the server restarted, or the connection failed meanwhile) is replaced and `q` sent
   // once more, so only requests a server may take twice belong here.
   Errc ask(std::size_t s, transport::Request& q, std::string* why);
-  // Drops every kept connection (at stop, before the server's transport goes).
+  // Connects to server `s` unless a sound connection is kept: true once one is. So that the
+  // first vote, at the first failure, does not pay for the connects.
+  bool warm(std::size_t s);
+  // Drops every kept connection (at stop, before the server's transport goes); ask() and warm()
+  // fail from then on.
   void close();
   std::chrono::milliseconds timeout() const noexcept { return timeout_; }
 
@@ -45,6 +50,7 @@ class PeerLinks {
   std::shared_ptr<const auth::Token> token_;
   std::chrono::milliseconds timeout_;
   std::vector<std::unique_ptr<Link>> links_;
+  std::atomic<bool> closed_{false};
 };
 
 // A connection to another server of the ring, as a server: votes and the failover's other ops

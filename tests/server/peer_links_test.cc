@@ -78,10 +78,13 @@ TEST(PeerLinks, AServerThatRestartedIsReachedAgainAndOneThatIsGoneFailsAtOnce) {
       << "the failure names the server: " << text;
   EXPECT_LT(std::chrono::steady_clock::now() - began, 2000ms) << "a refused port waited for the timeout";
 
+  EXPECT_FALSE(links.warm(1)) << "connected to a server that is gone";
   server = serve(ring, 1, true);
+  EXPECT_TRUE(links.warm(1)) << "not connected to the server once it is back";
   EXPECT_EQ(stats(links, &text), Errc::ok) << "once it is back: " << text;
   links.close();
-  EXPECT_EQ(stats(links, &text), Errc::ok) << "after close(), a new connection: " << text;
+  EXPECT_EQ(stats(links, &text), Errc::peer_failure) << "after close(), nothing is asked: " << text;
+  EXPECT_FALSE(links.warm(1)) << "after close(), nothing is connected";
 }
 
 }  // namespace
