@@ -761,8 +761,13 @@ void push_through_a_kill(KillTally& t, RdmaRing& servers, const ClientOptions& o
   std::this_thread::sleep_for(std::chrono::milliseconds(500));
   for (int kill = 0; kill < (retrying ? 1 : 3) && t.failed.load() == 0; ++kill) {
     if (kill > 0) {
-      Client admin(o);
-      testing::wait_replicas_synced(admin, 2);
+      try {  // (a throw here would leave the worker thread joinable)
+        Client admin(o);
+        testing::wait_replicas_synced(admin, 2);
+      } catch (const Error& e) {
+        ADD_FAILURE() << "the ring did not sync again after kill " << kill << ": " << e.what();
+        break;
+      }
     }
     servers.kill_and_rejoin(1);
     std::this_thread::sleep_for(std::chrono::milliseconds(800));
