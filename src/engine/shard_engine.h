@@ -126,6 +126,8 @@ class Replicator {
   // Creates table `id` in the engine (ShardEngine::create_table) and, if this call made it, queues
   // its empty copy to every live replica in the same step, so that no row of it can reach a
   // replica before the copy; *parked is then set and park()'s reply resumes once they have it.
+  // A create of a table made already (with the same spec) is parked too, until everything
+  // queued before it is acknowledged: the first create's copy may still be on its way.
   virtual Errc create_table(std::uint32_t id, const TableSpec& spec, std::string* why,
                             const std::function<std::unique_ptr<Parked>()>& park, bool* parked) = 0;
   // A table_push of `ids` was just applied to `table` (after reserve_bytes of `reserved`): the

@@ -313,7 +313,7 @@ Errc TcpReplicator::create_table(std::uint32_t id, const TableSpec& spec, std::s
   std::lock_guard lock(table_order_mu_);
   bool created = false;
   const Errc e = engine_.create_table(id, spec, why, &created);
-  if (e != Errc::ok || !created) return e;
+  if (e != Errc::ok) return e;
   auto s = take_shipment();
   s->reply = park();
   *parked = true;
@@ -322,8 +322,20 @@ Errc TcpReplicator::create_table(std::uint32_t id, const TableSpec& spec, std::s
     give_back(std::move(s));
     return Errc::ok;
   }
-  table_spec_shipment(id, s.get());
-  dispatch_in_order(std::move(s), {{0, 1}});
+  if (created) {
+    table_spec_shipment(id, s.get());
+    dispatch_in_order(std::move(s), {{0, 1}});
+    return Errc::ok;
+  }
+  // Made already, by another create whose spec may still be on its way to the replicas (the
+  // workers of a job create their tables at once). Answered behind it, as the acker answers in
+  // queue order: answered at once, its worker pushed rows that a takeover built from a replica
+  // without the table refused. Not shipped again: a replica's copy would lose its rows.
+  {
+    std::lock_guard queue(queue_mu_);
+    queue_.push_back(std::move(s));
+  }
+  queue_cv_.notify_one();
   return Errc::ok;
 }
 

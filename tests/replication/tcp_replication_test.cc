@@ -941,6 +941,41 @@ TEST(TcpReplicationTables, ARowPushIsAnsweredOnlyOnceTheReplicaHoldsIt) {
   for (float x : rows) ASSERT_EQ(x, 22.0f);
 }
 
+// The workers of a job create their tables at once: a create of a table that another's create
+// made a moment before is answered only once the replica holds the table too. With the replica
+// stopped (SIGSTOP), both creates wait until the origin gives up on it (the frame timeout), which
+// its stats record before either answer. Answered at once, a worker pushed rows that a takeover
+// built from that replica refused ("no table 0": rdma_failover_test, a server stalled in the VM).
+TEST(TcpReplicationTables, ASecondCreateOfATableIsAnsweredOnlyOnceTheReplicaHoldsIt) {
+  Ring ring(2, 2, {"--frame-timeout-ms", "3000"});
+  wait_synced(ring, 2);
+  ClientOptions o;
+  o.servers = {ring.uris()[0]};  // server 0's part of the table only: server 1 is stopped
+  o.io_timeout = std::chrono::seconds(20);
+  TableSpec spec;
+  spec.dim = 16;
+  spec.init = RowInit::zeros;
+  spec.rule = UpdateRuleConfig{UpdateRule::add};
+  ASSERT_TRUE(ring.stop(1));
+  std::vector<double> failures_at_answer(2, -1);
+  std::vector<std::thread> creators;
+  for (int w = 0; w < 2; ++w)
+    creators.emplace_back([&, w] {
+      try {
+        Client c(o);
+        c.create_table(0, spec);
+        failures_at_answer[std::size_t(w)] = testing::stats_field(c.server_stats(0), "replica_1_failures");
+      } catch (const Error& e) {
+        ADD_FAILURE() << "creator " << w << ": " << e.what();
+      }
+    });
+  for (auto& t : creators) t.join();
+  ring.signal(1, SIGCONT);
+  for (int w = 0; w < 2; ++w)
+    EXPECT_GE(failures_at_answer[std::size_t(w)], 1)
+        << "creator " << w << " was answered before the replica could hold the table";
+}
+
 // What a server answers one table frame from a connection that says hello as `hello_as`.
 std::pair<Errc, std::string> send_table_frame(const std::string& uri, wire::Op op, std::uint64_t arg0,
                                               std::uint32_t table, std::vector<transport::KeySlice> keys,
