@@ -10,6 +10,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <future>
 #include <memory>
 #include <stdexcept>
@@ -65,73 +66,64 @@ class RefusingPort {
   std::string uri_;
 };
 
-// Replica server 1 at `at`.
-ReplicatorOptions unreached_replica(const RefusingPort& at) {
-  ReplicatorOptions r;
-  r.server_id = 0;
-  r.replicas = {{1, at.uri()}};
-  r.io_timeout = 300ms;
-  return r;
-}
+// An origin whose replica, server 1, is at a refused port, and one clock shipped to it:
+// `acked` tells how it was answered. (The promise outlives the replicator, whose stop resumes
+// what it still holds.)
+struct OneClockShipped {
+  // `certified_down`: ReplicatorOptions::certified_down (a takeover's engine), or none (a start).
+  explicit OneClockShipped(std::function<bool(std::uint32_t)> certified_down = nullptr) {
+    options.server_id = 0;
+    options.replicas = {{1, port.uri()}};
+    options.io_timeout = 300ms;
+    options.certified_down = std::move(certified_down);
+    replicator = std::make_unique<TcpReplicator>(engine, options);
+    replicator->ship_clock(0, 1, std::make_unique<Reply>(done));
+  }
+  ~OneClockShipped() { replicator->stop(); }
+
+  std::promise<Errc> done;
+  std::future<Errc> acked = done.get_future();
+  const RefusingPort port;
+  ShardEngine engine{origin_options()};
+  ReplicatorOptions options;
+  std::unique_ptr<TcpReplicator> replicator;
+};
 
 // At a start, the servers of a job come up one by one: a replica not reached within the io
 // timeout is given up, and a clock is acknowledged without it.
 TEST(Replicator, AtAStartAnUnreachedReplicaIsGivenUpAfterTheIoTimeout) {
-  // (The promise outlives the replicator, whose stop resumes what it still holds.)
-  std::promise<Errc> done;
-  std::future<Errc> acked = done.get_future();
-  const RefusingPort port;
-  ShardEngine engine(origin_options());
-  TcpReplicator replicator(engine, unreached_replica(port));
-  replicator.ship_clock(0, 1, std::make_unique<Reply>(done));
-  ASSERT_EQ(acked.wait_for(30s), std::future_status::ready);
-  EXPECT_EQ(acked.get(), Errc::ok);
-  replicator.stop();
+  OneClockShipped origin;
+  ASSERT_EQ(origin.acked.wait_for(30s), std::future_status::ready);
+  EXPECT_EQ(origin.acked.get(), Errc::ok);
 }
 
 // A takeover's replicator (certified_down set) holds the only copy of keys whose other copy was
 // just lost: nothing is acknowledged while its replica is neither reached nor certified down,
 // and it is acknowledged once the replica is certified down.
 TEST(Replicator, ATakeoverAcknowledgesNothingUntilAnUnreachedReplicaIsCertifiedDown) {
-  std::promise<Errc> done;
-  std::future<Errc> acked = done.get_future();
-  const RefusingPort port;
-  ShardEngine engine(origin_options());
-  ReplicatorOptions o = unreached_replica(port);
   std::atomic<bool> down{false};
   std::atomic<int> asked{0};
-  o.certified_down = [&](std::uint32_t replica) {
+  OneClockShipped origin([&](std::uint32_t replica) {
     EXPECT_EQ(replica, 1u);
     asked.fetch_add(1);
     return down.load();
-  };
-  TcpReplicator replicator(engine, o);
-  replicator.ship_clock(0, 1, std::make_unique<Reply>(done));
+  });
   // Five io timeouts, and the replica's keeper asked about it meanwhile.
-  EXPECT_EQ(acked.wait_for(1500ms), std::future_status::timeout) << "acknowledged without the replica";
+  EXPECT_EQ(origin.acked.wait_for(1500ms), std::future_status::timeout) << "acknowledged without the replica";
   EXPECT_GT(asked.load(), 0);
   down.store(true);
-  ASSERT_EQ(acked.wait_for(30s), std::future_status::ready);
-  EXPECT_EQ(acked.get(), Errc::ok);
-  replicator.stop();
+  ASSERT_EQ(origin.acked.wait_for(30s), std::future_status::ready);
+  EXPECT_EQ(origin.acked.get(), Errc::ok);
 }
 
 // A replica nobody certifies (cut off from this server alone, say) is given up after ten io
 // timeouts all the same: the keys must not stall for good.
 TEST(Replicator, ATakeoverGivesUpAReplicaNobodyCertifiesAfterTenIoTimeouts) {
-  std::promise<Errc> done;
-  std::future<Errc> acked = done.get_future();
-  const RefusingPort port;
-  ShardEngine engine(origin_options());
-  ReplicatorOptions o = unreached_replica(port);
-  o.certified_down = [](std::uint32_t) { return false; };
-  TcpReplicator replicator(engine, o);
   const auto began = std::chrono::steady_clock::now();
-  replicator.ship_clock(0, 1, std::make_unique<Reply>(done));
-  ASSERT_EQ(acked.wait_for(30s), std::future_status::ready);
-  EXPECT_EQ(acked.get(), Errc::ok);
-  EXPECT_GE(std::chrono::steady_clock::now() - began, 10 * o.io_timeout - 300ms) << "given up early";
-  replicator.stop();
+  OneClockShipped origin([](std::uint32_t) { return false; });
+  ASSERT_EQ(origin.acked.wait_for(30s), std::future_status::ready);
+  EXPECT_EQ(origin.acked.get(), Errc::ok);
+  EXPECT_GE(std::chrono::steady_clock::now() - began, 10 * origin.options.io_timeout) << "given up early";
 }
 
 }  // namespace
