@@ -48,7 +48,8 @@ Errc PeerLinks::ask(std::size_t s, transport::Request& q, std::string* why) {
     *why = "this server is stopping";
     return Errc::peer_failure;
   }
-  for (int attempt = 0;; ++attempt) {
+  // At most twice: a kept connection that fails is dropped, so the second pass connects afresh.
+  for (;;) {
     const bool kept = link.conn && !link.conn->broken();
     try {
       if (!kept) link.conn = connect_peer(uris_[s], token_, timeout_);
@@ -58,11 +59,11 @@ Errc PeerLinks::ask(std::size_t s, transport::Request& q, std::string* why) {
       // connection tells apart. A refusal on a sound connection is the answer.
       if (!link.conn->broken()) return answer;
       link.conn.reset();
-      if (!kept || attempt > 0) return answer;
+      if (!kept) return answer;
     } catch (const Error& e) {
       link.conn.reset();
       *why = e.what();
-      if (!kept || attempt > 0) return e.code();
+      if (!kept) return e.code();
     }
   }
 }

@@ -39,7 +39,6 @@ class PeerLinks {
   // Drops every kept connection (at stop, before the server's transport goes); ask() and warm()
   // fail from then on.
   void close();
-  std::chrono::milliseconds timeout() const noexcept { return timeout_; }
 
  private:
   struct Link {
