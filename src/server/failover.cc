@@ -1,7 +1,9 @@
 #include "server/failover.h"
 
 #include <algorithm>
+#include <functional>
 #include <span>
+#include <utility>
 
 #include "common/log.h"
 #include "server/peer_links.h"
@@ -15,17 +17,25 @@ constexpr std::uint64_t kAdoptBytes = 64ull << 20;  // records copied per step o
 // How long may_drop asks a vote again, in failover timeouts, while voters only fail to answer.
 constexpr int kVotePatience = 3;
 
+// The certificates about server `about` that one request sent with `ask` (over a connection of
+// its own, or a kept link) brings back; false if it cannot be asked or the answer does not parse.
+bool read_certificates(const std::function<Errc(transport::Request&, std::string*)>& ask, std::uint32_t about,
+                       std::vector<wire::Certificate>* won) {
+  std::string text, why;
+  transport::Request q;
+  q.op = wire::Op::certificates;
+  q.arg0 = wire::certificates_about(about);
+  q.text_out = &text;
+  return ask(q, &why) == Errc::ok && wire::decode_certificates(text, won, &why) == Errc::ok;
+}
+
 // The certificates the server at `uri` knows to have won; false if it cannot be asked.
 bool certificates_at(const std::string& uri, std::uint32_t about, const std::shared_ptr<const auth::Token>& token,
                      std::chrono::milliseconds timeout, std::vector<wire::Certificate>* won) {
   try {
     auto conn = connect_peer(uri, token, timeout);
-    std::string text, why;
-    transport::Request q;
-    q.op = wire::Op::certificates;
-    q.arg0 = wire::certificates_about(about);
-    q.text_out = &text;
-    return ask_once(conn, q, timeout, &why) == Errc::ok && wire::decode_certificates(text, won, &why) == Errc::ok;
+    return read_certificates([&](transport::Request& q, std::string* why) { return ask_once(conn, q, timeout, why); },
+                             about, won);
   } catch (const Error&) {
     return false;  // down, or not a server of this ring any more
   }
@@ -483,10 +493,10 @@ bool Failover::may_drop(std::uint32_t replica, std::uint32_t incarnation, const 
   // that needs this replica meanwhile, and stopping a healthy server takes its keys from every
   // worker and can stop the servers that replicate to it in turn.
   const auto give_up = std::chrono::steady_clock::now() + kVotePatience * options_.timeout;
-  for (bool said = false; !(won = win(c, &down, &refused, &superseded, &may_yet_win)) && may_yet_win && !down &&
-                          !superseded && !stopping_.load() && std::chrono::steady_clock::now() < give_up;
-       said = true) {
-    if (!said)
+  bool said = false;
+  while (!(won = win(c, &down, &refused, &superseded, &may_yet_win)) && may_yet_win && !down && !superseded &&
+         !stopping_.load() && std::chrono::steady_clock::now() < give_up) {
+    if (!std::exchange(said, true))
       log::warn("failover", "server " + std::to_string(options_.server_id) +
                                 ": no majority answered on replica server " + std::to_string(replica) + " yet (" +
                                 refused + "); asking again for up to " +
@@ -544,12 +554,9 @@ void Failover::claim_own_keys(std::chrono::milliseconds patience, bool take_back
 std::string Failover::certified_down_at(std::size_t server) const {
   // (Unreachable: asked again later, of another server.)
   std::vector<wire::Certificate> won;
-  std::string text, why;
-  transport::Request q;
-  q.op = wire::Op::certificates;
-  q.arg0 = wire::certificates_about(options_.server_id);
-  q.text_out = &text;
-  if (links_.ask(server, q, &why) != Errc::ok || wire::decode_certificates(text, &won, &why) != Errc::ok) return {};
+  if (!read_certificates([&](transport::Request& q, std::string* why) { return links_.ask(server, q, why); },
+                         options_.server_id, &won))
+    return {};
   for (const wire::Certificate& c : won)
     if (c.server == options_.server_id && c.holder != options_.server_id && c.incarnation >= options_.incarnation)
       return "server " + std::to_string(server) + " knows it was certified down; server " + std::to_string(c.holder) +
