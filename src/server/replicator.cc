@@ -331,12 +331,16 @@ Errc TcpReplicator::create_table(std::uint32_t id, const TableSpec& spec, std::s
   // workers of a job create their tables at once). Answered behind it, as the acker answers in
   // queue order: answered at once, its worker pushed rows that a takeover built from a replica
   // without the table refused. Not shipped again: a replica's copy would lose its rows.
+  queue_for_acker(std::move(s));
+  return Errc::ok;
+}
+
+void TcpReplicator::queue_for_acker(std::unique_ptr<Shipment> s) {
   {
-    std::lock_guard queue(queue_mu_);
+    std::lock_guard lock(queue_mu_);
     queue_.push_back(std::move(s));
   }
   queue_cv_.notify_one();
-  return Errc::ok;
 }
 
 void TcpReplicator::dispatch_in_order(std::unique_ptr<Shipment> s,
@@ -547,11 +551,7 @@ void TcpReplicator::dispatch(std::unique_ptr<Shipment> s,
     give_back(std::move(s));
     return;
   }
-  {
-    std::lock_guard lock(queue_mu_);
-    queue_.push_back(std::move(s));
-  }
-  queue_cv_.notify_one();
+  queue_for_acker(std::move(s));
 }
 
 void TcpReplicator::depose() noexcept {
@@ -834,30 +834,26 @@ void TcpReplicator::keeper(Replica& r) {
     if (r.state.load(std::memory_order_acquire) == static_cast<int>(State::pending) &&
         std::chrono::steady_clock::now() - started > options_.io_timeout) {
       int pending = static_cast<int>(State::pending);
-      const bool certified = options_.certified_down && options_.certified_down(r.peer.id);
-      if (options_.certified_down && !certified &&
-          std::chrono::steady_clock::now() - started < kTakeoverPatience * options_.io_timeout) {
-        if (!said_waiting)
-          log::warn("replication", "server " + std::to_string(options_.server_id) + ": replica server " +
-                                       std::to_string(r.peer.id) + " (" + r.peer.uri + ") unreachable for " +
-                                       std::to_string(options_.io_timeout.count()) +
+      const std::string who = "server " + std::to_string(options_.server_id) + ": replica server " +
+                              std::to_string(r.peer.id) + " (" + r.peer.uri + ") unreachable for ";
+      const auto patience = kTakeoverPatience * options_.io_timeout;
+      // A takeover's replica not certified down: waited for, but not for good (nobody may ever
+      // certify one cut off from this server alone, or that never synced to be watched).
+      const bool uncertified = options_.certified_down && !options_.certified_down(r.peer.id);
+      if (uncertified && std::chrono::steady_clock::now() - started < patience) {
+        if (!std::exchange(said_waiting, true))
+          log::warn("replication", who + std::to_string(options_.io_timeout.count()) +
                                        " ms; acknowledging nothing until it is synced or certified down, for up to " +
-                                       std::to_string((kTakeoverPatience * options_.io_timeout).count()) + " ms");
-        said_waiting = true;
-      } else if (options_.certified_down && !certified) {
-        // Nobody certified it (it may be cut off from this server alone, or never have synced
-        // anything to be watched for): waiting longer would stall the keys for good.
-        if (r.state.compare_exchange_strong(pending, static_cast<int>(State::down)))
-          log::error("replication", "server " + std::to_string(options_.server_id) + ": replica server " +
-                                        std::to_string(r.peer.id) + " (" + r.peer.uri + ") unreachable for " +
-                                        std::to_string((kTakeoverPatience * options_.io_timeout).count()) +
+                                       std::to_string(patience.count()) + " ms");
+      } else if (r.state.compare_exchange_strong(pending, static_cast<int>(State::down))) {
+        if (uncertified)
+          log::error("replication", who + std::to_string(patience.count()) +
                                         " ms and not certified down; acknowledging without it: these keys have one "
                                         "copy until it is synced");
-      } else if (r.state.compare_exchange_strong(pending, static_cast<int>(State::down)))
-        log::warn("replication", "server " + std::to_string(options_.server_id) + ": replica server " +
-                                     std::to_string(r.peer.id) + " (" + r.peer.uri + ") unreachable for " +
-                                     std::to_string(options_.io_timeout.count()) +
-                                     " ms since this server started; acknowledging without it until it is synced");
+        else
+          log::warn("replication", who + std::to_string(options_.io_timeout.count()) +
+                                       " ms since this server started; acknowledging without it until it is synced");
+      }
     }
     const int now = r.state.load(std::memory_order_acquire);
     if (now != static_cast<int>(State::down) && now != static_cast<int>(State::pending)) {

@@ -208,6 +208,8 @@ class TcpReplicator final : public Replicator {
   // Queues a table shipment behind every other, at the next position of the table stream; under
   // table_order_mu_.
   void dispatch_in_order(std::unique_ptr<Shipment> s, const std::vector<std::pair<std::size_t, std::size_t>>& ranges);
+  // Hands `s` to the acker, which answers its reply once everything queued before it is.
+  void queue_for_acker(std::unique_ptr<Shipment> s);
   // After a push to `table` (under table_order_mu_): queues the removals since the last
   // shipment, and returns the shipment of `ids`' rows as they are now (with `marked`'s mark),
   // holding `reserved`; *gone, if set, removes the ids pushed but no longer held, and must be
