@@ -72,11 +72,10 @@ TEST(PeerLinks, AServerThatRestartedIsReachedAgainAndOneThatIsGoneFailsAtOnce) {
 
   wait_synced(ring);
   server.reset();
-  const auto began = std::chrono::steady_clock::now();
+  // A refused port is told at once: peer_failure, where waiting out the timeout would say timeout.
   EXPECT_EQ(stats(links, &text), Errc::peer_failure) << text;
   EXPECT_NE(text.find(ring[1].substr(std::string("tcp://").size())), std::string::npos)
       << "the failure names the server: " << text;
-  EXPECT_LT(std::chrono::steady_clock::now() - began, 2000ms) << "a refused port waited for the timeout";
 
   EXPECT_FALSE(links.warm(1)) << "connected to a server that is gone";
   server = serve(ring, 1, true);
