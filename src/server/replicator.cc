@@ -73,6 +73,11 @@ TcpReplicator::TcpReplicator(ShardEngine& engine, const ReplicatorOptions& optio
     r->peer = p;
     replicas_.push_back(std::move(r));
   }
+}
+
+void TcpReplicator::start() {
+  if (started_ || stopped_) return;
+  started_ = true;
   for (auto& r : replicas_) {
     r->keeper = std::thread([this, rp = r.get()] { keeper(*rp); });
     r->sender = std::thread([this, rp = r.get()] { sender(*rp); });

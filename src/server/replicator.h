@@ -70,7 +70,8 @@ struct ReplicatorOptions {
 // (ship_table, ship_rows and the full transfer's tables all read and queue under table_order_mu_),
 // and the replica applies them as they come (docs/ARCHITECTURE.md, "Embedding tables").
 //
-// Thread-safety: ship*() and stats() from any thread; stop() once, from the server's stop.
+// Thread-safety: ship*() and stats() from any thread; start() and stop() once each, from the
+// server's thread that builds and stops it.
 class TcpReplicator final : public Replicator {
  public:
   TcpReplicator(ShardEngine& engine, const ReplicatorOptions& options);
@@ -95,6 +96,11 @@ class TcpReplicator final : public Replicator {
                           const std::function<std::unique_ptr<Parked>()>& park, std::string* why,
                           bool* parked) override;
   JsonObject stats() const override;
+  // Starts reaching the replicas. Call once this server's listener accepts connections: a
+  // replica that syncs watches its origin from then on, and over rdma the port refuses
+  // connections until the listener has registered its memory; a refused origin is taken over.
+  // Until then what is shipped waits, as for a replica not yet reached.
+  void start();
   // This server was certified down (failover): from now on nothing is acknowledged; every reply
   // that waits for the replicas, or would, is resumed with peer_failure.
   void depose() noexcept;
@@ -246,6 +252,7 @@ class TcpReplicator final : public Replicator {
   std::uint32_t table_position_;  // under table_order_mu_: the last table frame's position
   std::vector<Key> removed_;      // under table_order_mu_: scratch
   std::vector<Key> missing_;      // under table_order_mu_: the ids rows_shipment found no row for
+  bool started_ = false;          // start() and stop() are called by the owner's one thread
   bool stopped_ = false;
   std::thread acker_;
 };

@@ -274,6 +274,7 @@ class ServerImpl {
       throw;
     }
     uri_ = listener_->uri();
+    if (replicator_) replicator_->start();
     if (failover_) failover_->start();
     {
       // A deposition while this was being built (a replica's keeper can ask for a certificate
@@ -332,6 +333,7 @@ class ServerImpl {
       }
       t->engine->set_membership(failover_.get());
       t->listener->start(*t->engine);
+      if (t->replicator) t->replicator->start();
       t->started = true;
     } catch (...) {
       t->stop();

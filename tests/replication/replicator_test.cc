@@ -5,6 +5,7 @@
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -77,6 +78,7 @@ struct OneClockShipped {
     options.io_timeout = 300ms;
     options.certified_down = std::move(certified_down);
     replicator = std::make_unique<TcpReplicator>(engine, options);
+    replicator->start();
     replicator->ship_clock(0, 1, std::make_unique<Reply>(done));
   }
   ~OneClockShipped() { replicator->stop(); }
@@ -124,6 +126,43 @@ TEST(Replicator, ATakeoverGivesUpAReplicaNobodyCertifiesAfterTenIoTimeouts) {
   ASSERT_EQ(origin.acked.wait_for(30s), std::future_status::ready);
   EXPECT_EQ(origin.acked.get(), Errc::ok);
   EXPECT_GE(std::chrono::steady_clock::now() - began, 10 * origin.options.io_timeout) << "given up early";
+}
+
+// A replica that syncs watches its origin and takes its keys over if the origin's port refuses
+// connections; over rdma the port refuses them until the listener has registered its memory.
+// So nothing reaches a replica before start(), which the server calls once it listens, and
+// what is shipped meanwhile waits.
+TEST(Replicator, NothingReachesAReplicaBeforeStart) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof a;
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+  ASSERT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len), 0);
+  ASSERT_EQ(::listen(fd, 8), 0);
+  const auto connected_within = [fd](int ms) {
+    pollfd p{fd, POLLIN, 0};
+    return ::poll(&p, 1, ms) == 1;
+  };
+  ShardEngine engine{origin_options()};
+  ReplicatorOptions options;
+  options.server_id = 0;
+  options.replicas = {{1, "tcp://127.0.0.1:" + std::to_string(ntohs(a.sin_port))}};
+  options.io_timeout = 300ms;
+  std::promise<Errc> done;
+  std::future<Errc> acked = done.get_future();
+  {
+    TcpReplicator replicator(engine, options);
+    replicator.ship_clock(0, 1, std::make_unique<Reply>(done));
+    EXPECT_FALSE(connected_within(600)) << "a replica was reached before start()";
+    EXPECT_EQ(acked.wait_for(0s), std::future_status::timeout) << "acknowledged before start()";
+    replicator.start();
+    EXPECT_TRUE(connected_within(10000)) << "start() did not reach the replica";
+  }
+  ASSERT_EQ(acked.wait_for(0s), std::future_status::ready) << "stop() left the clock unanswered";
+  ::close(fd);
 }
 
 }  // namespace
