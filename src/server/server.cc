@@ -332,8 +332,10 @@ class ServerImpl {
         t->engine->set_replicator(t->replicator.get());
       }
       t->engine->set_membership(failover_.get());
-      t->listener->start(*t->engine);
+      // Its replicas are reached while the listener registers its memory: nobody watches a
+      // takeover's port, and its first acknowledgements wait for them to sync.
       if (t->replicator) t->replicator->start();
+      t->listener->start(*t->engine);
       t->started = true;
     } catch (...) {
       t->stop();
