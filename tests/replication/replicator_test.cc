@@ -43,24 +43,29 @@ EngineOptions origin_options() {
   return o;
 }
 
-// A loopback port bound and never listened on, for as long as this lives: every connect to it
-// is refused, and no other test can take it meanwhile.
-class RefusingPort {
+// A loopback port bound for as long as this lives, so that no other test can take it: with
+// `listening` false every connect to it is refused; with it true connects are queued, never
+// answered, and connected_within() tells whether one came.
+class LoopbackPort {
  public:
-  RefusingPort() : fd_(::socket(AF_INET, SOCK_STREAM, 0)) {
+  explicit LoopbackPort(bool listening = false) : fd_(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)) {
     sockaddr_in a{};
     a.sin_family = AF_INET;
     a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
     socklen_t len = sizeof a;
     if (fd_ < 0 || ::bind(fd_, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 ||
-        ::getsockname(fd_, reinterpret_cast<sockaddr*>(&a), &len) != 0)
+        ::getsockname(fd_, reinterpret_cast<sockaddr*>(&a), &len) != 0 || (listening && ::listen(fd_, 8) != 0))
       throw std::runtime_error("cannot bind a loopback port");
     uri_ = "tcp://127.0.0.1:" + std::to_string(ntohs(a.sin_port));
   }
-  ~RefusingPort() { ::close(fd_); }
-  RefusingPort(const RefusingPort&) = delete;
-  RefusingPort& operator=(const RefusingPort&) = delete;
+  ~LoopbackPort() { ::close(fd_); }
+  LoopbackPort(const LoopbackPort&) = delete;
+  LoopbackPort& operator=(const LoopbackPort&) = delete;
   const std::string& uri() const { return uri_; }
+  bool connected_within(std::chrono::milliseconds wait) const {
+    pollfd p{fd_, POLLIN, 0};
+    return ::poll(&p, 1, static_cast<int>(wait.count())) == 1;
+  }
 
  private:
   int fd_;
@@ -85,7 +90,7 @@ struct OneClockShipped {
 
   std::promise<Errc> done;
   std::future<Errc> acked = done.get_future();
-  const RefusingPort port;
+  const LoopbackPort port;
   ShardEngine engine{origin_options()};
   ReplicatorOptions options;
   std::unique_ptr<TcpReplicator> replicator;
@@ -133,36 +138,23 @@ TEST(Replicator, ATakeoverGivesUpAReplicaNobodyCertifiesAfterTenIoTimeouts) {
 // So nothing reaches a replica before start(), which the server calls once it listens, and
 // what is shipped meanwhile waits.
 TEST(Replicator, NothingReachesAReplicaBeforeStart) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  ASSERT_GE(fd, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof a;
-  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
-  ASSERT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len), 0);
-  ASSERT_EQ(::listen(fd, 8), 0);
-  const auto connected_within = [fd](int ms) {
-    pollfd p{fd, POLLIN, 0};
-    return ::poll(&p, 1, ms) == 1;
-  };
+  const LoopbackPort replica(/*listening=*/true);
   ShardEngine engine{origin_options()};
   ReplicatorOptions options;
   options.server_id = 0;
-  options.replicas = {{1, "tcp://127.0.0.1:" + std::to_string(ntohs(a.sin_port))}};
+  options.replicas = {{1, replica.uri()}};
   options.io_timeout = 300ms;
   std::promise<Errc> done;
   std::future<Errc> acked = done.get_future();
   {
     TcpReplicator replicator(engine, options);
     replicator.ship_clock(0, 1, std::make_unique<Reply>(done));
-    EXPECT_FALSE(connected_within(600)) << "a replica was reached before start()";
+    EXPECT_FALSE(replica.connected_within(600ms)) << "a replica was reached before start()";
     EXPECT_EQ(acked.wait_for(0s), std::future_status::timeout) << "acknowledged before start()";
     replicator.start();
-    EXPECT_TRUE(connected_within(10000)) << "start() did not reach the replica";
+    EXPECT_TRUE(replica.connected_within(30s)) << "start() did not reach the replica";
   }
   ASSERT_EQ(acked.wait_for(0s), std::future_status::ready) << "stop() left the clock unanswered";
-  ::close(fd);
 }
 
 }  // namespace
