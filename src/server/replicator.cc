@@ -76,8 +76,7 @@ TcpReplicator::TcpReplicator(ShardEngine& engine, const ReplicatorOptions& optio
 }
 
 void TcpReplicator::start() {
-  if (started_ || stopped_) return;
-  started_ = true;
+  if (acker_.joinable() || stopped_) return;
   for (auto& r : replicas_) {
     r->keeper = std::thread([this, rp = r.get()] { keeper(*rp); });
     r->sender = std::thread([this, rp = r.get()] { sender(*rp); });

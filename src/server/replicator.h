@@ -252,7 +252,6 @@ class TcpReplicator final : public Replicator {
   std::uint32_t table_position_;  // under table_order_mu_: the last table frame's position
   std::vector<Key> removed_;      // under table_order_mu_: scratch
   std::vector<Key> missing_;      // under table_order_mu_: the ids rows_shipment found no row for
-  bool started_ = false;          // start() and stop() are called by the owner's one thread
   bool stopped_ = false;
   std::thread acker_;
 };
