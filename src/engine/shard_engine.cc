@@ -683,7 +683,7 @@ Errc ShardEngine::mark_replica(std::uint32_t origin, ReplicaMark mark, std::stri
       for (std::uint32_t w = 0; w < options_.num_workers; ++w) words[w].store(0, std::memory_order_relaxed);
     // Its tables too: the transfer sends each again, and only this connection's frames count.
     r->table_connection = connection;
-    for (auto& t : r->tables) t.reset();
+    for (std::uint32_t id = 0; id < kMaxTables; ++id) drop_copy(*r, id);
     r->table_position.store(0, std::memory_order_release);
     r->table_epoch.store(epoch_seconds, std::memory_order_release);
     r->tables_broken = false;
@@ -1106,24 +1106,38 @@ Errc ShardEngine::apply_replica_table(std::uint32_t origin, std::uint64_t connec
   }
   // The copy takes what its origin ships and never evicts on its own: between one shipment's
   // removals and its rows, a push on another thread may make a row and evict one whose removal
-  // comes in the next shipment, so a copy may briefly hold a row more than the cap. Its index
-  // starts as its origin's did.
+  // comes in the next shipment, so a copy may briefly hold rows past the cap. Its index starts as
+  // its origin's did.
   TableSpec copy = requested;
-  copy.max_rows = 0;
+  copy.max_rows = std::min<std::uint64_t>(2 * max_rows + kCopySlack, UINT32_MAX - 1);
   copy.eviction = RowEviction::none;
   copy.admit_after = 1;
+  const std::uint64_t charge = EmbeddingTable::fixed_bytes(copy) + max_rows * EmbeddingTable::row_bytes_bound(copy);
   std::lock_guard applying(r->table_apply_mu);
   std::lock_guard lock(r->tables_mu);
   if (connection != r->table_connection) return Errc::ok;  // a connection given up on
-  r->tables[id].reset();
-  try {
-    r->tables[id] = std::make_shared<EmbeddingTable>(copy, requested.max_rows);
-  } catch (const std::exception& e) {
+  drop_copy(*r, id);
+  auto broken = [&](const std::string& what) {
     // The copy is gone: no rejoin may take this replica for whole until a transfer restarts it.
     r->tables_broken = true;
     r->mark.store(static_cast<std::uint32_t>(ReplicaMark::syncing), std::memory_order_release);
-    *why = "the copy of server " + std::to_string(origin) + "'s table " + std::to_string(id) + ": " + e.what();
+    *why = "the copy of server " + std::to_string(origin) + "'s table " + std::to_string(id) + ": " + what;
     return Errc::capacity;
+  };
+  const std::uint64_t charged = copies_charged_.fetch_add(charge, std::memory_order_relaxed);
+  if (charged + charge > options_.table_memory_bytes) {
+    copies_charged_.fetch_sub(charge, std::memory_order_relaxed);
+    return broken("it would take " + std::to_string(charge >> 20) + " MiB at its cap of " + std::to_string(max_rows) +
+                  " rows, and the copies of other servers' tables this server keeps already take " +
+                  std::to_string(charged >> 20) + " MiB of its table memory (--table-memory-mb, " +
+                  std::to_string(options_.table_memory_bytes >> 20) + " MiB; every server of a ring needs the same)");
+  }
+  r->table_charge[id] = charge;
+  try {
+    r->tables[id] = std::make_shared<EmbeddingTable>(copy, requested.max_rows);
+  } catch (const std::exception& e) {
+    drop_copy(*r, id);
+    return broken(e.what());
   }
   r->table_requested[id] = requested;
   r->table_cap[id] = max_rows;
@@ -1131,6 +1145,12 @@ Errc ShardEngine::apply_replica_table(std::uint32_t origin, std::uint64_t connec
   std::copy(marks.begin(), marks.end(), r->table_marks[id].begin());
   r->table_position.store(position, std::memory_order_release);
   return Errc::ok;
+}
+
+void ShardEngine::drop_copy(Replica& r, std::uint32_t id) noexcept {
+  r.tables[id].reset();
+  copies_charged_.fetch_sub(r.table_charge[id], std::memory_order_relaxed);
+  r.table_charge[id] = 0;
 }
 
 Errc ShardEngine::apply_replica_rows(std::uint32_t origin, std::uint64_t connection, std::uint32_t position,
@@ -1185,7 +1205,9 @@ Errc ShardEngine::apply_replica_rows(std::uint32_t origin, std::uint64_t connect
       }
       r->mark.store(static_cast<std::uint32_t>(ReplicaMark::syncing), std::memory_order_release);
       *why = "the copy of server " + std::to_string(origin) + "'s table " + std::to_string(id) +
-             " has no memory for row " + std::to_string(rows[i].key);
+             " has no room for row " + std::to_string(rows[i].key) + ": it holds " + std::to_string(t->stats().rows) +
+             " rows, at most twice its origin's cap and " + std::to_string(kCopySlack) +
+             " more, or this server has no memory";
       return Errc::capacity;
     }
   }

@@ -359,10 +359,14 @@ class ShardEngine {
   std::uint64_t table_record_floats(std::uint32_t id) const noexcept;  // 0: no such table
 
   // Replicas of the origins' tables, applied in the order they come (the origin queues them in
-  // the order it read them). replica_table (re)starts the copy of table `id`, empty and without a
-  // cap or eviction of its own (its memory is promised by this server's own table of that id:
-  // create_table counts the copies); replica_rows writes rows as the origin holds them ([value |
-  // state] each), or, with `records` null, removes them. `position`: the frame's place in the
+  // the order it read them). replica_table (re)starts the copy of table `id`, empty and without
+  // eviction of its own; replica_rows writes rows as the origin holds them ([value | state]
+  // each), or, with `records` null, removes them. The origin's cap comes from a peer, so a copy is
+  // held to it: the copies together are charged at their caps against this server's table memory
+  // (an honest ring's copies take (R-1)/R of it, since create_table charges each table R times),
+  // and a copy holds at most twice its cap plus a segment of rows (kCopySlack), room for the
+  // rows the origin evicted whose removals are still on their way. Past either, the frame is
+  // refused with Errc::capacity and the copy is broken until a new transfer. `position`: the frame's place in the
   // origin's table stream, which a rejoin compares. Frames that come on another connection than
   // the current transfer's (mark_replica) are checked, then dropped: a connection the origin gave
   // up on may still deliver what it had queued, after the new transfer's copy.
@@ -448,7 +452,8 @@ class ShardEngine {
     mutable std::mutex tables_mu;
     std::array<std::shared_ptr<EmbeddingTable>, kMaxTables> tables;
     std::array<TableSpec, kMaxTables> table_requested{};
-    std::array<std::uint64_t, kMaxTables> table_cap{};               // the origin's caps (a copy itself has none)
+    std::array<std::uint64_t, kMaxTables> table_cap{};               // the origin's caps
+    std::array<std::uint64_t, kMaxTables> table_charge{};            // each copy's share of copies_charged_
     std::array<std::vector<std::uint64_t>, kMaxTables> table_marks;  // the origin's push marks
     std::uint64_t table_connection = 0;                              // under tables_mu: see mark_replica
     // Held while a table frame is applied, and while replica_table_rows reads a page: a page is
@@ -465,6 +470,12 @@ class ShardEngine {
     bool sealed = false;  // under seal_mu
   };
   std::vector<std::unique_ptr<Replica>> replicas_;
+  // What the copies of the predecessors' tables are charged, over every replica: at most
+  // options_.table_memory_bytes (see apply_replica_table).
+  std::atomic<std::uint64_t> copies_charged_{0};
+  static constexpr std::uint64_t kCopySlack = 1u << 16;  // rows a copy may hold past twice its cap
+  // Under r.tables_mu: drops r's copy of table `id` and its charge.
+  void drop_copy(Replica& r, std::uint32_t id) noexcept;
   Replicator* replicator_ = nullptr;
   Membership* membership_ = nullptr;
   // A table is published once whole and never removed while the engine lives, so lookups take

@@ -154,5 +154,69 @@ TEST(TableReplica, AnIdentifiedPushIsAppliedOnceAndItsMarkComesBackWithTheRows) 
   EXPECT_TRUE(again) << "a push the restored rows hold was applied again";
 }
 
+// The origin's cap comes from a peer: a copy holds at most twice it and a segment more, and the
+// copies together are charged at their caps against this server's table memory.
+TEST(TableReplica, ACopyIsHeldToTwiceItsOriginsCapAndASegment) {
+  ShardEngine e(replica_options());
+  std::string why;
+  ASSERT_EQ(e.mark_replica(kOrigin, ReplicaMark::syncing, &why, kNew), Errc::ok) << why;
+  ASSERT_EQ(e.apply_replica_table(kOrigin, kNew, 1, kTable, spec(), 100, {}, &why), Errc::ok) << why;
+  const std::uint64_t bound = 2 * 100 + (1u << 16);
+  const std::vector<float> records(std::size_t{1000} * kDim, 1.0f);
+  std::vector<KeyEntry> rows;
+  Key next = 1;
+  std::uint32_t position = 2;
+  while (next <= bound) {
+    rows.clear();
+    for (; rows.size() < 1000 && next <= bound; ++next) rows.push_back({next, kDim, 0});
+    ASSERT_EQ(e.apply_replica_rows(kOrigin, kNew, position++, kTable, rows, records.data(), &why), Errc::ok) << why;
+  }
+  // Rows it holds are still rewritten at the bound; one more is refused, and the copy is broken.
+  const KeyEntry again{bound, kDim, 0}, past{bound + 1, kDim, 0};
+  ASSERT_EQ(e.apply_replica_rows(kOrigin, kNew, position++, kTable, {&again, 1}, records.data(), &why), Errc::ok)
+      << why;
+  EXPECT_EQ(e.apply_replica_rows(kOrigin, kNew, position++, kTable, {&past, 1}, records.data(), &why), Errc::capacity);
+  EXPECT_NE(why.find("no room for row " + std::to_string(bound + 1)), std::string::npos) << why;
+  ASSERT_EQ(e.mark_replica(kOrigin, ReplicaMark::synced, &why, kNew), Errc::ok) << why;
+  EXPECT_FALSE(copy_of(e).synced) << "a copy that missed a row was taken for whole";
+  std::uint64_t held = 0;
+  for (std::uint32_t cursor = 0;;) {
+    ReplicaTableRows page;
+    ASSERT_EQ(e.replica_table_rows(kOrigin, kTable, cursor, 4096, 1 << 20, &page, &why), Errc::ok) << why;
+    held += page.ids.size();
+    if ((cursor = page.next) == 0) break;
+  }
+  EXPECT_EQ(held, bound);
+}
+
+TEST(TableReplica, TheCopiesAreChargedAtTheirCapsAgainstTheTableMemory) {
+  ShardEngine e(replica_options());  // 64 MiB of table memory
+  std::string why;
+  ASSERT_EQ(e.mark_replica(kOrigin, ReplicaMark::syncing, &why, kNew), Errc::ok) << why;
+  TableSpec wide = spec();
+  wide.max_rows = 0;  // declared without a cap: the origin ships the one its memory gave it
+  const std::uint64_t rows_per_mib = (1u << 20) / EmbeddingTable::row_bytes_bound(wide);
+  // Two copies of 40 MiB do not fit in 64; the same table sent again replaces its charge.
+  std::uint32_t position = 1;
+  ASSERT_EQ(e.apply_replica_table(kOrigin, kNew, position++, kTable, wide, 40 * rows_per_mib, {}, &why), Errc::ok)
+      << why;
+  ASSERT_EQ(e.apply_replica_table(kOrigin, kNew, position++, kTable, wide, 40 * rows_per_mib, {}, &why), Errc::ok)
+      << why;
+  EXPECT_EQ(e.apply_replica_table(kOrigin, kNew, position++, kTable + 1, wide, 40 * rows_per_mib, {}, &why),
+            Errc::capacity);
+  EXPECT_NE(why.find("--table-memory-mb"), std::string::npos) << why;
+  ReplicaTableRows refused;
+  ASSERT_EQ(e.replica_table_rows(kOrigin, kTable + 1, 0, 10, 1 << 20, &refused, &why), Errc::ok) << why;
+  EXPECT_FALSE(refused.exists);
+  // A cap past the whole table memory is refused on its own; a new transfer frees every charge.
+  EXPECT_EQ(e.apply_replica_table(kOrigin, kNew, position++, kTable + 2, wide, 65 * rows_per_mib, {}, &why),
+            Errc::capacity);
+  ASSERT_EQ(e.mark_replica(kOrigin, ReplicaMark::syncing, &why, kNew + 1), Errc::ok) << why;
+  EXPECT_EQ(e.apply_replica_table(kOrigin, kNew + 1, 1, kTable + 1, wide, 40 * rows_per_mib, {}, &why), Errc::ok)
+      << why;
+  EXPECT_EQ(e.apply_replica_table(kOrigin, kNew + 1, 2, kTable + 2, wide, 16 * rows_per_mib, {}, &why), Errc::ok)
+      << why;
+}
+
 }  // namespace
 }  // namespace pskv
