@@ -452,6 +452,35 @@ class RawPeer {
   rdma::AcceptInfo info_{};
 };
 
+// A stats text longer than one reply SEND (kControlBytes) comes in pages, each cut from the text
+// as it was when the first was asked for; a page asked for out of turn is refused.
+TEST(Rdma, StatsLongerThanOneReplyComeWholeInPages) {
+  PSKV_REQUIRE_RDMA();
+  constexpr int kWorkers = 20000;  // their clocks alone make about 40 KB of text: three pages
+  auto server = start_rdma_server({"--workers", std::to_string(kWorkers)});
+  Client c(rdma_client({server.uri}));
+  for (int round = 0; round < 2; ++round) {
+    const std::string stats = c.server_stats(0);
+    EXPECT_GT(stats.size(), 2 * rdma::kControlBytes);
+    ASSERT_FALSE(stats.empty());
+    EXPECT_EQ(stats.front(), '{');
+    EXPECT_EQ(stats.back(), '}');
+    const auto at = stats.find("\"clocks_by_worker\":[");
+    ASSERT_NE(at, std::string::npos) << stats.substr(0, 200);
+    const auto end = stats.find(']', at);
+    ASSERT_NE(end, std::string::npos);
+    EXPECT_EQ(std::count(stats.begin() + at, stats.begin() + end, ','), kWorkers - 1);
+    EXPECT_EQ(testing::stats_field(stats, "server_id"), 0) << stats.substr(0, 200);
+  }
+  RawPeer p(server.uri);
+  const wire::FrameHeader h = wire::make_header(wire::Op::stats, 1, 0, 0, 100, 0);
+  p.send(&h, sizeof h);
+  const auto [status, text] = p.reply();
+  EXPECT_EQ(status, static_cast<int>(Errc::protocol)) << text;
+  EXPECT_NE(text.find("ask from byte 0 first"), std::string::npos) << text;
+  EXPECT_FALSE(c.server_stats(0).empty());
+}
+
 // Each kind of malformed message gets an error (when there is a frame to answer) and closes
 // that one connection; a well-behaved client is served throughout.
 TEST(Rdma, MalformedMessagesCloseOnlyTheirConnection) {

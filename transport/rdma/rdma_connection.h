@@ -97,6 +97,7 @@ class RdmaConnection final : public transport::Connection {
     std::string why;
     wire::Op sent_op = wire::Op::hello;  // what the message in flight asks
     std::uint32_t message_bytes = 0;     // control SEND: bytes at the start of staging
+    std::uint64_t text_total = 0;        // stats: the whole text's length, once its first page came
     // push/init: the message's size in the receive region, where it ends there, its gather list
     // and how many of those entries each WRITE of the chain takes.
     std::uint64_t message_total = 0;

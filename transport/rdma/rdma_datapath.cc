@@ -184,6 +184,7 @@ void RdmaConnection::prepare(InFlight& s) {
   }
   if (!written_into_region(r.op)) {
     ensure_staging(s, kControlBytes);
+    s.text_total = 0;
     const wire::FrameHeader h = wire::make_header(r.op, s.id, 0, 0, r.arg0, r.arg1);
     std::memcpy(s.staging.data(), &h, kHeader);
     s.message_bytes = kHeader;
@@ -823,7 +824,33 @@ void RdmaConnection::on_reply(std::uint32_t buffer, std::uint32_t bytes) {
       s.bound = h.arg0;
       s.have_bound = true;
     }
-    if (status == Errc::ok && (op == wire::Op::stats || op == wire::Op::certificates)) {
+    if (status == Errc::ok && op == wire::Op::stats && s.request->text_out && h.arg0 > text.size()) {
+      // A text longer than one reply comes in pages (rdma_server_io.cc): ask for the next one.
+      std::string& whole = *s.request->text_out;
+      if (s.text_total == 0) whole.clear();
+      const std::uint64_t limit = options_.limits.max_payload_bytes;
+      if (text.empty() || h.arg0 > limit || (s.text_total != 0 && h.arg0 != s.text_total) ||
+          whole.size() + text.size() > h.arg0) {
+        fail_all(Errc::protocol, endpoint_ + " sent a page of " + std::to_string(text.size()) + " bytes of a " +
+                                     std::to_string(h.arg0) + "-byte stats text, which does not follow the " +
+                                     std::to_string(whole.size()) + " bytes it sent before (of " +
+                                     std::to_string(s.text_total) + ")");
+        return;
+      }
+      s.text_total = h.arg0;
+      whole += text;
+      text.clear();
+      if (whole.size() < s.text_total) {
+        wire::FrameHeader next;
+        std::memcpy(&next, s.staging.data(), kHeader);
+        next.arg0 = whole.size();
+        std::memcpy(s.staging.data(), &next, kHeader);
+        s.phase = Phase::send_queued;
+        send_queue_.push_back(index);
+        pump();
+        return;
+      }
+    } else if (status == Errc::ok && (op == wire::Op::stats || op == wire::Op::certificates)) {
       if (s.request->text_out)
         s.request->text_out->swap(text);
       else

@@ -337,8 +337,17 @@ bool IoThread::dispatch(ServerConn& c, const wire::FrameHeader& h) {
       engine_.barrier(c.worker, h.arg0, std::make_unique<ParkedReply>(c.shared_from_this(), h));
       return true;
     case wire::Op::stats: {
-      const std::string json = engine_.stats_json();
-      return reply(c, h, Errc::ok, json.data(), json.size(), wire::kText);
+      // A text longer than a reply goes in pages: arg0 asks for the one at that offset, and
+      // each answer's arg0 is the text's whole length.
+      if (h.arg0 == 0) c.stats_text = engine_.stats_json();
+      if (h.arg0 >= c.stats_text.size())
+        return send_error(c, h, Errc::protocol,
+                          "stats asked from byte " + std::to_string(h.arg0) + " of a " +
+                              std::to_string(c.stats_text.size()) + "-byte text (ask from byte 0 first)");
+      const std::size_t page = std::min<std::size_t>(c.stats_text.size() - h.arg0, kControlBytes - kHeader);
+      const bool sent = reply(c, h, Errc::ok, c.stats_text.data() + h.arg0, page, wire::kText, c.stats_text.size());
+      if (h.arg0 + page == c.stats_text.size()) std::string().swap(c.stats_text);
+      return sent;
     }
     case wire::Op::push:
     case wire::Op::init:
