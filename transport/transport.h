@@ -111,6 +111,10 @@ struct ConnectOptions {
   wire::Limits limits{};
   // tcp/rdma: prove this token to the server and require the server to prove it back.
   std::shared_ptr<const auth::Token> token;
+  // tcp/rdma: once true, a connect under way (its handshake included) gives up within about
+  // 50 ms (Errc::peer_failure), rather than waiting out its timeouts on a peer that does not
+  // answer: a replicator stopping its keepers. Must outlive the connect.
+  const std::atomic<bool>* cancel = nullptr;
 };
 
 // What the server said about itself at connect time.

@@ -25,9 +25,12 @@ constexpr auto kLongestConnect = std::chrono::milliseconds(4000);  // a keeper's
 // How long a takeover waits for a replica it never reached, in io timeouts (certified_down).
 constexpr int kTakeoverPatience = 10;
 
+// `cancel`: see transport::ConnectOptions::cancel.
 std::shared_ptr<transport::Connection> connect_to(const ReplicaPeer& peer, const ReplicatorOptions& o,
-                                                  std::chrono::milliseconds connect_timeout) {
+                                                  std::chrono::milliseconds connect_timeout,
+                                                  const std::atomic<bool>* cancel = nullptr) {
   transport::ConnectOptions c;
+  c.cancel = cancel;
   c.worker_id = wire::kServerPeer;  // the replication ops are only taken from servers
   c.connect_timeout = connect_timeout;
   c.io_timeout = o.io_timeout;
@@ -872,8 +875,10 @@ void TcpReplicator::keeper(Replica& r) {
     }
     std::shared_ptr<transport::Connection> conn;
     try {
-      conn = connect_to(r.peer, options_, connect_timeout);
+      // stop() joins this thread: a peer that does not answer must not hold it for the timeouts.
+      conn = connect_to(r.peer, options_, connect_timeout, &stopping_);
     } catch (const Error& e) {
+      if (stopping_.load()) break;
       if (e.code() == Errc::timeout) connect_timeout = std::min(connect_timeout * 2, kLongestConnect);
       if (!said_unreachable && r.state.load() == static_cast<int>(State::down))
         log::warn("replication", "server " + std::to_string(options_.server_id) + ": replica server " +

@@ -13,6 +13,7 @@
 #include <chrono>
 #include <functional>
 #include <future>
+#include <thread>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -155,6 +156,27 @@ TEST(Replicator, NothingReachesAReplicaBeforeStart) {
     EXPECT_TRUE(replica.connected_within(30s)) << "start() did not reach the replica";
   }
   ASSERT_EQ(acked.wait_for(0s), std::future_status::ready) << "stop() left the clock unanswered";
+}
+
+// A replica whose port takes the connection but never answers the hello (a hung process):
+// the keeper waits for its reply for the io timeout, but stop() (a server's stop, a takeover
+// quiesced for a hand-back while its keys wait) must not wait that out.
+TEST(Replicator, StopDoesNotWaitOutAConnectToAReplicaThatDoesNotAnswer) {
+  const LoopbackPort replica(/*listening=*/true);
+  ShardEngine engine{origin_options()};
+  ReplicatorOptions options;
+  options.server_id = 0;
+  options.replicas = {{1, replica.uri()}};
+  options.io_timeout = 60s;
+  TcpReplicator replicator(engine, options);
+  replicator.start();
+  ASSERT_TRUE(replica.connected_within(30s)) << "start() did not reach the replica";
+  std::this_thread::sleep_for(200ms);  // well inside the hello's wait
+  const auto began = std::chrono::steady_clock::now();
+  replicator.stop();
+  const auto took = std::chrono::steady_clock::now() - began;
+  EXPECT_LT(took, 10s) << "stop() waited " << std::chrono::duration_cast<std::chrono::milliseconds>(took).count()
+                       << " ms for a connect to a replica that does not answer (its io timeout is 60 s)";
 }
 
 }  // namespace

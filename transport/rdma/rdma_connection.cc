@@ -89,7 +89,11 @@ RdmaConnection::RdmaConnection(const Uri& uri, const transport::ConnectOptions& 
     if (connected) break;
     refusal = this_refusal;
     if (!options_.wait_for_listener || Clock::now() + pause >= deadline) throw nothing_accepts();
-    std::this_thread::sleep_for(pause);
+    for (auto slept = std::chrono::milliseconds(0); slept < pause; slept += std::chrono::milliseconds(10)) {
+      if (options_.cancel && options_.cancel->load(std::memory_order_acquire))
+        throw Error(Errc::peer_failure, "connecting to " + endpoint_ + " was cancelled");
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
     pause = std::min(pause * 2, std::chrono::milliseconds(500));
   }
   if (const auto proof =
@@ -161,7 +165,7 @@ bool RdmaConnection::connect_once(const Uri& uri, Deadline deadline, std::string
     throw Error(Errc::io, "rdma_create_id: " + errno_text(errno));
 
   auto wait_event = [&](rdma_cm_event_type want, const char* step) -> CmEvent {
-    rdma_cm_event* ev = next_cm_event(v->events, deadline);
+    rdma_cm_event* ev = next_cm_event(v->events, deadline, options_.cancel);
     if (!ev)
       throw Error(Errc::timeout, "no answer from " + endpoint_ + " within " +
                                      std::to_string(options_.connect_timeout.count()) + " ms (" + step +
@@ -265,7 +269,7 @@ bool RdmaConnection::connect_once(const Uri& uri, Deadline deadline, std::string
   if (rdma_connect(v->id, &param) != 0)
     throw Error(Errc::peer_failure, "rdma_connect to " + endpoint_ + ": " + errno_text(errno));
 
-  rdma_cm_event* raw = next_cm_event(v->events, deadline);
+  rdma_cm_event* raw = next_cm_event(v->events, deadline, options_.cancel);
   if (!raw)
     throw Error(Errc::timeout, endpoint_ + " did not accept the connection within " +
                                    std::to_string(options_.connect_timeout.count()) +
@@ -350,6 +354,8 @@ void RdmaConnection::authenticate(const auth::Proof& proof, Deadline deadline) {
       }
     }
     if (n == 0) {
+      if (options_.cancel && options_.cancel->load(std::memory_order_acquire))
+        throw Error(Errc::peer_failure, "authenticating with " + endpoint_ + " was cancelled");
       if (Clock::now() >= deadline)
         throw Error(Errc::timeout, endpoint_ + " did not answer the authentication within " +
                                        std::to_string(options_.connect_timeout.count()) + " ms");

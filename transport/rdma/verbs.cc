@@ -233,17 +233,19 @@ MemoryRegion& MemoryRegion::operator=(MemoryRegion&& o) noexcept {
   return *this;
 }
 
-rdma_cm_event* next_cm_event(rdma_event_channel* channel, Deadline deadline) {
+rdma_cm_event* next_cm_event(rdma_event_channel* channel, Deadline deadline, const std::atomic<bool>* cancel) {
   for (;;) {
     rdma_cm_event* ev = nullptr;
     if (rdma_get_cm_event(channel, &ev) == 0) return ev;
     if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
       throw Error(Errc::io, "rdma_get_cm_event: " + errno_text(errno));
+    if (cancel && cancel->load(std::memory_order_acquire))
+      throw Error(Errc::peer_failure, "the connection's set-up was cancelled");
     const auto left =
         std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
     if (left.count() <= 0) return nullptr;
     pollfd p{channel->fd, POLLIN, 0};
-    ::poll(&p, 1, static_cast<int>(std::min<long long>(left.count() + 1, 1000)));
+    ::poll(&p, 1, static_cast<int>(std::min<long long>(left.count() + 1, cancel ? 50 : 1000)));
   }
 }
 

@@ -7,6 +7,7 @@
 #include <infiniband/verbs.h>
 #include <rdma/rdma_cma.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -107,8 +108,9 @@ struct RegisteredBuffer {
 };
 
 // Waits for the next rdma_cm event until `deadline`: nullptr on timeout. The caller acks it.
-// The channel's fd must be non-blocking.
-rdma_cm_event* next_cm_event(rdma_event_channel* channel, Deadline deadline);
+// The channel's fd must be non-blocking. Throws Error(peer_failure) once *cancel (if given) is
+// true, looked at every 50 ms.
+rdma_cm_event* next_cm_event(rdma_event_channel* channel, Deadline deadline, const std::atomic<bool>* cancel = nullptr);
 
 // An Error's message without the "pskv <code>: " prefix, for passing it on inside another error.
 std::string message_of(const Error& e);

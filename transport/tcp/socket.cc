@@ -69,7 +69,22 @@ addrinfo* resolve(const std::string& host, std::uint16_t port, bool passive) {
 }
 }  // namespace
 
-Fd connect_tcp(const std::string& host, std::uint16_t port, std::chrono::milliseconds timeout) {
+int poll_or_cancel(int fd, short events, std::chrono::milliseconds timeout, const std::atomic<bool>* cancel) {
+  constexpr std::chrono::milliseconds kSlice{50};
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  for (;;) {
+    if (cancel && cancel->load(std::memory_order_acquire)) return -1;
+    const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0) return 0;
+    pollfd p{fd, events, 0};
+    const int rc = ::poll(&p, 1, static_cast<int>(cancel ? std::min(left, kSlice).count() : left.count()));
+    if (rc > 0) return 1;
+    if (rc < 0 && errno != EINTR) return 1;  // the caller's next call reports the error
+  }
+}
+
+Fd connect_tcp(const std::string& host, std::uint16_t port, std::chrono::milliseconds timeout,
+               const std::atomic<bool>* cancel) {
   addrinfo* res = resolve(host, port, false);
   std::string last_error = "no address";
   for (addrinfo* ai = res; ai; ai = ai->ai_next) {
@@ -77,8 +92,11 @@ Fd connect_tcp(const std::string& host, std::uint16_t port, std::chrono::millise
     if (!fd) continue;
     int rc = ::connect(fd.get(), ai->ai_addr, ai->ai_addrlen);
     if (rc != 0 && errno == EINPROGRESS) {
-      pollfd p{fd.get(), POLLOUT, 0};
-      rc = ::poll(&p, 1, static_cast<int>(timeout.count()));
+      rc = poll_or_cancel(fd.get(), POLLOUT, timeout, cancel);
+      if (rc < 0) {
+        freeaddrinfo(res);
+        throw Error(Errc::peer_failure, "connecting to " + host + ":" + std::to_string(port) + " was cancelled");
+      }
       if (rc == 0) {
         last_error = "no answer within " + std::to_string(timeout.count()) + " ms";
         continue;

@@ -4,6 +4,7 @@
 #include <sys/types.h>
 #include <sys/uio.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <string>
@@ -39,8 +40,13 @@ class Fd {
   int fd_ = -1;
 };
 
-// Resolves and connects (IPv4/IPv6) within `timeout`; sets TCP_NODELAY. Throws Error.
-Fd connect_tcp(const std::string& host, std::uint16_t port, std::chrono::milliseconds timeout);
+// Resolves and connects (IPv4/IPv6) within `timeout`, or until *cancel turns true; sets
+// TCP_NODELAY. Throws Error.
+Fd connect_tcp(const std::string& host, std::uint16_t port, std::chrono::milliseconds timeout,
+               const std::atomic<bool>* cancel = nullptr);
+// poll() of one fd for `events` within `timeout`, looking at *cancel (if given) every 50 ms:
+// 1 ready, 0 timed out, -1 cancelled.
+int poll_or_cancel(int fd, short events, std::chrono::milliseconds timeout, const std::atomic<bool>* cancel);
 // Binds and listens; port 0 picks a free port (see local_port).
 Fd listen_tcp(const std::string& host, std::uint16_t port, int backlog);
 std::uint16_t local_port(int fd);

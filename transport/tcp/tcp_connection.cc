@@ -1,5 +1,6 @@
 #include "transport/tcp/tcp_connection.h"
 
+#include <poll.h>
 #include <sys/socket.h>
 
 #include <cstring>
@@ -25,7 +26,7 @@ constexpr std::int64_t kReaderIdleNs = 100'000'000;
 TcpConnection::TcpConnection(const Uri& uri, const transport::ConnectOptions& options)
     : options_(options), endpoint_(uri.str()) {
   if (options_.max_in_flight == 0) options_.max_in_flight = 1;
-  fd_ = connect_tcp(uri.host, uri.port, options.connect_timeout);
+  fd_ = connect_tcp(uri.host, uri.port, options.connect_timeout, options.cancel);
   set_io_timeouts(fd_.get(), options.io_timeout, options.io_timeout);
   handshake();
   in_flight_.resize(options_.max_in_flight);
@@ -73,6 +74,10 @@ void TcpConnection::handshake() {
 
 wire::FrameHeader TcpConnection::read_handshake_reply(const char* step) {
   wire::FrameHeader r{};
+  // A blocking read would wait out the io timeout whatever the canceller says.
+  if (options_.cancel && poll_or_cancel(fd_.get(), POLLIN, options_.io_timeout, options_.cancel) < 0)
+    throw Error(Errc::peer_failure,
+                std::string("waiting for the ") + step + " reply from " + endpoint_ + " was cancelled");
   const IoResult res = read_full(fd_.get(), &r, sizeof r);
   if (res != IoResult::ok)
     throw Error(res == IoResult::timeout ? Errc::timeout : Errc::peer_failure,
