@@ -896,7 +896,9 @@ bool ShardEngine::tables_refused(std::string* why) const {
 std::uint64_t ShardEngine::table_cost(const TableSpec& spec, std::uint64_t* max_rows) const noexcept {
   // A replicated server also keeps the copies of its predecessors' tables, which every server of
   // the job creates alike: a table takes its rows at the cap once per replica.
-  const std::uint64_t copies = options_.replicate_tables ? options_.replica_of.size() + 1 : 1;
+  const std::uint64_t copies = !options_.replicate_tables ? 1
+                               : options_.table_copies    ? options_.table_copies
+                                                          : options_.replica_of.size() + 1;
   // A table kept in storage logs its row writes: one undo record per index shard, as wide as a row
   // with its state (100 MiB for 1024-float Adam rows).
   const std::uint64_t fixed =
@@ -1124,9 +1126,11 @@ Errc ShardEngine::apply_replica_table(std::uint32_t origin, std::uint64_t connec
     *why = "the copy of server " + std::to_string(origin) + "'s table " + std::to_string(id) + ": " + what;
     return Errc::capacity;
   };
-  const std::uint64_t charged = copies_charged_.fetch_add(charge, std::memory_order_relaxed);
+  std::uint64_t charged = copies_charged_.load(std::memory_order_relaxed);
+  while (charged + charge <= options_.table_memory_bytes &&
+         !copies_charged_.compare_exchange_weak(charged, charged + charge, std::memory_order_relaxed)) {
+  }
   if (charged + charge > options_.table_memory_bytes) {
-    copies_charged_.fetch_sub(charge, std::memory_order_relaxed);
     return broken("it would take " + std::to_string(charge >> 20) + " MiB at its cap of " + std::to_string(max_rows) +
                   " rows, and the copies of other servers' tables this server keeps already take " +
                   std::to_string(charged >> 20) + " MiB of its table memory (--table-memory-mb, " +

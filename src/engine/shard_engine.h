@@ -54,6 +54,10 @@ struct EngineOptions {
   std::vector<std::uint32_t> replica_of;
   // What all embedding tables' rows may take at their caps (--table-memory-mb).
   std::uint64_t table_memory_bytes = 4ull << 30;
+  // How many servers hold each table (R): a replicated server charges its tables that many
+  // times, since each of them keeps the copies of its predecessors' alike. 0: replica_of's
+  // servers and this one (a failover's takeover engine, which keeps no replicas, says R).
+  std::uint32_t table_copies = 0;
   // Tables mark the rows each push changes, for incremental checkpoints (--checkpoint-dir).
   bool track_table_changes = false;
   // With a replicator: the transport ships tables' rows too (tcp and rdma servers do), so table
@@ -364,9 +368,10 @@ class ShardEngine {
   // each), or, with `records` null, removes them. The origin's cap comes from a peer, so a copy is
   // held to it: the copies together are charged at their caps against this server's table memory
   // (an honest ring's copies take (R-1)/R of it, since create_table charges each table R times),
-  // and a copy holds at most twice its cap plus a segment of rows (kCopySlack), room for the
-  // rows the origin evicted whose removals are still on their way. Past either, the frame is
-  // refused with Errc::capacity and the copy is broken until a new transfer. `position`: the frame's place in the
+  // and a copy holds at most twice its cap and kCopySlack rows, room for the rows the origin
+  // evicted whose removals are still on their way (so the copies take at most about twice the
+  // table memory). Past either, the frame is refused with Errc::capacity and the copy is broken
+  // until a new transfer. `position`: the frame's place in the
   // origin's table stream, which a rejoin compares. Frames that come on another connection than
   // the current transfer's (mark_replica) are checked, then dropped: a connection the origin gave
   // up on may still deliver what it had queued, after the new transfer's copy.
@@ -473,7 +478,7 @@ class ShardEngine {
   // What the copies of the predecessors' tables are charged, over every replica: at most
   // options_.table_memory_bytes (see apply_replica_table).
   std::atomic<std::uint64_t> copies_charged_{0};
-  static constexpr std::uint64_t kCopySlack = 1u << 16;  // rows a copy may hold past twice its cap
+  static constexpr std::uint64_t kCopySlack = 64;  // rows a copy may hold past twice its cap
   // Under r.tables_mu: drops r's copy of table `id` and its charge.
   void drop_copy(Replica& r, std::uint32_t id) noexcept;
   Replicator* replicator_ = nullptr;

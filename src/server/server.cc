@@ -299,6 +299,8 @@ class ServerImpl {
     EngineOptions e = engine_->options();
     e.server_id = origin;
     e.replica_of.clear();
+    // Its tables' copies on the rest of the chain are charged as the origin's were.
+    e.table_copies = options_.replicas;
     e.mark_pushes = true;
     e.replicate_tables = true;
     e.track_table_changes = false;
