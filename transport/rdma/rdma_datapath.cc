@@ -824,13 +824,16 @@ void RdmaConnection::on_reply(std::uint32_t buffer, std::uint32_t bytes) {
       s.bound = h.arg0;
       s.have_bound = true;
     }
-    if (status == Errc::ok && op == wire::Op::stats && s.request->text_out && h.arg0 > text.size()) {
+    if (status == Errc::ok && op == wire::Op::stats && s.request->text_out &&
+        (s.text_total != 0 || h.arg0 > text.size())) {
       // A text longer than one reply comes in pages (rdma_server_io.cc): ask for the next one.
+      // Every page but the last is full, so a server cannot drag this out a byte at a time.
       std::string& whole = *s.request->text_out;
       if (s.text_total == 0) whole.clear();
       const std::uint64_t limit = options_.limits.max_payload_bytes;
-      if (text.empty() || h.arg0 > limit || (s.text_total != 0 && h.arg0 != s.text_total) ||
-          whole.size() + text.size() > h.arg0) {
+      const std::uint64_t after = whole.size() + text.size();
+      if (text.empty() || h.arg0 > limit || (s.text_total != 0 && h.arg0 != s.text_total) || after > h.arg0 ||
+          (after < h.arg0 && text.size() != kControlBytes - kHeader)) {
         fail_all(Errc::protocol, endpoint_ + " sent a page of " + std::to_string(text.size()) + " bytes of a " +
                                      std::to_string(h.arg0) + "-byte stats text, which does not follow the " +
                                      std::to_string(whole.size()) + " bytes it sent before (of " +

@@ -48,9 +48,15 @@ class ServerConn : public std::enable_shared_from_this<ServerConn> {
   std::vector<std::uint32_t> free_send;
   std::vector<wire::KeyEntry> keys;  // scratch: a request's key table, copied out of client memory
   std::vector<LookupEntry> lookups;
-  // The stats text a client is reading in pages (a reply is one SEND of kControlBytes): cut from
-  // the text as it was when its first page was asked for, dropped once its last page is sent.
-  std::string stats_text;
+  // Stats texts the client is reading in pages (a reply is one SEND of kControlBytes), by the
+  // request id they are read under: each cut from the text as it was when its first page was
+  // asked for, dropped once its last page is sent; the oldest goes past kStatsReadings.
+  struct StatsReading {
+    std::uint64_t request_id;
+    std::string text;
+  };
+  static constexpr std::size_t kStatsReadings = 4;
+  std::deque<StatsReading> stats_readings;
 };
 
 // A completion thread and the connections it owns.

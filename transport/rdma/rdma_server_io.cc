@@ -339,14 +339,28 @@ bool IoThread::dispatch(ServerConn& c, const wire::FrameHeader& h) {
     case wire::Op::stats: {
       // A text longer than a reply goes in pages: arg0 asks for the one at that offset, and
       // each answer's arg0 is the text's whole length.
-      if (h.arg0 == 0) c.stats_text = engine_.stats_json();
-      if (h.arg0 >= c.stats_text.size())
-        return send_error(c, h, Errc::protocol,
-                          "stats asked from byte " + std::to_string(h.arg0) + " of a " +
-                              std::to_string(c.stats_text.size()) + "-byte text (ask from byte 0 first)");
-      const std::size_t page = std::min<std::size_t>(c.stats_text.size() - h.arg0, kControlBytes - kHeader);
-      const bool sent = reply(c, h, Errc::ok, c.stats_text.data() + h.arg0, page, wire::kText, c.stats_text.size());
-      if (h.arg0 + page == c.stats_text.size()) std::string().swap(c.stats_text);
+      auto& readings = c.stats_readings;
+      auto reading = std::find_if(readings.begin(), readings.end(),
+                                  [&](const ServerConn::StatsReading& r) { return r.request_id == h.request_id; });
+      if (h.arg0 == 0) {
+        if (reading != readings.end()) readings.erase(reading);
+        if (readings.size() == ServerConn::kStatsReadings) readings.pop_front();
+        readings.push_back({h.request_id, engine_.stats_json()});
+        reading = std::prev(readings.end());
+      } else if (reading == readings.end()) {
+        return send_error(c, h, Errc::capacity,
+                          "the stats text this page was asked from is gone (more than " +
+                              std::to_string(ServerConn::kStatsReadings) +
+                              " stats readings at once on this connection, or no first page); ask again");
+      }
+      const std::string& text = reading->text;
+      if (h.arg0 >= text.size())
+        return send_error(
+            c, h, Errc::protocol,
+            "stats asked from byte " + std::to_string(h.arg0) + " of a " + std::to_string(text.size()) + "-byte text");
+      const std::size_t page = std::min<std::size_t>(text.size() - h.arg0, kControlBytes - kHeader);
+      const bool sent = reply(c, h, Errc::ok, text.data() + h.arg0, page, wire::kText, text.size());
+      if (h.arg0 + page == text.size()) readings.erase(reading);
       return sent;
     }
     case wire::Op::push:
