@@ -115,6 +115,7 @@ struct ConnectOptions {
   // 50 ms (Errc::peer_failure), rather than waiting out its timeouts on a peer that does not
   // answer: a replicator stopping its keepers. Must outlive the connect.
   const std::atomic<bool>* cancel = nullptr;
+  bool cancelled() const noexcept { return cancel && cancel->load(std::memory_order_acquire); }
 };
 
 // What the server said about itself at connect time.

@@ -90,8 +90,7 @@ RdmaConnection::RdmaConnection(const Uri& uri, const transport::ConnectOptions& 
     refusal = this_refusal;
     if (!options_.wait_for_listener || Clock::now() + pause >= deadline) throw nothing_accepts();
     for (auto slept = std::chrono::milliseconds(0); slept < pause; slept += std::chrono::milliseconds(10)) {
-      if (options_.cancel && options_.cancel->load(std::memory_order_acquire))
-        throw Error(Errc::peer_failure, "connecting to " + endpoint_ + " was cancelled");
+      if (options_.cancelled()) throw Error(Errc::peer_failure, "connecting to " + endpoint_ + " was cancelled");
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
     pause = std::min(pause * 2, std::chrono::milliseconds(500));
@@ -354,8 +353,7 @@ void RdmaConnection::authenticate(const auth::Proof& proof, Deadline deadline) {
       }
     }
     if (n == 0) {
-      if (options_.cancel && options_.cancel->load(std::memory_order_acquire))
-        throw Error(Errc::peer_failure, "authenticating with " + endpoint_ + " was cancelled");
+      if (options_.cancelled()) throw Error(Errc::peer_failure, "authenticating with " + endpoint_ + " was cancelled");
       if (Clock::now() >= deadline)
         throw Error(Errc::timeout, endpoint_ + " did not answer the authentication within " +
                                        std::to_string(options_.connect_timeout.count()) + " ms");
