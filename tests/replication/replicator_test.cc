@@ -13,10 +13,10 @@
 #include <chrono>
 #include <functional>
 #include <future>
-#include <thread>
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <thread>
 
 #include "engine/shard_engine.h"
 
@@ -72,6 +72,15 @@ class LoopbackPort {
   int fd_;
   std::string uri_;
 };
+
+// Server 0's replicator with one replica, server 1, at `replica`.
+ReplicatorOptions origin_of_one(const LoopbackPort& replica, std::chrono::milliseconds io_timeout) {
+  ReplicatorOptions o;
+  o.server_id = 0;
+  o.replicas = {{1, replica.uri()}};
+  o.io_timeout = io_timeout;
+  return o;
+}
 
 // An origin whose replica, server 1, is at a refused port, and one clock shipped to it:
 // `acked` tells how it was answered. (The promise outlives the replicator, whose stop resumes
@@ -141,10 +150,7 @@ TEST(Replicator, ATakeoverGivesUpAReplicaNobodyCertifiesAfterTenIoTimeouts) {
 TEST(Replicator, NothingReachesAReplicaBeforeStart) {
   const LoopbackPort replica(/*listening=*/true);
   ShardEngine engine{origin_options()};
-  ReplicatorOptions options;
-  options.server_id = 0;
-  options.replicas = {{1, replica.uri()}};
-  options.io_timeout = 300ms;
+  const ReplicatorOptions options = origin_of_one(replica, 300ms);
   std::promise<Errc> done;
   std::future<Errc> acked = done.get_future();
   {
@@ -164,11 +170,7 @@ TEST(Replicator, NothingReachesAReplicaBeforeStart) {
 TEST(Replicator, StopDoesNotWaitOutAConnectToAReplicaThatDoesNotAnswer) {
   const LoopbackPort replica(/*listening=*/true);
   ShardEngine engine{origin_options()};
-  ReplicatorOptions options;
-  options.server_id = 0;
-  options.replicas = {{1, replica.uri()}};
-  options.io_timeout = 60s;
-  TcpReplicator replicator(engine, options);
+  TcpReplicator replicator(engine, origin_of_one(replica, 60s));
   replicator.start();
   ASSERT_TRUE(replica.connected_within(30s)) << "start() did not reach the replica";
   std::this_thread::sleep_for(200ms);  // well inside the hello's wait
