@@ -24,8 +24,10 @@
 #include <cstring>
 #include <filesystem>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <new>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <thread>
@@ -39,6 +41,7 @@
 #include "pskv/table.h"
 #include "pskv/update_rule.h"
 #include "store/update_kernels.h"
+#include "table/embedding_table.h"
 #include "transport/tcp/socket.h"
 #include "transport/tcp/tcp_server.h"
 
@@ -653,8 +656,9 @@ struct InsertPoint {
 
 // Creates every row of the rows workload's table once, ids [0, rows) in batches, `clients`
 // threads each taking every clients-th batch; then reads what a row costs from the servers.
+// `local` (--transport table): the threads push into that table of this process instead.
 InsertPoint insert_rows(const std::vector<std::string>& servers, std::uint64_t rows, std::size_t dim,
-                        std::size_t batch_keys, int clients) {
+                        std::size_t batch_keys, int clients, pskv::EmbeddingTable* local) {
   std::vector<std::string> errors(clients);
   std::vector<std::vector<double>> lat(clients);
   std::vector<std::thread> threads;
@@ -662,8 +666,11 @@ InsertPoint insert_rows(const std::vector<std::string>& servers, std::uint64_t r
   for (int c = 0; c < clients; ++c)
     threads.emplace_back([&, c] {
       try {
-        pskv::Client client(rows_client(servers, c));
-        client.create_table(0, rows_spec(dim, rows));
+        std::optional<pskv::Client> client;
+        if (!local) {
+          client.emplace(rows_client(servers, c));
+          client->create_table(0, rows_spec(dim, rows));
+        }
         std::vector<float> grads(batch_keys * dim, 0.0f);
         std::vector<pskv::Key> ids;
         lat[c].reserve(rows / batch_keys / clients + 1);
@@ -672,7 +679,10 @@ InsertPoint insert_rows(const std::vector<std::string>& servers, std::uint64_t r
           ids.clear();
           for (std::uint64_t id = base; id < std::min(rows, base + batch_keys); ++id) ids.push_back(id);
           const auto s = Clock::now();
-          client.wait(client.push_rows(0, ids, std::span<const float>(grads.data(), ids.size() * dim)));
+          if (local)
+            local->push(ids, grads.data(), 0);
+          else
+            client->wait(client->push_rows(0, ids, std::span<const float>(grads.data(), ids.size() * dim)));
           lat[c].push_back(seconds_since(s) * 1e6);
         }
       } catch (const std::exception& e) {
@@ -683,9 +693,14 @@ InsertPoint insert_rows(const std::vector<std::string>& servers, std::uint64_t r
   const double wall = seconds_since(t0);
   for (const auto& e : errors)
     if (!e.empty()) throw std::runtime_error(e);
-  pskv::Client admin(client_options(servers));
   double bytes = 0, alive = 0;
+  if (local) {
+    const pskv::TableStats stats = local->stats();
+    bytes = double(stats.bytes);
+    alive = double(stats.rows);
+  }
   for (std::size_t s = 0; s < servers.size(); ++s) {
+    pskv::Client admin(client_options(servers));
     const std::string json = admin.server_stats(s);
     bytes += stat_of(json, "table_0_bytes");
     alive += stat_of(json, "table_0_rows");
@@ -701,7 +716,7 @@ InsertPoint insert_rows(const std::vector<std::string>& servers, std::uint64_t r
 
 SparsePoint measure_sparse(const std::vector<std::string>& servers, const std::string& op, const KeyDraw& draw,
                            std::size_t floats, std::size_t batch_keys, int clients, double seconds,
-                           std::uint64_t table_rows = 0) {
+                           std::uint64_t table_rows = 0, pskv::EmbeddingTable* local = nullptr) {
   std::vector<std::vector<double>> lat(clients);
   std::vector<std::uint64_t> done(clients, 0);
   std::vector<std::string> errors(clients);
@@ -711,10 +726,11 @@ SparsePoint measure_sparse(const std::vector<std::string>& servers, const std::s
   for (int c = 0; c < clients; ++c)
     threads.emplace_back([&, c] {
       try {
-        pskv::Client client(table_rows ? rows_client(servers, c) : client_options(servers));
-        if (table_rows) client.create_table(0, rows_spec(floats, table_rows));
+        std::optional<pskv::Client> client;
+        if (!local) client.emplace(table_rows ? rows_client(servers, c) : client_options(servers));
+        if (table_rows && client) client->create_table(0, rows_spec(floats, table_rows));
         std::vector<float> buf(batch_keys * floats, 1e-3f);
-        client.register_buffer(buf.data(), buf.size() * sizeof(float));
+        if (client) client->register_buffer(buf.data(), buf.size() * sizeof(float));
         std::vector<pskv::Key> keys(batch_keys);
         std::vector<std::span<float>> outs;
         std::vector<std::span<const float>> ins;
@@ -734,10 +750,14 @@ SparsePoint measure_sparse(const std::vector<std::string>& servers, const std::s
         while (done[c] < 3 || seconds_since(start) < seconds) {
           std::copy_n(drawn.begin() + (done[c] % kBatches) * batch_keys, batch_keys, keys.begin());
           const auto s = Clock::now();
-          if (table_rows)
-            client.wait(op == "push" ? client.push_rows(0, keys, buf) : client.pull_rows(0, keys, buf));
+          if (local && op == "push")
+            local->push(keys, buf.data(), 0);
+          else if (local)
+            local->pull(keys, buf.data());
+          else if (table_rows)
+            client->wait(op == "push" ? client->push_rows(0, keys, buf) : client->pull_rows(0, keys, buf));
           else
-            client.wait(op == "push" ? client.push(keys, ins) : client.pull(keys, outs));
+            client->wait(op == "push" ? client->push(keys, ins) : client->pull(keys, outs));
           lat[c].push_back(seconds_since(s) * 1e6);
           ++done[c];
         }
@@ -807,9 +827,11 @@ int main(int argc, char** argv) {
   double seconds = 0.5;
   std::uint64_t max_ops = 200000;
   bool json = false;
-  app.add_option("--transport", transport, "tcp, shm or rdma")
+  app.add_option("--transport", transport,
+                 "tcp, shm or rdma; or table (rows workload only): no server and no transport, the clients' "
+                 "threads call one embedding table of this process, what a server's lookups cost alone")
       ->capture_default_str()
-      ->check(CLI::IsMember({"tcp", "shm", "rdma"}));
+      ->check(CLI::IsMember({"tcp", "shm", "rdma", "table"}));
   std::string shm_push = "worker";
   app.add_option("--shm-push", shm_push, "shm servers it starts: who applies a push (worker or server, as pskv-server)")
       ->capture_default_str()
@@ -946,7 +968,14 @@ int main(int argc, char** argv) {
   if (replicas > 1)
     for (int s = 0; s < servers; ++s)
       ring.push_back("tcp://127.0.0.1:" + std::to_string(pskv::tcp::free_loopback_port()));
-  if (targets.empty()) {
+  if (transport == "table" && (workload != "rows" || !targets.empty())) {
+    std::fprintf(stderr, "pskv-bench: --transport table is for --workload rows, without --server\n");
+    return 2;
+  }
+  // --transport table: the rows workload's table, in this process.
+  std::unique_ptr<pskv::EmbeddingTable> local_table;
+  if (transport == "table") local_table = std::make_unique<pskv::EmbeddingTable>(rows_spec(key_floats, table_keys));
+  if (targets.empty() && !local_table) {
     const std::size_t biggest = *std::max_element(sizes.begin(), sizes.end());
     const int max_clients = *std::max_element(client_counts.begin(), client_counts.end());
     std::uint64_t arena_mb = (sizes.size() * max_clients * (biggest + 4096) * 2 >> 20) / servers + 64;
@@ -1207,7 +1236,7 @@ int main(int argc, char** argv) {
   if (workload == "rows") {
     try {
       const int inserters = *std::max_element(client_counts.begin(), client_counts.end());
-      const InsertPoint ins = insert_rows(targets, table_keys, key_floats, batch_keys, inserters);
+      const InsertPoint ins = insert_rows(targets, table_keys, key_floats, batch_keys, inserters, local_table.get());
       if (json)
         print_json(pskv::JsonObject()
                        .add("transport", transport)
@@ -1245,11 +1274,11 @@ int main(int argc, char** argv) {
     try {
       if (!rows) init_sparse_table(targets, table_keys, key_floats);
       const KeyDraw draw(table_keys, dist, zipf_s);
-      const double base = transport == "shm" ? memcpy_bw : stream_bw;
+      const double base = transport == "shm" || transport == "table" ? memcpy_bw : stream_bw;
       for (const auto& op : ops)
         for (int clients : client_counts) {
-          const SparsePoint p =
-              measure_sparse(targets, op, draw, key_floats, batch_keys, clients, seconds, rows ? table_keys : 0);
+          const SparsePoint p = measure_sparse(targets, op, draw, key_floats, batch_keys, clients, seconds,
+                                               rows ? table_keys : 0, local_table.get());
           if (json) {
             pskv::JsonObject j;
             j.add("transport", transport)
@@ -1268,7 +1297,7 @@ int main(int argc, char** argv) {
                            .add("bytes_per_s", p.bytes_per_s, 0)
                            .add("p50_us", p.p50_us, 2)
                            .add("p99_us", p.p99_us, 2)
-                           .add("baseline", transport == "shm" ? "memcpy" : "tcp_stream")
+                           .add("baseline", transport == "shm" || transport == "table" ? "memcpy" : "tcp_stream")
                            .add("baseline_value", base, 0)
                            .add("ratio", p.bytes_per_s / base, 4));
           } else {
