@@ -239,55 +239,83 @@ void EmbeddingTable::touch(std::uint32_t row, std::uint64_t step) const noexcept
   }
 }
 
-void EmbeddingTable::prefetch(std::span<const Key> ids, std::size_t i) const noexcept {
-  // An id costs four dependent misses: its index shard (which names the bucket array), its
-  // bucket, its row's key and link, its floats; and two more for each row of its chain before
-  // its own (a bucket holds up to two rows on average, so half the ids or more have one). Called
-  // before id i is handled, this keeps them in flight for ids further on: shards 32 ahead,
-  // buckets 24, the first row of the chain 16 and the second 8, each stage finding the one
-  // before it in cache (a stale guess only costs a useless prefetch; the lookup itself checks
-  // everything). Without the second row's stage, pulls from a table at 1 row per bucket ran at
-  // half the rate of one at 1/16 (docs/bench/tables.md).
-  constexpr std::size_t kShardsAhead = 32, kBucketsAhead = 24, kRowsAhead = 16, kSecondsAhead = 8;
-  auto bucket_of = [&](std::size_t j) {
-    const std::uint64_t h = index_hash(ids[j]);
-    const Buckets* b = shard_of(h).buckets.load(std::memory_order_acquire);
-    return &b->heads[h & b->mask];
-  };
-  auto live = [](std::uint32_t row) { return row != 0 && row != kFreeRow; };
-  auto prefetch_row = [&](std::uint32_t row) {
-    __builtin_prefetch(&meta(row));
-    __builtin_prefetch(data(row));
-  };
-  auto prefetch_first = [&](std::size_t j) {
-    if (const std::uint32_t row = bucket_of(j)->load(std::memory_order_acquire); live(row)) prefetch_row(row);
-  };
-  auto prefetch_second = [&](std::size_t j) {
-    const std::uint32_t row = bucket_of(j)->load(std::memory_order_acquire);
-    if (!live(row)) return;
-    const RowMeta& m = meta(row);
-    if (m.key.load(std::memory_order_relaxed) == ids[j]) return;
-    if (const std::uint32_t next = m.next.load(std::memory_order_acquire); live(next)) prefetch_row(next);
-  };
-  if (i == 0) {
-    for (std::size_t j = 0; j < std::min(ids.size(), kShardsAhead); ++j)
-      __builtin_prefetch(&shard_of(index_hash(ids[j])));
-    for (std::size_t j = 0; j < std::min(ids.size(), kBucketsAhead); ++j) __builtin_prefetch(bucket_of(j));
-    for (std::size_t j = 0; j < std::min(ids.size(), kRowsAhead); ++j) prefetch_first(j);
+// An id costs four dependent misses: its index shard (which names the bucket array), its bucket,
+// its row's key and link, its floats; and two more for each row of its chain before its own (a
+// bucket holds up to two rows on average, so half the ids or more have one). advance(i), called
+// before id i is handled, keeps them in flight for ids further on: shards 32 ahead, buckets 24,
+// the first row of the chain 16 and the second 8, each stage finding the one before it in cache
+// (a stale guess only costs a useless prefetch; the lookup itself checks everything). Without the
+// second row's stage, pulls from a table at 1 row per bucket ran at half the rate of one at 1/16
+// (docs/bench/tables.md).
+//
+// Each stage keeps what it found for the next (an id's hash, its bucket, the chain's first row)
+// in a ring of the ids in flight, so that an id is hashed once and its shard's bucket array read
+// once. Computed again at every stage, they cost more than the misses the stages hide.
+class EmbeddingTable::Lookahead {
+ public:
+  Lookahead(const EmbeddingTable& table, std::span<const Key> ids) noexcept : t_(table), ids_(ids) {
+    for (std::size_t j = 0; j < std::min(ids.size(), kShardsAhead); ++j) shard_stage(j);
+    for (std::size_t j = 0; j < std::min(ids.size(), kBucketsAhead); ++j) bucket_stage(j);
+    for (std::size_t j = 0; j < std::min(ids.size(), kRowsAhead); ++j) first_stage(j);
   }
-  if (i + kShardsAhead < ids.size()) __builtin_prefetch(&shard_of(index_hash(ids[i + kShardsAhead])));
-  if (i + kBucketsAhead < ids.size()) __builtin_prefetch(bucket_of(i + kBucketsAhead));
-  if (i + kRowsAhead < ids.size()) prefetch_first(i + kRowsAhead);
-  if (i + kSecondsAhead < ids.size()) prefetch_second(i + kSecondsAhead);
-}
+  // Before ids[i] is handled, in order of i from 0: its hash (index_hash).
+  std::uint64_t advance(std::size_t i) noexcept {
+    const std::size_t n = ids_.size();
+    if (i + kShardsAhead < n) shard_stage(i + kShardsAhead);
+    if (i + kBucketsAhead < n) bucket_stage(i + kBucketsAhead);
+    if (i + kRowsAhead < n) first_stage(i + kRowsAhead);
+    if (i + kSecondsAhead < n) second_stage(i + kSecondsAhead);
+    return hash_[i % kRing];
+  }
+
+ private:
+  static constexpr std::size_t kShardsAhead = 32, kBucketsAhead = 24, kRowsAhead = 16, kSecondsAhead = 8;
+  static constexpr std::size_t kRing = 64;  // > kShardsAhead: a slot is written again only once its id is done
+  static bool live(std::uint32_t row) noexcept { return row != 0 && row != kFreeRow; }
+  void prefetch_row(std::uint32_t row) const noexcept {
+    __builtin_prefetch(&t_.meta(row));
+    __builtin_prefetch(t_.data(row));
+  }
+  void shard_stage(std::size_t j) noexcept {
+    const std::uint64_t h = t_.index_hash(ids_[j]);
+    hash_[j % kRing] = h;
+    __builtin_prefetch(&t_.shard_of(h));
+  }
+  void bucket_stage(std::size_t j) noexcept {
+    const std::uint64_t h = hash_[j % kRing];
+    const Buckets* b = t_.shard_of(h).buckets.load(std::memory_order_acquire);
+    const std::atomic<std::uint32_t>* bucket = &b->heads[h & b->mask];
+    bucket_[j % kRing] = bucket;
+    __builtin_prefetch(bucket);
+  }
+  void first_stage(std::size_t j) noexcept {
+    const std::uint32_t row = bucket_[j % kRing]->load(std::memory_order_acquire);
+    first_[j % kRing] = row;
+    if (live(row)) prefetch_row(row);
+  }
+  void second_stage(std::size_t j) const noexcept {
+    const std::uint32_t row = first_[j % kRing];
+    if (!live(row)) return;
+    const RowMeta& m = t_.meta(row);
+    if (m.key.load(std::memory_order_relaxed) == ids_[j]) return;
+    if (const std::uint32_t next = m.next.load(std::memory_order_acquire); live(next)) prefetch_row(next);
+  }
+
+  const EmbeddingTable& t_;
+  std::span<const Key> ids_;
+  std::array<std::uint64_t, kRing> hash_;
+  std::array<const std::atomic<std::uint32_t>*, kRing> bucket_;
+  std::array<std::uint32_t, kRing> first_;
+};
 
 void EmbeddingTable::pull(std::span<const Key> ids, float* out) const noexcept {
   tick_.fetch_add(1, std::memory_order_relaxed);
   const std::uint32_t dim = spec_.dim;
+  Lookahead ahead(*this, ids);
   for (std::size_t i = 0; i < ids.size(); ++i) {
-    prefetch(ids, i);
+    const std::uint64_t hash = ahead.advance(i);
     float* row = out + i * dim;
-    if (!read_row(ids[i], index_hash(ids[i]), row)) initial_row(ids[i], row);
+    if (!read_row(ids[i], hash, row)) initial_row(ids[i], row);
   }
 }
 
@@ -708,10 +736,10 @@ void EmbeddingTable::push(std::span<const Key> ids, const float* grads, std::uin
   tick_.fetch_add(1, std::memory_order_relaxed);
   const std::uint32_t dim = spec_.dim;
   Grant grant;
+  Lookahead ahead(*this, ids);
   for (std::size_t i = 0; i < ids.size(); ++i) {
-    prefetch(ids, i);
+    const std::uint64_t hash = ahead.advance(i);
     const Key id = ids[i];
-    const std::uint64_t hash = index_hash(id);
     Shard& shard = shard_of(hash);
     std::lock_guard lock(shard.lock);
     std::uint32_t row = find_locked(shard, id, hash, nullptr);

@@ -196,8 +196,8 @@ class EmbeddingTable {
   std::uint64_t index_hash(Key id) const noexcept { return mix64(id ^ index_key_); }
   // The row of `id` in `shard` (locked by the caller), and the link that points at it.
   std::uint32_t find_locked(Shard& shard, Key id, std::uint64_t hash, std::atomic<std::uint32_t>** link) const noexcept;
-  // Prefetches for ids further on than i (see the .cc); call before handling ids[i].
-  void prefetch(std::span<const Key> ids, std::size_t i) const noexcept;
+  // The prefetch pipeline of a batch (see the .cc). Thread-safety: one per batch and thread.
+  class Lookahead;
   // Copies id's row into out; false if it has none. Lock-free, validated.
   bool read_row(Key id, std::uint64_t hash, float* out) const noexcept;
   // Under shard's lock: a new row for id, linked into its chain, holding the initial value; 0
