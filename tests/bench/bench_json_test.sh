@@ -39,6 +39,19 @@ for transport in tcp shm; do
     grep -q "{\"baseline\":\"$b\"" <<<"$out" || fail "$transport: no $b baseline"
   done
 done
+# The rows workload on a table of pskv-bench's own process: inserts, then pulls and pushes, each
+# beside the memory's limit for a row per id (random_rows) measured in the same run.
+out=$("$BENCH" --json --workload rows --transport table --table-keys 20000 --clients 1 --seconds 0.05) ||
+  fail "the rows workload on --transport table failed"
+grep -Eq '"transport":"table","workload":"rows","op":"insert",.*"inserts_per_s":[1-9].*"bytes_per_row":[1-9]' <<<"$out" ||
+  fail "table: no insert result: $out"
+for op in pull push; do
+  line=$(grep "\"transport\":\"table\",\"workload\":\"rows\",\"dist\":\"uniform\",\"op\":\"$op\"" <<<"$out") ||
+    fail "table: no $op result"
+  grep -Eq '"rows_per_s":[1-9].*"baseline":"random_rows","baseline_value":[1-9][0-9]*,"ratio":[0-9]*\.?[0-9]*[1-9]' <<<"$line" ||
+    fail "table: $op has no ratio to random_rows: $line"
+done
+"$BENCH" --workload sparse --transport table >/dev/null 2>&1 && fail "--transport table took a workload other than rows"
 # A replicated server killed mid-run and restarted: the workers retry, so the run succeeds, and
 # it reports its longest step and the restart.
 out=$("$BENCH" --json --workload steps --transport tcp --servers 2 --replicas 2 --workers 2 --sizes 4K --mode ssp \
