@@ -8,6 +8,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/json.h"
 #include "pskv/error.h"
 #include "pskv/server.h"
 
@@ -251,7 +252,9 @@ int main(int argc, char** argv) {
         return 3;
       }
     }
-    std::fprintf(stderr, "pskv-server: stopping on signal %d; stats %s\n", sig, server.stats_json().c_str());
+    // Arrays cut at 64 numbers (a clock per worker): server_stats has the whole text.
+    std::fprintf(stderr, "pskv-server: stopping on signal %d; stats %s\n", sig,
+                 pskv::abridge_arrays(server.stats_json(), 64).c_str());
   } catch (const pskv::Error& e) {
     std::fprintf(stderr, "pskv-server: %s\n", e.what());
     return 1;

@@ -1,10 +1,51 @@
 #include "common/json.h"
 
+#include <algorithm>
 #include <charconv>
 #include <cmath>
 #include <cstdio>
 
 namespace pskv {
+
+std::string abridge_arrays(std::string_view json, std::size_t max_items) {
+  std::string out;
+  out.reserve(std::min(json.size(), std::size_t{4096}));
+  std::string_view last_string;  // the key of the array that follows it
+  for (std::size_t i = 0; i < json.size();) {
+    if (json[i] == '"') {
+      std::size_t end = i + 1;
+      while (end < json.size() && json[end] != '"') end += json[end] == '\\' ? 2 : 1;
+      end = std::min(end + 1, json.size());
+      last_string = json.substr(i + 1, end - i - 2);
+      out.append(json.substr(i, end - i));
+      i = end;
+      continue;
+    }
+    if (json[i] != '[') {
+      out += json[i++];
+      continue;
+    }
+    const std::size_t close = json.find(']', i);
+    if (close == std::string_view::npos) {  // not an object JsonObject wrote: left as it is
+      out.append(json.substr(i));
+      break;
+    }
+    const std::string_view items = json.substr(i + 1, close - i - 1);
+    std::size_t count = items.empty() ? 0 : 1, kept_end = items.size();
+    for (std::size_t at = 0; at < items.size(); ++at)
+      if (items[at] == ',' && ++count == max_items + 1) kept_end = at;
+    out += '[';
+    out.append(items.substr(0, count > max_items ? kept_end : items.size()));
+    out += ']';
+    if (count > max_items) {
+      out += ",\"";
+      out.append(last_string);
+      out += "_length\":" + std::to_string(count);
+    }
+    i = close + 1;
+  }
+  return out;
+}
 
 std::string json_quote(std::string_view text) {
   std::string out;

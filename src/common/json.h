@@ -47,4 +47,9 @@ class JsonObject {
 // `text` as a JSON string literal, quotes included.
 std::string json_quote(std::string_view text);
 
+// `json`, a flat object as JsonObject writes it, with every array of more than `max_items`
+// numbers cut to its first max_items and followed by a field "KEY_length": how many it had. For
+// log lines: a job of 20,000 workers has a stats text of 40 KB, nearly all of it one array.
+std::string abridge_arrays(std::string_view json, std::size_t max_items);
+
 }  // namespace pskv

@@ -50,5 +50,16 @@ TEST(JsonObject, MergeKeepsOneFlatObject) {
   EXPECT_EQ(JsonObject().merge(b).str(), R"({"b":2})");
 }
 
+TEST(AbridgeArrays, ALongArrayIsCutAndItsLengthFollowsIt) {
+  JsonObject j;
+  const std::vector<std::int64_t> many{1, 2, 3, 4, 5}, few{7, 8};
+  j.add("a", 1).add("clocks", std::span<const std::int64_t>(many)).add("few", std::span<const std::int64_t>(few));
+  j.add("note", "[1,2,3,4] \"quoted\"").add("none", std::span<const std::int64_t>()).add("z", 2);
+  EXPECT_EQ(abridge_arrays(j.str(), 3),
+            R"({"a":1,"clocks":[1,2,3],"clocks_length":5,"few":[7,8],"note":"[1,2,3,4] \"quoted\"","none":[],"z":2})");
+  EXPECT_EQ(abridge_arrays(j.str(), 5), j.str());
+  EXPECT_EQ(abridge_arrays(R"({"x":[1,2)", 1), R"({"x":[1,2)");  // not JsonObject's: left alone
+}
+
 }  // namespace
 }  // namespace pskv
