@@ -625,7 +625,8 @@ double random_rows_per_s(const KeyDraw& draw, std::uint64_t rows, std::size_t fl
   for (std::size_t at = 0; at < bytes; at += 4096) static_cast<char*>(mem)[at] = 1;
   std::vector<std::uint64_t> done(clients, 0);
   std::vector<std::thread> threads;
-  const auto t0 = Clock::now();
+  std::atomic<int> ready{0};
+  std::atomic<bool> go{false};
   for (int c = 0; c < clients; ++c)
     threads.emplace_back([&, c] {
       std::mt19937_64 rng(1000 + c);
@@ -634,6 +635,8 @@ double random_rows_per_s(const KeyDraw& draw, std::uint64_t rows, std::size_t fl
       std::vector<std::uint64_t> drawn(batches * batch_keys);
       for (auto& k : drawn) k = draw(rng);
       std::vector<float> out(batch_keys * floats);
+      ready.fetch_add(1);
+      while (!go.load()) std::this_thread::yield();
       const auto start = Clock::now();
       while (seconds_since(start) < seconds) {
         const std::uint64_t* ids = drawn.data() + (done[c] / batch_keys % batches) * batch_keys;
@@ -645,6 +648,9 @@ double random_rows_per_s(const KeyDraw& draw, std::uint64_t rows, std::size_t fl
         done[c] += batch_keys;
       }
     });
+  while (ready.load() < clients) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  const auto t0 = Clock::now();
+  go = true;
   for (auto& t : threads) t.join();
   const double wall = seconds_since(t0);
   ::munmap(mem, bytes);
@@ -946,10 +952,14 @@ int main(int argc, char** argv) {
   std::string dist = "uniform";
   double zipf_s = 0.99;
   app.add_option("--table-keys", table_keys, "sparse and rows workloads: keys (rows) in the table")
-      ->capture_default_str();
-  app.add_option("--key-floats", key_floats, "sparse and rows workloads: floats per key (row)")->capture_default_str();
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--key-floats", key_floats, "sparse and rows workloads: floats per key (row)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   app.add_option("--batch-keys", batch_keys, "sparse and rows workloads: keys (rows) per push/pull")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   app.add_option("--dist", dist, "sparse and rows workloads: uniform or zipf")
       ->capture_default_str()
       ->check(CLI::IsMember({"uniform", "zipf"}));
@@ -1025,10 +1035,11 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "pskv-bench: --transport table is for --workload rows, without --server\n");
     return 2;
   }
-  // --transport table: the rows workload's table, in this process.
+  // --transport table: the rows workload's table, in this process (made once the memory's limit
+  // is measured, so that the two never hold their memory at once).
   std::unique_ptr<pskv::EmbeddingTable> local_table;
-  if (transport == "table") local_table = std::make_unique<pskv::EmbeddingTable>(rows_spec(key_floats, table_keys));
-  if (targets.empty() && !local_table) {
+  std::map<int, double> random_rows;  // its baseline by client count
+  if (targets.empty() && transport != "table") {
     const std::size_t biggest = *std::max_element(sizes.begin(), sizes.end());
     const int max_clients = *std::max_element(client_counts.begin(), client_counts.end());
     std::uint64_t arena_mb = (sizes.size() * max_clients * (biggest + 4096) * 2 >> 20) / servers + 64;
@@ -1289,6 +1300,12 @@ int main(int argc, char** argv) {
   if (workload == "rows") {
     try {
       const int inserters = *std::max_element(client_counts.begin(), client_counts.end());
+      if (transport == "table") {
+        const KeyDraw draw(table_keys, dist, zipf_s);
+        for (int clients : client_counts)
+          random_rows[clients] = random_rows_per_s(draw, table_keys, key_floats, batch_keys, clients, seconds);
+        local_table = std::make_unique<pskv::EmbeddingTable>(rows_spec(key_floats, table_keys));
+      }
       const InsertPoint ins = insert_rows(targets, table_keys, key_floats, batch_keys, inserters, local_table.get());
       if (json)
         print_json(pskv::JsonObject()
@@ -1328,14 +1345,10 @@ int main(int argc, char** argv) {
       if (!rows) init_sparse_table(targets, table_keys, key_floats);
       const KeyDraw draw(table_keys, dist, zipf_s);
       const double base = transport == "shm" ? memcpy_bw : stream_bw;
-      // --transport table: the memory's limit for a row per id, per client count, measured once.
-      std::map<int, double> random_rows;
       for (const auto& op : ops)
         for (int clients : client_counts) {
           const SparsePoint p = measure_sparse(targets, op, draw, key_floats, batch_keys, clients, seconds,
                                                rows ? table_keys : 0, local_table.get());
-          if (local_table && !random_rows.count(clients))
-            random_rows[clients] = random_rows_per_s(draw, table_keys, key_floats, batch_keys, clients, seconds);
           if (json) {
             pskv::JsonObject j;
             j.add("transport", transport)

@@ -31,7 +31,7 @@ std::string abridge_arrays(std::string_view json, std::size_t max_items) {
       break;
     }
     const std::string_view items = json.substr(i + 1, close - i - 1);
-    std::size_t count = items.empty() ? 0 : 1, kept_end = items.size();
+    std::size_t count = items.empty() ? 0 : 1, kept_end = max_items == 0 ? 0 : items.size();
     for (std::size_t at = 0; at < items.size(); ++at)
       if (items[at] == ',' && ++count == max_items + 1) kept_end = at;
     out += '[';

@@ -58,6 +58,7 @@ TEST(AbridgeArrays, ALongArrayIsCutAndItsLengthFollowsIt) {
   EXPECT_EQ(abridge_arrays(j.str(), 3),
             R"({"a":1,"clocks":[1,2,3],"clocks_length":5,"few":[7,8],"note":"[1,2,3,4] \"quoted\"","none":[],"z":2})");
   EXPECT_EQ(abridge_arrays(j.str(), 5), j.str());
+  EXPECT_EQ(abridge_arrays(R"({"c":[1,2],"d":[]})", 0), R"({"c":[],"c_length":2,"d":[]})");
   EXPECT_EQ(abridge_arrays(R"({"x":[1,2)", 1), R"({"x":[1,2)");  // not JsonObject's: left alone
 }
 
