@@ -610,6 +610,16 @@ std::size_t drawn_batches(std::size_t batch_keys) {
   return std::max<std::size_t>(64, ((std::size_t{1} << 20) + batch_keys - 1) / batch_keys);
 }
 
+// Client `c`'s ids for the sparse and rows workloads, drawn before the clock starts and cycled:
+// a Zipf draw over 10^8 keys costs more than the operation measured, and the generator is not
+// what is measured.
+std::vector<std::uint64_t> draw_ids(const KeyDraw& draw, int c, std::size_t batch_keys) {
+  std::mt19937_64 rng(1000 + c);
+  std::vector<std::uint64_t> drawn(drawn_batches(batch_keys) * batch_keys);
+  for (auto& k : drawn) k = draw(rng);
+  return drawn;
+}
+
 // The memory's own limit for a row per id (--transport table's baseline): `clients` threads read
 // rows of `floats` floats at random from an array of `rows` (on huge pages where the kernel
 // gives them), each batch of ids drawn as the workload draws them and prefetched 16 ids ahead,
@@ -629,11 +639,9 @@ double random_rows_per_s(const KeyDraw& draw, std::uint64_t rows, std::size_t fl
   std::atomic<bool> go{false};
   for (int c = 0; c < clients; ++c)
     threads.emplace_back([&, c] {
-      std::mt19937_64 rng(1000 + c);
       constexpr std::size_t kAhead = 16;
-      const std::size_t batches = drawn_batches(batch_keys);
-      std::vector<std::uint64_t> drawn(batches * batch_keys);
-      for (auto& k : drawn) k = draw(rng);
+      const std::vector<std::uint64_t> drawn = draw_ids(draw, c, batch_keys);
+      const std::size_t batches = drawn.size() / batch_keys;
       std::vector<float> out(batch_keys * floats);
       ready.fetch_add(1);
       while (!go.load()) std::this_thread::yield();
@@ -757,12 +765,13 @@ InsertPoint insert_rows(const std::vector<std::string>& servers, std::uint64_t r
     const pskv::TableStats stats = local->stats();
     bytes = double(stats.bytes);
     alive = double(stats.rows);
-  }
-  for (std::size_t s = 0; s < servers.size(); ++s) {
+  } else {
     pskv::Client admin(client_options(servers));
-    const std::string json = admin.server_stats(s);
-    bytes += stat_of(json, "table_0_bytes");
-    alive += stat_of(json, "table_0_rows");
+    for (std::size_t s = 0; s < servers.size(); ++s) {
+      const std::string json = admin.server_stats(s);
+      bytes += stat_of(json, "table_0_bytes");
+      alive += stat_of(json, "table_0_rows");
+    }
   }
   if (alive != double(rows))
     throw std::runtime_error("the servers hold " + std::to_string(alive) + " rows after inserting " +
@@ -797,12 +806,8 @@ SparsePoint measure_sparse(const std::vector<std::string>& servers, const std::s
           outs.emplace_back(buf.data() + i * floats, floats);
           ins.emplace_back(buf.data() + i * floats, floats);
         }
-        // Drawn before the clock starts, and cycled: a Zipf draw over 10^8 keys costs more than
-        // the operation measured, and the generator is not what is measured.
-        std::mt19937_64 rng(1000 + c);
-        const std::size_t batches = drawn_batches(batch_keys);
-        std::vector<pskv::Key> drawn(batches * batch_keys);
-        for (auto& k : drawn) k = draw(rng);
+        const std::vector<pskv::Key> drawn = draw_ids(draw, c, batch_keys);
+        const std::size_t batches = drawn.size() / batch_keys;
         ready.fetch_add(1);
         while (!go.load()) std::this_thread::yield();
         const auto start = Clock::now();
