@@ -12,6 +12,17 @@ namespace {
 constexpr std::uint32_t kPending = 0, kDone = 1, kSleeping = 2;
 }  // namespace
 
+int Poller::max_spin_micros() const noexcept {
+  return Completion::kMaxSpinMicros;
+}
+
+double Completion::spin_budget_micros(double typical_wait_us, int max_spin_us) noexcept {
+  const double cap = std::min(max_spin_us, kMaxSpinMicros);
+  if (typical_wait_us < 0) return cap;
+  if (typical_wait_us > cap) return 0;
+  return std::min(cap, 2 * typical_wait_us + 5);
+}
+
 void Completion::reset(std::uint32_t parts) noexcept {
   status_ = Errc::ok;
   message_.clear();
@@ -49,11 +60,11 @@ namespace {
 thread_local double t_typical_wait_us = -1;  // negative: no wait seen yet
 
 bool spin_for(const Completion& c, Poller* poller) noexcept {
-  constexpr double kMax = Completion::kMaxSpinMicros;
-  if (t_typical_wait_us > kMax) return c.done();
+  const double budget_us = Completion::spin_budget_micros(
+      t_typical_wait_us, poller ? poller->max_spin_micros() : Completion::kMaxSpinMicros);
+  if (budget_us <= 0) return c.done();
   const SpinTicket ticket;
   if (!ticket || (poller && !poller->begin_polling())) return c.done();
-  const double budget_us = t_typical_wait_us < 0 ? kMax : std::min(kMax, 2 * t_typical_wait_us + 5);
   const auto until =
       std::chrono::steady_clock::now() + std::chrono::nanoseconds(static_cast<std::int64_t>(budget_us * 1000));
   bool done = false;

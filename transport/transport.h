@@ -54,6 +54,9 @@ class Poller {
   // The waiter will sleep on its completion without driving this poller (it waits on several
   // connections at once): answers must then be read by the transport's own thread.
   virtual void rely_on_transport() noexcept {}
+  // The longest wait worth spinning for. A transport whose server has no core to spare lowers
+  // it: a spinner then takes the core the answer is being computed on.
+  virtual int max_spin_micros() const noexcept;
 
  protected:
   ~Poller() = default;
@@ -78,6 +81,15 @@ class Completion {
   const std::string& message() const noexcept { return message_; }
   std::uint64_t bound() const noexcept { return bound_.load(std::memory_order_relaxed); }
   static constexpr int kMaxSpinMicros = 100;
+  // A waiter whose server's threads hold every core spins only while its waits are this short:
+  // about what a futex sleep and wake-up cost. Longer answers (a batch of 1,000 table rows takes
+  // ~100 us) are worked out on the core a spinner would take: two shm server threads served
+  // 13 M rows/s to two spinning clients on 2 cores and 19-22 M to sleeping ones.
+  static constexpr int kContendedSpinMicros = 25;
+  // How long a waiter spins before it sleeps, given the moving average of its recent waits
+  // (negative: none yet) and its poller's max_spin_micros(): up to twice that average, and not at
+  // all (0) while the average is longer than the limit.
+  static double spin_budget_micros(double typical_wait_us, int max_spin_us) noexcept;
 
  private:
   std::atomic<std::uint32_t> remaining_{0};

@@ -49,6 +49,11 @@ class ConnectionsPoller final : public transport::Poller {
   void end_polling() noexcept override {
     for (auto* p : parts_) p->end_polling();
   }
+  int max_spin_micros() const noexcept override {
+    int us = transport::Completion::kMaxSpinMicros;
+    for (const auto* p : parts_) us = std::min(us, p->max_spin_micros());
+    return us;
+  }
   // One thread cannot sleep on several servers' sockets or words at once (nor on one while
   // another connection answers); with more, the waiter sleeps on its completion instead and
   // the transports' own threads read the answers.

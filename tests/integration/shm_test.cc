@@ -17,6 +17,8 @@
 #include "support/stop.h"
 #include "support/workloads.h"
 #include "transport/shm/segment.h"
+#include "transport/transport.h"
+#include "transport/uri.h"
 
 namespace pskv {
 namespace {
@@ -370,6 +372,24 @@ TEST(ShmIntegration, IdleServerAndClientsSleep) {
   }
   EXPECT_GE(asleep, kSamples * 9 / 10) << "server threads or client helpers were awake in " << kSamples - asleep
                                        << " of " << kSamples << " samples while idle";
+}
+
+// A client of a server whose threads hold every core spins only for short waits: a long one (a
+// batch of table rows) is worked out on the core a spinner would take. With a core to spare it
+// spins for as long as any transport's waiter does.
+TEST(ShmIntegration, ClientsOfAServerHoldingEveryCoreSpinOnlyForShortWaits) {
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  auto busy = start_shm(unique_name("spin-all"), {"--io-threads", std::to_string(cores)});
+  const transport::ConnectOptions c;
+  auto conn = transport::connect(parse_uri(busy.uri), c);
+  ASSERT_NE(conn->poller(), nullptr);
+  EXPECT_EQ(conn->poller()->max_spin_micros(), transport::Completion::kContendedSpinMicros);
+  if (cores > 1) {
+    auto spare = start_shm(unique_name("spin-spare"), {"--io-threads", std::to_string(cores - 1)});
+    auto other = transport::connect(parse_uri(spare.uri), c);
+    ASSERT_NE(other->poller(), nullptr);
+    EXPECT_EQ(other->poller()->max_spin_micros(), transport::Completion::kMaxSpinMicros);
+  }
 }
 
 TEST(ShmIntegration, BadNamesAreRejected) {

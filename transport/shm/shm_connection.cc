@@ -48,6 +48,7 @@ ShmConnection::ShmConnection(const Uri& uri, const transport::ConnectOptions& op
                              std::max(options.io_timeout, std::chrono::milliseconds(1)));
   const auto cores = std::max(1u, std::thread::hardware_concurrency());
   max_spinners_ = cores > g.server_threads ? cores - g.server_threads : 1;
+  if (cores <= g.server_threads) max_spin_micros_ = transport::Completion::kContendedSpinMicros;
 
   if (header_->accepting.load(std::memory_order_acquire) == 0)
     throw Error(Errc::peer_failure, endpoint_ + " is stopping and takes no new clients");

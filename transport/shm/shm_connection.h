@@ -68,6 +68,7 @@ class ShmConnection final : public transport::Connection, private transport::Pol
   bool begin_polling() noexcept override;
   void end_polling() noexcept override;
   bool sleep_for_answers(const transport::Completion& c, std::chrono::steady_clock::time_point until) noexcept override;
+  int max_spin_micros() const noexcept override { return max_spin_micros_; }
   // Turns answered ring entries into completions and frees their ring space; with mu_ held.
   bool complete_answered();
   // With mu_ held, on a waiting thread: complete_answered(), then the pulls parked behind those
@@ -91,6 +92,7 @@ class ShmConnection final : public transport::Connection, private transport::Pol
   std::byte* data_ = nullptr;
   std::uint64_t data_capacity_ = 0;
   std::uint32_t max_spinners_ = 1;  // spinning client threads this machine can afford
+  int max_spin_micros_ = transport::Completion::kMaxSpinMicros;
   std::uint32_t server_threads_ = 1;
   std::chrono::milliseconds wait_timeout_{0};  // the server's, clamped to [1 ms, io_timeout]
   std::uint32_t quorum_ = 0;
