@@ -56,15 +56,28 @@ namespace {
 // A reply over loopback or shared memory often lands within microseconds, and spinning that long
 // saves a sleep/wake pair. But a spinner holds a core (hence the SpinTicket), and only while this
 // thread's recent waits were short: each thread keeps a moving average of how long its waits took
-// (slept ones included), so a thread whose waits turn short again resumes spinning on its own.
+// (slept ones included). A slept wait counts its wake-up too, which on a busy machine can keep
+// the average over a 25 us limit however short the answers became; so one wait in kProbeEvery
+// that would not spin spins for kProbeMicros, and an answer caught by it sets the average anew.
 thread_local double t_typical_wait_us = -1;  // negative: no wait seen yet
+thread_local unsigned t_waits_unspun = 0;
+constexpr unsigned kProbeEvery = 16;
+constexpr double kProbeMicros = 5;
 
-bool spin_for(const Completion& c, Poller* poller) noexcept {
-  const double budget_us = Completion::spin_budget_micros(
-      t_typical_wait_us, poller ? poller->max_spin_micros() : Completion::kMaxSpinMicros);
-  if (budget_us <= 0) return c.done();
+enum class Spun { answered, probe_answered, not_answered };
+
+Spun spin_for(const Completion& c, Poller* poller) noexcept {
+  const int limit = poller ? poller->max_spin_micros() : Completion::kMaxSpinMicros;
+  double budget_us = Completion::spin_budget_micros(t_typical_wait_us, limit);
+  const bool probe = budget_us <= 0;
+  if (probe) {
+    if (++t_waits_unspun < kProbeEvery) return c.done() ? Spun::answered : Spun::not_answered;
+    t_waits_unspun = 0;
+    budget_us = std::min<double>(kProbeMicros, limit);
+  }
+  const auto answered = [probe] { return probe ? Spun::probe_answered : Spun::answered; };
   const SpinTicket ticket;
-  if (!ticket || (poller && !poller->begin_polling())) return c.done();
+  if (!ticket || (poller && !poller->begin_polling())) return c.done() ? answered() : Spun::not_answered;
   const auto until =
       std::chrono::steady_clock::now() + std::chrono::nanoseconds(static_cast<std::int64_t>(budget_us * 1000));
   bool done = false;
@@ -79,19 +92,19 @@ bool spin_for(const Completion& c, Poller* poller) noexcept {
     poller->end_polling();
     done = c.done();
   }
-  return done;
+  return done ? answered() : Spun::not_answered;
 }
 
-void note_wait(std::chrono::steady_clock::duration took) noexcept {
+void note_wait(std::chrono::steady_clock::duration took, bool anew = false) noexcept {
   const double us = std::chrono::duration<double, std::micro>(took).count();
-  t_typical_wait_us = t_typical_wait_us < 0 ? us : 0.875 * t_typical_wait_us + 0.125 * us;
+  t_typical_wait_us = t_typical_wait_us < 0 || anew ? us : 0.875 * t_typical_wait_us + 0.125 * us;
 }
 }  // namespace
 
 bool Completion::wait(std::chrono::steady_clock::time_point deadline, Poller* poller) noexcept {
   const auto start = std::chrono::steady_clock::now();
-  if (spin_for(*this, poller)) {
-    note_wait(std::chrono::steady_clock::now() - start);
+  if (const Spun spun = spin_for(*this, poller); spun != Spun::not_answered) {
+    note_wait(std::chrono::steady_clock::now() - start, spun == Spun::probe_answered);
     return true;
   }
   // Sleep where the far side can wake this thread directly. Answers completed by a transport

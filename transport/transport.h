@@ -84,11 +84,12 @@ class Completion {
   // A waiter whose server's threads hold every core spins only while its waits are this short:
   // about what a futex sleep and wake-up cost. Longer answers (a batch of 1,000 table rows takes
   // ~100 us) are worked out on the core a spinner would take: two shm server threads served
-  // 13 M rows/s to two spinning clients on 2 cores and 19-22 M to sleeping ones.
+  // 13 M rows/s to two spinning clients on 2 cores and 17-23 M to sleeping ones.
   static constexpr int kContendedSpinMicros = 25;
   // How long a waiter spins before it sleeps, given the moving average of its recent waits
   // (negative: none yet) and its poller's max_spin_micros(): up to twice that average, and not at
-  // all (0) while the average is longer than the limit.
+  // all (0) while the average is longer than the limit (then one wait in 16 still spins 5 us, to
+  // find out whether the answers became short).
   static double spin_budget_micros(double typical_wait_us, int max_spin_us) noexcept;
 
  private:

@@ -49,6 +49,8 @@ class ConnectionsPoller final : public transport::Poller {
   void end_polling() noexcept override {
     for (auto* p : parts_) p->end_polling();
   }
+  // The lowest of its connections': a client of an shm server that holds every core and of a
+  // tcp server also waits on tcp with the shorter limit (this poller is one per client).
   int max_spin_micros() const noexcept override {
     int us = transport::Completion::kMaxSpinMicros;
     for (const auto* p : parts_) us = std::min(us, p->max_spin_micros());
