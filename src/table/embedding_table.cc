@@ -43,17 +43,21 @@ std::pair<float, float> unit_pair(std::uint64_t base, std::uint64_t k) noexcept 
   return {static_cast<float>(u >> 40) * kScale, static_cast<float>((u >> 16) & 0xFFFFFF) * kScale};
 }
 
-// A shard's buckets when the table is made: for the shard's share of the rows expected, four standard
-// deviations above its mean, at two rows per bucket (the load a shard doubles past), so that a
-// table with a cap does not rehash on its way there; up to 2^14 (512 MiB of buckets for the
-// table, what 10^8 rows need). Past that the shards grow as a table without a cap does.
+// A shard's buckets when the table is made: for the shard's share of the rows expected, four
+// standard deviations above its mean, so that a table with a cap does not rehash on its way
+// there; up to 2^14 (512 MiB of buckets for the table, what 10^8 rows need). Past that the shards
+// grow as a table without a cap does. One row per bucket where that costs at most two buckets
+// (8 bytes) per row expected, as row_bytes_bound allows: fewer ids then find another row first,
+// and pulls from 100M rows ran 1.11-1.73x faster than at two rows per bucket (docs/bench/tables.md).
+// Otherwise (small shares, where the deviations weigh more) two rows per bucket.
 constexpr std::uint32_t kMaxInitialBuckets = 1u << 14;
 
 std::uint32_t initial_buckets(std::uint64_t rows_expected, std::uint32_t shard_bits) noexcept {
   const double mean = std::ldexp(double(rows_expected), -int(shard_bits));
   const auto rows = static_cast<std::uint64_t>(std::min(mean + 4 * std::sqrt(mean) + 4, 1e12));
-  return static_cast<std::uint32_t>(
-      std::clamp<std::uint64_t>(std::bit_ceil(rows / 2 + 1), kMinBuckets, kMaxInitialBuckets));
+  std::uint64_t buckets = std::bit_ceil(rows + 1);
+  if (double(buckets) > 2 * mean) buckets = std::bit_ceil(rows / 2 + 1);
+  return static_cast<std::uint32_t>(std::clamp<std::uint64_t>(buckets, kMinBuckets, kMaxInitialBuckets));
 }
 
 }  // namespace
@@ -112,7 +116,7 @@ std::uint64_t EmbeddingTable::state_floats_for(const TableSpec& spec) noexcept {
 std::uint64_t EmbeddingTable::row_bytes_bound(const TableSpec& spec) noexcept {
   // Key, link and seqlock word; floats; state; stamp; and at most 8 bytes of buckets (the
   // current array at two rows per bucket, and the arrays it outgrew; or, sized for the cap when
-  // the table is made, at most one bucket per row of the cap).
+  // the table is made, at most two buckets per row of the cap: initial_buckets).
   return sizeof(RowMeta) + 4ull * spec.dim + 4 * state_floats_for(spec) + (spec.eviction != RowEviction::none ? 4 : 0) +
          8;
 }
@@ -241,7 +245,8 @@ void EmbeddingTable::touch(std::uint32_t row, std::uint64_t step) const noexcept
 
 // An id costs four dependent misses: its index shard (which names the bucket array), its bucket,
 // its row's key and link, its floats; and two more for each row of its chain before its own (a
-// bucket holds up to two rows on average, so half the ids or more have one). advance(i), called
+// bucket holds up to one row on average in a table sized for 100M rows, up to two in a small or
+// grown one: a quarter to half the ids or more have one). advance(i), called
 // before id i is handled, keeps them in flight for ids further on: shards 32 ahead, buckets 24,
 // the first row of the chain 16 and the second 8, each stage finding the one before it in cache
 // (a stale guess only costs a useless prefetch; the lookup itself checks everything). Without the
