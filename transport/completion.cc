@@ -75,9 +75,9 @@ Spun spin_for(const Completion& c, Poller* poller) noexcept {
     t_waits_unspun = 0;
     budget_us = std::min<double>(kProbeMicros, limit);
   }
-  const auto answered = [probe] { return probe ? Spun::probe_answered : Spun::answered; };
+  const Spun answered = probe ? Spun::probe_answered : Spun::answered;
   const SpinTicket ticket;
-  if (!ticket || (poller && !poller->begin_polling())) return c.done() ? answered() : Spun::not_answered;
+  if (!ticket || (poller && !poller->begin_polling())) return c.done() ? answered : Spun::not_answered;
   const auto until =
       std::chrono::steady_clock::now() + std::chrono::nanoseconds(static_cast<std::int64_t>(budget_us * 1000));
   bool done = false;
@@ -92,7 +92,7 @@ Spun spin_for(const Completion& c, Poller* poller) noexcept {
     poller->end_polling();
     done = c.done();
   }
-  return done ? answered() : Spun::not_answered;
+  return done ? answered : Spun::not_answered;
 }
 
 void note_wait(std::chrono::steady_clock::duration took, bool anew = false) noexcept {

@@ -54,8 +54,9 @@ class Poller {
   // The waiter will sleep on its completion without driving this poller (it waits on several
   // connections at once): answers must then be read by the transport's own thread.
   virtual void rely_on_transport() noexcept {}
-  // The longest wait worth spinning for. A transport whose server has no core to spare lowers
-  // it: a spinner then takes the core the answer is being computed on.
+  // The longest wait worth spinning for, fixed for the connection's life (a client reads it once).
+  // A transport whose server has no core to spare lowers it: a spinner then takes the core the
+  // answer is being computed on.
   virtual int max_spin_micros() const noexcept;
 
  protected:

@@ -28,11 +28,14 @@ class ConnectionsPoller final : public transport::Poller {
   // One call per connection, with its poller or nullptr.
   void add(transport::Poller* p) {
     ++connections_;
-    if (p) parts_.push_back(p);
+    if (!p) return;
+    parts_.push_back(p);
+    max_spin_us_ = std::min(max_spin_us_, p->max_spin_micros());  // fixed once a connection is made
   }
   void clear() noexcept {
     parts_.clear();
     connections_ = 0;
+    max_spin_us_ = transport::Completion::kMaxSpinMicros;
   }
   transport::Poller* get() noexcept { return parts_.empty() ? nullptr : this; }
   void poll() noexcept override {
@@ -51,11 +54,7 @@ class ConnectionsPoller final : public transport::Poller {
   }
   // The lowest of its connections': a client of an shm server that holds every core and of a
   // tcp server also waits on tcp with the shorter limit (this poller is one per client).
-  int max_spin_micros() const noexcept override {
-    int us = transport::Completion::kMaxSpinMicros;
-    for (const auto* p : parts_) us = std::min(us, p->max_spin_micros());
-    return us;
-  }
+  int max_spin_micros() const noexcept override { return max_spin_us_; }
   // One thread cannot sleep on several servers' sockets or words at once (nor on one while
   // another connection answers); with more, the waiter sleeps on its completion instead and
   // the transports' own threads read the answers.
@@ -69,6 +68,7 @@ class ConnectionsPoller final : public transport::Poller {
  private:
   std::vector<transport::Poller*> parts_;
   std::size_t connections_ = 0;
+  int max_spin_us_ = transport::Completion::kMaxSpinMicros;  // the lowest of parts_'
 };
 
 // Thread-safety: the op table is guarded by ops_mu_; each Op is touched by one issuing thread,

@@ -91,8 +91,8 @@ class ShmConnection final : public transport::Connection, private transport::Pol
   std::uint32_t area_index_ = 0;
   std::byte* data_ = nullptr;
   std::uint64_t data_capacity_ = 0;
-  std::uint32_t max_spinners_ = 1;  // spinning client threads this machine can afford
-  int max_spin_micros_ = transport::Completion::kMaxSpinMicros;
+  std::uint32_t max_spinners_ = 1;                               // spinning client threads this machine can afford
+  int max_spin_micros_ = transport::Completion::kMaxSpinMicros;  // set by the constructor, then read only
   std::uint32_t server_threads_ = 1;
   std::chrono::milliseconds wait_timeout_{0};  // the server's, clamped to [1 ms, io_timeout]
   std::uint32_t quorum_ = 0;
