@@ -246,7 +246,7 @@ void EmbeddingTable::touch(std::uint32_t row, std::uint64_t step) const noexcept
 // An id costs four dependent misses: its index shard (which names the bucket array), its bucket,
 // its row's key and link, its floats; and two more for each row of its chain before its own (a
 // bucket holds up to one row on average in a table sized for 100M rows, up to two in a small or
-// grown one: a quarter to half the ids or more have one). advance(i), called
+// grown one: about 30% to half the ids or more have one). advance(i), called
 // before id i is handled, keeps them in flight for ids further on: shards 32 ahead, buckets 24,
 // the first row of the chain 16 and the second 8, each stage finding the one before it in cache
 // (a stale guess only costs a useless prefetch; the lookup itself checks everything). Without the
