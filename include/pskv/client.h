@@ -62,8 +62,12 @@ struct ClientOptions {
   // retried push is recognised by its worker) and tcp:// or rdma:// servers; pushes must carry clocks below
   // 2^32. A wait sends a part of its request lost with its server again within 50 ms, whatever
   // the request's other parts wait for. The constructor, too, keeps trying a server it cannot
-  // reach (or, with --failover-ms, wherever its keys are served now) for up to this long.
-  // 0: a failed server fails its requests.
+  // reach (or, with --failover-ms, wherever its keys are served now) for up to this long. A
+  // request lost again and again to silence on connections the server accepts (it parks the
+  // request past io_timeout) fails once this long has passed since the first such loss; losses
+  // to restarts do not count. The destructor's goodbye reconnects too (to a restarted server,
+  // or wherever a failover moved its keys), for up to 2 s, so that the other workers' bounded
+  // reads there stop waiting for this one. 0: a failed server fails its requests.
   std::chrono::milliseconds retry_timeout{0};
 };
 

@@ -148,14 +148,17 @@ class ClientImpl {
     // servers it did, or they would stop waiting for it instead of failing the job.
     if (std::uncaught_exceptions() > uncaught_at_start_) finished_on_close_ = false;
     if (options_.worker_id == kNoWorker || !finished_on_close_ || links_.empty()) return;
-    // Best effort and bounded: on a dead link this must not cost a whole I/O timeout (nor a
-    // retry: the goodbye is not worth waiting for a restart). If the wait gives up, destroying
-    // the connections (before ops_, see the member order) fails the request, so nothing touches
-    // the op afterwards.
+    // Best effort and bounded: on a dead link this must not cost a whole I/O timeout. A retrying
+    // client still reconnects, within the same bound, a server that restarted since this worker
+    // last used it: the restarted server took this worker's clock from its replicas but not that
+    // it finished, and the other workers' bounded reads there would wait for it. If the wait gives
+    // up, destroying the connections (before ops_, see the member order) fails the request, so
+    // nothing touches the op afterwards.
     try {
+      closing_deadline_ = std::chrono::steady_clock::now() + kGoodbyeBudget;
       closing_.store(true);
       const Ticket t = issue(wire::Op::clock, {}, kNoValues, kClockDone);
-      wait_until(lookup(t), std::chrono::steady_clock::now() + std::chrono::seconds(2));
+      wait_until(lookup(t), closing_deadline_);
     } catch (const Error&) {
     }
     close_links();
@@ -268,7 +271,8 @@ class ClientImpl {
       Link& link = *links_[s];
       Sent& p = op->parts[s];
       p.completion.reset(1);
-      p.stands = false;
+      p.stands = p.retried_out = false;
+      p.silent_since = kNever;
       std::lock_guard lock(link.mu);
       link.append(&p);
       p.generation = link.generation;
@@ -332,22 +336,28 @@ class ClientImpl {
 
   // Whether a completed part stands (answered, refused, or its server is given up on). A part
   // whose connection broke under it is sent again once the server is back: false, wait again.
+  // A part lost again and again to the server's silence on connections it accepts (it parks the
+  // request past the client's io_timeout) stands once retry_timeout has passed since the first
+  // of those losses: reconnecting, which succeeds each time, must not keep a wait alive forever.
   bool settled(std::size_t server, Sent& p) {
     Link& link = *links_[server];
     std::lock_guard lock(link.mu);
     if (!p.completion.done()) return false;  // another waiter sent it again meanwhile
     if (!must_send_again(link, p)) return p.stands = true;
+    const auto now = std::chrono::steady_clock::now();
+    note_loss(p, now);
+    if (p.silent_since != kNever && now - p.silent_since >= options_.retry_timeout)
+      return p.stands = p.retried_out = true;
     recover(link);
     return p.stands = !link.gave_up.empty();
   }
 
   // Under link.mu, for a completed part: whether it failed with the connection it was sent on,
   // which has broken, and is to be sent again once the server is back. Otherwise its outcome
-  // stands: answered, refused by a live server, failed on a connection since replaced
-  // (recover() sends every failed part again, so only when it gave up), or the client is
-  // closing (its goodbye is not worth waiting for a restart).
+  // stands: answered, refused by a live server, or failed on a connection since replaced
+  // (recover() sends every failed part again, so only when it gave up).
   bool must_send_again(const Link& link, const Sent& p) const {
-    return lost_with_connection(p) && link.gave_up.empty() && p.generation == link.generation && !closing_.load() &&
+    return lost_with_connection(p) && link.gave_up.empty() && p.generation == link.generation &&
            (!link.conn || link.conn->broken());
   }
 
@@ -357,6 +367,16 @@ class ClientImpl {
   static bool lost_with_connection(const Sent& p) noexcept {
     const Errc e = p.completion.status();
     return e == Errc::peer_failure || e == Errc::timeout;
+  }
+
+  // Times a run of losses to silence (Errc::timeout: the connection heard nothing for io_timeout
+  // while the part was outstanding); a loss of any other kind (the server died or restarted)
+  // ends the run, so restarts never count against a part however long they take together.
+  static void note_loss(Sent& p, std::chrono::steady_clock::time_point now) noexcept {
+    if (p.completion.status() != Errc::timeout)
+      p.silent_since = kNever;
+    else if (p.silent_since == kNever)
+      p.silent_since = now;
   }
 
   // A listed part that recover() sends again: lost with its connection, outcome not yet taken.
@@ -372,7 +392,9 @@ class ClientImpl {
   // Under link.mu: reconnects and sends again, in their original order, the listed parts that
   // failed. Gives up (link.gave_up) once the server has been unreachable for retry_timeout.
   void recover(Link& link) {
-    const auto deadline = std::chrono::steady_clock::now() + options_.retry_timeout;
+    // Closing, within the goodbye's budget: a server that is not back by then is not waited for.
+    const auto deadline =
+        closing_.load() ? closing_deadline_ : std::chrono::steady_clock::now() + options_.retry_timeout;
     // Every request on the old connection completes once it is gone (it is broken: they are
     // failing already), so after this no listed part is still in its hands.
     link.conn.reset();
@@ -392,6 +414,15 @@ class ClientImpl {
     reconnect.wait_for_listener = false;
     while (std::chrono::steady_clock::now() < deadline) {
       try {
+        // No attempt outlasts the deadline (a blackholed host would hold connect() for the whole
+        // connect_timeout); the goodbye's connection lives only for its one request, so its hello
+        // is bounded too.
+        const auto left =
+            std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+        reconnect.connect_timeout =
+            std::max(std::chrono::milliseconds(1), std::min(left, connect_options_.connect_timeout));
+        if (closing_.load())
+          reconnect.io_timeout = std::max(std::chrono::milliseconds(1), std::min(left, connect_options_.io_timeout));
         auto conn = std::shared_ptr<transport::Connection>(transport::connect(link.uri, reconnect));
         // The restarted server knows nothing of this worker's clock (a retrying client always has
         // a worker id): announce the one its oldest unanswered request was issued at (what was
@@ -417,8 +448,10 @@ class ClientImpl {
         }
         ++link.generation;
         link.conn = conn;
+        const auto now = std::chrono::steady_clock::now();
         for (Sent* p = link.head; p; p = p->next) {
           if (!to_send_again(*p)) continue;
+          note_loss(*p, now);
           p->completion.reset(1);
           p->generation = link.generation;
           conn->submit(p->op->requests[p->server]);
@@ -441,8 +474,10 @@ class ClientImpl {
       std::this_thread::sleep_for(pause);
       pause = std::min(pause * 2, std::chrono::milliseconds(25));
     }
-    link.gave_up = "gave up on " + link.uri.str() + " after retrying for " +
-                   std::to_string(options_.retry_timeout.count()) + " ms; last attempt: " + last;
+    const auto tried = closing_.load() ? std::chrono::duration_cast<std::chrono::milliseconds>(kGoodbyeBudget)
+                                       : options_.retry_timeout;
+    link.gave_up = "gave up on " + link.uri.str() + " after retrying for " + std::to_string(tried.count()) + " ms" +
+                   (closing_.load() ? " (the goodbye's bound)" : "") + "; last attempt: " + last;
   }
 
   // Connects to server `server`, wherever the certificates say its keys are served now, trying
@@ -511,8 +546,12 @@ class ClientImpl {
   std::optional<Uri> moved_to(std::size_t server, std::chrono::steady_clock::time_point deadline) {
     transport::ConnectOptions c = connect_options_;
     c.worker_id = kNoWorker;
-    c.connect_timeout = std::min(c.connect_timeout, std::chrono::milliseconds(500));
-    c.io_timeout = std::min(c.io_timeout, std::chrono::milliseconds(1000));
+    // Never past the caller's deadline (the goodbye's is 2 s away at most).
+    const auto left =
+        std::max(std::chrono::milliseconds(1),
+                 std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()));
+    c.connect_timeout = std::min({c.connect_timeout, std::chrono::milliseconds(500), left});
+    c.io_timeout = std::min({c.io_timeout, std::chrono::milliseconds(1000), left});
     c.wait_for_listener = false;  // a dead server: the others answer
     // The servers are asked at once (a few at a time), so a lookup costs the slowest answer, not
     // their sum: a hung server costs its io timeout once, and an rdma connection's setup once.
@@ -616,6 +655,10 @@ class ClientImpl {
           message = p.completion.message();
           if (lost_with_connection(p) && !links_[s]->gave_up.empty() && message != links_[s]->gave_up)
             message += "; " + links_[s]->gave_up;
+          if (p.retried_out)
+            message += "; sent again on new connections for " + std::to_string(options_.retry_timeout.count()) +
+                       " ms (ClientOptions.retry_timeout), each accepted and then left without an answer for "
+                       "io_timeout; given up";
         }
       }
     }
@@ -641,7 +684,9 @@ class ClientImpl {
         if (!p.completion.done()) return false;
         Link& link = *links_[s];
         std::unique_lock lock(link.mu, std::try_to_lock);
-        if (!lock.owns_lock() || must_send_again(link, p)) return false;
+        if (!lock.owns_lock()) return false;
+        if (p.stands) continue;  // its outcome is taken (one given up on still looks lost)
+        if (must_send_again(link, p)) return false;
       }
       return true;
     }
@@ -803,6 +848,9 @@ class ClientImpl {
     std::size_t server = 0;
     std::uint64_t generation = 0;  // the link's connection it was last submitted on
     bool stands = false;           // a waiter has taken its outcome: never sent again
+    bool retried_out = false;      // stands: lost to silence again and again for a whole retry_timeout
+    // When the current run of losses to the server's silence began (note_loss), or kNever.
+    std::chrono::steady_clock::time_point silent_since = kNever;
     Sent* prev = nullptr;
     Sent* next = nullptr;
   };
@@ -852,6 +900,8 @@ class ClientImpl {
     }
   };
   static constexpr unsigned kIndexBits = 20;
+  static constexpr std::chrono::steady_clock::time_point kNever{};
+  static constexpr std::chrono::seconds kGoodbyeBudget{2};
 
   std::pair<Op*, Ticket> acquire() {
     std::lock_guard lock(ops_mu_);
@@ -914,8 +964,11 @@ class ClientImpl {
   bool retrying_ = false;
   // Every server asked for certificates said it runs without failover: recover() stops asking.
   std::atomic<bool> no_failover_{false};
-  float no_values_ = 0;                 // where a table push's identity points: no floats, but never null (memcpy)
-  std::atomic<bool> closing_{false};    // the destructor's goodbye: not worth waiting for a restart
+  float no_values_ = 0;  // where a table push's identity points: no floats, but never null (memcpy)
+  // The destructor's goodbye, which recover() waits for no longer than closing_deadline_
+  // (written before closing_ is set, by the destroying thread, the only one left).
+  std::atomic<bool> closing_{false};
+  std::chrono::steady_clock::time_point closing_deadline_{};
   std::mutex order_mu_;                 // retry mode: a push's sequence number and its submissions
   std::optional<PushSequence> pushes_;  // retry mode only (it draws a session); under order_mu_
   // Declared before links_ so that it is destroyed after them: a connection's teardown

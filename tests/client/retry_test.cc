@@ -86,5 +86,90 @@ TEST(Retry, GivesUpOnceTheServerStayedAwayForTheWholeTimeout) {
   testing::expect_error([&] { c.wait(c.push(1, value)); }, Errc::peer_failure, {"gave up on " + uri});
 }
 
+// The server parks worker 0's read for worker 1's clock, past the client's io_timeout, so the
+// connection is declared lost and the read sent again on a new one, where it parks again. The
+// reconnections all succeed; retry_timeout still bounds the whole, and the error says why.
+TEST(Retry, ARequestNeverAnsweredOnConnectionsTheServerAcceptsIsGivenUpAfterTheTimeout) {
+  const std::string uri = "tcp://127.0.0.1:" + std::to_string(tcp::free_loopback_port());
+  ServerOptions so = server_at(uri);
+  so.num_workers = 2;
+  so.mode = ConsistencyMode::ssp;
+  so.staleness = 0;
+  so.wait_timeout = 60s;  // the server itself would answer only after the test's bound
+  Server server(so);
+  ClientOptions o;
+  o.servers = {uri};
+  o.worker_id = 1;
+  Client silent(o);  // connected and never clocks: worker 0's reads wait for it
+  o.worker_id = 0;
+  o.initial_clock = 1;
+  o.io_timeout = 300ms;
+  o.retry_timeout = 1500ms;
+  Client c(o);
+  std::vector<float> out(8);
+  c.wait(c.init(1, std::vector<float>(8, 0.0f)));
+  const Ticket pull = c.pull(1, out);
+  const auto start = std::chrono::steady_clock::now();
+  bool returned = true;
+  testing::expect_error([&] { returned = c.wait_for(pull, 20s); }, Errc::timeout, {"retry_timeout", "given up"});
+  EXPECT_TRUE(returned);
+  // Not before the first loss (io_timeout at the earliest) and a whole retry_timeout after it.
+  EXPECT_GE(std::chrono::steady_clock::now() - start, 1800ms);
+}
+
+// Losses to restarts do not add up against retry_timeout (only a run of losses to silence
+// does): a barrier parked on a server that restarts twice, further apart than retry_timeout, is
+// sent again each time and passes once the other worker arrives.
+TEST(Retry, RestartsDoNotAddUpAgainstTheTimeout) {
+  const std::string uri = "tcp://127.0.0.1:" + std::to_string(tcp::free_loopback_port());
+  ServerOptions so = server_at(uri);
+  so.num_workers = 2;
+  so.wait_timeout = 60s;
+  std::optional<Server> server(std::in_place, so);
+  ClientOptions o;
+  o.servers = {uri};
+  o.worker_id = 0;
+  o.retry_timeout = 1s;
+  Client c(o);
+  const Ticket barrier = c.barrier_async();  // waits for worker 1
+  for (int restart = 0; restart < 2; ++restart) {
+    EXPECT_FALSE(c.wait_for(barrier, 1200ms));  // sent again to the new server, parked again
+    server.reset();
+    server.emplace(so);
+  }
+  o.worker_id = 1;
+  Client other(o);
+  const Ticket arrived = other.barrier_async();
+  EXPECT_NO_THROW(EXPECT_TRUE(c.wait_for(barrier, 20s)));
+  EXPECT_NO_THROW(other.wait(arrived));
+}
+
+// A worker whose server restarted since it last used the server says goodbye to the new one:
+// without it, the restarted server (which takes the worker's clock from its replicas, but not
+// that it finished) would keep the other workers' bounded reads waiting for it.
+TEST(Retry, AFinishingWorkerTellsARestartedServerItFinished) {
+  const std::string uri = "tcp://127.0.0.1:" + std::to_string(tcp::free_loopback_port());
+  ServerOptions so = server_at(uri);
+  so.num_workers = 2;
+  so.mode = ConsistencyMode::ssp;
+  std::optional<Server> server(std::in_place, so);
+  {
+    ClientOptions o;
+    o.servers = {uri};
+    o.worker_id = 0;
+    o.retry_timeout = 20s;
+    Client c(o);
+    c.clock();
+    c.clock();
+    server.reset();
+    server.emplace(so);
+  }  // the goodbye finds its connection broken, and reconnects
+  ClientOptions admin;
+  admin.servers = {uri};
+  Client a(admin);
+  const std::string stats = a.server_stats(0);
+  EXPECT_NE(stats.find("\"clocks_by_worker\":[-1,0]"), std::string::npos) << stats;
+}
+
 }  // namespace
 }  // namespace pskv
