@@ -150,10 +150,10 @@ class ClientImpl {
     if (options_.worker_id == kNoWorker || !finished_on_close_ || links_.empty()) return;
     // Best effort and bounded: on a dead link this must not cost a whole I/O timeout. A retrying
     // client still reconnects, within the same bound, a server that restarted since this worker
-    // last used it: the restarted server took this worker's clock from its replicas but not that
-    // it finished, and the other workers' bounded reads there would wait for it. If the wait gives
-    // up, destroying the connections (before ops_, see the member order) fails the request, so
-    // nothing touches the op afterwards.
+    // last used it (or follows its keys' failover): the restarted server (or the holder) took
+    // this worker's clock from the replicas but not that it finished, and the other workers'
+    // bounded reads there would wait for it. If the wait gives up, destroying the connections
+    // (before ops_, see the member order) fails the request, so nothing touches the op afterwards.
     try {
       closing_deadline_ = std::chrono::steady_clock::now() + kGoodbyeBudget;
       closing_.store(true);
