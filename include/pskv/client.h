@@ -66,8 +66,9 @@ struct ClientOptions {
   // request lost again and again to silence on connections the server accepts (it parks the
   // request past io_timeout) fails once this long has passed since the first such loss; losses
   // to restarts do not count. The destructor's goodbye reconnects too (to a restarted server,
-  // or wherever a failover moved its keys), for up to 2 s, so that the other workers' bounded
-  // reads there stop waiting for this one. 0: a failed server fails its requests.
+  // or wherever a failover moved its keys), for about 2 s (at least 300 ms per server), so that
+  // the other workers' bounded reads there stop waiting for this one. 0: a failed server fails
+  // its requests.
   std::chrono::milliseconds retry_timeout{0};
 };
 

@@ -370,8 +370,9 @@ class ClientImpl {
   }
 
   // Times a run of losses to silence (Errc::timeout: the connection heard nothing for io_timeout
-  // while the part was outstanding); a loss of any other kind (the server died or restarted)
-  // ends the run, so restarts never count against a part however long they take together.
+  // while the part was outstanding); a loss of any other kind (the server died or restarted), or
+  // one after which the server could not be reached at once (recover()), ends the run, so
+  // restarts never count against a part however long they take together.
   static void note_loss(Sent& p, std::chrono::steady_clock::time_point now) noexcept {
     if (p.completion.status() != Errc::timeout)
       p.silent_since = kNever;
@@ -393,8 +394,11 @@ class ClientImpl {
   // failed. Gives up (link.gave_up) once the server has been unreachable for retry_timeout.
   void recover(Link& link) {
     // Closing, within the goodbye's budget: a server that is not back by then is not waited for.
-    const auto deadline =
-        closing_.load() ? closing_deadline_ : std::chrono::steady_clock::now() + options_.retry_timeout;
+    // Each link still gets kGoodbyeFloor, so that one server gone for good does not use up the
+    // budget of a restarted one recovered after it.
+    const auto deadline = closing_.load()
+                              ? std::max(closing_deadline_, std::chrono::steady_clock::now() + kGoodbyeFloor)
+                              : std::chrono::steady_clock::now() + options_.retry_timeout;
     // Every request on the old connection completes once it is gone (it is broken: they are
     // failing already), so after this no listed part is still in its hands.
     link.conn.reset();
@@ -403,6 +407,8 @@ class ClientImpl {
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
     while (!link.announced.done()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
     std::string last = "no attempt";
+    // An attempt failed before one got through: the server was away, not silent (see note_loss).
+    bool was_away = false;
     // A restarted server is back within tens of ms: look often at first, then back off.
     auto pause = std::chrono::milliseconds(2);
     const std::size_t server = index_of(link);
@@ -451,7 +457,10 @@ class ClientImpl {
         const auto now = std::chrono::steady_clock::now();
         for (Sent* p = link.head; p; p = p->next) {
           if (!to_send_again(*p)) continue;
-          note_loss(*p, now);
+          if (was_away)
+            p->silent_since = kNever;
+          else
+            note_loss(*p, now);
           p->completion.reset(1);
           p->generation = link.generation;
           conn->submit(p->op->requests[p->server]);
@@ -463,6 +472,7 @@ class ClientImpl {
         return;
       } catch (const Error& e) {
         last = e.what();
+        was_away = true;
       }
       if (!no_failover_.load() && lookups.due()) {
         if (std::optional<Uri> to = moved_to(server, deadline); to && !same_endpoint(*to, link.uri)) {
@@ -902,6 +912,7 @@ class ClientImpl {
   static constexpr unsigned kIndexBits = 20;
   static constexpr std::chrono::steady_clock::time_point kNever{};
   static constexpr std::chrono::seconds kGoodbyeBudget{2};
+  static constexpr std::chrono::milliseconds kGoodbyeFloor{300};  // per link, past the budget
 
   std::pair<Op*, Ticket> acquire() {
     std::lock_guard lock(ops_mu_);

@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <optional>
+#include <thread>
 
 #include "pskv/client.h"
 #include "pskv/server.h"
@@ -168,6 +169,40 @@ TEST(Retry, AFinishingWorkerTellsARestartedServerItFinished) {
   admin.servers = {uri};
   Client a(admin);
   const std::string stats = a.server_stats(0);
+  EXPECT_NE(stats.find("\"clocks_by_worker\":[-1,0]"), std::string::npos) << stats;
+}
+
+// One server gone for good does not use up the goodbye's bound for the others: server 0 never
+// comes back (its recovery takes the whole 2 s) and server 1, recovered after it, restarted.
+TEST(Retry, AGoodbyeStillReachesARestartedServerAfterOneGoneForGood) {
+  const std::string gone = "tcp://127.0.0.1:" + std::to_string(tcp::free_loopback_port());
+  const std::string back = "tcp://127.0.0.1:" + std::to_string(tcp::free_loopback_port());
+  ServerOptions so = server_at(back);
+  so.num_workers = 2;
+  so.mode = ConsistencyMode::ssp;
+  ServerOptions gone_options = so;
+  gone_options.uri = gone;
+  std::optional<Server> first(std::in_place, gone_options), second(std::in_place, so);
+  {
+    ClientOptions o;
+    o.servers = {gone, back};
+    o.worker_id = 0;
+    o.retry_timeout = 20s;
+    Client c(o);
+    c.clock();
+    first.reset();
+    second.reset();
+    second.emplace(so);
+  }
+  ClientOptions admin;
+  admin.servers = {back};
+  Client a(admin);
+  // The goodbye was sent within the bound; the server may still be reading it.
+  const auto give_up = std::chrono::steady_clock::now() + 10s;
+  std::string stats;
+  while ((stats = a.server_stats(0)).find("\"clocks_by_worker\":[-1,0]") == std::string::npos &&
+         std::chrono::steady_clock::now() < give_up)
+    std::this_thread::sleep_for(20ms);
   EXPECT_NE(stats.find("\"clocks_by_worker\":[-1,0]"), std::string::npos) << stats;
 }
 
