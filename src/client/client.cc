@@ -380,6 +380,12 @@ class ClientImpl {
       p.silent_since = now;
   }
 
+  // What remains until `deadline`, at least 1 ms: a timeout of 0 would mean none to a transport.
+  static std::chrono::milliseconds time_left(std::chrono::steady_clock::time_point deadline) noexcept {
+    return std::max(std::chrono::milliseconds(1),
+                    std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()));
+  }
+
   // A listed part that recover() sends again: lost with its connection, outcome not yet taken.
   static bool to_send_again(const Sent& p) noexcept { return !p.stands && lost_with_connection(p); }
   static void clock_request(transport::Request& r, transport::Completion& done, std::uint64_t clock) noexcept {
@@ -423,12 +429,10 @@ class ClientImpl {
         // No attempt outlasts the deadline (a blackholed host would hold connect() for the whole
         // connect_timeout); the goodbye's connection lives only for its one request, so its hello
         // is bounded too.
-        const auto left =
-            std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
-        reconnect.connect_timeout =
-            std::max(std::chrono::milliseconds(1), std::min(left, connect_options_.connect_timeout));
-        if (closing_.load())
-          reconnect.io_timeout = std::max(std::chrono::milliseconds(1), std::min(left, connect_options_.io_timeout));
+        const std::chrono::milliseconds left = time_left(deadline);
+        constexpr std::chrono::milliseconds kAtLeast{1};  // a timeout of 0 set in the options
+        reconnect.connect_timeout = std::max(kAtLeast, std::min(left, connect_options_.connect_timeout));
+        if (closing_.load()) reconnect.io_timeout = std::max(kAtLeast, std::min(left, connect_options_.io_timeout));
         auto conn = std::shared_ptr<transport::Connection>(transport::connect(link.uri, reconnect));
         // The restarted server knows nothing of this worker's clock (a retrying client always has
         // a worker id): announce the one its oldest unanswered request was issued at (what was
@@ -557,9 +561,7 @@ class ClientImpl {
     transport::ConnectOptions c = connect_options_;
     c.worker_id = kNoWorker;
     // Never past the caller's deadline (the goodbye's is 2 s away at most).
-    const auto left =
-        std::max(std::chrono::milliseconds(1),
-                 std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()));
+    const std::chrono::milliseconds left = time_left(deadline);
     c.connect_timeout = std::min({c.connect_timeout, std::chrono::milliseconds(500), left});
     c.io_timeout = std::min({c.io_timeout, std::chrono::milliseconds(1000), left});
     c.wait_for_listener = false;  // a dead server: the others answer
