@@ -27,6 +27,31 @@ ServerOptions server_at(const std::string& uri) {
   return so;
 }
 
+std::string free_uri() {
+  return "tcp://127.0.0.1:" + std::to_string(tcp::free_loopback_port());
+}
+
+// Two SSP workers: worker 0's goodbye shows in the stats as clock -1 beside worker 1's 0.
+ServerOptions two_workers_at(const std::string& uri) {
+  ServerOptions so = server_at(uri);
+  so.num_workers = 2;
+  so.mode = ConsistencyMode::ssp;
+  return so;
+}
+
+// The goodbye is sent within its bound; the server may still be reading it, so this looks again.
+void expect_worker_0_finished(const std::string& uri) {
+  ClientOptions admin;
+  admin.servers = {uri};
+  Client a(admin);
+  const auto give_up = std::chrono::steady_clock::now() + 10s;
+  std::string stats;
+  while ((stats = a.server_stats(0)).find("\"clocks_by_worker\":[-1,0]") == std::string::npos &&
+         std::chrono::steady_clock::now() < give_up)
+    std::this_thread::sleep_for(20ms);
+  EXPECT_NE(stats.find("\"clocks_by_worker\":[-1,0]"), std::string::npos) << stats;
+}
+
 // Both are refused before anything is connected.
 TEST(Retry, NeedsAWorkerIdAndTcpServers) {
   ClientOptions o;
@@ -41,7 +66,7 @@ TEST(Retry, NeedsAWorkerIdAndTcpServers) {
 // The server goes away and another comes up at its address: the pull in flight then is answered
 // by the new one, and the new one learns this worker's clock before anything else.
 TEST(Retry, ARestartedServerAnswersWhatItsPredecessorLeftUnanswered) {
-  const std::string uri = "tcp://127.0.0.1:" + std::to_string(tcp::free_loopback_port());
+  const std::string uri = free_uri();
   std::optional<Server> server(std::in_place, server_at(uri));
   ClientOptions o;
   o.servers = {uri};
@@ -68,7 +93,7 @@ TEST(Retry, ARestartedServerAnswersWhatItsPredecessorLeftUnanswered) {
 }
 
 TEST(Retry, GivesUpOnceTheServerStayedAwayForTheWholeTimeout) {
-  const std::string uri = "tcp://127.0.0.1:" + std::to_string(tcp::free_loopback_port());
+  const std::string uri = free_uri();
   std::optional<Server> server(std::in_place, server_at(uri));
   ClientOptions o;
   o.servers = {uri};
@@ -91,10 +116,8 @@ TEST(Retry, GivesUpOnceTheServerStayedAwayForTheWholeTimeout) {
 // connection is declared lost and the read sent again on a new one, where it parks again. The
 // reconnections all succeed; retry_timeout still bounds the whole, and the error says why.
 TEST(Retry, ARequestNeverAnsweredOnConnectionsTheServerAcceptsIsGivenUpAfterTheTimeout) {
-  const std::string uri = "tcp://127.0.0.1:" + std::to_string(tcp::free_loopback_port());
-  ServerOptions so = server_at(uri);
-  so.num_workers = 2;
-  so.mode = ConsistencyMode::ssp;
+  const std::string uri = free_uri();
+  ServerOptions so = two_workers_at(uri);
   so.staleness = 0;
   so.wait_timeout = 60s;  // the server itself would answer only after the test's bound
   Server server(so);
@@ -122,7 +145,7 @@ TEST(Retry, ARequestNeverAnsweredOnConnectionsTheServerAcceptsIsGivenUpAfterTheT
 // does): a barrier parked on a server that restarts twice, further apart than retry_timeout, is
 // sent again each time and passes once the other worker arrives.
 TEST(Retry, RestartsDoNotAddUpAgainstTheTimeout) {
-  const std::string uri = "tcp://127.0.0.1:" + std::to_string(tcp::free_loopback_port());
+  const std::string uri = free_uri();
   ServerOptions so = server_at(uri);
   so.num_workers = 2;
   so.wait_timeout = 60s;
@@ -149,10 +172,8 @@ TEST(Retry, RestartsDoNotAddUpAgainstTheTimeout) {
 // without it, the restarted server (which takes the worker's clock from its replicas, but not
 // that it finished) would keep the other workers' bounded reads waiting for it.
 TEST(Retry, AFinishingWorkerTellsARestartedServerItFinished) {
-  const std::string uri = "tcp://127.0.0.1:" + std::to_string(tcp::free_loopback_port());
-  ServerOptions so = server_at(uri);
-  so.num_workers = 2;
-  so.mode = ConsistencyMode::ssp;
+  const std::string uri = free_uri();
+  const ServerOptions so = two_workers_at(uri);
   std::optional<Server> server(std::in_place, so);
   {
     ClientOptions o;
@@ -165,24 +186,15 @@ TEST(Retry, AFinishingWorkerTellsARestartedServerItFinished) {
     server.reset();
     server.emplace(so);
   }  // the goodbye finds its connection broken, and reconnects
-  ClientOptions admin;
-  admin.servers = {uri};
-  Client a(admin);
-  const std::string stats = a.server_stats(0);
-  EXPECT_NE(stats.find("\"clocks_by_worker\":[-1,0]"), std::string::npos) << stats;
+  expect_worker_0_finished(uri);
 }
 
 // One server gone for good does not use up the goodbye's bound for the others: server 0 never
 // comes back (its recovery takes the whole 2 s) and server 1, recovered after it, restarted.
 TEST(Retry, AGoodbyeStillReachesARestartedServerAfterOneGoneForGood) {
-  const std::string gone = "tcp://127.0.0.1:" + std::to_string(tcp::free_loopback_port());
-  const std::string back = "tcp://127.0.0.1:" + std::to_string(tcp::free_loopback_port());
-  ServerOptions so = server_at(back);
-  so.num_workers = 2;
-  so.mode = ConsistencyMode::ssp;
-  ServerOptions gone_options = so;
-  gone_options.uri = gone;
-  std::optional<Server> first(std::in_place, gone_options), second(std::in_place, so);
+  const std::string gone = free_uri(), back = free_uri();
+  const ServerOptions so = two_workers_at(back);
+  std::optional<Server> first(std::in_place, two_workers_at(gone)), second(std::in_place, so);
   {
     ClientOptions o;
     o.servers = {gone, back};
@@ -194,16 +206,7 @@ TEST(Retry, AGoodbyeStillReachesARestartedServerAfterOneGoneForGood) {
     second.reset();
     second.emplace(so);
   }
-  ClientOptions admin;
-  admin.servers = {back};
-  Client a(admin);
-  // The goodbye was sent within the bound; the server may still be reading it.
-  const auto give_up = std::chrono::steady_clock::now() + 10s;
-  std::string stats;
-  while ((stats = a.server_stats(0)).find("\"clocks_by_worker\":[-1,0]") == std::string::npos &&
-         std::chrono::steady_clock::now() < give_up)
-    std::this_thread::sleep_for(20ms);
-  EXPECT_NE(stats.find("\"clocks_by_worker\":[-1,0]"), std::string::npos) << stats;
+  expect_worker_0_finished(back);
 }
 
 }  // namespace
