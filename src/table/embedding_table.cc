@@ -91,6 +91,7 @@ EmbeddingTable::EmbeddingTable(const TableSpec& spec, std::uint64_t index_rows, 
   }
   index_bytes_ = (std::uint64_t{sizeof(Shard)} + sizeof(Buckets) + std::uint64_t{buckets} * 4) << kShardBits;
   segments_ = std::make_unique<std::atomic<Segment*>[]>(kMaxSegments);
+  if (!storage_) segment_arena_ = SliceArena::make(segment_layout().bytes(), "an embedding table's rows");
   prepare_limit_rows_ = spec.max_rows ? spec.max_rows : index_rows;
   const std::size_t segment = segment_layout().bytes();
   prepare_lead_ = segment > kPrepareBytes ? 0 : prepare_limit_rows_ ? kPrepareBytes / segment : 1;
@@ -544,8 +545,7 @@ std::unique_ptr<EmbeddingTable::Segment> EmbeddingTable::make_segment(bool touch
   const SegmentLayout layout = segment_layout();
   std::unique_ptr<Segment> seg;
   try {
-    seg = carve_segment(storage_ ? storage_->segment(layout.bytes())
-                                 : std::make_unique<HeapMemory>(layout.bytes(), "an embedding table's rows"));
+    seg = carve_segment(storage_ ? storage_->segment(layout.bytes()) : segment_arena_->take());
   } catch (const std::exception&) {
     return nullptr;
   }

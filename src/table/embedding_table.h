@@ -261,8 +261,9 @@ class EmbeddingTable {
   static void end_write(std::atomic<std::uint32_t>& version, std::uint32_t begun) noexcept;
 
   TableSpec spec_;
-  std::unique_ptr<TableStorage> storage_;  // null: segments are the process's own memory
-  std::unique_ptr<MemoryResource> undo_;   // with storage_: one record per shard, undo_stride_ apart
+  std::unique_ptr<TableStorage> storage_;      // null: segments are the process's own memory
+  std::shared_ptr<SliceArena> segment_arena_;  // without storage_: where segments are carved
+  std::unique_ptr<MemoryResource> undo_;       // with storage_: one record per shard, undo_stride_ apart
   std::size_t undo_stride_ = 0;
   LeftRows adopted_;
   std::uint64_t index_key_;         // random per table: see index_hash
