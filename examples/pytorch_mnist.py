@@ -202,9 +202,10 @@ def server_options(a, workers: int) -> dict:
     # update="worker" exchanges mean gradients: sync aggregation, stored as they are ("assign").
     worker_update = a.update == "worker"
     return dict(workers=workers, mode="sync" if worker_update else a.mode,
-                staleness=0 if worker_update or a.mode == "bsp" else a.staleness,
+                staleness=a.staleness if a.mode == "ssp" and not worker_update else 0,
                 rule="assign" if worker_update else a.rule, lr=a.lr, momentum=a.momentum,
-                wait_timeout=a.wait_timeout, arena_mb=64, io_threads=1, shm_clients=workers + 4, shm_area_mb=16)
+                wait_timeout=a.wait_timeout, arena_mb=64, io_threads=1,
+                **(dict(shm_clients=workers + 4, shm_area_mb=16) if a.transport == "shm" else {}))
 
 
 def serve(a, index: int, uri: str, workers: int) -> None:
@@ -306,7 +307,7 @@ def main():
     p.add_argument("--json", action="store_true", help="end with a one-line JSON summary")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
-    if a.mode == "bsp":
+    if a.mode != "ssp":  # the servers take a staleness only in ssp
         a.staleness = 0
 
     if a.local:

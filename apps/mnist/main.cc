@@ -56,7 +56,7 @@ int main(int argc, char** argv) {
       ->envname("PSKV_TRANSPORT")
       ->capture_default_str()
       ->check(CLI::IsMember({"shm", "tcp", "rdma"}));
-  app.add_option("--servers", c.servers, "Server shards")->envname("PSKV_SERVERS")->capture_default_str();
+  app.add_option("--servers", c.servers, "Server shards")->envname("PSKV_SERVERS_COUNT")->capture_default_str();
   app.add_option("--workers", c.workers, "Workers")->envname("PSKV_WORKERS")->capture_default_str();
   app.add_option("--mode", mode, "bsp, ssp, asp or sync")
       ->envname("PSKV_MODE")

@@ -180,7 +180,8 @@ int main(int argc, char** argv) {
       ->envname("PSKV_FAILOVER_DIR");
   app.add_flag("--rejoin", o.rejoin,
                "Restarting after a failure: take this server's keys back from a synced replica before serving "
-               "(with --failover-ms, from the server that took them over, which gives them back)");
+               "(with --failover-ms, from the server that took them over, which gives them back)")
+      ->envname("PSKV_REJOIN");
   backend[4].option =
       app.add_option("--rdma-device", backend[4].value,
                      "rdma: expected device (the URI's address picks it; a mismatch is an error); URI dev=")

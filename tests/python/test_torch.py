@@ -223,3 +223,16 @@ def test_two_worker_mnist_run_beats_the_floor():
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["workers"] == 2 and summary["mode"] == "ssp" and summary["max_staleness"] <= 2
     assert summary["test_accuracy"] >= 0.85, summary
+
+
+@pytest.mark.parametrize("mode", ["bsp", "asp"])
+def test_the_mnist_example_runs_in_every_mode(mode):
+    # The servers take a staleness only in ssp: the example must not pass its default elsewhere.
+    example = os.path.join(os.environ.get("PSKV_EXAMPLES", "../../examples"), "pytorch_mnist.py")
+    out = subprocess.run([sys.executable, example, "--launch", "--servers", "2", "--workers", "2", "--transport",
+                          "tcp", "--model", "mlp", "--epochs", "1", "--train-limit", "2000", "--test-limit", "500",
+                          "--mode", mode, "--data", os.environ.get("PSKV_DATA", "../../data/mnist"), "--json"],
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout + out.stderr
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["mode"] == mode and summary["staleness"] == 0, summary
