@@ -782,8 +782,10 @@ InsertPoint insert_rows(const std::vector<std::string>& servers, std::uint64_t r
   return {double(rows) / wall, bytes / alive, percentile(all, 0.5), percentile(all, 0.99), max_us};
 }
 
+// `depth` batches in flight per client (a local table's are called one at a time); a batch's
+// latency runs from its issue to its completion.
 SparsePoint measure_sparse(const std::vector<std::string>& servers, const std::string& op, const KeyDraw& draw,
-                           std::size_t floats, std::size_t batch_keys, int clients, double seconds,
+                           std::size_t floats, std::size_t batch_keys, int clients, double seconds, int depth,
                            std::uint64_t table_rows = 0, pskv::EmbeddingTable* local = nullptr) {
   std::vector<std::vector<double>> lat(clients);
   std::vector<std::uint64_t> done(clients, 0);
@@ -797,34 +799,58 @@ SparsePoint measure_sparse(const std::vector<std::string>& servers, const std::s
         std::optional<pskv::Client> client;
         if (!local) client.emplace(table_rows ? rows_client(servers, c) : client_options(servers));
         if (table_rows && client) client->create_table(0, rows_spec(floats, table_rows));
-        std::vector<float> buf(batch_keys * floats, 1e-3f);
-        if (client) client->register_buffer(buf.data(), buf.size() * sizeof(float));
-        std::vector<pskv::Key> keys(batch_keys);
-        std::vector<std::span<float>> outs;
-        std::vector<std::span<const float>> ins;
-        for (std::size_t i = 0; i < batch_keys; ++i) {
-          outs.emplace_back(buf.data() + i * floats, floats);
-          ins.emplace_back(buf.data() + i * floats, floats);
+        const std::size_t slots = local ? 1 : static_cast<std::size_t>(depth);
+        struct Slot {
+          std::vector<float> buf;
+          std::vector<pskv::Key> keys;
+          std::vector<std::span<float>> outs;
+          std::vector<std::span<const float>> ins;
+          pskv::Ticket ticket{};
+          Clock::time_point issued;
+        };
+        std::vector<Slot> ring(slots);
+        for (Slot& sl : ring) {
+          sl.buf.assign(batch_keys * floats, 1e-3f);
+          sl.keys.resize(batch_keys);
+          if (client) client->register_buffer(sl.buf.data(), sl.buf.size() * sizeof(float));
+          for (std::size_t i = 0; i < batch_keys; ++i) {
+            sl.outs.emplace_back(sl.buf.data() + i * floats, floats);
+            sl.ins.emplace_back(sl.buf.data() + i * floats, floats);
+          }
         }
         const std::vector<pskv::Key> drawn = draw_ids(draw, c, batch_keys);
         const std::size_t batches = drawn.size() / batch_keys;
+        std::uint64_t issued = 0;
+        auto issue = [&] {
+          Slot& sl = ring[issued % slots];
+          std::copy_n(drawn.begin() + (issued % batches) * batch_keys, batch_keys, sl.keys.begin());
+          ++issued;
+          sl.issued = Clock::now();
+          if (local && op == "push")
+            local->push(sl.keys, sl.buf.data(), 0);
+          else if (local)
+            local->pull(sl.keys, sl.buf.data());
+          else if (table_rows)
+            sl.ticket = op == "push" ? client->push_rows(0, sl.keys, sl.buf) : client->pull_rows(0, sl.keys, sl.buf);
+          else
+            sl.ticket = op == "push" ? client->push(sl.keys, sl.ins) : client->pull(sl.keys, sl.outs);
+        };
+        auto complete_oldest = [&] {
+          Slot& sl = ring[done[c] % slots];
+          if (client) client->wait(sl.ticket);
+          lat[c].push_back(seconds_since(sl.issued) * 1e6);
+          ++done[c];
+        };
         ready.fetch_add(1);
         while (!go.load()) std::this_thread::yield();
         const auto start = Clock::now();
-        while (done[c] < 3 || seconds_since(start) < seconds) {
-          std::copy_n(drawn.begin() + (done[c] % batches) * batch_keys, batch_keys, keys.begin());
-          const auto s = Clock::now();
-          if (local && op == "push")
-            local->push(keys, buf.data(), 0);
-          else if (local)
-            local->pull(keys, buf.data());
-          else if (table_rows)
-            client->wait(op == "push" ? client->push_rows(0, keys, buf) : client->pull_rows(0, keys, buf));
-          else
-            client->wait(op == "push" ? client->push(keys, ins) : client->pull(keys, outs));
-          lat[c].push_back(seconds_since(s) * 1e6);
-          ++done[c];
+        while (issued < slots) issue();
+        for (;;) {
+          complete_oldest();
+          if (done[c] >= 3 && seconds_since(start) >= seconds) break;
+          issue();
         }
+        while (done[c] < issued) complete_oldest();
       } catch (const std::exception& e) {
         errors[c] = e.what();
         ready.fetch_add(1);
@@ -928,7 +954,9 @@ int main(int argc, char** argv) {
                  "Token file for --server targets that demand authentication")
       ->envname("PSKV_AUTH_TOKEN_FILE");
   int depth = 1;
-  app.add_option("--depth", depth, "dense workload: operations each client keeps in flight (1: one at a time)")
+  app.add_option("--depth", depth,
+                 "dense, sparse and rows workloads: operations each client keeps in flight (1: one at a time; "
+                 "--transport table calls its table one batch at a time)")
       ->capture_default_str()
       ->check(CLI::Range(1, 64));
   app.add_option("--chunk-floats", g_client_defaults.chunk_floats,
@@ -1352,7 +1380,7 @@ int main(int argc, char** argv) {
       const double base = transport == "shm" ? memcpy_bw : stream_bw;
       for (const auto& op : ops)
         for (int clients : client_counts) {
-          const SparsePoint p = measure_sparse(targets, op, draw, key_floats, batch_keys, clients, seconds,
+          const SparsePoint p = measure_sparse(targets, op, draw, key_floats, batch_keys, clients, seconds, depth,
                                                rows ? table_keys : 0, local_table.get());
           if (json) {
             pskv::JsonObject j;
@@ -1362,6 +1390,7 @@ int main(int argc, char** argv) {
                 .add("op", op)
                 .add(rows ? "row_bytes" : "value_bytes", key_floats * 4)
                 .add("batch_keys", batch_keys)
+                .add("depth", local_table ? 1 : depth)
                 .add(rows ? "table_rows" : "table_keys", table_keys)
                 .add("clients", clients)
                 .add("servers", targets.size());

@@ -52,6 +52,13 @@ for op in pull push; do
     fail "table: $op has no ratio to random_rows: $line"
 done
 "$BENCH" --workload sparse --transport table >/dev/null 2>&1 && fail "--transport table took a workload other than rows"
+# Rows through a server with two batches in flight per client: each pull and push line says so.
+out=$("$BENCH" --json --workload rows --transport tcp --table-keys 20000 --clients 1 --seconds 0.05 --depth 2) ||
+  fail "the rows workload with --depth 2 failed"
+for op in pull push; do
+  line=$(grep "\"workload\":\"rows\",\"dist\":\"uniform\",\"op\":\"$op\"" <<<"$out") || fail "depth 2: no $op: $out"
+  grep -Eq '"depth":2,.*"ops":([3-9]|[1-9][0-9]+),"rows_per_s":[1-9]' <<<"$line" || fail "depth 2: $op: $line"
+done
 # A replicated server killed mid-run and restarted: the workers retry, so the run succeeds, and
 # it reports its longest step and the restart.
 out=$("$BENCH" --json --workload steps --transport tcp --servers 2 --replicas 2 --workers 2 --sizes 4K --mode ssp \
