@@ -339,6 +339,15 @@ void TcpConnection::read_frames(ReadUntil until, const transport::Completion* mi
     if (until == ReadUntil::done && mine->done()) return;
     if (reader && (followers_.load() > 0 || stopping_.load())) return;
     if (until == ReadUntil::idle && outstanding_.load() == 0) return;
+    // A waiter whose deadline comes before the receive tick waits for bytes only until then: a
+    // blocking read would keep it up to a whole tick past it (wait_for(10 ms) took 1 s).
+    if (until == ReadUntil::done && header_fill_ == 0 && deadline - std::chrono::steady_clock::now() < kReceiveTick) {
+      const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+      pollfd p{fd_.get(), POLLIN, 0};
+      const int ready = left.count() <= 0 ? 0 : ::poll(&p, 1, static_cast<int>(left.count()));
+      if (ready == 0 && (!still_alive() || std::chrono::steady_clock::now() >= deadline)) return;
+      if (ready <= 0) continue;  // EINTR, or woken a hair early
+    }
     switch (read_header(until != ReadUntil::nothing_waits)) {
       case HeaderRead::complete: {
         std::string why;
