@@ -63,7 +63,7 @@ def _die_with_parent():
 
 # Options whose pskv-server flag is not just --name-with-dashes, or whose unit differs.
 _FLAG_NAMES = {"straggler": "--straggler-policy", "wait_timeout": "--wait-timeout-ms",
-               "checkpoint_every": "--checkpoint-every-s"}
+               "checkpoint_every": "--checkpoint-every-s", "restore_dir": "--restore"}
 
 
 def _flag(name: str, value) -> List[str]:

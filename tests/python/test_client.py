@@ -160,7 +160,10 @@ def test_work_done_wait_timeout_and_staleness(bsp_pair):
     w0.clock()  # w0 at clock 1: BSP holds its pull until w1 reaches clock 1
     assert w0.current_clock() == 1
     work = w0.pull(1, x)
+    started = time.monotonic()
     assert work.wait(timeout=0.1) is False
+    # Its deadline, not tcp's one-second receive tick (it returned after 1.02 s over tcp).
+    assert time.monotonic() - started < 0.8
     assert not work.done() and not work.is_completed()
     assert work.wait(timeout=0) is False
     w1.clock()
@@ -310,3 +313,15 @@ def test_a_replicated_server_killed_mid_run_costs_a_retrying_worker_nothing():
         assert all((o == float(pushes)).all() for o in out), ([o[0] for o in out], pushes)
         assert c.server_stats(1)["keys"] > 0  # the restarted server holds its keys again
         c.close()
+
+
+def test_launched_servers_write_and_restore_checkpoints(tmp_path):
+    # launch(restore_dir=...) is pskv-server's --restore (it was passed as --restore-dir, refused).
+    with pskv.launch(1, "tcp", checkpoint_dir=str(tmp_path), arena_mb=16) as servers:
+        with pskv.Client(servers.uris) as c:
+            c.init(3, np.full(8, 2.5, np.float32)).wait()
+    with pskv.launch(1, "tcp", restore_dir=str(tmp_path), arena_mb=16) as servers:
+        with pskv.Client(servers.uris) as c:
+            out = np.zeros(8, np.float32)
+            c.pull(3, out).wait()
+            assert (out == 2.5).all(), out
