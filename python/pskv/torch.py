@@ -38,6 +38,9 @@ from ._env import detect_cluster, servers_from_env
 # value): two would push it twice. An optimizer holds its parameters, so while it lives the ids
 # cannot be reused; a dead one's weak reference answers None.
 _owners: "Dict[int, weakref.ref]" = {}
+# Weight keys in use by this process's optimizers, per client: (id(client), key) -> optimizer. Two
+# models on one client with the same key_base would otherwise share (or fight over) their keys.
+_key_users: "Dict[Tuple[int, int], weakref.ref]" = {}
 # What a server that is still starting answers a connect with; anything else will not go away.
 _NOT_UP_YET = (PeerFailure, Timeout, Io, StaleResource, ConnectionError)
 
@@ -84,8 +87,25 @@ def worker_rank(num_servers: int) -> Tuple[int, int]:
 
 def _contiguous_float32(name: str, t: torch.Tensor) -> None:
     if t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous():
-        raise ValueError(f"parameter {name}: pskv.torch moves contiguous float32 CPU tensors, got {t.dtype} on "
+        raise InvalidArgument(f"parameter {name}: pskv.torch moves contiguous float32 CPU tensors, got {t.dtype} on "
                          f"{t.device} (contiguous: {t.is_contiguous()})")
+
+
+def _dead():
+    return None
+
+
+def _named(parameters: Iterable) -> List[Tuple[str, torch.Tensor]]:
+    """model.named_parameters() as given, or model.parameters() (torch.optim's spelling), named by
+    position."""
+    items = list(parameters)
+    if all(isinstance(x, torch.Tensor) for x in items):
+        return [(f"parameter {i}", t) for i, t in enumerate(items)]
+    for x in items:
+        if not (isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str) and isinstance(x[1], torch.Tensor)):
+            raise TypeError("DistributedOptimizer takes model.named_parameters() or model.parameters(), not an "
+                            f"iterable holding {type(x).__name__}")
+    return items
 
 
 class DistributedOptimizer:
@@ -96,7 +116,7 @@ class DistributedOptimizer:
     where PyTorch runs the CPU hooks that push).
     """
 
-    def __init__(self, named_parameters: Iterable[Tuple[str, torch.nn.Parameter]], client: Client, *,
+    def __init__(self, named_parameters: Iterable, client: Client, *,
                  update: str = "server", optimizer: Optional[torch.optim.Optimizer] = None, key_base: int = 0,
                  backward_passes_per_step: int = 1):
         if update not in ("server", "worker"):
@@ -109,7 +129,7 @@ class DistributedOptimizer:
         self.update = update
         self.optimizer = optimizer
         self.backward_passes_per_step = backward_passes_per_step
-        named = [(n, p) for n, p in named_parameters if p.requires_grad]
+        named = [(n, p) for n, p in _named(named_parameters) if p.requires_grad]
         if not named:
             raise ValueError("no parameters that require gradients")
         for n, p in named:
@@ -117,6 +137,12 @@ class DistributedOptimizer:
             if owner is not None and owner() is not None:
                 raise ValueError(f"parameter {n} is already driven by another pskv.torch.DistributedOptimizer; "
                                  "call remove_hooks() on that one (or drop it) first")
+        taken = [key_base + i for i in range(len(named)) if _key_users.get((id(client), key_base + i), _dead)() is not None]
+        if taken:
+            used = [k for (c, k), user in _key_users.items() if c == id(client) and user() is not None]
+            raise ValueError(f"keys {taken[0]}..{taken[-1]} are already used by another DistributedOptimizer on this "
+                             f"client: give each model its own key range (from key_base={max(used) + 1} on, none is), "
+                             "or call remove_hooks() on the other first")
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         for n, p in named:
@@ -149,6 +175,8 @@ class DistributedOptimizer:
             self._hooks.append(accumulator.register_hook(self._make_hook(weakref.ref(self), i)))
             self._accumulators.append(accumulator)
             _owners[id(p)] = weakref.ref(self)
+        for k in self.weight_keys:
+            _key_users[(id(client), k)] = weakref.ref(self)
         self.steps = 0
 
     @staticmethod
@@ -226,6 +254,10 @@ class DistributedOptimizer:
             owner = _owners.get(id(p))
             if owner is not None and owner() in (self, None):
                 del _owners[id(p)]
+        for k in self.weight_keys:
+            user = _key_users.get((id(self.client), k))
+            if user is not None and user() in (self, None):
+                del _key_users[(id(self.client), k)]
 
     def __del__(self):
         if getattr(self, "_hooks", None):
@@ -247,15 +279,25 @@ class Embedding(torch.nn.Module):
     the next forward (or wait()) waits for them, so a worker always reads its own updates.
     """
 
-    def __init__(self, client: Client, table: int, dim: int, **spec):
+    def __init__(self, client: Client, table: int, dim: int, *, create: bool = True, **spec):
+        """create=False: the table exists already (made with Client.create_table, maybe by another
+        worker, with a spec this module need not repeat); otherwise it is made with `spec`, or
+        found made with the same one."""
         super().__init__()
-        client.create_table(table, dim, **spec)
+        if create:
+            client.create_table(table, dim, **spec)
+        elif spec:
+            raise TypeError(f"Embedding(create=False) uses table {table} as it is; spec arguments "
+                            f"{sorted(spec)} need create=True")
         self.client, self.table, self.dim = client, table, dim
         self._pending: List = []
         # Gives each output a grad_fn (rows are not parameters of this process).
         self._anchor = torch.zeros((), requires_grad=True)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if not isinstance(ids, torch.Tensor):
+            raise InvalidArgument(f"Embedding ids must be an int64 torch tensor, not {type(ids).__name__} "
+                                  "(torch.from_numpy(ids) makes one without a copy)")
         if ids.dtype != torch.int64:
             raise InvalidArgument(f"Embedding ids must be int64, not {ids.dtype}")
         self.wait()
@@ -276,7 +318,8 @@ class _Rows(torch.autograd.Function):
     def forward(ctx, ids: torch.Tensor, anchor: torch.Tensor, emb: "Embedding") -> torch.Tensor:
         flat = ids.detach().reshape(-1).contiguous()
         out = torch.empty(flat.numel(), emb.dim, dtype=torch.float32)
-        emb.client.pull_rows(emb.table, flat, out, async_op=False)
+        if flat.numel():  # no ids, no rows: an empty batch, as torch.nn.Embedding gives
+            emb.client.pull_rows(emb.table, flat, out, async_op=False)
         ctx.emb, ctx.flat = emb, flat
         return out.view(*ids.shape, emb.dim)
 
@@ -284,5 +327,6 @@ class _Rows(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         emb = ctx.emb
         g = grad.reshape(-1, emb.dim).to(torch.float32).contiguous()
-        emb._pending.append(emb.client.push_rows(emb.table, ctx.flat, g))
+        if ctx.flat.numel():
+            emb._pending.append(emb.client.push_rows(emb.table, ctx.flat, g))
         return None, None, None

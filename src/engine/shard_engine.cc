@@ -10,6 +10,30 @@
 namespace pskv {
 
 namespace {
+
+// Each field in which `asked` differs from the table's spec `held`, as "name: held here, asked".
+std::string spec_differences(const TableSpec& held, const TableSpec& asked) {
+  std::ostringstream out;
+  auto field = [&](const char* name, const auto& here, const auto& there) {
+    if (here == there) return;
+    out << (out.tellp() > 0 ? "; " : "") << name << " " << here << " here, " << there << " asked";
+  };
+  field("dim", held.dim, asked.dim);
+  field("init", to_string(held.init), to_string(asked.init));
+  field("init_scale", held.init_scale, asked.init_scale);
+  field("seed", held.seed, asked.seed);
+  field("rule", to_string(held.rule.rule), to_string(asked.rule.rule));
+  field("lr", held.rule.lr, asked.rule.lr);
+  field("momentum", held.rule.momentum, asked.rule.momentum);
+  field("beta1", held.rule.beta1, asked.rule.beta1);
+  field("beta2", held.rule.beta2, asked.rule.beta2);
+  field("eps", held.rule.eps, asked.rule.eps);
+  field("weight_decay", held.rule.weight_decay, asked.rule.weight_decay);
+  field("admit_after", held.admit_after, asked.admit_after);
+  field("eviction", to_string(held.eviction), to_string(asked.eviction));
+  field("max_rows", held.max_rows, asked.max_rows);
+  return out.str();
+}
 // The replica a failover hand-back refills on this thread (refill_sealed_replica): writable here
 // though sealed, while the origin's own frames stay refused.
 thread_local const void* refilling = nullptr;
@@ -963,8 +987,8 @@ Errc ShardEngine::create_table(std::uint32_t id, const TableSpec& spec, std::str
   std::lock_guard lock(tables_mu_);
   if (tables_[id].load(std::memory_order_relaxed)) {
     if (spec == table_requested_[id]) return Errc::ok;
-    *why = "table " + std::to_string(id) + " exists with another spec (dimension " +
-           std::to_string(table_requested_[id].dim) + "); every creator must give the same one";
+    *why = "table " + std::to_string(id) + " exists with another spec (" +
+           spec_differences(table_requested_[id], spec) + "); every creator must give the same one";
     return Errc::invalid_argument;
   }
   const Errc e = make_table(id, spec, why);

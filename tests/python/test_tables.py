@@ -67,6 +67,25 @@ def test_embedding_module_trains_rows_on_the_servers(tcp_client):
     torch.testing.assert_close(final, target.expand(2, 4), rtol=0, atol=1e-3)
     with pytest.raises(pskv.InvalidArgument, match="int64"):
         emb(torch.tensor([1.0]))
+    with pytest.raises(pskv.InvalidArgument, match="torch.from_numpy"):
+        emb(np.array([1, 2]))
+    assert emb(torch.zeros((0, 3), dtype=torch.int64)).shape == (0, 3, 4)  # as torch.nn.Embedding
+
+
+def test_an_embedding_module_over_a_table_made_before(tcp_client):
+    # README's lines: the table made with a full spec, then the module over it as it is.
+    tcp_client.create_table(5, 16, init="normal", rule="adagrad", lr=0.05, admit_after=2, eviction="lru",
+                            max_rows=10**5)
+    emb = pt.Embedding(tcp_client, table=5, dim=16, create=False)
+    assert emb(torch.tensor([3, 4])).shape == (2, 16)
+    same = pt.Embedding(tcp_client, table=5, dim=16, init="normal", rule="adagrad", lr=0.05, admit_after=2,
+                        eviction="lru", max_rows=10**5)  # the same spec again: found, not an error
+    assert same.table == 5
+    with pytest.raises(TypeError, match="create=True"):
+        pt.Embedding(tcp_client, table=5, dim=16, create=False, lr=0.1)
+    with pytest.raises(pskv.InvalidArgument, match="another spec [(]rule adagrad here, sgd asked; lr 0.05 here, 0.1"):
+        pt.Embedding(tcp_client, table=5, dim=16, init="normal", rule="sgd", lr=0.1, admit_after=2, eviction="lru",
+                     max_rows=10**5)
 
 
 def test_the_click_through_rate_example_learns_the_hidden_model():

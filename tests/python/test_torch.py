@@ -236,3 +236,34 @@ def test_the_mnist_example_runs_in_every_mode(mode):
     assert out.returncode == 0, out.stdout + out.stderr
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["mode"] == mode and summary["staleness"] == 0, summary
+
+
+def test_model_parameters_work_as_named_parameters_do(transport):
+    # torch.optim's spelling: before, the tensors were unpacked as (name, tensor) pairs, and a
+    # model of two-row weights trained nothing without an error.
+    with pskv.Server(server_uri(transport), rule="sgd", lr=1.0, arena_mb=16) as s:
+        with pskv.Client(s.uri) as c:
+            m = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4, 2), torch.nn.Linear(2, 2))
+            opt = pt.DistributedOptimizer(m.parameters(), c)
+            before = [p.detach().clone() for p in m.parameters()]
+            opt.zero_grad()
+            m(torch.randn(3, 4)).sum().backward()
+            grads = [p.grad.clone() for p in m.parameters()]
+            opt.step()
+            for b, g, p in zip(before, grads, m.parameters()):
+                torch.testing.assert_close(p.detach(), b - g)
+            with pytest.raises(TypeError, match="named_parameters"):
+                pt.DistributedOptimizer([("w", torch.zeros(2)), 3], c)
+
+
+def test_two_models_on_one_client_need_their_own_keys(server):
+    with pskv.Client(server.uri) as c:
+        a, b = small_model(1), small_model(2)
+        opt_a = pt.DistributedOptimizer(a.named_parameters(), c)
+        with pytest.raises(ValueError, match="key_base=4 on"):
+            pt.DistributedOptimizer(b.named_parameters(), c)
+        opt_b = pt.DistributedOptimizer(b.named_parameters(), c, key_base=4)
+        assert not torch.equal(a[0].weight, b[0].weight)
+        opt_a.remove_hooks()
+        opt_c = pt.DistributedOptimizer(small_model(3).named_parameters(), c)  # a's keys are free again
+        del opt_b, opt_c
