@@ -65,7 +65,10 @@ class ClickLog:
         [1, n + 1) by its inverse CDF, floored (a Zipf law up to the discretisation)."""
         u = rng.random((count, self.fields))
         a = 1.0 - self.s
-        x = (1.0 - u * (1.0 - (self.n + 1.0) ** a)) ** (1.0 / a)
+        if abs(a) < 1e-9:  # s = 1: the CDF is a logarithm
+            x = (self.n + 1.0) ** u
+        else:
+            x = (1.0 - u * (1.0 - (self.n + 1.0) ** a)) ** (1.0 / a)
         return np.minimum(np.floor(x).astype(np.int64) - 1, self.n - 1)
 
     def ids(self, ranks: np.ndarray) -> np.ndarray:
@@ -203,7 +206,8 @@ def main() -> int:
     p.add_argument("--k", type=int, default=7, help="factor dimensions of the model (rows hold 1 + k floats)")
     p.add_argument("--hidden-k", type=int, default=4, help="factor dimensions of the hidden model")
     p.add_argument("--rule", default="adagrad", choices=["sgd", "adagrad", "adam"])
-    p.add_argument("--lr", type=float, default=0.07)
+    p.add_argument("--lr", type=float, default=None,
+                   help="the rule's learning rate (0.07; 0.01 for sgd, whose steps are not scaled by a row's history)")
     p.add_argument("--init-scale", type=float, default=0.01)
     p.add_argument("--eps", type=float, default=1.0, help="the rule's epsilon (Adagrad: damps the first steps of a row)")
     p.add_argument("--admit-after", type=int, default=2,
@@ -215,6 +219,8 @@ def main() -> int:
                    help="exit 1 if the trained AUC is further than this below the generator's")
     p.add_argument("--json", action="store_true", help="print one JSON summary line")
     args = p.parse_args()
+    if args.lr is None:
+        args.lr = 0.01 if args.rule == "sgd" else 0.07
     t0 = time.perf_counter()
     with pskv.launch(args.servers, transport=args.transport, table_memory_mb=args.table_memory_mb) as group:
         ctx = mp.get_context("spawn")

@@ -155,6 +155,8 @@ def train(a, worker: int, workers: int, client) -> dict:
         client.barrier()
     rng = np.random.default_rng(a.seed * 7919 + worker)
     steps = len(x) // a.batch
+    if steps == 0:
+        raise SystemExit(f"pytorch_mnist: --batch {a.batch} is more than the {len(x)} training samples of worker {worker}")
     samples, eval_s, epoch_accuracy = 0, 0.0, []
     start = time.monotonic()
     for epoch in range(a.epochs):
@@ -214,7 +216,9 @@ def serve(a, index: int, uri: str, workers: int) -> None:
         while not server.workers_finished():
             if server.failure():
                 time.sleep(5)  # let the workers see their own errors first
-                sys.exit(f"pytorch_mnist: server {index}: {server.failure()}")
+                failure = server.failure()  # a worker that reconnected cleared it: not the job's end
+                if failure:
+                    sys.exit(f"pytorch_mnist: server {index}: {failure}")
             time.sleep(0.2)
 
 
