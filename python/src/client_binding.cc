@@ -317,6 +317,9 @@ class PyClient {
     spans.clear();
     Pending pending;
     std::size_t bytes = 0;
+    if (PyUnicode_Check(keys.ptr()) || PyBytes_Check(keys.ptr()))
+      throw Error(Errc::invalid_argument,
+                  std::string(what) + ": keys are integers, not " + (PyUnicode_Check(keys.ptr()) ? "str" : "bytes"));
     const bool many = PySequence_Check(keys.ptr()) && !PyLong_Check(keys.ptr());
     if (!many) {
       if (PyList_Check(values.ptr()) || PyTuple_Check(values.ptr()))
@@ -412,7 +415,13 @@ class PyClient {
       if (!ok)
         throw Error(Errc::invalid_argument, "row ids are " + format + " items of " + std::to_string(view.itemsize) +
                                                 " bytes; pass int64 or uint64 (ids are never converted from floats)");
+    } else if (PyLong_Check(source.ptr())) {
+      out.push_back(to_key(source.ptr(), 0));  // one id, as push(7, value) takes one key
     } else {
+      if (!PySequence_Check(source.ptr()) || PyUnicode_Check(source.ptr()) || PyBytes_Check(source.ptr()))
+        throw Error(Errc::invalid_argument, std::string("row ids: pass an int, a sequence of ints or an int64 array, "
+                                                        "not ") +
+                                                Py_TYPE(source.ptr())->tp_name);
       const py::sequence seq = py::reinterpret_borrow<py::sequence>(ids);
       out.reserve(py::len(seq));
       for (std::size_t i = 0; i < py::len(seq); ++i) out.push_back(to_key(py::object(seq[i]).ptr(), i));

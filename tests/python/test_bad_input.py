@@ -97,6 +97,8 @@ def test_keys_and_arrays_of_different_counts(ready):
 def test_keys_out_of_range_or_not_integers(ready, key):
     expect(pskv.InvalidArgument, "key", lambda: ready.pull(key, np.zeros(N, np.float32)))
     expect(pskv.InvalidArgument, "key", lambda: ready.pull([1, key], [np.zeros(N, np.float32)] * 2))
+    if isinstance(key, str):  # not read as a sequence of one-character keys
+        expect(pskv.InvalidArgument, "keys are integers, not str", lambda: ready.pull(key, np.zeros(N, np.float32)))
 
 
 def test_unknown_key(ready):

@@ -34,6 +34,9 @@ def test_rows_round_trip_with_numpy_and_torch_ids(tcp_client):
     np.testing.assert_array_equal(out[:4], grads[:4] + grads[8:])
     np.testing.assert_array_equal(out[4:8], grads[4:8])
     np.testing.assert_array_equal(out[8:], out[:4])
+    one = np.zeros(4, np.float32)
+    c.pull_rows(0, 8, one).wait()  # one id, as push(7, value) takes one key
+    np.testing.assert_array_equal(one, grads[4:8])
     assert c.server_stats(0)["table_0_rows"] == 2
 
 
@@ -44,6 +47,8 @@ def test_bad_row_calls_raise_clear_errors(tcp_client):
         c.pull_rows(1, [1, 2], np.zeros(8, np.float32))
     with pytest.raises(pskv.InvalidArgument, match="never converted from floats"):
         c.pull_rows(1, np.array([1.0, 2.0]), np.zeros(16, np.float32))
+    with pytest.raises(pskv.InvalidArgument, match="sequence of ints or an int64 array, not str"):
+        c.pull_rows(1, "12", np.zeros(16, np.float32))
     with pytest.raises(pskv.InvalidArgument, match="unknown to this client"):
         c.pull_rows(2, [1], np.zeros(8, np.float32))
     with pytest.raises(pskv.InvalidArgument, match="another spec"):
