@@ -51,6 +51,8 @@ for op in pull push; do
   grep -Eq '"rows_per_s":[1-9].*"baseline":"random_rows","baseline_value":[1-9][0-9]*,"ratio":[0-9]*\.?[0-9]*[1-9]' <<<"$line" ||
     fail "table: $op has no ratio to random_rows: $line"
 done
+grep -q '"baseline":"\(tcp_stream\|tcp_pingpong_64B\|memcpy\)"' <<<"$out" &&
+  fail "table: measured a transport's limits it is not read against"
 "$BENCH" --workload sparse --transport table >/dev/null 2>&1 && fail "--transport table took a workload other than rows"
 # Rows through a server with two batches in flight per client: each pull and push line says so.
 out=$("$BENCH" --json --workload rows --transport tcp --table-keys 20000 --clients 1 --seconds 0.05 --depth 2) ||
