@@ -112,7 +112,7 @@ bool Completion::wait(std::chrono::steady_clock::time_point deadline, Poller* po
   while (poller && !done()) {
     const auto now = std::chrono::steady_clock::now();
     if (now >= deadline) return done();
-    if (!poller->sleep_for_answers(*this, std::min(deadline, now + std::chrono::milliseconds(20)))) break;
+    if (!poller->sleep_for_answers(*this, std::min(deadline, now + std::chrono::milliseconds(20)), deadline)) break;
   }
   while (!done()) {
     const auto left = deadline - std::chrono::steady_clock::now();

@@ -47,8 +47,11 @@ class Poller {
   // Sleeps until `c` is done or an answer may have landed (or `until`), then completes what
   // landed. A waiter that cannot spin sleeps here rather than on its completion, so the far side
   // wakes it directly instead of through the transport's thread. Whoever completes a request
-  // must wake these sleepers. False: not supported, nothing done.
-  virtual bool sleep_for_answers(const Completion& /*c*/, std::chrono::steady_clock::time_point /*until*/) noexcept {
+  // must wake these sleepers. `until` is a slice of the waiter's own `deadline` (at or after it):
+  // a transport that cannot wake at `until` cheaply must still not keep the waiter past
+  // `deadline`. False: not supported, nothing done.
+  virtual bool sleep_for_answers(const Completion& /*c*/, std::chrono::steady_clock::time_point /*until*/,
+                                 std::chrono::steady_clock::time_point /*deadline*/) noexcept {
     return false;
   }
   // The waiter will sleep on its completion without driving this poller (it waits on several

@@ -58,9 +58,9 @@ class ConnectionsPoller final : public transport::Poller {
   // One thread cannot sleep on several servers' sockets or words at once (nor on one while
   // another connection answers); with more, the waiter sleeps on its completion instead and
   // the transports' own threads read the answers.
-  bool sleep_for_answers(const transport::Completion& c,
-                         std::chrono::steady_clock::time_point until) noexcept override {
-    if (connections_ == 1 && parts_.size() == 1) return parts_[0]->sleep_for_answers(c, until);
+  bool sleep_for_answers(const transport::Completion& c, std::chrono::steady_clock::time_point until,
+                         std::chrono::steady_clock::time_point deadline) noexcept override {
+    if (connections_ == 1 && parts_.size() == 1) return parts_[0]->sleep_for_answers(c, until, deadline);
     for (auto* p : parts_) p->rely_on_transport();
     return false;
   }

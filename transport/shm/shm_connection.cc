@@ -475,8 +475,8 @@ void ShmConnection::end_polling() noexcept {
   if (!broken_) settle();
 }
 
-bool ShmConnection::sleep_for_answers(const transport::Completion& c,
-                                      std::chrono::steady_clock::time_point until) noexcept {
+bool ShmConnection::sleep_for_answers(const transport::Completion& c, std::chrono::steady_clock::time_point until,
+                                      std::chrono::steady_clock::time_point /*deadline*/) noexcept {
   // Pairs with the fences in ShmServer::publish and wake_sleeping_waiters: either the server or
   // the completer sees this sleeper and bumps waiter_word, or the loads after our fence see the
   // answer or the completion, and we do not sleep.

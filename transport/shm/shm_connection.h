@@ -67,7 +67,8 @@ class ShmConnection final : public transport::Connection, private transport::Pol
   void poll() noexcept override;
   bool begin_polling() noexcept override;
   void end_polling() noexcept override;
-  bool sleep_for_answers(const transport::Completion& c, std::chrono::steady_clock::time_point until) noexcept override;
+  bool sleep_for_answers(const transport::Completion& c, std::chrono::steady_clock::time_point until,
+                         std::chrono::steady_clock::time_point deadline) noexcept override;
   int max_spin_micros() const noexcept override { return max_spin_micros_; }
   // Turns answered ring entries into completions and frees their ring space; with mu_ held.
   bool complete_answered();

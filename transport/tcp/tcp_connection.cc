@@ -274,10 +274,10 @@ void TcpConnection::poll() noexcept {
   release_read_side();
 }
 
-bool TcpConnection::sleep_for_answers(const transport::Completion& c,
-                                      std::chrono::steady_clock::time_point until) noexcept {
+bool TcpConnection::sleep_for_answers(const transport::Completion& c, std::chrono::steady_clock::time_point until,
+                                      std::chrono::steady_clock::time_point deadline) noexcept {
   if (take_read_side() || follow(c, until)) {
-    read_frames(ReadUntil::done, &c, until);
+    read_frames(ReadUntil::done, &c, until, deadline);
     release_read_side();
   }
   return true;
@@ -333,14 +333,16 @@ void TcpConnection::reader_loop() {
 }
 
 void TcpConnection::read_frames(ReadUntil until, const transport::Completion* mine,
+                                std::chrono::steady_clock::time_point until_at,
                                 std::chrono::steady_clock::time_point deadline) {
   const bool reader = until == ReadUntil::idle || until == ReadUntil::quiet;
   for (;;) {
     if (until == ReadUntil::done && mine->done()) return;
     if (reader && (followers_.load() > 0 || stopping_.load())) return;
     if (until == ReadUntil::idle && outstanding_.load() == 0) return;
-    // A waiter whose deadline comes before the receive tick waits for bytes only until then: a
-    // blocking read would keep it up to a whole tick past it (wait_for(10 ms) took 1 s).
+    // A waiter whose own deadline comes before the receive tick waits for bytes only until then:
+    // a blocking read would keep it up to a whole tick past it (wait_for(10 ms) took 1 s). Only
+    // then: a poll before every read would cost each answer a system call.
     if (until == ReadUntil::done && header_fill_ == 0 && deadline - std::chrono::steady_clock::now() < kReceiveTick) {
       const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
       pollfd p{fd_.get(), POLLIN, 0};
@@ -361,7 +363,7 @@ void TcpConnection::read_frames(ReadUntil until, const transport::Completion* mi
       }
       case HeaderRead::none:
         if (until == ReadUntil::nothing_waits || !still_alive()) return;
-        if (until == ReadUntil::done && std::chrono::steady_clock::now() >= deadline) return;
+        if (until == ReadUntil::done && std::chrono::steady_clock::now() >= until_at) return;
         if (until == ReadUntil::quiet && outstanding_.load() == 0) return;  // a whole tick without a request
         break;
       case HeaderRead::broken:

@@ -44,9 +44,10 @@ class TcpConnection final : public transport::Connection, private transport::Pol
   void poll() noexcept override;
   void end_polling() noexcept override { poll(); }
   // Reads until `c` is done, or `until` has passed (checked between frames and at the socket's
-  // one-second receive tick). If another thread holds the read side, sleeps until it completes
-  // something or lets go.
-  bool sleep_for_answers(const transport::Completion& c, std::chrono::steady_clock::time_point until) noexcept override;
+  // one-second receive tick, or at `deadline` when that comes first). If another thread holds
+  // the read side, sleeps until it completes something or lets go.
+  bool sleep_for_answers(const transport::Completion& c, std::chrono::steady_clock::time_point until,
+                         std::chrono::steady_clock::time_point deadline) noexcept override;
   // Sleeps until the read side's holder completes something or lets go; true if the read side
   // turned out free instead (taken: the caller reads).
   bool follow(const transport::Completion& c, std::chrono::steady_clock::time_point until) noexcept;
@@ -61,7 +62,10 @@ class TcpConnection final : public transport::Connection, private transport::Pol
   };
   bool take_read_side() noexcept { return !reading_.exchange(true); }
   void release_read_side() noexcept;
-  void read_frames(ReadUntil until, const transport::Completion* mine, std::chrono::steady_clock::time_point deadline);
+  // ReadUntil::done: returns at the first tick past `until`, or at `deadline` if that is closer
+  // than a tick (the waiter's own; the slices it comes in may be shorter).
+  void read_frames(ReadUntil until, const transport::Completion* mine, std::chrono::steady_clock::time_point until_at,
+                   std::chrono::steady_clock::time_point deadline = {});
   enum class HeaderRead { complete, none, broken };
   // Reads header_ (blocking up to the receive tick, or not at all); resumes a partial one.
   HeaderRead read_header(bool block);
