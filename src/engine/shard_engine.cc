@@ -1,8 +1,10 @@
 #include "engine/shard_engine.h"
 
 #include <algorithm>
+#include <charconv>
 #include <cstring>
 #include <sstream>
+#include <type_traits>
 #include <utility>
 
 #include "table/embedding_table.h"
@@ -14,9 +16,20 @@ namespace {
 // Each field in which `asked` differs from the table's spec `held`, as "name: held here, asked".
 std::string spec_differences(const TableSpec& held, const TableSpec& asked) {
   std::ostringstream out;
+  // Floats in their shortest form that reads back the same: two that differ never print alike.
+  auto show = [](const auto& v) {
+    if constexpr (std::is_same_v<std::decay_t<decltype(v)>, float>) {
+      char buf[32];
+      return std::string(buf, std::to_chars(buf, buf + sizeof buf, v).ptr);
+    } else {
+      std::ostringstream one;
+      one << v;
+      return one.str();
+    }
+  };
   auto field = [&](const char* name, const auto& here, const auto& there) {
     if (here == there) return;
-    out << (out.tellp() > 0 ? "; " : "") << name << " " << here << " here, " << there << " asked";
+    out << (out.tellp() > 0 ? "; " : "") << name << " " << show(here) << " here, " << show(there) << " asked";
   };
   field("dim", held.dim, asked.dim);
   field("init", to_string(held.init), to_string(asked.init));
