@@ -796,9 +796,6 @@ SparsePoint measure_sparse(const std::vector<std::string>& servers, const std::s
   for (int c = 0; c < clients; ++c)
     threads.emplace_back([&, c] {
       try {
-        std::optional<pskv::Client> client;
-        if (!local) client.emplace(table_rows ? rows_client(servers, c) : client_options(servers));
-        if (table_rows && client) client->create_table(0, rows_spec(floats, table_rows));
         const std::size_t slots = local ? 1 : static_cast<std::size_t>(depth);
         struct Slot {
           std::vector<float> buf;
@@ -808,7 +805,12 @@ SparsePoint measure_sparse(const std::vector<std::string>& servers, const std::s
           pskv::Ticket ticket{};
           Clock::time_point issued;
         };
+        // Before the client: if a wait throws with other batches in flight, the client (which
+        // ends them) goes before their buffers do.
         std::vector<Slot> ring(slots);
+        std::optional<pskv::Client> client;
+        if (!local) client.emplace(table_rows ? rows_client(servers, c) : client_options(servers));
+        if (table_rows && client) client->create_table(0, rows_spec(floats, table_rows));
         for (Slot& sl : ring) {
           sl.buf.assign(batch_keys * floats, 1e-3f);
           sl.keys.resize(batch_keys);

@@ -280,9 +280,9 @@ class Embedding(torch.nn.Module):
     """
 
     def __init__(self, client: Client, table: int, dim: int, *, create: bool = True, **spec):
-        """create=False: the table exists already (made with Client.create_table, maybe by another
-        worker, with a spec this module need not repeat); otherwise it is made with `spec`, or
-        found made with the same one."""
+        """create=False: this client made the table already with Client.create_table (as every
+        worker must, with the same spec), which this module then need not repeat; otherwise it is
+        made here with `spec`, or found made with the same one."""
         super().__init__()
         if create:
             client.create_table(table, dim, **spec)
