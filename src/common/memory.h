@@ -52,7 +52,6 @@ class SliceArena : public std::enable_shared_from_this<SliceArena> {
   static std::shared_ptr<SliceArena> make(std::size_t slice_bytes, const char* purpose);
   // Throws Error(capacity) when no mapping can be had, as HeapMemory does.
   std::unique_ptr<MemoryResource> take();
-  std::size_t slice_bytes() const noexcept { return slice_bytes_; }
 
  private:
   SliceArena(std::size_t slice_bytes, const char* purpose);
