@@ -1244,8 +1244,7 @@ int main(int argc, char** argv) {
       pull_bound.at[si] = best_of_3([&] { return tcp_rpc_bandwidth(peers.rpc_port, 0.4, shape); }, max);
   }
   const Bound* bounds[] = {&push_bound, &pull_bound};
-  if (!transport_limits) {
-  } else if (json) {
+  if (transport_limits && json) {
     print_json(pskv::JsonObject().add("baseline", "tcp_stream").add("bytes_per_s", stream_bw, 0));
     print_json(pskv::JsonObject().add("baseline", "tcp_pingpong_64B").add("p50_us", pingpong_us, 2));
     print_json(pskv::JsonObject().add("baseline", "memcpy").add("bytes_per_s", memcpy_bw, 0));
@@ -1261,7 +1260,7 @@ int main(int argc, char** argv) {
                          .add("baseline", b->name)
                          .add("value_bytes", sizes[si])
                          .add("bytes_per_s", b->at[si], 0));
-  } else {
+  } else if (transport_limits) {
     std::printf("baselines: loopback TCP stream %s/s, 64 B TCP ping-pong p50 %.1f us, memcpy 16 MiB %s/s\n",
                 human(stream_bw).c_str(), pingpong_us, human(memcpy_bw).c_str());
     for (std::size_t si = 0; si < sizes.size(); ++si)
