@@ -91,8 +91,16 @@ def _contiguous_float32(name: str, t: torch.Tensor) -> None:
                          f"{t.device} (contiguous: {t.is_contiguous()})")
 
 
-def _dead():
-    return None
+def _holder(registry: dict, key):
+    """The live optimizer `registry` records for `key`, or None."""
+    ref = registry.get(key)
+    return ref() if ref is not None else None
+
+
+def _let_go(registry: dict, key, optimizer) -> None:
+    """Forgets `key` if `optimizer` (or a dead one) holds it."""
+    if key in registry and _holder(registry, key) in (optimizer, None):
+        del registry[key]
 
 
 def _named(parameters: Iterable) -> List[Tuple[str, torch.Tensor]]:
@@ -133,13 +141,12 @@ class DistributedOptimizer:
         if not named:
             raise ValueError("no parameters that require gradients")
         for n, p in named:
-            owner = _owners.get(id(p))
-            if owner is not None and owner() is not None:
+            if _holder(_owners, id(p)) is not None:
                 raise ValueError(f"parameter {n} is already driven by another pskv.torch.DistributedOptimizer; "
                                  "call remove_hooks() on that one (or drop it) first")
-        taken = [key_base + i for i in range(len(named)) if _key_users.get((id(client), key_base + i), _dead)() is not None]
+        taken = [key_base + i for i in range(len(named)) if _holder(_key_users, (id(client), key_base + i)) is not None]
         if taken:
-            used = [k for (c, k), user in _key_users.items() if c == id(client) and user() is not None]
+            used = [k for (c, k) in _key_users if c == id(client) and _holder(_key_users, (c, k)) is not None]
             raise ValueError(f"keys {taken[0]}..{taken[-1]} are already used by another DistributedOptimizer on this "
                              f"client: give each model its own key range (from key_base={max(used) + 1} on, none is), "
                              "or call remove_hooks() on the other first")
@@ -251,13 +258,9 @@ class DistributedOptimizer:
         self._hooks.clear()
         self._accumulators.clear()
         for p in self.params:
-            owner = _owners.get(id(p))
-            if owner is not None and owner() in (self, None):
-                del _owners[id(p)]
+            _let_go(_owners, id(p), self)
         for k in self.weight_keys:
-            user = _key_users.get((id(self.client), k))
-            if user is not None and user() in (self, None):
-                del _key_users[(id(self.client), k)]
+            _let_go(_key_users, (id(self.client), k), self)
 
     def __del__(self):
         if getattr(self, "_hooks", None):
