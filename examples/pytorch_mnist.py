@@ -204,7 +204,7 @@ def server_options(a, workers: int) -> dict:
     # update="worker" exchanges mean gradients: sync aggregation, stored as they are ("assign").
     worker_update = a.update == "worker"
     return dict(workers=workers, mode="sync" if worker_update else a.mode,
-                staleness=a.staleness if a.mode == "ssp" and not worker_update else 0,
+                staleness=0 if worker_update else a.staleness,  # main() zeroes it outside ssp
                 rule="assign" if worker_update else a.rule, lr=a.lr, momentum=a.momentum,
                 wait_timeout=a.wait_timeout, arena_mb=64, io_threads=1,
                 **(dict(shm_clients=workers + 4, shm_area_mb=16) if a.transport == "shm" else {}))
