@@ -139,15 +139,20 @@ std::unique_ptr<Store> Store::attach(std::unique_ptr<MemoryResource> memory) {
   std::memcpy(static_cast<void*>(&g.rule), &h->rule, sizeof g.rule);
   const std::uint64_t size = memory->size();
   const auto rule = static_cast<std::uint8_t>(g.rule.rule);
+  // Every offset is bounded by the region before any sum below uses it: each addend is then
+  // below 2^45 and no sum can wrap past the region's end back into it.
+  const bool offsets_inside =
+      g.stripes_offset <= size && g.index_offset <= size && g.values_offset <= size && g.state_offset <= size;
   const bool sane =
-      g.total_bytes <= size && g.stripes != 0 && std::has_single_bit(g.stripes) && g.stripes <= (1u << 24) &&
+      offsets_inside && rule <= static_cast<std::uint8_t>(UpdateRule::adagrad) && g.total_bytes <= size &&
+      g.stripes != 0 && std::has_single_bit(g.stripes) && g.stripes <= (1u << 24) &&
       std::has_single_bit(g.index_capacity) && g.index_capacity <= (1ull << 40) && g.stripes_offset >= sizeof(Header) &&
       g.stripes_offset % kCacheLine == 0 && g.index_offset % kCacheLine == 0 && g.values_offset % kCacheLine == 0 &&
       g.state_offset % kCacheLine == 0 && g.index_offset >= g.stripes_offset + std::uint64_t{g.stripes} * kCacheLine &&
       g.values_offset >= g.index_offset + g.index_capacity * sizeof(IndexEntry) && g.values_bytes >= 2 * kCacheLine &&
       g.values_bytes <= kMaxArenaBytes && g.state_offset >= g.values_offset + g.values_bytes &&
       g.state_bytes <= (1ull << 44) && g.state_offset + g.state_bytes <= g.total_bytes &&
-      rule <= static_cast<std::uint8_t>(UpdateRule::adagrad);
+      g.state_bytes >= g.values_bytes * state_floats_per_value(g.rule.rule);
   if (!sane) throw Error(Errc::protocol, "store header does not describe a store that fits its region");
   g.state_per_value = state_floats_per_value(g.rule.rule);
   return std::unique_ptr<Store>(new Store(std::move(memory), g, false));

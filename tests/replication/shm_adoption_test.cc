@@ -1,7 +1,10 @@
 // A restarted shm server adopts its dead predecessor's segment (shm://NAME?adopt=1): SIGKILLed at
 // random instants under load, it comes back with every acknowledged push, nothing applied twice
 // or torn, the workers' clocks, and a failed start leaves the segment for the next attempt.
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -9,9 +12,11 @@
 #include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <random>
 #include <thread>
 
+#include "layout/store_format.h"
 #include "pskv/client.h"
 #include "support/process.h"
 #include "support/replica_tables.h"
@@ -393,6 +398,77 @@ TEST_P(ShmAdoptionTwice, ASuccessorKilledWhileAdoptingLeavesTheWholeOriginalToTh
 }
 
 INSTANTIATE_TEST_SUITE_P(DiedWhen, ShmAdoptionTwice, ::testing::Values("aside", "unready"));
+
+// A dead server's segment is writable by every process of the user, so its successor reads the
+// geometry as a peer's: offsets whose sums with a size wrap back into the mapping, and a state
+// arena shorter than the values need, once crashed the successor at every start (SIGSEGV, or
+// state pointers past the region). Each is refused by name, the segment stays for the next
+// start, and once the header is whole again the next successor adopts every key.
+TEST(ShmAdoptionForged, AHeaderThatDoesNotFitItsMappingIsRefusedAndKept) {
+  const std::string name = segment_name("forged", 0);
+  const std::vector<std::string> args = {"--uri", "shm://" + name + "?adopt=1", "--rule", "momentum", "--lr", "0.5"};
+  ClientOptions o;
+  {
+    auto first = ServerProcess::start(args);
+    o.servers = {first.uri};
+    Client c(o);
+    c.wait(c.init(1, std::vector<float>(16, 3.0f)));
+    first.process.signal(SIGKILL);
+    first.process.wait();
+  }
+  const std::string object = "/dev/shm/pskv-" + name;
+  const int fd = ::open(object.c_str(), O_RDWR);
+  ASSERT_GE(fd, 0) << object;
+  struct stat st {};
+  ASSERT_EQ(::fstat(fd, &st), 0);
+  auto* base = static_cast<std::byte*>(
+      ::mmap(nullptr, static_cast<std::size_t>(st.st_size), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
+  ::close(fd);
+  ASSERT_NE(base, MAP_FAILED);
+  auto& h = *reinterpret_cast<shm::SegmentHeader*>(base);
+  auto& sh = *reinterpret_cast<StoreHeader*>(base + h.store_offset);
+  std::vector<std::byte> saved(offsetof(shm::SegmentHeader, ready)), saved_store(kStoreFixedHeaderBytes);
+  std::memcpy(saved.data(), &h, saved.size());
+  std::memcpy(saved_store.data(), &sh, saved_store.size());
+  const std::vector<std::pair<std::string, std::function<void()>>> forgeries = {
+      {"areas wrap",
+       [&] {
+         h.clients = 1;
+         h.areas_offset = 0ull - (1ull << 41);
+         h.area_stride = 1ull << 41;
+       }},
+      {"clock offset wraps", [&] { h.clock_offset = 0ull - 64; }},
+      {"store index wraps",
+       [&] {
+         sh.index_offset = 0ull - (1ull << 40);
+         sh.index_capacity = 1ull << 36;
+       }},
+      {"no state for momentum",
+       [&] {
+         sh.state_offset = sh.total_bytes;
+         sh.state_bytes = 0;
+       }},
+  };
+  for (const auto& [what, forge] : forgeries) {
+    forge();
+    const std::string log = ::testing::TempDir() + "adopt-forged.log";
+    testing::Process successor(PSKV_SERVER_BIN, args, log);
+    const int status = successor.wait(std::chrono::seconds(20));
+    EXPECT_TRUE(status >= 1 && status < 128) << what << ": exit status " << status << "\n" << testing::read_file(log);
+    EXPECT_NE(testing::read_file(log).find("does not describe"), std::string::npos) << what << "\n"
+                                                                                    << testing::read_file(log);
+    EXPECT_TRUE(std::filesystem::exists(object)) << what << ": the failed start lost the segment";
+    std::memcpy(static_cast<void*>(&h), saved.data(), saved.size());
+    std::memcpy(static_cast<void*>(&sh), saved_store.data(), saved_store.size());
+  }
+  ::munmap(base, static_cast<std::size_t>(st.st_size));
+  auto server = ServerProcess::start(args);
+  Client c(o);
+  std::vector<float> out(16);
+  c.wait(c.pull(1, out));
+  EXPECT_EQ(out[0], 3.0f);
+  EXPECT_EQ(stat_field(c.server_stats(0), "adopted_keys"), 1u);
+}
 
 // Clocks survive: two BSP workers at clock 3, the server killed and adopted; worker 0 reconnects
 // at clock 3 and reads without worker 1 ever coming back (a fresh table would hold the read at

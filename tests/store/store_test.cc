@@ -7,10 +7,13 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstring>
+#include <functional>
 #include <random>
 #include <thread>
 #include <vector>
 
+#include "layout/store_format.h"
 #include "support/stop.h"
 
 namespace pskv {
@@ -117,6 +120,57 @@ TEST(Store, AttachSeesTheSameData) {
   EXPECT_EQ(out, v);
   std::vector<float> bad(64, 0.0f);
   EXPECT_THROW(Store::attach(std::make_unique<View>(reinterpret_cast<std::byte*>(bad.data()), 256)), Error);
+}
+
+// A successor attaches a dead server's store from a header any process of the user could have
+// rewritten. An offset just below 2^64 makes its sum with a size wrap into the region, and a
+// state arena shorter than the values need puts state pointers past the end: each is refused.
+TEST(Store, AttachRefusesOffsetsThatWrapAndAShortStateArena) {
+  StoreOptions o;
+  o.max_keys = 64;
+  o.arena_bytes = 1 << 20;
+  o.stripes = 16;
+  o.rule.rule = UpdateRule::adam;
+  auto mem = std::make_unique<HeapMemory>(Store::required_bytes(o));
+  std::byte* base = mem->data();
+  const std::size_t size = mem->size();
+  auto s = Store::create(std::move(mem), o);
+  ASSERT_EQ(s->init(1, std::vector<float>(8, 1.0f)), Errc::ok);
+  auto& h = *reinterpret_cast<StoreHeader*>(base);
+  std::vector<std::byte> saved(kStoreFixedHeaderBytes);
+  std::memcpy(saved.data(), &h, saved.size());
+  const auto restore = [&] { std::memcpy(static_cast<void*>(&h), saved.data(), saved.size()); };
+  const std::vector<std::function<void()>> forgeries = {
+      [&] {  // index_offset + index_capacity * 16 wraps to 0
+        h.index_offset = 0ull - (1ull << 40);
+        h.index_capacity = 1ull << 36;
+      },
+      [&] {  // stripes_offset + stripes * 64 wraps
+        h.stripes = 1u << 24;
+        h.stripes_offset = 0ull - (1ull << 30) + 256;
+      },
+      [&] { h.values_offset = 0ull - 64; },
+      [&] { h.state_offset = 0ull - 64; },
+      [&] {  // adam needs two floats of state per value
+        h.state_offset = h.total_bytes;
+        h.state_bytes = 0;
+      },
+      [&] { h.state_bytes = h.values_bytes; },
+  };
+  for (std::size_t i = 0; i < forgeries.size(); ++i) {
+    forgeries[i]();
+    try {
+      (void)Store::attach(std::make_unique<View>(base, size));
+      ADD_FAILURE() << "forgery " << i << " was attached";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), Errc::protocol) << "forgery " << i;
+    }
+    restore();
+  }
+  auto again = Store::attach(std::make_unique<View>(base, size));
+  std::vector<float> out(8);
+  ASSERT_EQ(again->pull(1, out).status, Errc::ok);
+  EXPECT_EQ(out[0], 1.0f);
 }
 
 // A successor adopting a dead server's store takes every published key whose slot checks out; a
