@@ -164,6 +164,14 @@ CheckpointInfo write_checkpoint(Store& store, const SyncAccumulator* sync, const
     h.crc = crc32_update(0, &h, offsetof(FileHeader, crc));
     w.put(&h, sizeof h);
     std::vector<float> value, state, steps;
+    // An shm client applying its own push holds its key's stripe; one stopped there (SIGSTOP, or
+    // a scribbled lock word) would hold the checkpointing thread, and with it the server's stop.
+    constexpr auto kLockPatience = std::chrono::seconds(2);
+    const auto held = [&](Key key) {
+      return Error(Errc::timeout, "key " + std::to_string(key) +
+                                      ": its stripe lock stayed held for 2 s (an shm client stopped inside a push "
+                                      "it applies itself?); this checkpoint is abandoned and the last one stays");
+    };
     std::uint32_t crc_of_crcs = 0;
     std::uint64_t written = 0;
     store.for_each_slot([&](const Store::SlotEntry& e) {
@@ -180,17 +188,21 @@ CheckpointInfo write_checkpoint(Store& store, const SyncAccumulator* sync, const
       if (sync) {
         // The value and the pending steps of one moment: add() changes both under the key's stripe.
         steps.resize(sync->state_floats(e.length));
+        bool taken = false;
         sync->with_key(e.key, [&] {
-          store.snapshot_slot(*e.slot, value.data(), state.data(), &update_count);
-          sync->export_state(e.key, e.length, steps.data());
+          taken = store.snapshot_slot(*e.slot, value.data(), state.data(), &update_count, nullptr, nullptr, nullptr,
+                                      kLockPatience);
+          if (taken) sync->export_state(e.key, e.length, steps.data());
         });
+        if (!taken) throw held(e.key);
         const std::uint64_t used = sync->used_state_floats(e.length, steps.data());
         if (used > UINT32_MAX)
           throw Error(Errc::capacity, "key " + std::to_string(e.key) + ": its pending steps take " +
                                           std::to_string(used) + " floats, more than a checkpoint records for a key");
         k.sync_floats = static_cast<std::uint32_t>(used);
-      } else {
-        store.snapshot_slot(*e.slot, value.data(), state.data(), &update_count);
+      } else if (!store.snapshot_slot(*e.slot, value.data(), state.data(), &update_count, nullptr, nullptr, nullptr,
+                                      kLockPatience)) {
+        throw held(e.key);
       }
       k.f.update_count = update_count;
       k.crc = crc32_update(0, &k, offsetof(KeyHeader, crc));

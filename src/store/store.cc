@@ -470,13 +470,16 @@ std::uint32_t Store::state_floats(const SlotHeader& slot) const noexcept {
   return g_.state_per_value * length_of(slot);
 }
 
-void Store::snapshot_slot(SlotHeader& slot, float* value, float* state, std::uint64_t* update_count, std::uint64_t* seq,
-                          std::uint64_t* origin, std::uint64_t* marks) noexcept {
+bool Store::snapshot_slot(SlotHeader& slot, float* value, float* state, std::uint64_t* update_count, std::uint64_t* seq,
+                          std::uint64_t* origin, std::uint64_t* marks, std::chrono::nanoseconds patience) noexcept {
   SlotRef r;
-  if (!resolve(slot, &r)) return;
+  if (!resolve(slot, &r)) return true;
   const std::uint64_t* mine = marks ? marks_of(slot) : nullptr;
   SharedMutex& lock = stripe_at(r.stripe);
-  lock.lock();
+  if (patience == std::chrono::nanoseconds::max())
+    lock.lock();
+  else if (!lock.lock_for(SharedMutex::kAnonymousOwner, patience))
+    return false;
   if (marks) {
     if (mine)
       std::memcpy(marks, mine, marks_per_key_ * sizeof *marks);
@@ -492,6 +495,7 @@ void Store::snapshot_slot(SlotHeader& slot, float* value, float* state, std::uin
     origin[1] = slot.origin_seq;
   }
   lock.unlock();
+  return true;
 }
 
 Errc Store::restore_slot(Key key, std::span<const float> value, std::span<const float> state,

@@ -288,10 +288,12 @@ class Store {
   // `seq`, if given, gets the slot's seqlock version the copy is of: it moves with every write
   // (every piece of a push applied in pieces), so it orders copies that the update count cannot.
   // `origin`, if given, gets the slot's origin_epoch and origin_seq (a replica's store); `marks`,
-  // if given, its push_marks() marks.
-  void snapshot_slot(SlotHeader& slot, float* value, float* state, std::uint64_t* update_count,
-                     std::uint64_t* seq = nullptr, std::uint64_t* origin = nullptr,
-                     std::uint64_t* marks = nullptr) noexcept;
+  // if given, its push_marks() marks. False, with nothing copied, when the stripe lock stays held
+  // past `patience`: in an shm store a client that applies its own pushes may be stopped inside
+  // one, and a checkpoint must not wait for it forever.
+  bool snapshot_slot(SlotHeader& slot, float* value, float* state, std::uint64_t* update_count,
+                     std::uint64_t* seq = nullptr, std::uint64_t* origin = nullptr, std::uint64_t* marks = nullptr,
+                     std::chrono::nanoseconds patience = std::chrono::nanoseconds::max()) noexcept;
   Errc restore_slot(Key key, std::span<const float> value, std::span<const float> state, std::uint64_t update_count);
   // A replica's write: the key (created if missing) takes this value, state and count unless it
   // already holds a later version of it: versions are (origin_epoch, origin_seq), the origin's
