@@ -130,10 +130,30 @@ std::uint64_t EmbeddingTable::fixed_bytes(const TableSpec& spec) noexcept {
 }
 
 std::uint32_t EmbeddingTable::begin_write(std::atomic<std::uint32_t>& version) noexcept {
-  const std::uint32_t v = version.load(std::memory_order_relaxed);
+  // A row's word lives in the table's files when it has a TableStorage, where another process of
+  // the user could leave it odd: the write starts from the next even value, so the word is odd
+  // while the write runs and even after it, whatever it held.
+  const std::uint32_t v = (version.load(std::memory_order_relaxed) + 1) & ~1u;
   version.store(v + 1, std::memory_order_relaxed);
   std::atomic_thread_fence(std::memory_order_release);
   return v;
+}
+
+bool EmbeddingTable::settle_odd(RowMeta& m, Key id, std::uint32_t* looks) const noexcept {
+  if (++*looks < kOddLooks) {
+    cpu_relax();
+    return false;
+  }
+  *looks = 0;
+  // Writers hold the id's shard lock while the word is odd: odd under that lock, no writer is
+  // inside, and the word was left so in the files. It is made even again, with a value no reader
+  // has seen.
+  Shard& shard = shard_of(index_hash(id));
+  std::lock_guard lock(shard.lock);
+  const std::uint32_t v = m.version.load(std::memory_order_relaxed);
+  if (!(v & 1) || m.key.load(std::memory_order_relaxed) != id) return false;
+  m.version.store(v + 1, std::memory_order_release);
+  return true;
 }
 
 void EmbeddingTable::end_write(std::atomic<std::uint32_t>& version, std::uint32_t begun) noexcept {
@@ -194,6 +214,7 @@ void EmbeddingTable::initial_row(Key id, float* out) const noexcept {
 
 bool EmbeddingTable::read_row(Key id, std::uint64_t hash, float* out) const noexcept {
   Shard& shard = shard_of(hash);
+  std::uint32_t odd_looks = 0;
   for (;;) {
     const std::uint32_t sv = shard.version.load(std::memory_order_acquire);
     if (sv & 1) {
@@ -211,9 +232,12 @@ bool EmbeddingTable::read_row(Key id, std::uint64_t hash, float* out) const noex
     }
     bool found = false;
     if (row != 0 && row != kFreeRow && steps < (1u << 20)) {
-      const RowMeta& m = meta(row);
+      RowMeta& m = meta(row);
       const std::uint32_t rv = m.version.load(std::memory_order_acquire);
-      if (rv & 1) continue;
+      if (rv & 1) {
+        settle_odd(m, id, &odd_looks);
+        continue;
+      }
       seqlock_copy(out, data(row), std::size_t{spec_.dim} * sizeof(float));
       std::atomic_thread_fence(std::memory_order_acquire);
       if (m.version.load(std::memory_order_relaxed) != rv || m.key.load(std::memory_order_relaxed) != id) continue;
@@ -895,11 +919,12 @@ bool EmbeddingTable::marks_from(std::uint32_t row) const noexcept {
 }
 
 bool EmbeddingTable::read_live(std::uint32_t row, Key* id, float* out, float* out_state) const noexcept {
-  const RowMeta& m = meta(row);
+  RowMeta& m = meta(row);
+  std::uint32_t odd_looks = 0;
   for (;;) {
     const std::uint32_t rv = m.version.load(std::memory_order_acquire);
     if (rv & 1) {
-      cpu_relax();
+      settle_odd(m, m.key.load(std::memory_order_relaxed), &odd_looks);
       continue;
     }
     if (m.next.load(std::memory_order_acquire) == kFreeRow) return false;

@@ -259,6 +259,11 @@ class EmbeddingTable {
   // the writer is inside, and never back to a value a reader may have seen.
   static std::uint32_t begin_write(std::atomic<std::uint32_t>& version) noexcept;
   static void end_write(std::atomic<std::uint32_t>& version, std::uint32_t begun) noexcept;
+  // A reader's wait on a row of `id` whose word it found odd: a pause for the first kOddLooks
+  // looks, then a check under the id's shard lock, which makes even a word no writer holds odd
+  // (left so in a TableStorage's files). True if it did.
+  static constexpr std::uint32_t kOddLooks = 4096;
+  bool settle_odd(RowMeta& m, Key id, std::uint32_t* looks) const noexcept;
 
   TableSpec spec_;
   std::unique_ptr<TableStorage> storage_;      // null: segments are the process's own memory

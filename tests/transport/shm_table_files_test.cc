@@ -3,11 +3,15 @@
 // a successor reads back every row whole, optimizer state included.
 #include "transport/shm/table_files.h"
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -225,6 +229,88 @@ TEST(TableFiles, ARowWriteCutByADeathIsRolledBack) {
 
 // A spec file that does not check out is refused by name, before any row is read; so is a
 // segment that is not the size the spec lays out.
+// Runs `body` on a thread of its own and gives it `patience`; a body still running then is a
+// thread spinning for good, so the test binary is ended with the failure rather than hung.
+template <class Body>
+void within(std::chrono::seconds patience, const std::string& what, Body body) {
+  std::atomic<bool> done{false};
+  std::thread t([&] {
+    body();
+    done.store(true);
+  });
+  const auto until = std::chrono::steady_clock::now() + patience;
+  while (!done.load() && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  if (!done.load()) {
+    std::fprintf(stderr, "%s: still running after %lld s\n", what.c_str(), static_cast<long long>(patience.count()));
+    std::_Exit(1);
+  }
+  t.join();
+}
+
+// A row's seqlock word lives in the table's files, which any process of the user may write. Left
+// odd there, it once spun every reader of the row for good (a pull on an shm server thread, a
+// checkpoint's scan), and every push kept it odd. Readers now settle it under the row's shard
+// lock, and a write starts from the next even value: the row reads and updates as its twin
+// without files does.
+TEST(TableFiles, ARowWordLeftOddInTheFilesIsSettledNotSpunOn) {
+  const Root root("odd");
+  TableSpec spec;
+  spec.dim = 16;
+  spec.max_rows = 1000;
+  spec.rule = UpdateRuleConfig{UpdateRule::adagrad};
+  EmbeddingTable table(spec, spec.max_rows, std::make_unique<TableFiles>(root.path, 0, spec, spec.max_rows));
+  EmbeddingTable twin(spec);
+  const std::vector<Key> ids{42};
+  const std::vector<float> grad(spec.dim, 0.5f);
+  table.push(ids, grad.data(), 1);
+  twin.push(ids, grad.data(), 1);
+
+  const std::string segment = root.path + "/table-0/segment-0";
+  const int fd = ::open(segment.c_str(), O_RDWR);
+  ASSERT_GE(fd, 0) << segment;
+  struct stat st {};
+  ASSERT_EQ(::fstat(fd, &st), 0);
+  auto* base = static_cast<unsigned char*>(
+      ::mmap(nullptr, static_cast<std::size_t>(st.st_size), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
+  ::close(fd);
+  ASSERT_NE(base, MAP_FAILED);
+  // Row 1 is the first handed out: [key, next, version] at 16 bytes a row.
+  ASSERT_EQ(*reinterpret_cast<const Key*>(base + 16), 42u);
+  auto& version = *reinterpret_cast<std::atomic<std::uint32_t>*>(base + 16 + 12);
+  const auto scribble = [&] { version.store(version.load() | 1); };
+
+  std::vector<float> got(spec.dim), want(spec.dim);
+  const auto same = [&](const std::string& when) {
+    twin.pull(ids, want.data());
+    EXPECT_EQ(got, want) << when;
+  };
+  scribble();
+  within(std::chrono::seconds(10), "pull of an odd row", [&] { table.pull(ids, got.data()); });
+  same("a pull after the word was left odd");
+  EXPECT_EQ(version.load() & 1, 0u);
+
+  scribble();
+  table.push(ids, grad.data(), 2);  // the writer meets the odd word first
+  twin.push(ids, grad.data(), 2);
+  EXPECT_EQ(version.load() & 1, 0u) << "a write left the word odd";
+  within(std::chrono::seconds(10), "pull after a write", [&] { table.pull(ids, got.data()); });
+  same("a pull after a write over an odd word");
+
+  scribble();
+  std::size_t visited = 0;
+  within(std::chrono::seconds(10), "scan of an odd row", [&] {
+    table.scan(0, UINT32_MAX, [&](Key id, const float* row, const float*) {
+      ++visited;
+      EXPECT_EQ(id, 42u);
+      got.assign(row, row + spec.dim);
+    });
+  });
+  EXPECT_EQ(visited, 1u);
+  same("a scan after the word was left odd");
+  ::munmap(base, static_cast<std::size_t>(st.st_size));
+}
+
 TEST(TableFiles, FilesThatDoNotCheckOutAreRefusedByName) {
   const Root root("bad");
   TableSpec spec;
