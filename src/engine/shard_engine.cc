@@ -156,15 +156,18 @@ Errc ShardEngine::check_worker(std::uint32_t worker, std::string* why) const {
 }
 
 Errc ShardEngine::init(std::span<const KeyEntry> keys, const float* values, std::string* why) {
-  for (const auto& k : keys) {
-    const Errc e = store_->init(k.key, {values, k.length});
-    if (e != Errc::ok) {
-      if (why) *why = key_error(e, k.key, k.length, *store_);
-      return e;
-    }
-    values += k.length;
-  }
-  return Errc::ok;
+  std::size_t failed = 0;
+  const Errc e = store_->init_all(keys, values, &failed);
+  if (e == Errc::ok || !why) return e;
+  const KeyEntry& k = keys[failed];
+  if (e != Errc::invalid_argument)
+    *why = key_error(e, k.key, k.length, *store_) + "; no key of this init was created";
+  else if (k.length == 0)
+    *why = "key " + std::to_string(k.key) + " is given 0 floats; no key of this init was created";
+  else
+    *why = "key " + std::to_string(k.key) + " appears twice in one init with two lengths (" + std::to_string(k.length) +
+           " floats the second time); no key of this init was created";
+  return e;
 }
 
 Errc ShardEngine::lookup(std::span<const KeyEntry> keys, std::vector<SlotRef>& slots, std::string* why) const {

@@ -6,6 +6,7 @@
 #include <new>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <unordered_set>
 
 #include "store/update_kernels.h"
@@ -219,10 +220,49 @@ Errc Store::create_slot(Key key, std::uint32_t length, const float* initial) {
                ? Errc::ok
                : Errc::length_mismatch;
   if (key_count_.load(std::memory_order_relaxed) >= g_.max_keys) return Errc::capacity;
+  // The state arena holds state_per_value x as much as the values.
+  if (used_.load(std::memory_order_relaxed) + slot_bytes(length) > g_.values_bytes) return Errc::capacity;
+  create_locked(key, length, initial);
+  return Errc::ok;
+}
+
+Errc Store::init_all(std::span<const KeyEntry> keys, const float* values, std::size_t* failed) {
+  if (!records_) return Errc::unsupported;
+  std::lock_guard guard(create_mu_);
+  std::unordered_map<Key, std::uint32_t> fresh;  // the keys this request creates, with their lengths
+  std::uint64_t bytes = 0;
+  for (std::size_t i = 0; i < keys.size(); ++i) {
+    *failed = i;
+    const KeyEntry& k = keys[i];
+    if (k.length == 0) return Errc::invalid_argument;
+    if (const Record* existing = find_record(k.key)) {
+      if (static_cast<std::uint32_t>(existing->where.load(std::memory_order_relaxed)) != k.length)
+        return Errc::length_mismatch;
+      continue;
+    }
+    const auto [at, made] = fresh.emplace(k.key, k.length);
+    if (!made) {
+      if (at->second != k.length) return Errc::invalid_argument;
+      continue;
+    }
+    bytes += slot_bytes(k.length);
+    if (key_count_.load(std::memory_order_relaxed) + fresh.size() > g_.max_keys ||
+        used_.load(std::memory_order_relaxed) + bytes > g_.values_bytes)
+      return Errc::capacity;
+  }
+  for (const KeyEntry& k : keys) {
+    if (const auto it = fresh.find(k.key); it != fresh.end()) {
+      create_locked(k.key, k.length, values);
+      fresh.erase(it);  // a repeat keeps the first value, as init() one at a time would
+    }
+    values += k.length;
+  }
+  return Errc::ok;
+}
+
+void Store::create_locked(Key key, std::uint32_t length, const float* initial) {
   const std::uint64_t bytes = slot_bytes(length);
   const std::uint64_t used = used_.load(std::memory_order_relaxed);
-  if (used + bytes > g_.values_bytes) return Errc::capacity;  // the state arena holds state_per_value x as much
-
   const SlotRef ref = ref_at(used, length, key);
   auto* slot = new (ref.slot) SlotHeader{};
   slot->key = key;
@@ -256,7 +296,6 @@ Errc Store::create_slot(Key key, std::uint32_t length, const float* initial) {
     index_[j].key.store(key, std::memory_order_relaxed);
     index_[j].slot.store(offset + 1, std::memory_order_release);
   }
-  return Errc::ok;
 }
 
 Errc Store::init(Key key, std::span<const float> initial) {

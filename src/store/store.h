@@ -20,6 +20,7 @@
 #include "common/memory.h"
 #include "common/sync.h"
 #include "layout/hash.h"
+#include "layout/key_entry.h"
 #include "layout/slot.h"
 #include "layout/store_format.h"
 #include "pskv/error.h"
@@ -122,6 +123,12 @@ class Store {
   Errc init(Key key, std::span<const float> initial);
   // Creates `key` with `length` zeros (same first-wins semantics).
   Errc init_zero(Key key, std::uint32_t length);
+  // init() of every key of a request (values back to back), all or nothing: every key is checked
+  // first (its length against an existing key's and against the same key earlier in the
+  // request, then room for the new ones), so a refusal creates none. `failed` gets the index of
+  // the key refused: length_mismatch (an existing key), invalid_argument (a length of 0, or the
+  // key twice with two lengths), capacity.
+  Errc init_all(std::span<const KeyEntry> keys, const float* values, std::size_t* failed);
 
   // nullptr when the key does not exist. The pointer stays valid for the store's lifetime and
   // lies inside the value arena with room for at least its header.
@@ -419,6 +426,7 @@ class Store {
   bool lock_stripe(SharedMutex& lock) const noexcept;
   std::uint64_t used_bytes_acquire() const noexcept;
   Errc create_slot(Key key, std::uint32_t length, const float* initial);
+  void create_locked(Key key, std::uint32_t length, const float* initial);  // under create_mu_, checked
   // `rule` over floats [begin, begin + n) under the stripe lock and the seqlock; *step 0 counts
   // the update and sets *step (apply_slot: the whole value; apply_part: one piece).
   // The caller holds the stripe lock.

@@ -384,6 +384,34 @@ TEST_F(TcpBadInput, LargePushToAWrongKeyIsDrainedAndTheConnectionLives) {
   expect_still_serving();
 }
 
+// An init is all or nothing too: a refused key once left the keys before it created (and, with
+// replicas, on the origin only).
+TEST_F(TcpBadInput, ARefusedInitCreatesNoneOfItsKeys) {
+  Client c(o_);
+  c.wait(c.init(Key(40), std::vector<float>(8, 0.0f)));
+  std::vector<float> four(4, 1.0f), nine(9, 1.0f);
+  const auto refused = [&](std::vector<Key> keys, std::vector<std::span<const float>> values, Errc code) {
+    try {
+      c.wait(c.init(std::span<const Key>(keys), std::span<const std::span<const float>>(values)));
+      ADD_FAILURE() << "the init was taken";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), code) << e.what();
+      EXPECT_NE(std::string(e.what()).find("no key of this init was created"), std::string::npos) << e.what();
+    }
+  };
+  refused({Key(41), Key(40)}, {four, nine}, Errc::length_mismatch);  // 40 has 8 floats
+  refused({Key(42), Key(43), Key(42)}, {four, four, nine}, Errc::invalid_argument);
+  for (const Key key : {Key(41), Key(42), Key(43)}) {
+    try {
+      c.wait(c.pull(key, four));
+      ADD_FAILURE() << "key " << key << " of a refused init was created";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), Errc::not_found) << e.what();
+    }
+  }
+  expect_still_serving();
+}
+
 // A pull reply is sized from the store's records after every key is checked: a 112-byte request
 // declaring four keys of 2^32-1 floats cannot make the server allocate (it once died of
 // bad_alloc), and one real key listed until the reply would pass the request limit is refused.

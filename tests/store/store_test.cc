@@ -210,6 +210,37 @@ TEST(Store, AdoptableSlotsCostAScribbledKeyOnlyItself) {
   EXPECT_NE(refused[1].find("names key 99"), std::string::npos) << refused[1];
 }
 
+// A request's init is all or nothing: any refused key (an existing key of another length, the
+// same key twice with two lengths, no room) leaves every key of it uncreated.
+TEST(Store, InitAllCreatesEveryKeyOrNone) {
+  StoreOptions o;
+  o.max_keys = 4;
+  auto s = Store::create(std::make_unique<HeapMemory>(Store::required_bytes(o)), o);
+  ASSERT_EQ(s->init(1, std::vector<float>(4, 1.0f)), Errc::ok);
+  const std::vector<float> values(64, 7.0f);
+  std::size_t failed = 99;
+  const auto init_all = [&](std::vector<KeyEntry> keys) { return s->init_all(keys, values.data(), &failed); };
+  EXPECT_EQ(init_all({{2, 4, 0}, {1, 5, 0}}), Errc::length_mismatch);
+  EXPECT_EQ(failed, 1u);
+  EXPECT_EQ(init_all({{2, 4, 0}, {3, 4, 0}, {2, 6, 0}}), Errc::invalid_argument);
+  EXPECT_EQ(failed, 2u);
+  EXPECT_EQ(init_all({{2, 4, 0}, {3, 0, 0}}), Errc::invalid_argument);
+  EXPECT_EQ(init_all({{2, 4, 0}, {3, 4, 0}, {4, 4, 0}, {5, 4, 0}}), Errc::capacity);  // 1 + 4 keys > 4
+  EXPECT_EQ(failed, 3u);
+  for (Key k = 2; k <= 5; ++k) EXPECT_EQ(s->find(k), nullptr) << "key " << k << " of a refused init";
+  EXPECT_EQ(s->key_count(), 1u);
+  // Taken: an existing key of the same length and a repeat are left as they are.
+  EXPECT_EQ(init_all({{2, 4, 0}, {1, 4, 0}, {2, 4, 0}, {3, 8, 0}}), Errc::ok);
+  EXPECT_EQ(s->key_count(), 3u);
+  std::vector<float> out(4);
+  ASSERT_EQ(s->pull(1, out).status, Errc::ok);
+  EXPECT_EQ(out[0], 1.0f);
+  ASSERT_EQ(s->pull(2, out).status, Errc::ok);
+  EXPECT_EQ(out[0], 7.0f);
+  std::vector<float> eight(8);
+  ASSERT_EQ(s->pull(3, eight).status, Errc::ok);
+}
+
 TEST(Store, BatchOperations) {
   auto s = make_store();
   std::vector<Key> keys{1, 2, 3};
