@@ -86,6 +86,7 @@ class IoThread {
   void loop();
   // Drains a connection's CQs up to a budget; true if completions may remain.
   bool process(ServerConn& c);
+  bool process_or_close(ServerConn& c);  // process(), with a throw closing c
   int drain(ServerConn& c);
   void on_recv(ServerConn& c, const ibv_wc& wc);
   bool handle_control(ServerConn& c, std::uint32_t buffer, std::uint32_t bytes);

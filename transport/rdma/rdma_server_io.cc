@@ -156,7 +156,7 @@ void IoThread::loop() {
     // Round-robin over connections with work, a budget each, so one busy client cannot starve others.
     for (std::size_t i = 0; i < active_.size();) {
       ServerConn* c = active_[i];
-      if (!c->closed.load() && process(*c)) {
+      if (!c->closed.load() && process_or_close(*c)) {
         ++i;
       } else {
         active_[i] = active_.back();
@@ -185,6 +185,19 @@ void IoThread::loop() {
                   active_.end());
     graveyard_.clear();
     if (busy && active_.empty()) cpu_relax();
+  }
+}
+
+bool IoThread::process_or_close(ServerConn& c) {
+  // Nothing a peer sends may end the process: a failure to get memory while serving it (the
+  // system can refuse past every budget) closes that connection, as on tcp.
+  try {
+    return process(c);
+  } catch (const std::exception& e) {
+    log::error("rdma.failed", "server " + std::to_string(engine_.options().server_id) +
+                                  ": serving a connection failed: " + e.what() + "; closed");
+    close(c);
+    return false;
   }
 }
 

@@ -176,71 +176,82 @@ bool ShmServer::process(std::uint32_t i, RingEntry& e, std::uint64_t seq) {
     log::warn("shm.bad-entry", who(i) + ": ring entry " + std::to_string(seq) + " refused: " + why);
   const std::uint32_t worker = client.worker_id;
   const std::uint64_t arg0 = e.arg0;
+  // Nothing a client sends may end the process or this thread: a failure to get memory while
+  // serving it (the system can refuse past every budget) is that request's error.
   if (status == Errc::ok) {
-    switch (op) {
-      case wire::Op::init:
-        status = engine_->init(keys, payload, &why);
-        break;
-      case wire::Op::push: {
-        const std::uint32_t t = i % options_.threads;
-        const UndoLog undo{server_thread_owner_tag(t),
-                           &segment_->header().server_undo[t],
-                           segment_->server_undo_buffer(t),
-                           geo_.server_undo_bytes / sizeof(float),
-                           lock_patience(),
-                           options_.sync ? options_.sync->mark(t) : nullptr};
-        status = engine_->push(worker, arg0, keys, payload, &why, geo_.server_undo_bytes ? &undo : nullptr);
-        break;
-      }
-      case wire::Op::clock:
-        status = engine_->check_worker(worker, &why);
-        if (status == Errc::ok) {
-          e.reply_arg0 = engine_->advance_clock(worker, arg0);
-          wake_clock_waiters();
-        }
-        break;
-      case wire::Op::barrier:
-        status = engine_->check_worker(worker, &why);
-        if (status == Errc::ok) {
-          blocked_[i].store(true, std::memory_order_release);
-          engine_->barrier(worker, arg0, std::make_unique<AreaParked>(*this, i, seq));
-          return false;
-        }
-        break;
-      case wire::Op::stats:
-        why = engine_->stats_json(worker_pushes(), stats_fields());
-        break;
-      case wire::Op::table_create: {
-        TableSpec spec;
-        std::uint32_t id = 0;
-        if ((status = wire::decode_table_create(keys, payload, &id, &spec, &why)) == Errc::ok)
-          status = engine_->create_table(id, spec, &why);
-        break;
-      }
-      case wire::Op::table_push: {
-        // A retrying client's identity matters only to replicated (tcp) servers.
-        std::span<const wire::KeyEntry> rows = keys;
-        wire::take_table_push_identity(&rows);
-        status = engine_->table_push(table, arg0, rows, payload, &why);
-        break;
-      }
-      case wire::Op::table_pull: {
-        // The rows go into the entry's own data, after its key table (where `payload` points):
-        // sized by the client, checked here against the bounds decode_entry checked.
-        std::uint64_t floats = 0;
-        for (const wire::KeyEntry& k : keys) floats += k.length;
-        const std::uint64_t key_bytes = keys.size() * sizeof(wire::KeyEntry);
-        if (floats > (data_bytes - key_bytes) / sizeof(float)) {  // decode_entry: key_bytes <= data_bytes
-          status = Errc::protocol;
-          why = "table_pull's entry leaves no room for its rows";
+    try {
+      switch (op) {
+        case wire::Op::init:
+          status = engine_->init(keys, payload, &why);
+          break;
+        case wire::Op::push: {
+          const std::uint32_t t = i % options_.threads;
+          const UndoLog undo{server_thread_owner_tag(t),
+                             &segment_->header().server_undo[t],
+                             segment_->server_undo_buffer(t),
+                             geo_.server_undo_bytes / sizeof(float),
+                             lock_patience(),
+                             options_.sync ? options_.sync->mark(t) : nullptr};
+          status = engine_->push(worker, arg0, keys, payload, &why, geo_.server_undo_bytes ? &undo : nullptr);
           break;
         }
-        status = engine_->table_pull(table, keys, const_cast<float*>(payload), &why);
-        break;
+        case wire::Op::clock:
+          status = engine_->check_worker(worker, &why);
+          if (status == Errc::ok) {
+            e.reply_arg0 = engine_->advance_clock(worker, arg0);
+            wake_clock_waiters();
+          }
+          break;
+        case wire::Op::barrier:
+          status = engine_->check_worker(worker, &why);
+          if (status == Errc::ok) {
+            blocked_[i].store(true, std::memory_order_release);
+            engine_->barrier(worker, arg0, std::make_unique<AreaParked>(*this, i, seq));
+            return false;
+          }
+          break;
+        case wire::Op::stats:
+          why = engine_->stats_json(worker_pushes(), stats_fields());
+          break;
+        case wire::Op::table_create: {
+          TableSpec spec;
+          std::uint32_t id = 0;
+          if ((status = wire::decode_table_create(keys, payload, &id, &spec, &why)) == Errc::ok)
+            status = engine_->create_table(id, spec, &why);
+          break;
+        }
+        case wire::Op::table_push: {
+          // A retrying client's identity matters only to replicated (tcp) servers.
+          std::span<const wire::KeyEntry> rows = keys;
+          wire::take_table_push_identity(&rows);
+          status = engine_->table_push(table, arg0, rows, payload, &why);
+          break;
+        }
+        case wire::Op::table_pull: {
+          // The rows go into the entry's own data, after its key table (where `payload` points):
+          // sized by the client, checked here against the bounds decode_entry checked.
+          std::uint64_t floats = 0;
+          for (const wire::KeyEntry& k : keys) floats += k.length;
+          const std::uint64_t key_bytes = keys.size() * sizeof(wire::KeyEntry);
+          if (floats > (data_bytes - key_bytes) / sizeof(float)) {  // decode_entry: key_bytes <= data_bytes
+            status = Errc::protocol;
+            why = "table_pull's entry leaves no room for its rows";
+            break;
+          }
+          status = engine_->table_pull(table, keys, const_cast<float*>(payload), &why);
+          break;
+        }
+        default:
+          status = Errc::protocol;
+          why =
+              "op " + std::string(wire::op_name(static_cast<std::uint16_t>(op))) + " is not carried over shared memory";
       }
-      default:
-        status = Errc::protocol;
-        why = "op " + std::string(wire::op_name(static_cast<std::uint16_t>(op))) + " is not carried over shared memory";
+    } catch (const Error& x) {
+      status = x.code();
+      why = x.what();
+    } catch (const std::exception& x) {
+      status = Errc::capacity;
+      why = std::string("serving it failed: ") + x.what();
     }
   }
   if (status != Errc::ok && op != wire::Op::stats)
