@@ -315,7 +315,7 @@ TEST(Rdma, VersionMismatchIsRefusedWithAClearMessage) {
 class RawPeer {
  public:
   // claims_token: asks as a client holding a token would (with an all-zero nonce).
-  explicit RawPeer(const std::string& uri, bool claims_token = false) {
+  explicit RawPeer(const std::string& uri, bool claims_token = false, std::uint32_t worker = kNoWorker) {
     const Uri u = parse_uri(uri);
     ch_ = rdma_create_event_channel();
     if (!ch_ || rdma_create_id(ch_, &id_, nullptr, RDMA_PS_TCP) != 0) throw std::runtime_error("rdma_cm");
@@ -339,7 +339,7 @@ class RawPeer {
     if (rdma_resolve_route(id_, 5000) != 0) throw std::runtime_error("route");
     expect_event(RDMA_CM_EVENT_ROUTE_RESOLVED);
     rdma::ConnectRequest req{
-        rdma::kCmMagic, wire::kVersion, rdma::kRdmaVersion, kNoWorker, 8, claims_token ? rdma::kHasToken : 0u, {}};
+        rdma::kCmMagic, wire::kVersion, rdma::kRdmaVersion, worker, kDepth, claims_token ? rdma::kHasToken : 0u, {}};
     rdma_conn_param p{};
     p.private_data = &req;
     p.private_data_len = sizeof req;
@@ -362,6 +362,7 @@ class RawPeer {
     rdma_destroy_event_channel(ch_);
   }
   const rdma::AcceptInfo& info() const { return info_; }
+  static constexpr std::uint32_t kDepth = 8;  // the credits it asks for
 
   void send(const void* data, std::size_t n) { post(IBV_WR_SEND, data, n, 0, 0); }
   void write_imm(const void* data, std::size_t n, std::uint64_t offset, std::uint32_t imm) {
@@ -623,6 +624,35 @@ TEST(Rdma, MalformedMessagesCloseOnlyTheirConnection) {
 
 // With --auth-token-file, only a client proving the token gets remote keys or any answer; the
 // others are refused with a clear error, logged, and the server keeps serving.
+// A client never has more requests out than its credits, but nothing else stopped a peer from
+// parking waits without end (tcp caps them): each held the engine's memory until the wait
+// timeout. A wait past the credits, or at a clock the worker never announced, is refused.
+TEST(Rdma, APeerParksNoMoreWaitsThanItsCredits) {
+  PSKV_REQUIRE_RDMA();
+  auto server = start_rdma_server({"--workers", "2", "--mode", "bsp", "--wait-timeout-ms", "20000"});
+  RawPeer p(server.uri, false, /*worker=*/0);
+  std::uint64_t id = 1;
+  const auto frame = [&](wire::Op op, std::uint64_t arg0) {
+    const wire::FrameHeader h = wire::make_header(op, id++, 0, 0, arg0);
+    p.send(&h, sizeof h);
+  };
+  frame(wire::Op::clock, 1);
+  EXPECT_EQ(p.reply().first, int(Errc::ok));
+  frame(wire::Op::wait, 5);  // clock 5 was never announced
+  auto [status, text] = p.reply();
+  EXPECT_EQ(status, int(Errc::invalid_argument)) << text;
+  EXPECT_NE(text.find("has announced clock 1"), std::string::npos) << text;
+  // Worker 1 is at clock 0: every wait at clock 1 parks, up to the credits.
+  for (std::uint32_t i = 0; i < RawPeer::kDepth; ++i) frame(wire::Op::wait, 1);
+  frame(wire::Op::wait, 1);
+  std::tie(status, text) = p.reply();
+  EXPECT_EQ(status, int(Errc::capacity)) << text;
+  EXPECT_NE(text.find("credits"), std::string::npos) << text;
+  Client healthy(rdma_client({server.uri}));
+  std::vector<float> v(8, 1.0f);
+  healthy.wait(healthy.init(Key(1), v));
+}
+
 TEST(Rdma, AuthTokenGatesEveryConnection) {
   PSKV_REQUIRE_RDMA();
   const testing::TokenFile token("correct horse battery staple 42\n"), other("another secret, also long enough\n");

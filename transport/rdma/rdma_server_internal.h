@@ -39,6 +39,10 @@ class ServerConn : public std::enable_shared_from_this<ServerConn> {
   std::string address;    // the peer's host:port, for the log
   bool finished = false;  // the worker announced clock = done, so leaving is clean
   std::atomic<bool> closed{false};
+  // Its requests waiting in the engine (a wait, barrier or replicated clock), up to `depth`: a
+  // client never has more requests out than its credits, and the server re-posts a receive
+  // before it serves the one it took, so nothing else bounds what a peer parks.
+  std::atomic<std::uint32_t> parked{0};
   ibv_cq* send_cq = nullptr;
   ibv_cq* recv_cq = nullptr;
   ibv_qp* qp = nullptr;
@@ -87,6 +91,8 @@ class IoThread {
   // Drains a connection's CQs up to a budget; true if completions may remain.
   bool process(ServerConn& c);
   bool process_or_close(ServerConn& c);  // process(), with a throw closing c
+  // False (and why) when c already has as many requests parked as its credits.
+  bool may_park(const ServerConn& c, const wire::FrameHeader& h, std::string* why) const;
   int drain(ServerConn& c);
   void on_recv(ServerConn& c, const ibv_wc& wc);
   bool handle_control(ServerConn& c, std::uint32_t buffer, std::uint32_t bytes);

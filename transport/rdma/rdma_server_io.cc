@@ -30,7 +30,12 @@ constexpr int kBudget = 256;
 class ParkedReply final : public Parked {
  public:
   ParkedReply(std::shared_ptr<ServerConn> conn, const wire::FrameHeader& request)
-      : conn_(std::move(conn)), request_(request) {}
+      : conn_(std::move(conn)), request_(request) {
+    conn_->parked.fetch_add(1, std::memory_order_relaxed);
+  }
+  ~ParkedReply() override { conn_->parked.fetch_sub(1, std::memory_order_relaxed); }
+  ParkedReply(const ParkedReply&) = delete;
+  ParkedReply& operator=(const ParkedReply&) = delete;
   void resume(Errc status, const std::string& why) override { conn_->owner->defer(conn_, request_, status, why); }
 
  private:
@@ -188,6 +193,14 @@ void IoThread::loop() {
   }
 }
 
+bool IoThread::may_park(const ServerConn& c, const wire::FrameHeader& h, std::string* why) const {
+  if (c.parked.load(std::memory_order_relaxed) < c.depth) return true;
+  *why = "its " + std::string(wire::op_name(h.op)) + " would be request " + std::to_string(c.depth + 1) +
+         " of this connection waiting in the server, past its " + std::to_string(c.depth) +
+         " credits; send no more requests than the credits the server granted";
+  return false;
+}
+
 bool IoThread::process_or_close(ServerConn& c) {
   // Nothing a peer sends may end the process: a failure to get memory while serving it (the
   // system can refuse past every budget) closes that connection, as on tcp.
@@ -328,7 +341,10 @@ bool IoThread::dispatch(ServerConn& c, const wire::FrameHeader& h) {
       return reply(c, h, Errc::ok, c.lookups.data(), c.lookups.size() * sizeof(LookupEntry));
     }
     case wire::Op::wait:
+      // Checked before it waits, as on tcp: a clock the worker never announced could only time out.
+      if (Errc e = engine_.check_pull_clock(c.worker, h.arg0, &why); e != Errc::ok) return send_error(c, h, e, why);
       if (engine_.pull_allowed(c.worker, h.arg0)) return reply(c, h, Errc::ok, nullptr, 0, 0, engine_.observed_bound());
+      if (!may_park(c, h, &why)) return send_error(c, h, Errc::capacity, why);
       engine_.park_pull(c.worker, h.arg0, std::make_unique<ParkedReply>(c.shared_from_this(), h));
       return true;
     case wire::Op::clock: {
@@ -340,6 +356,7 @@ bool IoThread::dispatch(ServerConn& c, const wire::FrameHeader& h) {
       const std::uint64_t bound = engine_.advance_clock(c.worker, h.arg0);
       // With replicas, answered once they know it too (docs/ARCHITECTURE.md, "Replication").
       if (Replicator* replicator = engine_.replicator()) {
+        if (!may_park(c, h, &why)) return send_error(c, h, Errc::capacity, why);
         replicator->ship_clock(c.worker, h.arg0, std::make_unique<ParkedReply>(c.shared_from_this(), h));
         return true;
       }
@@ -347,6 +364,7 @@ bool IoThread::dispatch(ServerConn& c, const wire::FrameHeader& h) {
     }
     case wire::Op::barrier:
       if (Errc e = engine_.check_worker(c.worker, &why); e != Errc::ok) return send_error(c, h, e, why);
+      if (!may_park(c, h, &why)) return send_error(c, h, Errc::capacity, why);
       engine_.barrier(c.worker, h.arg0, std::make_unique<ParkedReply>(c.shared_from_this(), h));
       return true;
     case wire::Op::stats: {
