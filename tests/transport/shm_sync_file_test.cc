@@ -210,6 +210,41 @@ TEST(SyncStateFile, AFullFileRefusesTheNextKeysSteps) {
   EXPECT_EQ(acc.add(0, 0, 1, g), SyncOutcome::applied) << "the first key's steps go on";
 }
 
+// The file lives in /dev/shm, writable by every process of the job's user. Its thread count,
+// capacity and fill were read again at every use, so one rewritten after it was opened sent the
+// successor's mark scan past its header and the owner's next record past the file's room. Both
+// go by what was checked when the file was made or opened.
+TEST(SyncStateFile, WordsRewrittenAfterOpeningMoveNothing) {
+  const SyncOptions so{.num_workers = 2};
+  const StoreOptions o = small_store(4, 8);
+  Dir dir("rewritten");
+  auto made = SyncStateFile::create(dir.path, o, so, 2);
+  ASSERT_NE(made->allocate(1, 8, 16), nullptr);
+  auto left = SyncStateFile::open_left(dir.path);
+  ASSERT_NE(left, nullptr);
+  {
+    auto file = MappedFile::open(dir.path + "/sync");
+    std::byte* h = file->data();
+    const std::uint32_t threads = 0xffffffffu;
+    const std::uint64_t capacity = ~0ull >> 1, used = ~0ull >> 2;
+    std::memcpy(h + 20, &threads, sizeof threads);  // after magic, version, window, workers
+    std::memcpy(h + 24, &capacity, sizeof capacity);
+    std::memcpy(h + 32, &used, sizeof used);
+  }
+  EXPECT_EQ(left->threads(), 2u);
+  EXPECT_EQ(left->mark(2), nullptr);
+  EXPECT_EQ(left->applied_marks(), 0u);
+  std::size_t records = 0;
+  left->visit([&](Key, std::uint32_t, const std::uint64_t*, std::uint64_t) { ++records; }, nullptr);
+  EXPECT_EQ(records, 1u);
+  try {
+    made->allocate(2, 8, 16);
+    ADD_FAILURE() << "a record was made at a fill past the file's room";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::capacity) << e.what();
+  }
+}
+
 // A key's steps take the memory of the entries they used, not of the whole window: workers in
 // lockstep move a step's sum between two entries, and the other three stay holes of the file.
 TEST(SyncStateFile, LockstepStepsBackTwoEntriesOfFive) {

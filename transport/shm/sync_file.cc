@@ -37,6 +37,14 @@ SyncStateFile::SyncStateFile(std::unique_ptr<MappedFile> file) : file_(std::move
 
 SyncStateFile::~SyncStateFile() = default;
 
+void SyncStateFile::keep_geometry() noexcept {
+  const Header& h = header();
+  threads_ = h.threads;
+  window_ = h.window;
+  workers_ = h.workers;
+  capacity_ = h.capacity;
+}
+
 std::shared_ptr<SyncStateFile> SyncStateFile::create(const std::string& dir, const StoreOptions& store,
                                                      const SyncOptions& sync, std::uint32_t threads) {
   make_private_directory(dir);
@@ -56,6 +64,7 @@ std::shared_ptr<SyncStateFile> SyncStateFile::create(const std::string& dir, con
   h.threads = threads;
   h.capacity = capacity;
   h.used.store(0, std::memory_order_relaxed);
+  f->keep_geometry();
   std::atomic_signal_fence(std::memory_order_seq_cst);
   std::memcpy(h.magic, kMagic, sizeof kMagic);  // last: a file without it was never made whole
   return f;
@@ -77,6 +86,7 @@ std::unique_ptr<SyncStateFile> SyncStateFile::open_left(const std::string& dir) 
   if (h.capacity > size - kHeaderBytes || h.used.load(std::memory_order_acquire) > h.capacity ||
       h.threads > kMaxServerThreads || h.window == 0 || h.workers == 0)
     throw refuse("has a header that does not fit the file");
+  f->keep_geometry();
   return f;
 }
 
@@ -85,7 +95,7 @@ std::uint64_t* SyncStateFile::allocate(Key key, std::uint32_t length, std::size_
   Header& h = header();
   const std::uint64_t used = h.used.load(std::memory_order_relaxed);
   const std::uint64_t bytes = (kRecordHeadWords + words) * 8;
-  if (words == 0 || bytes > h.capacity - used)
+  if (words == 0 || used > capacity_ || bytes > capacity_ - used)
     throw Error(Errc::capacity, path() + " has no room for the sync steps of key " + std::to_string(key));
   const std::uint64_t at = kHeaderBytes + used;
   // The head and the control word now; the entries as steps need them (back()). The file is
@@ -106,16 +116,16 @@ void SyncStateFile::back(std::uint64_t* at, std::size_t words) {
 }
 
 SyncApplyMark* SyncStateFile::mark(std::uint32_t t) noexcept {
-  return t < header().threads ? &header().marks[t] : nullptr;
+  return t < threads_ ? &header().marks[t] : nullptr;
 }
 std::uint32_t SyncStateFile::threads() const noexcept {
-  return header().threads;
+  return threads_;
 }
 std::uint32_t SyncStateFile::window() const noexcept {
-  return header().window;
+  return window_;
 }
 std::uint32_t SyncStateFile::workers() const noexcept {
-  return header().workers;
+  return workers_;
 }
 
 void SyncStateFile::visit(
@@ -123,7 +133,7 @@ void SyncStateFile::visit(
     std::string* stopped) const {
   // Any process of the job's user could be writing this file: each word is read once, and only
   // the copies are checked and used.
-  const std::uint64_t used = std::min(header().used.load(std::memory_order_acquire), header().capacity);
+  const std::uint64_t used = std::min(header().used.load(std::memory_order_acquire), capacity_);
   std::uint64_t at = 0;
   while (at < used) {
     const auto* record = reinterpret_cast<const std::uint64_t*>(file_->data() + kHeaderBytes + at);
@@ -146,7 +156,7 @@ std::uint32_t SyncStateFile::applied_marks() const {
     std::uint64_t control;
   };
   std::vector<std::pair<std::uint32_t, Marked>> active;
-  for (std::uint32_t t = 0; t < header().threads; ++t) {
+  for (std::uint32_t t = 0; t < threads_; ++t) {
     const SyncApplyMark& m = header().marks[t];
     if (m.active.load(std::memory_order_acquire) != 0) active.push_back({t, {m.key, m.control}});
   }

@@ -60,8 +60,13 @@ class SyncStateFile final : public SyncSpace {
   struct Header;
   explicit SyncStateFile(std::unique_ptr<MappedFile> file);
   Header& header() const noexcept { return *reinterpret_cast<Header*>(file_->data()); }
+  // The header's geometry as made or as checked at open_left, read once: any process of the
+  // job's user may rewrite the file's words afterwards.
+  void keep_geometry() noexcept;
   std::unique_ptr<MappedFile> file_;  // sparse, backed as records and entries are made (see above)
   std::mutex mu_;
+  std::uint32_t threads_ = 0, window_ = 0, workers_ = 0;
+  std::uint64_t capacity_ = 0;
 };
 
 }  // namespace pskv::shm
