@@ -117,7 +117,8 @@ TEST_P(ShmAdoption, AKilledServerIsAdoptedAndLosesNoAcknowledgedPush) {
               static_cast<unsigned long long>(rolled_back), static_cast<unsigned long long>(adopted_runs));
 }
 
-INSTANTIATE_TEST_SUITE_P(Push, ShmAdoption, ::testing::Values("worker", "server"));
+INSTANTIATE_TEST_SUITE_P(Push, ShmAdoption, ::testing::Values("worker", "server"),
+                         [](const auto& info) { return info.param; });
 
 // Embedding tables too. Two workers push rounds of rows (testing::RowTables: +1 to 300 rows of one
 // table, random rows of an Adam table capped at 300 rows with LRU eviction) and reconnect whenever
@@ -397,7 +398,8 @@ TEST_P(ShmAdoptionTwice, ASuccessorKilledWhileAdoptingLeavesTheWholeOriginalToTh
   EXPECT_NE(testing::read_file(next_log).find(expect_in_log), std::string::npos) << testing::read_file(next_log);
 }
 
-INSTANTIATE_TEST_SUITE_P(DiedWhen, ShmAdoptionTwice, ::testing::Values("aside", "unready"));
+INSTANTIATE_TEST_SUITE_P(DiedWhen, ShmAdoptionTwice, ::testing::Values("aside", "unready"),
+                         [](const auto& info) { return info.param; });
 
 // A dead server's segment is writable by every process of the user, so its successor reads the
 // geometry as a peer's: offsets whose sums with a size wrap back into the mapping, and a state
