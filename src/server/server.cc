@@ -4,6 +4,7 @@
 #include <cmath>
 #include <condition_variable>
 #include <cstdio>
+#include <exception>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -433,10 +434,18 @@ class ServerImpl {
     return deposed_;
   }
 
+  // The tables are checkpointed even when the store's checkpoint is abandoned (a stripe held
+  // past its patience): the two files are independent.
   void checkpoint() {
     std::lock_guard lock(checkpoint_mu_);
-    write_checkpoint(engine_->store(), engine_->sync(), options_.checkpoint_dir, options_.server_id);
+    std::exception_ptr store_failed;
+    try {
+      write_checkpoint(engine_->store(), engine_->sync(), options_.checkpoint_dir, options_.server_id);
+    } catch (const Error&) {
+      store_failed = std::current_exception();
+    }
     table_checkpointer_->write(*engine_);
+    if (store_failed) std::rethrow_exception(store_failed);
   }
 
   void checkpoint_loop() {

@@ -250,6 +250,7 @@ Errc Store::init_all(std::span<const KeyEntry> keys, const float* values, std::s
         used_.load(std::memory_order_relaxed) + bytes > g_.values_bytes)
       return Errc::capacity;
   }
+  order_.reserve(order_.size() + fresh.size());  // the one allocation of creating: none is half made
   for (const KeyEntry& k : keys) {
     if (const auto it = fresh.find(k.key); it != fresh.end()) {
       create_locked(k.key, k.length, values);

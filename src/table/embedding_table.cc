@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <new>
@@ -921,10 +922,25 @@ bool EmbeddingTable::marks_from(std::uint32_t row) const noexcept {
 bool EmbeddingTable::read_live(std::uint32_t row, Key* id, float* out, float* out_state) const noexcept {
   RowMeta& m = meta(row);
   std::uint32_t odd_looks = 0;
+  std::chrono::steady_clock::time_point odd_since{};
   for (;;) {
     const std::uint32_t rv = m.version.load(std::memory_order_acquire);
     if (rv & 1) {
-      settle_odd(m, m.key.load(std::memory_order_relaxed), &odd_looks);
+      if (m.next.load(std::memory_order_acquire) != kFreeRow) {
+        settle_odd(m, m.key.load(std::memory_order_relaxed), &odd_looks);
+        continue;
+      }
+      // Unlinked: a row being made for an id its key word does not name yet, under a shard lock
+      // this reader cannot know. Its writer is done within microseconds unless preempted; past
+      // 100 ms the word was left odd in the files, and the row is taken as not live.
+      if (++odd_looks < kOddLooks) {
+        cpu_relax();
+        continue;
+      }
+      const auto now = std::chrono::steady_clock::now();
+      if (odd_since == std::chrono::steady_clock::time_point{}) odd_since = now;
+      if (now - odd_since > std::chrono::milliseconds(100)) return false;
+      std::this_thread::yield();
       continue;
     }
     if (m.next.load(std::memory_order_acquire) == kFreeRow) return false;

@@ -622,8 +622,6 @@ TEST(Rdma, MalformedMessagesCloseOnlyTheirConnection) {
   healthy.wait(healthy.pull_rows(0, {&id, 1}, row));
 }
 
-// With --auth-token-file, only a client proving the token gets remote keys or any answer; the
-// others are refused with a clear error, logged, and the server keeps serving.
 // A client never has more requests out than its credits, but nothing else stopped a peer from
 // parking waits without end (tcp caps them): each held the engine's memory until the wait
 // timeout. A wait past the credits, or at a clock the worker never announced, is refused.
@@ -653,6 +651,8 @@ TEST(Rdma, APeerParksNoMoreWaitsThanItsCredits) {
   healthy.wait(healthy.init(Key(1), v));
 }
 
+// With --auth-token-file, only a client proving the token gets remote keys or any answer; the
+// others are refused with a clear error, logged, and the server keeps serving.
 TEST(Rdma, AuthTokenGatesEveryConnection) {
   PSKV_REQUIRE_RDMA();
   const testing::TokenFile token("correct horse battery staple 42\n"), other("another secret, also long enough\n");

@@ -96,34 +96,42 @@ TEST(Checkpoint, InterruptedWriteLeavesThePreviousCheckpointValid) {
 // held the checkpointing thread forever, and with it the server's stop. The checkpoint now gives
 // up after its patience with the key named, and the last good file stays.
 TEST(Checkpoint, AStripeHeldByAStoppedClientAbandonsTheCheckpointNotTheServer) {
-  TempDir dir;
-  auto a = make_store(UpdateRule::add);
-  ASSERT_EQ(a->init(7, std::vector<float>(8, 1.0f)), Errc::ok);
-  write_checkpoint(*a, nullptr, dir.path.string(), 0);
-  const auto good = slurp(checkpoint_path(dir.path.string(), 0));
-  ASSERT_EQ(a->push(7, std::vector<float>(8, 1.0f)), Errc::ok);
-  const auto& header = *reinterpret_cast<const StoreHeader*>(a->region());
-  auto& stripe = *reinterpret_cast<SharedMutex*>(a->region() + header.stripes_offset +
-                                                 ((mix64(7) >> 40) & (header.stripes - 1)) * kCacheLine);
-  stripe.lock(5);  // an shm client's owner tag, never let go
-  const auto began = std::chrono::steady_clock::now();
-  try {
-    write_checkpoint(*a, nullptr, dir.path.string(), 0);
-    ADD_FAILURE() << "the checkpoint went on past a held stripe";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), Errc::timeout);
-    EXPECT_NE(std::string(e.what()).find("key 7"), std::string::npos) << e.what();
+  for (const bool sync_mode : {false, true}) {
+    SCOPED_TRACE(sync_mode ? "with sync steps" : "without sync steps");
+    TempDir dir;
+    auto a = make_store(UpdateRule::add);
+    SyncOptions so;
+    so.num_workers = 1;
+    SyncAccumulator sa(*a, so);
+    SyncAccumulator* sync = sync_mode ? &sa : nullptr;
+    ASSERT_EQ(a->init(7, std::vector<float>(8, 1.0f)), Errc::ok);
+    write_checkpoint(*a, sync, dir.path.string(), 0);
+    const auto good = slurp(checkpoint_path(dir.path.string(), 0));
+    ASSERT_EQ(a->push(7, std::vector<float>(8, 1.0f)), Errc::ok);
+    const auto& header = *reinterpret_cast<const StoreHeader*>(a->region());
+    auto& stripe = *reinterpret_cast<SharedMutex*>(a->region() + header.stripes_offset +
+                                                   ((mix64(7) >> 40) & (header.stripes - 1)) * kCacheLine);
+    stripe.lock(5);  // an shm client's owner tag, never let go
+    const auto began = std::chrono::steady_clock::now();
+    try {
+      write_checkpoint(*a, sync, dir.path.string(), 0);
+      ADD_FAILURE() << "the checkpoint went on past a held stripe";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), Errc::timeout);
+      EXPECT_NE(std::string(e.what()).find("key 7"), std::string::npos) << e.what();
+    }
+    EXPECT_LT(std::chrono::steady_clock::now() - began, std::chrono::seconds(10));
+    EXPECT_EQ(slurp(checkpoint_path(dir.path.string(), 0)), good);
+    EXPECT_FALSE(fs::exists(checkpoint_path(dir.path.string(), 0) + ".tmp"));
+    stripe.unlock();
+    write_checkpoint(*a, sync, dir.path.string(), 0);
+    auto b = make_store(UpdateRule::add);
+    SyncAccumulator sb(*b, so);
+    read_checkpoint(*b, sync_mode ? &sb : nullptr, checkpoint_path(dir.path.string(), 0));
+    std::vector<float> out(8);
+    ASSERT_EQ(b->pull(7, out).status, Errc::ok);
+    EXPECT_EQ(out[0], 2.0f);
   }
-  EXPECT_LT(std::chrono::steady_clock::now() - began, std::chrono::seconds(10));
-  EXPECT_EQ(slurp(checkpoint_path(dir.path.string(), 0)), good);
-  EXPECT_FALSE(fs::exists(checkpoint_path(dir.path.string(), 0) + ".tmp"));
-  stripe.unlock();
-  write_checkpoint(*a, nullptr, dir.path.string(), 0);
-  auto b = make_store(UpdateRule::add);
-  read_checkpoint(*b, nullptr, checkpoint_path(dir.path.string(), 0));
-  std::vector<float> out(8);
-  ASSERT_EQ(b->pull(7, out).status, Errc::ok);
-  EXPECT_EQ(out[0], 2.0f);
 }
 
 TEST(Checkpoint, EveryCorruptionIsDetected) {

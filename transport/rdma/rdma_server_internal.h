@@ -91,6 +91,7 @@ class IoThread {
   // Drains a connection's CQs up to a budget; true if completions may remain.
   bool process(ServerConn& c);
   bool process_or_close(ServerConn& c);  // process(), with a throw closing c
+  void close_after_failure(ServerConn& c, const std::exception& e) noexcept;
   // False (and why) when c already has as many requests parked as its credits.
   bool may_park(const ServerConn& c, const wire::FrameHeader& h, std::string* why) const;
   int drain(ServerConn& c);

@@ -33,14 +33,26 @@ class ParkedReply final : public Parked {
       : conn_(std::move(conn)), request_(request) {
     conn_->parked.fetch_add(1, std::memory_order_relaxed);
   }
-  ~ParkedReply() override { conn_->parked.fetch_sub(1, std::memory_order_relaxed); }
+  ~ParkedReply() override { unpark(); }
   ParkedReply(const ParkedReply&) = delete;
   ParkedReply& operator=(const ParkedReply&) = delete;
-  void resume(Errc status, const std::string& why) override { conn_->owner->defer(conn_, request_, status, why); }
+  // Uncounted before the reply is queued, not when this object goes (the engine and the acker
+  // destroy theirs after resuming a whole batch): the client may use the credit its reply frees
+  // for another wait, and that one must find the count already down.
+  void resume(Errc status, const std::string& why) override {
+    unpark();
+    conn_->owner->defer(conn_, request_, status, why);
+  }
 
  private:
+  void unpark() noexcept {
+    if (!counted_) return;
+    counted_ = false;
+    conn_->parked.fetch_sub(1, std::memory_order_relaxed);
+  }
   std::shared_ptr<ServerConn> conn_;
   wire::FrameHeader request_;
+  bool counted_ = true;
 };
 
 }  // namespace
@@ -171,17 +183,21 @@ void IoThread::loop() {
     for (Deferred& d : deferred) {
       ServerConn& c = *d.conn;
       if (c.closed.load()) continue;
-      bool ok;
-      if (d.status != Errc::ok && wire::applied_before_replicated(d.request))
-        ok = false;  // closed: see wire::applied_before_replicated
-      else if (d.status != Errc::ok)
-        ok = send_error(c, d.request, d.status, d.why);
-      else if (d.request.op == static_cast<std::uint16_t>(wire::Op::wait) ||
-               d.request.op == static_cast<std::uint16_t>(wire::Op::clock))
-        ok = reply(c, d.request, Errc::ok, nullptr, 0, 0, engine_.observed_bound());
-      else
-        ok = reply(c, d.request, Errc::ok, nullptr, 0);
-      if (!ok) close(c);
+      try {
+        bool ok;
+        if (d.status != Errc::ok && wire::applied_before_replicated(d.request))
+          ok = false;  // closed: see wire::applied_before_replicated
+        else if (d.status != Errc::ok)
+          ok = send_error(c, d.request, d.status, d.why);
+        else if (d.request.op == static_cast<std::uint16_t>(wire::Op::wait) ||
+                 d.request.op == static_cast<std::uint16_t>(wire::Op::clock))
+          ok = reply(c, d.request, Errc::ok, nullptr, 0, 0, engine_.observed_bound());
+        else
+          ok = reply(c, d.request, Errc::ok, nullptr, 0);
+        if (!ok) close(c);
+      } catch (const std::exception& e) {
+        close_after_failure(c, e);
+      }
     }
     deferred.clear();
     for (auto& c : closing) close(*c);
@@ -207,10 +223,18 @@ bool IoThread::process_or_close(ServerConn& c) {
   try {
     return process(c);
   } catch (const std::exception& e) {
+    close_after_failure(c, e);
+    return false;
+  }
+}
+
+void IoThread::close_after_failure(ServerConn& c, const std::exception& e) noexcept {
+  try {
     log::error("rdma.failed", "server " + std::to_string(engine_.options().server_id) +
                                   ": serving a connection failed: " + e.what() + "; closed");
     close(c);
-    return false;
+  } catch (const std::exception&) {
+    c.closed.store(true);  // nothing more is read from it or sent to it by this thread
   }
 }
 
@@ -350,13 +374,15 @@ bool IoThread::dispatch(ServerConn& c, const wire::FrameHeader& h) {
     case wire::Op::clock: {
       if (Errc e = engine_.check_worker(c.worker, &why); e != Errc::ok) return send_error(c, h, e, why);
       if (Errc e = engine_.check_replicable(h.arg0, "clock", &why); e != Errc::ok) return send_error(c, h, e, why);
+      // With replicas, answered once they know it too (docs/ARCHITECTURE.md, "Replication"): a
+      // clock that cannot wait for them is refused before it moves anything.
+      Replicator* replicator = engine_.replicator();
+      if (replicator && !may_park(c, h, &why)) return send_error(c, h, Errc::capacity, why);
       if (h.arg0 == kClockDone) c.finished = true;
       // This message was taken in queue-pair order: every push WRITE the worker posted before
       // it has already been applied by this thread, so the new clock covers them.
       const std::uint64_t bound = engine_.advance_clock(c.worker, h.arg0);
-      // With replicas, answered once they know it too (docs/ARCHITECTURE.md, "Replication").
-      if (Replicator* replicator = engine_.replicator()) {
-        if (!may_park(c, h, &why)) return send_error(c, h, Errc::capacity, why);
+      if (replicator) {
         replicator->ship_clock(c.worker, h.arg0, std::make_unique<ParkedReply>(c.shared_from_this(), h));
         return true;
       }

@@ -205,8 +205,16 @@ bool ShmServer::process(std::uint32_t i, RingEntry& e, std::uint64_t seq) {
         case wire::Op::barrier:
           status = engine_->check_worker(worker, &why);
           if (status == Errc::ok) {
+            auto parked = std::make_unique<AreaParked>(*this, i, seq);
             blocked_[i].store(true, std::memory_order_release);
-            engine_->barrier(worker, arg0, std::make_unique<AreaParked>(*this, i, seq));
+            try {
+              engine_->barrier(worker, arg0, std::move(parked));
+            } catch (...) {
+              // Thrown before the arrival was stored (shm servers replicate nothing), so nothing
+              // will resume it: the area is served again, and the catch below answers the entry.
+              blocked_[i].store(false, std::memory_order_release);
+              throw;
+            }
             return false;
           }
           break;

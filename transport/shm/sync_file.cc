@@ -43,6 +43,7 @@ void SyncStateFile::keep_geometry() noexcept {
   window_ = h.window;
   workers_ = h.workers;
   capacity_ = h.capacity;
+  used_ = h.used.load(std::memory_order_acquire);
 }
 
 std::shared_ptr<SyncStateFile> SyncStateFile::create(const std::string& dir, const StoreOptions& store,
@@ -83,17 +84,17 @@ std::unique_ptr<SyncStateFile> SyncStateFile::open_left(const std::string& dir) 
   const Header& h = f->header();
   if (std::memcmp(h.magic, kMagic, sizeof kMagic) != 0 || h.version != kVersion)
     throw refuse("is not a pskv sync-step file of version " + std::to_string(kVersion));
-  if (h.capacity > size - kHeaderBytes || h.used.load(std::memory_order_acquire) > h.capacity ||
-      h.threads > kMaxServerThreads || h.window == 0 || h.workers == 0)
+  f->keep_geometry();  // first: the copies are what is checked, and all that is used
+  if (f->capacity_ > size - kHeaderBytes || f->used_ > f->capacity_ || f->threads_ > kMaxServerThreads ||
+      f->window_ == 0 || f->workers_ == 0)
     throw refuse("has a header that does not fit the file");
-  f->keep_geometry();
   return f;
 }
 
 std::uint64_t* SyncStateFile::allocate(Key key, std::uint32_t length, std::size_t words) {
   std::lock_guard lock(mu_);
   Header& h = header();
-  const std::uint64_t used = h.used.load(std::memory_order_relaxed);
+  const std::uint64_t used = used_;  // the file's word is a mirror for a successor, never read back
   const std::uint64_t bytes = (kRecordHeadWords + words) * 8;
   if (words == 0 || used > capacity_ || bytes > capacity_ - used)
     throw Error(Errc::capacity, path() + " has no room for the sync steps of key " + std::to_string(key));
@@ -106,7 +107,8 @@ std::uint64_t* SyncStateFile::allocate(Key key, std::uint32_t length, std::size_
   record[1] = length;
   record[2] = words;
   std::atomic_signal_fence(std::memory_order_seq_cst);
-  h.used.store(used + bytes, std::memory_order_release);
+  used_ = used + bytes;
+  h.used.store(used_, std::memory_order_release);
   return record + kRecordHeadWords;
 }
 

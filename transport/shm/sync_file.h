@@ -67,6 +67,7 @@ class SyncStateFile final : public SyncSpace {
   std::mutex mu_;
   std::uint32_t threads_ = 0, window_ = 0, workers_ = 0;
   std::uint64_t capacity_ = 0;
+  std::uint64_t used_ = 0;  // bytes of records this process made (under mu_), or found at open_left
 };
 
 }  // namespace pskv::shm
