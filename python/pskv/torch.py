@@ -144,18 +144,25 @@ class DistributedOptimizer:
             if _holder(_owners, id(p)) is not None:
                 raise ValueError(f"parameter {n} is already driven by another pskv.torch.DistributedOptimizer; "
                                  "call remove_hooks() on that one (or drop it) first")
-        taken = [key_base + i for i in range(len(named)) if _holder(_key_users, (id(client), key_base + i)) is not None]
+        weight_keys = [key_base + i for i in range(len(named))]
+        grad_keys = [key_base + GRAD_KEY_OFFSET + i for i in range(len(named))]
+        # Gradient keys too: another model's weights at key_base + 2**32 would land on them.
+        keys = weight_keys + (grad_keys if update == "worker" else [])
+        taken = [k for k in keys if _holder(_key_users, (id(client), k)) is not None]
         if taken:
-            used = [k for (c, k) in _key_users if c == id(client) and _holder(_key_users, (c, k)) is not None]
+            used = [k % GRAD_KEY_OFFSET for (c, k) in _key_users
+                    if c == id(client) and _holder(_key_users, (c, k)) is not None]
             raise ValueError(f"keys {taken[0]}..{taken[-1]} are already used by another DistributedOptimizer on this "
-                             f"client: give each model its own key range (from key_base={max(used) + 1} on, none is), "
-                             "or call remove_hooks() on the other first")
+                             "client (its weights at key_base + i, or with update='worker' its gradients at key_base "
+                             f"+ 2**32 + i): give each model its own key range (from key_base={max(used) + 1} on, "
+                             "none is), or call remove_hooks() on the other first")
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         for n, p in named:
             _contiguous_float32(n, p.data)
-        self.weight_keys = [key_base + i for i in range(len(named))]
-        self.grad_keys = [key_base + GRAD_KEY_OFFSET + i for i in range(len(named))]
+        self.weight_keys = weight_keys
+        self.grad_keys = grad_keys
+        self._registered = keys
         with torch.no_grad():
             for p in self.params:
                 if p.grad is None:
@@ -182,7 +189,7 @@ class DistributedOptimizer:
             self._hooks.append(accumulator.register_hook(self._make_hook(weakref.ref(self), i)))
             self._accumulators.append(accumulator)
             _owners[id(p)] = weakref.ref(self)
-        for k in self.weight_keys:
+        for k in self._registered:
             _key_users[(id(client), k)] = weakref.ref(self)
         self.steps = 0
 
@@ -259,7 +266,7 @@ class DistributedOptimizer:
         self._accumulators.clear()
         for p in self.params:
             _let_go(_owners, id(p), self)
-        for k in self.weight_keys:
+        for k in self._registered:
             _let_go(_key_users, (id(self.client), k), self)
 
     def __del__(self):

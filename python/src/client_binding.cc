@@ -787,7 +787,7 @@ void bind_client(py::module_& m) {
 
   py::class_<PyClient> client_class(m, "Client");
   client_class
-      .def(py::init([](py::object servers, std::optional<std::uint32_t> worker_id, const std::string& partition,
+      .def(py::init([](py::object servers, py::object worker_id, const std::string& partition,
                        std::uint64_t range_keys, std::uint64_t chunk_floats, double connect_timeout, double io_timeout,
                        std::uint32_t max_in_flight, bool checksum, const std::string& auth_token_file,
                        std::uint64_t initial_clock, double retry_timeout) {
@@ -796,7 +796,16 @@ void bind_client(py::module_& m) {
                o.servers = {servers.cast<std::string>()};
              else
                o.servers = servers.cast<std::vector<std::string>>();
-             if (worker_id) o.worker_id = *worker_id;
+             // Checked here rather than by pybind's conversion, whose refusal of -1 is a dump of
+             // the whole signature.
+             if (!worker_id.is_none()) {
+               const bool integer = py::isinstance<py::int_>(worker_id) && !py::isinstance<py::bool_>(worker_id);
+               if (!integer || worker_id < py::int_(0) || worker_id >= py::int_(kNoWorker))
+                 throw Error(Errc::invalid_argument, "worker_id must be None or an int from 0 to " +
+                                                         std::to_string(kNoWorker - 1) + ", not " +
+                                                         py::repr(worker_id).cast<std::string>());
+               o.worker_id = worker_id.cast<std::uint32_t>();
+             }
              if (partition != "hash" && partition != "range")
                throw Error(Errc::invalid_argument, "partition must be 'hash' or 'range', not '" + partition + "'");
              o.partition = partition == "range" ? Partition::range : Partition::hash;

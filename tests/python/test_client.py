@@ -61,6 +61,10 @@ def test_arguments_by_keyword_and_their_errors(client):
     with pytest.raises(pskv.InvalidArgument, match="float32"):
         client.pull(11, np.zeros(4, np.float64), async_op=False)  # pskv's errors still come through
     assert str(inspect.signature(pskv.Client.pull)) == "(self, /, keys, out, *, async_op=True)"
+    # A worker id out of range is named, not answered with pybind11's dump of the signature.
+    for bad in (-1, 2**32 - 1, 2**70, "0", True, 1.0):
+        with pytest.raises(pskv.InvalidArgument, match=r"worker_id must be None or an int from 0 to 4294967294, not"):
+            pskv.Client("tcp://127.0.0.1:1", worker_id=bad)  # refused before any connection
 
 
 def test_many_keys_of_different_lengths(client):

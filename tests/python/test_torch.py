@@ -267,3 +267,15 @@ def test_two_models_on_one_client_need_their_own_keys(server):
         opt_a.remove_hooks()
         opt_c = pt.DistributedOptimizer(small_model(3).named_parameters(), c)  # a's keys are free again
         del opt_b, opt_c
+
+
+def test_weights_cannot_land_on_another_models_gradient_keys(server):
+    with pskv.Client(server.uri) as c:
+        a = small_model(1)
+        opt_a = pt.DistributedOptimizer(a.named_parameters(), c, update="worker",
+                                        optimizer=torch.optim.SGD(a.parameters(), lr=0.1))
+        with pytest.raises(ValueError, match="gradients at key_base"):
+            pt.DistributedOptimizer(small_model(2).named_parameters(), c, key_base=pt.GRAD_KEY_OFFSET)
+        opt_a.remove_hooks()
+        opt_b = pt.DistributedOptimizer(small_model(2).named_parameters(), c, key_base=pt.GRAD_KEY_OFFSET)
+        del opt_b
