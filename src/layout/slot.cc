@@ -33,4 +33,26 @@ std::uint64_t read_slot(const SlotHeader& slot, float* out, std::size_t length) 
   return version;
 }
 
+bool read_slot_until(const SlotHeader& slot, float* out, std::size_t length,
+                     std::chrono::steady_clock::time_point deadline, std::uint64_t* version) noexcept {
+  for (unsigned attempt = 0;; ++attempt) {
+    const std::uint64_t v = slot.seq.load(std::memory_order_acquire);
+    if ((v & 1) == 0) {
+      seqlock_copy(out, slot.values(), length * sizeof(float));
+      std::atomic_thread_fence(std::memory_order_acquire);
+      if (slot.seq.load(std::memory_order_relaxed) == v) {
+        *version = v;
+        return true;
+      }
+    }
+    if (attempt < 64) {
+      cpu_relax();
+      continue;
+    }
+    // The clock only every 64 looks past the first 64: a write holds the slot for microseconds.
+    if (attempt % 64 == 0 && std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::yield();
+  }
+}
+
 }  // namespace pskv

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 
@@ -61,5 +62,10 @@ bool copy_if_unchanged(const SlotHeader& slot, float* out, std::size_t length, s
 // Copies until a copy is valid; returns its version. For readers that may not take the stripe
 // lock (they may die holding it); a server thread uses Store::read_slot_or_lock.
 std::uint64_t read_slot(const SlotHeader& slot, float* out, std::size_t length) noexcept;
+// read_slot for a reader in another process than the writers: false once `deadline` passes
+// without a valid copy. A writer that is stopped or died inside its write (and not yet rolled
+// back), or a word left odd in a corrupt segment, would otherwise hold the reader for good.
+bool read_slot_until(const SlotHeader& slot, float* out, std::size_t length,
+                     std::chrono::steady_clock::time_point deadline, std::uint64_t* version) noexcept;
 
 }  // namespace pskv

@@ -255,6 +255,42 @@ TEST(ShmIntegration, PushBehindAHungLockHolderTimesOutNamingIt) {
   c.wait(c.push(Key(0), one));
 }
 
+// A pull copies the value itself, validated by the key's seqlock word. A worker stopped inside
+// its own push leaves that word odd: the pull once waited for it for good. It now gives up at
+// its io timeout, saying why, and reads the key again once the writer is gone.
+TEST(ShmIntegration, PullBehindAStoppedWriterTimesOut) {
+  auto server = start_shm(unique_name("stopped-writer"), {"--shm-push", "worker"});
+  ClientOptions o = shm_client(server.uri);
+  o.io_timeout = std::chrono::milliseconds(500);
+  constexpr std::uint32_t kLen = 1u << 19;  // 2 MiB: the pusher is inside a write most of the time
+  std::vector<float> one(kLen, 1.0f), out(kLen);
+  Client c(o);
+  c.wait(c.init(Key(0), std::vector<float>(kLen, 0.0f)));
+  const pid_t writer = fork_worker([&]() -> int {
+    Client client(o);
+    for (;;) client.wait(client.push(Key(0), one));
+  });
+  int timeouts = 0;
+  for (int attempt = 0; attempt < 20 && timeouts == 0; ++attempt) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    kill(writer, SIGSTOP);
+    const auto began = std::chrono::steady_clock::now();
+    try {
+      c.wait(c.pull(Key(0), out));
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), Errc::timeout) << e.what();
+      EXPECT_NE(std::string(e.what()).find("stayed inside a write"), std::string::npos) << e.what();
+      EXPECT_LT(std::chrono::steady_clock::now() - began, std::chrono::seconds(5));
+      ++timeouts;
+    }
+    kill(writer, SIGCONT);
+  }
+  EXPECT_EQ(timeouts, 1) << "no SIGSTOP in 20 landed while the pusher was inside a write";
+  kill(writer, SIGKILL);
+  EXPECT_EQ(wait_pid(writer), 128 + SIGKILL);
+  c.wait(c.pull(Key(0), out));  // rolled back by the server's watchdog
+}
+
 TEST(ShmIntegration, SegmentIsPrivateAndRemovedAtExit) {
   const std::string name = unique_name("mode");
   const std::string path = "/dev/shm/pskv-" + name;

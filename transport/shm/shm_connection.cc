@@ -131,9 +131,16 @@ Errc ShmConnection::read_values(const Request& request, std::string* why) const 
   if (Errc e = lookup(request, slots, why); e != Errc::ok) return e;
   // Copying is the first touch of each slot's values: keep its misses in flight ahead of the copy.
   const std::size_t n = request.keys.size();
+  const auto deadline = std::chrono::steady_clock::now() + options_.io_timeout;
   for (std::size_t i = 0; i < n; ++i) {
     Store::prefetch_ahead(slots, i);
-    read_slot(*slots[i].slot, request.keys[i].data, request.keys[i].length);
+    std::uint64_t version = 0;
+    if (!read_slot_until(*slots[i].slot, request.keys[i].data, request.keys[i].length, deadline, &version)) {
+      *why = "key " + std::to_string(request.keys[i].key) + " stayed inside a write for the io timeout (" +
+             std::to_string(options_.io_timeout.count()) +
+             " ms): a worker stopped in the middle of its push to it, or the server died inside one";
+      return Errc::timeout;
+    }
   }
   return Errc::ok;
 }
