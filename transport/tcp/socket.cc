@@ -194,9 +194,10 @@ bool nothing_waiting(ssize_t n) noexcept {
   return n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK);
 }
 
-IoResult read_full(int fd, void* data, std::size_t bytes, std::chrono::nanoseconds spin) noexcept {
+IoResult read_full(int fd, void* data, std::size_t bytes, std::chrono::nanoseconds spin,
+                   std::chrono::steady_clock::time_point deadline) noexcept {
   iovec iov{data, bytes};
-  return readv_full(fd, &iov, 1, spin);
+  return readv_full(fd, &iov, 1, spin, deadline);
 }
 
 namespace {
@@ -228,7 +229,9 @@ ssize_t receive_into(int fd, iovec* iov, int count, std::chrono::nanoseconds spi
 }
 }  // namespace
 
-IoResult readv_full(int fd, iovec* iov, int count, std::chrono::nanoseconds spin) noexcept {
+IoResult readv_full(int fd, iovec* iov, int count, std::chrono::nanoseconds spin,
+                    std::chrono::steady_clock::time_point deadline) noexcept {
+  const bool bounded = deadline != std::chrono::steady_clock::time_point::max();
   while (count > 0 && iov->iov_len == 0) ++iov, --count;
   while (count > 0) {
     const ssize_t n =
@@ -238,6 +241,7 @@ IoResult readv_full(int fd, iovec* iov, int count, std::chrono::nanoseconds spin
       return classify(n);
     }
     advance(iov, count, static_cast<std::size_t>(n));
+    if (bounded && count > 0 && std::chrono::steady_clock::now() > deadline) return IoResult::timeout;
   }
   return IoResult::ok;
 }

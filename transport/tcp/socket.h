@@ -75,9 +75,16 @@ inline constexpr std::chrono::microseconds kMidFrameSpin{50};
 // With `spin`, a read that finds nothing waiting retries without sleeping for up to `spin` since
 // the last bytes came in, if this thread may spin (SpinTicket), before it blocks. SO_RCVTIMEO
 // still bounds the blocking.
-IoResult read_full(int fd, void* data, std::size_t bytes, std::chrono::nanoseconds spin = {}) noexcept;
+// With a `deadline`, a read still short of its bytes then returns IoResult::timeout (checked
+// between receives, so up to one SO_RCVTIMEO late): a peer that trickles a frame a byte at a
+// time keeps every receive under SO_RCVTIMEO.
+IoResult read_full(
+    int fd, void* data, std::size_t bytes, std::chrono::nanoseconds spin = {},
+    std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max()) noexcept;
 // Reads exactly the bytes the iovecs describe; modifies `iov` while progressing.
-IoResult readv_full(int fd, iovec* iov, int count, std::chrono::nanoseconds spin = {}) noexcept;
+IoResult readv_full(
+    int fd, iovec* iov, int count, std::chrono::nanoseconds spin = {},
+    std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max()) noexcept;
 // Whether a receive's result `n` (with errno) says nothing was waiting: a MSG_DONTWAIT receive
 // that found the socket empty, or a blocking one that SO_RCVTIMEO cut short.
 bool nothing_waiting(ssize_t n) noexcept;

@@ -106,6 +106,7 @@ std::uint32_t TcpConnection::acquire_in_flight(Request* request, std::uint64_t* 
   in_flight_[i].id = next_generation_++ * options_.max_in_flight + i;
   in_flight_[i].request = request;
   in_flight_[i].sending = true;
+  in_flight_[i].asked_copy = false;
   *id = in_flight_[i].id;
   // The server's silence is timed from the moment something is outstanding.
   if (outstanding_.fetch_add(1) == 0) quiet_since_ns_.store(steady_now_ns(), std::memory_order_relaxed);
@@ -440,11 +441,29 @@ bool TcpConnection::receive_one(const wire::FrameHeader& h, std::string* why) {
   }
   Errc status = static_cast<Errc>(h.status);
   std::string message;
+  // The rest of the frame must come within the io timeout plus a second per 16 MiB, as a
+  // server gives its clients: a server trickling it would otherwise hold this connection's
+  // reading (and every request waiting on it) for good, each byte inside SO_RCVTIMEO.
+  const auto frame_began = std::chrono::steady_clock::now();
+  const auto deadline_for = [&](std::uint64_t bytes) {
+    return frame_began + options_.io_timeout +
+           std::chrono::duration_cast<std::chrono::nanoseconds>(
+               std::chrono::duration<double>(static_cast<double>(bytes) / double(16ull << 20)));
+  };
   if (h.flags & wire::kText) {
-    message.resize(h.payload_bytes);
-    if (read_full(fd_.get(), message.data(), message.size()) != IoResult::ok) {
-      *why = "lost the connection to " + endpoint_ + " while reading an error reply";
-      return false;
+    // Grown as the bytes come, not to the declared length up front (up to the payload limit),
+    // and each piece due by the rate above: a declared 1 GiB trickled is cut within a second
+    // or two, not after the minute its length would allow.
+    constexpr std::size_t kTextPiece = 1u << 20;
+    for (std::uint64_t got = 0; got < h.payload_bytes;) {
+      const std::size_t piece = static_cast<std::size_t>(std::min<std::uint64_t>(kTextPiece, h.payload_bytes - got));
+      message.resize(static_cast<std::size_t>(got) + piece);
+      if (read_full(fd_.get(), message.data() + got, piece, {}, deadline_for(got + piece)) != IoResult::ok) {
+        *why = "lost the connection to " + endpoint_ + " while reading a text reply (or it came slower than " +
+               std::to_string(options_.io_timeout.count()) + " ms allow)";
+        return false;
+      }
+      got += piece;
     }
     if (status == Errc::ok) {
       if (request->text_out)
@@ -473,10 +492,24 @@ bool TcpConnection::receive_one(const wire::FrameHeader& h, std::string* why) {
              std::to_string(expected);
       return false;
     }
-    // A reply sent straight from the store ends with a word saying whether a push tore it.
+    // A reply sent straight from the store ends with a word saying whether a push tore it. Only
+    // a pull that asked for that may get one: the answer to a pull asked again after a torn one
+    // is a copy, so a server cannot keep one pull going round for good.
     std::uint32_t torn = 1;
-    if (h.flags & wire::kFromStore) recv_iov_.push_back({&torn, sizeof torn});
-    res = readv_full(fd_.get(), recv_iov_.data(), static_cast<int>(recv_iov_.size()), kMidFrameSpin);
+    if (h.flags & wire::kFromStore) {
+      bool asked = request->op == wire::Op::pull && !options_.checksum;
+      {
+        std::lock_guard lock(in_flight_mu_);
+        asked = asked && !in_flight_[index].asked_copy;
+      }
+      if (!asked) {
+        *why = endpoint_ + " sent values straight from its store for a request that asked for a copy";
+        return false;
+      }
+      recv_iov_.push_back({&torn, sizeof torn});
+    }
+    res = readv_full(fd_.get(), recv_iov_.data(), static_cast<int>(recv_iov_.size()), kMidFrameSpin,
+                     deadline_for(h.payload_bytes));
     if (res != IoResult::ok) {
       *why = "lost the connection to " + endpoint_ + " while reading values (" + io_result_text(res) + ")";
       return false;
@@ -485,6 +518,10 @@ bool TcpConnection::receive_one(const wire::FrameHeader& h, std::string* why) {
       if (torn != 0) {
         // A push landed on a key while the server was sending it: ask again for a copy, which
         // the server takes under the seqlock. The request stays outstanding meanwhile.
+        {
+          std::lock_guard lock(in_flight_mu_);
+          in_flight_[index].asked_copy = true;
+        }
         if (send_request(h.request_id, *request, 0) != IoResult::ok) {
           *why = "lost the connection to " + endpoint_ + " while asking again for values torn by a push";
           return false;

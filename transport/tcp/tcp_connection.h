@@ -82,7 +82,8 @@ class TcpConnection final : public transport::Connection, private transport::Pol
     transport::Request* request = nullptr;
     std::uint64_t id = 0;
     bool sending = false;
-    bool receiving = false;  // a reader is reading its reply and will complete it
+    bool receiving = false;   // a reader is reading its reply and will complete it
+    bool asked_copy = false;  // sent again after a torn reply: its answer may not come from the store
     bool deferred = false;
     Errc deferred_status = Errc::ok;
     std::string deferred_why;

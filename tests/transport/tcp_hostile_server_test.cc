@@ -1,0 +1,172 @@
+// A client takes what a server sends as hostile too: a server that is buggy, of another build,
+// or not pskv at all must not hold a client's requests for good nor make it allocate what it
+// declares. Each test plays a server on a raw socket that answers the hello, then misbehaves.
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <fstream>
+#include <functional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "pskv/client.h"
+#include "transport/tcp/socket.h"
+#include "transport/wire.h"
+
+namespace pskv {
+namespace {
+
+using namespace std::chrono_literals;
+
+bool read_all(int fd, void* p, std::size_t n) {
+  return tcp::read_full(fd, p, n) == tcp::IoResult::ok;
+}
+void write_all(int fd, const void* p, std::size_t n) {
+  const auto* c = static_cast<const char*>(p);
+  while (n > 0) {
+    const ssize_t k = ::send(fd, c, n, MSG_NOSIGNAL);
+    if (k <= 0) return;
+    c += k;
+    n -= static_cast<std::size_t>(k);
+  }
+}
+
+// Listens on 127.0.0.1, takes one client, answers its hello, then hands every request (header
+// and key table) to `answer` on its own thread until the client goes or the test ends.
+class MisbehavingServer {
+ public:
+  using Answer = std::function<void(int fd, const wire::FrameHeader& request, const std::vector<wire::KeyEntry>& keys)>;
+  explicit MisbehavingServer(Answer answer) : answer_(std::move(answer)) {
+    listen_fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    EXPECT_EQ(::bind(listen_fd_, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+    EXPECT_EQ(::listen(listen_fd_, 4), 0);
+    socklen_t len = sizeof a;
+    ::getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&a), &len);
+    uri_ = "tcp://127.0.0.1:" + std::to_string(ntohs(a.sin_port));
+    thread_ = std::thread([this] { serve(); });
+  }
+  ~MisbehavingServer() {
+    stop_ = true;
+    ::shutdown(listen_fd_, SHUT_RDWR);
+    if (client_fd_ >= 0) ::shutdown(client_fd_, SHUT_RDWR);
+    thread_.join();
+    ::close(listen_fd_);
+    if (client_fd_ >= 0) ::close(client_fd_);
+  }
+  const std::string& uri() const { return uri_; }
+  bool stopping() const { return stop_; }
+  int requests() const { return requests_; }
+
+ private:
+  void serve() {
+    client_fd_ = ::accept(listen_fd_, nullptr, nullptr);
+    if (client_fd_ < 0) return;
+    wire::FrameHeader h{};
+    if (!read_all(client_fd_, &h, sizeof h)) return;
+    std::vector<std::byte> hello(h.payload_bytes);
+    if (!read_all(client_fd_, hello.data(), hello.size())) return;
+    wire::FrameHeader r = wire::make_header(wire::Op::hello, h.request_id, 0, 0, 0, 0);
+    r.flags = wire::kResponse;
+    write_all(client_fd_, &r, sizeof r);
+    while (!stop_) {
+      if (!read_all(client_fd_, &h, sizeof h)) return;
+      std::vector<wire::KeyEntry> keys(h.num_keys);
+      if (!read_all(client_fd_, keys.data(), keys.size() * sizeof(wire::KeyEntry))) return;
+      std::uint64_t floats = 0;
+      for (const auto& k : keys) floats += k.length;
+      if (wire::op_carries_values(static_cast<wire::Op>(h.op))) {
+        std::vector<float> values(floats);
+        if (!read_all(client_fd_, values.data(), values.size() * sizeof(float))) return;
+      }
+      ++requests_;
+      answer_(client_fd_, h, keys);
+    }
+  }
+
+  Answer answer_;
+  int listen_fd_ = -1;
+  int client_fd_ = -1;
+  std::string uri_;
+  std::thread thread_;
+  std::atomic<bool> stop_{false};
+  std::atomic<int> requests_{0};
+};
+
+long peak_rss_kib() {
+  std::ifstream in("/proc/self/status");
+  for (std::string line; std::getline(in, line);)
+    if (line.rfind("VmHWM:", 0) == 0) return std::stol(line.substr(6));
+  return -1;
+}
+
+ClientOptions client_of(const MisbehavingServer& s) {
+  ClientOptions o;
+  o.servers = {s.uri()};
+  o.io_timeout = 1000ms;
+  return o;
+}
+
+// Every pull answered "from the store, torn": the client asks again for a copy, and a server
+// that answers that from the store too is refused, instead of the pull going round for good.
+TEST(TcpHostileServer, TornRepliesAnsweredFromTheStoreAgainFailThePull) {
+  MisbehavingServer server([](int fd, const wire::FrameHeader& h, const std::vector<wire::KeyEntry>& keys) {
+    std::uint64_t bytes = 0;
+    for (const auto& k : keys) bytes += std::uint64_t{k.length} * sizeof(float);
+    wire::FrameHeader r = wire::make_header(wire::Op::pull, h.request_id, 0, bytes, 0, 0);
+    r.flags = wire::kResponse | wire::kFromStore;
+    const std::vector<float> values(bytes / sizeof(float), 1.0f);
+    const std::uint32_t torn = 1;
+    write_all(fd, &r, sizeof r);
+    write_all(fd, values.data(), bytes);
+    write_all(fd, &torn, sizeof torn);
+  });
+  Client c(client_of(server));
+  std::vector<float> out(1024);
+  const auto began = std::chrono::steady_clock::now();
+  EXPECT_THROW(c.wait(c.pull(Key(1), out)), Error);
+  EXPECT_LT(std::chrono::steady_clock::now() - began, 10s);
+  EXPECT_LE(server.requests(), 2) << "the pull was sent again after a second from-store answer";
+}
+
+// An error text declared at 1 GiB and sent a byte every 200 ms: the client once zero-filled the
+// whole declared length first and then waited for it for good (each byte came inside the 1 s
+// receive timeout). It now grows the text as bytes come and gives up at its io timeout.
+TEST(TcpHostileServer, AHugeTextTrickledIsNeitherAllocatedNorWaitedForForGood) {
+  MisbehavingServer* self = nullptr;
+  MisbehavingServer server([&self](int fd, const wire::FrameHeader& h, const std::vector<wire::KeyEntry>&) {
+    wire::FrameHeader r = wire::make_header(static_cast<wire::Op>(h.op), h.request_id, 0, 1ull << 30, 0, 0);
+    r.flags = wire::kResponse | wire::kText;
+    r.status = static_cast<std::uint16_t>(Errc::not_found);
+    write_all(fd, &r, sizeof r);
+    for (int i = 0; i < 100 && !self->stopping(); ++i) {
+      write_all(fd, "x", 1);
+      std::this_thread::sleep_for(200ms);
+    }
+  });
+  self = &server;
+  Client c(client_of(server));
+  std::vector<float> out(16);
+  const long peak_before = peak_rss_kib();
+  const auto began = std::chrono::steady_clock::now();
+  try {
+    c.wait(c.pull(Key(1), out));
+    ADD_FAILURE() << "the pull succeeded";
+  } catch (const Error& e) {
+    EXPECT_NE(e.code(), Errc::not_found) << e.what();  // the text never came whole
+  }
+  // Cut at the io timeout (1 s) plus the first MiB's share, well before the 20 s of trickle.
+  EXPECT_LT(std::chrono::steady_clock::now() - began, 10s);
+  EXPECT_LT(peak_rss_kib() - peak_before, 256 * 1024) << "the declared length was allocated";
+}
+
+}  // namespace
+}  // namespace pskv
