@@ -13,6 +13,8 @@ using Key = std::uint64_t;
 using Ticket = std::uint64_t;
 
 inline constexpr std::uint32_t kNoWorker = std::numeric_limits<std::uint32_t>::max();
+// The most workers a server clocks (--workers): every peer's declared count is checked against it.
+inline constexpr std::uint32_t kMaxWorkers = 1u << 20;
 
 // How far a worker may run ahead of the slowest one before its pulls wait.
 enum class ConsistencyMode : std::uint8_t {

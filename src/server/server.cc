@@ -46,6 +46,9 @@ void validate(const ServerOptions& o) {
     reject("--sync-required applies to --mode sync only, not " + std::string(to_string(o.mode)));
   if (o.mode == ConsistencyMode::sync && o.sync_required > o.num_workers)
     reject("--sync-required " + to_string(o.sync_required) + " exceeds --workers " + to_string(o.num_workers));
+  if (o.num_workers > kMaxWorkers)
+    reject("--workers " + to_string(o.num_workers) + " is more than the " + to_string(kMaxWorkers) +
+           " a server clocks");
   if (o.mode != ConsistencyMode::asp && o.num_workers == 0)
     reject("--mode " + std::string(to_string(o.mode)) + " needs --workers: the clocks it bounds reads by");
   const UpdateRuleConfig& r = o.rule;

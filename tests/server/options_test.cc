@@ -59,6 +59,8 @@ TEST(ServerOptions, SettingsAModeIgnoresAreRefused) {
       },
       "--sync-required applies to --mode sync only");
   expect_refused([](ServerOptions& o) { o.mode = ConsistencyMode::bsp; }, "needs --workers");
+  // Every client checks a server's worker count against the same bound before sizing by it.
+  expect_refused([](ServerOptions& o) { o.num_workers = kMaxWorkers + 1; }, "a server clocks");
 }
 
 TEST(ServerOptions, LimitsMustLetTheLargestRequestThrough) {

@@ -99,10 +99,15 @@ RdmaConnection::RdmaConnection(const Uri& uri, const transport::ConnectOptions& 
           auth::answer(options_.token.get(), client_nonce_, server_.flags & kAuthRequired ? server_.nonce : nullptr,
                        server_.proof, endpoint_))
     authenticate(*proof, deadline);
-  if (server_.grant.region_bytes < kDescriptorAlign ||
-      (server_.num_workers && server_.grant.clock_bytes != ClockTable::bytes_for(server_.num_workers)))
+  // Sizes this client allocates and pins by (the clock table's staging, the rows ring that
+  // mirrors the receive region): checked against what any pskv server grants.
+  const std::uint64_t clock_bytes = server_.num_workers ? ClockTable::bytes_for(server_.num_workers) : 0;
+  if (server_.grant.region_bytes < kDescriptorAlign || server_.grant.region_bytes > (kMaxRegionMb << 20) ||
+      server_.num_workers > kMaxWorkers || server_.grant.clock_bytes != clock_bytes)
     throw Error(Errc::protocol, endpoint_ + " sent inconsistent connection data (receive region of " +
-                                    std::to_string(server_.grant.region_bytes) + " bytes)");
+                                    std::to_string(server_.grant.region_bytes) + " bytes, " +
+                                    std::to_string(server_.num_workers) + " workers, a clock table of " +
+                                    std::to_string(server_.grant.clock_bytes) + " bytes)");
 
   info_.server_id = server_.server_id;
   info_.num_workers = server_.num_workers;

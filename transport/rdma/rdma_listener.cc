@@ -5,6 +5,7 @@
 
 #include "engine/shard_engine.h"
 #include "layout/clock_table.h"
+#include "transport/rdma/rdma_protocol.h"
 #include "transport/rdma/rdma_server.h"
 
 namespace pskv::rdma {
@@ -20,7 +21,7 @@ class RdmaListener final : public transport::Listener {
     options_.ib_port = static_cast<int>(p.number("port", 0, 1, 255)) - (uri.params.count("port") ? 0 : 1);
     options_.gid_index = static_cast<int>(p.number("gid", 0, 0, 65535)) - (uri.params.count("gid") ? 0 : 1);
     options_.queue_depth = static_cast<std::uint32_t>(p.number("depth", 64, 1, 4096));
-    options_.region_bytes = p.number("recv_mb", 32, 1, 262143) << 20;
+    options_.region_bytes = p.number("recv_mb", 32, 1, kMaxRegionMb) << 20;
     options_.busy_poll = p.choice("poll", "event", {"busy", "event"}) == "busy";
     p.finish();
     uri_.params.clear();  // the device choice is the server's; clients name their own

@@ -23,6 +23,9 @@ inline constexpr std::uint32_t kLookupBatch =
 // Push descriptors start at multiples of this in the receive region; the immediate carries the
 // offset in these units, so 32 bits address 256 GiB.
 inline constexpr std::size_t kDescriptorAlign = 64;
+// The largest receive region a server grants (recv_mb): a region's offsets, in kDescriptorAlign
+// units, travel in a 32-bit immediate.
+inline constexpr std::uint64_t kMaxRegionMb = 262143;
 
 // rdma_cm private data limits of the IB CM (RoCE uses the same): REQ 56 bytes, REP 196, REJ 148.
 inline constexpr std::size_t kReqPrivateBytes = 56, kRepPrivateBytes = 196, kRejPrivateBytes = 148;

@@ -49,8 +49,9 @@ RdmaServer::RdmaServer(const Uri& uri, ShardEngine& engine, const PinnedBuffer& 
   want.busy_poll = options.busy_poll;
   options_.threads = std::max(1u, options_.threads);
   options_.queue_depth = std::clamp(options_.queue_depth, 1u, 4096u);
-  if (options_.region_bytes < 4096 || options_.region_bytes / kDescriptorAlign > UINT32_MAX)
-    throw Error(Errc::invalid_argument, "the receive region (recv_mb) must be between 1 and 262143 MiB");
+  if (options_.region_bytes < 4096 || options_.region_bytes > (kMaxRegionMb << 20))
+    throw Error(Errc::invalid_argument,
+                "the receive region (recv_mb) must be between 1 and " + std::to_string(kMaxRegionMb) + " MiB");
   prepare_process();
   require_device(endpoint_);
 

@@ -312,7 +312,7 @@ std::unique_ptr<Segment> Segment::open_checked(const std::string& name, bool ser
   const std::uint64_t clock_bytes = g.num_workers ? ClockTable::bytes_for(g.num_workers) : 0;
   const bool sane =
       g.clients >= 1 && g.clients <= 4096 && g.server_threads >= 1 && g.server_threads <= kMaxServerThreads &&
-      g.mode <= ConsistencyMode::sync && g.num_workers <= (1u << 20) && g.clock_offset >= sizeof(SegmentHeader) &&
+      g.mode <= ConsistencyMode::sync && g.num_workers <= kMaxWorkers && g.clock_offset >= sizeof(SegmentHeader) &&
       g.clock_offset <= size && g.areas_offset <= size &&  // so that no sum below wraps back into the region
       g.clock_offset % 64 == 0 && g.areas_offset % 64 == 0 && g.area_stride % 64 == 0 && g.store_offset % 64 == 0 &&
       g.areas_offset >= g.clock_offset + clock_bytes && g.area_bytes <= (1ull << 40) &&
