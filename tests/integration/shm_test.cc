@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "pskv/client.h"
+#include "store/store.h"
 #include "support/process.h"
 #include "support/stop.h"
 #include "support/workloads.h"
@@ -289,6 +290,32 @@ TEST(ShmIntegration, PullBehindAStoppedWriterTimesOut) {
   kill(writer, SIGKILL);
   EXPECT_EQ(wait_pid(writer), 128 + SIGKILL);
   c.wait(c.pull(Key(0), out));  // rolled back by the server's watchdog
+}
+
+// A client finds a key through the segment's shared index, which any process of the user can
+// rewrite: pointed at another key's slot of the same length, it once returned that key's value.
+TEST(ShmIntegration, AnIndexPointingAtAnotherKeysSlotIsRefused) {
+  const std::string name = unique_name("misdirected");
+  auto server = start_shm(name);
+  Client c(shm_client(server.uri));
+  c.wait(c.init(Key(1), std::vector<float>(8, 1.0f)));
+  c.wait(c.init(Key(2), std::vector<float>(8, 2.0f)));
+  auto segment = shm::Segment::open(name);
+  auto store = Store::attach(segment->store_memory());
+  SlotHeader* slot = store->find(Key(1));
+  ASSERT_NE(slot, nullptr);
+  slot->key = 2;  // key 1's index entry now leads to a slot naming key 2
+  std::vector<float> out(8, 0.0f);
+  try {
+    c.wait(c.pull(Key(1), out));
+    ADD_FAILURE() << "pulled " << out[0] << " for key 1";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::protocol) << e.what();
+    EXPECT_NE(std::string(e.what()).find("names key 2"), std::string::npos) << e.what();
+  }
+  slot->key = 1;
+  c.wait(c.pull(Key(1), out));
+  EXPECT_EQ(out[0], 1.0f);
 }
 
 TEST(ShmIntegration, SegmentIsPrivateAndRemovedAtExit) {

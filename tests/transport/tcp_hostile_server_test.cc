@@ -137,6 +137,39 @@ TEST(TcpHostileServer, TornRepliesAnsweredFromTheStoreAgainFailThePull) {
   EXPECT_LE(server.requests(), 2) << "the pull was sent again after a second from-store answer";
 }
 
+// Values are taken only from the answer to the request: the same op, no key table (whose bytes
+// were once copied into the caller's buffer as values), and with checksums asked for, a checksum.
+TEST(TcpHostileServer, RepliesThatAreNotTheAnswerAreRefused) {
+  struct Case {
+    const char* what;
+    wire::Op op;
+    std::uint32_t num_keys;
+    bool checksum;
+  };
+  for (const Case& k : {Case{"another op", wire::Op::push, 0, false}, Case{"a key table", wire::Op::pull, 1, false},
+                        Case{"no checksum", wire::Op::pull, 0, true}}) {
+    SCOPED_TRACE(k.what);
+    MisbehavingServer server([&k](int fd, const wire::FrameHeader& h, const std::vector<wire::KeyEntry>& keys) {
+      std::uint64_t bytes = 0;
+      for (const auto& e : keys) bytes += std::uint64_t{e.length} * sizeof(float);
+      const std::vector<wire::KeyEntry> table(k.num_keys, wire::KeyEntry{7, 1, 0});
+      const std::uint64_t table_bytes = table.size() * sizeof(wire::KeyEntry);
+      wire::FrameHeader r = wire::make_header(k.op, h.request_id, k.num_keys, bytes + table_bytes, 0, 0);
+      r.flags = wire::kResponse;
+      const std::vector<float> values(bytes / sizeof(float), 9.0f);
+      write_all(fd, &r, sizeof r);
+      write_all(fd, table.data(), table_bytes);
+      write_all(fd, values.data(), bytes);
+    });
+    ClientOptions o = client_of(server);
+    o.checksum = k.checksum;
+    Client c(o);
+    std::vector<float> out(4, 0.0f);
+    EXPECT_THROW(c.wait(c.pull(Key(1), out)), Error);
+    EXPECT_EQ(out, std::vector<float>(4, 0.0f));
+  }
+}
+
 // An error text declared at 1 GiB and sent a byte every 200 ms: the client once zero-filled the
 // whole declared length first and then waited for it for good (each byte came inside the 1 s
 // receive timeout). It now grows the text as bytes come and gives up at its io timeout.

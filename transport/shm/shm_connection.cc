@@ -115,6 +115,13 @@ Errc ShmConnection::lookup(const Request& request, std::vector<SlotRef>& slots, 
       *why = "key " + std::to_string(k.key) + " does not exist on " + endpoint_ + ": init it before pushing or pulling";
       return Errc::not_found;
     }
+    // An index entry or slot header rewritten by another process could point this key at
+    // another key's value of the same length: its slot must name it.
+    if (const Key named = slots[i].slot->key; named != k.key) {
+      *why = "key " + std::to_string(k.key) + "'s slot in " + endpoint_ + " names key " + std::to_string(named) +
+             ": the segment was overwritten by another process";
+      return Errc::protocol;
+    }
     // Checked once here (inside the arena, the length asked for); the copy then uses k.length,
     // never the header's word again.
     if (const std::uint32_t has = slots[i].length; has != k.length) {

@@ -439,6 +439,13 @@ bool TcpConnection::receive_one(const wire::FrameHeader& h, std::string* why) {
     *why = endpoint_ + " answered request " + std::to_string(h.request_id) + " that is not outstanding";
     return false;
   }
+  // A reply is the request's op and carries no key table: anything else is not the answer to it.
+  if (h.num_keys != 0 || h.op != static_cast<std::uint16_t>(request->op)) {
+    *why = endpoint_ + " answered a " + std::string(wire::op_name(static_cast<std::uint16_t>(request->op))) +
+           " with a " + std::string(wire::op_name(h.op)) + " reply" +
+           (h.num_keys != 0 ? " carrying a key table of " + std::to_string(h.num_keys) : std::string());
+    return false;
+  }
   Errc status = static_cast<Errc>(h.status);
   std::string message;
   // The rest of the frame must come within the io timeout plus a second per 16 MiB, as a
@@ -486,6 +493,10 @@ bool TcpConnection::receive_one(const wire::FrameHeader& h, std::string* why) {
     for (const KeySlice& k : request->keys) {
       expected += std::uint64_t{k.length} * sizeof(float);
       recv_iov_.push_back({k.data, std::size_t{k.length} * sizeof(float)});
+    }
+    if (options_.checksum && !(h.flags & wire::kChecksum)) {
+      *why = endpoint_ + " sent values without the checksum this client asks for";
+      return false;
     }
     if (expected != h.payload_bytes) {
       *why = endpoint_ + " replied with " + std::to_string(h.payload_bytes) + " bytes, expected " +
