@@ -318,6 +318,34 @@ TEST(ShmIntegration, AnIndexPointingAtAnotherKeysSlotIsRefused) {
   EXPECT_EQ(out[0], 1.0f);
 }
 
+// A server that lives but answers nothing (SIGSTOPped) fails the requests waiting in its ring
+// at the io timeout, as a silent tcp server does; they once waited for good, since the client
+// only checked that the server's process existed.
+TEST(ShmIntegration, AStoppedServerFailsRingRequestsAtTheIoTimeout) {
+  auto server = start_shm(unique_name("stopped-server"));
+  ClientOptions o = shm_client(server.uri);
+  o.io_timeout = std::chrono::milliseconds(1000);
+  Client c(o);
+  c.wait(c.init(Key(1), std::vector<float>(8, 1.0f)));
+  server.process.signal(SIGSTOP);
+  const auto began = std::chrono::steady_clock::now();
+  try {
+    c.wait(c.init(Key(2), std::vector<float>(8, 1.0f)));  // carried by the ring
+    ADD_FAILURE() << "a stopped server answered";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::timeout) << e.what();
+    EXPECT_NE(std::string(e.what()).find("answered nothing"), std::string::npos) << e.what();
+  }
+  const auto waited = std::chrono::steady_clock::now() - began;
+  server.process.signal(SIGCONT);
+  EXPECT_GE(waited, std::chrono::milliseconds(900));
+  EXPECT_LT(waited, std::chrono::seconds(5));
+  Client again(o);  // the server serves new clients once it runs again
+  std::vector<float> out(8);
+  again.wait(again.pull(Key(1), out));
+  EXPECT_EQ(out[0], 1.0f);
+}
+
 TEST(ShmIntegration, SegmentIsPrivateAndRemovedAtExit) {
   const std::string name = unique_name("mode");
   const std::string path = "/dev/shm/pskv-" + name;

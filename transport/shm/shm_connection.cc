@@ -517,14 +517,16 @@ void ShmConnection::wake_sleeping_waiters() noexcept {
 
 void ShmConnection::helper_loop() {
   auto last_alive_check = std::chrono::steady_clock::now();
+  auto last_answer = last_alive_check;  // or the last moment nothing was waiting for one
   for (;;) {
     const std::uint32_t word = area_->done_word.load(std::memory_order_acquire);
-    bool progressed, parked_left;
+    bool progressed, parked_left, outstanding;
     {
       std::unique_lock lock(mu_);
       if (stopping_) return;
       progressed = complete_answered();
       parked_left = run_parked(std::chrono::steady_clock::now());
+      outstanding = completed_.load() < next_seq_;
     }
     wake_sleeping_waiters();
     const auto now = std::chrono::steady_clock::now();
@@ -534,6 +536,16 @@ void ShmConnection::helper_loop() {
         fail_everything(Errc::peer_failure, server_gone());
         return;
       }
+    }
+    // A server that lives but answers nothing (stopped, or stuck) fails the requests in its ring
+    // after the io timeout without an answer, as a silent tcp connection does.
+    if (progressed || !outstanding) {
+      last_answer = now;
+    } else if (now - last_answer > options_.io_timeout) {
+      fail_everything(Errc::timeout, endpoint_ + " (pid " + std::to_string(segment_->geometry().server_pid) +
+                                         ") answered nothing for " + std::to_string(options_.io_timeout.count()) +
+                                         " ms though it lives: stopped or hung");
+      return;
     }
     if (progressed) continue;
     // Sleep until the server answers or a clock moves; tick to notice deadlines and server death.
