@@ -33,8 +33,8 @@ std::uint64_t read_slot(const SlotHeader& slot, float* out, std::size_t length) 
   return version;
 }
 
-bool read_slot_until(const SlotHeader& slot, float* out, std::size_t length,
-                     std::chrono::steady_clock::time_point deadline, std::uint64_t* version) noexcept {
+bool read_slot_until(const SlotHeader& slot, float* out, std::size_t length, std::chrono::nanoseconds patience,
+                     std::chrono::steady_clock::time_point* deadline, std::uint64_t* version) noexcept {
   for (unsigned attempt = 0;; ++attempt) {
     const std::uint64_t v = slot.seq.load(std::memory_order_acquire);
     if ((v & 1) == 0) {
@@ -50,7 +50,11 @@ bool read_slot_until(const SlotHeader& slot, float* out, std::size_t length,
       continue;
     }
     // The clock only every 64 looks past the first 64: a write holds the slot for microseconds.
-    if (attempt % 64 == 0 && std::chrono::steady_clock::now() > deadline) return false;
+    if (attempt % 64 == 0) {
+      const auto now = std::chrono::steady_clock::now();
+      if (*deadline == std::chrono::steady_clock::time_point{}) *deadline = now + patience;
+      if (now > *deadline) return false;
+    }
     std::this_thread::yield();
   }
 }

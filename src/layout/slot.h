@@ -65,7 +65,9 @@ std::uint64_t read_slot(const SlotHeader& slot, float* out, std::size_t length) 
 // read_slot for a reader in another process than the writers: false once `deadline` passes
 // without a valid copy. A writer that is stopped or died inside its write (and not yet rolled
 // back), or a word left odd in a corrupt segment, would otherwise hold the reader for good.
-bool read_slot_until(const SlotHeader& slot, float* out, std::size_t length,
-                     std::chrono::steady_clock::time_point deadline, std::uint64_t* version) noexcept;
+// `deadline` is set to now + patience the first time a copy has to wait (it stays if set): one
+// deadline for a batch of keys, and no clock read for a copy that does not wait.
+bool read_slot_until(const SlotHeader& slot, float* out, std::size_t length, std::chrono::nanoseconds patience,
+                     std::chrono::steady_clock::time_point* deadline, std::uint64_t* version) noexcept;
 
 }  // namespace pskv

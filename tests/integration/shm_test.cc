@@ -346,6 +346,25 @@ TEST(ShmIntegration, AStoppedServerFailsRingRequestsAtTheIoTimeout) {
   EXPECT_EQ(out[0], 1.0f);
 }
 
+// The other side of the test above: a server answering a steady stream of ring requests is
+// never taken for silent, although its answers are mostly taken by the waiting threads, not by
+// the connection's helper (an earlier version of the check failed such a connection).
+TEST(ShmIntegration, BusyRingTrafficIsNotTakenForSilence) {
+  auto server = start_shm(unique_name("busy-ring"), {"--shm-push", "server"});
+  ClientOptions o = shm_client(server.uri);
+  o.io_timeout = std::chrono::milliseconds(300);
+  Client c(o);
+  c.wait(c.init(Key(0), std::vector<float>(1024, 0.0f)));
+  const std::vector<float> one(1024, 1.0f);
+  std::uint64_t pushes = 0;
+  for (const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(3);
+       std::chrono::steady_clock::now() < until; ++pushes)
+    c.wait(c.push(Key(0), one));  // each carried by the ring (--shm-push server)
+  std::vector<float> out(1024);
+  c.wait(c.pull(Key(0), out));
+  EXPECT_EQ(out[0], float(pushes));
+}
+
 TEST(ShmIntegration, SegmentIsPrivateAndRemovedAtExit) {
   const std::string name = unique_name("mode");
   const std::string path = "/dev/shm/pskv-" + name;

@@ -153,8 +153,10 @@ TEST(TcpHostileServer, RepliesThatAreNotTheAnswerAreRefused) {
       std::uint64_t bytes = 0;
       for (const auto& e : keys) bytes += std::uint64_t{e.length} * sizeof(float);
       const std::vector<wire::KeyEntry> table(k.num_keys, wire::KeyEntry{7, 1, 0});
-      const std::uint64_t table_bytes = table.size() * sizeof(wire::KeyEntry);
-      wire::FrameHeader r = wire::make_header(k.op, h.request_id, k.num_keys, bytes + table_bytes, 0, 0);
+      const std::uint64_t table_bytes = table.size() * sizeof(wire::KeyEntry);  // sent ahead of the values
+      // The size the values take alone: only the key table's count is wrong (with the table's
+      // bytes counted, the size check alone would refuse it).
+      wire::FrameHeader r = wire::make_header(k.op, h.request_id, k.num_keys, bytes, 0, 0);
       r.flags = wire::kResponse;
       const std::vector<float> values(bytes / sizeof(float), 9.0f);
       write_all(fd, &r, sizeof r);

@@ -138,11 +138,12 @@ Errc ShmConnection::read_values(const Request& request, std::string* why) const 
   if (Errc e = lookup(request, slots, why); e != Errc::ok) return e;
   // Copying is the first touch of each slot's values: keep its misses in flight ahead of the copy.
   const std::size_t n = request.keys.size();
-  const auto deadline = std::chrono::steady_clock::now() + options_.io_timeout;
+  std::chrono::steady_clock::time_point deadline{};  // set by the first copy that has to wait
   for (std::size_t i = 0; i < n; ++i) {
     Store::prefetch_ahead(slots, i);
     std::uint64_t version = 0;
-    if (!read_slot_until(*slots[i].slot, request.keys[i].data, request.keys[i].length, deadline, &version)) {
+    if (!read_slot_until(*slots[i].slot, request.keys[i].data, request.keys[i].length, options_.io_timeout, &deadline,
+                         &version)) {
       *why = "key " + std::to_string(request.keys[i].key) + " stayed inside a write for the io timeout (" +
              std::to_string(options_.io_timeout.count()) +
              " ms): a worker stopped in the middle of its push to it, or the server died inside one";
@@ -358,6 +359,9 @@ void ShmConnection::enqueue(Request& request) {
   data_end_[seq % kRingEntries] = start + need;
   data_offset_[seq % kRingEntries] = offset;
   data_head_ = start + need;
+  // The server's silence is timed from here when it owed nothing before this request.
+  if (area_->done.load(std::memory_order_acquire) >= next_seq_)
+    ring_busy_since_ns_.store(steady_now_ns(), std::memory_order_relaxed);
   next_seq_ = seq;
   area_->head.store(seq, std::memory_order_release);
   lock.unlock();
@@ -515,18 +519,29 @@ void ShmConnection::wake_sleeping_waiters() noexcept {
   wake_waiter_word(*area_);
 }
 
+bool ShmConnection::server_owes_answer_locked(std::uint64_t done) const {
+  // A barrier waits in the server for the other workers, as long as the server's own wait
+  // timeout: the server bounds it, so its silence then says nothing about the server.
+  for (std::uint64_t seq = done + 1; seq <= next_seq_ && seq - done <= kRingEntries; ++seq)
+    if (const Request* r = pending_[seq % kRingEntries]; r && r->op == wire::Op::barrier) return false;
+  return next_seq_ > done;
+}
+
 void ShmConnection::helper_loop() {
   auto last_alive_check = std::chrono::steady_clock::now();
-  auto last_answer = last_alive_check;  // or the last moment nothing was waiting for one
+  std::uint64_t last_done = area_->done.load(std::memory_order_acquire);
+  std::int64_t last_progress_ns = steady_now_ns();  // when `done` last moved, or nothing was owed
   for (;;) {
     const std::uint32_t word = area_->done_word.load(std::memory_order_acquire);
-    bool progressed, parked_left, outstanding;
+    bool progressed, parked_left, owed;
+    std::uint64_t done;
     {
       std::unique_lock lock(mu_);
       if (stopping_) return;
       progressed = complete_answered();
       parked_left = run_parked(std::chrono::steady_clock::now());
-      outstanding = completed_.load() < next_seq_;
+      done = area_->done.load(std::memory_order_acquire);
+      owed = server_owes_answer_locked(done);
     }
     wake_sleeping_waiters();
     const auto now = std::chrono::steady_clock::now();
@@ -538,10 +553,14 @@ void ShmConnection::helper_loop() {
       }
     }
     // A server that lives but answers nothing (stopped, or stuck) fails the requests in its ring
-    // after the io timeout without an answer, as a silent tcp connection does.
-    if (progressed || !outstanding) {
-      last_answer = now;
-    } else if (now - last_answer > options_.io_timeout) {
+    // after the io timeout without an answer, as a silent tcp connection does. Its answers are
+    // its `done` word moving, whoever on this side takes them (waiters mostly do).
+    const std::int64_t now_ns = steady_now_ns();
+    if (done != last_done || !owed) {
+      last_done = done;
+      last_progress_ns = now_ns;
+    } else if (now_ns - std::max(last_progress_ns, ring_busy_since_ns_.load(std::memory_order_relaxed)) >
+               std::chrono::nanoseconds(options_.io_timeout).count()) {
       fail_everything(Errc::timeout, endpoint_ + " (pid " + std::to_string(segment_->geometry().server_pid) +
                                          ") answered nothing for " + std::to_string(options_.io_timeout.count()) +
                                          " ms though it lives: stopped or hung");

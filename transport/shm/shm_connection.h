@@ -77,6 +77,8 @@ class ShmConnection final : public transport::Connection, private transport::Pol
   void settle();
   void helper_loop();
   bool run_parked(std::chrono::steady_clock::time_point now);
+  // Under mu_: whether requests in the ring wait for the server (`done`: its word), barriers aside.
+  bool server_owes_answer_locked(std::uint64_t done) const;
   void fail_everything(Errc status, const std::string& why);
   // After completing anything: the threads asleep in sleep_for_answers may own those requests.
   void wake_sleeping_waiters() noexcept;
@@ -108,6 +110,8 @@ class ShmConnection final : public transport::Connection, private transport::Pol
   // Last seq turned into a completion; its ring entry and data may be reused. Written under
   // mu_, read without it by poll() to skip the lock when nothing new was answered.
   std::atomic<std::uint64_t> completed_{0};
+  // When the ring last went from owing nothing to owing a request (steady_now_ns).
+  std::atomic<std::int64_t> ring_busy_since_ns_{0};
   std::uint64_t data_head_ = 0;  // monotonically increasing byte positions in the area
   std::uint64_t data_tail_ = 0;
   transport::Request* pending_[kRingEntries] = {};

@@ -354,8 +354,9 @@ void TcpConnection::read_frames(ReadUntil until, const transport::Completion* mi
     switch (read_header(until != ReadUntil::nothing_waits)) {
       case HeaderRead::complete: {
         std::string why;
-        if (!receive_one(header_, &why)) {
-          fail_all(Errc::peer_failure, why);
+        Errc failure = Errc::peer_failure;
+        if (!receive_one(header_, &why, &failure)) {
+          fail_all(failure, why);
           return;
         }
         quiet_since_ns_.store(steady_now_ns(), std::memory_order_relaxed);
@@ -407,7 +408,11 @@ bool TcpConnection::still_alive() {
   return false;
 }
 
-bool TcpConnection::receive_one(const wire::FrameHeader& h, std::string* why) {
+bool TcpConnection::receive_one(const wire::FrameHeader& h, std::string* why, Errc* failure) {
+  // A reply that breaks the protocol is the server's fault and stands (protocol); a read cut
+  // short is the connection's (peer_failure), or the server's slowness (timeout): a retrying
+  // client tries those again.
+  *failure = Errc::protocol;
   IoResult res;
   if (Errc e = wire::validate_header(h, options_.limits, true, why); e != Errc::ok) {
     *why = "bad reply from " + endpoint_ + ": " + *why;
@@ -415,11 +420,13 @@ bool TcpConnection::receive_one(const wire::FrameHeader& h, std::string* why) {
   }
   const std::uint32_t index = static_cast<std::uint32_t>(h.request_id % options_.max_in_flight);
   Request* request;
+  bool asked_copy = false;
   {
     std::lock_guard lock(in_flight_mu_);
     InFlight& e = in_flight_[index];
     request = e.id == h.request_id && !e.deferred && !e.receiving ? e.request : nullptr;
     if (request) e.receiving = true;
+    asked_copy = e.asked_copy;
   }
   // Until release_in_flight, this thread owns the request's completion: a failure of the
   // connection meanwhile (a sender's writev timing out) leaves it alone. On any other way out
@@ -436,6 +443,7 @@ bool TcpConnection::receive_one(const wire::FrameHeader& h, std::string* why) {
   } receiving{this, index};
   if (!request) {
     receiving.released = true;
+    *failure = Errc::peer_failure;  // as before: it may answer one this client gave up on
     *why = endpoint_ + " answered request " + std::to_string(h.request_id) + " that is not outstanding";
     return false;
   }
@@ -451,7 +459,8 @@ bool TcpConnection::receive_one(const wire::FrameHeader& h, std::string* why) {
   // The rest of the frame must come within the io timeout plus a second per 16 MiB, as a
   // server gives its clients: a server trickling it would otherwise hold this connection's
   // reading (and every request waiting on it) for good, each byte inside SO_RCVTIMEO.
-  const auto frame_began = std::chrono::steady_clock::now();
+  const auto frame_began =
+      h.payload_bytes > 0 ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
   const auto deadline_for = [&](std::uint64_t bytes) {
     return frame_began + options_.io_timeout +
            std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -465,7 +474,9 @@ bool TcpConnection::receive_one(const wire::FrameHeader& h, std::string* why) {
     for (std::uint64_t got = 0; got < h.payload_bytes;) {
       const std::size_t piece = static_cast<std::size_t>(std::min<std::uint64_t>(kTextPiece, h.payload_bytes - got));
       message.resize(static_cast<std::size_t>(got) + piece);
-      if (read_full(fd_.get(), message.data() + got, piece, {}, deadline_for(got + piece)) != IoResult::ok) {
+      if (const IoResult r = read_full(fd_.get(), message.data() + got, piece, {}, deadline_for(got + piece));
+          r != IoResult::ok) {
+        *failure = r == IoResult::timeout ? Errc::timeout : Errc::peer_failure;
         *why = "lost the connection to " + endpoint_ + " while reading a text reply (or it came slower than " +
                std::to_string(options_.io_timeout.count()) + " ms allow)";
         return false;
@@ -508,12 +519,7 @@ bool TcpConnection::receive_one(const wire::FrameHeader& h, std::string* why) {
     // is a copy, so a server cannot keep one pull going round for good.
     std::uint32_t torn = 1;
     if (h.flags & wire::kFromStore) {
-      bool asked = request->op == wire::Op::pull && !options_.checksum;
-      {
-        std::lock_guard lock(in_flight_mu_);
-        asked = asked && !in_flight_[index].asked_copy;
-      }
-      if (!asked) {
+      if (request->op != wire::Op::pull || options_.checksum || asked_copy) {
         *why = endpoint_ + " sent values straight from its store for a request that asked for a copy";
         return false;
       }
@@ -522,6 +528,7 @@ bool TcpConnection::receive_one(const wire::FrameHeader& h, std::string* why) {
     res = readv_full(fd_.get(), recv_iov_.data(), static_cast<int>(recv_iov_.size()), kMidFrameSpin,
                      deadline_for(h.payload_bytes));
     if (res != IoResult::ok) {
+      *failure = res == IoResult::timeout ? Errc::timeout : Errc::peer_failure;
       *why = "lost the connection to " + endpoint_ + " while reading values (" + io_result_text(res) + ")";
       return false;
     }
@@ -534,6 +541,7 @@ bool TcpConnection::receive_one(const wire::FrameHeader& h, std::string* why) {
           in_flight_[index].asked_copy = true;
         }
         if (send_request(h.request_id, *request, 0) != IoResult::ok) {
+          *failure = Errc::peer_failure;
           *why = "lost the connection to " + endpoint_ + " while asking again for values torn by a push";
           return false;
         }

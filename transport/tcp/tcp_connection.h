@@ -93,7 +93,7 @@ class TcpConnection final : public transport::Connection, private transport::Pol
   // Writes the request's frame (header, key table, values) under send_mu_.
   IoResult send_request(std::uint64_t id, const transport::Request& request, std::uint16_t flags);
   void reader_loop();
-  bool receive_one(const wire::FrameHeader& h, std::string* why);
+  bool receive_one(const wire::FrameHeader& h, std::string* why, Errc* failure);
   void fail_all(Errc status, const std::string& why);
   // Returns the entry's index (UINT32_MAX once broken) and its request id in *id.
   std::uint32_t acquire_in_flight(transport::Request* request, std::uint64_t* id);
