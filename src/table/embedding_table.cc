@@ -55,7 +55,9 @@ constexpr std::uint32_t kMaxInitialBuckets = 1u << 14;
 
 std::uint32_t initial_buckets(std::uint64_t rows_expected, std::uint32_t shard_bits) noexcept {
   const double mean = std::ldexp(double(rows_expected), -int(shard_bits));
-  const auto rows = static_cast<std::uint64_t>(std::min(mean + 4 * std::sqrt(mean) + 4, 1e12));
+  // 6 standard deviations: over 8192 shards a 4-sigma margin still let about one table in 300
+  // sized for 2^18 rows grow a shard while it filled (a Poisson tail, not a normal one).
+  const auto rows = static_cast<std::uint64_t>(std::min(mean + 6 * std::sqrt(mean) + 8, 1e12));
   std::uint64_t buckets = std::bit_ceil(rows + 1);
   if (double(buckets) > 2 * mean) buckets = std::bit_ceil(rows / 2 + 1);
   return static_cast<std::uint32_t>(std::clamp<std::uint64_t>(buckets, kMinBuckets, kMaxInitialBuckets));
