@@ -1,21 +1,19 @@
 // A client takes what a server sends as hostile too: a server that is buggy, of another build,
 // or not pskv at all must not hold a client's requests for good nor make it allocate what it
 // declares. Each test plays a server on a raw socket that answers the hello, then misbehaves.
-#include <arpa/inet.h>
 #include <gtest/gtest.h>
-#include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <chrono>
-#include <fstream>
 #include <functional>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "pskv/client.h"
+#include "support/process.h"
 #include "transport/tcp/socket.h"
 #include "transport/wire.h"
 
@@ -28,13 +26,8 @@ bool read_all(int fd, void* p, std::size_t n) {
   return tcp::read_full(fd, p, n) == tcp::IoResult::ok;
 }
 void write_all(int fd, const void* p, std::size_t n) {
-  const auto* c = static_cast<const char*>(p);
-  while (n > 0) {
-    const ssize_t k = ::send(fd, c, n, MSG_NOSIGNAL);
-    if (k <= 0) return;
-    c += k;
-    n -= static_cast<std::size_t>(k);
-  }
+  iovec iov{const_cast<void*>(p), n};
+  tcp::writev_full(fd, &iov, 1);
 }
 
 // Listens on 127.0.0.1, takes one client, answers its hello, then hands every request (header
@@ -42,25 +35,16 @@ void write_all(int fd, const void* p, std::size_t n) {
 class MisbehavingServer {
  public:
   using Answer = std::function<void(int fd, const wire::FrameHeader& request, const std::vector<wire::KeyEntry>& keys)>;
-  explicit MisbehavingServer(Answer answer) : answer_(std::move(answer)) {
-    listen_fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    EXPECT_EQ(::bind(listen_fd_, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
-    EXPECT_EQ(::listen(listen_fd_, 4), 0);
-    socklen_t len = sizeof a;
-    ::getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&a), &len);
-    uri_ = "tcp://127.0.0.1:" + std::to_string(ntohs(a.sin_port));
-    thread_ = std::thread([this] { serve(); });
-  }
+  explicit MisbehavingServer(Answer answer)
+      : answer_(std::move(answer)),
+        listen_fd_(tcp::listen_tcp("127.0.0.1", 0, 4)),
+        uri_("tcp://127.0.0.1:" + std::to_string(tcp::local_port(listen_fd_.get()))),
+        thread_([this] { serve(); }) {}
   ~MisbehavingServer() {
     stop_ = true;
-    ::shutdown(listen_fd_, SHUT_RDWR);
-    if (client_fd_ >= 0) ::shutdown(client_fd_, SHUT_RDWR);
+    ::shutdown(listen_fd_.get(), SHUT_RDWR);
+    if (const int fd = client_fd_.load(); fd >= 0) ::shutdown(fd, SHUT_RDWR);
     thread_.join();
-    ::close(listen_fd_);
-    if (client_fd_ >= 0) ::close(client_fd_);
   }
   const std::string& uri() const { return uri_; }
   bool stopping() const { return stop_; }
@@ -68,45 +52,40 @@ class MisbehavingServer {
 
  private:
   void serve() {
-    client_fd_ = ::accept(listen_fd_, nullptr, nullptr);
-    if (client_fd_ < 0) return;
+    tcp::Fd client(::accept(listen_fd_.get(), nullptr, nullptr));
+    const int fd = client.get();
+    if (fd < 0) return;
+    client_fd_ = fd;
     wire::FrameHeader h{};
-    if (!read_all(client_fd_, &h, sizeof h)) return;
+    if (!read_all(fd, &h, sizeof h)) return;
     std::vector<std::byte> hello(h.payload_bytes);
-    if (!read_all(client_fd_, hello.data(), hello.size())) return;
+    if (!read_all(fd, hello.data(), hello.size())) return;
     wire::FrameHeader r = wire::make_header(wire::Op::hello, h.request_id, 0, 0, 0, 0);
     r.flags = wire::kResponse;
-    write_all(client_fd_, &r, sizeof r);
+    write_all(fd, &r, sizeof r);
     while (!stop_) {
-      if (!read_all(client_fd_, &h, sizeof h)) return;
+      if (!read_all(fd, &h, sizeof h)) return;
       std::vector<wire::KeyEntry> keys(h.num_keys);
-      if (!read_all(client_fd_, keys.data(), keys.size() * sizeof(wire::KeyEntry))) return;
+      if (!read_all(fd, keys.data(), keys.size() * sizeof(wire::KeyEntry))) return;
       std::uint64_t floats = 0;
       for (const auto& k : keys) floats += k.length;
       if (wire::op_carries_values(static_cast<wire::Op>(h.op))) {
         std::vector<float> values(floats);
-        if (!read_all(client_fd_, values.data(), values.size() * sizeof(float))) return;
+        if (!read_all(fd, values.data(), values.size() * sizeof(float))) return;
       }
       ++requests_;
-      answer_(client_fd_, h, keys);
+      answer_(fd, h, keys);
     }
   }
 
   Answer answer_;
-  int listen_fd_ = -1;
-  int client_fd_ = -1;
+  tcp::Fd listen_fd_;
   std::string uri_;
-  std::thread thread_;
+  std::atomic<int> client_fd_{-1};  // the thread's accepted socket, for the destructor to shut down
   std::atomic<bool> stop_{false};
   std::atomic<int> requests_{0};
+  std::thread thread_;  // last: it starts once everything it reads is made
 };
-
-long peak_rss_kib() {
-  std::ifstream in("/proc/self/status");
-  for (std::string line; std::getline(in, line);)
-    if (line.rfind("VmHWM:", 0) == 0) return std::stol(line.substr(6));
-  return -1;
-}
 
 ClientOptions client_of(const MisbehavingServer& s) {
   ClientOptions o;
@@ -190,7 +169,7 @@ TEST(TcpHostileServer, AHugeTextTrickledIsNeitherAllocatedNorWaitedForForGood) {
   self = &server;
   Client c(client_of(server));
   std::vector<float> out(16);
-  const long peak_before = peak_rss_kib();
+  const long peak_before = testing::peak_rss_kib(::getpid());
   const auto began = std::chrono::steady_clock::now();
   try {
     c.wait(c.pull(Key(1), out));
@@ -200,7 +179,7 @@ TEST(TcpHostileServer, AHugeTextTrickledIsNeitherAllocatedNorWaitedForForGood) {
   }
   // Cut at the io timeout (1 s) plus the first MiB's share, well before the 20 s of trickle.
   EXPECT_LT(std::chrono::steady_clock::now() - began, 10s);
-  EXPECT_LT(peak_rss_kib() - peak_before, 256 * 1024) << "the declared length was allocated";
+  EXPECT_LT(testing::peak_rss_kib(::getpid()) - peak_before, 256 * 1024) << "the declared length was allocated";
 }
 
 }  // namespace
