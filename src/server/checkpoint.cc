@@ -168,9 +168,10 @@ CheckpointInfo write_checkpoint(Store& store, const SyncAccumulator* sync, const
     // a scribbled lock word) would hold the checkpointing thread, and with it the server's stop.
     constexpr auto kLockPatience = std::chrono::seconds(2);
     const auto held = [&](Key key) {
-      return Error(Errc::timeout, "key " + std::to_string(key) +
-                                      ": its stripe lock stayed held for 2 s (an shm client stopped inside a push "
-                                      "it applies itself?); this checkpoint is abandoned and the last one stays");
+      return Error(Errc::timeout, "key " + std::to_string(key) + ": its stripe lock stayed held for " +
+                                      std::to_string(kLockPatience.count()) +
+                                      " s (an shm client stopped inside a push it applies itself?); this checkpoint "
+                                      "is abandoned and the last one stays");
     };
     std::uint32_t crc_of_crcs = 0;
     std::uint64_t written = 0;

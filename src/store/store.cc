@@ -215,15 +215,23 @@ Errc Store::create_slot(Key key, std::uint32_t length, const float* initial) {
   if (length == 0) return Errc::invalid_argument;
   if (!records_) return Errc::unsupported;
   std::lock_guard guard(create_mu_);
-  if (const Record* existing = find_record(key))
-    return static_cast<std::uint32_t>(existing->where.load(std::memory_order_relaxed)) == length
-               ? Errc::ok
-               : Errc::length_mismatch;
-  if (key_count_.load(std::memory_order_relaxed) >= g_.max_keys) return Errc::capacity;
-  // The state arena holds state_per_value x as much as the values.
-  if (used_.load(std::memory_order_relaxed) + slot_bytes(length) > g_.values_bytes) return Errc::capacity;
+  if (const Errc e = existing_locked(key, length); e != Errc::not_found) return e;
+  if (!room_locked(1, slot_bytes(length))) return Errc::capacity;
   create_locked(key, length, initial);
   return Errc::ok;
+}
+
+Errc Store::existing_locked(Key key, std::uint32_t length) const noexcept {
+  const Record* existing = find_record(key);
+  if (!existing) return Errc::not_found;
+  return static_cast<std::uint32_t>(existing->where.load(std::memory_order_relaxed)) == length ? Errc::ok
+                                                                                               : Errc::length_mismatch;
+}
+
+bool Store::room_locked(std::uint64_t keys, std::uint64_t bytes) const noexcept {
+  // The state arena holds state_per_value x as much as the values.
+  return key_count_.load(std::memory_order_relaxed) + keys <= g_.max_keys &&
+         used_.load(std::memory_order_relaxed) + bytes <= g_.values_bytes;
 }
 
 Errc Store::init_all(std::span<const KeyEntry> keys, const float* values, std::size_t* failed) {
@@ -235,9 +243,8 @@ Errc Store::init_all(std::span<const KeyEntry> keys, const float* values, std::s
     *failed = i;
     const KeyEntry& k = keys[i];
     if (k.length == 0) return Errc::invalid_argument;
-    if (const Record* existing = find_record(k.key)) {
-      if (static_cast<std::uint32_t>(existing->where.load(std::memory_order_relaxed)) != k.length)
-        return Errc::length_mismatch;
+    if (const Errc e = existing_locked(k.key, k.length); e != Errc::not_found) {
+      if (e != Errc::ok) return e;
       continue;
     }
     const auto [at, made] = fresh.emplace(k.key, k.length);
@@ -246,9 +253,7 @@ Errc Store::init_all(std::span<const KeyEntry> keys, const float* values, std::s
       continue;
     }
     bytes += slot_bytes(k.length);
-    if (key_count_.load(std::memory_order_relaxed) + fresh.size() > g_.max_keys ||
-        used_.load(std::memory_order_relaxed) + bytes > g_.values_bytes)
-      return Errc::capacity;
+    if (!room_locked(fresh.size(), bytes)) return Errc::capacity;
   }
   order_.reserve(order_.size() + fresh.size());  // the one allocation of creating: none is half made
   for (const KeyEntry& k : keys) {

@@ -427,6 +427,10 @@ class Store {
   std::uint64_t used_bytes_acquire() const noexcept;
   Errc create_slot(Key key, std::uint32_t length, const float* initial);
   void create_locked(Key key, std::uint32_t length, const float* initial);  // under create_mu_, checked
+  // Under create_mu_: ok if `key` exists with `length`, length_mismatch with another, not_found.
+  Errc existing_locked(Key key, std::uint32_t length) const noexcept;
+  // Under create_mu_: whether `keys` more keys of `bytes` slot bytes in all still fit.
+  bool room_locked(std::uint64_t keys, std::uint64_t bytes) const noexcept;
   // `rule` over floats [begin, begin + n) under the stripe lock and the seqlock; *step 0 counts
   // the update and sets *step (apply_slot: the whole value; apply_part: one piece).
   // The caller holds the stripe lock.
