@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <fstream>
+#include <functional>
 #include <random>
 #include <sstream>
 #include <thread>
@@ -222,6 +223,27 @@ TEST(ShmIntegration, SigkillInsideAWorkerAppliedPushIsRolledBack) {
   EXPECT_EQ(stats_field(stats, "recovered_pushes"), kTrials) << stats;
 }
 
+// Forks a worker pushing `one` to key 0 without end and SIGSTOPs it, 20 ms apart, until
+// `while_stopped` (run while it is stopped) says the stop landed inside one of its pushes, at most
+// 20 times; then SIGKILLs it. Returns how many stops landed there: 1, or 0 if none did.
+int stop_a_pusher_inside_a_push(const ClientOptions& o, const std::vector<float>& one,
+                                const std::function<bool(pid_t pusher)>& while_stopped) {
+  const pid_t pusher = fork_worker([&]() -> int {
+    Client client(o);
+    for (;;) client.wait(client.push(Key(0), one));
+  });
+  int landed = 0;
+  for (int attempt = 0; attempt < 20 && landed == 0; ++attempt) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    kill(pusher, SIGSTOP);
+    if (while_stopped(pusher)) ++landed;
+    kill(pusher, SIGCONT);
+  }
+  kill(pusher, SIGKILL);
+  EXPECT_EQ(wait_pid(pusher), 128 + SIGKILL);
+  return landed;
+}
+
 // A worker that hangs (SIGSTOP) while it holds a stripe lock is alive, so nothing is rolled
 // back: another worker's push to that key must give up after --wait-timeout-ms with an error
 // naming the holder's pid, not wait forever. Stops that land outside the lock are retried.
@@ -232,26 +254,17 @@ TEST(ShmIntegration, PushBehindAHungLockHolderTimesOutNamingIt) {
   std::vector<float> one(kLen, 1.0f);
   Client c(o);
   c.wait(c.init(Key(0), std::vector<float>(kLen, 0.0f)));
-  const pid_t hung = fork_worker([&]() -> int {
-    Client client(o);
-    for (;;) client.wait(client.push(Key(0), one));
-  });
-  int timeouts = 0;
-  for (int attempt = 0; attempt < 20 && timeouts == 0; ++attempt) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    kill(hung, SIGSTOP);
+  const int timeouts = stop_a_pusher_inside_a_push(o, one, [&](pid_t hung) {
     try {
       c.wait(c.push(Key(0), one));
+      return false;
     } catch (const Error& e) {
       EXPECT_EQ(e.code(), Errc::timeout) << e.what();
       EXPECT_NE(std::string(e.what()).find("pid " + std::to_string(hung)), std::string::npos) << e.what();
-      ++timeouts;
+      return true;
     }
-    kill(hung, SIGCONT);
-  }
+  });
   EXPECT_EQ(timeouts, 1) << "no SIGSTOP in 20 landed while the pusher held the lock";
-  kill(hung, SIGKILL);
-  EXPECT_EQ(wait_pid(hung), 128 + SIGKILL);
   // Once the holder is gone (and rolled back), the key takes pushes again.
   c.wait(c.push(Key(0), one));
 }
@@ -267,28 +280,19 @@ TEST(ShmIntegration, PullBehindAStoppedWriterTimesOut) {
   std::vector<float> one(kLen, 1.0f), out(kLen);
   Client c(o);
   c.wait(c.init(Key(0), std::vector<float>(kLen, 0.0f)));
-  const pid_t writer = fork_worker([&]() -> int {
-    Client client(o);
-    for (;;) client.wait(client.push(Key(0), one));
-  });
-  int timeouts = 0;
-  for (int attempt = 0; attempt < 20 && timeouts == 0; ++attempt) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    kill(writer, SIGSTOP);
+  const int timeouts = stop_a_pusher_inside_a_push(o, one, [&](pid_t) {
     const auto began = std::chrono::steady_clock::now();
     try {
       c.wait(c.pull(Key(0), out));
+      return false;
     } catch (const Error& e) {
       EXPECT_EQ(e.code(), Errc::timeout) << e.what();
       EXPECT_NE(std::string(e.what()).find("stayed inside a write"), std::string::npos) << e.what();
       EXPECT_LT(std::chrono::steady_clock::now() - began, std::chrono::seconds(5));
-      ++timeouts;
+      return true;
     }
-    kill(writer, SIGCONT);
-  }
+  });
   EXPECT_EQ(timeouts, 1) << "no SIGSTOP in 20 landed while the pusher was inside a write";
-  kill(writer, SIGKILL);
-  EXPECT_EQ(wait_pid(writer), 128 + SIGKILL);
   c.wait(c.pull(Key(0), out));  // rolled back by the server's watchdog
 }
 
