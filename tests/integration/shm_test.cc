@@ -332,6 +332,7 @@ TEST(ShmIntegration, AStoppedServerFailsRingRequestsAtTheIoTimeout) {
   Client c(o);
   c.wait(c.init(Key(1), std::vector<float>(8, 1.0f)));
   server.process.signal(SIGSTOP);
+  ASSERT_TRUE(testing::wait_stopped(server.process.pid(), std::chrono::seconds(10)));  // kill() only sends it
   const auto began = std::chrono::steady_clock::now();
   try {
     c.wait(c.init(Key(2), std::vector<float>(8, 1.0f)));  // carried by the ring

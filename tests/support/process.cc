@@ -213,4 +213,17 @@ int samples_all_threads_asleep(pid_t pid, int samples, pid_t except_tid) {
   return asleep;
 }
 
+bool wait_stopped(pid_t pid, std::chrono::milliseconds timeout) {
+  const std::string tasks = "/proc/" + std::to_string(pid) + "/task";
+  for (const auto until = std::chrono::steady_clock::now() + timeout; std::chrono::steady_clock::now() < until;) {
+    bool all = true;
+    std::error_code ec;
+    for (const auto& entry : std::filesystem::directory_iterator(tasks, ec))
+      if (thread_state(entry.path() / "stat") != 'T') all = false;
+    if (all && !ec) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return false;
+}
+
 }  // namespace pskv::testing

@@ -91,6 +91,9 @@ std::string read_file(const std::string& path);
 
 // Peak resident memory (VmHWM) of a process in KiB.
 long peak_rss_kib(pid_t pid);
+// Waits until every thread of `pid` is stopped (after a SIGSTOP, which kill() only sends): false
+// if that took longer than `timeout`.
+bool wait_stopped(pid_t pid, std::chrono::milliseconds timeout);
 long rss_kib(pid_t pid);
 
 // How many of `samples` looks at a process, a few milliseconds apart, found every one of its
