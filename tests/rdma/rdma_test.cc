@@ -315,7 +315,9 @@ TEST(Rdma, VersionMismatchIsRefusedWithAClearMessage) {
 class RawPeer {
  public:
   // claims_token: asks as a client holding a token would (with an all-zero nonce).
-  explicit RawPeer(const std::string& uri, bool claims_token = false, std::uint32_t worker = kNoWorker) {
+  // takes_replies false: posts no receive buffer, so no reply of the server's can land.
+  explicit RawPeer(const std::string& uri, bool claims_token = false, std::uint32_t worker = kNoWorker,
+                   bool takes_replies = true) {
     const Uri u = parse_uri(uri);
     ch_ = rdma_create_event_channel();
     if (!ch_ || rdma_create_id(ch_, &id_, nullptr, RDMA_PS_TCP) != 0) throw std::runtime_error("rdma_cm");
@@ -335,7 +337,8 @@ class RawPeer {
     if (!pd_ || !cq_ || rdma_create_qp(id_, pd_, &qa) != 0) throw std::runtime_error("qp");
     buf_.resize(kBuf * 16);
     mr_ = ibv_reg_mr(pd_, buf_.data(), buf_.size(), IBV_ACCESS_LOCAL_WRITE);
-    for (std::uint32_t i = 8; i < 16; ++i) post_recv(i);
+    if (takes_replies)
+      for (std::uint32_t i = 8; i < 16; ++i) post_recv(i);
     if (rdma_resolve_route(id_, 5000) != 0) throw std::runtime_error("route");
     expect_event(RDMA_CM_EVENT_ROUTE_RESOLVED);
     rdma::ConnectRequest req{
@@ -649,6 +652,42 @@ TEST(Rdma, APeerParksNoMoreWaitsThanItsCredits) {
   Client healthy(rdma_client({server.uri}));
   std::vector<float> v(8, 1.0f);
   healthy.wait(healthy.init(Key(1), v));
+}
+
+// A peer that takes no replies (posts no receive buffers) leaves every reply SEND
+// unacknowledged. Its replies wait in its connection, not in the completion thread: a healthy
+// client of the same thread is served meanwhile, and the peer is closed once none of its replies
+// could leave for --frame-timeout-ms. The server used to spin its one thread a second per reply.
+TEST(Rdma, APeerThatTakesNoRepliesHoldsNoThread) {
+  PSKV_REQUIRE_RDMA();
+  const std::string log = "/tmp/pskv-rdma-deaf-" + std::to_string(::getpid()) + ".log";
+  auto server =
+      ServerProcess::start(testing::rdma_server_args({"--io-threads", "1", "--frame-timeout-ms", "6000"}), log);
+  Client healthy(rdma_client({server.uri}));
+  std::vector<float> v(256, 1.0f), out(256);
+  healthy.wait(healthy.init(Key(1), v));
+  RawPeer deaf(server.uri, false, kNoWorker, /*takes_replies=*/false);
+  // Its 2 x 8 reply buffers fill, and more replies queue behind them.
+  const struct {
+    wire::FrameHeader h;
+    wire::KeyEntry k;
+  } ask{wire::make_header(wire::Op::lookup, 1, 1, 0), {1, 256, 0}};
+  for (int i = 0; i < 2 * int(RawPeer::kDepth) + 4; ++i) deaf.send(&ask, sizeof ask);
+  for (int i = 0; i < 300; ++i) {
+    healthy.wait(healthy.push(Key(1), v));
+    healthy.wait(healthy.pull(Key(1), out));
+  }
+  EXPECT_EQ(out[0], 301.0f);
+  const auto calm_until = std::chrono::steady_clock::now() + std::chrono::milliseconds(500);
+  bool gone_early = false;
+  while (!gone_early && std::chrono::steady_clock::now() < calm_until) gone_early = deaf.disconnected();
+  EXPECT_FALSE(gone_early) << "the peer was closed before --frame-timeout-ms, so its replies had held the thread";
+  EXPECT_TRUE(deaf.closed_by_server());
+  healthy.wait(healthy.pull(Key(1), out));
+  std::ifstream in(log);
+  const std::string logged((std::istreambuf_iterator<char>(in)), {});
+  EXPECT_NE(logged.find("took none of its"), std::string::npos) << logged;
+  std::remove(log.c_str());
 }
 
 // With --auth-token-file, only a client proving the token gets remote keys or any answer; the

@@ -28,6 +28,7 @@ class RdmaListener final : public transport::Listener {
     options_.threads = o.io_threads ? o.io_threads : std::max(1u, std::thread::hardware_concurrency());
     options_.max_connections = o.max_connections;
     options_.limits = o.limits;
+    options_.reply_timeout = o.frame_timeout;
     options_.token = o.token;
     options_.peer_token = o.peer_token;
   }

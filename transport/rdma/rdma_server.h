@@ -11,6 +11,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -37,6 +38,9 @@ struct RdmaServerOptions {
   int ib_port = -1;
   int gid_index = -1;
   bool busy_poll = false;
+  // A connection none of whose replies could leave for this long (its client posts no receive
+  // buffers, or stopped) is closed: --frame-timeout-ms, as a tcp peer that reads nothing.
+  std::chrono::milliseconds reply_timeout{5000};
   wire::Limits limits{};
   // When set, a connection gets its remote keys only after passing the HMAC challenge.
   std::shared_ptr<const auth::Token> token;

@@ -9,6 +9,21 @@
 
 namespace pskv::rdma {
 
+// Rows a reply RDMA WRITEs into the client's memory before its SEND.
+struct RowsOut {
+  const std::byte* data;
+  std::uint64_t bytes;
+  std::uint32_t lkey;
+  RowsTarget target;
+};
+
+// A reply that found no free reply buffer: its frame, copied, and the rows it carries.
+struct UnsentReply {
+  std::string frame;
+  bool has_rows = false;
+  RowsOut rows{};
+};
+
 // One client connection. Created by the rdma_cm thread before it accepts; from then on its
 // verbs objects and buffers belong to its owning completion thread, which alone posts to the
 // queue pair and releases everything (release()) when the connection ends. Parked replies and
@@ -50,6 +65,15 @@ class ServerConn : public std::enable_shared_from_this<ServerConn> {
   RegisteredBuffer send;    // 2 x depth x kControlBytes
   RegisteredBuffer region;  // the client WRITEs its pushes here
   std::vector<std::uint32_t> free_send;
+  // Replies waiting for a reply buffer, oldest first. A client that takes no replies (posts no
+  // receives) leaves every SEND unacknowledged; its replies wait here rather than in the thread,
+  // nothing more of its requests is read meanwhile, and it is closed once none has left for
+  // RdmaServerOptions::reply_timeout. Since `unsent_since`: when the queue last moved.
+  std::deque<UnsentReply> unsent;
+  std::chrono::steady_clock::time_point unsent_since{};
+  // Closed, its queue pair kept until its last replies left (an error reply says why it was
+  // closed) or `linger_until` passed.
+  std::chrono::steady_clock::time_point linger_until{};
   std::vector<wire::KeyEntry> keys;  // scratch: a request's key table, copied out of client memory
   std::vector<LookupEntry> lookups;
   // Stats texts the client is reading in pages (a reply is one SEND of kControlBytes), by the
@@ -112,18 +136,24 @@ class IoThread {
   bool post_recv(ServerConn& c, std::uint32_t buffer);
   // `rows`, when given, are RDMA WRITTEN to the client before the reply SEND (RC order makes
   // them land first); they must stay untouched until the SEND completes.
-  struct RowsOut {
-    const std::byte* data;
-    std::uint64_t bytes;
-    std::uint32_t lkey;
-    RowsTarget target;
-  };
   bool reply(ServerConn& c, const wire::FrameHeader& req, Errc status, const void* payload, std::size_t bytes,
              std::uint16_t flags = 0, std::uint64_t arg0 = 0, std::uint32_t arg1 = 0, const RowsOut* rows = nullptr);
   bool send_error(ServerConn& c, const wire::FrameHeader& req, Errc status, const std::string& why);
-  std::uint32_t take_send_buffer(ServerConn& c, std::chrono::milliseconds patience);
+  // Posts the frame already in reply buffer `buffer`, after the rows' WRITEs.
+  bool post_reply(ServerConn& c, std::uint32_t buffer, std::size_t length, const RowsOut* rows);
+  // Sends queued replies while reply buffers are free; false if a post failed.
+  bool flush_unsent(ServerConn& c);
+  // Closes the connections whose queued replies have not moved for reply_timeout.
+  void expire_unsent();
   void reap_sends(ServerConn& c);
+  // Ends the connection for good: the engine forgets its worker at once; its queue pair lingers
+  // (without holding this thread) until its last replies left, then finish_close releases it.
   void close(ServerConn& c);
+  void finish_close(ServerConn& c);
+  // Takes the send completions; true once every reply posted has left, or none can any more.
+  bool replies_left(ServerConn& c);
+  // Finishes the lingering connections whose replies left or whose time is up (all: `all`).
+  void end_lingering(bool all);
 
   RdmaServer& server_;
   ShardEngine& engine_;
@@ -140,6 +170,8 @@ class IoThread {
   // round, kept alive until no raw pointer to them is left in active_.
   std::vector<ServerConn*> active_;
   std::vector<std::shared_ptr<ServerConn>> graveyard_;
+  // Connections with replies queued (ServerConn::unsent), and closed ones lingering.
+  std::vector<std::shared_ptr<ServerConn>> stalled_, lingering_;
 };
 
 }  // namespace pskv::rdma

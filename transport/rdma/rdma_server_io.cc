@@ -126,6 +126,13 @@ void IoThread::close_all() {
     closing_.clear();
   }
   for (auto& c : conns) close(*c);
+  stalled_.clear();
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(200);
+  while (!lingering_.empty() && std::chrono::steady_clock::now() < deadline) {
+    end_lingering(false);
+    std::this_thread::yield();
+  }
+  end_lingering(true);
 }
 
 void IoThread::loop() {
@@ -138,7 +145,9 @@ void IoThread::loop() {
     bool channel_ready = false;
     if (!busy || ++spins % 1024 == 0) {
       pollfd fds[2] = {{channel_->fd, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
-      ::poll(fds, 2, busy || !active_.empty() ? 0 : -1);
+      // Queued replies and lingering closes have deadlines: look at them every 10 ms.
+      const int idle = stalled_.empty() && lingering_.empty() ? -1 : 10;
+      ::poll(fds, 2, busy || !active_.empty() ? 0 : idle);
       channel_ready = fds[0].revents & POLLIN;
       if (fds[1].revents & POLLIN) {
         std::uint64_t value;
@@ -202,8 +211,10 @@ void IoThread::loop() {
     deferred.clear();
     for (auto& c : closing) close(*c);
     closing.clear();
+    if (!stalled_.empty()) expire_unsent();
     active_.erase(std::remove_if(active_.begin(), active_.end(), [](ServerConn* c) { return c->closed.load(); }),
                   active_.end());
+    if (!lingering_.empty()) end_lingering(false);  // none of them is in active_ now
     graveyard_.clear();
     if (busy && active_.empty()) cpu_relax();
   }
@@ -260,21 +271,24 @@ bool IoThread::process(ServerConn& c) {
 
 int IoThread::drain(ServerConn& c) {
   ibv_wc wc[16];
-  int total = 0;
-  const int n = ibv_poll_cq(c.recv_cq, 16, wc);
-  for (int i = 0; i < n && !c.closed.load(); ++i) on_recv(c, wc[i]);
-  total += std::max(n, 0);
-  if (c.closed.load()) return total;
   const int m = ibv_poll_cq(c.send_cq, 16, wc);
   for (int i = 0; i < m; ++i) {
     if (wc[i].status != IBV_WC_SUCCESS) {
       close(c);
-      return total;
+      return 0;
     }
     c.free_send.push_back(static_cast<std::uint32_t>(wc[i].wr_id));
   }
-  if (n < 0 || m < 0) close(c);
-  return total + std::max(m, 0);
+  if (m < 0 || !flush_unsent(c)) {
+    close(c);
+    return 0;
+  }
+  // Replies still waiting: read no more of its requests until they leave.
+  if (!c.unsent.empty()) return std::max(m, 0);
+  const int n = ibv_poll_cq(c.recv_cq, 16, wc);
+  for (int i = 0; i < n && !c.closed.load(); ++i) on_recv(c, wc[i]);
+  if (n < 0) close(c);
+  return std::max(m, 0) + std::max(n, 0);
 }
 
 void IoThread::reap_sends(ServerConn& c) {
@@ -661,35 +675,52 @@ bool IoThread::answer_into_room(ServerConn& c, const wire::FrameHeader& h, std::
   return reply(c, h, Errc::ok, nullptr, 0, 0, engine_.observed_bound(), static_cast<std::uint32_t>(bytes), &answer);
 }
 
-std::uint32_t IoThread::take_send_buffer(ServerConn& c, std::chrono::milliseconds patience) {
-  // The client holds at most `depth` requests unanswered and there are twice as many reply
-  // buffers, so running out means completions are merely not reaped yet.
-  const auto deadline = std::chrono::steady_clock::now() + patience;
-  while (c.free_send.empty() && std::chrono::steady_clock::now() < deadline) {
-    reap_sends(c);
-    if (c.free_send.empty()) std::this_thread::yield();
-  }
-  if (c.free_send.empty()) return UINT32_MAX;
-  const std::uint32_t b = c.free_send.back();
-  c.free_send.pop_back();
-  return b;
-}
-
 bool IoThread::reply(ServerConn& c, const wire::FrameHeader& req, Errc status, const void* payload, std::size_t bytes,
                      std::uint16_t flags, std::uint64_t arg0, std::uint32_t arg1, const RowsOut* rows) {
   if (bytes > kControlBytes - kHeader)
     return send_error(c, req, Errc::capacity,
                       "the reply of " + std::to_string(bytes) + " bytes exceeds the " + std::to_string(kControlBytes) +
                           "-byte control buffer");
-  const std::uint32_t b = take_send_buffer(c, std::chrono::seconds(1));
-  if (b == UINT32_MAX) return false;
-  std::byte* out = c.send.data() + std::size_t{b} * kControlBytes;
+  if (rows && rows->bytes > 0 &&
+      ((rows->bytes + c.max_write - 1) / c.max_write + 1 > c.wrs_per_reply ||
+       rows->target.addr + rows->bytes < rows->target.addr))
+    return false;
   wire::FrameHeader h = wire::make_header(static_cast<wire::Op>(req.op), req.request_id, 0, bytes, arg0, arg1);
   h.flags = static_cast<std::uint16_t>(wire::kResponse | flags);
   h.status = static_cast<std::uint16_t>(status);
+  // A client holds at most `depth` requests unanswered and has twice as many reply buffers, so
+  // none free means its SENDs are not acknowledged yet: it is slow to re-post receives, or takes
+  // none at all. The reply then waits in the connection's queue, never in this thread.
+  if (c.unsent.empty() && c.free_send.empty()) reap_sends(c);
+  if (!c.unsent.empty() || c.free_send.empty()) {
+    // Nothing more of its requests is read while replies wait; what can still come is the rest
+    // of a completion batch and the replies of its parked requests, at most `depth`.
+    if (c.unsent.size() >= std::size_t{c.depth} + 32) return false;
+    UnsentReply& u = c.unsent.emplace_back();
+    u.frame.resize(kHeader + bytes);
+    std::memcpy(u.frame.data(), &h, kHeader);
+    if (bytes) std::memcpy(u.frame.data() + kHeader, payload, bytes);
+    if (rows) {
+      u.has_rows = true;
+      u.rows = *rows;
+    }
+    if (c.unsent.size() == 1) {
+      c.unsent_since = std::chrono::steady_clock::now();
+      stalled_.push_back(c.shared_from_this());
+    }
+    return true;
+  }
+  const std::uint32_t b = c.free_send.back();
+  c.free_send.pop_back();
+  std::byte* out = c.send.data() + std::size_t{b} * kControlBytes;
   std::memcpy(out, &h, kHeader);
   if (bytes) std::memcpy(out + kHeader, payload, bytes);
-  ibv_sge sge{reinterpret_cast<std::uint64_t>(out), static_cast<std::uint32_t>(kHeader + bytes), c.send.mr.lkey()};
+  return post_reply(c, b, kHeader + bytes, rows);
+}
+
+bool IoThread::post_reply(ServerConn& c, std::uint32_t b, std::size_t length, const RowsOut* rows) {
+  std::byte* out = c.send.data() + std::size_t{b} * kControlBytes;
+  ibv_sge sge{reinterpret_cast<std::uint64_t>(out), static_cast<std::uint32_t>(length), c.send.mr.lkey()};
   ibv_send_wr wr{}, *bad = nullptr;
   wr.wr_id = b;
   wr.sg_list = &sge;
@@ -702,11 +733,7 @@ bool IoThread::reply(ServerConn& c, const wire::FrameHeader& req, Errc status, c
   thread_local std::vector<ibv_sge> pieces;
   ibv_send_wr* first = &wr;
   if (rows && rows->bytes > 0) {
-    const std::uint64_t n = (rows->bytes + c.max_write - 1) / c.max_write;
-    if (n + 1 > c.wrs_per_reply || rows->target.addr + rows->bytes < rows->target.addr) {
-      c.free_send.push_back(b);
-      return false;
-    }
+    const std::uint64_t n = (rows->bytes + c.max_write - 1) / c.max_write;  // checked by reply()
     writes.assign(n, ibv_send_wr{});
     pieces.resize(n);
     for (std::uint64_t i = 0; i < n; ++i) {
@@ -731,6 +758,42 @@ bool IoThread::reply(ServerConn& c, const wire::FrameHeader& req, Errc status, c
   return true;
 }
 
+bool IoThread::flush_unsent(ServerConn& c) {
+  bool moved = false;
+  while (!c.unsent.empty() && !c.free_send.empty()) {
+    const std::uint32_t b = c.free_send.back();
+    c.free_send.pop_back();
+    UnsentReply u = std::move(c.unsent.front());
+    c.unsent.pop_front();
+    std::memcpy(c.send.data() + std::size_t{b} * kControlBytes, u.frame.data(), u.frame.size());
+    if (!post_reply(c, b, u.frame.size(), u.has_rows ? &u.rows : nullptr)) return false;
+    moved = true;
+  }
+  if (moved) c.unsent_since = std::chrono::steady_clock::now();
+  return true;
+}
+
+void IoThread::expire_unsent() {
+  const auto now = std::chrono::steady_clock::now();
+  const auto limit = server_.options_.reply_timeout;
+  for (std::size_t i = 0; i < stalled_.size();) {
+    ServerConn& c = *stalled_[i];
+    if (!c.closed.load() && !c.unsent.empty() && now - c.unsent_since > limit) {
+      log::warn("rdma.slow-reader",
+                "server " + std::to_string(engine_.options().server_id) + ": " + c.address + " took none of its " +
+                    std::to_string(c.unsent.size()) + " waiting replies for " + std::to_string(limit.count()) +
+                    " ms (--frame-timeout-ms): closed (a client must keep a receive posted per credit)");
+      close(c);
+    }
+    if (c.closed.load() || c.unsent.empty()) {
+      stalled_[i] = std::move(stalled_.back());
+      stalled_.pop_back();
+    } else {
+      ++i;
+    }
+  }
+}
+
 bool IoThread::send_error(ServerConn& c, const wire::FrameHeader& req, Errc status, const std::string& why) {
   // A malformed frame ends its connection: the operator should see who sent it and why.
   if (status == Errc::protocol)
@@ -742,29 +805,63 @@ bool IoThread::send_error(ServerConn& c, const wire::FrameHeader& req, Errc stat
 
 void IoThread::close(ServerConn& c) {
   if (c.closed.exchange(true)) return;
-  // Give an error reply already posted a moment to leave before the disconnect flushes it.
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(200);
-  while (c.send_cq && c.free_send.size() < 2 * std::size_t{c.depth} && std::chrono::steady_clock::now() < deadline) {
-    reap_sends(c);
-    std::this_thread::yield();
-  }
   if (c.worker != kNoWorker && !c.finished)
     log::info("rdma.closed", "server " + std::to_string(engine_.options().server_id) + " closed " + c.address +
                                  " (worker " + std::to_string(c.worker) + ") before it finished");
   if (c.worker != kNoWorker) engine_.worker_left(c.worker, c.finished);
-  rdma_disconnect(c.id);
-  c.release();
+  c.unsent.clear();
   std::shared_ptr<ServerConn> self = c.shared_from_this();
   graveyard_.push_back(self);
-  bool stopping;
   {
     std::lock_guard lock(mu_);
     conns_.erase(std::remove(conns_.begin(), conns_.end(), self), conns_.end());
     ++conns_version_;
+  }
+  // An error reply already posted gets 200 ms to leave before the disconnect flushes it. The
+  // connection waits for it in lingering_, so a peer that takes no replies holds nothing.
+  if (c.send_cq && !replies_left(c)) {
+    c.linger_until = std::chrono::steady_clock::now() + std::chrono::milliseconds(200);
+    lingering_.push_back(std::move(self));
+    return;
+  }
+  finish_close(c);
+}
+
+void IoThread::finish_close(ServerConn& c) {
+  rdma_disconnect(c.id);
+  c.release();
+  bool stopping;
+  {
+    std::lock_guard lock(mu_);
     stopping = stop_;
   }
   // When the server stops, it destroys every id itself once all threads are gone.
-  if (!stopping) server_.retire(self);
+  if (!stopping) server_.retire(c.shared_from_this());
+}
+
+bool IoThread::replies_left(ServerConn& c) {
+  ibv_wc wc[16];
+  int m;
+  while ((m = ibv_poll_cq(c.send_cq, 16, wc)) > 0)
+    for (int i = 0; i < m; ++i) {
+      if (wc[i].status != IBV_WC_SUCCESS) return true;  // the queue pair broke: nothing more leaves
+      c.free_send.push_back(static_cast<std::uint32_t>(wc[i].wr_id));
+    }
+  return m < 0 || c.free_send.size() >= 2 * std::size_t{c.depth};
+}
+
+void IoThread::end_lingering(bool all) {
+  const auto now = std::chrono::steady_clock::now();
+  for (std::size_t i = 0; i < lingering_.size();) {
+    ServerConn& c = *lingering_[i];
+    if (all || replies_left(c) || now >= c.linger_until) {
+      finish_close(c);
+      lingering_[i] = std::move(lingering_.back());
+      lingering_.pop_back();
+    } else {
+      ++i;
+    }
+  }
 }
 
 }  // namespace pskv::rdma
