@@ -85,21 +85,23 @@ int main(int argc, char** argv) {
   std::uint64_t budget_mb = o.memory_budget_bytes >> 20;
   std::uint64_t table_mb = o.table_memory_bytes >> 20;
   app.add_option("--max-connections-per-address", o.max_connections_per_address,
-                 "tcp: connections from one IP address beyond this are refused")
+                 "tcp, rdma: connections from one IP address beyond this are refused")
       ->envname("PSKV_MAX_CONNECTIONS_PER_ADDRESS")
       ->capture_default_str();
   app.add_option("--handshake-timeout-ms", handshake_ms,
-                 "tcp: a connection that has not finished hello (and the token challenge) by then is closed")
+                 "tcp, rdma: a connection that has not finished hello (and the token challenge) by then is closed")
       ->envname("PSKV_HANDSHAKE_TIMEOUT_MS")
       ->capture_default_str();
   app.add_option("--frame-timeout-ms", frame_ms,
                  "tcp: a request or reply not transferred whole within this (plus 1 s per 16 MiB) closes its "
-                 "connection; a worker silent between requests is never closed for it")
+                 "connection; rdma: so do replies none of which could leave for this long; a worker silent "
+                 "between requests is never closed for it")
       ->envname("PSKV_FRAME_TIMEOUT_MS")
       ->capture_default_str();
   app.add_option("--memory-budget-mb", budget_mb,
                  "tcp: frame buffers and copied replies of all connections together, MiB; a request that would need "
-                 "more is refused with 'capacity'")
+                 "more is refused with 'capacity'. rdma: the memory all connections pin (each its --rdma-recv-mb "
+                 "region and 48 KiB per credit); a connection that would pass it is refused")
       ->envname("PSKV_MEMORY_BUDGET_MB")
       ->capture_default_str();
   app.add_option("--table-memory-mb", table_mb,

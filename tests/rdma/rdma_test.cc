@@ -690,6 +690,83 @@ TEST(Rdma, APeerThatTakesNoRepliesHoldsNoThread) {
   std::remove(log.c_str());
 }
 
+// What a client's connect was refused with ("" if it connected).
+std::string refusal(const ClientOptions& o, Errc want) {
+  try {
+    Client c(o);
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), want) << e.what();
+    return e.what();
+  }
+  return "";
+}
+
+// Every connection pins its receive region and buffers for its life. Opening connections used to
+// pin without bound (1,024 of 27 MiB each: 27 GiB, past this machine's memory); now all of them
+// together stay within --memory-budget-mb, and one that would pass it is refused, saying so. Its
+// memory is given back when a connection closes.
+TEST(Rdma, ConnectionsPinNoMoreThanTheMemoryBudget) {
+  PSKV_REQUIRE_RDMA();
+  {
+    // Forked before this process registers any memory of its own (see ibv_fork_init's warning).
+    const std::string log = "/tmp/pskv-rdma-budget-" + std::to_string(::getpid()) + ".log";
+    EXPECT_THROW(
+        ServerProcess::start(testing::rdma_server_args({"--memory-budget-mb", "20", "--max-request-mb", "16"}), log),
+        std::runtime_error);
+    EXPECT_NE(testing::read_file(log).find("no client could connect"), std::string::npos) << testing::read_file(log);
+    std::remove(log.c_str());
+  }
+  // A RawPeer asks for 8 credits: 24 MiB of region and 384 KiB of buffers; three fit in 80 MiB.
+  auto server = start_rdma_server({"--memory-budget-mb", "80", "--max-request-mb", "16"});
+  std::vector<std::unique_ptr<RawPeer>> peers;
+  for (int i = 0; i < 3; ++i) peers.push_back(std::make_unique<RawPeer>(server.uri));
+  const std::string why = refusal(rdma_client({server.uri}), Errc::capacity);
+  EXPECT_NE(why.find("--memory-budget-mb"), std::string::npos) << why;
+  peers.pop_back();
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  std::unique_ptr<Client> c;
+  while (!c && std::chrono::steady_clock::now() < deadline) {
+    try {
+      c = std::make_unique<Client>(rdma_client({server.uri}));
+    } catch (const Error&) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the close is still under way
+    }
+  }
+  ASSERT_TRUE(c) << "the closed connection's memory was not given back";
+  std::vector<float> v(64, 1.0f);
+  c->wait(c->init(Key(1), v));
+  EXPECT_NE(c->server_stats(0).find("\"rdma_pinned_bytes\""), std::string::npos) << c->server_stats(0);
+  EXPECT_NE(refusal(rdma_client({server.uri}), Errc::capacity).find("pin"), std::string::npos);
+}
+
+// Connections from one address stop at --max-connections-per-address, as on tcp; and with a token,
+// a connection that has not proven it within --handshake-timeout-ms is closed (it used to hold its
+// connection slot and pinned memory for good).
+TEST(Rdma, OnePeerHoldsBoundedConnectionsAndUnprovenOnesAreClosed) {
+  PSKV_REQUIRE_RDMA();
+  {
+    auto server = start_rdma_server({"--max-connections-per-address", "2"});
+    RawPeer a(server.uri), b(server.uri);
+    const std::string why = refusal(rdma_client({server.uri}), Errc::capacity);
+    EXPECT_NE(why.find("--max-connections-per-address"), std::string::npos) << why;
+  }
+  const testing::TokenFile token("correct horse battery staple 42\n");
+  const std::string log = "/tmp/pskv-rdma-handshake-" + std::to_string(::getpid()) + ".log";
+  auto server = ServerProcess::start(
+      testing::rdma_server_args({"--auth-token-file", token.path, "--handshake-timeout-ms", "1000"}), log);
+  RawPeer silent(server.uri, /*claims_token=*/true);
+  EXPECT_TRUE(silent.closed_by_server());
+  ClientOptions good = rdma_client({server.uri});
+  good.auth_token_file = token.path;
+  Client healthy(good);
+  std::vector<float> v(64, 1.0f);
+  healthy.wait(healthy.init(Key(1), v));
+  std::ifstream in(log);
+  const std::string logged((std::istreambuf_iterator<char>(in)), {});
+  EXPECT_NE(logged.find("did not prove its token within 1000 ms"), std::string::npos) << logged;
+  std::remove(log.c_str());
+}
+
 // With --auth-token-file, only a client proving the token gets remote keys or any answer; the
 // others are refused with a clear error, logged, and the server keeps serving.
 TEST(Rdma, AuthTokenGatesEveryConnection) {

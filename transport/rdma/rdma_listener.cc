@@ -29,6 +29,9 @@ class RdmaListener final : public transport::Listener {
     options_.max_connections = o.max_connections;
     options_.limits = o.limits;
     options_.reply_timeout = o.frame_timeout;
+    options_.max_connections_per_address = o.max_connections_per_address;
+    options_.handshake_timeout = o.handshake_timeout;
+    options_.pinned_budget_bytes = o.memory_budget_bytes;
     options_.token = o.token;
     options_.peer_token = o.peer_token;
   }
@@ -56,7 +59,9 @@ class RdmaListener final : public transport::Listener {
   void close() noexcept override {
     if (server_) server_->close();
   }
-  transport::ListenerStats stats() const override { return {}; }
+  transport::ListenerStats stats() const override {
+    return server_ ? transport::ListenerStats{0, server_->stats_fields()} : transport::ListenerStats{};
+  }
 
  private:
   Uri uri_;

@@ -34,6 +34,8 @@ void ServerConn::release() {
   region = RegisteredBuffer();
   send = RegisteredBuffer();
   recv = RegisteredBuffer();
+  if (pinned_total && pinned) pinned_total->fetch_sub(pinned, std::memory_order_relaxed);
+  pinned = 0;
 }
 
 RdmaServer::RdmaServer(const Uri& uri, ShardEngine& engine, const PinnedBuffer& clocks,
@@ -52,6 +54,12 @@ RdmaServer::RdmaServer(const Uri& uri, ShardEngine& engine, const PinnedBuffer& 
   if (options_.region_bytes < 4096 || options_.region_bytes > (kMaxRegionMb << 20))
     throw Error(Errc::invalid_argument,
                 "the receive region (recv_mb) must be between 1 and " + std::to_string(kMaxRegionMb) + " MiB");
+  if (const std::uint64_t one = options_.region_bytes + std::uint64_t{3} * options_.queue_depth * kControlBytes;
+      one > options_.pinned_budget_bytes)
+    throw Error(Errc::invalid_argument,
+                "one connection would pin " + std::to_string(one >> 20) + " MiB (its --rdma-recv-mb region and " +
+                    "buffers), past --memory-budget-mb (" + std::to_string(options_.pinned_budget_bytes >> 20) +
+                    "): no client could connect");
   prepare_process();
   require_device(endpoint_);
 
@@ -161,6 +169,13 @@ void RdmaServer::close() noexcept {
   wake_fd_ = -1;
 }
 
+JsonObject RdmaServer::stats_fields() const {
+  JsonObject fields;
+  fields.add("rdma_pinned_bytes", pinned_.load(std::memory_order_relaxed))
+      .add("rdma_budget_bytes", options_.pinned_budget_bytes);
+  return fields;
+}
+
 void RdmaServer::retire(const std::shared_ptr<ServerConn>& conn) {
   {
     std::lock_guard lock(retire_mu_);
@@ -258,6 +273,31 @@ void RdmaServer::on_connect_request(rdma_cm_event* ev) {
     return refuse(id, Errc::capacity,
                   "the server already has " + std::to_string(conns_.size()) +
                       " connections (--max-connections); try again later or raise the limit");
+  const std::string host = host_text(rdma_get_peer_addr(id));
+  const auto from_host = static_cast<std::size_t>(
+      std::count_if(conns_.begin(), conns_.end(), [&](const auto& entry) { return entry.second->host == host; }));
+  if (from_host >= options_.max_connections_per_address) {
+    log::warn("rdma.refused", "server " + std::to_string(engine_->options().server_id) + " refused " + address +
+                                  ": its address already has " + std::to_string(from_host) +
+                                  " connections (--max-connections-per-address)");
+    return refuse(id, Errc::capacity,
+                  "the server already has " + std::to_string(from_host) +
+                      " connections from this address (--max-connections-per-address)");
+  }
+  const std::uint32_t depth = std::clamp(std::min(options_.queue_depth, req.max_in_flight), 1u, options_.queue_depth);
+  // Everything a connection registers is pinned for its life: a peer opening connections must
+  // not be able to pin the machine's memory away.
+  const std::uint64_t pins = options_.region_bytes + std::uint64_t{3} * depth * kControlBytes;
+  const std::uint64_t pinned = pinned_.load(std::memory_order_relaxed);
+  if (pinned + pins > options_.pinned_budget_bytes) {
+    const auto mib = [](std::uint64_t b) { return std::to_string((b + (1u << 20) - 1) >> 20); };
+    log::warn("rdma.budget", "server " + std::to_string(engine_->options().server_id) + " refused " + address +
+                                 ": its connections pin " + mib(pinned) + " MiB of the " +
+                                 mib(options_.pinned_budget_bytes) + " MiB budget, this one needs " + mib(pins));
+    return refuse(id, Errc::capacity,
+                  "the server's connections pin " + mib(pinned) + " of its " + mib(options_.pinned_budget_bytes) +
+                      " MiB (--memory-budget-mb); one more needs " + mib(pins) + " (--rdma-recv-mb)");
+  }
   if (!id->verbs || device_name_ != ibv_get_device_name(id->verbs->device))
     return refuse(id, Errc::unsupported,
                   "this server serves device " + device_name_ + " only; connect to an address on that device");
@@ -270,14 +310,18 @@ void RdmaServer::on_connect_request(rdma_cm_event* ev) {
   conn->server_peer = server_peer;
   conn->token = token;
   conn->address = address;
+  conn->host = host;
   conn->authenticated = !token;
+  conn->handshake_deadline = std::chrono::steady_clock::now() + options_.handshake_timeout;
   if (conn->authenticated) {
     conn->worker = conn->hello_worker;
     if (conn->worker != kNoWorker) engine_->worker_joined(conn->worker);
   }
-  conn->depth = std::clamp(std::min(options_.queue_depth, req.max_in_flight), 1u, options_.queue_depth);
+  conn->depth = depth;
+  conn->pinned = pins;
+  conn->pinned_total = &pinned_;
+  pinned_.fetch_add(pins, std::memory_order_relaxed);
   try {
-    const std::uint32_t depth = conn->depth;
     // A table_pull's reply WRITEs its rows in pieces no larger than the port's largest message
     // before its SEND, so each reply buffer stands for that many more send queue entries.
     ibv_port_attr port{};

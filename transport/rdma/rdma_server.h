@@ -41,6 +41,13 @@ struct RdmaServerOptions {
   // A connection none of whose replies could leave for this long (its client posts no receive
   // buffers, or stopped) is closed: --frame-timeout-ms, as a tcp peer that reads nothing.
   std::chrono::milliseconds reply_timeout{5000};
+  // What one peer may hold (tcp's ListenOptions, read for rdma): connections from one IP
+  // address; time from accept to a proven token (with a token); and the memory all connections
+  // pin together (their receive regions, receive and reply buffers), which a connection that
+  // would pass it is refused.
+  std::uint32_t max_connections_per_address = 256;
+  std::chrono::milliseconds handshake_timeout{5000};
+  std::uint64_t pinned_budget_bytes = 1ull << 30;
   wire::Limits limits{};
   // When set, a connection gets its remote keys only after passing the HMAC challenge.
   std::shared_ptr<const auth::Token> token;
@@ -62,6 +69,9 @@ class RdmaServer {
   RdmaServer& operator=(const RdmaServer&) = delete;
 
   std::uint16_t port() const noexcept { return port_; }
+  // What server_stats adds for this backend: the memory its connections pin, and the budget
+  // (any thread).
+  JsonObject stats_fields() const;
   // The stop, in the order transport::Listener runs it: connect requests are refused ("the
   // server is stopping"); then the connection manager and completion threads are joined, so no
   // request is applied any more (parked ones wait for the engine's shutdown); then every
@@ -99,6 +109,9 @@ class RdmaServer {
   std::vector<std::unique_ptr<IoThread>> io_;
   std::uint32_t next_io_ = 0;
   std::uint64_t accepted_ = 0;  // connections accepted so far (the rdma_cm thread's): their tags
+  // Charged by the rdma_cm thread before a connection's buffers exist, given back by whichever
+  // thread releases them (ServerConn::release).
+  std::atomic<std::uint64_t> pinned_{0};
   std::unordered_map<rdma_cm_id*, std::shared_ptr<ServerConn>> conns_;  // the cm thread's
   std::mutex retire_mu_;
   std::vector<std::shared_ptr<ServerConn>> retired_;

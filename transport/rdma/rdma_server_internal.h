@@ -48,10 +48,17 @@ class ServerConn : public std::enable_shared_from_this<ServerConn> {
   std::uint64_t tag = 0;
   const auth::Token* token = nullptr;  // what it must prove (the server's; null: nothing)
   // With a token: nothing but AUTH is served until the client's proof matched.
-  bool authenticated = false;
+  std::atomic<bool> authenticated{false};
   auth::Nonce client_nonce{}, server_nonce{};
-  Grant grant{};          // the remote keys, withheld until authenticated
-  std::string address;    // the peer's host:port, for the log
+  Grant grant{};        // the remote keys, withheld until authenticated
+  std::string address;  // the peer's host:port, for the log
+  std::string host;     // the peer's IP address: --max-connections-per-address
+  // Bytes charged to the server's pinned budget for this connection's buffers, given back (to
+  // `pinned_total`) by release().
+  std::uint64_t pinned = 0;
+  std::atomic<std::uint64_t>* pinned_total = nullptr;
+  // With a token: closed if not authenticated by then (--handshake-timeout-ms).
+  std::chrono::steady_clock::time_point handshake_deadline{};
   bool finished = false;  // the worker announced clock = done, so leaving is clean
   std::atomic<bool> closed{false};
   // Its requests waiting in the engine (a wait, barrier or replicated clock), up to `depth`: a
@@ -154,17 +161,20 @@ class IoThread {
   bool replies_left(ServerConn& c);
   // Finishes the lingering connections whose replies left or whose time is up (all: `all`).
   void end_lingering(bool all);
+  // Closes the connections still unauthenticated past their handshake deadline.
+  void expire_handshakes();
 
   RdmaServer& server_;
   ShardEngine& engine_;
   ibv_comp_channel* channel_ = nullptr;
   int wake_fd_ = -1;
   std::thread thread_;
-  std::mutex mu_;  // guards the five below
+  std::mutex mu_;  // guards the six below
   std::vector<std::shared_ptr<ServerConn>> conns_;
   std::uint64_t conns_version_ = 0;  // bumped when conns_ changes (busy polling re-reads it then)
   std::vector<std::shared_ptr<ServerConn>> closing_;
   std::vector<Deferred> deferred_;
+  std::vector<std::shared_ptr<ServerConn>> adopted_unproven_;  // adopted, token not proven yet
   bool stop_ = false;
   // The thread's own: connections with completions to drain, and those closed during this
   // round, kept alive until no raw pointer to them is left in active_.
@@ -172,6 +182,7 @@ class IoThread {
   std::vector<std::shared_ptr<ServerConn>> graveyard_;
   // Connections with replies queued (ServerConn::unsent), and closed ones lingering.
   std::vector<std::shared_ptr<ServerConn>> stalled_, lingering_;
+  std::vector<std::shared_ptr<ServerConn>> handshakes_;  // unauthenticated, with a deadline
 };
 
 }  // namespace pskv::rdma

@@ -84,9 +84,15 @@ void IoThread::wake() {
 }
 
 void IoThread::adopt(const std::shared_ptr<ServerConn>& conn) {
-  std::lock_guard lock(mu_);
-  conns_.push_back(conn);
-  ++conns_version_;
+  bool unproven;
+  {
+    std::lock_guard lock(mu_);
+    conns_.push_back(conn);
+    ++conns_version_;
+    unproven = !conn->authenticated.load();
+    if (unproven) adopted_unproven_.push_back(conn);
+  }
+  if (unproven) wake();  // its handshake deadline starts now
 }
 
 void IoThread::request_close(const std::shared_ptr<ServerConn>& conn) {
@@ -124,9 +130,11 @@ void IoThread::close_all() {
     conns = conns_;
     deferred_.clear();
     closing_.clear();
+    adopted_unproven_.clear();
   }
   for (auto& c : conns) close(*c);
   stalled_.clear();
+  handshakes_.clear();
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(200);
   while (!lingering_.empty() && std::chrono::steady_clock::now() < deadline) {
     end_lingering(false);
@@ -145,8 +153,8 @@ void IoThread::loop() {
     bool channel_ready = false;
     if (!busy || ++spins % 1024 == 0) {
       pollfd fds[2] = {{channel_->fd, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
-      // Queued replies and lingering closes have deadlines: look at them every 10 ms.
-      const int idle = stalled_.empty() && lingering_.empty() ? -1 : 10;
+      // Queued replies, lingering closes and handshakes have deadlines: look every 10 ms.
+      const int idle = stalled_.empty() && lingering_.empty() && handshakes_.empty() ? -1 : 10;
       ::poll(fds, 2, busy || !active_.empty() ? 0 : idle);
       channel_ready = fds[0].revents & POLLIN;
       if (fds[1].revents & POLLIN) {
@@ -161,6 +169,8 @@ void IoThread::loop() {
       if (stop_) return;
       closing.swap(closing_);
       deferred.swap(deferred_);
+      handshakes_.insert(handshakes_.end(), adopted_unproven_.begin(), adopted_unproven_.end());
+      adopted_unproven_.clear();
       if (busy && polled_version != conns_version_) {
         polled = conns_;
         polled_version = conns_version_;
@@ -212,6 +222,7 @@ void IoThread::loop() {
     for (auto& c : closing) close(*c);
     closing.clear();
     if (!stalled_.empty()) expire_unsent();
+    if (!handshakes_.empty()) expire_handshakes();
     active_.erase(std::remove_if(active_.begin(), active_.end(), [](ServerConn* c) { return c->closed.load(); }),
                   active_.end());
     if (!lingering_.empty()) end_lingering(false);  // none of them is in active_ now
@@ -416,7 +427,7 @@ bool IoThread::dispatch(ServerConn& c, const wire::FrameHeader& h) {
       if (h.arg0 == 0) {
         if (reading != readings.end()) readings.erase(reading);
         if (readings.size() == ServerConn::kStatsReadings) readings.pop_front();
-        readings.push_back({h.request_id, engine_.stats_json()});
+        readings.push_back({h.request_id, engine_.stats_json(0, server_.stats_fields())});
         reading = std::prev(readings.end());
       } else if (reading == readings.end()) {
         return send_error(c, h, Errc::capacity,
@@ -837,6 +848,25 @@ void IoThread::finish_close(ServerConn& c) {
   }
   // When the server stops, it destroys every id itself once all threads are gone.
   if (!stopping) server_.retire(c.shared_from_this());
+}
+
+void IoThread::expire_handshakes() {
+  const auto now = std::chrono::steady_clock::now();
+  for (std::size_t i = 0; i < handshakes_.size();) {
+    ServerConn& c = *handshakes_[i];
+    if (!c.closed.load() && !c.authenticated.load() && now >= c.handshake_deadline) {
+      auth::refuse(engine_.options().server_id, c.address,
+                   "did not prove its token within " + std::to_string(server_.options_.handshake_timeout.count()) +
+                       " ms (--handshake-timeout-ms)");
+      close(c);
+    }
+    if (c.closed.load() || c.authenticated.load()) {
+      handshakes_[i] = std::move(handshakes_.back());
+      handshakes_.pop_back();
+    } else {
+      ++i;
+    }
+  }
 }
 
 bool IoThread::replies_left(ServerConn& c) {
