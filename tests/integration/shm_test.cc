@@ -370,6 +370,46 @@ TEST(ShmIntegration, BusyRingTrafficIsNotTakenForSilence) {
   EXPECT_EQ(out[0], float(pushes));
 }
 
+// A client destroyed while its barrier still waits in the server gave its area back after 2 s,
+// but the barrier's answer came later, into the area's ring: a client that took the area got it
+// for its own first request (here an init, answered by the barrier's timeout), and the departed
+// worker's goodbye clock was never served. Now the area is marked leaving, the server serves what
+// it owes, and only then is the area free.
+TEST(ShmIntegration, AnAreaIsNotTakenWhileAGoneClientsBarrierWaits) {
+  auto server =
+      start_shm(unique_name("owed-area"), {"--workers", "2", "--shm-clients", "1", "--wait-timeout-ms", "6000"});
+  ClientOptions first = shm_client(server.uri);
+  first.worker_id = 0;
+  {
+    Client a(first);
+    a.wait(a.init(Key(1), std::vector<float>(8, 1.0f)));
+    const Ticket barrier = a.barrier_async();  // worker 1 never comes
+    EXPECT_FALSE(a.wait_for(barrier, std::chrono::milliseconds(100)));
+  }  // gives the area back after 2 s; the barrier waits until 6 s
+  ClientOptions second = shm_client(server.uri);
+  second.worker_id = 1;
+  std::unique_ptr<Client> b;
+  std::string refused;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (!b && std::chrono::steady_clock::now() < deadline) {
+    try {
+      b = std::make_unique<Client>(second);
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), Errc::capacity) << e.what();
+      refused = e.what();
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+  }
+  ASSERT_TRUE(b) << refused;
+  EXPECT_NE(refused.find("the server still owes answers"), std::string::npos) << refused;
+  // Worker 0's goodbye (clock = done) was served after its barrier's answer.
+  EXPECT_NE(b->server_stats(0).find("\"clocks_by_worker\":[-1,0]"), std::string::npos) << b->server_stats(0);
+  b->wait(b->init(Key(2), std::vector<float>(8, 2.0f)));  // carried by the ring
+  std::vector<float> out(8);
+  b->wait(b->pull(Key(2), out));
+  EXPECT_EQ(out[0], 2.0f);
+}
+
 TEST(ShmIntegration, SegmentIsPrivateAndRemovedAtExit) {
   const std::string name = unique_name("mode");
   const std::string path = "/dev/shm/pskv-" + name;

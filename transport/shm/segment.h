@@ -56,9 +56,12 @@ struct alignas(64) RingEntry {
 };
 
 inline constexpr std::int32_t kClaimingArea = -1;  // owner_pid while a client fills in its identity
+// owner_pid of an area whose client left while the server still owed it answers: the server
+// serves what it published, then its watchdog frees the area.
+inline constexpr std::int32_t kLeavingArea = -2;
 
 struct alignas(64) ClientArea {
-  std::atomic<std::int32_t> owner_pid;  // 0: free; kClaimingArea: being claimed
+  std::atomic<std::int32_t> owner_pid;  // 0: free; kClaimingArea: being claimed; kLeavingArea
   std::uint32_t worker_id;
   std::uint64_t owner_start;                    // owner's start time, so a reused pid is not mistaken
   alignas(64) std::atomic<std::uint64_t> head;  // last published seq (client)

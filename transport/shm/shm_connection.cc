@@ -54,6 +54,7 @@ ShmConnection::ShmConnection(const Uri& uri, const transport::ConnectOptions& op
     throw Error(Errc::peer_failure, endpoint_ + " is stopping and takes no new clients");
   const pid_t me = ::getpid();
   const std::uint64_t start = process_start_time(me);
+  std::uint32_t still_owed = 0;
   for (std::uint32_t i = 0; i < g.clients && !area_; ++i) {
     std::int32_t expected = 0;
     ClientArea& s = segment_->area(i);
@@ -67,11 +68,18 @@ ShmConnection::ShmConnection(const Uri& uri, const transport::ConnectOptions& op
       s.owner_pid.store(me, std::memory_order_release);
       area_ = &s;
       area_index_ = i;
+    } else if (expected == kLeavingArea) {
+      ++still_owed;
     }
   }
   if (!area_)
-    throw Error(Errc::capacity, endpoint_ + " has no free client area (" + std::to_string(g.clients) +
-                                    " in use); restart the server with more --shm-clients");
+    throw Error(Errc::capacity,
+                endpoint_ + " has no free client area (" + std::to_string(g.clients) + " in use" +
+                    (still_owed ? ", " + std::to_string(still_owed) +
+                                      " of them left by a client the server still owes answers (a barrier still "
+                                      "waiting), free once they are given, within the server's wait timeout"
+                                : std::string()) +
+                    "); restart the server with more --shm-clients");
   data_ = segment_->area_data(area_index_);
   next_seq_ = area_->done.load(std::memory_order_acquire);
   completed_.store(next_seq_);
@@ -89,12 +97,16 @@ ShmConnection::~ShmConnection() {
   futex_wake_all(&area_->done_word);
   helper_.join();
   fail_everything(Errc::peer_failure, "the connection to " + endpoint_ + " was closed by the client");
-  // Let the server finish whatever was published, then give the area back.
+  // Let the server finish whatever was published, then give the area back. Answers still owed
+  // after 2 s (a barrier waits up to the server's wait timeout, and this worker's goodbye clock
+  // behind it) are the server's to finish: the area is marked leaving, so that no new client
+  // takes it and gets them, and the server's watchdog frees it once they are given.
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
   while (area_->done.load() < area_->head.load() && std::chrono::steady_clock::now() < deadline &&
          segment_->server_alive())
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  area_->owner_pid.store(0, std::memory_order_release);
+  const bool owed = area_->done.load() < area_->head.load() && segment_->server_alive();
+  area_->owner_pid.store(owed ? kLeavingArea : 0, std::memory_order_release);
 }
 
 bool ShmConnection::bound_allows(std::uint64_t clock, std::uint64_t* observed) const {

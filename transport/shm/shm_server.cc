@@ -343,6 +343,14 @@ void ShmServer::watchdog() {
       ClientArea& s = segment_->area(i);
       const pid_t pid = s.owner_pid.load(std::memory_order_acquire);
       const bool ignored = pid == ignored_[i].load(std::memory_order_relaxed);
+      if (pid == kLeavingArea) {
+        // Its client left owing nothing more than answers: free once they are given.
+        if (!ignored && (s.done.load() < s.head.load() || blocked_[i].load())) continue;
+        if (blocked_[i].load()) continue;
+        ignored_[i].store(0, std::memory_order_relaxed);
+        s.owner_pid.store(0);
+        continue;
+      }
       if (pid == 0 || (pid == kClaimingArea && !ignored) || process_alive(pid, s.owner_start)) continue;
       // The owner died. A push it was applying itself is rolled back and its stripe lock
       // released first: server threads and other clients may be waiting on that lock. Then any
