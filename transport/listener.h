@@ -50,6 +50,10 @@ struct ListenOptions {
   std::chrono::milliseconds handshake_timeout{5000};
   std::chrono::milliseconds frame_timeout{5000};
   std::uint64_t memory_budget_bytes = 1ull << 30;
+  // rdma: the memory its connections may pin, counted in `pinned` (shared by every rdma listener
+  // of the process: a takeover's too). 0: half the machine's memory.
+  std::uint64_t pinned_budget_bytes = 0;
+  std::shared_ptr<std::atomic<std::uint64_t>> pinned;
   wire::Limits limits{};
   // When set, every connection must pass the HMAC challenge first (shm:// ignores it: its
   // segment is protected by its file mode).

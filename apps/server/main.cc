@@ -82,7 +82,7 @@ int main(int argc, char** argv) {
       ->envname("PSKV_MAX_KEYS_PER_REQUEST")
       ->capture_default_str();
   std::int64_t frame_ms = o.frame_timeout.count(), handshake_ms = o.handshake_timeout.count();
-  std::uint64_t budget_mb = o.memory_budget_bytes >> 20;
+  std::uint64_t budget_mb = o.memory_budget_bytes >> 20, pin_mb = o.rdma_pinned_bytes >> 20;
   std::uint64_t table_mb = o.table_memory_bytes >> 20;
   app.add_option("--max-connections-per-address", o.max_connections_per_address,
                  "tcp, rdma: connections from one IP address beyond this are refused")
@@ -100,9 +100,14 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--memory-budget-mb", budget_mb,
                  "tcp: frame buffers and copied replies of all connections together, MiB; a request that would need "
-                 "more is refused with 'capacity'. rdma: the memory all connections pin (each its --rdma-recv-mb "
-                 "region and 48 KiB per credit); a connection that would pass it is refused")
+                 "more is refused with 'capacity'")
       ->envname("PSKV_MEMORY_BUDGET_MB")
+      ->capture_default_str();
+  app.add_option("--rdma-pin-mb", pin_mb,
+                 "rdma: the memory all connections pin together, MiB (each its --rdma-recv-mb region and 48 KiB per "
+                 "credit); clients may take 7/8, the rest is kept for the ring's servers; a connect past it is "
+                 "refused (0: half the machine's memory)")
+      ->envname("PSKV_RDMA_PIN_MB")
       ->capture_default_str();
   app.add_option("--table-memory-mb", table_mb,
                  "embedding tables: what all tables' rows may take at their caps, MiB; a table created without "
@@ -232,6 +237,7 @@ int main(int argc, char** argv) {
   o.frame_timeout = std::chrono::milliseconds(frame_ms);
   o.handshake_timeout = std::chrono::milliseconds(handshake_ms);
   o.memory_budget_bytes = budget_mb << 20;
+  o.rdma_pinned_bytes = pin_mb << 20;
   o.table_memory_bytes = table_mb << 20;
   o.failover_timeout = std::chrono::milliseconds(failover_ms);
 

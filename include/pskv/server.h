@@ -43,6 +43,9 @@ struct ServerOptions {
   std::chrono::milliseconds handshake_timeout{5000};
   std::chrono::milliseconds frame_timeout{5000};
   std::uint64_t memory_budget_bytes = 1ull << 30;
+  // rdma: what all connections of the process pin together (each its receive region and
+  // buffers, for its life); 0: half the machine's memory. A connect past it is refused.
+  std::uint64_t rdma_pinned_bytes = 0;
   // Embedding tables (Client::create_table): what all tables' rows may take at their caps. A table
   // whose cap would pass it is refused; one created without max_rows gets what is left. With
   // replicas (tcp), it also holds the copies of the predecessors' tables: a table costs its cap

@@ -183,6 +183,8 @@ class ServerImpl {
     l.handshake_timeout = o.handshake_timeout;
     l.frame_timeout = o.frame_timeout;
     l.memory_budget_bytes = o.memory_budget_bytes;
+    l.pinned_budget_bytes = o.rdma_pinned_bytes;
+    l.pinned = std::make_shared<std::atomic<std::uint64_t>>(0);
     l.limits.max_keys = o.max_keys_per_request;
     l.limits.max_payload_bytes = o.max_request_bytes;
     if (!o.auth_token_file.empty()) l.token = auth::Token::load_file(o.auth_token_file);

@@ -702,26 +702,25 @@ std::string refusal(const ClientOptions& o, Errc want) {
 }
 
 // Every connection pins its receive region and buffers for its life. Opening connections used to
-// pin without bound (1,024 of 27 MiB each: 27 GiB, past this machine's memory); now all of them
-// together stay within --memory-budget-mb, and one that would pass it is refused, saying so. Its
-// memory is given back when a connection closes.
-TEST(Rdma, ConnectionsPinNoMoreThanTheMemoryBudget) {
+// pin without bound (1,024 of 35 MiB each at the defaults: 35 GiB, past this machine's memory);
+// now clients together stay within 7/8 of --rdma-pin-mb, and one that would pass it is refused,
+// saying so. Its memory is given back when a connection closes.
+TEST(Rdma, ConnectionsPinNoMoreThanTheirBudget) {
   PSKV_REQUIRE_RDMA();
   {
     // Forked before this process registers any memory of its own (see ibv_fork_init's warning).
     const std::string log = "/tmp/pskv-rdma-budget-" + std::to_string(::getpid()) + ".log";
-    EXPECT_THROW(
-        ServerProcess::start(testing::rdma_server_args({"--memory-budget-mb", "20", "--max-request-mb", "16"}), log),
-        std::runtime_error);
+    EXPECT_THROW(ServerProcess::start(testing::rdma_server_args({"--rdma-pin-mb", "20"}), log), std::runtime_error);
     EXPECT_NE(testing::read_file(log).find("no client could connect"), std::string::npos) << testing::read_file(log);
     std::remove(log.c_str());
   }
-  // A RawPeer asks for 8 credits: 24 MiB of region and 384 KiB of buffers; three fit in 80 MiB.
-  auto server = start_rdma_server({"--memory-budget-mb", "80", "--max-request-mb", "16"});
+  // A RawPeer asks for 8 credits: 24 MiB of region and 384 KiB of buffers; a Client 64, so 27 MiB.
+  // Clients may pin 84 of 96 MiB: three RawPeers, not a Client more; two and a Client.
+  auto server = start_rdma_server({"--rdma-pin-mb", "96"});
   std::vector<std::unique_ptr<RawPeer>> peers;
   for (int i = 0; i < 3; ++i) peers.push_back(std::make_unique<RawPeer>(server.uri));
   const std::string why = refusal(rdma_client({server.uri}), Errc::capacity);
-  EXPECT_NE(why.find("--memory-budget-mb"), std::string::npos) << why;
+  EXPECT_NE(why.find("--rdma-pin-mb"), std::string::npos) << why;
   peers.pop_back();
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
   std::unique_ptr<Client> c;

@@ -31,7 +31,8 @@ class RdmaListener final : public transport::Listener {
     options_.reply_timeout = o.frame_timeout;
     options_.max_connections_per_address = o.max_connections_per_address;
     options_.handshake_timeout = o.handshake_timeout;
-    options_.pinned_budget_bytes = o.memory_budget_bytes;
+    options_.pinned_budget_bytes = o.pinned_budget_bytes;
+    options_.pinned = o.pinned;
     options_.token = o.token;
     options_.peer_token = o.peer_token;
   }

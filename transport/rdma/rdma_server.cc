@@ -13,10 +13,14 @@
 #include "transport/rdma/rdma_server_internal.h"
 
 namespace pskv::rdma {
-
 namespace {
 constexpr std::uint8_t kAckTimeout = 16, kRetryCount = 7, kRnrRetry = 7;
 constexpr int kBacklog = 256;
+
+std::uint64_t physical_memory_bytes() {
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+  return pages > 0 && page > 0 ? std::uint64_t(pages) * std::uint64_t(page) : 8ull << 30;
+}
 
 bool wildcard(const sockaddr_storage& a) {
   if (a.ss_family == AF_INET) return reinterpret_cast<const sockaddr_in&>(a).sin_addr.s_addr == htonl(INADDR_ANY);
@@ -54,12 +58,15 @@ RdmaServer::RdmaServer(const Uri& uri, ShardEngine& engine, const PinnedBuffer& 
   if (options_.region_bytes < 4096 || options_.region_bytes > (kMaxRegionMb << 20))
     throw Error(Errc::invalid_argument,
                 "the receive region (recv_mb) must be between 1 and " + std::to_string(kMaxRegionMb) + " MiB");
+  if (!options_.pinned) options_.pinned = std::make_shared<std::atomic<std::uint64_t>>(0);
+  pinned_ = options_.pinned;
+  if (options_.pinned_budget_bytes == 0) options_.pinned_budget_bytes = physical_memory_bytes() / 2;
   if (const std::uint64_t one = options_.region_bytes + std::uint64_t{3} * options_.queue_depth * kControlBytes;
-      one > options_.pinned_budget_bytes)
+      one > options_.pinned_budget_bytes / 8 * 7)
     throw Error(Errc::invalid_argument,
                 "one connection would pin " + std::to_string(one >> 20) + " MiB (its --rdma-recv-mb region and " +
-                    "buffers), past --memory-budget-mb (" + std::to_string(options_.pinned_budget_bytes >> 20) +
-                    "): no client could connect");
+                    "buffers), past the 7/8 of --rdma-pin-mb (" + std::to_string(options_.pinned_budget_bytes >> 20) +
+                    ") clients may take: no client could connect");
   prepare_process();
   require_device(endpoint_);
 
@@ -151,6 +158,12 @@ void RdmaServer::close() noexcept {
   // Single-threaded from here: every connection's verbs objects, then their ids (no event is
   // outstanding: the cm thread acked all it took), then the listener and the shared objects.
   for (auto& io : io_) io->close_all();
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(200);
+  for (bool done = false; !done; std::this_thread::yield()) {
+    const bool late = std::chrono::steady_clock::now() >= deadline;
+    done = true;
+    for (auto& io : io_) done = io->linger_out(late) && done;
+  }
   for (auto& [id, conn] : conns_) rdma_destroy_id(id);
   conns_.clear();
   retired_.clear();
@@ -171,7 +184,7 @@ void RdmaServer::close() noexcept {
 
 JsonObject RdmaServer::stats_fields() const {
   JsonObject fields;
-  fields.add("rdma_pinned_bytes", pinned_.load(std::memory_order_relaxed))
+  fields.add("rdma_pinned_bytes", pinned_->load(std::memory_order_relaxed))
       .add("rdma_budget_bytes", options_.pinned_budget_bytes);
   return fields;
 }
@@ -284,23 +297,28 @@ void RdmaServer::on_connect_request(rdma_cm_event* ev) {
                   "the server already has " + std::to_string(from_host) +
                       " connections from this address (--max-connections-per-address)");
   }
-  const std::uint32_t depth = std::clamp(std::min(options_.queue_depth, req.max_in_flight), 1u, options_.queue_depth);
-  // Everything a connection registers is pinned for its life: a peer opening connections must
-  // not be able to pin the machine's memory away.
-  const std::uint64_t pins = options_.region_bytes + std::uint64_t{3} * depth * kControlBytes;
-  const std::uint64_t pinned = pinned_.load(std::memory_order_relaxed);
-  if (pinned + pins > options_.pinned_budget_bytes) {
-    const auto mib = [](std::uint64_t b) { return std::to_string((b + (1u << 20) - 1) >> 20); };
-    log::warn("rdma.budget", "server " + std::to_string(engine_->options().server_id) + " refused " + address +
-                                 ": its connections pin " + mib(pinned) + " MiB of the " +
-                                 mib(options_.pinned_budget_bytes) + " MiB budget, this one needs " + mib(pins));
-    return refuse(id, Errc::capacity,
-                  "the server's connections pin " + mib(pinned) + " of its " + mib(options_.pinned_budget_bytes) +
-                      " MiB (--memory-budget-mb); one more needs " + mib(pins) + " (--rdma-recv-mb)");
-  }
   if (!id->verbs || device_name_ != ibv_get_device_name(id->verbs->device))
     return refuse(id, Errc::unsupported,
                   "this server serves device " + device_name_ + " only; connect to an address on that device");
+  const std::uint32_t depth = std::clamp(std::min(options_.queue_depth, req.max_in_flight), 1u, options_.queue_depth);
+  // Everything a connection registers is pinned for its life: a peer opening connections must
+  // not be able to pin the machine's memory away. Clients stop at 7/8 of the budget, so that the
+  // ring's other servers (replication, failover votes) still find room past any number of them.
+  const std::uint64_t pins = options_.region_bytes + std::uint64_t{3} * depth * kControlBytes;
+  const std::uint64_t limit = server_peer ? options_.pinned_budget_bytes : options_.pinned_budget_bytes / 8 * 7;
+  std::uint64_t pinned = pinned_->load(std::memory_order_relaxed);
+  do {
+    if (pinned + pins > limit) {
+      const auto mib = [](std::uint64_t b) { return std::to_string((b + (1u << 20) - 1) >> 20); };
+      log::warn("rdma.budget", "server " + std::to_string(engine_->options().server_id) + " refused " + address +
+                                   ": connections pin " + mib(pinned) + " MiB of the " + mib(limit) + " MiB " +
+                                   (server_peer ? "" : "clients may ") + "take (--rdma-pin-mb " +
+                                   mib(options_.pinned_budget_bytes) + "); this one needs " + mib(pins));
+      return refuse(id, Errc::capacity,
+                    "the server's connections pin " + mib(pinned) + " of the " + mib(limit) +
+                        " MiB they may (--rdma-pin-mb); one more needs " + mib(pins) + " (--rdma-recv-mb)");
+    }
+  } while (!pinned_->compare_exchange_weak(pinned, pinned + pins, std::memory_order_relaxed));
 
   auto conn = std::make_shared<ServerConn>();
   conn->tag = std::uint64_t{++accepted_} << 32;  // the generation in the high half, as tcp's tags
@@ -318,9 +336,8 @@ void RdmaServer::on_connect_request(rdma_cm_event* ev) {
     if (conn->worker != kNoWorker) engine_->worker_joined(conn->worker);
   }
   conn->depth = depth;
-  conn->pinned = pins;
-  conn->pinned_total = &pinned_;
-  pinned_.fetch_add(pins, std::memory_order_relaxed);
+  conn->pinned = pins;  // charged above
+  conn->pinned_total = pinned_;
   try {
     // A table_pull's reply WRITEs its rows in pieces no larger than the port's largest message
     // before its SEND, so each reply buffer stands for that many more send queue entries.

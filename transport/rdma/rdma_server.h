@@ -43,11 +43,13 @@ struct RdmaServerOptions {
   std::chrono::milliseconds reply_timeout{5000};
   // What one peer may hold (tcp's ListenOptions, read for rdma): connections from one IP
   // address; time from accept to a proven token (with a token); and the memory all connections
-  // pin together (their receive regions, receive and reply buffers), which a connection that
-  // would pass it is refused.
+  // pin together (their receive regions, receive and reply buffers; 0: half the machine's), which
+  // a connection that would pass it is refused. Clients may take 7/8 of it: the rest is kept for
+  // the other servers of a replicating ring. `pinned` counts it (null: this server's own count).
   std::uint32_t max_connections_per_address = 256;
   std::chrono::milliseconds handshake_timeout{5000};
-  std::uint64_t pinned_budget_bytes = 1ull << 30;
+  std::uint64_t pinned_budget_bytes = 0;
+  std::shared_ptr<std::atomic<std::uint64_t>> pinned;
   wire::Limits limits{};
   // When set, a connection gets its remote keys only after passing the HMAC challenge.
   std::shared_ptr<const auth::Token> token;
@@ -110,8 +112,8 @@ class RdmaServer {
   std::uint32_t next_io_ = 0;
   std::uint64_t accepted_ = 0;  // connections accepted so far (the rdma_cm thread's): their tags
   // Charged by the rdma_cm thread before a connection's buffers exist, given back by whichever
-  // thread releases them (ServerConn::release).
-  std::atomic<std::uint64_t> pinned_{0};
+  // thread releases them (ServerConn::release). Shared with the process's other rdma listeners.
+  std::shared_ptr<std::atomic<std::uint64_t>> pinned_;
   std::unordered_map<rdma_cm_id*, std::shared_ptr<ServerConn>> conns_;  // the cm thread's
   std::mutex retire_mu_;
   std::vector<std::shared_ptr<ServerConn>> retired_;

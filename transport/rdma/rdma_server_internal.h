@@ -56,7 +56,7 @@ class ServerConn : public std::enable_shared_from_this<ServerConn> {
   // Bytes charged to the server's pinned budget for this connection's buffers, given back (to
   // `pinned_total`) by release().
   std::uint64_t pinned = 0;
-  std::atomic<std::uint64_t>* pinned_total = nullptr;
+  std::shared_ptr<std::atomic<std::uint64_t>> pinned_total;
   // With a token: closed if not authenticated by then (--handshake-timeout-ms).
   std::chrono::steady_clock::time_point handshake_deadline{};
   bool finished = false;  // the worker announced clock = done, so leaving is clean
@@ -108,7 +108,10 @@ class IoThread {
   // A reply for a parked request; sent by this thread unless the connection closed meanwhile.
   void defer(const std::shared_ptr<ServerConn>& conn, const wire::FrameHeader& request, Errc status, std::string why);
   void stop_and_join();
+  // After stop_and_join(): closes every connection, then (call until true) lets their last
+  // replies leave, for all threads against one deadline; `now_or_never` finishes them at once.
   void close_all();
+  bool linger_out(bool now_or_never);
 
  private:
   struct Deferred {
@@ -152,7 +155,7 @@ class IoThread {
   bool flush_unsent(ServerConn& c);
   // Closes the connections whose queued replies have not moved for reply_timeout.
   void expire_unsent();
-  void reap_sends(ServerConn& c);
+  bool reap_sends(ServerConn& c);  // false: the queue pair broke
   // Ends the connection for good: the engine forgets its worker at once; its queue pair lingers
   // (without holding this thread) until its last replies left, then finish_close releases it.
   void close(ServerConn& c);

@@ -135,12 +135,11 @@ void IoThread::close_all() {
   for (auto& c : conns) close(*c);
   stalled_.clear();
   handshakes_.clear();
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(200);
-  while (!lingering_.empty() && std::chrono::steady_clock::now() < deadline) {
-    end_lingering(false);
-    std::this_thread::yield();
-  }
-  end_lingering(true);
+}
+
+bool IoThread::linger_out(bool now_or_never) {
+  end_lingering(now_or_never);
+  return lingering_.empty();
 }
 
 void IoThread::loop() {
@@ -257,6 +256,7 @@ void IoThread::close_after_failure(ServerConn& c, const std::exception& e) noexc
     close(c);
   } catch (const std::exception&) {
     c.closed.store(true);  // nothing more is read from it or sent to it by this thread
+    c.release();           // and its pinned memory goes back to the budget
   }
 }
 
@@ -268,8 +268,10 @@ bool IoThread::process(ServerConn& c) {
     handled += n;
     if (n > 0) continue;
     if (busy) return false;
-    // Re-arm, then poll again: a completion that arrived before the arm raised no event.
-    if (ibv_req_notify_cq(c.recv_cq, 0) != 0 || ibv_req_notify_cq(c.send_cq, 0) != 0) {
+    // Re-arm, then poll again: a completion that arrived before the arm raised no event. While
+    // replies wait, its requests are not read, so only sends are armed: some providers raise an
+    // event at once for a queue armed with entries left in it.
+    if ((c.unsent.empty() && ibv_req_notify_cq(c.recv_cq, 0) != 0) || ibv_req_notify_cq(c.send_cq, 0) != 0) {
       close(c);
       return false;
     }
@@ -302,11 +304,14 @@ int IoThread::drain(ServerConn& c) {
   return std::max(m, 0) + std::max(n, 0);
 }
 
-void IoThread::reap_sends(ServerConn& c) {
+bool IoThread::reap_sends(ServerConn& c) {
   ibv_wc wc[16];
   const int m = ibv_poll_cq(c.send_cq, 16, wc);
-  for (int i = 0; i < m; ++i)
-    if (wc[i].status == IBV_WC_SUCCESS) c.free_send.push_back(static_cast<std::uint32_t>(wc[i].wr_id));
+  for (int i = 0; i < m; ++i) {
+    if (wc[i].status != IBV_WC_SUCCESS) return false;  // the queue pair broke
+    c.free_send.push_back(static_cast<std::uint32_t>(wc[i].wr_id));
+  }
+  return m >= 0;
 }
 
 bool IoThread::post_recv(ServerConn& c, std::uint32_t buffer) {
@@ -702,7 +707,7 @@ bool IoThread::reply(ServerConn& c, const wire::FrameHeader& req, Errc status, c
   // A client holds at most `depth` requests unanswered and has twice as many reply buffers, so
   // none free means its SENDs are not acknowledged yet: it is slow to re-post receives, or takes
   // none at all. The reply then waits in the connection's queue, never in this thread.
-  if (c.unsent.empty() && c.free_send.empty()) reap_sends(c);
+  if (c.unsent.empty() && c.free_send.empty() && !reap_sends(c)) return false;
   if (!c.unsent.empty() || c.free_send.empty()) {
     // Nothing more of its requests is read while replies wait; what can still come is the rest
     // of a completion batch and the replies of its parked requests, at most `depth`.
@@ -794,6 +799,7 @@ void IoThread::expire_unsent() {
                 "server " + std::to_string(engine_.options().server_id) + ": " + c.address + " took none of its " +
                     std::to_string(c.unsent.size()) + " waiting replies for " + std::to_string(limit.count()) +
                     " ms (--frame-timeout-ms): closed (a client must keep a receive posted per credit)");
+      c.unsent.clear();  // none of them could leave: the close need not wait for them
       close(c);
     }
     if (c.closed.load() || c.unsent.empty()) {
@@ -820,7 +826,6 @@ void IoThread::close(ServerConn& c) {
     log::info("rdma.closed", "server " + std::to_string(engine_.options().server_id) + " closed " + c.address +
                                  " (worker " + std::to_string(c.worker) + ") before it finished");
   if (c.worker != kNoWorker) engine_.worker_left(c.worker, c.finished);
-  c.unsent.clear();
   std::shared_ptr<ServerConn> self = c.shared_from_this();
   graveyard_.push_back(self);
   {
@@ -828,8 +833,8 @@ void IoThread::close(ServerConn& c) {
     conns_.erase(std::remove(conns_.begin(), conns_.end(), self), conns_.end());
     ++conns_version_;
   }
-  // An error reply already posted gets 200 ms to leave before the disconnect flushes it. The
-  // connection waits for it in lingering_, so a peer that takes no replies holds nothing.
+  // An error reply already posted (or still queued) gets 200 ms to leave before the disconnect
+  // flushes it. The connection waits in lingering_, so a peer that takes no replies holds nothing.
   if (c.send_cq && !replies_left(c)) {
     c.linger_until = std::chrono::steady_clock::now() + std::chrono::milliseconds(200);
     lingering_.push_back(std::move(self));
@@ -877,7 +882,8 @@ bool IoThread::replies_left(ServerConn& c) {
       if (wc[i].status != IBV_WC_SUCCESS) return true;  // the queue pair broke: nothing more leaves
       c.free_send.push_back(static_cast<std::uint32_t>(wc[i].wr_id));
     }
-  return m < 0 || c.free_send.size() >= 2 * std::size_t{c.depth};
+  if (m < 0 || !flush_unsent(c)) return true;
+  return c.unsent.empty() && c.free_send.size() >= 2 * std::size_t{c.depth};
 }
 
 void IoThread::end_lingering(bool all) {
