@@ -649,6 +649,10 @@ TEST(Rdma, APeerParksNoMoreWaitsThanItsCredits) {
   std::tie(status, text) = p.reply();
   EXPECT_EQ(status, int(Errc::capacity)) << text;
   EXPECT_NE(text.find("credits"), std::string::npos) << text;
+  frame(wire::Op::barrier, 1);  // a barrier parks the same way, so it is counted the same way
+  std::tie(status, text) = p.reply();
+  EXPECT_EQ(status, int(Errc::capacity)) << text;
+  EXPECT_NE(text.find("barrier would be request 9"), std::string::npos) << text;
   Client healthy(rdma_client({server.uri}));
   std::vector<float> v(8, 1.0f);
   healthy.wait(healthy.init(Key(1), v));
