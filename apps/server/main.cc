@@ -267,6 +267,9 @@ int main(int argc, char** argv) {
   } catch (const pskv::Error& e) {
     std::fprintf(stderr, "pskv-server: %s\n", e.what());
     return 1;
+  } catch (const std::exception& e) {  // the system refused memory, say: a message, not an abort
+    std::fprintf(stderr, "pskv-server: %s\n", e.what());
+    return 1;
   }
   return 0;
 }

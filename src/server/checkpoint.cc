@@ -1,6 +1,8 @@
 #include "server/checkpoint.h"
 
 #include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -115,26 +117,30 @@ void AtomicFile::write_all(const char* p, std::size_t n) {
   }
 }
 
-std::vector<std::uint8_t> read_file(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+CheckpointFile::CheckpointFile(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) throw Error(Errc::not_found, "cannot open checkpoint " + path + ": " + std::strerror(errno));
-  std::vector<std::uint8_t> bytes;
-  const off_t size = ::lseek(fd, 0, SEEK_END);
-  ::lseek(fd, 0, SEEK_SET);
-  if (size < 0) {
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
     ::close(fd);
-    throw Error(Errc::io, "cannot size " + path);
+    throw Error(Errc::io, "checkpoint " + path + " is not a regular file");
   }
-  bytes.resize(static_cast<std::size_t>(size));
-  std::size_t got = 0;
-  while (got < bytes.size()) {
-    const ssize_t n = ::read(fd, bytes.data() + got, bytes.size() - got);
-    if (n <= 0) break;
-    got += static_cast<std::size_t>(n);
+  size_ = static_cast<std::size_t>(st.st_size);
+  if (size_ > 0) {
+    void* p = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
+    if (p == MAP_FAILED) {
+      const int err = errno;
+      ::close(fd);
+      throw Error(Errc::io,
+                  "cannot map checkpoint " + path + " (" + std::to_string(size_) + " bytes): " + std::strerror(err));
+    }
+    data_ = static_cast<const std::uint8_t*>(p);
   }
   ::close(fd);
-  if (got != bytes.size()) throw Error(Errc::io, "short read of checkpoint " + path);
-  return bytes;
+}
+
+CheckpointFile::~CheckpointFile() {
+  if (data_) ::munmap(const_cast<std::uint8_t*>(data_), size_);
 }
 
 std::string checkpoint_path(const std::string& dir, std::uint32_t server_id) {
@@ -230,7 +236,7 @@ CheckpointInfo write_checkpoint(Store& store, const SyncAccumulator* sync, const
 }
 
 CheckpointInfo parse_checkpoint(const std::uint8_t* data, std::size_t size, Store* store, SyncAccumulator* sync,
-                                const std::string& name) {
+                                const std::string& name, std::optional<std::uint32_t> server_id) {
   std::size_t at = 0;
   auto corrupt = [&](const std::string& why) -> Error {
     return Error(Errc::protocol, "checkpoint " + name + " is corrupt at byte " + std::to_string(at) + ": " + why +
@@ -253,6 +259,10 @@ CheckpointInfo parse_checkpoint(const std::uint8_t* data, std::size_t size, Stor
     throw corrupt("header checksum mismatch");
   if (!v1 && h.f.version != kVersion)
     throw corrupt("version " + std::to_string(h.f.version) + " is not readable by this build");
+  if (server_id && h.f.server_id != *server_id)
+    throw Error(Errc::invalid_argument, "checkpoint " + name + " holds server " + std::to_string(h.f.server_id) +
+                                            "'s shard, not server " + std::to_string(*server_id) +
+                                            "'s: restore each server from its own shard-N.ckpt");
   if (store && h.f.rule != static_cast<std::uint32_t>(store->rule().rule))
     throw Error(Errc::invalid_argument, "checkpoint " + name + " was written with update rule " +
                                             std::string(to_string(static_cast<UpdateRule>(h.f.rule))) +
@@ -335,12 +345,13 @@ CheckpointInfo parse_checkpoint(const std::uint8_t* data, std::size_t size, Stor
   take(&f, sizeof f, "the footer");
   if (std::memcmp(f.magic, kEnd, 8) != 0 || f.keys != h.f.keys || f.crc != crc_of_crcs) throw corrupt("bad footer");
   if (at != size) throw corrupt("trailing bytes after the footer");
-  return {h.f.keys, size, h.f.started_unix_ns};
+  return {h.f.server_id, h.f.keys, size, h.f.started_unix_ns};
 }
 
-CheckpointInfo read_checkpoint(Store& store, SyncAccumulator* sync, const std::string& path) {
-  const std::vector<std::uint8_t> bytes = read_file(path);
-  return parse_checkpoint(bytes.data(), bytes.size(), &store, sync, path);
+CheckpointInfo read_checkpoint(Store& store, SyncAccumulator* sync, const std::string& path,
+                               std::optional<std::uint32_t> server_id) {
+  const CheckpointFile file(path);
+  return parse_checkpoint(file.data(), file.size(), &store, sync, path, server_id);
 }
 
 }  // namespace pskv

@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -23,6 +24,7 @@
 namespace pskv {
 
 struct CheckpointInfo {
+  std::uint32_t server_id = 0;  // whose shard it is
   std::uint64_t keys = 0;
   std::uint64_t bytes = 0;
   // Wall-clock time (CLOCK_REALTIME) before the first key was snapshotted: every push
@@ -53,8 +55,23 @@ class AtomicFile {
   std::uint64_t bytes_ = 0;
 };
 
-// The whole file; Error(not_found) or Error(io) naming it.
-std::vector<std::uint8_t> read_file(const std::string& path);
+// A checkpoint file, mapped read-only: nothing is allocated for it, so its size (a file
+// truncated up to a terabyte, say) costs address space only, and what a parser never reads is
+// never paged in. Only a regular file is opened (a FIFO would hold the start). Error(not_found)
+// or Error(io) naming it. Thread-safety: none needed after construction.
+class CheckpointFile {
+ public:
+  explicit CheckpointFile(const std::string& path);
+  ~CheckpointFile();
+  CheckpointFile(const CheckpointFile&) = delete;
+  CheckpointFile& operator=(const CheckpointFile&) = delete;
+  const std::uint8_t* data() const noexcept { return data_; }
+  std::size_t size() const noexcept { return size_; }
+
+ private:
+  const std::uint8_t* data_ = nullptr;
+  std::size_t size_ = 0;
+};
 
 std::string checkpoint_path(const std::string& dir, std::uint32_t server_id);
 
@@ -69,10 +86,13 @@ CheckpointInfo write_checkpoint(Store& store, const SyncAccumulator* sync, const
 // is allocated; a corrupt or truncated file throws Error(protocol) naming the file, the offset
 // and what is wrong. A file with pending steps that `sync` cannot take (another mode, or other
 // workers or window) throws Error(invalid_argument): those pushes were acknowledged.
-CheckpointInfo read_checkpoint(Store& store, SyncAccumulator* sync, const std::string& path);
+// With `server_id`, a file of another server's shard (copied over, say) throws
+// Error(invalid_argument) before anything is loaded.
+CheckpointInfo read_checkpoint(Store& store, SyncAccumulator* sync, const std::string& path,
+                               std::optional<std::uint32_t> server_id = std::nullopt);
 // Parses a checkpoint image in memory (what read_checkpoint does after reading the file);
 // `store` may be null to validate only. Exposed for the fuzzer.
 CheckpointInfo parse_checkpoint(const std::uint8_t* data, std::size_t size, Store* store, SyncAccumulator* sync,
-                                const std::string& name);
+                                const std::string& name, std::optional<std::uint32_t> server_id = std::nullopt);
 
 }  // namespace pskv

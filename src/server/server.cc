@@ -211,7 +211,7 @@ class ServerImpl {
                                             std::move(memory.sync));
     if (!o.restore_dir.empty()) {
       const std::string path = checkpoint_path(o.restore_dir, o.server_id);
-      const CheckpointInfo info = read_checkpoint(engine_->store(), engine_->sync(), path);
+      const CheckpointInfo info = read_checkpoint(engine_->store(), engine_->sync(), path, o.server_id);
       log::info("checkpoint", "server " + std::to_string(o.server_id) + " restored " + std::to_string(info.keys) +
                                   " keys from " + path);
       const TableCheckpointInfo tables = TableCheckpointer::restore(*engine_, o.restore_dir, o.server_id);

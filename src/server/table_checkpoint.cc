@@ -258,7 +258,7 @@ TableCheckpointInfo TableCheckpointer::restore(ShardEngine& engine, const std::s
         throw Error(Errc::protocol, "table checkpoint " + path + " follows a missing delta " +
                                         std::to_string(expected) +
                                         " of its generation; restore an older checkpoint or start without --restore");
-      const std::vector<std::uint8_t> bytes = read_file(path);
+      const CheckpointFile bytes(path);
       // Validated whole before anything of it is applied.
       const Parsed p = parse(bytes.data(), bytes.size(), server_id, table_id, generation, seq, path);
       if (seq == 0) {

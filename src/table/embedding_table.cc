@@ -499,6 +499,12 @@ void EmbeddingTable::take_left(TableStorage::Left left) {
   std::vector<std::span<std::byte>> spans;
   for (const auto& [index, memory] : left.segments) {
     if (index >= kMaxSegments) throw Error(Errc::invalid_argument, "a left segment past the last a table has");
+    // roll_back_left takes an empty span for a segment that is not there; a file that is there
+    // but empty (truncated) would then be carved from no memory at all.
+    if (memory->size() != segment_layout().bytes())
+      throw Error(Errc::invalid_argument, "left segment " + std::to_string(index) + " has " +
+                                              std::to_string(memory->size()) + " bytes; this spec lays out " +
+                                              std::to_string(segment_layout().bytes()));
     if (spans.size() <= index) spans.resize(std::size_t{index} + 1);
     spans[index] = {memory->data(), memory->size()};
   }

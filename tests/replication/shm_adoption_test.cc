@@ -472,6 +472,59 @@ TEST(ShmAdoptionForged, AHeaderThatDoesNotFitItsMappingIsRefusedAndKept) {
   EXPECT_EQ(stat_field(c.server_stats(0), "adopted_keys"), 1u);
 }
 
+// The dead server's sync-step file is writable by every process of the user too. A key with two
+// records (one record's key word rewritten to another's) had its pending steps adopted twice, so
+// a completed step would be applied twice; the second record is now refused, and the key starts
+// over at step 0 rather than apply sums twice.
+TEST(ShmAdoptionForged, ASecondSyncRecordOfAKeyIsRefused) {
+  const std::string name = segment_name("forged-sync", 0);
+  const std::vector<std::string> args = {
+      "--uri", "shm://" + name + "?adopt=1", "--workers", "2", "--mode", "sync", "--rule",
+      "add",   "--wait-timeout-ms",          "20000"};
+  ClientOptions o;
+  {
+    auto first = ServerProcess::start(args);
+    o.servers = {first.uri};
+    Client c(o);
+    c.wait(c.init(1, std::vector<float>(16, 0.0f)));
+    c.wait(c.init(2, std::vector<float>(16, 0.0f)));
+    ClientOptions w0 = o;
+    w0.worker_id = 0;
+    Client worker(w0);
+    const std::vector<float> one(16, 1.0f);
+    const std::vector<Key> keys = {1, 2};
+    const std::vector<std::span<const float>> values = {one, one};
+    worker.wait(worker.push(keys, values));  // summed into step 0; worker 1 never comes
+    first.process.signal(SIGKILL);
+    first.process.wait();
+  }
+  std::string file;
+  for (const auto& e : std::filesystem::directory_iterator("/dev/shm"))
+    if (e.path().filename().string().rfind("pskv-" + name + ".tables.", 0) == 0) file = e.path().string() + "/sync";
+  ASSERT_FALSE(file.empty()) << "no sync-step file of " << name;
+  {
+    const int fd = ::open(file.c_str(), O_RDWR);
+    ASSERT_GE(fd, 0) << file;
+    struct stat st {};
+    ASSERT_EQ(::fstat(fd, &st), 0);
+    auto* base = static_cast<std::uint64_t*>(
+        ::mmap(nullptr, static_cast<std::size_t>(st.st_size), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
+    ::close(fd);
+    ASSERT_NE(static_cast<void*>(base), MAP_FAILED);
+    std::uint64_t* first = base + 4096 / 8;  // records after the header page: [key | length | words | ...]
+    std::uint64_t* second = first + 3 + first[2];
+    ASSERT_EQ(first[1], 16u);
+    ASSERT_EQ(second[1], 16u);
+    second[0] = first[0];
+    ::munmap(base, static_cast<std::size_t>(st.st_size));
+  }
+  auto server = ServerProcess::start(args);
+  Client check(o);
+  const std::string stats = check.server_stats(0);
+  EXPECT_EQ(stat_field(stats, "adopted_sync_keys"), 1u) << stats;
+  EXPECT_EQ(stat_field(stats, "adopted_sync_refused"), 1u) << stats;
+}
+
 // Clocks survive: two BSP workers at clock 3, the server killed and adopted; worker 0 reconnects
 // at clock 3 and reads without worker 1 ever coming back (a fresh table would hold the read at
 // worker 1's clock 0 and fail it at the wait timeout).

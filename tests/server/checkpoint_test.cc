@@ -1,6 +1,7 @@
 #include "server/checkpoint.h"
 
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -171,6 +172,44 @@ TEST(Checkpoint, EveryCorruptionIsDetected) {
       EXPECT_NE(std::string(e.what()).find("shard-0.ckpt"), std::string::npos) << e.what();
       EXPECT_NE(std::string(e.what()).find("older checkpoint"), std::string::npos) << e.what();
     }
+  }
+}
+
+// A checkpoint file is hostile input like any other: another server's shard copied over this
+// one's, a file truncated up to a terabyte (it used to be read whole into a vector: bad_alloc,
+// which nothing caught, so the server aborted), and a FIFO (it used to hold the start in open())
+// each get an Error naming the file, and nothing is loaded.
+TEST(Checkpoint, AnotherServersShardAHugeFileAndAFifoAreRefused) {
+  TempDir dir;
+  auto a = make_store(UpdateRule::sgd);
+  std::vector<float> v(4, 1.0f);
+  ASSERT_EQ(a->init(1, v), Errc::ok);
+  write_checkpoint(*a, nullptr, dir.path.string(), 1);
+  const std::string one = checkpoint_path(dir.path.string(), 1), zero = checkpoint_path(dir.path.string(), 0);
+  fs::copy_file(one, zero);
+  auto b = make_store(UpdateRule::sgd);
+  try {
+    read_checkpoint(*b, nullptr, zero, 0u);
+    ADD_FAILURE() << "server 1's shard was restored into server 0";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::invalid_argument) << e.what();
+    EXPECT_NE(std::string(e.what()).find("holds server 1's shard, not server 0's"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(b->key_count(), 0u);
+  EXPECT_EQ(read_checkpoint(*b, nullptr, one, 1u).keys, 1u);
+
+  fs::resize_file(zero, std::uintmax_t{1} << 40);  // sparse: a terabyte of zeros after the shard
+  auto c = make_store(UpdateRule::sgd);
+  EXPECT_THROW(read_checkpoint(*c, nullptr, zero, 0u), Error);
+  EXPECT_THROW(read_checkpoint(*c, nullptr, zero), Error);
+
+  const std::string fifo = (dir.path / "shard-2.ckpt").string();
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  try {
+    read_checkpoint(*c, nullptr, fifo);
+    ADD_FAILURE() << "a FIFO was read as a checkpoint";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("not a regular file"), std::string::npos) << e.what();
   }
 }
 

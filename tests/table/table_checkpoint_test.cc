@@ -152,7 +152,8 @@ TEST(TableCheckpoint, EveryFlippedByteOfADeltaIsRefused) {
   push_random(t, rng, 1, 400);  // a few rows changed, a few evicted
   writer.write(a);
   const std::string delta = (dir.path / "table-1.server-0.g1.1.ckpt").string();
-  std::vector<std::uint8_t> bytes = read_file(delta);
+  const CheckpointFile file(delta);
+  std::vector<std::uint8_t> bytes(file.data(), file.data() + file.size());
   TableSpec parsed;
   const TableCheckpointInfo ok =
       TableCheckpointer::apply(bytes.data(), bytes.size(), 0, 1, 1, 1, &parsed, nullptr, delta);

@@ -328,6 +328,18 @@ TEST(TableFiles, FilesThatDoNotCheckOutAreRefusedByName) {
   const std::vector<LeftTable> good = left_tables(root.path);
   ASSERT_EQ(good.size(), 1u);
   {
+    // The segment's file emptied: taken over in place it was carved from no memory (SIGSEGV).
+    fs::resize_file(dir + "/segment-0", 0);
+    const Root mine("bad-taken");
+    try {
+      EmbeddingTable taken(spec, 0, std::make_unique<TableFiles>(mine.path, 1, spec, 100, good[0].dir));
+      ADD_FAILURE() << "an empty segment was taken over";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("has 0 bytes"), std::string::npos) << e.what();
+    }
+    fs::remove_all(mine.path);  // its link of the empty segment
+  }
+  {
     // One byte of the segment's file more.
     std::ofstream grow(dir + "/segment-0", std::ios::binary | std::ios::app);
     grow.put('x');

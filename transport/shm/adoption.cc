@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <iterator>
 #include <thread>
+#include <unordered_set>
 #include <vector>
 
 #include "common/log.h"
@@ -341,10 +342,15 @@ void Predecessor::copy_sync_steps_into(ShardEngine& engine) {
                                             " steps, this server " + std::to_string(sync->options().num_workers) +
                                             " and " + std::to_string(sync->options().window) + restart);
   std::string stopped;
+  // A key has one record. A second (a record copied over another, or a key word flipped) would
+  // have its steps adopted again and a completed one applied twice: such a key starts over.
+  std::unordered_set<Key> seen;
   sync_->visit(
       [&](Key key, std::uint32_t length, const std::uint64_t* block, std::uint64_t words) {
         std::string why;
-        if (sync->adopt_block(key, length, block, words, &why) == Errc::ok) {
+        if (!seen.insert(key).second) {
+          why = "the file holds a second record of it; its steps start over";
+        } else if (sync->adopt_block(key, length, block, words, &why) == Errc::ok) {
           ++report_.sync_keys;
           return;
         }
