@@ -137,7 +137,13 @@ class DistributedOptimizer:
         self.update = update
         self.optimizer = optimizer
         self.backward_passes_per_step = backward_passes_per_step
-        named = [(n, p) for n, p in _named(named_parameters) if p.requires_grad]
+        # One key per tensor: a parameter listed twice (tied weights, concatenated lists) once, as
+        # torch.optim does; an empty one has nothing to keep in step.
+        named, seen = [], set()
+        for n, p in _named(named_parameters):
+            if p.requires_grad and p.numel() > 0 and id(p) not in seen:
+                seen.add(id(p))
+                named.append((n, p))
         if not named:
             raise ValueError("no parameters that require gradients")
         for n, p in named:
@@ -236,10 +242,12 @@ class DistributedOptimizer:
         for i, work in enumerate(self._pending):
             if work is None:  # unused this step, or backward not run: the servers still count on it
                 self._push(i)
-        for work in self._pending:
-            work.wait()
-        self._pending = [None] * len(self.params)
-        self._passes = [0] * len(self.params)
+        try:
+            for work in self._pending:
+                work.wait()
+        finally:  # a failed push is raised once; the next step starts clean
+            self._pending = [None] * len(self.params)
+            self._passes = [0] * len(self.params)
         if self.client.worker_id is not None:  # an anonymous client (ASP, no clocks) has no step to end
             self.client.clock()
         if self.update == "server":

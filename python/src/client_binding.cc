@@ -83,6 +83,10 @@ Waited wait_ticket(Session& s, Ticket ticket, std::chrono::steady_clock::time_po
 // `client` is also used without the GIL by calls counted in `active`, and close() destroys it
 // only once no such call is left.
 struct Session {
+  // Buffers announced with register_buffer, held (and their exports) until the client goes: an
+  // RDMA registration is found by address, so freed memory reused at the same address would be
+  // served from the old registration's pages. Declared first, so destroyed after the client.
+  std::vector<HeldBuffer> registered;
   std::unique_ptr<Client> client;
   bool closing = false;       // no new calls; set by close()
   int active = 0;             // calls that may release the GIL (Python callbacks included)
@@ -408,6 +412,8 @@ class PyClient {
       if (!format.empty() && (format[0] == '@' || format[0] == '=' || format[0] == '<')) format.erase(0, 1);
       const bool ok = view.itemsize == 8 && (format == "q" || format == "Q" || format == "l" || format == "L");
       if (ok) {
+        // An int64 array's words are taken as the uint64 ids they spell: torch has no uint64, and
+        // hashed feature ids use all 64 bits (examples/ctr_fm.py's bias id is past 2**63).
         const auto* data = static_cast<const Key*>(view.buf);
         out.assign(data, data + view.len / 8);
       }
@@ -521,7 +527,10 @@ class PyClient {
     session_->require_open();
     ActiveCall call(*session_);  // HeldBuffer may run Python code
     HeldBuffer held(buffer.ptr(), Access::read, "register_buffer argument", static_cast<std::size_t>(-1));
+    for (const HeldBuffer& r : session_->registered)
+      if (r.data() == held.data() && r.floats() == held.floats()) return;  // announced already, and still held
     session_->client->register_buffer(held.data(), held.floats() * sizeof(float));
+    session_->registered.push_back(std::move(held));
   }
 
   // pskv.bench's C++ side: `op` ("push" or "pull") of `key` with `buffer`, one in flight, in a
@@ -587,6 +596,7 @@ class PyClient {
     while (s.live)
       s.live->complete(Error(Errc::invalid_argument, "the client was closed before this operation completed"));
     s.orphans.clear();
+    s.registered.clear();
     if (interrupt) throw *interrupt;
     s.raise_orphan_error();
   }
@@ -771,7 +781,11 @@ UpdateRuleConfig rule_config(const std::string& rule, float lr, float momentum, 
 }
 
 std::chrono::milliseconds to_ms(double seconds, const char* name) {
-  if (!(seconds >= 0)) throw Error(Errc::invalid_argument, std::string(name) + " is seconds >= 0");
+  // Past a year (inf among them) the conversion would overflow the nanoseconds deadlines use.
+  constexpr double kYear = 365.0 * 24 * 3600;
+  if (!(seconds >= 0) || !(seconds <= kYear))
+    throw Error(Errc::invalid_argument, std::string(name) + " is seconds, >= 0 and at most a year (" +
+                                            std::to_string(kYear) + "), not " + std::to_string(seconds));
   return std::chrono::milliseconds(static_cast<std::int64_t>(seconds * 1000 + 0.5));
 }
 
@@ -886,7 +900,8 @@ void bind_client(py::module_& m) {
           "Sends the gradients of `ids` (float32, len(ids) * dim), applied row by row by the table's rule; the "
           "gradients of a repeated id are summed and sent once. Returns a Work, or with async_op=False waits.")
       .def("register_buffer", &PyClient::register_buffer, py::arg("buffer"),
-           "Announces memory later used for pushes or pulls (RDMA registers it once).")
+           "Announces memory later used for pushes or pulls (RDMA registers it once). The client holds the "
+           "buffer until it is closed, so that its memory is not freed and reused while registered.")
       .def("close", &PyClient::close, py::arg("finished") = true,
            "Completes what is in flight, tells the servers this worker finished (unless finished=False) and "
            "disconnects. Later calls raise pskv.InvalidArgument.")

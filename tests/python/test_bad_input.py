@@ -3,6 +3,7 @@
 import gc
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -306,3 +307,22 @@ def test_server_dying_during_a_wait(transport):
         with pytest.raises(pskv.Error):
             c.pull(1, x).wait()
         c.close(finished=False)
+
+
+@pytest.mark.parametrize("seconds", [float("inf"), 1e300])
+def test_a_timeout_past_a_year_is_refused(server, seconds):
+    # float("inf") was converted to int64 milliseconds: undefined, then a timeout of INT64_MIN ms.
+    expect(pskv.InvalidArgument, "at most a year", lambda: pskv.Client(server.uri, io_timeout=seconds))
+
+
+def test_a_registered_buffer_is_held_until_the_client_closes(server):
+    # Registered memory is found by address: freed and reused, it would be served from the old
+    # registration's pages over RDMA. The client now keeps the buffer alive.
+    c = pskv.Client(server.uri)
+    a = np.zeros(1024, np.float32)
+    before = sys.getrefcount(a)
+    c.register_buffer(a)
+    c.register_buffer(a)  # once is enough
+    assert sys.getrefcount(a) == before + 1
+    c.close()
+    assert sys.getrefcount(a) == before

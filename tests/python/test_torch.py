@@ -279,3 +279,16 @@ def test_weights_cannot_land_on_another_models_gradient_keys(server):
         opt_a.remove_hooks()
         opt_b = pt.DistributedOptimizer(small_model(2).named_parameters(), c, key_base=pt.GRAD_KEY_OFFSET)
         del opt_b
+
+
+def test_a_tied_parameter_gets_one_key_and_an_empty_one_none(server):
+    # Listed twice (tied weights), a parameter once had two keys and two hooks pulling into one
+    # tensor; an empty one failed construction with "key 0 has 0 floats".
+    with pskv.Client(server.uri) as c:
+        w = torch.nn.Parameter(torch.ones(4))
+        empty = torch.nn.Parameter(torch.empty(0))
+        opt = pt.DistributedOptimizer([("w", w), ("tied", w), ("empty", empty)], c)
+        assert opt.names == ["w"] and opt.weight_keys == [0]
+        (w * 2).sum().backward()
+        opt.step()
+        opt.remove_hooks()
