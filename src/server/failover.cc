@@ -166,7 +166,7 @@ Failover::Failover(ShardEngine& engine, FailoverOptions options, FailoverHooks h
     : engine_(engine),
       options_(std::move(options)),
       hooks_(std::move(hooks)),
-      book_(options_.votes_path),
+      book_(options_.votes_path, static_cast<std::uint32_t>(options_.peers.size())),
       links_(options_.peers, options_.token, options_.timeout) {
   book_.record_start(options_.incarnation);  // (and so the votes can be kept: checked at start)
 }

@@ -200,7 +200,9 @@ class ServerImpl {
       ::mkdir(o.failover_dir.c_str(), 0700);  // Failover writes its votes there at once: an error shows
       // Incarnations order a server's starts: a restart within the second of the previous start
       // is still a later one.
-      if (const std::uint32_t last = VoteBook(votes_path).last_start(); last > 0) e.min_incarnation = last + 1;
+      if (const std::uint32_t last = VoteBook(votes_path, static_cast<std::uint32_t>(o.peers.size())).last_start();
+          last > 0)
+        e.min_incarnation = last + 1;
       // And a restart taking its keys back comes after the takeover serving them started.
       if (o.rejoin)
         e.min_incarnation =

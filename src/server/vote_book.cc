@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <charconv>
 #include <cstring>
 #include <fstream>
 #include <sstream>
@@ -15,7 +16,17 @@ namespace {
 }
 }  // namespace
 
-VoteBook::VoteBook(std::string path) : path_(std::move(path)) {
+namespace {
+// One whitespace-separated number of a vote line, whole: no sign, no rest, within `max`.
+bool number(std::istringstream& fields, std::uint64_t max, std::uint64_t* out) {
+  std::string word;
+  if (!(fields >> word)) return false;
+  const auto [end, ec] = std::from_chars(word.data(), word.data() + word.size(), *out);
+  return ec == std::errc() && end == word.data() + word.size() && *out <= max;
+}
+}  // namespace
+
+VoteBook::VoteBook(std::string path, std::uint32_t servers) : path_(std::move(path)) {
   if (path_.empty()) return;
   std::ifstream in(path_);
   if (!in) {
@@ -25,28 +36,40 @@ VoteBook::VoteBook(std::string path) : path_(std::move(path)) {
   existed_ = true;
   // One line per server: "server incarnation holder won uri", uri "-" when none; and
   // "start incarnation", this server's latest start.
+  // Every word is checked: a flipped digit that still parsed could name another holder.
   std::string line;
-  std::uint64_t number = 0;
+  std::uint64_t at = 0;
+  const auto malformed = [&](const std::string& why) {
+    return Error(Errc::protocol, "line " + std::to_string(at) + " of the failover votes in " + path_ + " " + why +
+                                     "; the file is written by pskv-server alone: restore it, or remove it and "
+                                     "restart every server of the ring");
+  };
+  const std::uint64_t last_server = std::uint64_t{servers} - 1;
   while (std::getline(in, line)) {
-    ++number;
+    ++at;
     std::istringstream fields(line);
+    std::string rest;
+    std::uint64_t v[4] = {};
     if (line.rfind("start ", 0) == 0) {
-      std::string word;
-      if (!(fields >> word >> last_start_))
-        throw Error(Errc::protocol, "line " + std::to_string(number) + " of the failover votes in " + path_ +
-                                        " is malformed; the file is written by pskv-server alone");
+      fields >> rest;
+      // UINT32_MAX would wrap the next start's incarnation (last + 1) to 0.
+      if (!number(fields, UINT32_MAX - 1, &v[0]) || (fields >> rest)) throw malformed("is malformed");
+      last_start_ = static_cast<std::uint32_t>(v[0]);
       continue;
     }
     Entry e;
-    int won = 0;
     std::string uri;
-    if (!(fields >> e.c.server >> e.c.incarnation >> e.c.holder >> won >> uri) || (won != 0 && won != 1))
-      throw Error(Errc::protocol, "line " + std::to_string(number) + " of the failover votes in " + path_ +
-                                      " is malformed; the file is written by pskv-server alone");
-    e.won = won == 1;
+    if (!number(fields, last_server, &v[0]) || !number(fields, UINT32_MAX, &v[1]) ||
+        !number(fields, last_server, &v[2]) || !number(fields, 1, &v[3]) || !(fields >> uri) || (fields >> rest))
+      throw malformed("is malformed, or names a server past the ring's " + std::to_string(servers));
+    e.c.server = static_cast<std::uint32_t>(v[0]);
+    e.c.incarnation = static_cast<std::uint32_t>(v[1]);
+    e.c.holder = static_cast<std::uint32_t>(v[2]);
+    e.won = v[3] == 1;
     if (uri != "-") e.c.uri = uri;
-    entries_[e.c.server] = e;
+    if (!entries_.emplace(e.c.server, e).second) throw malformed("is a second entry of server " + std::to_string(v[0]));
   }
+  if (in.bad() || !in.eof()) io_fail("cannot read the failover votes in", path_);  // a short book forgets votes
 }
 
 void VoteBook::check_writable() {

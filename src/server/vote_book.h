@@ -35,8 +35,9 @@ namespace pskv {
 class VoteBook {
  public:
   // Reads `path` when it exists (an empty path: nothing is kept, for tests). Throws Error when
-  // it cannot be read or parsed: a voter that forgot its votes could grant two holders.
-  explicit VoteBook(std::string path);
+  // it cannot be read or parsed, or names a server past `servers` (the ring's size): a voter
+  // that forgot or misread its votes could grant two holders.
+  explicit VoteBook(std::string path, std::uint32_t servers = UINT32_MAX);
   // Writes the file as it stands: throws Error(io) if it cannot be kept (checked at start, not
   // at the first vote).
   void check_writable();

@@ -144,8 +144,18 @@ TEST(VoteBook, VotesSurviveARestartOfTheVoter) {
   EXPECT_TRUE(again.won_takeover_of(3));
   ASSERT_EQ(again.won().size(), 1u);
   EXPECT_EQ(again.won()[0], down(3, 7, 0));
-  std::ofstream(path, std::ios::app) << "garbage\n";
-  EXPECT_THROW(VoteBook{path}, Error) << "a voter that cannot read its votes must not start";
+  // Every word is checked, against the ring too: a flipped digit that still parses (holder 2 read
+  // as 9 in a ring of 4) once named a holder, a "-1" wrapped, and trailing words were ignored.
+  const std::string good = testing::read_file(path);
+  EXPECT_NO_THROW(VoteBook(path, 4));
+  EXPECT_THROW(VoteBook(path, 3), Error) << "server 3's entry, in a ring of 3";
+  for (const char* forged : {"1 100 9 0 -\n", "1 100 -1 0 -\n", "1 100 2 0 - extra\n", "1 100 2 2 -\n",
+                             "start 4294967295\n", "start -5\n", "1 100 2 0 -\n1 101 2 0 -\n", "garbage\n"}) {
+    std::ofstream(path, std::ios::trunc) << forged;
+    EXPECT_THROW(VoteBook(path, 4), Error) << forged << "a voter that cannot read its votes must not start";
+  }
+  std::ofstream(path, std::ios::trunc) << good;
+  EXPECT_EQ(VoteBook(path, 4).last_start(), 1234u);
 }
 
 TEST(FailoverWire, CertificatesAndVotesAreCheckedBeforeTheyAreFollowed) {
