@@ -155,7 +155,20 @@ class IoThread {
   bool flush_unsent(ServerConn& c);
   // Closes the connections whose queued replies have not moved for reply_timeout.
   void expire_unsent();
-  bool reap_sends(ServerConn& c);  // false: the queue pair broke
+  // Takes every send completion: how many, or -1 when the queue pair broke.
+  int reap_sends(ServerConn& c);
+  // Visits each connection of `list` once; drops (order not kept) those `done` returns true for.
+  template <class Done>
+  static void sweep(std::vector<std::shared_ptr<ServerConn>>& list, Done done) {
+    for (std::size_t i = 0; i < list.size();) {
+      if (done(*list[i])) {
+        list[i] = std::move(list.back());
+        list.pop_back();
+      } else {
+        ++i;
+      }
+    }
+  }
   // Ends the connection for good: the engine forgets its worker at once; its queue pair lingers
   // (without holding this thread) until its last replies left, then finish_close releases it.
   void close(ServerConn& c);

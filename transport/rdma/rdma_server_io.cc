@@ -283,35 +283,31 @@ bool IoThread::process(ServerConn& c) {
 }
 
 int IoThread::drain(ServerConn& c) {
-  ibv_wc wc[16];
-  const int m = ibv_poll_cq(c.send_cq, 16, wc);
-  for (int i = 0; i < m; ++i) {
-    if (wc[i].status != IBV_WC_SUCCESS) {
-      close(c);
-      return 0;
-    }
-    c.free_send.push_back(static_cast<std::uint32_t>(wc[i].wr_id));
-  }
+  const int m = reap_sends(c);
   if (m < 0 || !flush_unsent(c)) {
     close(c);
     return 0;
   }
   // Replies still waiting: read no more of its requests until they leave.
-  if (!c.unsent.empty()) return std::max(m, 0);
+  if (!c.unsent.empty()) return m;
+  ibv_wc wc[16];
   const int n = ibv_poll_cq(c.recv_cq, 16, wc);
   for (int i = 0; i < n && !c.closed.load(); ++i) on_recv(c, wc[i]);
   if (n < 0) close(c);
-  return std::max(m, 0) + std::max(n, 0);
+  return m + std::max(n, 0);
 }
 
-bool IoThread::reap_sends(ServerConn& c) {
+int IoThread::reap_sends(ServerConn& c) {
   ibv_wc wc[16];
-  const int m = ibv_poll_cq(c.send_cq, 16, wc);
-  for (int i = 0; i < m; ++i) {
-    if (wc[i].status != IBV_WC_SUCCESS) return false;  // the queue pair broke
-    c.free_send.push_back(static_cast<std::uint32_t>(wc[i].wr_id));
+  int reaped = 0, m;
+  while ((m = ibv_poll_cq(c.send_cq, 16, wc)) > 0) {
+    for (int i = 0; i < m; ++i) {
+      if (wc[i].status != IBV_WC_SUCCESS) return -1;  // the queue pair broke
+      c.free_send.push_back(static_cast<std::uint32_t>(wc[i].wr_id));
+    }
+    reaped += m;
   }
-  return m >= 0;
+  return m < 0 ? -1 : reaped;
 }
 
 bool IoThread::post_recv(ServerConn& c, std::uint32_t buffer) {
@@ -707,7 +703,7 @@ bool IoThread::reply(ServerConn& c, const wire::FrameHeader& req, Errc status, c
   // A client holds at most `depth` requests unanswered and has twice as many reply buffers, so
   // none free means its SENDs are not acknowledged yet: it is slow to re-post receives, or takes
   // none at all. The reply then waits in the connection's queue, never in this thread.
-  if (c.unsent.empty() && c.free_send.empty() && !reap_sends(c)) return false;
+  if (c.unsent.empty() && c.free_send.empty() && reap_sends(c) < 0) return false;
   if (!c.unsent.empty() || c.free_send.empty()) {
     // Nothing more of its requests is read while replies wait; what can still come is the rest
     // of a completion batch and the replies of its parked requests, at most `depth`.
@@ -792,8 +788,7 @@ bool IoThread::flush_unsent(ServerConn& c) {
 void IoThread::expire_unsent() {
   const auto now = std::chrono::steady_clock::now();
   const auto limit = server_.options_.reply_timeout;
-  for (std::size_t i = 0; i < stalled_.size();) {
-    ServerConn& c = *stalled_[i];
+  sweep(stalled_, [&](ServerConn& c) {
     if (!c.closed.load() && !c.unsent.empty() && now - c.unsent_since > limit) {
       log::warn("rdma.slow-reader",
                 "server " + std::to_string(engine_.options().server_id) + ": " + c.address + " took none of its " +
@@ -802,13 +797,8 @@ void IoThread::expire_unsent() {
       c.unsent.clear();  // none of them could leave: the close need not wait for them
       close(c);
     }
-    if (c.closed.load() || c.unsent.empty()) {
-      stalled_[i] = std::move(stalled_.back());
-      stalled_.pop_back();
-    } else {
-      ++i;
-    }
-  }
+    return c.closed.load() || c.unsent.empty();
+  });
 }
 
 bool IoThread::send_error(ServerConn& c, const wire::FrameHeader& req, Errc status, const std::string& why) {
@@ -857,47 +847,30 @@ void IoThread::finish_close(ServerConn& c) {
 
 void IoThread::expire_handshakes() {
   const auto now = std::chrono::steady_clock::now();
-  for (std::size_t i = 0; i < handshakes_.size();) {
-    ServerConn& c = *handshakes_[i];
+  sweep(handshakes_, [&](ServerConn& c) {
     if (!c.closed.load() && !c.authenticated.load() && now >= c.handshake_deadline) {
       auth::refuse(engine_.options().server_id, c.address,
                    "did not prove its token within " + std::to_string(server_.options_.handshake_timeout.count()) +
                        " ms (--handshake-timeout-ms)");
       close(c);
     }
-    if (c.closed.load() || c.authenticated.load()) {
-      handshakes_[i] = std::move(handshakes_.back());
-      handshakes_.pop_back();
-    } else {
-      ++i;
-    }
-  }
+    return c.closed.load() || c.authenticated.load();
+  });
 }
 
 bool IoThread::replies_left(ServerConn& c) {
-  ibv_wc wc[16];
-  int m;
-  while ((m = ibv_poll_cq(c.send_cq, 16, wc)) > 0)
-    for (int i = 0; i < m; ++i) {
-      if (wc[i].status != IBV_WC_SUCCESS) return true;  // the queue pair broke: nothing more leaves
-      c.free_send.push_back(static_cast<std::uint32_t>(wc[i].wr_id));
-    }
-  if (m < 0 || !flush_unsent(c)) return true;
+  // A broken queue pair (or a failed post) sends nothing more: nothing is left to wait for.
+  if (reap_sends(c) < 0 || !flush_unsent(c)) return true;
   return c.unsent.empty() && c.free_send.size() >= 2 * std::size_t{c.depth};
 }
 
 void IoThread::end_lingering(bool all) {
   const auto now = std::chrono::steady_clock::now();
-  for (std::size_t i = 0; i < lingering_.size();) {
-    ServerConn& c = *lingering_[i];
-    if (all || replies_left(c) || now >= c.linger_until) {
-      finish_close(c);
-      lingering_[i] = std::move(lingering_.back());
-      lingering_.pop_back();
-    } else {
-      ++i;
-    }
-  }
+  sweep(lingering_, [&](ServerConn& c) {
+    if (!all && !replies_left(c) && now < c.linger_until) return false;
+    finish_close(c);
+    return true;
+  });
 }
 
 }  // namespace pskv::rdma
