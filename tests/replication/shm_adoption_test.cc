@@ -1,10 +1,7 @@
 // A restarted shm server adopts its dead predecessor's segment (shm://NAME?adopt=1): SIGKILLed at
 // random instants under load, it comes back with every acknowledged push, nothing applied twice
 // or torn, the workers' clocks, and a failed start leaves the segment for the next attempt.
-#include <fcntl.h>
 #include <gtest/gtest.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -23,6 +20,7 @@
 #include "support/stats.h"
 #include "support/workloads.h"
 #include "table/embedding_table.h"
+#include "transport/shm/mapped_file.h"
 #include "transport/shm/segment.h"
 
 namespace pskv {
@@ -419,14 +417,8 @@ TEST(ShmAdoptionForged, AHeaderThatDoesNotFitItsMappingIsRefusedAndKept) {
     first.process.wait();
   }
   const std::string object = "/dev/shm/pskv-" + name;
-  const int fd = ::open(object.c_str(), O_RDWR);
-  ASSERT_GE(fd, 0) << object;
-  struct stat st {};
-  ASSERT_EQ(::fstat(fd, &st), 0);
-  auto* base = static_cast<std::byte*>(
-      ::mmap(nullptr, static_cast<std::size_t>(st.st_size), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
-  ::close(fd);
-  ASSERT_NE(base, MAP_FAILED);
+  auto mapped = shm::MappedFile::open(object);  // kept when it goes
+  std::byte* base = mapped->data();
   auto& h = *reinterpret_cast<shm::SegmentHeader*>(base);
   auto& sh = *reinterpret_cast<StoreHeader*>(base + h.store_offset);
   std::vector<std::byte> saved(offsetof(shm::SegmentHeader, ready)), saved_store(kStoreFixedHeaderBytes);
@@ -463,7 +455,7 @@ TEST(ShmAdoptionForged, AHeaderThatDoesNotFitItsMappingIsRefusedAndKept) {
     std::memcpy(static_cast<void*>(&h), saved.data(), saved.size());
     std::memcpy(static_cast<void*>(&sh), saved_store.data(), saved_store.size());
   }
-  ::munmap(base, static_cast<std::size_t>(st.st_size));
+  mapped.reset();
   auto server = ServerProcess::start(args);
   Client c(o);
   std::vector<float> out(16);
@@ -503,20 +495,13 @@ TEST(ShmAdoptionForged, ASecondSyncRecordOfAKeyIsRefused) {
     if (e.path().filename().string().rfind("pskv-" + name + ".tables.", 0) == 0) file = e.path().string() + "/sync";
   ASSERT_FALSE(file.empty()) << "no sync-step file of " << name;
   {
-    const int fd = ::open(file.c_str(), O_RDWR);
-    ASSERT_GE(fd, 0) << file;
-    struct stat st {};
-    ASSERT_EQ(::fstat(fd, &st), 0);
-    auto* base = static_cast<std::uint64_t*>(
-        ::mmap(nullptr, static_cast<std::size_t>(st.st_size), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
-    ::close(fd);
-    ASSERT_NE(static_cast<void*>(base), MAP_FAILED);
+    const auto mapped = shm::MappedFile::open(file);  // kept when it goes
+    auto* base = reinterpret_cast<std::uint64_t*>(mapped->data());
     std::uint64_t* first = base + 4096 / 8;  // records after the header page: [key | length | words | ...]
     std::uint64_t* second = first + 3 + first[2];
     ASSERT_EQ(first[1], 16u);
     ASSERT_EQ(second[1], 16u);
     second[0] = first[0];
-    ::munmap(base, static_cast<std::size_t>(st.st_size));
   }
   auto server = ServerProcess::start(args);
   Client check(o);
