@@ -334,6 +334,28 @@ void ShmServer::serve(std::uint32_t t) {
   }
 }
 
+void ShmServer::release_dead_owner(std::uint32_t i, pid_t pid) {
+  ClientArea& s = segment_->area(i);
+  auto& h = segment_->header();
+  // A push it was applying itself is rolled back and its stripe lock released first: server
+  // threads and other clients may be waiting on that lock. Then any other lock still tagged with
+  // it: a corrupt or hostile client may have left more.
+  const std::uint32_t tag = area_owner_tag(i);
+  const Store::Recovery r = engine_->store().recover(
+      s.undo, tag, reinterpret_cast<const float*>(segment_->area_data(i)), geo_.area_bytes / sizeof(float));
+  const std::uint32_t stray = engine_->store().release_locks_of(tag);
+  if (r == Store::Recovery::rolled_back) h.recovered_pushes.fetch_add(1);
+  if (r != Store::Recovery::nothing || stray)
+    log::warn("shm.recover", "client area " + std::to_string(i) + " (pid " + std::to_string(pid) + ") died " +
+                                 (r == Store::Recovery::rolled_back ? "inside a push: rolled it back"
+                                  : r == Store::Recovery::released  ? "holding a stripe lock: released it"
+                                                                    : "") +
+                                 (stray ? (r != Store::Recovery::nothing ? "; " : "") + std::string("released ") +
+                                              std::to_string(stray) + " more stripe locks it had left tagged"
+                                        : ""));
+  wake_thread(i);  // what it published is applied next
+}
+
 void ShmServer::watchdog() {
   auto& h = segment_->header();
   std::uint32_t last_change = engine_->clocks() ? engine_->clocks()->change_count() : 0;
@@ -343,44 +365,25 @@ void ShmServer::watchdog() {
       ClientArea& s = segment_->area(i);
       const pid_t pid = s.owner_pid.load(std::memory_order_acquire);
       const bool ignored = pid == ignored_[i].load(std::memory_order_relaxed);
-      if (pid == kLeavingArea) {
-        // Its client left owing nothing more than answers: free once they are given.
-        if (!ignored && (s.done.load() < s.head.load() || blocked_[i].load())) continue;
-        if (blocked_[i].load()) continue;
-        ignored_[i].store(0, std::memory_order_relaxed);
-        s.owner_pid.store(0);
-        continue;
-      }
-      if (pid == 0 || (pid == kClaimingArea && !ignored) || process_alive(pid, s.owner_start)) continue;
-      // The owner died. A push it was applying itself is rolled back and its stripe lock
-      // released first: server threads and other clients may be waiting on that lock. Then any
-      // other lock still tagged with it: a corrupt or hostile client may have left more.
-      const std::uint32_t tag = area_owner_tag(i);
-      const Store::Recovery r = engine_->store().recover(
-          s.undo, tag, reinterpret_cast<const float*>(segment_->area_data(i)), geo_.area_bytes / sizeof(float));
-      const std::uint32_t stray = engine_->store().release_locks_of(tag);
-      if (r == Store::Recovery::rolled_back) h.recovered_pushes.fetch_add(1);
-      if (r != Store::Recovery::nothing || stray)
-        log::warn("shm.recover", "client area " + std::to_string(i) + " (pid " + std::to_string(pid) + ") died " +
-                                     (r == Store::Recovery::rolled_back ? "inside a push: rolled it back"
-                                      : r == Store::Recovery::released  ? "holding a stripe lock: released it"
-                                                                        : "") +
-                                     (stray ? (r != Store::Recovery::nothing ? "; " : "") + std::string("released ") +
-                                                  std::to_string(stray) + " more stripe locks it had left tagged"
-                                            : ""));
-      // Whatever it published is applied next (it was fully written before head moved); then
-      // the area is freed for the next client. A ring that was being ignored is not.
-      wake_thread(i);
-      if (!ignored && (s.done.load() < s.head.load() || blocked_[i].load())) continue;
-      if (blocked_[i].load()) continue;  // its parked barrier still answers into the area
+      // A client that left while answers were still owed to it (ShmConnection's destructor):
+      // nothing of it to recover, only the answers to give before the area is free.
+      const bool leaving = pid == kLeavingArea;
+      if (!leaving && (pid == 0 || (pid == kClaimingArea && !ignored) || process_alive(pid, s.owner_start))) continue;
+      if (!leaving) release_dead_owner(i, pid);
+      // Whatever it published is applied first (it was fully written before head moved), and a
+      // parked barrier still answers into the area; then the area is freed for the next client.
+      // A ring that was being ignored is not waited for.
+      if (blocked_[i].load() || (!ignored && s.done.load() < s.head.load())) continue;
       ignored_[i].store(0, std::memory_order_relaxed);
-      // A client killed while it spun never said so: return its share of the spinner count
-      // (a share no larger than its threads could hold; the word is the client's to scribble).
-      const std::uint32_t share = s.client_polling.exchange(0);
-      if (share <= 1024) h.spinners.fetch_sub(share);
-      const std::uint32_t worker = s.worker_id;
-      if (worker != kNoWorker && engine_->clocks() && worker < engine_->clocks()->workers())
-        engine_->worker_left(worker, engine_->clocks()->clock(worker) == kClockDone);
+      if (!leaving) {
+        // A client killed while it spun never said so: return its share of the spinner count
+        // (a share no larger than its threads could hold; the word is the client's to scribble).
+        const std::uint32_t share = s.client_polling.exchange(0);
+        if (share <= 1024) h.spinners.fetch_sub(share);
+        const std::uint32_t worker = s.worker_id;
+        if (worker != kNoWorker && engine_->clocks() && worker < engine_->clocks()->workers())
+          engine_->worker_left(worker, engine_->clocks()->clock(worker) == kClockDone);
+      }
       s.owner_pid.store(0);
     }
     // Evictions and clock moves made outside a ring request must reach parked pulls too.

@@ -64,6 +64,8 @@ class ShmServer {
   void publish(std::uint32_t i, std::uint64_t seq);
   void wake_thread(std::uint32_t i);
   void wake_clock_waiters();
+  // A dead client's push rolled back and its stripe locks released (its area stays taken).
+  void release_dead_owner(std::uint32_t area, pid_t pid);
   void watchdog();
   // "client area I (pid P)", for log lines.
   std::string who(std::uint32_t i);
