@@ -59,10 +59,8 @@ RdmaServer::RdmaServer(const Uri& uri, ShardEngine& engine, const PinnedBuffer& 
     throw Error(Errc::invalid_argument,
                 "the receive region (recv_mb) must be between 1 and " + std::to_string(kMaxRegionMb) + " MiB");
   if (!options_.pinned) options_.pinned = std::make_shared<std::atomic<std::uint64_t>>(0);
-  pinned_ = options_.pinned;
   if (options_.pinned_budget_bytes == 0) options_.pinned_budget_bytes = physical_memory_bytes() / 2;
-  if (const std::uint64_t one = options_.region_bytes + std::uint64_t{3} * options_.queue_depth * kControlBytes;
-      one > options_.pinned_budget_bytes / 8 * 7)
+  if (const std::uint64_t one = pins_of(options_.queue_depth); one > pin_limit(false))
     throw Error(Errc::invalid_argument,
                 "one connection would pin " + std::to_string(one >> 20) + " MiB (its --rdma-recv-mb region and " +
                     "buffers), past the 7/8 of --rdma-pin-mb (" + std::to_string(options_.pinned_budget_bytes >> 20) +
@@ -182,9 +180,17 @@ void RdmaServer::close() noexcept {
   wake_fd_ = -1;
 }
 
+std::uint64_t RdmaServer::pins_of(std::uint32_t depth) const noexcept {
+  return options_.region_bytes + std::uint64_t{3} * depth * kControlBytes;  // a receive, two reply buffers
+}
+
+std::uint64_t RdmaServer::pin_limit(bool server_peer) const noexcept {
+  return server_peer ? options_.pinned_budget_bytes : options_.pinned_budget_bytes / 8 * 7;
+}
+
 JsonObject RdmaServer::stats_fields() const {
   JsonObject fields;
-  fields.add("rdma_pinned_bytes", pinned_->load(std::memory_order_relaxed))
+  fields.add("rdma_pinned_bytes", options_.pinned->load(std::memory_order_relaxed))
       .add("rdma_budget_bytes", options_.pinned_budget_bytes);
   return fields;
 }
@@ -304,9 +310,9 @@ void RdmaServer::on_connect_request(rdma_cm_event* ev) {
   // Everything a connection registers is pinned for its life: a peer opening connections must
   // not be able to pin the machine's memory away. Clients stop at 7/8 of the budget, so that the
   // ring's other servers (replication, failover votes) still find room past any number of them.
-  const std::uint64_t pins = options_.region_bytes + std::uint64_t{3} * depth * kControlBytes;
-  const std::uint64_t limit = server_peer ? options_.pinned_budget_bytes : options_.pinned_budget_bytes / 8 * 7;
-  std::uint64_t pinned = pinned_->load(std::memory_order_relaxed);
+  const std::uint64_t pins = pins_of(depth), limit = pin_limit(server_peer);
+  std::atomic<std::uint64_t>& count = *options_.pinned;
+  std::uint64_t pinned = count.load(std::memory_order_relaxed);
   do {
     if (pinned + pins > limit) {
       const auto mib = [](std::uint64_t b) { return std::to_string((b + (1u << 20) - 1) >> 20); };
@@ -318,7 +324,7 @@ void RdmaServer::on_connect_request(rdma_cm_event* ev) {
                     "the server's connections pin " + mib(pinned) + " of the " + mib(limit) +
                         " MiB they may (--rdma-pin-mb); one more needs " + mib(pins) + " (--rdma-recv-mb)");
     }
-  } while (!pinned_->compare_exchange_weak(pinned, pinned + pins, std::memory_order_relaxed));
+  } while (!count.compare_exchange_weak(pinned, pinned + pins, std::memory_order_relaxed));
 
   auto conn = std::make_shared<ServerConn>();
   conn->tag = std::uint64_t{++accepted_} << 32;  // the generation in the high half, as tcp's tags
@@ -337,7 +343,7 @@ void RdmaServer::on_connect_request(rdma_cm_event* ev) {
   }
   conn->depth = depth;
   conn->pinned = pins;  // charged above
-  conn->pinned_total = pinned_;
+  conn->pinned_total = options_.pinned;
   try {
     // A table_pull's reply WRITEs its rows in pieces no larger than the port's largest message
     // before its SEND, so each reply buffer stands for that many more send queue entries.

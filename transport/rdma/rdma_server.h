@@ -87,6 +87,12 @@ class RdmaServer {
   void cm_loop();
   void on_connect_request(rdma_cm_event* ev);
   void refuse(rdma_cm_id* id, Errc status, const std::string& why);
+  // What a connection of `depth` credits pins, and what all connections may pin before a
+  // client's (or another server's) connect is refused. options_.pinned counts it: charged by the
+  // rdma_cm thread before a connection's buffers exist, given back by whichever thread releases
+  // them (ServerConn::release), shared with the process's other rdma listeners.
+  std::uint64_t pins_of(std::uint32_t depth) const noexcept;
+  std::uint64_t pin_limit(bool server_peer) const noexcept;
   // From a completion thread: the connection's verbs objects are gone; destroy its cm id.
   void retire(const std::shared_ptr<ServerConn>& conn);
 
@@ -111,9 +117,6 @@ class RdmaServer {
   std::vector<std::unique_ptr<IoThread>> io_;
   std::uint32_t next_io_ = 0;
   std::uint64_t accepted_ = 0;  // connections accepted so far (the rdma_cm thread's): their tags
-  // Charged by the rdma_cm thread before a connection's buffers exist, given back by whichever
-  // thread releases them (ServerConn::release). Shared with the process's other rdma listeners.
-  std::shared_ptr<std::atomic<std::uint64_t>> pinned_;
   std::unordered_map<rdma_cm_id*, std::shared_ptr<ServerConn>> conns_;  // the cm thread's
   std::mutex retire_mu_;
   std::vector<std::shared_ptr<ServerConn>> retired_;
