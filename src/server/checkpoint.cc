@@ -345,7 +345,7 @@ CheckpointInfo parse_checkpoint(const std::uint8_t* data, std::size_t size, Stor
   take(&f, sizeof f, "the footer");
   if (std::memcmp(f.magic, kEnd, 8) != 0 || f.keys != h.f.keys || f.crc != crc_of_crcs) throw corrupt("bad footer");
   if (at != size) throw corrupt("trailing bytes after the footer");
-  return {h.f.server_id, h.f.keys, size, h.f.started_unix_ns};
+  return {h.f.keys, size, h.f.started_unix_ns};
 }
 
 CheckpointInfo read_checkpoint(Store& store, SyncAccumulator* sync, const std::string& path,

@@ -24,7 +24,6 @@
 namespace pskv {
 
 struct CheckpointInfo {
-  std::uint32_t server_id = 0;  // whose shard it is
   std::uint64_t keys = 0;
   std::uint64_t bytes = 0;
   // Wall-clock time (CLOCK_REALTIME) before the first key was snapshotted: every push
