@@ -15,6 +15,7 @@
 #include <span>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "buffers.h"
@@ -88,8 +89,13 @@ struct Session {
   // served from the old registration's pages. Declared first, so destroyed after the client.
   std::vector<HeldBuffer> registered;
   std::unique_ptr<Client> client;
-  bool closing = false;       // no new calls; set by close()
-  int active = 0;             // calls that may release the GIL (Python callbacks included)
+  bool closing = false;  // no new calls; set by close()
+  int active = 0;        // calls that may release the GIL (Python callbacks included)
+  // The threads of those calls, one entry per call: close() from a signal handler runs on a
+  // thread inside a call of its own, which cannot end until the handler returns.
+  std::vector<std::thread::id> active_threads;
+  // Set by such a close(): the client goes when the last call ends (finish_deferred_close).
+  enum class Deferred { no, finished, abandoned } deferred = Deferred::no;
   std::size_t in_flight = 0;  // operations issued and not yet completed (live Works and orphans)
   std::size_t window = 1;     // ClientOptions.max_in_flight: past it, issuing waits for room
   Work* live = nullptr;       // in-flight Works still referenced from Python (intrusive list)
@@ -99,6 +105,12 @@ struct Session {
   std::optional<Error> orphan_error;
 
   ~Session();
+  bool active_on_this_thread() const {
+    return std::find(active_threads.begin(), active_threads.end(), std::this_thread::get_id()) != active_threads.end();
+  }
+  // Ends the client once a deferred close() has no call left: as close(), except that nothing
+  // can be raised and nothing still in flight is waited for.
+  void finish_deferred_close() noexcept;
   void require_open() const {
     if (closing || !client) throw Error(Errc::invalid_argument, "this pskv.Client is closed; create a new one");
   }
@@ -116,8 +128,14 @@ struct Session {
 // Counts a call that runs with the GIL released (constructed and destroyed with the GIL held).
 class ActiveCall {
  public:
-  explicit ActiveCall(Session& s) : s_(s) { ++s_.active; }
-  ~ActiveCall() { --s_.active; }
+  explicit ActiveCall(Session& s) : s_(s) {
+    s_.active_threads.push_back(std::this_thread::get_id());
+    ++s_.active;
+  }
+  ~ActiveCall() {
+    s_.active_threads.erase(std::find(s_.active_threads.begin(), s_.active_threads.end(), std::this_thread::get_id()));
+    if (--s_.active == 0 && s_.deferred != Session::Deferred::no) s_.finish_deferred_close();
+  }
   ActiveCall(const ActiveCall&) = delete;
   ActiveCall& operator=(const ActiveCall&) = delete;
 
@@ -262,6 +280,39 @@ Waited wait_ticket(Session& s, Ticket ticket, std::chrono::steady_clock::time_po
     if (watch_closing && s.closing) return Waited::closing;
     if (std::chrono::steady_clock::now() >= deadline) return Waited::timed_out;
   }
+}
+
+void Session::finish_deferred_close() noexcept {
+  const bool finished = deferred == Deferred::finished;
+  deferred = Deferred::no;
+  // What already completed keeps its outcome; the rest is not waited for (a barrier may never
+  // come from a handler's point of view). The C++ client's goodbye is bounded.
+  std::vector<std::pair<Work*, std::optional<Error>>> outcomes;
+  for (Work* w = live; w; w = w->next()) {
+    std::optional<Error> failure;
+    bool done = false;
+    try {
+      done = client->done(w->ticket()) && wait_slice(*client, w->ticket(), 0ms, failure);
+    } catch (const Error& e) {
+      done = true;
+      failure = e;
+    }
+    if (!done) failure = Error(Errc::invalid_argument, "the client was closed before this operation completed");
+    outcomes.emplace_back(w, std::move(failure));
+  }
+  for (auto& [w, failure] : outcomes) w->complete(failure);
+  {
+    std::unique_ptr<Client> doomed = std::move(client);
+    py::gil_scoped_release unlocked;
+    try {
+      if (!finished) doomed->disconnect();
+    } catch (const Error&) {
+    }
+    doomed.reset();
+  }
+  orphans.clear();
+  in_flight = 0;
+  registered.clear();
 }
 
 Session::~Session() {
@@ -572,6 +623,13 @@ class PyClient {
     Session& s = *session_;
     if (s.closing) return;
     s.closing = true;
+    if (s.active_on_this_thread()) {
+      // Called from a signal handler (or a callback) while this thread is inside a call of this
+      // client, which waits for that very call: the interrupted call ends with "being closed",
+      // and the last call to end closes the client.
+      s.deferred = finished ? Session::Deferred::finished : Session::Deferred::abandoned;
+      return;
+    }
     // Calls in other threads finish or notice `closing` within one signal slice (one blocked in
     // a Python callback may take longer: Ctrl-C leaves this client closed, its memory with it).
     while (s.active > 0) {
@@ -780,6 +838,51 @@ UpdateRuleConfig rule_config(const std::string& rule, float lr, float momentum, 
   return {*parsed, lr, momentum, beta1, beta2, eps, weight_decay};
 }
 
+template <class T>
+T whole_number(const PyInteger& value, const char* name, T low, T high) {
+  static_assert(std::is_unsigned_v<T> && sizeof(T) <= sizeof(unsigned long long));
+  PyObject* object = value.value.ptr();
+  const auto refuse = [&]() -> T {
+    PyObject* shown = object ? PyObject_Repr(object) : nullptr;
+    std::string text = "?";
+    if (shown) {
+      text = str_of(shown);
+      Py_DECREF(shown);
+    } else {
+      PyErr_Clear();
+    }
+    throw Error(Errc::invalid_argument, std::string(name) + " must be an int from " + std::to_string(low) + " to " +
+                                            std::to_string(high) + ", not " + text);
+  };
+  // numpy's integers pass (they have __index__); True, 2.0 and "2" do not.
+  if (!object || PyBool_Check(object)) return refuse();
+  const py::object number = py::reinterpret_steal<py::object>(PyNumber_Index(object));
+  if (!number) {
+    PyErr_Clear();
+    return refuse();
+  }
+  int overflow = 0;
+  const long long as_signed = PyLong_AsLongLongAndOverflow(number.ptr(), &overflow);
+  if (as_signed == -1 && PyErr_Occurred()) {
+    PyErr_Clear();
+    return refuse();
+  }
+  if (overflow < 0 || (overflow == 0 && as_signed < 0)) return refuse();
+  unsigned long long n = static_cast<unsigned long long>(as_signed);
+  if (overflow > 0) {
+    n = PyLong_AsUnsignedLongLong(number.ptr());
+    if (n == static_cast<unsigned long long>(-1) && PyErr_Occurred()) {
+      PyErr_Clear();
+      return refuse();
+    }
+  }
+  if (n < low || n > high) return refuse();
+  return static_cast<T>(n);
+}
+
+template std::uint32_t whole_number(const PyInteger&, const char*, std::uint32_t, std::uint32_t);
+template std::uint64_t whole_number(const PyInteger&, const char*, std::uint64_t, std::uint64_t);
+
 std::chrono::milliseconds to_ms(double seconds, const char* name) {
   // Past a year (inf among them) the conversion would overflow the nanoseconds deadlines use.
   constexpr double kYear = 365.0 * 24 * 3600;
@@ -802,9 +905,9 @@ void bind_client(py::module_& m) {
   py::class_<PyClient> client_class(m, "Client");
   client_class
       .def(py::init([](py::object servers, py::object worker_id, const std::string& partition,
-                       std::uint64_t range_keys, std::uint64_t chunk_floats, double connect_timeout, double io_timeout,
-                       std::uint32_t max_in_flight, bool checksum, const std::string& auth_token_file,
-                       std::uint64_t initial_clock, double retry_timeout) {
+                       const PyInteger& range_keys, const PyInteger& chunk_floats, double connect_timeout,
+                       double io_timeout, const PyInteger& max_in_flight, bool checksum,
+                       const std::string& auth_token_file, const PyInteger& initial_clock, double retry_timeout) {
              ClientOptions o;
              if (py::isinstance<py::str>(servers))
                o.servers = {servers.cast<std::string>()};
@@ -823,14 +926,14 @@ void bind_client(py::module_& m) {
              if (partition != "hash" && partition != "range")
                throw Error(Errc::invalid_argument, "partition must be 'hash' or 'range', not '" + partition + "'");
              o.partition = partition == "range" ? Partition::range : Partition::hash;
-             o.range_keys = range_keys;
-             o.chunk_floats = chunk_floats;
+             o.range_keys = whole_number<std::uint64_t>(range_keys, "range_keys");
+             o.chunk_floats = whole_number<std::uint64_t>(chunk_floats, "chunk_floats");
              o.connect_timeout = to_ms(connect_timeout, "connect_timeout");
              o.io_timeout = to_ms(io_timeout, "io_timeout");
-             o.max_in_flight = max_in_flight;
+             o.max_in_flight = whole_number<std::uint32_t>(max_in_flight, "max_in_flight");
              o.checksum = checksum;
              o.auth_token_file = auth_token_file;
-             o.initial_clock = initial_clock;
+             o.initial_clock = whole_number<std::uint64_t>(initial_clock, "initial_clock");
              o.retry_timeout = to_ms(retry_timeout, "retry_timeout");
              return std::make_unique<PyClient>(o);
            }),
@@ -846,31 +949,37 @@ void bind_client(py::module_& m) {
       .def("current_clock", &PyClient::current_clock)
       .def("num_servers", &PyClient::num_servers)
       .def("staleness", &PyClient::staleness, "{'reads', 'max', 'histogram'}: staleness seen by bounded reads.")
-      .def("server_stats", &PyClient::server_stats, py::arg("server"), "Server `server`'s counters, parsed from JSON.")
+      .def(
+          "server_stats",
+          [](PyClient& c, const PyInteger& server) {
+            return c.server_stats(whole_number<std::uint64_t>(server, "server"));
+          },
+          py::arg("server"), "Server `server`'s counters, parsed from JSON.")
       .def("_cpp_loop", &PyClient::cpp_loop, py::arg("key"), py::arg("buffer"), py::arg("op"), py::arg("seconds"),
            "pskv.bench's C++ baseline: (bytes/s, p50 us) of a one-in-flight C++ loop on this client.")
       .def(
           "create_table",
-          [](PyClient& c, std::uint32_t table, std::uint32_t dim, const std::string& init, float init_scale,
-             std::uint64_t seed, const std::string& rule, float lr, float momentum, float beta1, float beta2, float eps,
-             float weight_decay, std::uint32_t admit_after, const std::string& eviction, std::uint64_t max_rows) {
+          [](PyClient& c, const PyInteger& table, const PyInteger& dim, const std::string& init, float init_scale,
+             const PyInteger& seed, const std::string& rule, float lr, float momentum, float beta1, float beta2,
+             float eps, float weight_decay, const PyInteger& admit_after, const std::string& eviction,
+             const PyInteger& max_rows) {
             TableSpec spec;
-            spec.dim = dim;
+            spec.dim = whole_number<std::uint32_t>(dim, "dim");
             const auto i = parse_row_init(init);
             if (!i)
               throw Error(Errc::invalid_argument, "init must be 'zeros', 'uniform' or 'normal', not '" + init + "'");
             spec.init = *i;
             spec.init_scale = init_scale;
-            spec.seed = seed;
+            spec.seed = whole_number<std::uint64_t>(seed, "seed");
             spec.rule = rule_config(rule, lr, momentum, beta1, beta2, eps, weight_decay);
-            spec.admit_after = admit_after;
+            spec.admit_after = whole_number<std::uint32_t>(admit_after, "admit_after");
             const auto e = parse_row_eviction(eviction);
             if (!e)
               throw Error(Errc::invalid_argument,
                           "eviction must be 'none', 'lru', 'lfu' or 'step', not '" + eviction + "'");
             spec.eviction = *e;
-            spec.max_rows = max_rows;
-            c.create_table(table, spec);
+            spec.max_rows = whole_number<std::uint64_t>(max_rows, "max_rows");
+            c.create_table(whole_number<std::uint32_t>(table, "table"), spec);
           },
           py::arg("table"), py::arg("dim"), py::kw_only(), py::arg("init") = "uniform", py::arg("init_scale") = 0.01f,
           py::arg("seed") = 0, py::arg("rule") = "sgd", py::arg("lr") = 0.01f, py::arg("momentum") = 0.9f,
@@ -884,8 +993,8 @@ void bind_client(py::module_& m) {
           "same arguments; another spec for the same table raises pskv.InvalidArgument.")
       .def(
           "pull_rows",
-          [](PyClient& c, std::uint32_t table, py::handle ids, py::handle out, bool async_op) {
-            return c.rows(false, table, ids, out, async_op);
+          [](PyClient& c, const PyInteger& table, py::handle ids, py::handle out, bool async_op) {
+            return c.rows(false, whole_number<std::uint32_t>(table, "table"), ids, out, async_op);
           },
           py::arg("table"), py::arg("ids"), py::arg("out"), py::kw_only(), py::arg("async_op") = true,
           "Reads the rows of `ids` (int64/uint64 array or ints) into `out` (float32, len(ids) * dim, row by row); "
@@ -893,8 +1002,8 @@ void bind_client(py::module_& m) {
           "async_op=False waits and returns None.")
       .def(
           "push_rows",
-          [](PyClient& c, std::uint32_t table, py::handle ids, py::handle grads, bool async_op) {
-            return c.rows(true, table, ids, grads, async_op);
+          [](PyClient& c, const PyInteger& table, py::handle ids, py::handle grads, bool async_op) {
+            return c.rows(true, whole_number<std::uint32_t>(table, "table"), ids, grads, async_op);
           },
           py::arg("table"), py::arg("ids"), py::arg("grads"), py::kw_only(), py::arg("async_op") = true,
           "Sends the gradients of `ids` (float32, len(ids) * dim), applied row by row by the table's rule; the "

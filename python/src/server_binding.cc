@@ -1,6 +1,7 @@
 // pskv.Server: one shard served by threads of this process.
 #include <pybind11/stl.h>
 
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
@@ -22,6 +23,14 @@ class PyServer {
     py::gil_scoped_release unlocked;
     server_ = std::make_unique<Server>(o);
   }
+  // Stopping joins the server's threads and may write a final checkpoint: other Python threads
+  // run meanwhile.
+  ~PyServer() {
+    py::gil_scoped_release unlocked;
+    server_.reset();
+  }
+  PyServer(const PyServer&) = delete;
+  PyServer& operator=(const PyServer&) = delete;
   std::string uri() const { return server_->uri(); }
   py::object stats() const {
     const std::string text = server_->stats_json();
@@ -48,42 +57,44 @@ void bind_server(py::module_& m) {
   const ServerOptions d;
   const auto seconds = [](std::chrono::milliseconds ms) { return static_cast<double>(ms.count()) / 1000; };
   py::class_<PyServer>(m, "Server", "One pskv server shard, served by threads of this process until stop().")
-      .def(py::init([](const std::string& uri, std::uint32_t workers, const std::string& mode, std::uint32_t staleness,
-                       const std::string& rule, float lr, float momentum, float beta1, float beta2, float eps,
-                       float weight_decay, std::uint32_t server_id, std::uint32_t sync_required, double wait_timeout,
-                       const std::string& straggler, std::uint64_t arena_mb, std::uint64_t max_keys,
-                       std::uint32_t stripes, std::uint32_t io_threads, std::uint32_t max_connections,
-                       std::uint64_t max_request_mb, const std::string& checkpoint_dir, double checkpoint_every,
-                       const std::string& restore_dir, const std::string& auth_token_file,
-                       std::optional<std::uint32_t> shm_clients, std::optional<std::uint64_t> shm_area_mb,
-                       std::optional<std::string> shm_push, std::optional<std::string> tcp_push,
-                       std::uint64_t table_memory_mb) {
+      .def(py::init([](const std::string& uri, const PyInteger& workers, const std::string& mode,
+                       const PyInteger& staleness, const std::string& rule, float lr, float momentum, float beta1,
+                       float beta2, float eps, float weight_decay, const PyInteger& server_id,
+                       const PyInteger& sync_required, double wait_timeout, const std::string& straggler,
+                       const PyInteger& arena_mb, const PyInteger& max_keys, const PyInteger& stripes,
+                       const PyInteger& io_threads, const PyInteger& max_connections, const PyInteger& max_request_mb,
+                       const std::string& checkpoint_dir, double checkpoint_every, const std::string& restore_dir,
+                       const std::string& auth_token_file, std::optional<PyInteger> shm_clients,
+                       std::optional<PyInteger> shm_area_mb, std::optional<std::string> shm_push,
+                       std::optional<std::string> tcp_push, const PyInteger& table_memory_mb) {
+             // Megabytes are shifted into bytes: past this they would wrap.
+             constexpr std::uint64_t kMaxMb = std::numeric_limits<std::uint64_t>::max() >> 20;
              ServerOptions o;
              o.uri = uri;
-             o.num_workers = workers;
+             o.num_workers = whole_number<std::uint32_t>(workers, "workers");
              const auto parsed_mode = parse_consistency_mode(mode);
              if (!parsed_mode)
                throw Error(Errc::invalid_argument, "mode must be asp, bsp, ssp or sync, not '" + mode + "'");
              o.mode = *parsed_mode;
-             o.staleness = staleness;
+             o.staleness = whole_number<std::uint32_t>(staleness, "staleness");
              o.rule = rule_config(rule, lr, momentum, beta1, beta2, eps, weight_decay);
-             o.server_id = server_id;
-             o.sync_required = sync_required;
+             o.server_id = whole_number<std::uint32_t>(server_id, "server_id");
+             o.sync_required = whole_number<std::uint32_t>(sync_required, "sync_required");
              o.wait_timeout = to_ms(wait_timeout, "wait_timeout");
              if (straggler != "fail" && straggler != "evict")
                throw Error(Errc::invalid_argument, "straggler must be 'fail' or 'evict', not '" + straggler + "'");
              o.straggler = straggler == "evict" ? StragglerPolicy::evict : StragglerPolicy::fail;
-             o.arena_bytes = arena_mb << 20;
-             o.max_keys = max_keys;
-             o.stripes = stripes;
-             o.io_threads = io_threads;
-             o.max_connections = max_connections;
-             o.max_request_bytes = max_request_mb << 20;
+             o.arena_bytes = whole_number<std::uint64_t>(arena_mb, "arena_mb", 0, kMaxMb) << 20;
+             o.max_keys = whole_number<std::uint64_t>(max_keys, "max_keys");
+             o.stripes = whole_number<std::uint32_t>(stripes, "stripes");
+             o.io_threads = whole_number<std::uint32_t>(io_threads, "io_threads");
+             o.max_connections = whole_number<std::uint32_t>(max_connections, "max_connections");
+             o.max_request_bytes = whole_number<std::uint64_t>(max_request_mb, "max_request_mb", 0, kMaxMb) << 20;
              o.checkpoint_dir = checkpoint_dir;
              o.checkpoint_interval = to_ms(checkpoint_every, "checkpoint_every");
              o.restore_dir = restore_dir;
              o.auth_token_file = auth_token_file;
-             o.table_memory_bytes = table_memory_mb << 20;
+             o.table_memory_bytes = whole_number<std::uint64_t>(table_memory_mb, "table_memory_mb", 0, kMaxMb) << 20;
              // Backend settings travel as URI parameters; these keywords are a shorter way to write them.
              const std::string scheme = uri.substr(0, uri.find("://"));
              auto param = [&](const char* keyword, const char* for_scheme, const char* name,
@@ -94,11 +105,12 @@ void bind_server(py::module_& m) {
                              std::string(keyword) + " applies to " + for_scheme + ":// servers, not " + uri);
                o.uri += (o.uri.find('?') == std::string::npos ? "?" : "&") + std::string(name) + "=" + *value;
              };
-             auto text = [](const auto& n) {
-               return n ? std::optional<std::string>(std::to_string(*n)) : std::nullopt;
+             auto text = [](const std::optional<PyInteger>& n, const char* name) {
+               return n ? std::optional<std::string>(std::to_string(whole_number<std::uint64_t>(*n, name)))
+                        : std::nullopt;
              };
-             param("shm_clients", "shm", "clients", text(shm_clients));
-             param("shm_area_mb", "shm", "area_mb", text(shm_area_mb));
+             param("shm_clients", "shm", "clients", text(shm_clients, "shm_clients"));
+             param("shm_area_mb", "shm", "area_mb", text(shm_area_mb, "shm_area_mb"));
              param("shm_push", "shm", "push", shm_push);
              param("tcp_push", "tcp", "push", tcp_push);
              return std::make_unique<PyServer>(o);

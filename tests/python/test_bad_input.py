@@ -326,3 +326,65 @@ def test_a_registered_buffer_is_held_until_the_client_closes(server):
     assert sys.getrefcount(a) == before + 1
     c.close()
     assert sys.getrefcount(a) == before
+
+
+def test_close_from_a_signal_handler_ends_the_call_it_interrupted(bsp_pair):
+    # A SIGTERM-style handler that closes the client runs inside the call it interrupted, which
+    # close() used to wait for: for good, since the call could not end until the handler did.
+    _, w0, _ = bsp_pair
+    x = np.full(N, 2.0, np.float32)
+    w0.init(1, x).wait()
+    pushed = w0.push(1, x)
+    pushed.wait()
+    queued = w0.push(1, x)  # live when the handler runs; completed or failed by the close, never left
+    closed_in_handler = []
+
+    def handler(signum, frame):
+        w0.close()
+        closed_in_handler.append(w0.closed)
+
+    previous = signal.signal(signal.SIGUSR1, handler)
+    try:
+        threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGUSR1)).start()
+        t0 = time.monotonic()
+        with pytest.raises(pskv.InvalidArgument, match="being closed"):
+            w0.barrier()  # worker 1 never comes
+        assert time.monotonic() - t0 < 10.0
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert closed_in_handler == [True]
+    assert queued.done()
+    try:
+        queued.wait()
+    except pskv.InvalidArgument as e:
+        assert "closed before" in str(e)
+    expect(pskv.InvalidArgument, "closed", lambda: w0.pull(1, x))
+    w0.close()  # again: nothing left to do
+
+
+@pytest.mark.parametrize("make, name", [
+    (lambda uri: pskv.Client(uri, max_in_flight=-1), "max_in_flight"),
+    (lambda uri: pskv.Client(uri, chunk_floats=2**64), "chunk_floats"),
+    (lambda uri: pskv.Client(uri, initial_clock="3"), "initial_clock"),
+    (lambda uri: pskv.Client(uri, range_keys=1.5), "range_keys"),
+    (lambda uri: pskv.Server("tcp://127.0.0.1:0", workers=-1), "workers"),
+    (lambda uri: pskv.Server("tcp://127.0.0.1:0", io_threads=True), "io_threads"),
+    (lambda uri: pskv.Server("tcp://127.0.0.1:0", arena_mb=2**50), "arena_mb"),
+    (lambda uri: pskv.Server("tcp://127.0.0.1:0", max_request_mb=-4), "max_request_mb"),
+])
+def test_integer_arguments_out_of_range_are_named(server, make, name):
+    # pybind11 refused these with a dump of the whole signature, and arena_mb=2**50 wrapped to a
+    # 0-byte arena when shifted into bytes.
+    e = expect(pskv.InvalidArgument, f"{name} must be an int from 0 to \\d+, not ", lambda: make(server.uri))
+    assert "Invoked with" not in str(e)
+
+
+def test_integer_arguments_of_tables_are_named(client):
+    expect(pskv.InvalidArgument, "dim must be an int", lambda: client.create_table(1, -16))
+    expect(pskv.InvalidArgument, "table must be an int", lambda: client.create_table(-1, 16))
+    expect(pskv.InvalidArgument, "max_rows must be an int", lambda: client.create_table(1, 16, max_rows=-1))
+    ids = np.arange(4, dtype=np.int64)
+    expect(pskv.InvalidArgument, "table must be an int",
+           lambda: client.pull_rows(-2, ids, np.zeros(64, np.float32)))
+    expect(pskv.InvalidArgument, "server must be an int", lambda: client.server_stats(-1))
+    assert client.server_stats(np.uint8(0))["keys"] >= 0  # numpy integers are ints
