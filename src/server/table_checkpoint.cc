@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <iterator>
 #include <map>
+#include <optional>
 #include <vector>
 
 #include "layout/crc.h"
@@ -19,7 +20,10 @@ namespace {
 
 constexpr char kMagic[8] = {'P', 'S', 'K', 'V', 'T', 'B', 'L', '1'};
 constexpr char kEnd[8] = {'P', 'S', 'K', 'V', 'E', 'N', 'D', '1'};
-constexpr std::uint32_t kVersion = 1;
+// 2: the trailer's counts are under its checksum, and a manifest names each table's newest file.
+constexpr std::uint32_t kVersion = 2;
+constexpr char kManifestMagic[8] = {'P', 'S', 'K', 'V', 'T', 'M', 'F', '1'};
+constexpr std::uint32_t kManifestVersion = 1;
 
 #pragma pack(push, 1)
 struct Header {
@@ -39,11 +43,60 @@ struct Trailer {
   std::uint64_t removed;
   std::uint32_t crc;
 };
+struct ManifestHeader {
+  char magic[8];
+  std::uint32_t version;
+  std::uint32_t server_id;
+  std::uint32_t tables;
+};
+struct ManifestEntry {
+  std::uint32_t table;
+  std::uint32_t seq;
+  std::uint64_t generation;
+  std::uint32_t crc;  // the trailer checksum of that file
+};
 #pragma pack(pop)
 
 std::string file_name(std::uint32_t table, std::uint32_t server, std::uint64_t generation, std::uint32_t seq) {
   return "table-" + std::to_string(table) + ".server-" + std::to_string(server) + ".g" + std::to_string(generation) +
          "." + std::to_string(seq) + ".ckpt";
+}
+
+std::string manifest_name(std::uint32_t server) {
+  return "tables.server-" + std::to_string(server) + ".manifest";
+}
+
+// The manifest's entries by table, or nothing if `dir` has none for `server`. Error(protocol)
+// naming it if it does not check out.
+std::optional<std::map<std::uint32_t, ManifestEntry>> read_manifest(const std::string& dir, std::uint32_t server) {
+  const std::string path = dir + "/" + manifest_name(server);
+  std::error_code ec;
+  if (!std::filesystem::exists(std::filesystem::symlink_status(path, ec))) return std::nullopt;
+  const CheckpointFile file(path);
+  auto corrupt = [&](const std::string& why) {
+    return Error(Errc::protocol, "table checkpoint manifest " + path + " " + why +
+                                     "; restore an older checkpoint or start without --restore");
+  };
+  ManifestHeader h;
+  if (file.size() < sizeof h + sizeof(std::uint32_t)) throw corrupt("is too short");
+  std::memcpy(&h, file.data(), sizeof h);
+  if (std::memcmp(h.magic, kManifestMagic, 8) != 0) throw corrupt("is not a pskv table manifest (bad magic)");
+  if (h.tables > kMaxTables || file.size() != sizeof h + h.tables * sizeof(ManifestEntry) + sizeof(std::uint32_t))
+    throw corrupt("has a table count that does not match its size");
+  std::uint32_t crc;
+  std::memcpy(&crc, file.data() + file.size() - sizeof crc, sizeof crc);
+  if (crc != crc32_update(0, file.data(), file.size() - sizeof crc)) throw corrupt("fails its checksum");
+  if (h.version != kManifestVersion)
+    throw corrupt("is of version " + std::to_string(h.version) + ", not readable by this build");
+  if (h.server_id != server) throw corrupt("is server " + std::to_string(h.server_id) + "'s");
+  std::map<std::uint32_t, ManifestEntry> out;
+  for (std::uint32_t i = 0; i < h.tables; ++i) {
+    ManifestEntry e;
+    std::memcpy(&e, file.data() + sizeof h + i * sizeof e, sizeof e);
+    if (e.table >= kMaxTables || !out.emplace(e.table, e).second)
+      throw corrupt("names table " + std::to_string(e.table) + " twice or past the table ids");
+  }
+  return out;
 }
 
 // table -> generation -> seq -> path, of `server`'s files in `dir`.
@@ -69,6 +122,41 @@ Files scan(const std::string& dir, std::uint32_t server) {
 
 TableCheckpointInfo TableCheckpointer::write(ShardEngine& engine) {
   TableCheckpointInfo info;
+  try {
+    write_tables(engine, info);
+  } catch (...) {
+    // What was committed before the failure is named, so that its restore is checked too.
+    try {
+      write_manifest();
+    } catch (const Error&) {
+    }
+    throw;
+  }
+  write_manifest();
+  return info;
+}
+
+void TableCheckpointer::write_manifest() {
+  std::vector<ManifestEntry> entries;
+  for (std::uint32_t id = 0; id < kMaxTables; ++id)
+    if (const Chain& c = chains_[id]; c.committed)
+      entries.push_back({id, c.committed_seq, c.committed_generation, c.crc});
+  if (entries.empty()) return;
+  AtomicFile file(dir_ + "/" + manifest_name(server_id_));
+  ManifestHeader h{};
+  std::memcpy(h.magic, kManifestMagic, 8);
+  h.version = kManifestVersion;
+  h.server_id = server_id_;
+  h.tables = static_cast<std::uint32_t>(entries.size());
+  file.put(&h, sizeof h);
+  file.put(entries.data(), entries.size() * sizeof(ManifestEntry));
+  std::uint32_t crc = crc32_update(0, &h, sizeof h);
+  crc = crc32_update(crc, entries.data(), entries.size() * sizeof(ManifestEntry));
+  file.put(&crc, sizeof crc);
+  file.commit();
+}
+
+void TableCheckpointer::write_tables(ShardEngine& engine, TableCheckpointInfo& info) {
   for (std::uint32_t id = 0; id < kMaxTables; ++id) {
     TableSpec spec;
     EmbeddingTable* table = engine.table_at(id, &spec);
@@ -121,7 +209,7 @@ TableCheckpointInfo TableCheckpointer::write(ShardEngine& engine) {
     std::memcpy(t.magic, kEnd, 8);
     t.rows = rows;
     t.removed = removed.size();
-    t.crc = crc;
+    t.crc = crc32_update(crc, &t, offsetof(Trailer, crc));
     file.put(&t, sizeof t);
     info.bytes += file.bytes();
     file.commit();
@@ -131,6 +219,10 @@ TableCheckpointInfo TableCheckpointer::write(ShardEngine& engine) {
     chain.started = true;
     chain.generation = generation;
     chain.seq = seq;
+    chain.committed = true;
+    chain.committed_generation = generation;
+    chain.committed_seq = seq;
+    chain.crc = t.crc;
     if (full) {
       chain.full_rows = rows;
       chain.delta_rows = 0;
@@ -144,7 +236,6 @@ TableCheckpointInfo TableCheckpointer::write(ShardEngine& engine) {
       chain.delta_rows += rows + removed.size();
     }
   }
-  return info;
 }
 
 TableCheckpointer::Parsed TableCheckpointer::parse(const std::uint8_t* data, std::size_t size, std::uint32_t server_id,
@@ -161,7 +252,8 @@ TableCheckpointer::Parsed TableCheckpointer::parse(const std::uint8_t* data, std
   std::memcpy(&h, data, sizeof h);
   if (std::memcmp(h.magic, kMagic, 8) != 0) throw corrupt("not a pskv table checkpoint (bad magic)");
   if (h.crc != crc32_update(0, &h, offsetof(Header, crc))) throw corrupt("header checksum mismatch");
-  if (h.version != kVersion) throw corrupt("version " + std::to_string(h.version) + " is not readable by this build");
+  if (h.version != 1 && h.version != kVersion)
+    throw corrupt("version " + std::to_string(h.version) + " is not readable by this build");
   if (h.server_id != server_id || h.table != table_id || h.generation != generation || h.seq != seq)
     throw corrupt("its header names another server, table, generation or sequence number than its file name");
   Parsed p;
@@ -179,10 +271,15 @@ TableCheckpointer::Parsed TableCheckpointer::parse(const std::uint8_t* data, std
   if (t.rows > body / p.row_bytes || t.removed > body / sizeof(Key) ||
       t.rows * p.row_bytes + t.removed * sizeof(Key) != body)
     throw corrupt("its row and removal counts do not add up to its size");
-  if (crc32_update(0, data + sizeof h, body) != t.crc) throw corrupt("checksum mismatch in its rows");
+  // Version 1 left the trailer's own words out of its checksum.
+  std::uint32_t crc = crc32_update(0, data + sizeof h, body);
+  if (h.version >= 2) crc = crc32_update(crc, &t, offsetof(Trailer, crc));
+  if (crc != t.crc) throw corrupt("checksum mismatch in its rows or counts");
   p.rows = data + sizeof h;
   p.removed = p.rows + t.rows * p.row_bytes;
   p.info = {1, t.rows, t.removed, size};
+  p.version = h.version;
+  p.crc = t.crc;
   return p;
 }
 
@@ -239,12 +336,21 @@ TableCheckpointInfo TableCheckpointer::restore(ShardEngine& engine, const std::s
   // memory has left when it is made, and made first it could leave a capped one none (on the
   // server that wrote them, the capped one was made first, or it would have been refused).
   const Files files = scan(dir, server_id);
+  const auto manifest = read_manifest(dir, server_id);
   std::vector<std::pair<std::uint32_t, Files::mapped_type::const_iterator>> order;
   for (const auto& [table_id, generations] : files) {
     auto g = generations.rbegin();
     while (g != generations.rend() && !g->second.count(0)) ++g;
     if (g != generations.rend()) order.emplace_back(table_id, std::prev(g.base()));
   }
+  if (manifest)
+    for (const auto& [table_id, entry] : *manifest)
+      if (std::none_of(order.begin(), order.end(), [&](const auto& t) { return t.first == table_id; }))
+        throw Error(Errc::protocol, "table " + std::to_string(table_id) + " is named by the manifest in " + dir +
+                                        " (generation " + std::to_string(entry.generation) + ", file " +
+                                        std::to_string(entry.seq) +
+                                        ") but has no snapshot there; restore an older checkpoint or start without "
+                                        "--restore");
   std::stable_partition(order.begin(), order.end(),
                         [](const auto& t) { return declared_with_a_cap(t.second->second.at(0)); });
   TableCheckpointInfo total;
@@ -253,6 +359,21 @@ TableCheckpointInfo TableCheckpointer::restore(ShardEngine& engine, const std::s
     std::uint32_t expected = 0;
     EmbeddingTable* table = nullptr;
     TableSpec first_spec;
+    // What the manifest says this table's newest file is. A newer generation, or files past the
+    // one it names, were committed after it (a crash before the manifest followed): each file is
+    // whole, having been renamed into place, and is checked on its own.
+    const ManifestEntry* named = nullptr;
+    if (manifest)
+      if (auto it = manifest->find(table_id); it != manifest->end()) named = &it->second;
+    const std::string refuse_tail = "; restore an older checkpoint or start without --restore";
+    if (named && named->generation > generation)
+      throw Error(Errc::protocol, "the manifest in " + dir + " names generation " + std::to_string(named->generation) +
+                                      " of table " + std::to_string(table_id) + ", whose snapshot is missing" +
+                                      refuse_tail);
+    if (named && named->generation == generation && !g->second.count(named->seq))
+      throw Error(Errc::protocol, "the manifest in " + dir + " names " +
+                                      file_name(table_id, server_id, generation, named->seq) + ", which is missing" +
+                                      refuse_tail);
     for (const auto& [seq, path] : g->second) {
       if (seq != expected)
         throw Error(Errc::protocol, "table checkpoint " + path + " follows a missing delta " +
@@ -261,6 +382,12 @@ TableCheckpointInfo TableCheckpointer::restore(ShardEngine& engine, const std::s
       const CheckpointFile bytes(path);
       // Validated whole before anything of it is applied.
       const Parsed p = parse(bytes.data(), bytes.size(), server_id, table_id, generation, seq, path);
+      if (p.version >= 2 && !manifest)
+        throw Error(Errc::protocol, "table checkpoint " + path + " was written with a manifest, " +
+                                        manifest_name(server_id) + ", which is missing from " + dir + refuse_tail);
+      if (named && named->generation == generation && named->seq == seq && named->crc != p.crc)
+        throw Error(Errc::protocol, "table checkpoint " + path + " is not the file the manifest in " + dir +
+                                        " names (another checksum)" + refuse_tail);
       if (seq == 0) {
         std::string why;
         if (Errc e = engine.create_table(table_id, p.spec, &why); e != Errc::ok)

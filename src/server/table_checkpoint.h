@@ -7,9 +7,16 @@
 // File: "PSKVTBL1" | version u32 | server_id u32 | table u32 | seq u32 | generation u64 |
 //       spec words[16] u32 | state_floats u32 | header crc u32
 //       then rows x (id u64 | floats[dim] | state[state_floats]), then removed x id u64,
-//       then "PSKVEND1" | rows u64 | removed u64 | crc of everything between header and it u32
+//       then "PSKVEND1" | rows u64 | removed u64 | crc u32 of everything from the header's end to
+//       it (version 1, still read: of the rows and removed ids only)
 // (counts at the end, so a table is streamed to disk as it is read). A delta's removed ids are
 // applied before its rows: an id evicted and created again since the file before is in both.
+//
+// After each checkpoint "tables.server-<id>.manifest" (written atomically) names every table's
+// newest file and its checksum: "PSKVTMF1" | version u32 | server_id u32 | n u32 |
+// n x (table u32 | seq u32 | generation u64 | that file's trailer crc u32) | crc u32 of all
+// before. Without it the loss of a generation's newest files could not be told from their
+// absence; restore refuses files of version 2 without it.
 #pragma once
 
 #include <array>
@@ -48,16 +55,26 @@ class TableCheckpointer {
     const std::uint8_t* rows = nullptr;
     const std::uint8_t* removed = nullptr;
     TableCheckpointInfo info;
+    std::uint32_t version = 0;
+    std::uint32_t crc = 0;  // the trailer's
   };
   static Parsed parse(const std::uint8_t* data, std::size_t size, std::uint32_t server_id, std::uint32_t table_id,
                       std::uint64_t generation, std::uint32_t seq, const std::string& name);
   // Removals first, then rows (an id removed and made again is in both).
   static void apply_rows(const Parsed& p, EmbeddingTable& table, const std::string& name);
+  void write_tables(ShardEngine& engine, TableCheckpointInfo& info);
+  // Names each table's newest committed file; nothing if none was committed yet.
+  void write_manifest();
   struct Chain {
     bool started = false;
     std::uint64_t generation = 0;
     std::uint32_t seq = 0;
     std::uint64_t full_rows = 0, delta_rows = 0;
+    // The newest file committed (kept when a later one fails), for the manifest.
+    bool committed = false;
+    std::uint64_t committed_generation = 0;
+    std::uint32_t committed_seq = 0;
+    std::uint32_t crc = 0;
   };
   std::string dir_;
   std::uint32_t server_id_;

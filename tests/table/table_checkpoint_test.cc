@@ -5,10 +5,13 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <random>
 
+#include "layout/crc.h"
 #include "server/checkpoint.h"
 #include "table/embedding_table.h"
 
@@ -69,9 +72,11 @@ void push_random(EmbeddingTable& t, std::mt19937_64& rng, int batches, Key id_ra
   }
 }
 
+// The table files in `dir` (the manifest left out).
 std::vector<fs::path> files_in(const fs::path& dir) {
   std::vector<fs::path> out;
-  for (const auto& e : fs::directory_iterator(dir)) out.push_back(e.path());
+  for (const auto& e : fs::directory_iterator(dir))
+    if (e.path().extension() == ".ckpt") out.push_back(e.path());
   std::sort(out.begin(), out.end());
   return out;
 }
@@ -180,6 +185,171 @@ TEST(TableCheckpoint, EveryFlippedByteOfADeltaIsRefused) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("missing delta 1"), std::string::npos) << e.what();
   }
+}
+
+std::vector<std::uint8_t> read_all(const fs::path& path) {
+  const CheckpointFile file(path.string());
+  return {file.data(), file.data() + file.size()};
+}
+
+void write_all(const fs::path& path, const std::vector<std::uint8_t>& bytes) {
+  std::ofstream(path, std::ios::binary | std::ios::trunc)
+      .write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+}
+
+// The message of what restoring `dir` as server 0 throws, or "" if it does not.
+std::string restore_error(const fs::path& dir) {
+  ShardEngine b(engine_options());
+  try {
+    TableCheckpointer::restore(b, dir.string(), 0);
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::protocol) << e.what();
+    return e.what();
+  }
+  return "";
+}
+
+// The trailer: magic[8] | rows u64 | removed u64 | crc u32, at the end of the file.
+constexpr std::size_t kTrailer = 28, kRowsAt = 8, kRemovedAt = 16, kTrailerCrcAt = 24;
+constexpr std::size_t kHeader = 104, kHeaderCrcAt = 100, kVersionAt = 8;
+
+TEST(TableCheckpoint, CountsMovedTogetherInTheTrailerAreRefused) {
+  // Eight rows taken from the rows and given to the removed ids keep the sizes adding up; before
+  // version 2 the counts were not under the checksum, and restore took the rows' bytes for ids.
+  TempDir dir;
+  ShardEngine a(engine_options());
+  std::string why;
+  ASSERT_EQ(a.create_table(0, adam_spec(), &why), Errc::ok);
+  std::mt19937_64 rng(3);
+  push_random(*a.table_at(0), rng, 10, 200);
+  TableCheckpointer(dir.path.string(), 0).write(a);
+  const fs::path snapshot = dir.path / "table-0.server-0.g1.0.ckpt";
+  std::vector<std::uint8_t> bytes = read_all(snapshot);
+  std::uint64_t rows, removed;
+  const std::size_t t = bytes.size() - kTrailer;
+  std::memcpy(&rows, &bytes[t + kRowsAt], 8);
+  std::memcpy(&removed, &bytes[t + kRemovedAt], 8);
+  ASSERT_GE(rows, 8u);
+  const std::uint64_t row_bytes = (bytes.size() - kHeader - kTrailer - removed * 8) / rows;
+  rows -= 8;
+  removed += row_bytes;
+  std::memcpy(&bytes[t + kRowsAt], &rows, 8);
+  std::memcpy(&bytes[t + kRemovedAt], &removed, 8);
+  TableSpec spec;
+  try {
+    TableCheckpointer::apply(bytes.data(), bytes.size(), 0, 0, 1, 0, &spec, nullptr, snapshot.string());
+    ADD_FAILURE() << "counts moved together were accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("checksum mismatch"), std::string::npos) << e.what();
+  }
+}
+
+TEST(TableCheckpoint, FilesOfVersionOneAreStillReadAndUnknownVersionsAreNot) {
+  TempDir dir;
+  ShardEngine a(engine_options());
+  std::string why;
+  ASSERT_EQ(a.create_table(0, adam_spec(), &why), Errc::ok);
+  EmbeddingTable& t = *a.table_at(0);
+  std::mt19937_64 rng(4);
+  push_random(t, rng, 10, 200);
+  TableCheckpointer writer(dir.path.string(), 0);
+  writer.write(a);
+  push_random(t, rng, 3, 200);
+  writer.write(a);
+  // Rewritten as a build before the manifest wrote them: version 1, the trailer's checksum of the
+  // rows and removed ids alone, no manifest.
+  for (const fs::path& f : files_in(dir.path)) {
+    std::vector<std::uint8_t> bytes = read_all(f);
+    const std::uint32_t one = 1;
+    std::memcpy(&bytes[kVersionAt], &one, 4);
+    const std::uint32_t header_crc = crc32_update(0, bytes.data(), kHeaderCrcAt);
+    std::memcpy(&bytes[kHeaderCrcAt], &header_crc, 4);
+    const std::uint32_t body_crc = crc32_update(0, bytes.data() + kHeader, bytes.size() - kHeader - kTrailer);
+    std::memcpy(&bytes[bytes.size() - kTrailer + kTrailerCrcAt], &body_crc, 4);
+    write_all(f, bytes);
+  }
+  fs::remove(dir.path / "tables.server-0.manifest");
+  ShardEngine b(engine_options());
+  EXPECT_EQ(TableCheckpointer::restore(b, dir.path.string(), 0).files, 2u);
+  EXPECT_EQ(dump(*b.table_at(0)), dump(t));
+
+  std::vector<std::uint8_t> bytes = read_all(dir.path / "table-0.server-0.g1.0.ckpt");
+  const std::uint32_t three = 3;
+  std::memcpy(&bytes[kVersionAt], &three, 4);
+  const std::uint32_t header_crc = crc32_update(0, bytes.data(), kHeaderCrcAt);
+  std::memcpy(&bytes[kHeaderCrcAt], &header_crc, 4);
+  write_all(dir.path / "table-0.server-0.g1.0.ckpt", bytes);
+  EXPECT_NE(restore_error(dir.path).find("version 3 is not readable"), std::string::npos);
+}
+
+TEST(TableCheckpoint, TheManifestCatchesFilesThatWentMissing) {
+  TempDir dir;
+  const fs::path manifest = dir.path / "tables.server-0.manifest";
+  ShardEngine a(engine_options());
+  std::string why;
+  ASSERT_EQ(a.create_table(0, adam_spec(), &why), Errc::ok);
+  ASSERT_EQ(a.create_table(5, adam_spec(), &why), Errc::ok);
+  std::mt19937_64 rng(6);
+  TableCheckpointer writer(dir.path.string(), 0);
+  push_random(*a.table_at(0), rng, 10, 200);
+  push_random(*a.table_at(5), rng, 10, 200);
+  writer.write(a);
+  push_random(*a.table_at(0), rng, 2, 200);
+  writer.write(a);
+  const std::vector<std::uint8_t> older_manifest = read_all(manifest);
+  push_random(*a.table_at(0), rng, 2, 200);
+  writer.write(a);
+  ASSERT_EQ(restore_error(dir.path), "");
+
+  // A crash between the newest delta and its manifest: the delta is whole and still restored.
+  const std::vector<std::uint8_t> newest_manifest = read_all(manifest);
+  write_all(manifest, older_manifest);
+  {
+    ShardEngine b(engine_options());
+    EXPECT_EQ(TableCheckpointer::restore(b, dir.path.string(), 0).files, 6u);
+    EXPECT_EQ(dump(*b.table_at(0)), dump(*a.table_at(0)));
+  }
+  write_all(manifest, newest_manifest);
+
+  // Every byte of the manifest flipped: refused.
+  for (std::size_t i = 0; i < newest_manifest.size(); ++i) {
+    std::vector<std::uint8_t> bytes = newest_manifest;
+    bytes[i] ^= 0x21;
+    write_all(manifest, bytes);
+    EXPECT_NE(restore_error(dir.path).find("manifest"), std::string::npos) << "byte " << i;
+  }
+  write_all(manifest, newest_manifest);
+
+  // The newest delta gone: before the manifest the chain 0, 1 looked whole.
+  const fs::path newest = dir.path / "table-0.server-0.g1.2.ckpt";
+  const std::vector<std::uint8_t> delta = read_all(newest);
+  fs::remove(newest);
+  EXPECT_NE(restore_error(dir.path).find("table-0.server-0.g1.2.ckpt, which is missing"), std::string::npos);
+  // The same file of another run in its place: refused by the checksum the manifest recorded.
+  {
+    TempDir other;
+    ShardEngine c(engine_options());
+    ASSERT_EQ(c.create_table(0, adam_spec(), &why), Errc::ok);
+    TableCheckpointer w(other.path.string(), 0);
+    std::mt19937_64 other_rng(99);
+    for (int i = 0; i < 3; ++i) {
+      push_random(*c.table_at(0), other_rng, 3, 200);
+      w.write(c);
+    }
+    write_all(newest, read_all(other.path / newest.filename()));
+  }
+  EXPECT_NE(restore_error(dir.path).find("is not the file the manifest"), std::string::npos);
+  write_all(newest, delta);
+  ASSERT_EQ(restore_error(dir.path), "");
+
+  // Every file of a table gone.
+  for (const fs::path& f : files_in(dir.path))
+    if (f.filename().string().rfind("table-5.", 0) == 0) fs::remove(f);
+  EXPECT_NE(restore_error(dir.path).find("table 5 is named by the manifest"), std::string::npos);
+
+  // The manifest itself gone, with files of this version left.
+  fs::remove(manifest);
+  EXPECT_NE(restore_error(dir.path).find("which is missing"), std::string::npos);
 }
 
 }  // namespace
