@@ -57,8 +57,9 @@ struct ClientOptions {
   // each push and push_rows sent again exactly once (a push_rows' rows and optimizer state on a
   // replicated tcp:// server must then fit half of --max-request-mb, and its identity takes one
   // key of each server's request). Nothing fails meanwhile: a wait() or wait_for() that finds the connection
-  // failed reconnects before it returns (blocking up to retry_timeout, whatever wait_for's own
-  // timeout), and done() stays false until a wait has sent the request again. Needs worker_id (a
+  // failed hands it to a thread that reconnects it, and goes on waiting (wait_for until its own
+  // timeout); done() stays false until a wait has had the request sent again and it is answered. No lock is
+  // held while a server is away, so other threads issue and wait (on that server too) meanwhile. Needs worker_id (a
   // retried push is recognised by its worker) and tcp:// or rdma:// servers; pushes must carry clocks below
   // 2^32. A wait sends a part of its request lost with its server again within 50 ms, whatever
   // the request's other parts wait for. The constructor, too, keeps trying a server it cannot
@@ -66,7 +67,7 @@ struct ClientOptions {
   // request lost again and again to silence on connections the server accepts (it parks the
   // request past io_timeout) fails once this long has passed since the first such loss; losses
   // to restarts do not count. The destructor's goodbye reconnects too (to a restarted server,
-  // or wherever a failover moved its keys), for about 2 s (at least 300 ms per server), so that
+  // or wherever a failover moved its keys), for about 2 s (2.3 s at most; servers are reconnected at once), so that
   // the other workers' bounded reads there stop waiting for this one. 0: a failed server fails
   // its requests.
   std::chrono::milliseconds retry_timeout{0};

@@ -3,10 +3,12 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <condition_variable>
 #include <exception>
 #include <mutex>
 #include <optional>
 #include <random>
+#include <system_error>
 #include <thread>
 
 #include "client/placement.h"
@@ -123,7 +125,12 @@ class ClientImpl {
       links_.push_back(std::move(link));
     }
     if (o.initial_clock > 0 && o.worker_id != kNoWorker) {
-      send_clock(o.initial_clock);
+      try {
+        send_clock(o.initial_clock);
+      } catch (...) {
+        close_links();  // no destructor runs: a recovery that thread started is joined here
+        throw;
+      }
       clock_ = o.initial_clock;
     }
   }
@@ -134,7 +141,11 @@ class ClientImpl {
   }
 
   // Destroying a connection completes its outstanding requests, which live in ops_.
-  void close_links() {
+  void close_links() noexcept {
+    // Recoveries first: they submit to the links' connections and read their parts.
+    stopping_.store(true);
+    for (auto& l : links_)
+      if (l->recoverer.joinable()) l->recoverer.join();
     poller_.clear();
     for (auto& l : links_) {
       std::lock_guard lock(l->mu);
@@ -147,7 +158,11 @@ class ClientImpl {
     // Destroyed by an exception on its way out, the worker did not finish: it must not tell the
     // servers it did, or they would stop waiting for it instead of failing the job.
     if (std::uncaught_exceptions() > uncaught_at_start_) finished_on_close_ = false;
-    if (options_.worker_id == kNoWorker || !finished_on_close_ || links_.empty()) return;
+    if (options_.worker_id != kNoWorker && finished_on_close_ && !links_.empty()) say_goodbye();
+    close_links();
+  }
+
+  void say_goodbye() noexcept {
     // Best effort and bounded: on a dead link this must not cost a whole I/O timeout. A retrying
     // client still reconnects, within the same bound, a server that restarted since this worker
     // last used it (or follows its keys' failover): the restarted server (or the holder) took
@@ -158,10 +173,10 @@ class ClientImpl {
       closing_deadline_ = std::chrono::steady_clock::now() + kGoodbyeBudget;
       closing_.store(true);
       const Ticket t = issue(wire::Op::clock, {}, kNoValues, kClockDone);
-      wait_until(lookup(t), closing_deadline_);
+      // A recovery begun late in the budget still has kGoodbyeFloor.
+      wait_until(lookup(t), closing_deadline_ + kGoodbyeFloor);
     } catch (const Error&) {
     }
-    close_links();
   }
 
   // `values` holds std::span<const float> (init, push) or std::span<float> (pull), one per key.
@@ -319,8 +334,16 @@ class ClientImpl {
       transport::Poller* poller = nullptr;
       std::shared_ptr<transport::Connection> conn;  // keeps the poller alive while it is used
       {
-        std::lock_guard lock(links_[waiting_on]->mu);
-        conn = links_[waiting_on]->conn;
+        Link& link = *links_[waiting_on];
+        std::unique_lock lock(link.mu);
+        if (link.recovering) {
+          // Its part is sent again (or given up on) when the recovery ends.
+          const auto now = std::chrono::steady_clock::now();
+          if (now >= deadline) return false;
+          link.recovery_ended.wait_until(lock, std::min(deadline, now + kRecheck), [&] { return !link.recovering; });
+          continue;
+        }
+        conn = link.conn;
       }
       if (conn && conn->poller()) {
         if (targets == 1)
@@ -335,7 +358,8 @@ class ClientImpl {
   }
 
   // Whether a completed part stands (answered, refused, or its server is given up on). A part
-  // whose connection broke under it is sent again once the server is back: false, wait again.
+  // whose connection broke under it is sent again once the server is back: false, wait again
+  // (the link's recovery, started here if it is not running, sends it).
   // A part lost again and again to the server's silence on connections it accepts (it parks the
   // request past the client's io_timeout) stands once retry_timeout has passed since the first
   // of those losses: reconnecting, which succeeds each time, must not keep a wait alive forever.
@@ -348,8 +372,48 @@ class ClientImpl {
     note_loss(p, now);
     if (p.silent_since != kNever && now - p.silent_since >= options_.retry_timeout)
       return p.stands = p.retried_out = true;
-    recover(link);
-    return p.stands = !link.gave_up.empty();
+    start_recovery(link);
+    return false;
+  }
+
+  // Under link.mu: hands the link to a recovery thread of its own unless one has it. No lock is
+  // held while a recovery connects, waits or sleeps, so issuing and waiting on other links and
+  // other ops go on meanwhile, and a wait returns at its own deadline.
+  void start_recovery(Link& link) {
+    if (link.recovering || stopping_.load()) return;
+    // A thread that ended its recovery holds nothing more: its join is immediate.
+    if (link.recoverer.joinable()) link.recoverer.join();
+    // Closing, within the goodbye's budget: a server that is not back by then is not waited for.
+    // Each link still gets kGoodbyeFloor, so that one server gone for good does not use up the
+    // budget of a restarted one recovered after it.
+    const auto deadline = closing_.load()
+                              ? std::max(closing_deadline_, std::chrono::steady_clock::now() + kGoodbyeFloor)
+                              : std::chrono::steady_clock::now() + options_.retry_timeout;
+    // Every request on the old connection completes once it is gone (it is broken: they are
+    // failing already). Its teardown (an rdma one deregisters memory) is the thread's, not
+    // this lock's.
+    std::shared_ptr<transport::Connection> old = std::move(link.conn);
+    link.recovering = true;
+    try {
+      link.recoverer = std::thread([this, &link, deadline, old = std::move(old)]() mutable {
+        old.reset();
+        try {
+          recover(link, deadline);
+        } catch (const std::exception& e) {  // Errors are caught inside: a thread or memory
+          end_recovery(link, std::string("reconnecting failed: ") + e.what());
+        }
+      });
+    } catch (const std::system_error& e) {
+      link.recovering = false;
+      throw Error(Errc::io, std::string("cannot start a thread to reconnect: ") + e.what());
+    }
+  }
+
+  void end_recovery(Link& link, std::string gave_up) {
+    std::lock_guard lock(link.mu);
+    link.gave_up = std::move(gave_up);
+    link.recovering = false;
+    link.recovery_ended.notify_all();
   }
 
   // Under link.mu, for a completed part: whether it failed with the connection it was sent on,
@@ -396,22 +460,31 @@ class ClientImpl {
     r.completion = &done;
   }
 
-  // Under link.mu: reconnects and sends again, in their original order, the listed parts that
-  // failed. Gives up (link.gave_up) once the server has been unreachable for retry_timeout.
-  void recover(Link& link) {
-    // Closing, within the goodbye's budget: a server that is not back by then is not waited for.
-    // Each link still gets kGoodbyeFloor, so that one server gone for good does not use up the
-    // budget of a restarted one recovered after it.
-    const auto deadline = closing_.load()
-                              ? std::max(closing_deadline_, std::chrono::steady_clock::now() + kGoodbyeFloor)
-                              : std::chrono::steady_clock::now() + options_.retry_timeout;
-    // Every request on the old connection completes once it is gone (it is broken: they are
-    // failing already), so after this no listed part is still in its hands.
-    link.conn.reset();
-    for (Sent* p = link.head; p; p = p->next)
-      while (!p->completion.done() && std::chrono::steady_clock::now() < deadline)
-        std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    while (!link.announced.done()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  // A link's recovery thread: reconnects and sends again, in their original order, the listed
+  // parts that failed. Gives up (link.gave_up) once the server has been unreachable until
+  // `deadline`. Takes link.mu only to read the list and to install the new connection.
+  void recover(Link& link, std::chrono::steady_clock::time_point deadline) {
+    const auto end = [&](std::string gave_up) { end_recovery(link, std::move(gave_up)); };
+    const bool began_closing = closing_.load();
+    // A recovery begun before the goodbye ends within the goodbye's bound too.
+    const auto bound = [&] {
+      if (!began_closing && closing_.load()) deadline = std::min(deadline, closing_deadline_ + kGoodbyeFloor);
+      return deadline;
+    };
+    // No listed part may still be in the old connection's hands when it is sent again, nor the
+    // old announcement (its request is reused).
+    for (;;) {
+      bool in_hands = false;
+      {
+        std::lock_guard lock(link.mu);
+        for (Sent* p = link.head; p && !in_hands; p = p->next) in_hands = !p->completion.done();
+        in_hands = in_hands && std::chrono::steady_clock::now() < bound();
+        in_hands = in_hands || !link.announced.done();
+      }
+      if (!in_hands) break;
+      if (stopping_.load()) return end("");
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
     std::string last = "no attempt";
     // An attempt failed before one got through: the server was away, not silent (see note_loss).
     bool was_away = false;
@@ -424,7 +497,8 @@ class ClientImpl {
     // a dead server's port before the certificates are asked).
     transport::ConnectOptions reconnect = connect_options_;
     reconnect.wait_for_listener = false;
-    while (std::chrono::steady_clock::now() < deadline) {
+    reconnect.cancel = &stopping_;  // close_links() joins this thread: no connect outlasts it
+    while (std::chrono::steady_clock::now() < bound() && !stopping_.load()) {
       try {
         // No attempt outlasts the deadline (a blackholed host would hold connect() for the whole
         // connect_timeout); the goodbye's connection lives only for its one request, so its hello
@@ -438,27 +512,40 @@ class ClientImpl {
         // a worker id): announce the one its oldest unanswered request was issued at (what was
         // answered before it came earlier); the clock requests sent again carry it forward in order.
         std::uint64_t clock = clock_.load(std::memory_order_relaxed);
-        for (Sent* p = link.head; p; p = p->next)
-          if (to_send_again(*p)) {
-            clock = p->op->clock_at_issue;
-            break;
-          }
+        {
+          std::lock_guard lock(link.mu);
+          for (Sent* p = link.head; p; p = p->next)
+            if (to_send_again(*p)) {
+              clock = p->op->clock_at_issue;
+              break;
+            }
+        }
         transport::Completion announced;
         transport::Request r;
         clock_request(r, announced, clock);
         conn->submit(r);
-        if (!announced.wait(deadline, conn->poller())) {
+        // In slices, so that close_links() is not kept waiting.
+        bool answered = false;
+        while (!(answered =
+                     announced.wait(std::min(bound(), std::chrono::steady_clock::now() + std::chrono::milliseconds(50)),
+                                    conn->poller())) &&
+               std::chrono::steady_clock::now() < bound() && !stopping_.load()) {
+        }
+        if (!answered) {
           conn.reset();  // completes `r` before it goes out of scope
           break;
         }
         if (announced.status() != Errc::ok) throw Error(announced.status(), announced.message());
-        {
-          std::lock_guard lock(registered_mu_);
-          for (const auto& [data, bytes] : registered_) conn->register_buffer(data, bytes);
-        }
+        // registered_mu_ before link.mu, as register_buffer takes them: a buffer registered
+        // meanwhile is either in registered_ now or finds the new connection installed.
+        std::lock_guard registered(registered_mu_);
+        for (const auto& [data, bytes] : registered_) conn->register_buffer(data, bytes);
+        std::lock_guard lock(link.mu);
+        if (stopping_.load()) break;
         ++link.generation;
         link.conn = conn;
         const auto now = std::chrono::steady_clock::now();
+        // Parts issued during the recovery were listed, and failed at once, behind the others.
         for (Sent* p = link.head; p; p = p->next) {
           if (!to_send_again(*p)) continue;
           if (was_away)
@@ -473,14 +560,16 @@ class ClientImpl {
         // not among what was sent again (the server only ever moves a clock forward).
         clock_request(link.announce, link.announced, clock_.load(std::memory_order_relaxed));
         conn->submit(link.announce);
+        link.recovering = false;
+        link.recovery_ended.notify_all();
         return;
       } catch (const Error& e) {
         last = e.what();
         was_away = true;
       }
-      if (!no_failover_.load() && lookups.due()) {
-        if (std::optional<Uri> to = moved_to(server, deadline); to && !same_endpoint(*to, link.uri)) {
-          link.uri = *to;
+      if (!no_failover_.load() && lookups.due() && !stopping_.load()) {
+        if (std::optional<Uri> to = moved_to(server, bound()); to && !same_endpoint(*to, link.uri)) {
+          link.uri = *to;  // only a recovery reads or writes it once the constructor is done
           last = "server " + std::to_string(server) + "'s keys moved to " + to->str();
           continue;
         }
@@ -488,10 +577,13 @@ class ClientImpl {
       std::this_thread::sleep_for(pause);
       pause = std::min(pause * 2, std::chrono::milliseconds(25));
     }
-    const auto tried = closing_.load() ? std::chrono::duration_cast<std::chrono::milliseconds>(kGoodbyeBudget)
-                                       : options_.retry_timeout;
-    link.gave_up = "gave up on " + link.uri.str() + " after retrying for " + std::to_string(tried.count()) + " ms" +
-                   (closing_.load() ? " (the goodbye's bound)" : "") + "; last attempt: " + last;
+    if (stopping_.load()) return end("");
+    const bool cut_by_goodbye = began_closing || closing_.load();
+    const auto tried =
+        began_closing ? std::chrono::duration_cast<std::chrono::milliseconds>(kGoodbyeBudget) : options_.retry_timeout;
+    end("gave up on " + link.uri.str() + " after retrying for " +
+        (began_closing || !cut_by_goodbye ? std::to_string(tried.count()) + " ms" : std::string("until the goodbye")) +
+        (began_closing ? " (the goodbye's bound)" : "") + "; last attempt: " + last);
   }
 
   // Connects to server `server`, wherever the certificates say its keys are served now, trying
@@ -565,6 +657,7 @@ class ClientImpl {
     c.connect_timeout = std::min({c.connect_timeout, std::chrono::milliseconds(500), left});
     c.io_timeout = std::min({c.io_timeout, std::chrono::milliseconds(1000), left});
     c.wait_for_listener = false;  // a dead server: the others answer
+    c.cancel = &stopping_;
     // The servers are asked at once (a few at a time), so a lookup costs the slowest answer, not
     // their sum: a hung server costs its io timeout once, and an rdma connection's setup once.
     constexpr std::size_t kAtOnce = 8;
@@ -666,7 +759,7 @@ class ClientImpl {
           status = p.completion.status();
           message = p.completion.message();
           if (lost_with_connection(p) && !links_[s]->gave_up.empty() && message != links_[s]->gave_up)
-            message += "; " + links_[s]->gave_up;
+            message = message.empty() ? links_[s]->gave_up : message + "; " + links_[s]->gave_up;
           if (p.retried_out)
             message += "; sent again on new connections for " + std::to_string(options_.retry_timeout.count()) +
                        " ms (ClientOptions.retry_timeout), each accepted and then left without an answer for "
@@ -834,8 +927,10 @@ class ClientImpl {
   }
 
   void register_buffer(void* data, std::size_t bytes) {
+    // Held across the links: a recovery installing a connection meanwhile registers it too.
+    std::unique_lock registered(registered_mu_, std::defer_lock);
     if (retrying_) {
-      std::lock_guard lock(registered_mu_);
+      registered.lock();
       registered_.emplace_back(data, bytes);  // for the connections recover() makes
     }
     for (auto& l : links_) {
@@ -892,6 +987,10 @@ class ClientImpl {
     std::shared_ptr<transport::Connection> conn;
     std::uint64_t generation = 0;
     std::string gave_up;  // why this server was given up on: its parts fail
+    // A thread of its own reconnects the link (start_recovery); waiters wait for it to end.
+    bool recovering = false;
+    std::condition_variable recovery_ended;
+    std::thread recoverer;
     // recover()'s last request to a new connection: the worker's clock. Not waited for; the next
     // recovery reuses it once its connection has completed it.
     transport::Request announce;
@@ -982,6 +1081,7 @@ class ClientImpl {
   // (written before closing_ is set, by the destroying thread, the only one left).
   std::atomic<bool> closing_{false};
   std::chrono::steady_clock::time_point closing_deadline_{};
+  std::atomic<bool> stopping_{false};   // close_links(): recoveries end without installing anything
   std::mutex order_mu_;                 // retry mode: a push's sequence number and its submissions
   std::optional<PushSequence> pushes_;  // retry mode only (it draws a session); under order_mu_
   // Declared before links_ so that it is destroyed after them: a connection's teardown

@@ -4,7 +4,10 @@
 // against replicated servers, in tests/replication/tcp_replication_test.cc.)
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <chrono>
+#include <filesystem>
 #include <optional>
 #include <thread>
 
@@ -90,6 +93,84 @@ TEST(Retry, ARestartedServerAnswersWhatItsPredecessorLeftUnanswered) {
   c.wait(pull);
   EXPECT_EQ(out, std::vector<float>(8, 5.0f));
   EXPECT_NE(c.server_stats(0).find("\"clocks_by_worker\":[2]"), std::string::npos) << c.server_stats(0);
+}
+
+// One thread waits for a server that is away; the others' calls must not wait with it. The
+// recovery used to run inside that wait holding the server's lock, so a push, a registration
+// and a bounded wait from another thread all blocked until it gave up (the whole retry_timeout),
+// and wait_for ignored its own timeout.
+TEST(Retry, WhileOneThreadWaitsForAServerThatIsAwayOtherCallsGoOn) {
+  const std::string uri = free_uri();
+  // The server comes back from its final checkpoint, so whatever reaches it first finds key 1.
+  const std::string dir = ::testing::TempDir() + "pskv-retry-" + std::to_string(::getpid());
+  std::filesystem::create_directories(dir);
+  ServerOptions so = server_at(uri);
+  so.checkpoint_dir = dir;
+  std::optional<Server> server(std::in_place, so);
+  ClientOptions o;
+  o.servers = {uri};
+  o.worker_id = 0;
+  o.retry_timeout = 20s;
+  o.connect_timeout = 200ms;
+  Client c(o);
+  std::vector<float> value(8, 1.0f), out(8), registered(64);
+  c.wait(c.init(1, value));
+  server.reset();
+  const Ticket pull = c.pull(1, out);
+  std::string waiter_error;
+  std::jthread waiter([&] {  // joined however the test ends
+    try {
+      c.wait(pull);
+    } catch (const Error& e) {
+      waiter_error = e.what();
+    }
+  });
+  std::this_thread::sleep_for(200ms);  // the waiter has found the connection failed
+  // Bounds far below the 20 s the old code took, which only a stall can exceed.
+  constexpr auto kBound = 5s;
+  auto t0 = std::chrono::steady_clock::now();
+  const Ticket push = c.push(1, value);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, kBound) << "push";
+  t0 = std::chrono::steady_clock::now();
+  c.register_buffer(registered.data(), registered.size() * sizeof(float));
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, kBound) << "register_buffer";
+  t0 = std::chrono::steady_clock::now();
+  EXPECT_FALSE(c.wait_for(push, 100ms));
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, kBound) << "wait_for(100 ms)";
+  EXPECT_FALSE(c.done(push));
+  so.restore_dir = dir;
+  server.emplace(so);
+  waiter.join();
+  EXPECT_EQ(waiter_error, "");
+  c.wait(push);
+  c.wait(c.pull(1, out));
+  EXPECT_EQ(out, std::vector<float>(8, 2.0f));  // the push landed once (rule add)
+  c.disconnect();                               // no goodbye to a server about to go
+  server.reset();
+  std::filesystem::remove_all(dir);
+}
+
+// A wait_for that returned at its timeout leaves the recovery running, for retry_timeout; the
+// client destroyed then must still end within the goodbye's bound.
+TEST(Retry, TheGoodbyeBoundsARecoveryBegunBeforeIt) {
+  const std::string uri = free_uri();
+  std::optional<Server> server(std::in_place, server_at(uri));
+  ClientOptions o;
+  o.servers = {uri};
+  o.worker_id = 0;
+  o.retry_timeout = 30s;
+  std::vector<float> value(8, 1.0f);
+  std::optional<Client> c(std::in_place, o);
+  c->wait(c->init(1, value));
+  server.reset();
+  const Ticket push = c->push(1, value);
+  auto t0 = std::chrono::steady_clock::now();
+  EXPECT_FALSE(c->wait_for(push, 100ms));
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 10s) << "wait_for(100 ms) ran the recovery itself";
+  t0 = std::chrono::steady_clock::now();
+  c.reset();
+  // The bound is 2.3 s; far below the 30 s the recovery had left, which only a stall reaches.
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 10s);
 }
 
 TEST(Retry, GivesUpOnceTheServerStayedAwayForTheWholeTimeout) {
