@@ -58,7 +58,7 @@ struct ClientOptions {
   // replicated tcp:// server must then fit half of --max-request-mb, and its identity takes one
   // key of each server's request). Nothing fails meanwhile: a wait() or wait_for() that finds the connection
   // failed hands it to a thread that reconnects it, and goes on waiting (wait_for until its own
-  // timeout); done() stays false until a wait has had the request sent again and it is answered. No lock is
+  // timeout); done() hands it over likewise, and stays false until the request, sent again, is answered. No lock is
   // held while a server is away, so other threads issue and wait (on that server too) meanwhile. Needs worker_id (a
   // retried push is recognised by its worker) and tcp:// or rdma:// servers; pushes must carry clocks below
   // 2^32. A wait sends a part of its request lost with its server again within 50 ms, whatever

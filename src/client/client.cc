@@ -366,6 +366,12 @@ class ClientImpl {
   bool settled(std::size_t server, Sent& p) {
     Link& link = *links_[server];
     std::lock_guard lock(link.mu);
+    return settled_locked(link, p);
+  }
+
+  // settled(), under link.mu. done() takes this path too, so that a caller who only polls
+  // (Work.is_completed() in a loop) still has a lost part sent again.
+  bool settled_locked(Link& link, Sent& p) {
     if (!p.completion.done()) return false;  // another waiter sent it again meanwhile
     if (!must_send_again(link, p)) return p.stands = true;
     const auto now = std::chrono::steady_clock::now();
@@ -782,7 +788,8 @@ class ClientImpl {
   bool done(Ticket ticket) {
     Op* op = lookup(ticket);
     if (retrying_) {
-      // Done once every part stands; one that must be sent again is sent by the next wait.
+      // Done once every part stands; one that must be sent again is handed to its link's
+      // recovery, as a wait would.
       for (std::size_t s = 0; s < links_.size(); ++s) {
         if (!op->targeted[s]) continue;
         Sent& p = op->parts[s];
@@ -791,7 +798,7 @@ class ClientImpl {
         std::unique_lock lock(link.mu, std::try_to_lock);
         if (!lock.owns_lock()) return false;
         if (p.stands) continue;  // its outcome is taken (one given up on still looks lost)
-        if (must_send_again(link, p)) return false;
+        if (!settled_locked(link, p)) return false;
       }
       return true;
     }

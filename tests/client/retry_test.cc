@@ -173,6 +173,37 @@ TEST(Retry, TheGoodbyeBoundsARecoveryBegunBeforeIt) {
   EXPECT_LT(std::chrono::steady_clock::now() - t0, 10s);
 }
 
+// A caller that only polls done() (torch's Work.is_completed() in a loop) never waits: done()
+// used to leave a lost request for a wait to send again, and so stayed false for good.
+TEST(Retry, PollingDoneAloneGetsALostRequestSentAgain) {
+  const std::string uri = free_uri();
+  const std::string dir = ::testing::TempDir() + "pskv-retry-done-" + std::to_string(::getpid());
+  std::filesystem::create_directories(dir);
+  ServerOptions so = server_at(uri);
+  so.checkpoint_dir = dir;
+  std::optional<Server> server(std::in_place, so);
+  ClientOptions o;
+  o.servers = {uri};
+  o.worker_id = 0;
+  o.retry_timeout = 20s;
+  Client c(o);
+  std::vector<float> value(8, 1.0f), out(8);
+  c.wait(c.init(1, value));
+  server.reset();
+  const Ticket push = c.push(1, value);
+  so.restore_dir = dir;
+  server.emplace(so);
+  const auto give_up = std::chrono::steady_clock::now() + 15s;
+  while (!c.done(push) && std::chrono::steady_clock::now() < give_up) std::this_thread::sleep_for(5ms);
+  ASSERT_TRUE(c.done(push));
+  c.wait(push);
+  c.wait(c.pull(1, out));
+  EXPECT_EQ(out, std::vector<float>(8, 2.0f));
+  c.disconnect();
+  server.reset();
+  std::filesystem::remove_all(dir);
+}
+
 TEST(Retry, GivesUpOnceTheServerStayedAwayForTheWholeTimeout) {
   const std::string uri = free_uri();
   std::optional<Server> server(std::in_place, server_at(uri));
