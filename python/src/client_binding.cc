@@ -105,6 +105,15 @@ struct Session {
   std::optional<Error> orphan_error;
 
   ~Session();
+  // What a call interrupted by close() raises: a close() from inside a call (deferred) abandons
+  // what is in flight rather than completing it.
+  Error closing_error(const std::string& what, const char* thing) const {
+    if (deferred != Deferred::no || !client)
+      return Error(Errc::invalid_argument, what +
+                                               ": the client was closed from inside a call (a signal handler?); this " +
+                                               thing + " is abandoned, not completed");
+    return Error(Errc::invalid_argument, what + ": the client is being closed; it completes this " + thing);
+  }
   bool active_on_this_thread() const {
     return std::find(active_threads.begin(), active_threads.end(), std::this_thread::get_id()) != active_threads.end();
   }
@@ -167,9 +176,7 @@ class Work {
     if (state_ == State::in_flight && waiting_)
       throw Error(Errc::invalid_argument, "another thread is already waiting for this pskv.Work");
     if (state_ == State::in_flight) {
-      if (session_->closing)
-        throw Error(Errc::invalid_argument,
-                    std::string(op_) + ": the client is being closed; it completes this operation");
+      if (session_->closing) throw session_->closing_error(op_, "operation");
       const auto deadline = deadline_after(timeout);  // validated even when not needed
       std::optional<Error> failure;
       Waited w;
@@ -186,18 +193,19 @@ class Work {
         waiting_ = true;
         w = wait_ticket(*session_, pending_.ticket, deadline, /*watch_closing=*/true, failure);
         waiting_ = false;
+        // Before the call ends: the last call to end may close the client (a deferred close),
+        // which must find this Work completed, its ticket spent.
+        if (w == Waited::completed) complete(failure);
       }
       switch (w) {
         case Waited::completed:
-          complete(failure);
           break;
         case Waited::timed_out:
           return false;
         case Waited::interrupted:
           throw py::error_already_set();  // KeyboardInterrupt; still in flight
         case Waited::closing:
-          throw Error(Errc::invalid_argument,
-                      std::string(op_) + ": the client is being closed; it completes this operation");
+          throw session_->closing_error(op_, "operation");
       }
     }
     if (error_) throw *error_;
@@ -524,8 +532,7 @@ class PyClient {
           throw py::error_already_set();
         case Waited::closing:
           s.orphans.push_back(std::move(pending));
-          throw Error(Errc::invalid_argument,
-                      std::string(what) + ": the client is being closed; it completes this operation");
+          throw s.closing_error(what, "operation");
         case Waited::timed_out:  // no deadline
           break;
       }
@@ -688,7 +695,7 @@ class PyClient {
         throw py::error_already_set();
       case Waited::closing:
         s.orphans.push_back(std::move(pending));
-        throw Error(Errc::invalid_argument, std::string(what) + ": the client is being closed; it completes this step");
+        throw s.closing_error(what, "step");
       case Waited::timed_out:  // no deadline
         break;
     }

@@ -286,7 +286,8 @@ class ClientImpl {
       Link& link = *links_[s];
       Sent& p = op->parts[s];
       p.completion.reset(1);
-      p.stands = p.retried_out = false;
+      p.stands = false;
+      p.retried_out = false;
       p.silent_since = kNever;
       std::lock_guard lock(link.mu);
       link.append(&p);
@@ -373,11 +374,17 @@ class ClientImpl {
   // (Work.is_completed() in a loop) still has a lost part sent again.
   bool settled_locked(Link& link, Sent& p) {
     if (!p.completion.done()) return false;  // another waiter sent it again meanwhile
-    if (!must_send_again(link, p)) return p.stands = true;
+    if (!must_send_again(link, p)) {
+      p.stands = true;
+      return true;
+    }
     const auto now = std::chrono::steady_clock::now();
     note_loss(p, now);
-    if (p.silent_since != kNever && now - p.silent_since >= options_.retry_timeout)
-      return p.stands = p.retried_out = true;
+    if (p.silent_since != kNever && now - p.silent_since >= options_.retry_timeout) {
+      p.retried_out = true;
+      p.stands = true;
+      return true;
+    }
     start_recovery(link);
     return false;
   }
@@ -798,7 +805,11 @@ class ClientImpl {
         std::unique_lock lock(link.mu, std::try_to_lock);
         if (!lock.owns_lock()) return false;
         if (p.stands) continue;  // its outcome is taken (one given up on still looks lost)
-        if (!settled_locked(link, p)) return false;
+        try {
+          if (!settled_locked(link, p)) return false;
+        } catch (const Error&) {
+          return false;  // no thread to reconnect with: the next wait starts it, or says why
+        }
       }
       return true;
     }
@@ -961,8 +972,10 @@ class ClientImpl {
     Op* op = nullptr;
     std::size_t server = 0;
     std::uint64_t generation = 0;  // the link's connection it was last submitted on
-    bool stands = false;           // a waiter has taken its outcome: never sent again
-    bool retried_out = false;      // stands: lost to silence again and again for a whole retry_timeout
+    // A waiter has taken its outcome: never sent again. Set under the link's lock, read without
+    // it by waiters (done() may set it while another thread waits).
+    std::atomic<bool> stands{false};
+    bool retried_out = false;  // stands: lost to silence again and again for a whole retry_timeout
     // When the current run of losses to the server's silence began (note_loss), or kNever.
     std::chrono::steady_clock::time_point silent_since = kNever;
     Sent* prev = nullptr;

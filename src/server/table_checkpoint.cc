@@ -122,13 +122,34 @@ Files scan(const std::string& dir, std::uint32_t server) {
 
 TableCheckpointInfo TableCheckpointer::write(ShardEngine& engine) {
   TableCheckpointInfo info;
+  if (!manifest_seeded_) {
+    // The manifest goes on naming what an earlier run committed until this one replaces it; and
+    // a directory without one gets one before any file of this version, so that a crash before
+    // the first manifest leaves files that restore accepts (as newer than what it names).
+    bool found = false;
+    try {
+      if (const auto earlier = read_manifest(dir_, server_id_)) {
+        found = true;
+        for (const auto& [table, e] : *earlier) {
+          Chain& c = chains_[table];
+          c.committed = true;
+          c.committed_generation = e.generation;
+          c.committed_seq = e.seq;
+          c.crc = e.crc;
+        }
+      }
+    } catch (const Error&) {  // unreadable: replaced by this run's
+    }
+    if (!found) write_manifest(/*even_empty=*/true);
+    manifest_seeded_ = true;
+  }
   try {
     write_tables(engine, info);
   } catch (...) {
     // What was committed before the failure is named, so that its restore is checked too.
     try {
       write_manifest();
-    } catch (const Error&) {
+    } catch (...) {
     }
     throw;
   }
@@ -136,12 +157,12 @@ TableCheckpointInfo TableCheckpointer::write(ShardEngine& engine) {
   return info;
 }
 
-void TableCheckpointer::write_manifest() {
+void TableCheckpointer::write_manifest(bool even_empty) {
   std::vector<ManifestEntry> entries;
   for (std::uint32_t id = 0; id < kMaxTables; ++id)
     if (const Chain& c = chains_[id]; c.committed)
       entries.push_back({id, c.committed_seq, c.committed_generation, c.crc});
-  if (entries.empty()) return;
+  if (entries.empty() && !even_empty) return;
   AtomicFile file(dir_ + "/" + manifest_name(server_id_));
   ManifestHeader h{};
   std::memcpy(h.magic, kManifestMagic, 8);

@@ -63,8 +63,8 @@ class TableCheckpointer {
   // Removals first, then rows (an id removed and made again is in both).
   static void apply_rows(const Parsed& p, EmbeddingTable& table, const std::string& name);
   void write_tables(ShardEngine& engine, TableCheckpointInfo& info);
-  // Names each table's newest committed file; nothing if none was committed yet.
-  void write_manifest();
+  // Names each table's newest committed file; nothing if none was committed yet, unless `even_empty`.
+  void write_manifest(bool even_empty = false);
   struct Chain {
     bool started = false;
     std::uint64_t generation = 0;
@@ -79,6 +79,7 @@ class TableCheckpointer {
   std::string dir_;
   std::uint32_t server_id_;
   std::array<Chain, kMaxTables> chains_{};
+  bool manifest_seeded_ = false;  // the first write() read the directory's manifest
 };
 
 }  // namespace pskv
