@@ -365,8 +365,9 @@ TableCheckpointInfo TableCheckpointer::restore(ShardEngine& engine, const std::s
     if (g != generations.rend()) order.emplace_back(table_id, std::prev(g.base()));
   }
   if (manifest)
-    for (const auto& [table_id, entry] : *manifest)
-      if (std::none_of(order.begin(), order.end(), [&](const auto& t) { return t.first == table_id; }))
+    for (const auto& [named_table, entry] : *manifest)
+      if (const std::uint32_t table_id = named_table;  // clang 14 cannot capture a structured binding
+          std::none_of(order.begin(), order.end(), [&](const auto& t) { return t.first == table_id; }))
         throw Error(Errc::protocol, "table " + std::to_string(table_id) + " is named by the manifest in " + dir +
                                         " (generation " + std::to_string(entry.generation) + ", file " +
                                         std::to_string(entry.seq) +
