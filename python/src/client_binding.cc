@@ -120,6 +120,10 @@ struct Session {
   // Ends the client once a deferred close() has no call left: as close(), except that nothing
   // can be raised and nothing still in flight is waited for.
   void finish_deferred_close() noexcept;
+  // Destroys the C++ client (announcing "finished" unless `disconnect`) with the GIL released,
+  // fails what is still in flight and lets every buffer go: the end of close() and of a
+  // deferred one.
+  void end_client(bool disconnect) noexcept;
   void require_open() const {
     if (closing || !client) throw Error(Errc::invalid_argument, "this pskv.Client is closed; create a new one");
   }
@@ -295,29 +299,29 @@ void Session::finish_deferred_close() noexcept {
   deferred = Deferred::no;
   // What already completed keeps its outcome; the rest is not waited for (a barrier may never
   // come from a handler's point of view). The C++ client's goodbye is bounded.
-  std::vector<std::pair<Work*, std::optional<Error>>> outcomes;
-  for (Work* w = live; w; w = w->next()) {
+  for (Work *w = live, *next = nullptr; w; w = next) {
+    next = w->next();  // complete() unlinks w
     std::optional<Error> failure;
-    bool done = false;
     try {
-      done = client->done(w->ticket()) && wait_slice(*client, w->ticket(), 0ms, failure);
+      if (client->done(w->ticket()) && wait_slice(*client, w->ticket(), 0ms, failure)) w->complete(failure);
     } catch (const Error& e) {
-      done = true;
-      failure = e;
+      w->complete(e);
     }
-    if (!done) failure = Error(Errc::invalid_argument, "the client was closed before this operation completed");
-    outcomes.emplace_back(w, std::move(failure));
   }
-  for (auto& [w, failure] : outcomes) w->complete(failure);
+  end_client(/*disconnect=*/!finished);
+}
+
+void Session::end_client(bool disconnect) noexcept {
   {
     std::unique_ptr<Client> doomed = std::move(client);
     py::gil_scoped_release unlocked;
     try {
-      if (!finished) doomed->disconnect();
+      if (disconnect) doomed->disconnect();
     } catch (const Error&) {
     }
-    doomed.reset();
+    doomed.reset();  // announces "finished" unless disconnected; ends whatever is still in flight
   }
+  while (live) live->complete(Error(Errc::invalid_argument, "the client was closed before this operation completed"));
   orphans.clear();
   in_flight = 0;
   registered.clear();
@@ -652,16 +656,7 @@ class PyClient {
       interrupted = true;
       interrupt.emplace();
     }
-    std::unique_ptr<Client> doomed = std::move(s.client);
-    {
-      py::gil_scoped_release unlocked;
-      if (!finished || interrupted) doomed->disconnect();
-      doomed.reset();  // announces "finished" unless disconnected; ends whatever is still in flight
-    }
-    while (s.live)
-      s.live->complete(Error(Errc::invalid_argument, "the client was closed before this operation completed"));
-    s.orphans.clear();
-    s.registered.clear();
+    s.end_client(/*disconnect=*/!finished || interrupted);
     if (interrupt) throw *interrupt;
     s.raise_orphan_error();
   }
