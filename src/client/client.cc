@@ -477,7 +477,6 @@ class ClientImpl {
   // parts that failed. Gives up (link.gave_up) once the server has been unreachable until
   // `deadline`. Takes link.mu only to read the list and to install the new connection.
   void recover(Link& link, std::chrono::steady_clock::time_point deadline) {
-    const auto end = [&](std::string gave_up) { end_recovery(link, std::move(gave_up)); };
     const bool began_closing = closing_.load();
     // A recovery begun before the goodbye ends within the goodbye's bound too.
     const auto bound = [&] {
@@ -495,7 +494,7 @@ class ClientImpl {
         in_hands = in_hands || !link.announced.done();
       }
       if (!in_hands) break;
-      if (stopping_.load()) return end("");
+      if (stopping_.load()) return end_recovery(link, "");
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
     std::string last = "no attempt";
@@ -590,13 +589,14 @@ class ClientImpl {
       std::this_thread::sleep_for(pause);
       pause = std::min(pause * 2, std::chrono::milliseconds(25));
     }
-    if (stopping_.load()) return end("");
+    if (stopping_.load()) return end_recovery(link, "");
     const bool cut_by_goodbye = began_closing || closing_.load();
     const auto tried =
         began_closing ? std::chrono::duration_cast<std::chrono::milliseconds>(kGoodbyeBudget) : options_.retry_timeout;
-    end("gave up on " + link.uri.str() + " after retrying for " +
-        (began_closing || !cut_by_goodbye ? std::to_string(tried.count()) + " ms" : std::string("until the goodbye")) +
-        (began_closing ? " (the goodbye's bound)" : "") + "; last attempt: " + last);
+    end_recovery(link, "gave up on " + link.uri.str() + " after retrying for " +
+                           (began_closing || !cut_by_goodbye ? std::to_string(tried.count()) + " ms"
+                                                             : std::string("until the goodbye")) +
+                           (began_closing ? " (the goodbye's bound)" : "") + "; last attempt: " + last);
   }
 
   // Connects to server `server`, wherever the certificates say its keys are served now, trying
