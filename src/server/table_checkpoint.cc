@@ -24,6 +24,8 @@ constexpr char kEnd[8] = {'P', 'S', 'K', 'V', 'E', 'N', 'D', '1'};
 constexpr std::uint32_t kVersion = 2;
 constexpr char kManifestMagic[8] = {'P', 'S', 'K', 'V', 'T', 'M', 'F', '1'};
 constexpr std::uint32_t kManifestVersion = 1;
+// How every refusal of what restore reads ends.
+constexpr const char* kRefuseTail = "; restore an older checkpoint or start without --restore";
 
 #pragma pack(push, 1)
 struct Header {
@@ -74,8 +76,7 @@ std::optional<std::map<std::uint32_t, ManifestEntry>> read_manifest(const std::s
   if (!std::filesystem::exists(std::filesystem::symlink_status(path, ec))) return std::nullopt;
   const CheckpointFile file(path);
   auto corrupt = [&](const std::string& why) {
-    return Error(Errc::protocol, "table checkpoint manifest " + path + " " + why +
-                                     "; restore an older checkpoint or start without --restore");
+    return Error(Errc::protocol, "table checkpoint manifest " + path + " " + why + kRefuseTail);
   };
   ManifestHeader h;
   if (file.size() < sizeof h + sizeof(std::uint32_t)) throw corrupt("is too short");
@@ -133,8 +134,8 @@ TableCheckpointInfo TableCheckpointer::write(ShardEngine& engine) {
         for (const auto& [table, e] : *earlier) {
           Chain& c = chains_[table];
           c.committed = true;
-          c.committed_generation = e.generation;
-          c.committed_seq = e.seq;
+          c.generation = e.generation;
+          c.seq = e.seq;
           c.crc = e.crc;
         }
       }
@@ -160,8 +161,7 @@ TableCheckpointInfo TableCheckpointer::write(ShardEngine& engine) {
 void TableCheckpointer::write_manifest(bool even_empty) {
   std::vector<ManifestEntry> entries;
   for (std::uint32_t id = 0; id < kMaxTables; ++id)
-    if (const Chain& c = chains_[id]; c.committed)
-      entries.push_back({id, c.committed_seq, c.committed_generation, c.crc});
+    if (const Chain& c = chains_[id]; c.committed) entries.push_back({id, c.seq, c.generation, c.crc});
   if (entries.empty() && !even_empty) return;
   AtomicFile file(dir_ + "/" + manifest_name(server_id_));
   ManifestHeader h{};
@@ -241,8 +241,6 @@ void TableCheckpointer::write_tables(ShardEngine& engine, TableCheckpointInfo& i
     chain.generation = generation;
     chain.seq = seq;
     chain.committed = true;
-    chain.committed_generation = generation;
-    chain.committed_seq = seq;
     chain.crc = t.crc;
     if (full) {
       chain.full_rows = rows;
@@ -264,8 +262,8 @@ TableCheckpointer::Parsed TableCheckpointer::parse(const std::uint8_t* data, std
                                                    const std::string& name) {
   std::size_t at = 0;
   auto corrupt = [&](const std::string& why) {
-    return Error(Errc::protocol, "table checkpoint " + name + " is corrupt at byte " + std::to_string(at) + ": " + why +
-                                     "; restore an older checkpoint or start without --restore");
+    return Error(Errc::protocol,
+                 "table checkpoint " + name + " is corrupt at byte " + std::to_string(at) + ": " + why + kRefuseTail);
   };
   Header h;
   Trailer t;
@@ -370,9 +368,7 @@ TableCheckpointInfo TableCheckpointer::restore(ShardEngine& engine, const std::s
           std::none_of(order.begin(), order.end(), [&](const auto& t) { return t.first == table_id; }))
         throw Error(Errc::protocol, "table " + std::to_string(table_id) + " is named by the manifest in " + dir +
                                         " (generation " + std::to_string(entry.generation) + ", file " +
-                                        std::to_string(entry.seq) +
-                                        ") but has no snapshot there; restore an older checkpoint or start without "
-                                        "--restore");
+                                        std::to_string(entry.seq) + ") but has no snapshot there" + kRefuseTail);
   std::stable_partition(order.begin(), order.end(),
                         [](const auto& t) { return declared_with_a_cap(t.second->second.at(0)); });
   TableCheckpointInfo total;
@@ -387,29 +383,27 @@ TableCheckpointInfo TableCheckpointer::restore(ShardEngine& engine, const std::s
     const ManifestEntry* named = nullptr;
     if (manifest)
       if (auto it = manifest->find(table_id); it != manifest->end()) named = &it->second;
-    const std::string refuse_tail = "; restore an older checkpoint or start without --restore";
     if (named && named->generation > generation)
       throw Error(Errc::protocol, "the manifest in " + dir + " names generation " + std::to_string(named->generation) +
                                       " of table " + std::to_string(table_id) + ", whose snapshot is missing" +
-                                      refuse_tail);
+                                      kRefuseTail);
     if (named && named->generation == generation && !g->second.count(named->seq))
       throw Error(Errc::protocol, "the manifest in " + dir + " names " +
                                       file_name(table_id, server_id, generation, named->seq) + ", which is missing" +
-                                      refuse_tail);
+                                      kRefuseTail);
     for (const auto& [seq, path] : g->second) {
       if (seq != expected)
         throw Error(Errc::protocol, "table checkpoint " + path + " follows a missing delta " +
-                                        std::to_string(expected) +
-                                        " of its generation; restore an older checkpoint or start without --restore");
+                                        std::to_string(expected) + " of its generation" + kRefuseTail);
       const CheckpointFile bytes(path);
       // Validated whole before anything of it is applied.
       const Parsed p = parse(bytes.data(), bytes.size(), server_id, table_id, generation, seq, path);
       if (p.version >= 2 && !manifest)
         throw Error(Errc::protocol, "table checkpoint " + path + " was written with a manifest, " +
-                                        manifest_name(server_id) + ", which is missing from " + dir + refuse_tail);
+                                        manifest_name(server_id) + ", which is missing from " + dir + kRefuseTail);
       if (named && named->generation == generation && named->seq == seq && named->crc != p.crc)
         throw Error(Errc::protocol, "table checkpoint " + path + " is not the file the manifest in " + dir +
-                                        " names (another checksum)" + refuse_tail);
+                                        " names (another checksum)" + kRefuseTail);
       if (seq == 0) {
         std::string why;
         if (Errc e = engine.create_table(table_id, p.spec, &why); e != Errc::ok)

@@ -70,10 +70,9 @@ class TableCheckpointer {
     std::uint64_t generation = 0;
     std::uint32_t seq = 0;
     std::uint64_t full_rows = 0, delta_rows = 0;
-    // The newest file committed (kept when a later one fails), for the manifest.
+    // generation and seq name a committed file (the newest: they move only on a commit, and a
+    // failed file leaves them), whose trailer checksum is crc; for the manifest.
     bool committed = false;
-    std::uint64_t committed_generation = 0;
-    std::uint32_t committed_seq = 0;
     std::uint32_t crc = 0;
   };
   std::string dir_;
