@@ -590,13 +590,13 @@ class ClientImpl {
       pause = std::min(pause * 2, std::chrono::milliseconds(25));
     }
     if (stopping_.load()) return end_recovery(link, "");
-    const bool cut_by_goodbye = began_closing || closing_.load();
-    const auto tried =
-        began_closing ? std::chrono::duration_cast<std::chrono::milliseconds>(kGoodbyeBudget) : options_.retry_timeout;
-    end_recovery(link, "gave up on " + link.uri.str() + " after retrying for " +
-                           (began_closing || !cut_by_goodbye ? std::to_string(tried.count()) + " ms"
-                                                             : std::string("until the goodbye")) +
-                           (began_closing ? " (the goodbye's bound)" : "") + "; last attempt: " + last);
+    const auto ms = [](auto d) {
+      return std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(d).count()) + " ms";
+    };
+    const std::string how_long = began_closing     ? "for " + ms(kGoodbyeBudget) + " (the goodbye's bound)"
+                                 : closing_.load() ? std::string("until the goodbye")
+                                                   : "for " + ms(options_.retry_timeout);
+    end_recovery(link, "gave up on " + link.uri.str() + " after retrying " + how_long + "; last attempt: " + last);
   }
 
   // Connects to server `server`, wherever the certificates say its keys are served now, trying
